@@ -1,0 +1,19 @@
+PY ?= python3
+
+.PHONY: install demo test lint bench
+
+install:
+	@bash scripts/install.sh
+
+demo: install
+	$(PY) examples/quickstart.py
+
+test: install
+	$(PY) -m pytest tests
+
+lint: install
+	$(PY) -m ruff check embtables tests benchmarks examples
+	$(PY) -m mypy
+
+bench: install
+	$(PY) -m embtables bench

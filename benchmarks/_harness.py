@@ -1,0 +1,283 @@
+"""Timing harness shared by every benchmark: warmup, median/p90, peak RSS, JSON lines, progress bar.
+
+Contract for an implementation ("impl") under test, shared by the peers and by embtables itself:
+a *factory* ``(workload, batches, optimizer_spec, mode) -> Impl`` builds the tables and returns an
+:class:`Impl` whose ``run(i)`` performs one full step on ``batches[i % len(batches)]``: in ``"train"``
+mode lookup + backward of ``(acts * fixed_grad).sum()`` + the fused optimizer update, in ``"lookup"``
+mode the forward lookup only. A factory that cannot run (package missing, optimizer unsupported)
+raises :class:`Skip` with a one-line reason; the runner prints it as a ``"skipped"`` JSON line.
+
+Useful bytes per step (``useful_GBps`` = useful bytes / median step time), with ``row = dim * 4`` bytes:
+
+* training:  ``sum_t [ N_t * row  +  U_t * 2 * (row + slot_bytes) ]``
+* lookup:    ``sum_t   N_t * row``
+
+where ``N_t = batch * pooling`` is the number of id occurrences of table t (rows gathered by the
+lookup), ``U_t`` the number of *unique* rows of table t touched in the step (each read and written once
+by the update), and ``slot_bytes`` the optimizer state bytes per row (elementwise Adagrad: ``row``;
+Adam and FTRL: ``2 * row``; SGD: 0; FBGEMM's row-wise Adagrad: 4). The output activations, the
+activation gradient and index traffic are deliberately *not* counted: this is the table traffic that a
+perfect implementation cannot avoid, so ``useful_GBps`` can be compared against the memory probe.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import resource
+import statistics
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import numpy as np
+
+from benchmarks.workload import Batch, Workload
+
+T = TypeVar("T")
+
+
+class Skip(Exception):
+    """Raised by a factory that cannot run here; the message is the one-line reason."""
+
+
+@dataclass(frozen=True)
+class OptimizerSpec:
+    """The optimizer and its hyper-parameters (TPU semantics unless an impl notes otherwise)."""
+
+    name: str  # "adagrad" | "adam" | "sgd" | "ftrl"
+    lr: float = 0.1
+    initial_accumulator: float = 0.1  # Adagrad and FTRL
+    eps: float = 1e-10  # torch Adagrad's default; TPU Adagrad has none (impls report what they use)
+    beta1: float = 0.9
+    beta2: float = 0.999
+    adam_eps: float = 1e-8
+    lr_power: float = -0.5  # FTRL
+
+    @property
+    def slots(self) -> int:
+        return {"adagrad": 1, "adam": 2, "ftrl": 2, "sgd": 0}[self.name]
+
+
+OPTIMIZERS: dict[str, OptimizerSpec] = {
+    "adagrad": OptimizerSpec("adagrad", lr=0.1, initial_accumulator=0.1),
+    "adam": OptimizerSpec("adam", lr=0.001),
+    "sgd": OptimizerSpec("sgd", lr=0.1),
+    "ftrl": OptimizerSpec("ftrl", lr=0.1, initial_accumulator=0.1),
+}
+
+
+@dataclass
+class Impl:
+    """What a factory returns: the step callable plus what the report needs to know about it."""
+
+    impl: str
+    optimizer: str  # what really ran, e.g. "adagrad" or "adagrad_rowwise"
+    run: Callable[[int], None]
+    slot_bytes_per_row: int = 0
+    notes: str = ""
+    read_weights: Callable[[], list[np.ndarray]] | None = None  # for the correctness check only
+    set_weights: Callable[[list[np.ndarray]], None] | None = None  # for the correctness check only
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+Factory = Callable[[Workload, list[Batch], OptimizerSpec, str], Impl]
+
+
+def useful_bytes(wl: Workload, batch: Batch, slot_bytes_per_row: int, mode: str) -> int:
+    """Bytes of table traffic one step cannot avoid (formula in the module docstring)."""
+    row = wl.dim * 4
+    gathered = wl.ids_per_step * row
+    if mode == "lookup":
+        return gathered
+    return gathered + batch.total_unique * 2 * (row + slot_bytes_per_row)
+
+
+def current_rss_bytes() -> int:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def process_peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+class RssSampler:
+    """Peak RSS during a ``with`` block, sampled every ``interval`` s by a thread (the process-wide
+    ``ru_maxrss`` never goes down, so it cannot tell one impl's peak from the previous one's)."""
+
+    def __init__(self, interval: float = 0.02) -> None:
+        self.interval = interval
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, current_rss_bytes())
+            self._stop.wait(self.interval)
+
+    def __enter__(self) -> RssSampler:
+        self.peak = current_rss_bytes()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, current_rss_bytes())
+
+    @property
+    def peak_mb(self) -> float:
+        return self.peak / 2**20
+
+
+def progress(it: Iterable[T], total: int, desc: str) -> Iterator[T]:
+    """tqdm on stderr when installed and enabled, else one plain line per ~10% on stderr."""
+    if os.environ.get("BENCH_PROGRESS", "1") == "0":
+        yield from it
+        return
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        step = max(1, total // 10)
+        for i, x in enumerate(it):
+            if i % step == 0 or i == total - 1:
+                print(f"[{desc}] {i + 1}/{total}", file=sys.stderr, flush=True)
+            yield x
+        return
+    yield from tqdm(it, total=total, desc=desc, file=sys.stderr, leave=False, dynamic_ncols=True)
+
+
+def time_steps(fn: Callable[[int], None], warmup: int, steps: int, desc: str) -> list[float]:
+    """Run ``fn(i)`` ``warmup`` times untimed, then ``steps`` times; return each step's ms."""
+    for i in progress(range(warmup), warmup, f"{desc} warmup"):
+        fn(i)
+    times = []
+    for i in progress(range(steps), steps, desc):
+        t0 = time.perf_counter()
+        fn(warmup + i)
+        times.append((time.perf_counter() - t0) * 1e3)
+    return times
+
+
+def summarize(times_ms: list[float]) -> dict[str, float]:
+    arr = np.asarray(times_ms)
+    med = float(statistics.median(times_ms))
+    return {
+        "median_ms": round(med, 3),
+        "p90_ms": round(float(np.percentile(arr, 90)), 3),
+        "min_ms": round(float(arr.min()), 3),
+        "steps_per_s": round(1e3 / med, 3) if med > 0 else float("inf"),
+    }
+
+
+def emit(record: dict[str, Any]) -> None:
+    """Print one JSON line on stdout (the machine-readable result stream)."""
+    print(json.dumps(record, sort_keys=False), flush=True)
+
+
+def emit_skip(bench: str, impl: str, reason: str, **fields: Any) -> None:
+    print(f"[skip] {impl}: {reason}", file=sys.stderr, flush=True)
+    emit({"bench": bench, "impl": impl, **fields, "skipped": reason})
+
+
+def env_record() -> dict[str, Any]:
+    import torch
+
+    cpu = platform.processor() or ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return {
+        "bench": "env",
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "numpy": np.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "cpus": os.cpu_count(),
+        "cpu": cpu,
+    }
+
+
+def workload_fields(wl: Workload) -> dict[str, Any]:
+    return {
+        "workload": wl.name,
+        "ids": wl.ids,
+        "tables": wl.tables,
+        "rows": wl.rows,
+        "dim": wl.dim,
+        "batch": wl.batch,
+        "pooling": wl.pooling,
+    }
+
+
+def bench_impl(
+    name: str,
+    factory: Factory,
+    wl: Workload,
+    batches: list[Batch],
+    opt: OptimizerSpec,
+    mode: str,
+    warmup: int,
+    steps: int,
+) -> dict[str, Any] | None:
+    """Build, time and report one impl on one workload; a :class:`Skip` becomes a skip line."""
+    import gc
+
+    bench = "train_step" if mode == "train" else "lookup"
+    base = {"optimizer": opt.name if mode == "train" else None, **workload_fields(wl)}
+    with RssSampler() as rss:
+        try:
+            t0 = time.perf_counter()
+            impl = factory(wl, batches, opt, mode)
+            build_s = time.perf_counter() - t0
+        except Skip as exc:
+            emit_skip(bench, name, str(exc), **base)
+            return None
+        except Exception as exc:  # a broken peer must not end the one-process run
+            emit_skip(bench, name, f"failed to build: {type(exc).__name__}: {str(exc)[:300]}", **base)
+            return None
+        try:
+            times = time_steps(impl.run, warmup, steps, f"{name} {opt.name if mode == 'train' else 'lookup'}")
+        except Exception as exc:
+            emit_skip(bench, name, f"failed while stepping: {type(exc).__name__}: {str(exc)[:300]}", **base)
+            del impl
+            gc.collect()
+            return None
+    stats = summarize(times)
+    ub = statistics.mean(useful_bytes(wl, b, impl.slot_bytes_per_row, mode) for b in batches)
+    med_s = stats["median_ms"] / 1e3
+    rec: dict[str, Any] = {
+        "bench": bench,
+        "impl": impl.impl,
+        **base,
+        "optimizer": impl.optimizer if mode == "train" else None,
+        **stats,
+        "ids_per_s": round(wl.ids_per_step / med_s),
+        "useful_GBps": round(ub / med_s / 1e9, 3),
+        "unique_rows_per_step": round(statistics.mean(b.total_unique for b in batches)),
+        "peak_rss_MB": round(rss.peak_mb, 1),
+        "build_s": round(build_s, 2),
+        "steps": steps,
+        "warmup": warmup,
+        **impl.extra,
+    }
+    if impl.notes:
+        rec["notes"] = impl.notes
+    emit(rec)
+    del impl
+    gc.collect()
+    return rec

@@ -1,0 +1,163 @@
+"""TableConfig, FeatureConfig and QuantizationConfig: frozen, validated values (SPEC 4.1, 4.2, 2.1).
+
+They hold no tensors. A ``TableConfig`` is identified by object identity when a feature config is
+resolved (as in TF: two separately built tables are two tables even if their fields are equal).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import logging
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from embtables.config.optimizers import OPTIMIZER_TYPES, Optimizer
+from embtables.errors import ConfigError
+
+logger = logging.getLogger("embtables")
+
+
+class Combiner(str, enum.Enum):
+    """How the rows of one sample are combined (SPEC 2.1). Compares equal to its lowercase string."""
+
+    SUM = "sum"
+    MEAN = "mean"
+    SQRTN = "sqrtn"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantizationConfig:
+    """Simulated quantization of looked-up rows (SPEC 2.1).
+
+    Each looked-up value is clamped to ``[lower, upper]`` and snapped to one of ``num_buckets``
+    evenly spaced levels before the combiner; storage stays float32. The backward pass is
+    straight-through.
+    """
+
+    num_buckets: int
+    lower: float
+    upper: float
+
+    def __post_init__(self) -> None:
+        if not _is_int(self.num_buckets) or self.num_buckets < 2:
+            raise ConfigError(
+                f"QuantizationConfig: `num_buckets` must be an int >= 2, got {self.num_buckets!r}."
+            )
+        for arg in ("lower", "upper"):
+            v = getattr(self, arg)
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
+                raise TypeError(f"QuantizationConfig: `{arg}` must be a finite float, got {v!r}.")
+        if not self.lower < self.upper:
+            raise ConfigError(f"QuantizationConfig: `lower` ({self.lower}) must be < `upper` ({self.upper}).")
+
+
+@dataclasses.dataclass(frozen=True)
+class TableConfig:
+    """One embedding table of ``vocabulary_size`` rows (V) by ``dim`` columns (D).
+
+    Attributes:
+      vocabulary_size: V, the number of rows (>= 1).
+      dim: D, the embedding width (>= 1).
+      initializer: a callable ``(shape, dtype) -> Tensor``; None means truncated normal with mean 0,
+        stddev ``1/sqrt(dim)``, cut at 2 sigma (TF's default).
+      optimizer: this table's optimizer; None means the global one given to the embedding layer.
+      combiner: "mean" (default), "sum" or "sqrtn"; applies to every feature of this table.
+      name: the table's name (state_dict key); None becomes ``table_{i}`` in table order.
+      quantization_config: optional simulated quantization of looked-up rows.
+    """
+
+    vocabulary_size: int
+    dim: int
+    initializer: Callable[..., Any] | None = None
+    optimizer: Optimizer | None = None
+    combiner: Combiner | str = "mean"
+    name: str | None = None
+    quantization_config: QuantizationConfig | None = None
+
+    def __post_init__(self) -> None:
+        who = f"TableConfig {self.name!r}" if self.name is not None else "TableConfig"
+        if not _is_int(self.vocabulary_size) or self.vocabulary_size < 1:
+            raise ConfigError(f"{who}: `vocabulary_size` must be an int >= 1, got {self.vocabulary_size!r}.")
+        if not _is_int(self.dim) or self.dim < 1:
+            raise ConfigError(f"{who}: `dim` must be an int >= 1, got {self.dim!r}.")
+        if self.initializer is not None and not callable(self.initializer):
+            raise ConfigError(
+                f"{who}: `initializer` must be a callable (shape, dtype) -> Tensor or None, got {self.initializer!r}."
+            )
+        if self.optimizer is not None and not isinstance(self.optimizer, OPTIMIZER_TYPES):
+            raise ConfigError(
+                f"{who}: `optimizer` must be one of {', '.join(c.__name__ for c in OPTIMIZER_TYPES)} "
+                f"(embtables.*) or None, got {type(self.optimizer).__name__}."
+            )
+        combiner = self.combiner.lower() if isinstance(self.combiner, str) else self.combiner
+        try:
+            object.__setattr__(self, "combiner", Combiner(combiner))
+        except ValueError:
+            raise ConfigError(
+                f"{who}: `combiner` must be one of 'mean', 'sum', 'sqrtn', got {self.combiner!r}."
+            ) from None
+        if self.name is not None and (not isinstance(self.name, str) or not self.name):
+            raise ConfigError(f"{who}: `name` must be a non-empty str or None, got {self.name!r}.")
+        if self.quantization_config is not None and not isinstance(
+            self.quantization_config, QuantizationConfig
+        ):
+            raise ConfigError(f"{who}: `quantization_config` must be a QuantizationConfig or None.")
+
+
+@dataclasses.dataclass(frozen=True)
+class FeatureConfig:
+    """One input feature looked up in ``table``.
+
+    Attributes:
+      table: the TableConfig to look ids up in; several features may share one table.
+      max_sequence_length: M > 0 makes a sequence feature: a [B, L] input gives [B, M, D], one row
+        per position, truncated at M and zero-padded; 0 (default) combines each sample into [B, D].
+      validate_weights_and_indices: True (default) drops ids < 0 and weights <= 0 like
+        ``safe_embedding_lookup_sparse``; False makes a negative id an error.
+      output_shape: the activation's shape without D (the batch may be reshaped); None infers it.
+      name: used in error messages; None uses the feature's path in the nest.
+    """
+
+    table: TableConfig
+    max_sequence_length: int = 0
+    validate_weights_and_indices: bool = True
+    output_shape: tuple[int, ...] | None = None
+    name: str | None = None
+
+    def __post_init__(self) -> None:
+        who = f"FeatureConfig {self.name!r}" if self.name is not None else "FeatureConfig"
+        if not isinstance(self.table, TableConfig):
+            raise ConfigError(f"{who}: `table` must be a TableConfig, got {type(self.table).__name__}.")
+        if not _is_int(self.max_sequence_length) or self.max_sequence_length < 0:
+            raise ConfigError(
+                f"{who}: `max_sequence_length` must be an int >= 0, got {self.max_sequence_length!r}."
+            )
+        if not isinstance(self.validate_weights_and_indices, bool):
+            raise ConfigError(
+                f"{who}: `validate_weights_and_indices` must be a bool, got {self.validate_weights_and_indices!r}."
+            )
+        if self.output_shape is not None:
+            shape = self.output_shape
+            if isinstance(shape, int) or not isinstance(shape, Sequence):
+                raise ConfigError(f"{who}: `output_shape` must be a sequence of ints, got {shape!r}.")
+            shape = tuple(shape)
+            if not shape or not all(_is_int(d) and d >= 1 for d in shape):
+                raise ConfigError(
+                    f"{who}: `output_shape` must be a non-empty sequence of ints >= 1, got {shape!r}."
+                )
+            object.__setattr__(self, "output_shape", shape)
+        if self.name is not None and not isinstance(self.name, str):
+            raise ConfigError(f"{who}: `name` must be a str or None, got {self.name!r}.")
+
+    @property
+    def is_sequence(self) -> bool:
+        return self.max_sequence_length > 0 and self.output_shape is None

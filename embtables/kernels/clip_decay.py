@@ -1,0 +1,34 @@
+"""Gradient clipping, decoupled weight decay and weight clipping (SPEC 1.1 steps 4, 5, 7; 10.1)."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def clip_gradient(g: Tensor, lower: float | None, upper: float | None) -> Tensor:
+    """Clamp the accumulated per-row gradient ``g`` [U, D] elementwise; None is an open side."""
+    if lower is None and upper is None:
+        return g
+    return torch.clamp(g, min=lower, max=upper)
+
+
+def decay_weights(w: Tensor, factor: float) -> Tensor:
+    """``w - factor * w`` for updated rows [U, D] (decoupled weight decay); factor 0 is a no-op."""
+    if not factor:
+        return w
+    return w - factor * w
+
+
+def clip_weights(w: Tensor, lower: float | None, upper: float | None) -> Tensor:
+    """Clamp the new weights [U, D]; None is an open side."""
+    if lower is None and upper is None:
+        return w
+    return torch.clamp(w, min=lower, max=upper)
+
+
+def effective_weight_decay(factor: float | None, multiply_by_lr: bool, lr: float) -> float:
+    """``lambda * lr`` when the multiply flag is set, else ``lambda``; 0 when decay is off."""
+    if not factor:
+        return 0.0
+    return float(factor) * lr if multiply_by_lr else float(factor)

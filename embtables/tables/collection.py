@@ -1,0 +1,196 @@
+"""``EmbeddingCollection``: all tables of a resolved config in one process, with the pooled lookup
+and the fused sparse update. ``DistributedEmbedding`` (``embtables.api``) wraps it with the TF verbs.
+
+Every ``apply`` is two-phase: phase 1 computes and validates every table's gradient (shapes,
+finiteness, learning rates) without touching state; phase 2 updates. A bad batch therefore
+changes nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from embtables.config import ResolvedConfig, ResolvedTable
+from embtables.errors import InputError
+from embtables.kernels import sparse_update_
+from embtables.kernels.lookup import occurrence_gradients, pooled_lookup
+from embtables.kernels.segments import dedup_sum, occurrence_rounds
+from embtables.kernels.sparse_update import as_float32
+from embtables.tables.inputs import FeatureBatch
+from embtables.tables.state import TableState, create_table_state
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class TableGradient:
+    """One table's validated gradient for one step.
+
+    With accumulation, ``rows`` [U] are distinct and ``grads`` [U, D] are their summed gradients;
+    without it, ``rows`` [N] / ``grads`` [N, D] are single occurrences in the order they apply.
+    """
+
+    table: ResolvedTable
+    rows: Tensor
+    grads: Tensor
+    accumulated: bool
+
+
+class EmbeddingCollection:
+    """Tables of ``resolved`` on ``device``; single process. A plain object: the ``nn.Module``
+    integration (``.to()``, ``state_dict``) lives in ``DistributedEmbedding``."""
+
+    def __init__(self, resolved: ResolvedConfig, device: torch.device) -> None:
+        self.resolved = resolved
+        self.states: dict[str, TableState] = {t.name: create_table_state(t, device) for t in resolved.tables}
+
+    @property
+    def device(self) -> torch.device:
+        return next(iter(self.states.values())).weights.device
+
+    # ------------------------------------------------------------------ forward
+    def lookup(self, batches: Sequence[FeatureBatch]) -> list[Tensor]:
+        """Activations per feature, [*out_shape, D], in feature order."""
+        out = []
+        for feature, batch in zip(self.resolved.features, batches):
+            table = self.resolved.tables[feature.table_index]
+            q = table.config.quantization_config
+            acts = pooled_lookup(
+                self.states[table.name].weights,
+                batch.ids,
+                batch.seg,
+                batch.offsets,
+                batch.coeffs,
+                quantization=None if q is None else (q.num_buckets, float(q.lower), float(q.upper)),
+            )
+            out.append(acts.reshape(*batch.out_shape, table.dim))
+        return out
+
+    # ------------------------------------------------------------------ backward, phase 1
+    def check_gradient(self, feature_index: int, batch: FeatureBatch, grad: Any) -> Tensor | None:
+        """Validate one activation gradient (None is allowed); returns it as [S, D] float32."""
+        feature = self.resolved.features[feature_index]
+        table = self.resolved.tables[feature.table_index]
+        if grad is None:
+            return None
+        expected = (*batch.out_shape, table.dim)
+        if not isinstance(grad, Tensor):
+            raise TypeError(
+                f"feature {feature.name!r}: the gradient must be a Tensor or None, got {type(grad).__name__}."
+            )
+        if tuple(grad.shape) != expected:
+            raise InputError(
+                f"feature {feature.name!r} (table {table.name!r}): gradient shape {list(grad.shape)} does not "
+                f"match the activation shape {list(expected)} (output_shape + [dim]). Pass d(loss)/d(activation)."
+            )
+        if not torch.is_floating_point(grad):
+            raise TypeError(
+                f"feature {feature.name!r}: the gradient must be floating point, got {grad.dtype}."
+            )
+        return grad.detach().to(self.device, torch.float32).reshape(batch.num_segments, table.dim)
+
+    def table_gradients(
+        self, batches: Sequence[FeatureBatch], grads: Sequence[Tensor | None]
+    ) -> list[TableGradient]:
+        """Per-table gradients from per-feature activation gradients [S, D] (None = zero)."""
+        out = []
+        for table in self.resolved.tables:
+            ids_parts, grad_parts, key_parts = [], [], []
+            num_features = len(table.feature_indices)
+            for local, f in enumerate(table.feature_indices):
+                batch, g = batches[f], grads[f]
+                if g is None:
+                    per_id = torch.zeros(
+                        (batch.ids.numel(), table.dim), dtype=torch.float32, device=self.device
+                    )
+                else:
+                    per_id = occurrence_gradients(g, batch.seg, batch.coeffs)
+                ids_parts.append(batch.ids)
+                grad_parts.append(per_id)
+                key_parts.append(batch.sample_index() * num_features + local)
+            ids = torch.cat(ids_parts)
+            per_id = torch.cat(grad_parts)
+            if table.optimizer.use_gradient_accumulation:
+                rows, summed = dedup_sum(ids, per_id)
+                tg = TableGradient(table, rows, summed, accumulated=True)
+            else:
+                # Occurrence order (SPEC 10.2): sample-major, then feature order, then position.
+                order = torch.sort(torch.cat(key_parts), stable=True).indices
+                tg = TableGradient(table, ids[order], per_id[order], accumulated=False)
+            if not bool(torch.isfinite(tg.grads).all()):
+                raise InputError(
+                    f"table {table.name!r}: the gradient reaching the table has NaN or Inf values "
+                    f"({int((~torch.isfinite(tg.grads)).sum())} elements); no table or slot was changed. "
+                    "Check the loss for overflow or lower the learning rate of the dense model."
+                )
+            out.append(tg)
+        return out
+
+    def learning_rates(self) -> dict[str, float]:
+        """Evaluate each distinct learning-rate callable once (SPEC 1.1.8), float32-rounded, per table."""
+        values: dict[int, float] = {}
+        for fn in self.resolved.learning_rate_callables():
+            values[id(fn)] = _checked_lr(fn)
+        out = {}
+        for t in self.resolved.tables:
+            lr = t.optimizer.learning_rate
+            out[t.name] = values[id(lr)] if callable(lr) else as_float32(float(lr))
+        return out
+
+    # ------------------------------------------------------------------ backward, phase 2
+    def apply(self, table_grads: Sequence[TableGradient], lrs: dict[str, float]) -> None:
+        """Apply validated gradients: the fused sparse update of every table."""
+        for tg in table_grads:
+            state = self.states[tg.table.name]
+            opt = tg.table.optimizer
+            lr = lrs[tg.table.name]
+            slots = state.slot_tuple()
+            if not tg.accumulated:
+                for round_positions in occurrence_rounds(tg.rows):
+                    sparse_update_(
+                        state.weights,
+                        slots,
+                        tg.rows[round_positions],
+                        tg.grads[round_positions],
+                        opt=opt,
+                        lr=lr,
+                        clip_gradients=False,
+                    )
+            elif opt.lazy:
+                sparse_update_(state.weights, slots, tg.rows, tg.grads, opt=opt, lr=lr)
+            else:
+                dense = torch.zeros_like(state.weights)
+                dense.index_copy_(0, tg.rows, tg.grads)
+                sparse_update_(state.weights, slots, None, dense, opt=opt, lr=lr)
+
+    # ------------------------------------------------------------------ torch integration
+    def map_tensors(self, fn: Callable[[Tensor], Tensor]) -> None:
+        """Replace every table and slot tensor ``t`` by ``fn(t)`` (used by ``Module.to``)."""
+        for state in self.states.values():
+            state.weights = fn(state.weights)
+            state.slots = {k: fn(v) for k, v in state.slots.items()}
+
+    def state_keys(self) -> dict[str, Tensor]:
+        """``{"<table>": weights, "<table>/<slot>": slot}``: the TF checkpoint names (SPEC 7)."""
+        out = {}
+        for name, state in self.states.items():
+            for slot, t in state.tensors().items():
+                out[f"{name}/{slot}" if slot else name] = t
+        return out
+
+
+def _checked_lr(fn: Callable[[], float]) -> float:
+    value = fn()
+    try:
+        lr = float(value)
+    except (TypeError, ValueError):
+        raise TypeError(
+            f"a learning_rate callable must return a float, got {type(value).__name__}."
+        ) from None
+    if not math.isfinite(lr):
+        raise InputError(f"a learning_rate callable returned {lr}; learning rates must be finite.")
+    return as_float32(lr)

@@ -1,0 +1,64 @@
+"""Table initializers: callables ``(shape, dtype) -> Tensor``, like TF's initializers."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import Tensor
+
+
+def _generator(seed: int | None) -> torch.Generator | None:
+    if seed is None:
+        return None
+    gen = torch.Generator()
+    gen.manual_seed(seed)
+    return gen
+
+
+@dataclasses.dataclass(frozen=True)
+class TruncatedNormal:
+    """Normal(mean, stddev) cut at 2 stddev (TF ``TruncatedNormal``); ``seed`` makes it reproducible
+    independently of the global torch RNG."""
+
+    mean: float = 0.0
+    stddev: float = 0.05
+    seed: int | None = None
+
+    def __call__(self, shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> Tensor:
+        out = torch.empty(shape, dtype=torch.float32)
+        gen = _generator(self.seed)
+        # Inverse-CDF sampling, as torch.nn.init.trunc_normal_, with an explicit generator.
+        lo, hi = -2.0, 2.0
+        cdf_lo = 0.5 * (1.0 + torch.erf(torch.tensor(lo) / 2**0.5))
+        cdf_hi = 0.5 * (1.0 + torch.erf(torch.tensor(hi) / 2**0.5))
+        out.uniform_(2 * float(cdf_lo) - 1, 2 * float(cdf_hi) - 1, generator=gen)
+        out.erfinv_().mul_(self.stddev * 2**0.5).add_(self.mean)
+        out.clamp_(self.mean + lo * self.stddev, self.mean + hi * self.stddev)
+        return out.to(dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class Constant:
+    """Every value is ``value``."""
+
+    value: float = 0.0
+
+    def __call__(self, shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> Tensor:
+        return torch.full(shape, float(self.value), dtype=dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class RowIdInitializer:
+    """Row r is filled with ``offset + r`` (TF ``RowIdInitializer``); makes rows identifiable in tests."""
+
+    offset: float = 0.0
+
+    def __call__(self, shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> Tensor:
+        rows = torch.arange(shape[0], dtype=torch.float64) + self.offset
+        return rows.reshape(-1, *([1] * (len(shape) - 1))).expand(shape).to(dtype).clone()
+
+
+def default_initializer(dim: int) -> TruncatedNormal:
+    """TF's default for ``TableConfig(initializer=None)``: TruncatedNormal(0, 1/sqrt(dim))."""
+    return TruncatedNormal(mean=0.0, stddev=1.0 / dim**0.5)

@@ -1,0 +1,373 @@
+"""Turn one feature's input (dense, sparse COO, Ragged, nested jagged, KeyedJaggedTensor) into a
+canonical ``FeatureBatch``, applying every input rule of SPEC 2.2 and 10.5.
+
+Canonical form: ``ids`` [N] int64, a non-decreasing segment index ``seg`` [N] into S output rows,
+``offsets`` [S+1] and per-id coefficients ``coeffs`` [N] (``s_b * w_k``; None means all 1), plus
+the output shape (without D). Pooled samples, sequence positions and dense elements are all
+segments, so one lookup kernel and one gradient rule serve every input type.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from embtables.config import Combiner, ResolvedFeature, ResolvedTable
+from embtables.errors import InputError
+from embtables.kernels.segments import offsets_from_segments, segment_sum
+from embtables.tables.ragged import Ragged
+
+logger = logging.getLogger("embtables")
+
+_INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class FeatureBatch:
+    """One feature's batch in canonical form (see module docstring)."""
+
+    ids: Tensor
+    seg: Tensor
+    offsets: Tensor
+    coeffs: Tensor | None
+    out_shape: tuple[int, ...]
+
+    @property
+    def num_segments(self) -> int:
+        return int(self.offsets.numel()) - 1
+
+    def sample_index(self) -> Tensor:
+        """The sample (leading output index) of every id [N]; segments are row-major over out_shape."""
+        if not self.out_shape or self.num_segments == 0:
+            return torch.zeros_like(self.seg)
+        return torch.div(self.seg, self.num_segments // self.out_shape[0], rounding_mode="floor")
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Jagged:
+    """Intermediate form of every non-dense input: values [N] in row-major order with their row
+    (flattened leading index) and column (position inside the row)."""
+
+    values: Tensor
+    rows: Tensor
+    cols: Tensor
+    lead_shape: tuple[int, ...]
+    weights: Tensor | None
+
+
+def is_kjt(x: object) -> bool:
+    """Duck-typed check for a TorchRec ``KeyedJaggedTensor`` (no torchrec import)."""
+    return all(hasattr(x, a) for a in ("keys", "values", "lengths", "weights_or_none", "stride"))
+
+
+def split_kjt(kjt: Any) -> dict[str, tuple[Ragged, Ragged | None]]:
+    """A KeyedJaggedTensor as ``{key: (ids, weights or None)}`` with one Ragged per key."""
+    keys = list(kjt.keys())
+    lengths = kjt.lengths().to(torch.int64)
+    values = kjt.values()
+    weights = kjt.weights_or_none()
+    stride = int(kjt.stride())
+    out: dict[str, tuple[Ragged, Ragged | None]] = {}
+    start = 0
+    for i, key in enumerate(keys):
+        lens = lengths[i * stride : (i + 1) * stride]
+        n = int(lens.sum().item())
+        ids = Ragged.from_lengths(values[start : start + n], lens)
+        w = None if weights is None else Ragged(weights[start : start + n], ids.row_splits)
+        out[key] = (ids, w)
+        start += n
+    return out
+
+
+class InputConverter:
+    """Converts inputs of one feature; holds what the rules need (names, V, combiner, M)."""
+
+    def __init__(self, feature: ResolvedFeature, table: ResolvedTable) -> None:
+        self.feature = feature
+        self.table = table
+        self.who = f"feature {feature.name!r} (table {table.name!r})"
+
+    def fail(self, rule: str, fix: str, exc: type[Exception] = InputError) -> Exception:
+        return exc(f"{self.who}: {rule} {fix}")
+
+    # ------------------------------------------------------------------ parsing per input type
+    def _check_ids_dtype(self, values: Tensor, what: str) -> None:
+        if values.dtype not in _INT_DTYPES:
+            raise self.fail(
+                f"{what} must have an integer dtype, got {values.dtype}.",
+                "Cast the ids with .long().",
+                TypeError,
+            )
+
+    def _ragged_parts(self, x: Ragged, what: str) -> tuple[Tensor, Tensor]:
+        if not isinstance(x.values, Tensor) or not isinstance(x.row_splits, Tensor):
+            raise self.fail(f"{what}: Ragged.values and Ragged.row_splits must be tensors.", "", TypeError)
+        if x.values.dim() != 1 or x.row_splits.dim() != 1 or x.row_splits.numel() < 1:
+            raise self.fail(
+                f"{what}: Ragged needs 1-D values and 1-D row_splits of length B+1, got shapes "
+                f"{tuple(x.values.shape)} and {tuple(x.row_splits.shape)}.",
+                "Build it with Ragged.from_lengths(values, lengths).",
+            )
+        if x.row_splits.dtype not in _INT_DTYPES:
+            raise self.fail(f"{what}: row_splits must be integers, got {x.row_splits.dtype}.", "", TypeError)
+        splits = x.row_splits.to(torch.int64)
+        n = x.values.numel()
+        if int(splits[0]) != 0 or int(splits[-1]) != n or bool((splits[1:] < splits[:-1]).any()):
+            raise self.fail(
+                f"{what}: row_splits must start at 0, never decrease and end at len(values)={n}, got "
+                f"{splits.tolist()[:8]}{'...' if splits.numel() > 8 else ''}.",
+                "Build it with Ragged.from_lengths(values, lengths).",
+            )
+        return x.values, splits
+
+    def _from_splits(self, values: Tensor, splits: Tensor) -> tuple[Tensor, Tensor, tuple[int, ...]]:
+        b = splits.numel() - 1
+        lengths = splits[1:] - splits[:-1]
+        rows = torch.repeat_interleave(torch.arange(b, device=values.device), lengths.to(values.device))
+        cols = torch.arange(values.numel(), device=values.device) - splits.to(values.device)[rows]
+        return rows, cols, (b,)
+
+    def _as_ragged(self, x: Any, what: str) -> Ragged | None:
+        """Nested jagged tensors and single-key KJTs become Ragged; other inputs give None."""
+        if isinstance(x, Ragged):
+            return x
+        if isinstance(x, Tensor) and x.is_nested:
+            if x.dim() != 2:
+                raise self.fail(f"{what}: a nested tensor must be 2-D [B, j], got {x.dim()}-D.", "")
+            if x.layout == torch.jagged:
+                return Ragged(x.values(), x.offsets())  # type: ignore[attr-defined]
+            parts = list(x.unbind())
+            lengths = torch.tensor([p.numel() for p in parts], dtype=torch.int64)
+            values = torch.cat(parts) if parts else torch.zeros(0, dtype=x.dtype)
+            return Ragged.from_lengths(values, lengths)
+        return None
+
+    def _jagged(self, x: Any, w: Any) -> _Jagged:
+        """Parse any non-dense input (and its weights) into a ``_Jagged``."""
+        if isinstance(x, Tensor) and x.layout == torch.sparse_coo:
+            return self._from_sparse(x, w)
+        rx = self._as_ragged(x, "ids")
+        if rx is None:
+            raise self.fail(
+                f"unsupported input type {type(x).__name__}.",
+                "Pass a dense integer Tensor, a 2-D torch.sparse_coo_tensor, an embtables.Ragged, a "
+                "torch.nested jagged tensor or a TorchRec KeyedJaggedTensor.",
+                TypeError,
+            )
+        values, splits = self._ragged_parts(rx, "ids")
+        self._check_ids_dtype(values, "ids")
+        weights = None
+        if w is not None:
+            rw = self._as_ragged(w, "weights")
+            if rw is None:
+                raise self.fail(
+                    f"weights must be the same kind as the ids ({type(x).__name__}), got {type(w).__name__}.",
+                    "Pass weights as a Ragged/nested tensor with the ids' row_splits.",
+                )
+            wv, wsplits = self._ragged_parts(rw, "weights")
+            if wsplits.shape != splits.shape or not torch.equal(wsplits.cpu(), splits.cpu()):
+                raise self.fail(
+                    "weights must have exactly the row_splits of the ids.",
+                    "Build ids and weights with the same lengths.",
+                )
+            weights = wv
+        rows, cols, lead = self._from_splits(values, splits)
+        return _Jagged(values, rows, cols, lead, weights)
+
+    def _from_sparse(self, x: Tensor, w: Any) -> _Jagged:
+        if x.dense_dim() != 0 or x.sparse_dim() < 2:
+            raise self.fail(
+                f"a sparse input must be a sparse_coo_tensor of rank >= 2 with scalar values, got sparse_dim="
+                f"{x.sparse_dim()}, dense_dim={x.dense_dim()}.",
+                "Use shape [B, L] (batch, position).",
+            )
+        self._check_ids_dtype(x._values(), "ids")
+        shape = tuple(int(d) for d in x.shape)
+        order, linear = self._sparse_order(x, "ids")
+        values = x._values()[order]
+        weights = None
+        if w is not None:
+            if not (isinstance(w, Tensor) and w.layout == torch.sparse_coo) or tuple(w.shape) != shape:
+                raise self.fail(
+                    "weights for a sparse input must be a sparse_coo_tensor with the same shape and indices.",
+                    f"Got {type(w).__name__} of shape {tuple(getattr(w, 'shape', ()))} for ids of shape {shape}.",
+                )
+            worder, wlinear = self._sparse_order(w, "weights")
+            if not torch.equal(wlinear, linear):
+                raise self.fail(
+                    "weights for a sparse input must have exactly the indices of the ids.",
+                    "Build both sparse tensors from the same indices.",
+                )
+            weights = w._values()[worder]
+        last = shape[-1]
+        rows = torch.div(linear, last, rounding_mode="floor")
+        cols = linear - rows * last
+        if len(shape) > 2 and self.feature.config.is_sequence:
+            logger.warning(
+                "%s: max_sequence_length is ignored for a rank-%d sparse input; it is combined over its last dim.",
+                self.who,
+                len(shape),
+            )
+        return _Jagged(values, rows, cols, shape[:-1], weights)
+
+    def _sparse_order(self, x: Tensor, what: str) -> tuple[Tensor, Tensor]:
+        """Row-major order of a COO tensor's entries; raises on duplicate indices."""
+        idx = x._indices()
+        shape = tuple(int(d) for d in x.shape)
+        strides = [math.prod(shape[i + 1 :]) for i in range(len(shape))]
+        linear = sum((idx[i] * strides[i] for i in range(len(shape))), torch.zeros_like(idx[0]))
+        linear_sorted, order = torch.sort(linear, stable=True)
+        if linear_sorted.numel() > 1 and bool((linear_sorted[1:] == linear_sorted[:-1]).any()):
+            raise self.fail(
+                f"the sparse {what} tensor has duplicate indices (two values at one [row, position]).",
+                "Give each position one id; to count an id twice, put it at two positions.",
+            )
+        return order, linear_sorted
+
+    # ------------------------------------------------------------------ the rules
+    def convert(self, x: Any, w: Any, device: torch.device) -> FeatureBatch:
+        """Validate and convert ``x`` (and weights ``w``) for this feature, on ``device``."""
+        cfg = self.feature.config
+        if is_kjt(x):
+            if len(list(x.keys())) != 1:
+                raise self.fail(
+                    f"a KeyedJaggedTensor given for one feature must have exactly one key, got {list(x.keys())}.",
+                    "Pass the whole KeyedJaggedTensor as `features` (feature_config must then be a dict keyed "
+                    "by the KJT's keys), or one single-key KJT per feature.",
+                )
+            if w is not None:
+                raise self.fail(
+                    "weights were given separately for a KeyedJaggedTensor input.",
+                    "Put them in the KJT (its `weights`).",
+                )
+            x, w = next(iter(split_kjt(x).values()))
+        if isinstance(x, Tensor) and not x.is_nested and x.layout == torch.strided:
+            return self._convert_dense(x, w, device)
+        j = self._jagged(x, w)
+        values = j.values.to(device=device, dtype=torch.int64)
+        rows, cols = j.rows.to(device), j.cols.to(device)
+        weights = None if j.weights is None else self._check_weights(j.weights, values.shape).to(device)
+        batch = math.prod(j.lead_shape)
+        if cfg.is_sequence and len(j.lead_shape) == 1:
+            if weights is not None:
+                raise self.fail(
+                    "weights were given, but this is a sequence feature (max_sequence_length="
+                    f"{cfg.max_sequence_length}); sequence positions are looked up one id each, unweighted.",
+                    "Drop the weights, or set max_sequence_length=0 to combine the ids with weights.",
+                )
+            m = cfg.max_sequence_length
+            values, keep, _ = self._check_ids(values, None)  # every id is range-checked, even truncated ones
+            rows, cols = rows[keep], cols[keep]
+            within = cols < m
+            seg = (rows * m + cols)[within]
+            return self._finish(values[within], seg, batch * m, (batch, m), None)
+        values, keep, weights = self._check_ids(values, weights)
+        seg = rows[keep]
+        out_shape = self._output_shape(j.lead_shape, batch)
+        coeffs = self._combiner_coeffs(seg, weights, batch)
+        return self._finish(values, seg, batch, out_shape, coeffs)
+
+    def _convert_dense(self, x: Tensor, w: Any, device: torch.device) -> FeatureBatch:
+        cfg = self.feature.config
+        if w is not None:
+            raise self.fail(
+                "weights were given for a dense input; each element of a dense input is its own lookup, "
+                "so weights are not allowed.",
+                "Drop the weights, or pass the ids as a sparse/Ragged input to combine them with weights.",
+            )
+        if cfg.is_sequence:
+            raise self.fail(
+                f"a dense input was given for a sequence feature (max_sequence_length={cfg.max_sequence_length}).",
+                "Pass a 2-D sparse_coo_tensor or a Ragged [B, L] for sequence features, or set "
+                "max_sequence_length=0.",
+            )
+        self._check_ids_dtype(x, "ids")
+        flat = x.reshape(-1).to(device=device, dtype=torch.int64)
+        n = flat.numel()
+        out_shape = self._output_shape(tuple(int(d) for d in x.shape), n)
+        values, keep, _ = self._check_ids(flat, None)
+        seg = torch.arange(n, device=device)[keep]
+        return self._finish(values, seg, n, out_shape, None)
+
+    def _output_shape(self, natural: tuple[int, ...], num_segments: int) -> tuple[int, ...]:
+        given = self.feature.config.output_shape
+        if given is None:
+            return natural
+        if math.prod(given) != num_segments:
+            raise self.fail(
+                f"output_shape {list(given)} holds {math.prod(given)} outputs but the input gives "
+                f"{num_segments} (natural shape {list(natural)}).",
+                "Fix FeatureConfig.output_shape or the batch size.",
+            )
+        return given
+
+    def _check_weights(self, w: Tensor, shape: torch.Size) -> Tensor:
+        if not torch.is_floating_point(w):
+            raise self.fail(
+                f"weights must be floating point, got {w.dtype}.", "Cast them with .float().", TypeError
+            )
+        if w.shape != shape:
+            raise self.fail(f"weights have shape {tuple(w.shape)} but ids have {tuple(shape)}.", "")
+        w = w.to(torch.float32)
+        bad = ~torch.isfinite(w)
+        if bool(bad.any()):
+            first = int(torch.nonzero(bad)[0, 0])
+            raise self.fail(
+                f"weights must be finite; weight #{first} is {float(w[first])}.",
+                "Remove or replace NaN/Inf weights.",
+            )
+        return w
+
+    def _check_ids(self, ids: Tensor, weights: Tensor | None) -> tuple[Tensor, Tensor, Tensor | None]:
+        """Range rules: ids >= V always raise; ids < 0 (and weights <= 0) are dropped when
+        validate_weights_and_indices, else a negative id raises. Returns kept ids, keep mask, weights."""
+        vocab = self.table.vocabulary_size
+        keep = torch.ones_like(ids, dtype=torch.bool)
+        if ids.numel():
+            too_big = ids >= vocab
+            if bool(too_big.any()):
+                bad = int(ids[too_big].max())
+                raise self.fail(
+                    f"id {bad} is out of range: ids must be in [0, {vocab}) (vocabulary_size={vocab}); "
+                    f"{int(too_big.sum())} id(s) are >= {vocab}.",
+                    "Hash or clip ids into the vocabulary, or raise vocabulary_size.",
+                )
+            negative = ids < 0
+            if bool(negative.any()):
+                if not self.feature.config.validate_weights_and_indices:
+                    raise self.fail(
+                        f"id {int(ids[negative].min())} is negative and validate_weights_and_indices=False.",
+                        "Remove negative ids, or set validate_weights_and_indices=True to drop them.",
+                    )
+                keep = ~negative
+        if weights is not None and self.feature.config.validate_weights_and_indices:
+            keep = keep & (weights > 0)
+        if bool(keep.all()):
+            return ids, keep, weights
+        return ids[keep], keep, None if weights is None else weights[keep]
+
+    def _combiner_coeffs(self, seg: Tensor, weights: Tensor | None, num_segments: int) -> Tensor | None:
+        """``s_b * w_k`` per id (SPEC 2.1); a zero denominator gives s_b = 0."""
+        combiner = self.table.config.combiner
+        if combiner == Combiner.SUM:
+            return weights
+        w = weights if weights is not None else torch.ones(seg.shape, dtype=torch.float32, device=seg.device)
+        if combiner == Combiner.MEAN:
+            den = segment_sum(w, seg, num_segments)
+        else:
+            den = torch.sqrt(segment_sum(w * w, seg, num_segments))
+        scale = torch.where(
+            den != 0, 1.0 / torch.where(den != 0, den, torch.ones_like(den)), torch.zeros_like(den)
+        )
+        return w * scale.index_select(0, seg)
+
+    def _finish(
+        self, ids: Tensor, seg: Tensor, num_segments: int, out_shape: tuple[int, ...], coeffs: Tensor | None
+    ) -> FeatureBatch:
+        offsets = offsets_from_segments(seg, num_segments)
+        return FeatureBatch(ids=ids, seg=seg, offsets=offsets, coeffs=coeffs, out_shape=out_shape)

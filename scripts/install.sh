@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Idempotent set-up: the CPU build of torch first (never the multi-GB CUDA build), then embtables
+# in editable mode with its test and dev extras. Safe to run again; does nothing that is done already.
+set -euo pipefail
+PY=${PYTHON:-python3}
+if "$PY" -c "import torch" 2>/dev/null; then
+  echo "install: torch $("$PY" -c 'import torch; print(torch.__version__)') already installed"
+else
+  echo "install: installing the CPU build of torch"
+  "$PY" -m pip install -q "torch==2.13.0+cpu" \
+    || "$PY" -m pip install -q torch --index-url https://download.pytorch.org/whl/cpu
+fi
+if "$PY" -c "import embtables, pytest, hypothesis, ruff, mypy, tqdm" 2>/dev/null; then
+  echo "install: embtables and its extras already installed"
+else
+  "$PY" -m pip install -q -e ".[test,dev,bench]"
+fi

@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# Idempotent install of the optional benchmark peers (see benchmarks/README.md):
+#   fbgemm-gpu-cpu 1.8.0  (the CPU build matching torch 2.13; 1.9.0 fails to import: undefined symbol)
+#   torchrec 1.8.0 --no-deps (it declares the CUDA fbgemm-gpu) + tensordict, torchmetrics 1.0.3, tqdm,
+#   pyre-extensions, iopath; plus tqdm, matplotlib, psutil for the harness.
+# Every pip call runs under a constraint pinning the CPU torch that is already installed, so pip can
+# never replace it by the multi-GB CUDA build, and under a constraint pinning the installed numpy.
+# TensorFlow is NOT installed here: benchmarks/peers.py skips the TF peer when `import tensorflow`
+# fails (set BENCH_INSTALL_TF=1 to try `tensorflow-cpu` anyway; it is refused if it would change
+# torch or numpy).
+set -euo pipefail
+PY=${PYTHON:-python3}
+
+if ! "$PY" -c "import torch" 2>/dev/null; then
+  echo "install_bench_peers: torch is not installed; run scripts/install.sh first" >&2
+  exit 1
+fi
+TORCH_VER=$("$PY" -c 'import torch; print(torch.__version__)')
+NUMPY_VER=$("$PY" -c 'import numpy; print(numpy.__version__)')
+case "$TORCH_VER" in
+  *+cpu) ;;
+  *) echo "install_bench_peers: warning: torch $TORCH_VER is not a +cpu build" >&2 ;;
+esac
+CONSTRAINTS=$(mktemp)
+trap 'rm -f "$CONSTRAINTS"' EXIT
+printf 'torch==%s\nnumpy==%s\n' "$TORCH_VER" "$NUMPY_VER" > "$CONSTRAINTS"
+PIP=("$PY" -m pip install -q -c "$CONSTRAINTS")
+echo "install_bench_peers: torch $TORCH_VER, numpy $NUMPY_VER (pinned for this install)"
+
+have() { "$PY" -c "$1" >/dev/null 2>&1; }
+
+if have "import tqdm, matplotlib, psutil"; then
+  echo "install_bench_peers: tqdm, matplotlib, psutil already installed"
+else
+  "${PIP[@]}" tqdm matplotlib psutil
+fi
+
+if have "import fbgemm_gpu"; then
+  echo "install_bench_peers: fbgemm_gpu already importable"
+else
+  "${PIP[@]}" "fbgemm-gpu-cpu==1.8.0" \
+    || echo "install_bench_peers: fbgemm-gpu-cpu 1.8.0 failed to install; the FBGEMM peer will be skipped" >&2
+fi
+
+if have "import torchrec"; then
+  echo "install_bench_peers: torchrec already importable"
+else
+  "${PIP[@]}" tensordict "torchmetrics==1.0.3" tqdm pyre-extensions iopath \
+    && "${PIP[@]}" --no-deps "torchrec==1.8.0" \
+    || echo "install_bench_peers: torchrec 1.8.0 failed to install; the TorchRec peer will be skipped" >&2
+fi
+
+if [ "${BENCH_INSTALL_TF:-0}" = "1" ]; then
+  if have "import tensorflow"; then
+    echo "install_bench_peers: tensorflow already importable"
+  else
+    # A dry run first: refuse if tensorflow-cpu would touch torch or numpy.
+    if "$PY" -m pip install --dry-run -c "$CONSTRAINTS" tensorflow-cpu >/dev/null 2>&1; then
+      "${PIP[@]}" tensorflow-cpu || echo "install_bench_peers: tensorflow-cpu failed to install" >&2
+    else
+      echo "install_bench_peers: tensorflow-cpu cannot install next to torch $TORCH_VER/numpy $NUMPY_VER;" \
+        "the TF peer will be skipped" >&2
+    fi
+  fi
+fi
+
+"$PY" - <<'EOF'
+import importlib
+
+for name in ("torch", "numpy", "fbgemm_gpu", "torchrec", "tensorflow", "tqdm", "psutil", "matplotlib"):
+    try:
+        mod = importlib.import_module(name)
+        print(f"install_bench_peers: {name} {getattr(mod, '__version__', '?')}")
+    except Exception as exc:  # noqa: BLE001 - report every failure kind the same way
+        print(f"install_bench_peers: {name} not available ({type(exc).__name__}: {str(exc)[:120]})")
+EOF

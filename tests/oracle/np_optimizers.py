@@ -1,0 +1,299 @@
+"""Float64 NumPy reference for the per-row optimizer pipeline.
+
+Everything here follows /work/shared/SPEC.md: section 1.1 (the pipeline: gradient clip, weight decay,
+optimizer math, weight clip), section 1.3 (the optimizer formulas) and section 10 (binding decisions).
+
+An optimizer is described by a plain dict ``opt`` whose keys are TF's v2 argument names plus ``"name"``
+(one of ``"SGD"``, ``"Adagrad"``, ``"AdagradMomentum"``, ``"Adam"``, ``"FTRL"``) and the optional extra key
+``"clipping_limit"`` (SPEC 10.4). Missing keys take TF's v2 defaults (SPEC 1.2, 1.3). Keys that have no
+numeric effect (``learning_rate``: the rate is passed in; ``slot_variable_creation_fn``;
+``low_dimensional_packing_status``) are ignored.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+Opt = dict[str, Any]
+
+OPTIMIZER_NAMES: tuple[str, ...] = ("SGD", "Adagrad", "AdagradMomentum", "Adam", "FTRL")
+
+# SPEC 1.2: arguments shared by every optimizer, with their v2 defaults. ``clipping_limit`` is SPEC 10.4.
+_COMMON_DEFAULTS: dict[str, Any] = {
+    "use_gradient_accumulation": True,
+    "clip_weight_min": None,
+    "clip_weight_max": None,
+    "weight_decay_factor": None,
+    "multiply_weight_decay_factor_by_learning_rate": None,
+    "clipvalue": None,
+    "clipping_limit": None,
+}
+
+# SPEC 1.3: the v2 defaults of each optimizer's own arguments.
+_DEFAULTS: dict[str, dict[str, Any]] = {
+    "SGD": {},
+    "Adagrad": {"initial_accumulator_value": 0.1},
+    "AdagradMomentum": {
+        "momentum": 0.0,
+        "use_nesterov": False,
+        "exponent": 2.0,
+        "beta2": 1.0,
+        "epsilon": 1e-10,
+    },
+    "Adam": {
+        "beta_1": 0.9,
+        "beta_2": 0.999,
+        "epsilon": 1e-07,
+        "lazy_adam": True,
+        "sum_inside_sqrt": True,
+    },
+    "FTRL": {
+        "learning_rate_power": -0.5,
+        "l1_regularization_strength": 0.0,
+        "l2_regularization_strength": 0.0,
+        "beta": 0.0,
+        "initial_accumulator_value": 0.1,
+        "multiply_linear_by_learning_rate": False,
+        "allow_zero_accumulator": False,
+    },
+}
+
+# SPEC 1.3: slot names in TF order.
+_SLOT_NAMES: dict[str, list[str]] = {
+    "SGD": [],
+    "Adagrad": ["accumulators"],
+    "AdagradMomentum": ["accumulators", "momenta"],
+    "Adam": ["momenta", "velocities"],
+    "FTRL": ["accumulators", "linears"],
+}
+
+
+def optimizer_name(opt: Opt) -> str:
+    """The optimizer's name, checked against the supported set."""
+    name = opt.get("name")
+    if name not in OPTIMIZER_NAMES:
+        raise ValueError(f"unknown optimizer name {name!r}; expected one of {OPTIMIZER_NAMES}")
+    return str(name)
+
+
+def param(opt: Opt, key: str) -> Any:
+    """The value of hyperparameter ``key``: the one in ``opt``, else TF's default (SPEC 1.2, 1.3)."""
+    name = optimizer_name(opt)
+    if key in opt:
+        return opt[key]
+    if key in _DEFAULTS[name]:
+        return _DEFAULTS[name][key]
+    if key in _COMMON_DEFAULTS:
+        return _COMMON_DEFAULTS[key]
+    raise KeyError(f"{name} has no hyperparameter {key!r}")
+
+
+def slot_names(opt: Opt) -> list[str]:
+    """The TF slot names of the optimizer, in TF order (SPEC 1.3)."""
+    return list(_SLOT_NAMES[optimizer_name(opt)])
+
+
+def _slot_initial_value(opt: Opt, slot: str) -> float:
+    """SPEC 1.3: the initial value of one slot."""
+    name = optimizer_name(opt)
+    if slot == "accumulators" and name in ("Adagrad", "FTRL"):
+        return float(param(opt, "initial_accumulator_value"))
+    # AdagradMomentum accumulators and momenta, Adam momenta and velocities, FTRL linears all start at 0.
+    # (SPEC 1.3, AdagradMomentum: epsilon is NOT the initial accumulator.)
+    return 0.0
+
+
+def init_slots(opt: Opt, V: int, D: int) -> dict[str, np.ndarray]:
+    """Freshly initialised slots of a (V, D) table, float64 (SPEC 1.3)."""
+    slots: dict[str, np.ndarray] = {}
+    for slot in slot_names(opt):
+        slots[slot] = np.full((V, D), _slot_initial_value(opt, slot), dtype=np.float64)
+    return slots
+
+
+def gradient_clip_bounds(opt: Opt) -> tuple[float, float]:
+    """The (lower, upper) gradient clip bounds; (-inf, +inf) when there is no clip.
+
+    SPEC 1.1 step 4: a scalar ``clipvalue`` c means (-c, +c); a tuple (lo, hi) may hold None on either
+    side, meaning unbounded. SPEC 10.4: ``clipping_limit`` L is a symmetric clip (-L, +L); when
+    ``clipvalue`` is also set, the tighter bound wins on each side.
+    """
+    lower = -np.inf
+    upper = np.inf
+    clipvalue = param(opt, "clipvalue")
+    if clipvalue is not None:
+        if isinstance(clipvalue, (tuple, list)):
+            lo, hi = clipvalue
+            lower = -np.inf if lo is None else float(lo)
+            upper = np.inf if hi is None else float(hi)
+        else:
+            lower = -float(clipvalue)
+            upper = float(clipvalue)
+    clipping_limit = param(opt, "clipping_limit")
+    if clipping_limit is not None:
+        lower = max(lower, -float(clipping_limit))
+        upper = min(upper, float(clipping_limit))
+    return lower, upper
+
+
+def has_gradient_clip(opt: Opt) -> bool:
+    """Whether a gradient clip (clipvalue or clipping_limit) is configured."""
+    return param(opt, "clipvalue") is not None or param(opt, "clipping_limit") is not None
+
+
+def effective_weight_decay(opt: Opt, lr: float) -> float:
+    """SPEC 10.1 / 1.1 step 5: lambda_eff = lambda*lr if the multiply flag is truthy, else lambda.
+
+    A weight_decay_factor of 0 or None means no decay.
+    """
+    lam = param(opt, "weight_decay_factor")
+    if not lam:
+        return 0.0
+    if param(opt, "multiply_weight_decay_factor_by_learning_rate"):
+        return float(lam) * lr
+    return float(lam)
+
+
+def _accumulator_power(n: np.ndarray, p: float, allow_zero_accumulator: bool) -> np.ndarray:
+    """``n**p`` elementwise; with allow_zero_accumulator an accumulator equal to 0 gives 0 (SPEC 10.3)."""
+    result = np.empty_like(n)
+    for d in range(n.shape[0]):
+        if allow_zero_accumulator and n[d] == 0.0:
+            result[d] = 0.0
+        else:
+            result[d] = n[d] ** p
+    return result
+
+
+def _sgd(w: np.ndarray, g: np.ndarray, lr: float) -> np.ndarray:
+    # SPEC 1.3 SGD: w <- w - lr*g
+    return w - lr * g
+
+
+def _adagrad(
+    opt: Opt, w: np.ndarray, slots: dict[str, np.ndarray], g: np.ndarray, lr: float
+) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    # SPEC 1.3 Adagrad: a <- a + g^2; w <- w - lr*g/sqrt(a) with the NEW accumulator and no epsilon.
+    a = slots["accumulators"] + g * g
+    w_new = w - lr * g / np.sqrt(a)
+    return w_new, {"accumulators": a}
+
+
+def _adagrad_momentum(
+    opt: Opt, w: np.ndarray, slots: dict[str, np.ndarray], g: np.ndarray, lr: float
+) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    # SPEC 1.3 AdagradMomentum.
+    momentum = float(param(opt, "momentum"))
+    use_nesterov = bool(param(opt, "use_nesterov"))
+    exponent = float(param(opt, "exponent"))
+    beta2 = float(param(opt, "beta2"))
+    epsilon = float(param(opt, "epsilon"))
+    a = slots["accumulators"]
+    m = slots["momenta"]
+    # beta2 == 1: a <- a + g^2; otherwise a <- beta2*a + (1 - beta2)*g^2
+    a_new = a + g * g if beta2 == 1.0 else beta2 * a + (1.0 - beta2) * g * g
+    s = (a_new + epsilon) ** (-1.0 / exponent) * g
+    m_new = momentum * m + s
+    u = momentum * m_new + s if use_nesterov else m_new
+    w_new = w - lr * u
+    return w_new, {"accumulators": a_new, "momenta": m_new}
+
+
+def _adam(
+    opt: Opt, w: np.ndarray, slots: dict[str, np.ndarray], g: np.ndarray, lr: float
+) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    # SPEC 1.3 Adam, with no bias correction.
+    beta_1 = float(param(opt, "beta_1"))
+    beta_2 = float(param(opt, "beta_2"))
+    epsilon = float(param(opt, "epsilon"))
+    m_new = beta_1 * slots["momenta"] + (1.0 - beta_1) * g
+    v_new = beta_2 * slots["velocities"] + (1.0 - beta_2) * g * g
+    sum_inside_sqrt = bool(param(opt, "sum_inside_sqrt"))
+    denom = np.sqrt(v_new + epsilon * epsilon) if sum_inside_sqrt else np.sqrt(v_new) + epsilon
+    w_new = w - lr * m_new / denom
+    return w_new, {"momenta": m_new, "velocities": v_new}
+
+
+def _ftrl(
+    opt: Opt, w: np.ndarray, slots: dict[str, np.ndarray], g: np.ndarray, lr: float
+) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    # SPEC 1.3 FTRL. ``w`` here is the (already weight-decayed, SPEC 10.1) weight entering the linear update.
+    p = -float(param(opt, "learning_rate_power"))
+    l1 = float(param(opt, "l1_regularization_strength"))
+    l2 = float(param(opt, "l2_regularization_strength"))
+    beta = float(param(opt, "beta"))
+    allow_zero = bool(param(opt, "allow_zero_accumulator"))
+    n = slots["accumulators"]
+    z = slots["linears"]
+
+    n_new = n + g * g
+    n_pow = _accumulator_power(n, p, allow_zero)
+    n_new_pow = _accumulator_power(n_new, p, allow_zero)
+    delta = n_new_pow - n_pow
+    if not param(opt, "multiply_linear_by_learning_rate"):
+        z_new = z + g - (delta / lr) * w
+        numer = np.clip(z_new, -l1, l1) - z_new
+        denom = (n_new_pow + beta) / lr + 2.0 * l2
+    else:
+        # The linears slot stores lr*z.
+        z_new = z + lr * g - delta * w
+        numer = np.clip(z_new, -lr * l1, lr * l1) - z_new
+        denom = n_new_pow + 2.0 * lr * l2 + beta
+
+    w_new = np.empty_like(w)
+    for d in range(w.shape[0]):
+        if allow_zero and numer[d] == 0.0:
+            # SPEC 10.3 (no NaN with a zero accumulator): a zero numerator gives w = 0 even when the
+            # denominator is 0 too (n_new = 0, beta = 0, l2 = 0). For a non-zero denominator this is N/Dn.
+            w_new[d] = 0.0
+        else:
+            w_new[d] = numer[d] / denom[d]
+    return w_new, {"accumulators": n_new, "linears": z_new}
+
+
+def update_row(
+    opt: Opt, w: np.ndarray, slots: dict[str, np.ndarray], g: np.ndarray, lr: float
+) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """One optimizer update of one row: SPEC 1.1 steps 4 to 7.
+
+    ``w`` and ``g`` have shape (D,); ``slots`` maps each slot name to its (D,) row. Returns new arrays
+    (float64); the inputs are not modified. ``lr`` is this step's learning rate for the table.
+    """
+    name = optimizer_name(opt)
+    w = np.asarray(w, dtype=np.float64)
+    g = np.asarray(g, dtype=np.float64)
+    slots = {k: np.asarray(v, dtype=np.float64) for k, v in slots.items()}
+    lr = float(lr)
+
+    # Step 4: gradient clip, elementwise, of the (accumulated) gradient.
+    lower, upper = gradient_clip_bounds(opt)
+    g_clipped = np.minimum(np.maximum(g, lower), upper)
+
+    # Step 5 / SPEC 10.1: decoupled weight decay, w <- w - lambda_eff*w. For SGD, Adagrad, AdagradMomentum
+    # and Adam this gives w_new = w - lambda_eff*w - delta_opt; for FTRL it is the w entering the linears
+    # update.
+    lam_eff = effective_weight_decay(opt, lr)
+    w_decayed = w - lam_eff * w
+
+    # Step 6: optimizer math (SPEC 1.3).
+    if name == "SGD":
+        w_new = _sgd(w_decayed, g_clipped, lr)
+        new_slots: dict[str, np.ndarray] = {}
+    elif name == "Adagrad":
+        w_new, new_slots = _adagrad(opt, w_decayed, slots, g_clipped, lr)
+    elif name == "AdagradMomentum":
+        w_new, new_slots = _adagrad_momentum(opt, w_decayed, slots, g_clipped, lr)
+    elif name == "Adam":
+        w_new, new_slots = _adam(opt, w_decayed, slots, g_clipped, lr)
+    else:
+        w_new, new_slots = _ftrl(opt, w_decayed, slots, g_clipped, lr)
+
+    # Step 7: clip the new weights (not the slots); None = unbounded.
+    wmin = param(opt, "clip_weight_min")
+    wmax = param(opt, "clip_weight_max")
+    lo = -np.inf if wmin is None else float(wmin)
+    hi = np.inf if wmax is None else float(wmax)
+    w_new = np.minimum(np.maximum(w_new, lo), hi)
+    return w_new, new_slots
