@@ -78,9 +78,7 @@ class DistributedEmbedding(nn.Module):
         self.pipeline_execution_with_tensor_core = pipeline_execution_with_tensor_core
         dev = torch.device(device) if device is not None else torch.device("cpu")
         self._engine = EmbeddingCollection(self._resolved, dev)
-        self._converters = [
-            InputConverter(f, self._resolved.tables[f.table_index]) for f in self._resolved.features
-        ]
+        self._converters = [InputConverter(f, self._resolved.tables[f.table_index]) for f in self._resolved.features]
         self._enqueued: tuple[list[FeatureBatch], bool] | None = None
         self._last: _Lookup | None = None
         self._pending: _PendingUpdate | None = None
@@ -158,9 +156,7 @@ class DistributedEmbedding(nn.Module):
         leaves d(loss)/d(activation) in its ``.grad`` for ``apply_gradients()``.
         """
         if self._enqueued is None:
-            raise RuntimeError(
-                "DistributedEmbedding.dequeue: nothing was enqueued. Call enqueue(features) first."
-            )
+            raise RuntimeError("DistributedEmbedding.dequeue: nothing was enqueued. Call enqueue(features) first.")
         batches, training = self._enqueued
         self._enqueued = None
         if not training:
@@ -202,13 +198,9 @@ class DistributedEmbedding(nn.Module):
             flat_g: list[Any] = [a.grad for a in last.activations]
             for f, g in zip(self._resolved.features, flat_g):
                 if g is None:
-                    logger.warning(
-                        "feature %r: no gradient reached its activation; applying a zero gradient.", f.name
-                    )
+                    logger.warning("feature %r: no gradient reached its activation; applying a zero gradient.", f.name)
         else:
-            nest.assert_same_structure(
-                self._feature_config, gradients, what="gradients", is_leaf=_is_input_leaf
-            )
+            nest.assert_same_structure(self._feature_config, gradients, what="gradients", is_leaf=_is_input_leaf)
             flat_g = nest.flatten(gradients)
             for f, g in zip(self._resolved.features, flat_g):
                 if g is None:
@@ -273,9 +265,7 @@ class DistributedEmbedding(nn.Module):
             else:
                 present[key] = value
         if strict:
-            unexpected_keys.extend(
-                k for k in state_dict if k.startswith(prefix) and k[len(prefix) :] not in expected
-            )
+            unexpected_keys.extend(k for k in state_dict if k.startswith(prefix) and k[len(prefix) :] not in expected)
         missing_keys.extend(missing)
         if errors:
             error_msgs.extend(f"DistributedEmbedding: {e}." for e in errors)
@@ -290,7 +280,6 @@ class DistributedEmbedding(nn.Module):
 
     def extra_repr(self) -> str:
         tables = ", ".join(
-            f"{t.name}: {t.vocabulary_size}x{t.dim} {type(t.optimizer).__name__}"
-            for t in self._resolved.tables
+            f"{t.name}: {t.vocabulary_size}x{t.dim} {type(t.optimizer).__name__}" for t in self._resolved.tables
         )
         return f"tables=[{tables}], features={len(self._resolved.features)}"

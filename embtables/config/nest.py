@@ -86,9 +86,7 @@ def map_structure(fn: Callable[[Any], Any], structure: object) -> Any:
     return pack_sequence_as(structure, [fn(leaf) for leaf in flatten(structure)])
 
 
-def assert_same_structure(
-    expected: object, got: object, *, what: str, is_leaf: Callable[[Any], bool]
-) -> None:
+def assert_same_structure(expected: object, got: object, *, what: str, is_leaf: Callable[[Any], bool]) -> None:
     """Raise ``ValueError`` naming the first path where ``got`` differs from ``expected``.
 
     ``is_leaf(x)`` tells which objects in ``got`` are leaves even though they may be containers

@@ -30,9 +30,7 @@ def _check_number(owner: str, name: str, value: object, *, optional: bool = Fals
     if value is None and optional:
         return
     if not _is_number(value) or not math.isfinite(float(value)):  # type: ignore[arg-type]
-        raise TypeError(
-            f"{owner}: `{name}` must be a finite float{' or None' if optional else ''}, got {value!r}."
-        )
+        raise TypeError(f"{owner}: `{name}` must be a finite float{' or None' if optional else ''}, got {value!r}.")
 
 
 class _Optimizer:
@@ -244,9 +242,7 @@ class AdagradMomentum(_Optimizer):
         if self.epsilon <= 0:
             raise ConfigError(f"AdagradMomentum: `epsilon` must be positive, got {self.epsilon}.")
         if self.exponent <= 0:
-            raise ConfigError(
-                f"AdagradMomentum: the precondition `exponent` must be > 0, got {self.exponent}."
-            )
+            raise ConfigError(f"AdagradMomentum: the precondition `exponent` must be > 0, got {self.exponent}.")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -121,8 +121,6 @@ def resolve(feature_config: object, optimizer: Optimizer | None) -> ResolvedConf
                 "DistributedEmbedding or set TableConfig.optimizer."
             )
         tables.append(
-            ResolvedTable(
-                index=t, name=name, config=cfg, optimizer=opt, feature_indices=tuple(table_features[t])
-            )
+            ResolvedTable(index=t, name=name, config=cfg, optimizer=opt, feature_indices=tuple(table_features[t]))
         )
     return ResolvedConfig(structure=feature_config, features=tuple(features), tables=tuple(tables))

@@ -49,9 +49,7 @@ class QuantizationConfig:
 
     def __post_init__(self) -> None:
         if not _is_int(self.num_buckets) or self.num_buckets < 2:
-            raise ConfigError(
-                f"QuantizationConfig: `num_buckets` must be an int >= 2, got {self.num_buckets!r}."
-            )
+            raise ConfigError(f"QuantizationConfig: `num_buckets` must be an int >= 2, got {self.num_buckets!r}.")
         for arg in ("lower", "upper"):
             v = getattr(self, arg)
             if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
@@ -107,9 +105,7 @@ class TableConfig:
             ) from None
         if self.name is not None and (not isinstance(self.name, str) or not self.name):
             raise ConfigError(f"{who}: `name` must be a non-empty str or None, got {self.name!r}.")
-        if self.quantization_config is not None and not isinstance(
-            self.quantization_config, QuantizationConfig
-        ):
+        if self.quantization_config is not None and not isinstance(self.quantization_config, QuantizationConfig):
             raise ConfigError(f"{who}: `quantization_config` must be a QuantizationConfig or None.")
 
 
@@ -138,9 +134,7 @@ class FeatureConfig:
         if not isinstance(self.table, TableConfig):
             raise ConfigError(f"{who}: `table` must be a TableConfig, got {type(self.table).__name__}.")
         if not _is_int(self.max_sequence_length) or self.max_sequence_length < 0:
-            raise ConfigError(
-                f"{who}: `max_sequence_length` must be an int >= 0, got {self.max_sequence_length!r}."
-            )
+            raise ConfigError(f"{who}: `max_sequence_length` must be an int >= 0, got {self.max_sequence_length!r}.")
         if not isinstance(self.validate_weights_and_indices, bool):
             raise ConfigError(
                 f"{who}: `validate_weights_and_indices` must be a bool, got {self.validate_weights_and_indices!r}."
@@ -151,9 +145,7 @@ class FeatureConfig:
                 raise ConfigError(f"{who}: `output_shape` must be a sequence of ints, got {shape!r}.")
             shape = tuple(shape)
             if not shape or not all(_is_int(d) and d >= 1 for d in shape):
-                raise ConfigError(
-                    f"{who}: `output_shape` must be a non-empty sequence of ints >= 1, got {shape!r}."
-                )
+                raise ConfigError(f"{who}: `output_shape` must be a non-empty sequence of ints >= 1, got {shape!r}.")
             object.__setattr__(self, "output_shape", shape)
         if self.name is not None and not isinstance(self.name, str):
             raise ConfigError(f"{who}: `name` must be a str or None, got {self.name!r}.")

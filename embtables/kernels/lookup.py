@@ -31,9 +31,7 @@ def pooled_lookup(
     """``out[s] = sum_{k in s} coeffs[k] * table[ids[k]]``: [S, D] from ``table`` [V, D]; empty -> 0."""
     num_segments = offsets.numel() - 1
     if quantization is None:
-        return F.embedding_bag(
-            ids, table, offsets, mode="sum", per_sample_weights=coeffs, include_last_offset=True
-        )
+        return F.embedding_bag(ids, table, offsets, mode="sum", per_sample_weights=coeffs, include_last_offset=True)
     rows = quantize(table.index_select(0, ids), *quantization)
     if coeffs is not None:
         rows = rows * coeffs.unsqueeze(1)

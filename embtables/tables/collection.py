@@ -88,14 +88,10 @@ class EmbeddingCollection:
                 f"match the activation shape {list(expected)} (output_shape + [dim]). Pass d(loss)/d(activation)."
             )
         if not torch.is_floating_point(grad):
-            raise TypeError(
-                f"feature {feature.name!r}: the gradient must be floating point, got {grad.dtype}."
-            )
+            raise TypeError(f"feature {feature.name!r}: the gradient must be floating point, got {grad.dtype}.")
         return grad.detach().to(self.device, torch.float32).reshape(batch.num_segments, table.dim)
 
-    def table_gradients(
-        self, batches: Sequence[FeatureBatch], grads: Sequence[Tensor | None]
-    ) -> list[TableGradient]:
+    def table_gradients(self, batches: Sequence[FeatureBatch], grads: Sequence[Tensor | None]) -> list[TableGradient]:
         """Per-table gradients from per-feature activation gradients [S, D] (None = zero)."""
         out = []
         for table in self.resolved.tables:
@@ -104,9 +100,7 @@ class EmbeddingCollection:
             for local, f in enumerate(table.feature_indices):
                 batch, g = batches[f], grads[f]
                 if g is None:
-                    per_id = torch.zeros(
-                        (batch.ids.numel(), table.dim), dtype=torch.float32, device=self.device
-                    )
+                    per_id = torch.zeros((batch.ids.numel(), table.dim), dtype=torch.float32, device=self.device)
                 else:
                     per_id = occurrence_gradients(g, batch.seg, batch.coeffs)
                 ids_parts.append(batch.ids)
@@ -188,9 +182,7 @@ def _checked_lr(fn: Callable[[], float]) -> float:
     try:
         lr = float(value)
     except (TypeError, ValueError):
-        raise TypeError(
-            f"a learning_rate callable must return a float, got {type(value).__name__}."
-        ) from None
+        raise TypeError(f"a learning_rate callable must return a float, got {type(value).__name__}.") from None
     if not math.isfinite(lr):
         raise InputError(f"a learning_rate callable returned {lr}; learning rates must be finite.")
     return as_float32(lr)

@@ -283,8 +283,7 @@ class InputConverter:
         if cfg.is_sequence:
             raise self.fail(
                 f"a dense input was given for a sequence feature (max_sequence_length={cfg.max_sequence_length}).",
-                "Pass a 2-D sparse_coo_tensor or a Ragged [B, L] for sequence features, or set "
-                "max_sequence_length=0.",
+                "Pass a 2-D sparse_coo_tensor or a Ragged [B, L] for sequence features, or set max_sequence_length=0.",
             )
         self._check_ids_dtype(x, "ids")
         flat = x.reshape(-1).to(device=device, dtype=torch.int64)
@@ -308,9 +307,7 @@ class InputConverter:
 
     def _check_weights(self, w: Tensor, shape: torch.Size) -> Tensor:
         if not torch.is_floating_point(w):
-            raise self.fail(
-                f"weights must be floating point, got {w.dtype}.", "Cast them with .float().", TypeError
-            )
+            raise self.fail(f"weights must be floating point, got {w.dtype}.", "Cast them with .float().", TypeError)
         if w.shape != shape:
             raise self.fail(f"weights have shape {tuple(w.shape)} but ids have {tuple(shape)}.", "")
         w = w.to(torch.float32)
@@ -361,9 +358,7 @@ class InputConverter:
             den = segment_sum(w, seg, num_segments)
         else:
             den = torch.sqrt(segment_sum(w * w, seg, num_segments))
-        scale = torch.where(
-            den != 0, 1.0 / torch.where(den != 0, den, torch.ones_like(den)), torch.zeros_like(den)
-        )
+        scale = torch.where(den != 0, 1.0 / torch.where(den != 0, den, torch.ones_like(den)), torch.zeros_like(den))
         return w * scale.index_select(0, seg)
 
     def _finish(

@@ -31,9 +31,7 @@ def _checked(table: ResolvedTable, what: str, t: object) -> Tensor:
     shape = (table.vocabulary_size, table.dim)
     if not isinstance(t, Tensor) or tuple(t.shape) != shape or not torch.is_floating_point(t):
         got = f"{type(t).__name__} {tuple(t.shape)} {t.dtype}" if isinstance(t, Tensor) else type(t).__name__
-        raise ConfigError(
-            f"table {table.name!r}: {what} must return a float tensor of shape {shape}, got {got}."
-        )
+        raise ConfigError(f"table {table.name!r}: {what} must return a float tensor of shape {shape}, got {got}.")
     return t
 
 
@@ -42,9 +40,7 @@ def create_table_state(table: ResolvedTable, device: torch.device) -> TableState
     slots with the optimizer's constants, or with ``slot_variable_creation_fn`` when given."""
     shape = (table.vocabulary_size, table.dim)
     init = table.config.initializer or default_initializer(table.dim)
-    weights = (
-        _checked(table, "the initializer", init(shape, torch.float32)).to(device, torch.float32).contiguous()
-    )
+    weights = _checked(table, "the initializer", init(shape, torch.float32)).to(device, torch.float32).contiguous()
     opt = table.optimizer
     names = list(opt.slot_names)
     inits = [Constant(v) for v in opt.slot_initial_values()]

@@ -1,0 +1,29 @@
+"""Shared test set-up: the oracle package on sys.path, tolerances, fixtures."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))  # `import oracle` from any test directory
+
+# Tolerances against the float64 oracle, per optimizer family (float32 engine). SPEC 1.4 lists TF's own
+# parity tolerances (1e-4 Adam, 5e-5/5e-4 FTRL, 1e-3 AdagradMomentum); ours are tighter where we can be.
+TOL: dict[str, dict[str, float]] = {
+    "default": {"rtol": 1e-5, "atol": 2e-6},
+    "Adam": {"rtol": 1e-4, "atol": 1e-5},
+    "FTRL": {"rtol": 1e-4, "atol": 1e-5},
+    "AdagradMomentum": {"rtol": 1e-4, "atol": 1e-5},
+}
+
+
+def tol_for(optimizer_name: str) -> dict[str, float]:
+    return TOL.get(optimizer_name, TOL["default"])
+
+
+@pytest.fixture(autouse=True)
+def _seed() -> None:
+    torch.manual_seed(0)
