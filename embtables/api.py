@@ -264,13 +264,14 @@ class DistributedEmbedding(nn.Module):
                 errors.append(f"{full!r}: must be finite floating point values (the checkpoint is corrupt)")
             else:
                 present[key] = value
+        unexpected = [k for k in state_dict if k.startswith(prefix) and k[len(prefix) :] not in expected]
         if strict:
-            unexpected_keys.extend(k for k in state_dict if k.startswith(prefix) and k[len(prefix) :] not in expected)
+            unexpected_keys.extend(unexpected)
         missing_keys.extend(missing)
         if errors:
             error_msgs.extend(f"DistributedEmbedding: {e}." for e in errors)
             return
-        if strict and missing:
+        if strict and (missing or unexpected):
             return
         self._pending = None  # a restored state replaces any update still held back
         self._last = None

@@ -96,6 +96,11 @@ def assert_same_structure(expected: object, got: object, *, what: str, is_leaf: 
     def walk(e: object, g: object, path: Path) -> None:
         ek = _children(e)
         if ek is None:
+            if not is_leaf(g) and _children(g) is not None:
+                raise TypeError(
+                    f"{what}: expected one value for feature {path_str(path)!r}, got a "
+                    f"{type(g).__name__} of {len(g)} entries. Pass one tensor per feature."  # type: ignore[arg-type]
+                )
             return
         if is_leaf(g) or _children(g) is None:
             raise ValueError(

@@ -29,8 +29,10 @@ def _is_number(x: object) -> bool:
 def _check_number(owner: str, name: str, value: object, *, optional: bool = False) -> None:
     if value is None and optional:
         return
-    if not _is_number(value) or not math.isfinite(float(value)):  # type: ignore[arg-type]
-        raise TypeError(f"{owner}: `{name}` must be a finite float{' or None' if optional else ''}, got {value!r}.")
+    if not _is_number(value):
+        raise TypeError(f"{owner}: `{name}` must be a float{' or None' if optional else ''}, got {value!r}.")
+    if not math.isfinite(float(value)):  # type: ignore[arg-type]
+        raise ConfigError(f"{owner}: `{name}` must be finite, got {value!r}.")
 
 
 class _Optimizer:

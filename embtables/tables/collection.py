@@ -128,7 +128,8 @@ class EmbeddingCollection:
         """Evaluate each distinct learning-rate callable once (SPEC 1.1.8), float32-rounded, per table."""
         values: dict[int, float] = {}
         for fn in self.resolved.learning_rate_callables():
-            values[id(fn)] = _checked_lr(fn)
+            users = [t.name for t in self.resolved.tables if t.optimizer.learning_rate is fn]
+            values[id(fn)] = _checked_lr(fn, users)
         out = {}
         for t in self.resolved.tables:
             lr = t.optimizer.learning_rate
@@ -177,12 +178,16 @@ class EmbeddingCollection:
         return out
 
 
-def _checked_lr(fn: Callable[[], float]) -> float:
+def _checked_lr(fn: Callable[[], float], tables: list[str]) -> float:
+    who = "table " + ", ".join(map(repr, tables))
     value = fn()
     try:
         lr = float(value)
     except (TypeError, ValueError):
-        raise TypeError(f"a learning_rate callable must return a float, got {type(value).__name__}.") from None
+        raise TypeError(f"{who}: the learning_rate callable must return a float, got {type(value).__name__}.") from None
     if not math.isfinite(lr):
-        raise InputError(f"a learning_rate callable returned {lr}; learning rates must be finite.")
+        raise InputError(
+            f"{who}: the learning_rate callable returned {lr}; learning rates must be finite. "
+            "No table or slot was changed."
+        )
     return as_float32(lr)

@@ -40,7 +40,8 @@ def create_table_state(table: ResolvedTable, device: torch.device) -> TableState
     slots with the optimizer's constants, or with ``slot_variable_creation_fn`` when given."""
     shape = (table.vocabulary_size, table.dim)
     init = table.config.initializer or default_initializer(table.dim)
-    weights = _checked(table, "the initializer", init(shape, torch.float32)).to(device, torch.float32).contiguous()
+    # clone(): an initializer may return an existing tensor (pretrained weights); never train it in place.
+    weights = _checked(table, "the initializer", init(shape, torch.float32)).to(device, torch.float32).clone()
     opt = table.optimizer
     names = list(opt.slot_names)
     inits = [Constant(v) for v in opt.slot_initial_values()]
@@ -55,5 +56,11 @@ def create_table_state(table: ResolvedTable, device: torch.device) -> TableState
                 f"{names}, got {sorted(made) if isinstance(made, dict) else type(made).__name__}."
             )
         slots = {n: _checked(table, f"slot_variable_creation_fn[{n!r}]", made[n]) for n in names}
+        ptrs = [t.data_ptr() for t in slots.values()] + [weights.data_ptr()]
+        if len(set(ptrs)) != len(ptrs):
+            raise ConfigError(
+                f"table {table.name!r}: slot_variable_creation_fn returned tensors that share memory with each "
+                "other or with the table; each slot needs its own storage."
+            )
         slots = {n: t.to(device, torch.float32).contiguous() for n, t in slots.items()}
     return TableState(weights=weights, slots=slots)

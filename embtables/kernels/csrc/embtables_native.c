@@ -1,0 +1,319 @@
+/* Native CPU kernels for embtables: pooled lookup and the fused sparse optimizer update.
+ *
+ * Compiled at first use by embtables/kernels/native.py (gcc -O3 -fopenmp -ffp-contract=off) and
+ * called through ctypes on contiguous tensors. Float32 arithmetic in the same operation order as
+ * the torch reference path (kernels/<optimizer>.py); no fused multiply-add, so gradient sums are
+ * bit-identical to the reference's index_add_.
+ *
+ * Shapes: W, S0, S1 are [V, D] row-major; ids [N] int64; offsets [S+1] int64; coeffs [N] float32
+ * (NULL = all 1); grads [S, D] float32 (NULL = zero gradient).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+enum { ET_SGD = 0, ET_ADAGRAD = 1, ET_ADAGRAD_MOMENTUM = 2, ET_ADAM = 3, ET_FTRL = 4 };
+
+/* Mirrors embtables.kernels.native._OptParams (ctypes.Structure); keep the field order in sync. */
+typedef struct {
+    int32_t kind;
+    int32_t clip_grad, has_glo, has_ghi, has_wlo, has_whi;
+    int32_t flag_a; /* Adam: sum_inside_sqrt; AdagradMomentum: use_nesterov; FTRL: multiply_linear */
+    int32_t flag_b; /* AdagradMomentum: beta2 == 1; FTRL: allow_zero_accumulator */
+    float lr, decay, glo, ghi, wlo, whi;
+    float c0, c1, c2, c3, c4, c5; /* per-kind constants, see native.py */
+} et_opt;
+
+/* ------------------------------------------------------------------------------------------ */
+/* Lookup: out[s] = sum_k coeffs[k] * W[ids[k]] over k in [offsets[s], offsets[s+1]).          */
+
+void et_lookup(const float *W, int64_t D, const int64_t *ids, const int64_t *offsets, int64_t S,
+               const float *coeffs, float *out, int nthreads) {
+#pragma omp parallel for num_threads(nthreads) schedule(static, 64)
+    for (int64_t s = 0; s < S; ++s) {
+        float *restrict o = out + s * D;
+        for (int64_t d = 0; d < D; ++d) o[d] = 0.0f;
+        const int64_t end = offsets[s + 1];
+        for (int64_t k = offsets[s]; k < end; ++k) {
+            if (k + 4 < end) __builtin_prefetch(W + ids[k + 4] * D, 0, 0);
+            const float *restrict row = W + ids[k] * D;
+            if (coeffs) {
+                const float c = coeffs[k];
+                for (int64_t d = 0; d < D; ++d) o[d] += c * row[d];
+            } else {
+                for (int64_t d = 0; d < D; ++d) o[d] += row[d];
+            }
+        }
+    }
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* Per-row optimizer pipeline: gradient clip -> decoupled decay -> optimizer -> weight clip.    */
+
+static inline float et_pow(float n, float p, int allow_zero) {
+    float r = (p == 0.5f) ? sqrtf(n) : powf(n, p);
+    return (allow_zero && n == 0.0f) ? 0.0f : r;
+}
+
+static inline void et_update_row(const et_opt *p, float *restrict w, float *restrict s0, float *restrict s1,
+                                 const float *restrict gin, int64_t D) {
+    const float lr = p->lr;
+    for (int64_t d = 0; d < D; ++d) {
+        float g = gin ? gin[d] : 0.0f;
+        if (p->clip_grad) {
+            if (p->has_glo && g < p->glo) g = p->glo;
+            if (p->has_ghi && g > p->ghi) g = p->ghi;
+        }
+        float x = w[d];
+        if (p->decay != 0.0f) x = x - p->decay * x;
+        switch (p->kind) {
+        case ET_SGD:
+            x = x - lr * g;
+            break;
+        case ET_ADAGRAD: {
+            const float a = s0[d] + g * g;
+            s0[d] = a;
+            x = x - lr * g / sqrtf(a);
+            break;
+        }
+        case ET_ADAGRAD_MOMENTUM: { /* c0 momentum, c1 -1/exponent, c2 beta2, c3 1-beta2, c4 epsilon */
+            const float a = p->flag_b ? s0[d] + g * g : p->c2 * s0[d] + p->c3 * (g * g);
+            const float scaled = powf(a + p->c4, p->c1) * g;
+            const float m = p->c0 * s1[d] + scaled;
+            s0[d] = a;
+            s1[d] = m;
+            x = x - lr * (p->flag_a ? p->c0 * m + scaled : m);
+            break;
+        }
+        case ET_ADAM: { /* c0 b1, c1 1-b1, c2 b2, c3 1-b2, c4 eps^2, c5 eps */
+            const float m = p->c0 * s0[d] + p->c1 * g;
+            const float v = p->c2 * s1[d] + p->c3 * (g * g);
+            s0[d] = m;
+            s1[d] = v;
+            const float den = p->flag_a ? sqrtf(v + p->c4) : sqrtf(v) + p->c5;
+            x = x - lr * m / den;
+            break;
+        }
+        case ET_FTRL: { /* c0 p, c1 l1 (or lr*l1), c2 beta, c3 2*l2 (or 2*lr*l2) */
+            const float n = s0[d];
+            const float nn = n + g * g;
+            const float pw_new = et_pow(nn, p->c0, p->flag_b);
+            const float delta = pw_new - et_pow(n, p->c0, p->flag_b);
+            float z = s1[d], den;
+            if (p->flag_a) {
+                z = z + lr * g - delta * x;
+                den = pw_new + p->c3 + p->c2;
+            } else {
+                z = z + g - (delta / lr) * x;
+                den = (pw_new + p->c2) / lr + p->c3;
+            }
+            const float lim = p->c1;
+            const float numer = (z < -lim ? -lim : (z > lim ? lim : z)) - z;
+            s0[d] = nn;
+            s1[d] = z;
+            x = (p->flag_b && numer == 0.0f) ? 0.0f : numer / den;
+            break;
+        }
+        }
+        if (p->has_wlo && x < p->wlo) x = p->wlo;
+        if (p->has_whi && x > p->whi) x = p->whi;
+        w[d] = x;
+    }
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* Phase 1: dedup the ids of one table (all its features) with an open-addressing hash, and sum */
+/* each unique row's gradient, in occurrence order, into G [U, D]. Nothing in W/S changes.      */
+
+typedef struct {
+    int64_t U, D, mask;
+    int64_t *rows;  /* [U] unique row ids, in order of first occurrence */
+    float *G;       /* [U, D] summed gradients */
+    int64_t *hkeys; /* hash keys (-1 = empty) */
+    int32_t *hvals; /* unique index per key */
+    int finite;
+} et_prepared;
+
+static inline uint64_t et_hash(int64_t id) { return (uint64_t)id * 0x9E3779B97F4A7C15ull; }
+
+static inline int64_t et_find(const et_prepared *h, int64_t id, int shift) {
+    uint64_t b = et_hash(id) >> shift;
+    while (h->hkeys[b] != -1) {
+        if (h->hkeys[b] == id) return h->hvals[b];
+        b = (b + 1) & (uint64_t)h->mask;
+    }
+    return -1;
+}
+
+void et_free(void *handle) {
+    et_prepared *h = (et_prepared *)handle;
+    if (!h) return;
+    free(h->rows);
+    free(h->G);
+    free(h->hkeys);
+    free(h->hvals);
+    free(h);
+}
+
+static int et_shift(int64_t mask) {
+    int bits = 0;
+    while ((1ll << bits) <= mask) ++bits;
+    return 64 - bits;
+}
+
+/* status: 0 ok, 1 non-finite gradient, 2 out of memory. Returns a handle (or NULL on error). */
+void *et_prepare(int64_t nfeat, const int64_t *const *ids, const int64_t *const *offsets, const int64_t *nbags,
+                 const float *const *coeffs, const float *const *grads, int64_t D, int nthreads, int *status) {
+    int64_t N = 0;
+    for (int64_t f = 0; f < nfeat; ++f) N += offsets[f][nbags[f]] - offsets[f][0];
+    int64_t H = 16;
+    while (H < 2 * N) H <<= 1;
+    et_prepared *h = (et_prepared *)calloc(1, sizeof(et_prepared));
+    int32_t *inv = (int32_t *)malloc(sizeof(int32_t) * (N ? N : 1));
+    int64_t *start = NULL, *occ = NULL;
+    const float **occ_g = NULL;
+    float *occ_c = NULL;
+    *status = 2;
+    if (!h || !inv) goto fail;
+    h->D = D;
+    h->mask = H - 1;
+    h->rows = (int64_t *)malloc(sizeof(int64_t) * (N ? N : 1));
+    h->hkeys = (int64_t *)malloc(sizeof(int64_t) * H);
+    h->hvals = (int32_t *)malloc(sizeof(int32_t) * H);
+    if (!h->rows || !h->hkeys || !h->hvals) goto fail;
+    memset(h->hkeys, 0xff, sizeof(int64_t) * H);
+    const int shift = et_shift(h->mask);
+
+    int64_t U = 0, kg = 0;
+    for (int64_t f = 0; f < nfeat; ++f) {
+        const int64_t *fid = ids[f];
+        for (int64_t k = offsets[f][0]; k < offsets[f][nbags[f]]; ++k, ++kg) {
+            const int64_t id = fid[k];
+            uint64_t b = et_hash(id) >> shift;
+            while (h->hkeys[b] != -1 && h->hkeys[b] != id) b = (b + 1) & (uint64_t)h->mask;
+            if (h->hkeys[b] == -1) {
+                h->hkeys[b] = id;
+                h->hvals[b] = (int32_t)U;
+                h->rows[U++] = id;
+            }
+            inv[kg] = h->hvals[b];
+        }
+    }
+    h->U = U;
+    /* CSR of occurrences per unique row, in occurrence order. */
+    start = (int64_t *)calloc((size_t)U + 1, sizeof(int64_t));
+    occ_g = (const float **)malloc(sizeof(float *) * (N ? N : 1));
+    occ_c = (float *)malloc(sizeof(float) * (N ? N : 1));
+    h->G = (float *)malloc(sizeof(float) * (size_t)(U ? U : 1) * (size_t)D);
+    if (!start || !occ_g || !occ_c || !h->G) goto fail;
+    for (int64_t i = 0; i < N; ++i) start[inv[i] + 1]++;
+    for (int64_t u = 0; u < U; ++u) start[u + 1] += start[u];
+    occ = (int64_t *)malloc(sizeof(int64_t) * (U ? U : 1));
+    if (!occ) goto fail;
+    memcpy(occ, start, sizeof(int64_t) * U);
+    kg = 0;
+    for (int64_t f = 0; f < nfeat; ++f) {
+        const int64_t *off = offsets[f];
+        for (int64_t s = 0; s < nbags[f]; ++s) {
+            const float *grow = grads[f] ? grads[f] + s * D : NULL;
+            for (int64_t k = off[s]; k < off[s + 1]; ++k, ++kg) {
+                const int64_t pos = occ[inv[kg]]++;
+                occ_g[pos] = grow;
+                occ_c[pos] = coeffs[f] ? coeffs[f][k] : 1.0f;
+            }
+        }
+    }
+    int finite = 1;
+#pragma omp parallel for num_threads(nthreads) schedule(static, 256) reduction(&& : finite)
+    for (int64_t u = 0; u < U; ++u) {
+        float *restrict acc = h->G + u * D;
+        for (int64_t d = 0; d < D; ++d) acc[d] = 0.0f;
+        for (int64_t i = start[u]; i < start[u + 1]; ++i) {
+            const float *restrict g = occ_g[i];
+            if (!g) {
+                for (int64_t d = 0; d < D; ++d) acc[d] += 0.0f;
+                continue;
+            }
+            const float c = occ_c[i];
+            if (c == 1.0f) {
+                for (int64_t d = 0; d < D; ++d) acc[d] += g[d];
+            } else {
+                for (int64_t d = 0; d < D; ++d) acc[d] += g[d] * c;
+            }
+        }
+        int ok = 1;
+        for (int64_t d = 0; d < D; ++d) ok &= isfinite(acc[d]) ? 1 : 0;
+        finite = finite && ok;
+    }
+    h->finite = finite;
+    free(inv);
+    free(start);
+    free(occ);
+    free(occ_g);
+    free(occ_c);
+    *status = finite ? 0 : 1;
+    return h;
+fail:
+    free(inv);
+    free(start);
+    free(occ);
+    free(occ_g);
+    free(occ_c);
+    et_free(h);
+    return NULL;
+}
+
+int64_t et_prepared_size(const void *handle) { return ((const et_prepared *)handle)->U; }
+
+/* Copy the unique rows [U] and summed gradients [U, D] out (for tests and the torch fallback). */
+void et_prepared_copy(const void *handle, int64_t *rows, float *G) {
+    const et_prepared *h = (const et_prepared *)handle;
+    memcpy(rows, h->rows, sizeof(int64_t) * h->U);
+    memcpy(G, h->G, sizeof(float) * h->U * h->D);
+}
+
+/* Phase 2: one fused pass per updated row. dense != 0 updates every row of [V, D] (non-lazy Adam). */
+void et_apply(const void *handle, float *W, float *S0, float *S1, int64_t V, const et_opt *p, int dense,
+              int nthreads) {
+    const et_prepared *h = (const et_prepared *)handle;
+    const int64_t D = h->D;
+    if (!dense) {
+#pragma omp parallel for num_threads(nthreads) schedule(static, 256)
+        for (int64_t u = 0; u < h->U; ++u) {
+            const int64_t r = h->rows[u];
+            if (u + 2 < h->U) {
+                __builtin_prefetch(W + h->rows[u + 2] * D, 1, 0);
+                if (S0) __builtin_prefetch(S0 + h->rows[u + 2] * D, 1, 0);
+            }
+            et_update_row(p, W + r * D, S0 ? S0 + r * D : NULL, S1 ? S1 + r * D : NULL, h->G + u * D, D);
+        }
+        return;
+    }
+    const int shift = et_shift(h->mask);
+#pragma omp parallel for num_threads(nthreads) schedule(static, 1024)
+    for (int64_t r = 0; r < V; ++r) {
+        const int64_t u = et_find(h, r, shift);
+        et_update_row(p, W + r * D, S0 ? S0 + r * D : NULL, S1 ? S1 + r * D : NULL, u >= 0 ? h->G + u * D : NULL,
+                      D);
+    }
+}
+
+/* No accumulation (SPEC 10.2): occurrences applied one at a time in the given order. Rows are split */
+/* across threads by id, so every row still sees its occurrences in order.                          */
+void et_apply_sequential(const int64_t *rows, const float *G, int64_t N, float *W, float *S0, float *S1, int64_t D,
+                         const et_opt *p, int nthreads) {
+#pragma omp parallel num_threads(nthreads)
+    {
+        int t = 0, T = 1;
+#ifdef _OPENMP
+        t = omp_get_thread_num();
+        T = omp_get_num_threads();
+#endif
+        for (int64_t k = 0; k < N; ++k) {
+            const int64_t r = rows[k];
+            if ((int)(et_hash(r) >> 59) % T != t) continue;
+            et_update_row(p, W + r * D, S0 ? S0 + r * D : NULL, S1 ? S1 + r * D : NULL, G + k * D, D);
+        }
+    }
+}
