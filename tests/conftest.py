@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -27,3 +28,17 @@ def tol_for(optimizer_name: str) -> dict[str, float]:
 @pytest.fixture(autouse=True)
 def _seed() -> None:
     torch.manual_seed(0)
+
+
+@pytest.fixture(params=["native", "torch"])
+def kernel_path(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Run a test on the native C kernels and on the pure-torch reference kernels."""
+    from embtables.kernels import native
+
+    if request.param == "native":
+        assert native.library() is not None, "the native kernels must build on this machine (gcc is required)"
+    native.set_enabled(request.param == "native")
+    try:
+        yield str(request.param)
+    finally:
+        native.set_enabled(True)

@@ -18,7 +18,8 @@ from torch import Tensor
 
 from embtables.config import ResolvedConfig, ResolvedTable
 from embtables.errors import InputError
-from embtables.kernels import sparse_update_
+from embtables.kernels import native, sparse_update_
+from embtables.kernels.clip_decay import effective_weight_decay
 from embtables.kernels.lookup import occurrence_gradients, pooled_lookup
 from embtables.kernels.segments import dedup_sum, occurrence_rounds
 from embtables.kernels.sparse_update import as_float32
@@ -32,12 +33,14 @@ class TableGradient:
 
     With accumulation, ``rows`` [U] are distinct and ``grads`` [U, D] are their summed gradients;
     without it, ``rows`` [N] / ``grads`` [N, D] are single occurrences in the order they apply.
+    On the native path the accumulated rows and sums stay in C memory (``prepared``).
     """
 
     table: ResolvedTable
-    rows: Tensor
-    grads: Tensor
+    rows: Tensor | None
+    grads: Tensor | None
     accumulated: bool
+    prepared: native.Prepared | None = None
 
 
 class EmbeddingCollection:
@@ -59,8 +62,14 @@ class EmbeddingCollection:
         for feature, batch in zip(self.resolved.features, batches):
             table = self.resolved.tables[feature.table_index]
             q = table.config.quantization_config
+            weights = self.states[table.name].weights
+            if q is None and native.usable(weights, batch.ids, batch.offsets, batch.coeffs):
+                out.append(
+                    native.lookup(weights, batch.ids, batch.offsets, batch.coeffs).reshape(*batch.out_shape, table.dim)
+                )
+                continue
             acts = pooled_lookup(
-                self.states[table.name].weights,
+                weights,
                 batch.ids,
                 batch.seg,
                 batch.offsets,
@@ -95,6 +104,10 @@ class EmbeddingCollection:
         """Per-table gradients from per-feature activation gradients [S, D] (None = zero)."""
         out = []
         for table in self.resolved.tables:
+            fast = self._native_table_gradient(table, batches, grads)
+            if fast is not None:
+                out.append(fast)
+                continue
             ids_parts, grad_parts, key_parts = [], [], []
             num_features = len(table.feature_indices)
             for local, f in enumerate(table.feature_indices):
@@ -115,14 +128,25 @@ class EmbeddingCollection:
                 # Occurrence order (SPEC 10.2): sample-major, then feature order, then position.
                 order = torch.sort(torch.cat(key_parts), stable=True).indices
                 tg = TableGradient(table, ids[order], per_id[order], accumulated=False)
-            if not bool(torch.isfinite(tg.grads).all()):
-                raise InputError(
-                    f"table {table.name!r}: the gradient reaching the table has NaN or Inf values "
-                    f"({int((~torch.isfinite(tg.grads)).sum())} elements); no table or slot was changed. "
-                    "Check the loss for overflow or lower the learning rate of the dense model."
-                )
+            if not bool(torch.isfinite(tg.grads).all()):  # type: ignore[arg-type]
+                raise _non_finite(table)
             out.append(tg)
         return out
+
+    def _native_table_gradient(
+        self, table: ResolvedTable, batches: Sequence[FeatureBatch], grads: Sequence[Tensor | None]
+    ) -> TableGradient | None:
+        """Phase 1 in C (dedup, float32 sums, finiteness) when the native path applies, else None."""
+        if not table.optimizer.use_gradient_accumulation:
+            return None
+        parts = [(batches[f].ids, batches[f].offsets, batches[f].coeffs, grads[f]) for f in table.feature_indices]
+        if not native.usable(self.states[table.name].weights, *(t for part in parts for t in part)):
+            return None
+        prepared, finite = native.prepare(parts, table.dim)
+        if not finite:
+            prepared.close()
+            raise _non_finite(table)
+        return TableGradient(table, None, None, accumulated=True, prepared=prepared)
 
     def learning_rates(self) -> dict[str, float]:
         """Evaluate each distinct learning-rate callable once (SPEC 1.1.8), float32-rounded, per table."""
@@ -144,6 +168,17 @@ class EmbeddingCollection:
             opt = tg.table.optimizer
             lr = lrs[tg.table.name]
             slots = state.slot_tuple()
+            if tg.prepared is not None or (not tg.accumulated and native.usable(state.weights, *slots)):
+                decay = effective_weight_decay(opt.weight_decay_factor, opt.weight_decay_multiplied_by_lr, lr)
+                params = native.opt_params(opt, lr, decay, clip_gradients=tg.accumulated)
+                if tg.prepared is not None:
+                    tg.prepared.apply(state.weights, slots, params, dense=not opt.lazy)
+                    tg.prepared.close()
+                else:
+                    assert tg.rows is not None and tg.grads is not None
+                    native.apply_sequential(tg.rows, tg.grads.contiguous(), state.weights, slots, params)
+                continue
+            assert tg.rows is not None and tg.grads is not None
             if not tg.accumulated:
                 for round_positions in occurrence_rounds(tg.rows):
                     sparse_update_(
@@ -176,6 +211,13 @@ class EmbeddingCollection:
             for slot, t in state.tensors().items():
                 out[f"{name}/{slot}" if slot else name] = t
         return out
+
+
+def _non_finite(table: ResolvedTable) -> InputError:
+    return InputError(
+        f"table {table.name!r}: the gradient reaching the table has NaN or Inf values; no table or slot was "
+        "changed. Check the loss for overflow or lower the learning rate of the dense model."
+    )
 
 
 def _checked_lr(fn: Callable[[], float], tables: list[str]) -> float:

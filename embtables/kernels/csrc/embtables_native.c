@@ -12,6 +12,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 enum { ET_SGD = 0, ET_ADAGRAD = 1, ET_ADAGRAD_MOMENTUM = 2, ET_ADAM = 3, ET_FTRL = 4 };
 
@@ -56,8 +59,10 @@ static inline float et_pow(float n, float p, int allow_zero) {
     return (allow_zero && n == 0.0f) ? 0.0f : r;
 }
 
-static inline void et_update_row(const et_opt *p, float *restrict w, float *restrict s0, float *restrict s1,
+static inline void et_update_row(const et_opt *pp, float *restrict w, float *restrict s0, float *restrict s1,
                                  const float *restrict gin, int64_t D) {
+    const et_opt P = *pp; /* a local copy: the compiler knows no store below can change it */
+    const et_opt *p = &P;
     const float lr = p->lr;
     for (int64_t d = 0; d < D; ++d) {
         float g = gin ? gin[d] : 0.0f;

@@ -1,0 +1,293 @@
+"""The native CPU kernels (``csrc/embtables_native.c``), compiled on first use and called via ctypes.
+
+The C file is compiled once per machine with the system C compiler (``$CC``, else ``cc``/``gcc``)
+into ``$EMBTABLES_CACHE_DIR`` (default ``~/.cache/embtables``), keyed by the source, the flags and
+the CPU, and loaded with ctypes: no build step at install time, no torch headers, about a second
+to compile. It binds to the OpenMP runtime torch already loaded, so both share one thread pool.
+
+``EMBTABLES_NATIVE=0`` disables it; so does a missing compiler, which is logged once (never a
+silent fallback). Tensors on other devices always take the torch path, which is the reference.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from embtables.config.optimizers import FTRL, SGD, Adagrad, AdagradMomentum, Adam, Optimizer
+
+logger = logging.getLogger("embtables")
+
+_SOURCE = Path(__file__).parent / "csrc" / "embtables_native.c"
+_FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-math-errno", "-shared", "-fPIC"]
+_KINDS: dict[type[Any], int] = {SGD: 0, Adagrad: 1, AdagradMomentum: 2, Adam: 3, FTRL: 4}
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_tried = False
+_enabled = os.environ.get("EMBTABLES_NATIVE", "1") != "0"
+
+
+class _OptParams(ctypes.Structure):
+    """Mirrors ``et_opt`` in the C source."""
+
+    _fields_ = [
+        ("kind", ctypes.c_int32),
+        ("clip_grad", ctypes.c_int32),
+        ("has_glo", ctypes.c_int32),
+        ("has_ghi", ctypes.c_int32),
+        ("has_wlo", ctypes.c_int32),
+        ("has_whi", ctypes.c_int32),
+        ("flag_a", ctypes.c_int32),
+        ("flag_b", ctypes.c_int32),
+        ("lr", ctypes.c_float),
+        ("decay", ctypes.c_float),
+        ("glo", ctypes.c_float),
+        ("ghi", ctypes.c_float),
+        ("wlo", ctypes.c_float),
+        ("whi", ctypes.c_float),
+        ("c0", ctypes.c_float),
+        ("c1", ctypes.c_float),
+        ("c2", ctypes.c_float),
+        ("c3", ctypes.c_float),
+        ("c4", ctypes.c_float),
+        ("c5", ctypes.c_float),
+    ]
+
+
+def set_enabled(enabled: bool) -> None:
+    """Turn the native kernels on or off for this process (tests run both paths)."""
+    global _enabled
+    _enabled = enabled
+
+
+def _cpu_key() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        flags = ""
+    return platform.machine() + flags
+
+
+def _compile() -> ctypes.CDLL | None:
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        logger.warning("embtables: no C compiler found; using the slower pure-torch kernels (set CC to enable).")
+        return None
+    source = _SOURCE.read_bytes()
+    key = hashlib.sha256(source + " ".join(_FLAGS).encode() + _cpu_key().encode() + cc.encode()).hexdigest()[:16]
+    cache = Path(os.environ.get("EMBTABLES_CACHE_DIR", Path.home() / ".cache" / "embtables"))
+    target = cache / f"embtables_native-{key}.so"
+    if not target.exists():
+        cache.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=cache) as tmp:
+            out = Path(tmp) / target.name
+            cmd = [cc, *_FLAGS, str(_SOURCE), "-o", str(out), "-lm"]
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+            if proc.returncode != 0:
+                logger.warning(
+                    "embtables: compiling the native kernels failed; using the slower pure-torch kernels.\n%s\n%s",
+                    " ".join(cmd),
+                    proc.stderr[-2000:],
+                )
+                return None
+            os.replace(out, target)  # atomic: concurrent processes never load a half-written file
+        logger.info("embtables: compiled native kernels into %s", target)
+    lib = ctypes.CDLL(str(target))
+    p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.POINTER(_OptParams)
+    lib.et_lookup.argtypes = [p, i64, p, p, i64, p, p, i32]
+    lib.et_lookup.restype = None
+    lib.et_prepare.argtypes = [i64, p, p, p, p, p, i64, i32, ctypes.POINTER(ctypes.c_int)]
+    lib.et_prepare.restype = p
+    lib.et_prepared_size.argtypes = [p]
+    lib.et_prepared_size.restype = i64
+    lib.et_prepared_copy.argtypes = [p, p, p]
+    lib.et_prepared_copy.restype = None
+    lib.et_apply.argtypes = [p, p, p, p, i64, f32, i32, i32]
+    lib.et_apply.restype = None
+    lib.et_apply_sequential.argtypes = [p, p, i64, p, p, p, i64, f32, i32]
+    lib.et_apply_sequential.restype = None
+    lib.et_free.argtypes = [p]
+    lib.et_free.restype = None
+    return lib
+
+
+def library() -> ctypes.CDLL | None:
+    """The loaded library, compiling it on first call; None when disabled or unavailable."""
+    global _lib, _tried
+    if not _enabled:
+        return None
+    with _lock:
+        if not _tried:
+            _tried = True
+            try:
+                _lib = _compile()
+            except (OSError, subprocess.SubprocessError) as exc:
+                logger.warning("embtables: native kernels unavailable (%s); using the pure-torch kernels.", exc)
+                _lib = None
+    return _lib
+
+
+def usable(*tensors: Tensor | None) -> bool:
+    """True when the native path is on and every tensor is a contiguous CPU tensor."""
+    if library() is None:
+        return False
+    return all(t is None or (t.device.type == "cpu" and t.is_contiguous()) for t in tensors)
+
+
+def _ptr(t: Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def _threads() -> int:
+    return max(1, torch.get_num_threads())
+
+
+def opt_params(opt: Optimizer, lr: float, decay: float, *, clip_gradients: bool) -> _OptParams:
+    """The C parameter block for ``opt`` at learning rate ``lr`` and effective decay ``decay``."""
+    p = _OptParams()
+    p.kind = _KINDS[type(opt)]
+    glo, ghi = opt.gradient_clip_bounds
+    p.clip_grad = int(clip_gradients and (glo is not None or ghi is not None))
+    p.has_glo, p.glo = int(glo is not None), float(glo or 0.0)
+    p.has_ghi, p.ghi = int(ghi is not None), float(ghi or 0.0)
+    p.has_wlo, p.wlo = int(opt.clip_weight_min is not None), float(opt.clip_weight_min or 0.0)
+    p.has_whi, p.whi = int(opt.clip_weight_max is not None), float(opt.clip_weight_max or 0.0)
+    p.lr, p.decay = lr, decay
+    if isinstance(opt, AdagradMomentum):
+        p.flag_a, p.flag_b = int(opt.use_nesterov), int(opt.beta2 == 1)
+        p.c0, p.c1, p.c2, p.c3, p.c4 = opt.momentum, -1.0 / opt.exponent, opt.beta2, 1.0 - opt.beta2, opt.epsilon
+    elif isinstance(opt, Adam):
+        p.flag_a = int(opt.sum_inside_sqrt)
+        p.c0, p.c1, p.c2, p.c3 = opt.beta_1, 1.0 - opt.beta_1, opt.beta_2, 1.0 - opt.beta_2
+        p.c4, p.c5 = opt.epsilon * opt.epsilon, opt.epsilon
+    elif isinstance(opt, FTRL):
+        p.flag_a, p.flag_b = int(opt.multiply_linear_by_learning_rate), int(opt.allow_zero_accumulator)
+        p.c0, p.c2 = -opt.learning_rate_power, opt.beta
+        l1, l2 = opt.l1_regularization_strength, opt.l2_regularization_strength
+        if opt.multiply_linear_by_learning_rate:
+            p.c1, p.c3 = lr * l1, 2.0 * lr * l2
+        else:
+            p.c1, p.c3 = l1, 2.0 * l2
+    return p
+
+
+def lookup(table: Tensor, ids: Tensor, offsets: Tensor, coeffs: Tensor | None) -> Tensor:
+    """``out[s] = sum_k coeffs[k] * table[ids[k]]`` over bag s: [S, D] from ``table`` [V, D]."""
+    lib = library()
+    assert lib is not None
+    num_segments = offsets.numel() - 1
+    out = torch.empty((num_segments, table.shape[1]), dtype=torch.float32)
+    lib.et_lookup(
+        table.data_ptr(),
+        table.shape[1],
+        ids.data_ptr(),
+        offsets.data_ptr(),
+        num_segments,
+        _ptr(coeffs),
+        out.data_ptr(),
+        _threads(),
+    )
+    return out
+
+
+class Prepared:
+    """Phase 1 of one table's update, held in C memory: unique rows and their summed gradients."""
+
+    def __init__(self, handle: int, dim: int) -> None:
+        self._handle: int | None = handle
+        self.dim = dim
+
+    @property
+    def num_rows(self) -> int:
+        lib = library()
+        assert lib is not None and self._handle is not None
+        return int(lib.et_prepared_size(self._handle))
+
+    def rows_and_grads(self) -> tuple[Tensor, Tensor]:
+        """Copies of the unique rows [U] and summed gradients [U, D]."""
+        lib = library()
+        assert lib is not None and self._handle is not None
+        u = self.num_rows
+        rows = torch.empty(u, dtype=torch.int64)
+        grads = torch.empty((u, self.dim), dtype=torch.float32)
+        lib.et_prepared_copy(self._handle, rows.data_ptr(), grads.data_ptr())
+        return rows, grads
+
+    def apply(self, weights: Tensor, slots: tuple[Tensor, ...], params: _OptParams, *, dense: bool) -> None:
+        """Phase 2: the fused per-row update of ``weights`` [V, D] and ``slots`` (in place)."""
+        lib = library()
+        assert lib is not None and self._handle is not None
+        s0 = slots[0] if len(slots) > 0 else None
+        s1 = slots[1] if len(slots) > 1 else None
+        lib.et_apply(
+            self._handle,
+            weights.data_ptr(),
+            _ptr(s0),
+            _ptr(s1),
+            weights.shape[0],
+            ctypes.byref(params),
+            int(dense),
+            _threads(),
+        )
+
+    def close(self) -> None:
+        if self._handle is not None and _lib is not None:
+            _lib.et_free(self._handle)
+        self._handle = None
+
+    def __del__(self) -> None:
+        self.close()
+
+
+def prepare(parts: list[tuple[Tensor, Tensor, Tensor | None, Tensor | None]], dim: int) -> tuple[Prepared, bool]:
+    """Dedup ids and sum gradients for one table from its features' ``(ids [N], offsets [S+1],
+    coeffs [N] | None, grad [S, D] | None)``; returns the prepared update and whether it is finite."""
+    lib = library()
+    assert lib is not None
+    n = len(parts)
+    arr = ctypes.c_void_p * n
+    ids = arr(*[p[0].data_ptr() for p in parts])
+    offsets = arr(*[p[1].data_ptr() for p in parts])
+    nbags = (ctypes.c_int64 * n)(*[p[1].numel() - 1 for p in parts])
+    coeffs = arr(*[_ptr(p[2]) for p in parts])
+    grads = arr(*[_ptr(p[3]) for p in parts])
+    status = ctypes.c_int(0)
+    handle = lib.et_prepare(n, ids, offsets, nbags, coeffs, grads, dim, _threads(), ctypes.byref(status))
+    if handle is None:
+        raise MemoryError("embtables: out of memory while preparing a sparse update.")
+    return Prepared(handle, dim), status.value == 0
+
+
+def apply_sequential(
+    rows: Tensor, grads: Tensor, weights: Tensor, slots: tuple[Tensor, ...], params: _OptParams
+) -> None:
+    """Apply occurrences one at a time, in order (no accumulation): ``rows`` [N], ``grads`` [N, D]."""
+    lib = library()
+    assert lib is not None
+    s0 = slots[0] if len(slots) > 0 else None
+    s1 = slots[1] if len(slots) > 1 else None
+    lib.et_apply_sequential(
+        rows.data_ptr(),
+        grads.data_ptr(),
+        rows.numel(),
+        weights.data_ptr(),
+        _ptr(s0),
+        _ptr(s1),
+        weights.shape[1],
+        ctypes.byref(params),
+        _threads(),
+    )
