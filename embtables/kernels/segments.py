@@ -14,6 +14,12 @@ def offsets_from_segments(seg: Tensor, num_segments: int) -> Tensor:
     return out
 
 
+def segments_from_offsets(offsets: Tensor) -> Tensor:
+    """The segment index [N] of every element, from offsets [S+1] (inverse of ``offsets_from_segments``)."""
+    counts = offsets[1:] - offsets[:-1]
+    return torch.repeat_interleave(torch.arange(counts.numel(), device=offsets.device), counts)
+
+
 def segment_sum(values: Tensor, seg: Tensor, num_segments: int) -> Tensor:
     """Sum ``values`` [N, ...] into ``num_segments`` rows by segment index ``seg`` [N]."""
     out = torch.zeros((num_segments, *values.shape[1:]), dtype=values.dtype, device=values.device)

@@ -19,7 +19,7 @@ from torch import Tensor
 
 from embtables.config import Combiner, ResolvedFeature, ResolvedTable
 from embtables.errors import InputError
-from embtables.kernels.segments import offsets_from_segments, segment_sum
+from embtables.kernels.segments import offsets_from_segments, segment_sum, segments_from_offsets
 from embtables.tables.ragged import Ragged
 
 logger = logging.getLogger("embtables")
@@ -32,19 +32,28 @@ class FeatureBatch:
     """One feature's batch in canonical form (see module docstring)."""
 
     ids: Tensor
-    seg: Tensor
     offsets: Tensor
     coeffs: Tensor | None
     out_shape: tuple[int, ...]
+    seg_: Tensor | None = None
 
     @property
     def num_segments(self) -> int:
         return int(self.offsets.numel()) - 1
 
+    @property
+    def seg(self) -> Tensor:
+        """The segment index of every id [N], derived from ``offsets`` on first use (the native
+        kernels need only the offsets, so the common path never builds it)."""
+        if self.seg_ is None:
+            object.__setattr__(self, "seg_", segments_from_offsets(self.offsets))
+        assert self.seg_ is not None
+        return self.seg_
+
     def sample_index(self) -> Tensor:
         """The sample (leading output index) of every id [N]; segments are row-major over out_shape."""
         if not self.out_shape or self.num_segments == 0:
-            return torch.zeros_like(self.seg)
+            return torch.zeros_like(self.ids)
         return torch.div(self.seg, self.num_segments // self.out_shape[0], rounding_mode="floor")
 
 
@@ -54,10 +63,21 @@ class _Jagged:
     (flattened leading index) and column (position inside the row)."""
 
     values: Tensor
-    rows: Tensor
-    cols: Tensor
     lead_shape: tuple[int, ...]
     weights: Tensor | None
+    splits: Tensor | None = None  # [B+1] for ragged-like inputs; rows/cols then derive from it
+    rows_: Tensor | None = None
+    cols_: Tensor | None = None
+
+    def rows_cols(self) -> tuple[Tensor, Tensor]:
+        if self.rows_ is None or self.cols_ is None:
+            assert self.splits is not None
+            rows = segments_from_offsets(self.splits)
+            cols = torch.arange(self.values.numel(), device=self.values.device) - self.splits[rows]
+            object.__setattr__(self, "rows_", rows)
+            object.__setattr__(self, "cols_", cols)
+        assert self.rows_ is not None and self.cols_ is not None
+        return self.rows_, self.cols_
 
 
 def is_kjt(x: object) -> bool:
@@ -125,13 +145,6 @@ class InputConverter:
             )
         return x.values, splits
 
-    def _from_splits(self, values: Tensor, splits: Tensor) -> tuple[Tensor, Tensor, tuple[int, ...]]:
-        b = splits.numel() - 1
-        lengths = splits[1:] - splits[:-1]
-        rows = torch.repeat_interleave(torch.arange(b, device=values.device), lengths.to(values.device))
-        cols = torch.arange(values.numel(), device=values.device) - splits.to(values.device)[rows]
-        return rows, cols, (b,)
-
     def _as_ragged(self, x: Any, what: str) -> Ragged | None:
         """Nested jagged tensors and single-key KJTs become Ragged; other inputs give None."""
         if isinstance(x, Ragged):
@@ -176,8 +189,7 @@ class InputConverter:
                     "Build ids and weights with the same lengths.",
                 )
             weights = wv
-        rows, cols, lead = self._from_splits(values, splits)
-        return _Jagged(values, rows, cols, lead, weights)
+        return _Jagged(values, (splits.numel() - 1,), weights, splits=splits)
 
     def _from_sparse(self, x: Tensor, w: Any) -> _Jagged:
         if x.dense_dim() != 0 or x.sparse_dim() < 2:
@@ -213,7 +225,7 @@ class InputConverter:
                 self.who,
                 len(shape),
             )
-        return _Jagged(values, rows, cols, shape[:-1], weights)
+        return _Jagged(values, shape[:-1], weights, rows_=rows, cols_=cols)
 
     def _sparse_order(self, x: Tensor, what: str) -> tuple[Tensor, Tensor]:
         """Row-major order of a COO tensor's entries; raises on duplicate indices."""
@@ -250,7 +262,6 @@ class InputConverter:
             return self._convert_dense(x, w, device)
         j = self._jagged(x, w)
         values = j.values.to(device=device, dtype=torch.int64)
-        rows, cols = j.rows.to(device), j.cols.to(device)
         weights = None if j.weights is None else self._check_weights(j.weights, values.shape).to(device)
         batch = math.prod(j.lead_shape)
         if cfg.is_sequence and len(j.lead_shape) == 1:
@@ -262,15 +273,23 @@ class InputConverter:
                 )
             m = cfg.max_sequence_length
             values, keep, _ = self._check_ids(values, None)  # every id is range-checked, even truncated ones
-            rows, cols = rows[keep], cols[keep]
+            rows, cols = (t.to(device) for t in j.rows_cols())
+            if keep is not None:
+                rows, cols = rows[keep], cols[keep]
             within = cols < m
             seg = (rows * m + cols)[within]
             return self._finish(values[within], seg, batch * m, (batch, m), None)
         values, keep, weights = self._check_ids(values, weights)
-        seg = rows[keep]
         out_shape = self._output_shape(j.lead_shape, batch)
-        coeffs = self._combiner_coeffs(seg, weights, batch)
-        return self._finish(values, seg, batch, out_shape, coeffs)
+        if keep is None and j.splits is not None:
+            # Nothing dropped from a ragged input: its row_splits are the offsets, no segment index needed.
+            offsets = j.splits.to(device=device, dtype=torch.int64)
+            batch_ = FeatureBatch(ids=values, offsets=offsets, coeffs=None, out_shape=out_shape)
+            return dataclasses.replace(batch_, coeffs=self._combiner_coeffs(batch_, weights))
+        rows = j.rows_cols()[0].to(device)
+        seg = rows if keep is None else rows[keep]
+        batch_ = self._finish(values, seg, batch, out_shape, None)
+        return dataclasses.replace(batch_, coeffs=self._combiner_coeffs(batch_, weights))
 
     def _convert_dense(self, x: Tensor, w: Any, device: torch.device) -> FeatureBatch:
         cfg = self.feature.config
@@ -290,6 +309,9 @@ class InputConverter:
         n = flat.numel()
         out_shape = self._output_shape(tuple(int(d) for d in x.shape), n)
         values, keep, _ = self._check_ids(flat, None)
+        if keep is None:
+            offsets = torch.arange(n + 1, device=device)
+            return FeatureBatch(ids=values, offsets=offsets, coeffs=None, out_shape=out_shape)
         seg = torch.arange(n, device=device)[keep]
         return self._finish(values, seg, n, out_shape, None)
 
@@ -320,10 +342,16 @@ class InputConverter:
             )
         return w
 
-    def _check_ids(self, ids: Tensor, weights: Tensor | None) -> tuple[Tensor, Tensor, Tensor | None]:
+    def _check_ids(self, ids: Tensor, weights: Tensor | None) -> tuple[Tensor, Tensor | None, Tensor | None]:
         """Range rules: ids >= V always raise; ids < 0 (and weights <= 0) are dropped when
-        validate_weights_and_indices, else a negative id raises. Returns kept ids, keep mask, weights."""
+        validate_weights_and_indices, else a negative id raises. Returns the kept ids, the keep mask
+        (None when every id is kept) and the kept weights."""
         vocab = self.table.vocabulary_size
+        validate = self.feature.config.validate_weights_and_indices
+        lowest, highest = (int(v) for v in torch.aminmax(ids)) if ids.numel() else (0, -1)
+        drop_weights = weights is not None and validate and bool((weights <= 0).any())
+        if highest < vocab and lowest >= 0 and not drop_weights:
+            return ids, None, weights  # the common case: one pass over the ids
         keep = torch.ones_like(ids, dtype=torch.bool)
         if ids.numel():
             too_big = ids >= vocab
@@ -342,17 +370,16 @@ class InputConverter:
                         "Remove negative ids, or set validate_weights_and_indices=True to drop them.",
                     )
                 keep = ~negative
-        if weights is not None and self.feature.config.validate_weights_and_indices:
+        if weights is not None and validate:
             keep = keep & (weights > 0)
-        if bool(keep.all()):
-            return ids, keep, weights
         return ids[keep], keep, None if weights is None else weights[keep]
 
-    def _combiner_coeffs(self, seg: Tensor, weights: Tensor | None, num_segments: int) -> Tensor | None:
+    def _combiner_coeffs(self, batch: FeatureBatch, weights: Tensor | None) -> Tensor | None:
         """``s_b * w_k`` per id (SPEC 2.1); a zero denominator gives s_b = 0."""
         combiner = self.table.config.combiner
         if combiner == Combiner.SUM:
             return weights
+        seg, num_segments = batch.seg, batch.num_segments
         w = weights if weights is not None else torch.ones(seg.shape, dtype=torch.float32, device=seg.device)
         if combiner == Combiner.MEAN:
             den = segment_sum(w, seg, num_segments)
@@ -365,4 +392,4 @@ class InputConverter:
         self, ids: Tensor, seg: Tensor, num_segments: int, out_shape: tuple[int, ...], coeffs: Tensor | None
     ) -> FeatureBatch:
         offsets = offsets_from_segments(seg, num_segments)
-        return FeatureBatch(ids=ids, seg=seg, offsets=offsets, coeffs=coeffs, out_shape=out_shape)
+        return FeatureBatch(ids=ids, offsets=offsets, coeffs=coeffs, out_shape=out_shape, seg_=seg)
