@@ -45,11 +45,6 @@ class _OptParams(ctypes.Structure):
 
     _fields_ = [
         ("kind", ctypes.c_int32),
-        ("clip_grad", ctypes.c_int32),
-        ("has_glo", ctypes.c_int32),
-        ("has_ghi", ctypes.c_int32),
-        ("has_wlo", ctypes.c_int32),
-        ("has_whi", ctypes.c_int32),
         ("flag_a", ctypes.c_int32),
         ("flag_b", ctypes.c_int32),
         ("lr", ctypes.c_float),
@@ -160,12 +155,11 @@ def opt_params(opt: Optimizer, lr: float, decay: float, *, clip_gradients: bool)
     """The C parameter block for ``opt`` at learning rate ``lr`` and effective decay ``decay``."""
     p = _OptParams()
     p.kind = _KINDS[type(opt)]
-    glo, ghi = opt.gradient_clip_bounds
-    p.clip_grad = int(clip_gradients and (glo is not None or ghi is not None))
-    p.has_glo, p.glo = int(glo is not None), float(glo or 0.0)
-    p.has_ghi, p.ghi = int(ghi is not None), float(ghi or 0.0)
-    p.has_wlo, p.wlo = int(opt.clip_weight_min is not None), float(opt.clip_weight_min or 0.0)
-    p.has_whi, p.whi = int(opt.clip_weight_max is not None), float(opt.clip_weight_max or 0.0)
+    inf = float("inf")
+    glo, ghi = opt.gradient_clip_bounds if clip_gradients else (None, None)
+    p.glo, p.ghi = -inf if glo is None else float(glo), inf if ghi is None else float(ghi)
+    wlo, whi = opt.clip_weight_min, opt.clip_weight_max
+    p.wlo, p.whi = -inf if wlo is None else float(wlo), inf if whi is None else float(whi)
     p.lr, p.decay = lr, decay
     if isinstance(opt, AdagradMomentum):
         p.flag_a, p.flag_b = int(opt.use_nesterov), int(opt.beta2 == 1)

@@ -21,12 +21,14 @@ enum { ET_SGD = 0, ET_ADAGRAD = 1, ET_ADAGRAD_MOMENTUM = 2, ET_ADAM = 3, ET_FTRL
 /* Mirrors embtables.kernels.native._OptParams (ctypes.Structure); keep the field order in sync. */
 typedef struct {
     int32_t kind;
-    int32_t clip_grad, has_glo, has_ghi, has_wlo, has_whi;
     int32_t flag_a; /* Adam: sum_inside_sqrt; AdagradMomentum: use_nesterov; FTRL: multiply_linear */
     int32_t flag_b; /* AdagradMomentum: beta2 == 1; FTRL: allow_zero_accumulator */
-    float lr, decay, glo, ghi, wlo, whi;
+    float lr, decay, glo, ghi, wlo, whi; /* absent clip bounds are -inf / +inf */
     float c0, c1, c2, c3, c4, c5; /* per-kind constants, see native.py */
 } et_opt;
+
+static inline void et_prefetch_row(const float *row, int64_t D, int rw);
+#define ET_PF 8 /* rows of look-ahead: enough misses in flight to cover DRAM latency */
 
 /* ------------------------------------------------------------------------------------------ */
 /* Lookup: out[s] = sum_k coeffs[k] * W[ids[k]] over k in [offsets[s], offsets[s+1]).          */
@@ -39,7 +41,7 @@ void et_lookup(const float *W, int64_t D, const int64_t *ids, const int64_t *off
         for (int64_t d = 0; d < D; ++d) o[d] = 0.0f;
         const int64_t end = offsets[s + 1];
         for (int64_t k = offsets[s]; k < end; ++k) {
-            if (k + 4 < end) __builtin_prefetch(W + ids[k + 4] * D, 0, 0);
+            if (k + ET_PF < end) et_prefetch_row(W + ids[k + ET_PF] * D, D, 0);
             const float *restrict row = W + ids[k] * D;
             if (coeffs) {
                 const float c = coeffs[k];
@@ -53,79 +55,128 @@ void et_lookup(const float *W, int64_t D, const int64_t *ids, const int64_t *off
 
 /* ------------------------------------------------------------------------------------------ */
 /* Per-row optimizer pipeline: gradient clip -> decoupled decay -> optimizer -> weight clip.    */
+/* One function per optimizer so each element loop vectorises; absent clip bounds are +-inf.    */
 
-static inline float et_pow(float n, float p, int allow_zero) {
-    float r = (p == 0.5f) ? sqrtf(n) : powf(n, p);
+#define ET_PROLOGUE                                                                                                \
+    float g = gin ? gin[d] : 0.0f;                                                                                 \
+    g = g < p->glo ? p->glo : g;                                                                                   \
+    g = g > p->ghi ? p->ghi : g;                                                                                   \
+    float x = w[d];                                                                                                \
+    x = x - p->decay * x;
+#define ET_EPILOGUE                                                                                                \
+    x = x < p->wlo ? p->wlo : x;                                                                                   \
+    x = x > p->whi ? p->whi : x;                                                                                   \
+    w[d] = x;
+
+static void et_row_sgd(const et_opt *p, float *restrict w, float *restrict s0, float *restrict s1,
+                       const float *restrict gin, int64_t D) {
+    (void)s0;
+    (void)s1;
+    const float lr = p->lr;
+    for (int64_t d = 0; d < D; ++d) {
+        ET_PROLOGUE
+        x = x - lr * g;
+        ET_EPILOGUE
+    }
+}
+
+static void et_row_adagrad(const et_opt *p, float *restrict w, float *restrict s0, float *restrict s1,
+                           const float *restrict gin, int64_t D) {
+    (void)s1;
+    const float lr = p->lr;
+    for (int64_t d = 0; d < D; ++d) {
+        ET_PROLOGUE
+        const float a = s0[d] + g * g;
+        s0[d] = a;
+        x = x - lr * g / sqrtf(a);
+        ET_EPILOGUE
+    }
+}
+
+/* c0 momentum, c1 -1/exponent, c2 beta2, c3 1-beta2, c4 epsilon; flag_a nesterov, flag_b beta2 == 1 */
+static void et_row_adagrad_momentum(const et_opt *p, float *restrict w, float *restrict s0, float *restrict s1,
+                                    const float *restrict gin, int64_t D) {
+    const float lr = p->lr;
+    for (int64_t d = 0; d < D; ++d) {
+        ET_PROLOGUE
+        const float a = p->flag_b ? s0[d] + g * g : p->c2 * s0[d] + p->c3 * (g * g);
+        const float scaled = powf(a + p->c4, p->c1) * g;
+        const float m = p->c0 * s1[d] + scaled;
+        s0[d] = a;
+        s1[d] = m;
+        x = x - lr * (p->flag_a ? p->c0 * m + scaled : m);
+        ET_EPILOGUE
+    }
+}
+
+/* c0 b1, c1 1-b1, c2 b2, c3 1-b2, c4 eps^2, c5 eps; flag_a sum_inside_sqrt */
+static void et_row_adam(const et_opt *p, float *restrict w, float *restrict s0, float *restrict s1,
+                        const float *restrict gin, int64_t D) {
+    const float lr = p->lr;
+    for (int64_t d = 0; d < D; ++d) {
+        ET_PROLOGUE
+        const float m = p->c0 * s0[d] + p->c1 * g;
+        const float v = p->c2 * s1[d] + p->c3 * (g * g);
+        s0[d] = m;
+        s1[d] = v;
+        const float den = p->flag_a ? sqrtf(v + p->c4) : sqrtf(v) + p->c5;
+        x = x - lr * m / den;
+        ET_EPILOGUE
+    }
+}
+
+static inline float et_pow(float n, float e, int allow_zero) {
+    const float r = (e == 0.5f) ? sqrtf(n) : powf(n, e);
     return (allow_zero && n == 0.0f) ? 0.0f : r;
 }
 
-static inline void et_update_row(const et_opt *pp, float *restrict w, float *restrict s0, float *restrict s1,
-                                 const float *restrict gin, int64_t D) {
-    const et_opt P = *pp; /* a local copy: the compiler knows no store below can change it */
-    const et_opt *p = &P;
-    const float lr = p->lr;
+/* c0 p = -learning_rate_power, c1 l1 (or lr*l1), c2 beta, c3 2*l2 (or 2*lr*l2); flag_a multiply_linear,
+ * flag_b allow_zero_accumulator */
+static void et_row_ftrl(const et_opt *p, float *restrict w, float *restrict s0, float *restrict s1,
+                        const float *restrict gin, int64_t D) {
+    const float lr = p->lr, lim = p->c1;
     for (int64_t d = 0; d < D; ++d) {
-        float g = gin ? gin[d] : 0.0f;
-        if (p->clip_grad) {
-            if (p->has_glo && g < p->glo) g = p->glo;
-            if (p->has_ghi && g > p->ghi) g = p->ghi;
+        ET_PROLOGUE
+        const float n = s0[d];
+        const float nn = n + g * g;
+        const float pw_new = et_pow(nn, p->c0, p->flag_b);
+        const float delta = pw_new - et_pow(n, p->c0, p->flag_b);
+        float z = s1[d], den;
+        if (p->flag_a) {
+            z = z + lr * g - delta * x;
+            den = pw_new + p->c3 + p->c2;
+        } else {
+            z = z + g - (delta / lr) * x;
+            den = (pw_new + p->c2) / lr + p->c3;
         }
-        float x = w[d];
-        if (p->decay != 0.0f) x = x - p->decay * x;
-        switch (p->kind) {
-        case ET_SGD:
-            x = x - lr * g;
-            break;
-        case ET_ADAGRAD: {
-            const float a = s0[d] + g * g;
-            s0[d] = a;
-            x = x - lr * g / sqrtf(a);
-            break;
-        }
-        case ET_ADAGRAD_MOMENTUM: { /* c0 momentum, c1 -1/exponent, c2 beta2, c3 1-beta2, c4 epsilon */
-            const float a = p->flag_b ? s0[d] + g * g : p->c2 * s0[d] + p->c3 * (g * g);
-            const float scaled = powf(a + p->c4, p->c1) * g;
-            const float m = p->c0 * s1[d] + scaled;
-            s0[d] = a;
-            s1[d] = m;
-            x = x - lr * (p->flag_a ? p->c0 * m + scaled : m);
-            break;
-        }
-        case ET_ADAM: { /* c0 b1, c1 1-b1, c2 b2, c3 1-b2, c4 eps^2, c5 eps */
-            const float m = p->c0 * s0[d] + p->c1 * g;
-            const float v = p->c2 * s1[d] + p->c3 * (g * g);
-            s0[d] = m;
-            s1[d] = v;
-            const float den = p->flag_a ? sqrtf(v + p->c4) : sqrtf(v) + p->c5;
-            x = x - lr * m / den;
-            break;
-        }
-        case ET_FTRL: { /* c0 p, c1 l1 (or lr*l1), c2 beta, c3 2*l2 (or 2*lr*l2) */
-            const float n = s0[d];
-            const float nn = n + g * g;
-            const float pw_new = et_pow(nn, p->c0, p->flag_b);
-            const float delta = pw_new - et_pow(n, p->c0, p->flag_b);
-            float z = s1[d], den;
-            if (p->flag_a) {
-                z = z + lr * g - delta * x;
-                den = pw_new + p->c3 + p->c2;
-            } else {
-                z = z + g - (delta / lr) * x;
-                den = (pw_new + p->c2) / lr + p->c3;
-            }
-            const float lim = p->c1;
-            const float numer = (z < -lim ? -lim : (z > lim ? lim : z)) - z;
-            s0[d] = nn;
-            s1[d] = z;
-            x = (p->flag_b && numer == 0.0f) ? 0.0f : numer / den;
-            break;
-        }
-        }
-        if (p->has_wlo && x < p->wlo) x = p->wlo;
-        if (p->has_whi && x > p->whi) x = p->whi;
-        w[d] = x;
+        const float numer = (z < -lim ? -lim : (z > lim ? lim : z)) - z;
+        s0[d] = nn;
+        s1[d] = z;
+        x = (p->flag_b && numer == 0.0f) ? 0.0f : numer / den;
+        ET_EPILOGUE
     }
 }
+
+typedef void (*et_row_fn)(const et_opt *, float *, float *, float *, const float *, int64_t);
+
+static et_row_fn et_row_function(int kind) {
+    switch (kind) {
+    case ET_SGD: return et_row_sgd;
+    case ET_ADAGRAD: return et_row_adagrad;
+    case ET_ADAGRAD_MOMENTUM: return et_row_adagrad_momentum;
+    case ET_ADAM: return et_row_adam;
+    default: return et_row_ftrl;
+    }
+}
+
+/* Prefetch a whole row (every 64-byte line), for writing. */
+static inline void et_prefetch_row(const float *row, int64_t D, int rw) {
+    for (int64_t off = 0; off < D; off += 16) {
+        if (rw) __builtin_prefetch(row + off, 1, 0);
+        else __builtin_prefetch(row + off, 0, 0);
+    }
+}
+
 
 /* ------------------------------------------------------------------------------------------ */
 /* Phase 1: dedup the ids of one table (all its features) with an open-addressing hash, and sum */
@@ -282,16 +333,19 @@ void et_prepared_copy(const void *handle, int64_t *rows, float *G) {
 void et_apply(const void *handle, float *W, float *S0, float *S1, int64_t V, const et_opt *p, int dense,
               int nthreads) {
     const et_prepared *h = (const et_prepared *)handle;
-    const int64_t D = h->D;
+    const int64_t D = h->D, U = h->U;
+    const et_row_fn fn = et_row_function(p->kind);
     if (!dense) {
 #pragma omp parallel for num_threads(nthreads) schedule(static, 256)
-        for (int64_t u = 0; u < h->U; ++u) {
-            const int64_t r = h->rows[u];
-            if (u + 2 < h->U) {
-                __builtin_prefetch(W + h->rows[u + 2] * D, 1, 0);
-                if (S0) __builtin_prefetch(S0 + h->rows[u + 2] * D, 1, 0);
+        for (int64_t u = 0; u < U; ++u) {
+            if (u + ET_PF < U) {
+                const int64_t q = h->rows[u + ET_PF] * D;
+                et_prefetch_row(W + q, D, 1);
+                if (S0) et_prefetch_row(S0 + q, D, 1);
+                if (S1) et_prefetch_row(S1 + q, D, 1);
             }
-            et_update_row(p, W + r * D, S0 ? S0 + r * D : NULL, S1 ? S1 + r * D : NULL, h->G + u * D, D);
+            const int64_t r = h->rows[u] * D;
+            fn(p, W + r, S0 ? S0 + r : NULL, S1 ? S1 + r : NULL, h->G + u * D, D);
         }
         return;
     }
@@ -299,8 +353,7 @@ void et_apply(const void *handle, float *W, float *S0, float *S1, int64_t V, con
 #pragma omp parallel for num_threads(nthreads) schedule(static, 1024)
     for (int64_t r = 0; r < V; ++r) {
         const int64_t u = et_find(h, r, shift);
-        et_update_row(p, W + r * D, S0 ? S0 + r * D : NULL, S1 ? S1 + r * D : NULL, u >= 0 ? h->G + u * D : NULL,
-                      D);
+        fn(p, W + r * D, S0 ? S0 + r * D : NULL, S1 ? S1 + r * D : NULL, u >= 0 ? h->G + u * D : NULL, D);
     }
 }
 
@@ -308,6 +361,7 @@ void et_apply(const void *handle, float *W, float *S0, float *S1, int64_t V, con
 /* across threads by id, so every row still sees its occurrences in order.                          */
 void et_apply_sequential(const int64_t *rows, const float *G, int64_t N, float *W, float *S0, float *S1, int64_t D,
                          const et_opt *p, int nthreads) {
+    const et_row_fn fn = et_row_function(p->kind);
 #pragma omp parallel num_threads(nthreads)
     {
         int t = 0, T = 1;
@@ -318,7 +372,7 @@ void et_apply_sequential(const int64_t *rows, const float *G, int64_t N, float *
         for (int64_t k = 0; k < N; ++k) {
             const int64_t r = rows[k];
             if ((int)(et_hash(r) >> 59) % T != t) continue;
-            et_update_row(p, W + r * D, S0 ? S0 + r * D : NULL, S1 ? S1 + r * D : NULL, G + k * D, D);
+            fn(p, W + r * D, S0 ? S0 + r * D : NULL, S1 ? S1 + r * D : NULL, G + k * D, D);
         }
     }
 }
