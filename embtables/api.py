@@ -19,13 +19,36 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from embtables.config import Optimizer, ResolvedConfig, nest, resolve
+from embtables.config import Optimizer, ResolvedConfig, TableConfig, nest, resolve
 from embtables.errors import InputError
 from embtables.tables.collection import EmbeddingCollection, TableGradient
 from embtables.tables.inputs import FeatureBatch, InputConverter, is_kjt, split_kjt
 from embtables.tables.ragged import Ragged
 
 logger = logging.getLogger("embtables")
+
+
+class TableDict(dict[str, Any]):
+    """``{table name: value}`` that also accepts the ``TableConfig`` object as a key, as TF's
+    ``embedding_tables[table_config]`` does (resolved by identity to the table's name)."""
+
+    def __init__(self, data: dict[str, Any], names_by_config: dict[int, str]) -> None:
+        super().__init__(data)
+        self._names = names_by_config
+
+    def _key(self, key: object) -> str:
+        if isinstance(key, TableConfig):
+            return self._names.get(id(key), f"<TableConfig {key.name!r} not in this module>")
+        return key  # type: ignore[return-value]  # a str, or a bad key that dict lookup rejects
+
+    def __getitem__(self, key: object) -> Any:
+        return super().__getitem__(self._key(key))
+
+    def __contains__(self, key: object) -> bool:
+        return super().__contains__(self._key(key))
+
+    def get(self, key: object, default: Any = None) -> Any:
+        return super().get(self._key(key), default)
 
 
 def _is_input_leaf(x: object) -> bool:
@@ -53,7 +76,8 @@ class DistributedEmbedding(nn.Module):
 
     Args:
       feature_config: a nest (dict, list, tuple, nested) of ``FeatureConfig``. Activations come back
-        in the same nest; dicts are ordered by sorted key like ``tf.nest``.
+        in the same nest. Features (and so tables, in order of first appearance) are flattened in
+        ``tf.nest`` order, i.e. dict keys sorted; unnamed tables become ``table_{i}`` in that order.
       optimizer: the global optimizer for tables whose ``TableConfig.optimizer`` is None.
       pipeline_execution_with_tensor_core: when True, the lookup of step t+1 reads the tables before
         the update of step t is applied (one step stale, SPEC 6); updates still apply in order.
@@ -79,6 +103,8 @@ class DistributedEmbedding(nn.Module):
         dev = torch.device(device) if device is not None else torch.device("cpu")
         self._engine = EmbeddingCollection(self._resolved, dev)
         self._converters = [InputConverter(f, self._resolved.tables[f.table_index]) for f in self._resolved.features]
+        self._names_by_config = {id(t.config): t.name for t in self._resolved.tables}
+        self._built = False
         self._enqueued: tuple[list[FeatureBatch], bool] | None = None
         self._last: _Lookup | None = None
         self._pending: _PendingUpdate | None = None
@@ -99,15 +125,28 @@ class DistributedEmbedding(nn.Module):
 
     @property
     def embedding_tables(self) -> dict[str, Tensor]:
-        """``{table name: weights [V, D]}`` (live tensors, after any pipelined update)."""
+        """``{table name: weights [V, D]}`` (live tensors, after any pipelined update); the
+        ``TableConfig`` object works as a key too, as in TF."""
         self._flush()
-        return {name: s.weights for name, s in self._engine.states.items()}
+        return TableDict({name: s.weights for name, s in self._engine.states.items()}, self._names_by_config)
 
     @property
     def slot_variables(self) -> dict[str, dict[str, Tensor]]:
-        """``{table name: {slot name: [V, D]}}`` with TF's slot names (live tensors)."""
+        """``{table name: {slot name: [V, D]}}`` with TF's slot names (live tensors); the
+        ``TableConfig`` object works as a key too."""
         self._flush()
-        return {name: dict(s.slots) for name, s in self._engine.states.items()}
+        return TableDict({name: dict(s.slots) for name, s in self._engine.states.items()}, self._names_by_config)
+
+    def build(self, per_replica_input_shapes: Any = None, per_replica_batch_size: int | None = None) -> None:
+        """TF compatibility: tables are created at construction, so this only checks TF's rules
+        (both arguments together raise ``ValueError``; a second call logs a warning)."""
+        if per_replica_input_shapes is not None and per_replica_batch_size is not None:
+            raise ValueError(
+                "DistributedEmbedding.build: pass `per_replica_input_shapes` or `per_replica_batch_size`, not both."
+            )
+        if self._built:
+            logger.warning("DistributedEmbedding.build: already built; this call does nothing.")
+        self._built = True
 
     # ------------------------------------------------------------------ forward
     def _flatten_inputs(self, features: Any, weights: Any) -> tuple[list[Any], list[Any]]:
@@ -164,6 +203,12 @@ class DistributedEmbedding(nn.Module):
         with torch.no_grad():
             acts = self._engine.lookup(batches)
         if training:
+            if self._last is not None:
+                logger.warning(
+                    "DistributedEmbedding: a training lookup's gradients were never applied before the next "
+                    "training lookup; they are dropped. Call apply_gradients() once after each training lookup, "
+                    "or look up with training=False / module.eval() for inference."
+                )
             acts = [a.requires_grad_(True) for a in acts]
             self._last = _Lookup(batches, acts)
             self._flush()  # the pending update of the previous step lands after this step's lookup

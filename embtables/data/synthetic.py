@@ -22,6 +22,11 @@ Example::
     emb = embtables.DistributedEmbedding(data.feature_configs(dim=8), optimizer=embtables.Adagrad(0.1))
     for features, labels in data.batches(batch_size=256, num_batches=100):
         acts = emb(features)  # {feature name: [B, D]}
+        loss = my_loss(acts, labels)  # e.g. an MLP on the concatenated [B, F*D] and BCE
+        loss.backward()
+        emb.apply_gradients()
+
+``examples/quickstart.py`` is the complete program.
 """
 
 from __future__ import annotations
@@ -42,7 +47,10 @@ Batch = tuple[dict[str, Ragged], Tensor]
 """``(features, labels)``: ``{feature name: Ragged [B, (ids)]}`` and float32 labels [B] in {0, 1}."""
 
 _SPLITS: dict[str, int] = {"train": 0, "eval": 1}
-_TEACHER_STREAM = 7_919  # any constant distinct from the split codes: the teacher's own seed stream
+# Seed streams: SeedSequence([seed, stream, ...]) keeps the teacher, the table initializers and the
+# batches of each split independent of one another. Any constants distinct from the split codes.
+_TEACHER_STREAM = 7_919
+_INIT_STREAM = 7_927
 
 
 def _is_int(x: object) -> bool:
@@ -236,7 +244,8 @@ class SyntheticCTR:
         tables: dict[str, TableConfig] = {}
         for i, name in enumerate(self.config.table_names):
             v = next(f.vocabulary_size for f in self.config.features if f.table_name == name)
-            init = TruncatedNormal(mean=0.0, stddev=1.0 / math.sqrt(dim), seed=self.config.seed * 1_000 + i)
+            seed = int(np.random.SeedSequence([self.config.seed, _INIT_STREAM, i]).generate_state(1)[0])
+            init = TruncatedNormal(mean=0.0, stddev=1.0 / math.sqrt(dim), seed=seed)
             tables[name] = TableConfig(
                 vocabulary_size=v, dim=dim, initializer=init, optimizer=optimizer, combiner=combiner, name=name
             )

@@ -206,3 +206,32 @@ def test_every_input_format_gives_the_same_activations(fmt: str) -> None:
     torch.testing.assert_close(out[0], torch.full((3,), (1 * 2 + 0.5 * 3 + 2 * 3) / den0))
     assert torch.equal(out[1], torch.zeros(3))
     torch.testing.assert_close(out[2], torch.full((3,), 1.0))
+
+
+def test_table_config_objects_work_as_keys_like_tf() -> None:
+    a, b = _tables()
+    emb = et.DistributedEmbedding({"x": et.FeatureConfig(a), "y": et.FeatureConfig(b)}, et.Adagrad(0.1))
+    assert emb.embedding_tables[a] is emb.embedding_tables["a"]
+    assert b in emb.slot_variables and emb.slot_variables[b]["accumulators"].shape == (7, 3)
+    other = et.TableConfig(20, 4, name="a")  # equal-looking but a different object: not this module's table
+    assert emb.embedding_tables.get(other) is None
+
+
+def test_build_follows_tf_rules(caplog: pytest.LogCaptureFixture) -> None:
+    a, _ = _tables()
+    emb = et.DistributedEmbedding({"x": et.FeatureConfig(a)}, et.SGD(0.1))
+    with pytest.raises(ValueError, match="not both"):
+        emb.build(per_replica_input_shapes={"x": [2]}, per_replica_batch_size=2)
+    emb.build(per_replica_batch_size=2)
+    with caplog.at_level(logging.WARNING, logger="embtables"):
+        emb.build()
+    assert "already built" in caplog.text
+
+
+def test_unapplied_training_lookup_warns(caplog: pytest.LogCaptureFixture) -> None:
+    a, _ = _tables()
+    emb = et.DistributedEmbedding({"x": et.FeatureConfig(a)}, et.SGD(0.1))
+    emb({"x": torch.tensor([1])})
+    with caplog.at_level(logging.WARNING, logger="embtables"):
+        emb({"x": torch.tensor([2])})
+    assert "never applied" in caplog.text
