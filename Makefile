@@ -6,7 +6,7 @@ install:
 	@bash scripts/install.sh
 
 demo: install
-	$(PY) examples/quickstart.py
+	$(PY) -m embtables train
 
 test: install
 	$(PY) -m pytest tests
