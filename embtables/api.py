@@ -251,12 +251,12 @@ class DistributedEmbedding(nn.Module):
                 if g is None:
                     logger.warning("feature %r: gradient is None; applying a zero gradient.", f.name)
         checked = [self._engine.check_gradient(i, b, g) for i, (b, g) in enumerate(zip(last.batches, flat_g))]
+        self._flush()  # a held-back update lands first: phase 1 below reuses the tables' native workspaces
         table_grads = self._engine.table_gradients(last.batches, checked)
         lrs = self._engine.learning_rates()
         self._last = None
         update = _PendingUpdate(table_grads, lrs)
         if self.pipeline_execution_with_tensor_core:
-            self._flush()
             self._pending = update
         else:
             self._engine.apply(update.table_grads, update.lrs)

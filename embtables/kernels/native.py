@@ -105,8 +105,8 @@ def _compile() -> ctypes.CDLL | None:
     p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.POINTER(_OptParams)
     lib.et_lookup.argtypes = [p, i64, p, p, i64, p, p, i32]
     lib.et_lookup.restype = None
-    lib.et_prepare.argtypes = [i64, p, p, p, p, p, i64, i32, ctypes.POINTER(ctypes.c_int)]
-    lib.et_prepare.restype = p
+    lib.et_prepare_many.argtypes = [i64, p, p, p, p, p, p, p, i32, p, p]
+    lib.et_prepare_many.restype = None
     lib.et_prepared_size.argtypes = [p]
     lib.et_prepared_size.restype = i64
     lib.et_prepared_copy.argtypes = [p, p, p]
@@ -115,8 +115,10 @@ def _compile() -> ctypes.CDLL | None:
     lib.et_apply.restype = None
     lib.et_apply_sequential.argtypes = [p, p, i64, p, p, p, i64, f32, i32]
     lib.et_apply_sequential.restype = None
-    lib.et_free.argtypes = [p]
-    lib.et_free.restype = None
+    lib.et_workspace_new.argtypes = []
+    lib.et_workspace_new.restype = p
+    lib.et_workspace_free.argtypes = [p]
+    lib.et_workspace_free.restype = None
     return lib
 
 
@@ -198,37 +200,51 @@ def lookup(table: Tensor, ids: Tensor, offsets: Tensor, coeffs: Tensor | None) -
     return out
 
 
-class Prepared:
-    """Phase 1 of one table's update, held in C memory: unique rows and their summed gradients."""
+class Workspace:
+    """One table's native scratch memory, reused every step (steady-state steps allocate nothing).
 
-    def __init__(self, handle: int, dim: int) -> None:
+    After ``prepare_many`` it holds phase 1 of that step: the unique rows and their summed
+    gradients, until the next ``prepare_many`` on it.
+    """
+
+    def __init__(self, dim: int) -> None:
+        lib = library()
+        assert lib is not None
+        handle = lib.et_workspace_new()
+        if not handle:
+            raise MemoryError("embtables: could not allocate a native workspace.")
         self._handle: int | None = handle
         self.dim = dim
 
     @property
+    def handle(self) -> int:
+        assert self._handle is not None, "the workspace was freed"
+        return self._handle
+
+    @property
     def num_rows(self) -> int:
         lib = library()
-        assert lib is not None and self._handle is not None
-        return int(lib.et_prepared_size(self._handle))
+        assert lib is not None
+        return int(lib.et_prepared_size(self.handle))
 
     def rows_and_grads(self) -> tuple[Tensor, Tensor]:
-        """Copies of the unique rows [U] and summed gradients [U, D]."""
+        """Copies of the prepared unique rows [U] and summed gradients [U, D]."""
         lib = library()
-        assert lib is not None and self._handle is not None
+        assert lib is not None
         u = self.num_rows
         rows = torch.empty(u, dtype=torch.int64)
         grads = torch.empty((u, self.dim), dtype=torch.float32)
-        lib.et_prepared_copy(self._handle, rows.data_ptr(), grads.data_ptr())
+        lib.et_prepared_copy(self.handle, rows.data_ptr(), grads.data_ptr())
         return rows, grads
 
     def apply(self, weights: Tensor, slots: tuple[Tensor, ...], params: _OptParams, *, dense: bool) -> None:
         """Phase 2: the fused per-row update of ``weights`` [V, D] and ``slots`` (in place)."""
         lib = library()
-        assert lib is not None and self._handle is not None
+        assert lib is not None
         s0 = slots[0] if len(slots) > 0 else None
         s1 = slots[1] if len(slots) > 1 else None
         lib.et_apply(
-            self._handle,
+            self.handle,
             weights.data_ptr(),
             _ptr(s0),
             _ptr(s1),
@@ -238,32 +254,49 @@ class Prepared:
             _threads(),
         )
 
-    def close(self) -> None:
-        if self._handle is not None and _lib is not None:
-            _lib.et_free(self._handle)
-        self._handle = None
+    def __deepcopy__(self, memo: dict[int, Any]) -> Workspace:
+        return Workspace(self.dim)  # scratch memory: a copy gets its own, never the same handle
+
+    def __reduce__(self) -> tuple[type[Workspace], tuple[int]]:
+        return (Workspace, (self.dim,))  # pickling (torch.save of a module) rebuilds fresh scratch
 
     def __del__(self) -> None:
-        self.close()
+        if getattr(self, "_handle", None) is not None and _lib is not None:
+            _lib.et_workspace_free(self._handle)
+        self._handle = None
 
 
-def prepare(parts: list[tuple[Tensor, Tensor, Tensor | None, Tensor | None]], dim: int) -> tuple[Prepared, bool]:
-    """Dedup ids and sum gradients for one table from its features' ``(ids [N], offsets [S+1],
-    coeffs [N] | None, grad [S, D] | None)``; returns the prepared update and whether it is finite."""
+FeaturePart = tuple[Tensor, Tensor, Tensor | None, Tensor | None]
+
+
+def prepare_many(tables: list[tuple[Workspace, list[FeaturePart]]]) -> list[int]:
+    """Phase 1 for several tables in one call: for each ``(workspace, parts)``, where every part is a
+    feature's ``(ids [N], offsets [S+1], coeffs [N] | None, grad [S, D] | None)``, dedup the ids and
+    sum the gradients into the workspace. Returns a status per table: 0 ok, 1 non-finite gradient,
+    2 out of memory."""
     lib = library()
     assert lib is not None
-    n = len(parts)
+    parts = [part for _, table_parts in tables for part in table_parts]
+    n, t = len(parts), len(tables)
+    first = [0]
+    for _, table_parts in tables:
+        first.append(first[-1] + len(table_parts))
     arr = ctypes.c_void_p * n
-    ids = arr(*[p[0].data_ptr() for p in parts])
-    offsets = arr(*[p[1].data_ptr() for p in parts])
-    nbags = (ctypes.c_int64 * n)(*[p[1].numel() - 1 for p in parts])
-    coeffs = arr(*[_ptr(p[2]) for p in parts])
-    grads = arr(*[_ptr(p[3]) for p in parts])
-    status = ctypes.c_int(0)
-    handle = lib.et_prepare(n, ids, offsets, nbags, coeffs, grads, dim, _threads(), ctypes.byref(status))
-    if handle is None:
-        raise MemoryError("embtables: out of memory while preparing a sparse update.")
-    return Prepared(handle, dim), status.value == 0
+    statuses = (ctypes.c_int * t)()
+    lib.et_prepare_many(
+        t,
+        (ctypes.c_int64 * (t + 1))(*first),
+        arr(*[part[0].data_ptr() for part in parts]),
+        arr(*[part[1].data_ptr() for part in parts]),
+        (ctypes.c_int64 * n)(*[part[1].numel() - 1 for part in parts]),
+        arr(*[_ptr(part[2]) for part in parts]),
+        arr(*[_ptr(part[3]) for part in parts]),
+        (ctypes.c_int64 * t)(*[ws.dim for ws, _ in tables]),
+        _threads(),
+        (ctypes.c_void_p * t)(*[ws.handle for ws, _ in tables]),
+        statuses,
+    )
+    return list(statuses)
 
 
 def apply_sequential(

@@ -40,7 +40,7 @@ class TableGradient:
     rows: Tensor | None
     grads: Tensor | None
     accumulated: bool
-    prepared: native.Prepared | None = None
+    prepared: native.Workspace | None = None
 
 
 class EmbeddingCollection:
@@ -50,6 +50,7 @@ class EmbeddingCollection:
     def __init__(self, resolved: ResolvedConfig, device: torch.device) -> None:
         self.resolved = resolved
         self.states: dict[str, TableState] = {t.name: create_table_state(t, device) for t in resolved.tables}
+        self._workspaces: dict[str, native.Workspace] = {}
 
     @property
     def device(self) -> torch.device:
@@ -103,10 +104,10 @@ class EmbeddingCollection:
     def table_gradients(self, batches: Sequence[FeatureBatch], grads: Sequence[Tensor | None]) -> list[TableGradient]:
         """Per-table gradients from per-feature activation gradients [S, D] (None = zero)."""
         out = []
+        fast = self._native_table_gradients(batches, grads)
         for table in self.resolved.tables:
-            fast = self._native_table_gradient(table, batches, grads)
-            if fast is not None:
-                out.append(fast)
+            if table.name in fast:
+                out.append(fast[table.name])
                 continue
             ids_parts, grad_parts, key_parts = [], [], []
             num_features = len(table.feature_indices)
@@ -133,20 +134,34 @@ class EmbeddingCollection:
             out.append(tg)
         return out
 
-    def _native_table_gradient(
-        self, table: ResolvedTable, batches: Sequence[FeatureBatch], grads: Sequence[Tensor | None]
-    ) -> TableGradient | None:
-        """Phase 1 in C (dedup, float32 sums, finiteness) when the native path applies, else None."""
-        if not table.optimizer.use_gradient_accumulation:
-            return None
-        parts = [(batches[f].ids, batches[f].offsets, batches[f].coeffs, grads[f]) for f in table.feature_indices]
-        if not native.usable(self.states[table.name].weights, *(t for part in parts for t in part)):
-            return None
-        prepared, finite = native.prepare(parts, table.dim)
-        if not finite:
-            prepared.close()
-            raise _non_finite(table)
-        return TableGradient(table, None, None, accumulated=True, prepared=prepared)
+    def _native_table_gradients(
+        self, batches: Sequence[FeatureBatch], grads: Sequence[Tensor | None]
+    ) -> dict[str, TableGradient]:
+        """Phase 1 in C (dedup, float32 sums, finiteness) for every table the native path serves."""
+        eligible: list[tuple[ResolvedTable, list[native.FeaturePart]]] = []
+        for table in self.resolved.tables:
+            if not table.optimizer.use_gradient_accumulation:
+                continue
+            parts = [(batches[f].ids, batches[f].offsets, batches[f].coeffs, grads[f]) for f in table.feature_indices]
+            if native.usable(self.states[table.name].weights, *(t for part in parts for t in part)):
+                eligible.append((table, parts))
+        if not eligible:
+            return {}
+        statuses = native.prepare_many([(self._workspace(table), parts) for table, parts in eligible])
+        out = {}
+        for (table, _), status in zip(eligible, statuses):
+            if status == 2:
+                raise MemoryError(f"table {table.name!r}: out of memory while preparing the sparse update.")
+            if status != 0:
+                raise _non_finite(table)
+            out[table.name] = TableGradient(table, None, None, accumulated=True, prepared=self._workspace(table))
+        return out
+
+    def _workspace(self, table: ResolvedTable) -> native.Workspace:
+        ws = self._workspaces.get(table.name)
+        if ws is None:
+            ws = self._workspaces[table.name] = native.Workspace(table.dim)
+        return ws
 
     def learning_rates(self) -> dict[str, float]:
         """Evaluate each distinct learning-rate callable once (SPEC 1.1.8), float32-rounded, per table."""
@@ -173,7 +188,6 @@ class EmbeddingCollection:
                 params = native.opt_params(opt, lr, decay, clip_gradients=tg.accumulated)
                 if tg.prepared is not None:
                     tg.prepared.apply(state.weights, slots, params, dense=not opt.lazy)
-                    tg.prepared.close()
                 else:
                     assert tg.rows is not None and tg.grads is not None
                     native.apply_sequential(tg.rows, tg.grads.contiguous(), state.weights, slots, params)

@@ -235,3 +235,21 @@ def test_unapplied_training_lookup_warns(caplog: pytest.LogCaptureFixture) -> No
     with caplog.at_level(logging.WARNING, logger="embtables"):
         emb({"x": torch.tensor([2])})
     assert "never applied" in caplog.text
+
+
+def test_deepcopy_and_pickle_of_a_trained_module(tmp_path: Path) -> None:
+    """Native scratch workspaces are per object: copies and pickles never share or double-free them."""
+    a, _ = _tables()
+    emb = et.DistributedEmbedding({"x": et.FeatureConfig(a)}, et.Adagrad(0.1))
+    for _ in range(2):
+        emb({"x": et.Ragged.from_lists([[1, 2], [2, 3]])})
+        emb.apply_gradients({"x": torch.ones(2, 4)})
+    twin = copy.deepcopy(emb)
+    torch.save(emb, tmp_path / "m.pt")
+    loaded = torch.load(tmp_path / "m.pt", weights_only=False)
+    for m in (emb, twin, loaded):
+        m({"x": et.Ragged.from_lists([[4], [1]])})
+        m.apply_gradients({"x": torch.ones(2, 4)})
+    assert torch.equal(twin.embedding_tables["a"], emb.embedding_tables["a"])
+    assert torch.equal(loaded.embedding_tables["a"], emb.embedding_tables["a"])
+    del twin, loaded

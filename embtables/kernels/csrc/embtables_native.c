@@ -189,11 +189,17 @@ typedef struct {
     int64_t *hkeys; /* hash keys (-1 = empty) */
     int32_t *hvals; /* unique index per key */
     int finite;
-} et_prepared;
+    /* scratch, reused across steps (capacities in elements) */
+    int32_t *inv;
+    int64_t *start, *occ;
+    const float **occ_g;
+    float *occ_c;
+    int64_t cap_n, cap_h, cap_g;
+} et_workspace;
 
 static inline uint64_t et_hash(int64_t id) { return (uint64_t)id * 0x9E3779B97F4A7C15ull; }
 
-static inline int64_t et_find(const et_prepared *h, int64_t id, int shift) {
+static inline int64_t et_find(const et_workspace *h, int64_t id, int shift) {
     uint64_t b = et_hash(id) >> shift;
     while (h->hkeys[b] != -1) {
         if (h->hkeys[b] == id) return h->hvals[b];
@@ -202,13 +208,20 @@ static inline int64_t et_find(const et_prepared *h, int64_t id, int shift) {
     return -1;
 }
 
-void et_free(void *handle) {
-    et_prepared *h = (et_prepared *)handle;
+void *et_workspace_new(void) { return calloc(1, sizeof(et_workspace)); }
+
+void et_workspace_free(void *handle) {
+    et_workspace *h = (et_workspace *)handle;
     if (!h) return;
     free(h->rows);
     free(h->G);
     free(h->hkeys);
     free(h->hvals);
+    free(h->inv);
+    free(h->start);
+    free(h->occ);
+    free(h->occ_g);
+    free(h->occ_c);
     free(h);
 }
 
@@ -218,33 +231,60 @@ static int et_shift(int64_t mask) {
     return 64 - bits;
 }
 
-/* status: 0 ok, 1 non-finite gradient, 2 out of memory. Returns a handle (or NULL on error). */
-void *et_prepare(int64_t nfeat, const int64_t *const *ids, const int64_t *const *offsets, const int64_t *nbags,
-                 const float *const *coeffs, const float *const *grads, int64_t D, int nthreads, int *status) {
+/* Grow *p to hold n elements of size sz (never shrinks: steady-state steps allocate nothing). */
+static int et_reserve(void **p, int64_t *cap, int64_t n, size_t sz) {
+    if (n <= *cap && *p) return 1;
+    int64_t want = n + n / 4 + 16;
+    void *q = realloc(*p, (size_t)want * sz);
+    if (!q) return 0;
+    *p = q;
+    *cap = want;
+    return 1;
+}
+
+/* Phase 1 for one table into workspace h. status: 0 ok, 1 non-finite gradient, 2 out of memory. */
+static void et_prepare_one(et_workspace *h, int64_t nfeat, const int64_t *const *ids, const int64_t *const *offsets,
+                           const int64_t *nbags, const float *const *coeffs, const float *const *grads, int64_t D,
+                           int nthreads, int *status) {
     int64_t N = 0;
     for (int64_t f = 0; f < nfeat; ++f) N += offsets[f][nbags[f]] - offsets[f][0];
     int64_t H = 16;
     while (H < 2 * N) H <<= 1;
-    et_prepared *h = (et_prepared *)calloc(1, sizeof(et_prepared));
-    int32_t *inv = (int32_t *)malloc(sizeof(int32_t) * (N ? N : 1));
-    int64_t *start = NULL, *occ = NULL;
-    const float **occ_g = NULL;
-    float *occ_c = NULL;
     *status = 2;
-    if (!h || !inv) goto fail;
+    h->U = 0;
     h->D = D;
+    int64_t cap_n = h->cap_n, cap_h = h->cap_h;
+    int ok = 1;
+    /* every N-sized buffer shares one capacity: reserve them all against the old one */
+    int64_t c;
+    c = h->cap_n; ok &= et_reserve((void **)&h->inv, &c, N + 1, sizeof(int32_t));
+    c = h->cap_n; ok &= et_reserve((void **)&h->rows, &c, N + 1, sizeof(int64_t));
+    c = h->cap_n; ok &= et_reserve((void **)&h->start, &c, N + 2, sizeof(int64_t));
+    c = h->cap_n; ok &= et_reserve((void **)&h->occ, &c, N + 1, sizeof(int64_t));
+    c = h->cap_n; ok &= et_reserve((void **)&h->occ_g, &c, N + 1, sizeof(float *));
+    c = h->cap_n; ok &= et_reserve((void **)&h->occ_c, &c, N + 1, sizeof(float));
+    cap_n = c;
+    c = h->cap_h; ok &= et_reserve((void **)&h->hkeys, &c, H, sizeof(int64_t));
+    c = h->cap_h; ok &= et_reserve((void **)&h->hvals, &c, H, sizeof(int32_t));
+    cap_h = c;
+    if (!ok) return;
+    h->cap_n = cap_n;
+    h->cap_h = cap_h;
     h->mask = H - 1;
-    h->rows = (int64_t *)malloc(sizeof(int64_t) * (N ? N : 1));
-    h->hkeys = (int64_t *)malloc(sizeof(int64_t) * H);
-    h->hvals = (int32_t *)malloc(sizeof(int32_t) * H);
-    if (!h->rows || !h->hkeys || !h->hvals) goto fail;
     memset(h->hkeys, 0xff, sizeof(int64_t) * H);
     const int shift = et_shift(h->mask);
+    int32_t *inv = h->inv;
 
     int64_t U = 0, kg = 0;
     for (int64_t f = 0; f < nfeat; ++f) {
         const int64_t *fid = ids[f];
-        for (int64_t k = offsets[f][0]; k < offsets[f][nbags[f]]; ++k, ++kg) {
+        const int64_t kend = offsets[f][nbags[f]];
+        for (int64_t k = offsets[f][0]; k < kend; ++k, ++kg) {
+            if (k + 16 < kend) { /* the probes are random: keep several bucket misses in flight */
+                const uint64_t ahead = et_hash(fid[k + 16]) >> shift;
+                __builtin_prefetch(h->hkeys + ahead, 1, 0);
+                __builtin_prefetch(h->hvals + ahead, 1, 0);
+            }
             const int64_t id = fid[k];
             uint64_t b = et_hash(id) >> shift;
             while (h->hkeys[b] != -1 && h->hkeys[b] != id) b = (b + 1) & (uint64_t)h->mask;
@@ -257,17 +297,15 @@ void *et_prepare(int64_t nfeat, const int64_t *const *ids, const int64_t *const 
         }
     }
     h->U = U;
+    if (!et_reserve((void **)&h->G, &h->cap_g, (U ? U : 1) * D, sizeof(float))) return;
     /* CSR of occurrences per unique row, in occurrence order. */
-    start = (int64_t *)calloc((size_t)U + 1, sizeof(int64_t));
-    occ_g = (const float **)malloc(sizeof(float *) * (N ? N : 1));
-    occ_c = (float *)malloc(sizeof(float) * (N ? N : 1));
-    h->G = (float *)malloc(sizeof(float) * (size_t)(U ? U : 1) * (size_t)D);
-    if (!start || !occ_g || !occ_c || !h->G) goto fail;
+    int64_t *start = h->start, *occ = h->occ;
+    memset(start, 0, sizeof(int64_t) * (size_t)(U + 1));
     for (int64_t i = 0; i < N; ++i) start[inv[i] + 1]++;
     for (int64_t u = 0; u < U; ++u) start[u + 1] += start[u];
-    occ = (int64_t *)malloc(sizeof(int64_t) * (U ? U : 1));
-    if (!occ) goto fail;
-    memcpy(occ, start, sizeof(int64_t) * U);
+    memcpy(occ, start, sizeof(int64_t) * (size_t)U);
+    const float **occ_g = h->occ_g;
+    float *occ_c = h->occ_c;
     kg = 0;
     for (int64_t f = 0; f < nfeat; ++f) {
         const int64_t *off = offsets[f];
@@ -291,40 +329,48 @@ void *et_prepare(int64_t nfeat, const int64_t *const *ids, const int64_t *const 
                 for (int64_t d = 0; d < D; ++d) acc[d] += 0.0f;
                 continue;
             }
-            const float c = occ_c[i];
-            if (c == 1.0f) {
+            const float cf = occ_c[i];
+            if (cf == 1.0f) {
                 for (int64_t d = 0; d < D; ++d) acc[d] += g[d];
             } else {
-                for (int64_t d = 0; d < D; ++d) acc[d] += g[d] * c;
+                for (int64_t d = 0; d < D; ++d) acc[d] += g[d] * cf;
             }
         }
-        int ok = 1;
-        for (int64_t d = 0; d < D; ++d) ok &= isfinite(acc[d]) ? 1 : 0;
-        finite = finite && ok;
+        int fin = 1;
+        for (int64_t d = 0; d < D; ++d) fin &= isfinite(acc[d]) ? 1 : 0;
+        finite = finite && fin;
     }
     h->finite = finite;
-    free(inv);
-    free(start);
-    free(occ);
-    free(occ_g);
-    free(occ_c);
     *status = finite ? 0 : 1;
-    return h;
-fail:
-    free(inv);
-    free(start);
-    free(occ);
-    free(occ_g);
-    free(occ_c);
-    et_free(h);
-    return NULL;
 }
 
-int64_t et_prepared_size(const void *handle) { return ((const et_prepared *)handle)->U; }
+/* Phase 1 for T tables at once. With at least as many tables as threads, tables run in parallel,
+ * each on one thread (the dedup is serial, so this is where the second core pays); otherwise each
+ * table uses every thread. Table t's features are features[first[t] .. first[t+1]). */
+void et_prepare_many(int64_t T, const int64_t *first, const int64_t *const *ids, const int64_t *const *offsets,
+                     const int64_t *nbags, const float *const *coeffs, const float *const *grads, const int64_t *dims,
+                     int nthreads, void **workspaces, int *statuses) {
+    if (T >= nthreads && nthreads > 1) {
+#pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1)
+        for (int64_t t = 0; t < T; ++t) {
+            const int64_t f0 = first[t], nf = first[t + 1] - first[t];
+            et_prepare_one((et_workspace *)workspaces[t], nf, ids + f0, offsets + f0, nbags + f0, coeffs + f0,
+                           grads + f0, dims[t], 1, statuses + t);
+        }
+        return;
+    }
+    for (int64_t t = 0; t < T; ++t) {
+        const int64_t f0 = first[t], nf = first[t + 1] - first[t];
+        et_prepare_one((et_workspace *)workspaces[t], nf, ids + f0, offsets + f0, nbags + f0, coeffs + f0,
+                       grads + f0, dims[t], nthreads, statuses + t);
+    }
+}
+
+int64_t et_prepared_size(const void *handle) { return ((const et_workspace *)handle)->U; }
 
 /* Copy the unique rows [U] and summed gradients [U, D] out (for tests and the torch fallback). */
 void et_prepared_copy(const void *handle, int64_t *rows, float *G) {
-    const et_prepared *h = (const et_prepared *)handle;
+    const et_workspace *h = (const et_workspace *)handle;
     memcpy(rows, h->rows, sizeof(int64_t) * h->U);
     memcpy(G, h->G, sizeof(float) * h->U * h->D);
 }
@@ -332,7 +378,7 @@ void et_prepared_copy(const void *handle, int64_t *rows, float *G) {
 /* Phase 2: one fused pass per updated row. dense != 0 updates every row of [V, D] (non-lazy Adam). */
 void et_apply(const void *handle, float *W, float *S0, float *S1, int64_t V, const et_opt *p, int dense,
               int nthreads) {
-    const et_prepared *h = (const et_prepared *)handle;
+    const et_workspace *h = (const et_workspace *)handle;
     const int64_t D = h->D, U = h->U;
     const et_row_fn fn = et_row_function(p->kind);
     if (!dense) {
