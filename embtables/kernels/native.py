@@ -105,6 +105,8 @@ def _compile() -> ctypes.CDLL | None:
     p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.POINTER(_OptParams)
     lib.et_lookup.argtypes = [p, i64, p, p, i64, p, p, i32]
     lib.et_lookup.restype = None
+    lib.et_lookup_many.argtypes = [i64, p, p, p, p, p, p, p, i32]
+    lib.et_lookup_many.restype = None
     lib.et_prepare_many.argtypes = [i64, p, p, p, p, p, p, p, i32, p, p]
     lib.et_prepare_many.restype = None
     lib.et_prepared_size.argtypes = [p]
@@ -198,6 +200,28 @@ def lookup(table: Tensor, ids: Tensor, offsets: Tensor, coeffs: Tensor | None) -
         _threads(),
     )
     return out
+
+
+def lookup_many(parts: list[tuple[Tensor, Tensor, Tensor, Tensor | None]]) -> list[Tensor]:
+    """Several lookups in one parallel region: for each ``(table [V, D], ids [N], offsets [S+1],
+    coeffs [N] | None)`` the pooled ``[S, D]`` activations (as ``lookup``)."""
+    lib = library()
+    assert lib is not None
+    n = len(parts)
+    outs = [torch.empty((p[2].numel() - 1, p[0].shape[1]), dtype=torch.float32) for p in parts]
+    arr = ctypes.c_void_p * n
+    lib.et_lookup_many(
+        n,
+        arr(*[p[0].data_ptr() for p in parts]),
+        (ctypes.c_int64 * n)(*[p[0].shape[1] for p in parts]),
+        arr(*[p[1].data_ptr() for p in parts]),
+        arr(*[p[2].data_ptr() for p in parts]),
+        (ctypes.c_int64 * n)(*[p[2].numel() - 1 for p in parts]),
+        arr(*[_ptr(p[3]) for p in parts]),
+        arr(*[o.data_ptr() for o in outs]),
+        _threads(),
+    )
+    return outs
 
 
 class Workspace:

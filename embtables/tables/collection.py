@@ -58,17 +58,33 @@ class EmbeddingCollection:
 
     # ------------------------------------------------------------------ forward
     def lookup(self, batches: Sequence[FeatureBatch]) -> list[Tensor]:
-        """Activations per feature, [*out_shape, D], in feature order."""
-        out = []
-        for feature, batch in zip(self.resolved.features, batches):
+        """Activations per feature, [*out_shape, D], in feature order.
+
+        Features the native kernel serves are looked up together in one parallel region."""
+        out: list[Tensor | None] = [None] * len(batches)
+        fast: list[int] = []
+        for i, (feature, batch) in enumerate(zip(self.resolved.features, batches)):
+            table = self.resolved.tables[feature.table_index]
+            weights = self.states[table.name].weights
+            if table.config.quantization_config is None and native.usable(
+                weights, batch.ids, batch.offsets, batch.coeffs
+            ):
+                fast.append(i)
+        if fast:
+            parts = []
+            for i in fast:
+                table = self.resolved.tables[self.resolved.features[i].table_index]
+                b = batches[i]
+                parts.append((self.states[table.name].weights, b.ids, b.offsets, b.coeffs))
+            for i, acts in zip(fast, native.lookup_many(parts)):
+                dim = self.resolved.tables[self.resolved.features[i].table_index].dim
+                out[i] = acts.reshape(*batches[i].out_shape, dim)
+        for i, (feature, batch) in enumerate(zip(self.resolved.features, batches)):
+            if out[i] is not None:
+                continue
             table = self.resolved.tables[feature.table_index]
             q = table.config.quantization_config
             weights = self.states[table.name].weights
-            if q is None and native.usable(weights, batch.ids, batch.offsets, batch.coeffs):
-                out.append(
-                    native.lookup(weights, batch.ids, batch.offsets, batch.coeffs).reshape(*batch.out_shape, table.dim)
-                )
-                continue
             acts = pooled_lookup(
                 weights,
                 batch.ids,
@@ -77,8 +93,8 @@ class EmbeddingCollection:
                 batch.coeffs,
                 quantization=None if q is None else (q.num_buckets, float(q.lower), float(q.upper)),
             )
-            out.append(acts.reshape(*batch.out_shape, table.dim))
-        return out
+            out[i] = acts.reshape(*batch.out_shape, table.dim)
+        return [a for a in out if a is not None]
 
     # ------------------------------------------------------------------ backward, phase 1
     def check_gradient(self, feature_index: int, batch: FeatureBatch, grad: Any) -> Tensor | None:

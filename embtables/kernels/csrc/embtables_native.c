@@ -33,22 +33,71 @@ static inline void et_prefetch_row(const float *row, int64_t D, int rw);
 /* ------------------------------------------------------------------------------------------ */
 /* Lookup: out[s] = sum_k coeffs[k] * W[ids[k]] over k in [offsets[s], offsets[s+1]).          */
 
+#define ET_LOOKUP_PF 16 /* ids of look-ahead in the lookup: one row prefetched per id processed */
+
+/* One bag, one 64-column block: the accumulator lives in registers (4 AVX-512 / 8 AVX2 vectors).
+ * pf_end > 0 also prefetches the row of id k + ET_LOOKUP_PF (k < pf_end), across bag boundaries. */
+static inline void et_bag_block64(const float *W, int64_t D, const int64_t *ids, int64_t k0, int64_t k1,
+                                  const float *coeffs, float *out, int64_t pf_end) {
+    float acc[64];
+    for (int j = 0; j < 64; ++j) acc[j] = 0.0f;
+    if (coeffs) {
+        for (int64_t k = k0; k < k1; ++k) {
+            if (k + ET_LOOKUP_PF < pf_end) et_prefetch_row(W + ids[k + ET_LOOKUP_PF] * D, D, 0);
+            const float *restrict row = W + ids[k] * D;
+            const float c = coeffs[k];
+            for (int j = 0; j < 64; ++j) acc[j] += c * row[j];
+        }
+    } else {
+        for (int64_t k = k0; k < k1; ++k) {
+            if (k + ET_LOOKUP_PF < pf_end) et_prefetch_row(W + ids[k + ET_LOOKUP_PF] * D, D, 0);
+            const float *restrict row = W + ids[k] * D;
+            for (int j = 0; j < 64; ++j) acc[j] += row[j];
+        }
+    }
+    memcpy(out, acc, sizeof acc);
+}
+
+static inline void et_bag(const float *W, int64_t D, const int64_t *ids, const int64_t *offsets, int64_t s,
+                          int64_t total, const float *coeffs, float *out) {
+    float *restrict o = out + s * D;
+    const int64_t k0 = offsets[s], k1 = offsets[s + 1];
+    int64_t d0 = 0;
+    for (; d0 + 64 <= D; d0 += 64) et_bag_block64(W + d0, D, ids, k0, k1, coeffs, o + d0, d0 == 0 ? total : 0);
+    if (d0 == D) return;
+    for (int64_t d = d0; d < D; ++d) o[d] = 0.0f;
+    for (int64_t k = k0; k < k1; ++k) {
+        if (d0 == 0 && k + ET_LOOKUP_PF < total) et_prefetch_row(W + ids[k + ET_LOOKUP_PF] * D, D, 0);
+        const float *restrict row = W + ids[k] * D;
+        const float c = coeffs ? coeffs[k] : 1.0f; /* c * row with c == 1 is exact */
+        for (int64_t d = d0; d < D; ++d) o[d] += c * row[d];
+    }
+}
+
 void et_lookup(const float *W, int64_t D, const int64_t *ids, const int64_t *offsets, int64_t S,
                const float *coeffs, float *out, int nthreads) {
-#pragma omp parallel for num_threads(nthreads) schedule(static, 64)
-    for (int64_t s = 0; s < S; ++s) {
-        float *restrict o = out + s * D;
-        for (int64_t d = 0; d < D; ++d) o[d] = 0.0f;
-        const int64_t end = offsets[s + 1];
-        for (int64_t k = offsets[s]; k < end; ++k) {
-            if (k + ET_PF < end) et_prefetch_row(W + ids[k + ET_PF] * D, D, 0);
-            const float *restrict row = W + ids[k] * D;
-            if (coeffs) {
-                const float c = coeffs[k];
-                for (int64_t d = 0; d < D; ++d) o[d] += c * row[d];
-            } else {
-                for (int64_t d = 0; d < D; ++d) o[d] += row[d];
-            }
+    const int64_t total = offsets[S];
+#pragma omp parallel for num_threads(nthreads) schedule(static, 256)
+    for (int64_t s = 0; s < S; ++s) et_bag(W, D, ids, offsets, s, total, coeffs, out);
+}
+
+/* The lookups of F features in one parallel region: feature f reads table W[f] [V_f, D[f]] and
+ * writes out[f] [S[f], D[f]]. Bags of all features form one index space split over the threads. */
+void et_lookup_many(int64_t F, const float *const *W, const int64_t *D, const int64_t *const *ids,
+                    const int64_t *const *offsets, const int64_t *S, const float *const *coeffs, float *const *out,
+                    int nthreads) {
+    int64_t first[F + 1];
+    first[0] = 0;
+    for (int64_t f = 0; f < F; ++f) first[f + 1] = first[f] + S[f];
+    const int64_t all = first[F];
+#pragma omp parallel num_threads(nthreads)
+    {
+        int64_t f = 0;
+#pragma omp for schedule(static, 256)
+        for (int64_t i = 0; i < all; ++i) {
+            while (i >= first[f + 1]) ++f;
+            while (i < first[f]) --f;
+            et_bag(W[f], D[f], ids[f], offsets[f], i - first[f], offsets[f][S[f]], coeffs[f], out[f]);
         }
     }
 }
