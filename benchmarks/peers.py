@@ -116,8 +116,15 @@ def torch_peer(wl: Workload, batches: list[Batch], opt: OptimizerSpec, mode: str
             for p, w in zip(params, ws, strict=True):
                 p.copy_(torch.from_numpy(w))
 
-    return Impl("torch", opt.name, step, slot_bytes_per_row=row * opt.slots, notes=notes, read_weights=read,
-                set_weights=set_weights)
+    return Impl(
+        "torch",
+        opt.name,
+        step,
+        slot_bytes_per_row=row * opt.slots,
+        notes=notes,
+        read_weights=read,
+        set_weights=set_weights,
+    )
 
 
 def _fbgemm_modules() -> tuple[Any, Any, Any, Any]:
@@ -132,9 +139,15 @@ def _fbgemm_modules() -> tuple[Any, Any, Any, Any]:
                 SplitTableBatchedEmbeddingBagsCodegen,
             )
     except Exception as exc:
-        raise Skip(f"fbgemm_gpu not importable ({type(exc).__name__}: {str(exc)[:150]}); "
-                   "run scripts/install_bench_peers.sh") from None
-    return SplitTableBatchedEmbeddingBagsCodegen, EmbOptimType, (EmbeddingLocation, PoolingMode), ComputeDevice
+        raise Skip(
+            f"fbgemm_gpu not importable ({type(exc).__name__}: {str(exc)[:150]}); run scripts/install_bench_peers.sh"
+        ) from None
+    return (
+        SplitTableBatchedEmbeddingBagsCodegen,
+        EmbOptimType,
+        (EmbeddingLocation, PoolingMode),
+        ComputeDevice,
+    )
 
 
 def _fbgemm_optim(opt: OptimizerSpec, rowwise: bool, who: str) -> tuple[str, str]:
@@ -199,9 +212,14 @@ def _fbgemm_factory(rowwise: bool) -> Factory:
                     p.copy_(torch.from_numpy(w))
 
         impl = Impl(
-            who, label, step, slot_bytes_per_row=slot,
+            who,
+            label,
+            step,
+            slot_bytes_per_row=slot,
             notes=f"SplitTableBatchedEmbeddingBagsCodegen HOST/CPU {member} eps={eps:g}, accumulator set to "
-            f"{opt.initial_accumulator:g} after construction" if member != "EXACT_SGD" else f"{member} HOST/CPU",
+            f"{opt.initial_accumulator:g} after construction"
+            if member != "EXACT_SGD"
+            else f"{member} HOST/CPU",
             read_weights=lambda: [w.detach().numpy().copy() for w in emb.split_embedding_weights()],
             set_weights=set_weights,
         )
@@ -218,8 +236,9 @@ def torchrec_peer(wl: Workload, batches: list[Batch], opt: OptimizerSpec, mode: 
             from torchrec import EmbeddingBagConfig, KeyedJaggedTensor, PoolingType
             from torchrec.modules.fused_embedding_modules import FusedEmbeddingBagCollection
     except Exception as exc:
-        raise Skip(f"torchrec not importable ({type(exc).__name__}: {str(exc)[:150]}); "
-                   "run scripts/install_bench_peers.sh") from None
+        raise Skip(
+            f"torchrec not importable ({type(exc).__name__}: {str(exc)[:150]}); run scripts/install_bench_peers.sh"
+        ) from None
     if mode == "train":
         member, label = _fbgemm_optim(opt, False, "torchrec")
     else:
@@ -229,19 +248,27 @@ def torchrec_peer(wl: Workload, batches: list[Batch], opt: OptimizerSpec, mode: 
     if optim_type is torch.optim.Adagrad:
         kwargs["eps"] = 0.0
     tables = [
-        EmbeddingBagConfig(name=f"t{t}", embedding_dim=wl.dim, num_embeddings=wl.rows, feature_names=[f"f{t}"],
-                           pooling=PoolingType.SUM)
+        EmbeddingBagConfig(
+            name=f"t{t}",
+            embedding_dim=wl.dim,
+            num_embeddings=wl.rows,
+            feature_names=[f"f{t}"],
+            pooling=PoolingType.SUM,
+        )
         for t in range(wl.tables)
     ]
-    ebc = FusedEmbeddingBagCollection(tables=tables, optimizer_type=optim_type, optimizer_kwargs=kwargs,
-                                      device=torch.device("cpu"))
+    ebc = FusedEmbeddingBagCollection(
+        tables=tables, optimizer_type=optim_type, optimizer_kwargs=kwargs, device=torch.device("cpu")
+    )
     tbe = ebc._emb_modules[0]._emb_module  # the one FBGEMM op holding every table
     if member == "EXACT_ADAGRAD":
         _fbgemm_fill_accumulators(tbe, opt.initial_accumulator)
     keys = [f"f{t}" for t in range(wl.tables)]
     lengths = torch.full((wl.tables * wl.batch,), wl.pooling, dtype=torch.int64)
-    kjts = [KeyedJaggedTensor.from_lengths_sync(keys=keys, values=torch.from_numpy(np.concatenate(b.ids)),
-                                                lengths=lengths) for b in batches]
+    kjts = [
+        KeyedJaggedTensor.from_lengths_sync(keys=keys, values=torch.from_numpy(np.concatenate(b.ids)), lengths=lengths)
+        for b in batches
+    ]
     nb = len(batches)
     if mode == "lookup":
 
@@ -261,13 +288,25 @@ def torchrec_peer(wl: Workload, batches: list[Batch], opt: OptimizerSpec, mode: 
                 p.copy_(torch.from_numpy(w))
 
     impl = Impl(
-        "torchrec", label, step, slot_bytes_per_row=wl.dim * 4 if member == "EXACT_ADAGRAD" else 0,
-        notes=f"FusedEmbeddingBagCollection({optim_type.__module__}.{optim_type.__name__}, {kwargs}) -> FBGEMM "
+        "torchrec",
+        label,
+        step,
+        slot_bytes_per_row=wl.dim * 4 if member == "EXACT_ADAGRAD" else 0,
+        notes=f"FusedEmbeddingBagCollection(torch.optim.{optim_type.__name__}, {kwargs}) -> FBGEMM "
         f"{member}; non-distributed (no DistributedModelParallel)",
         read_weights=lambda: [w.detach().numpy().copy() for w in tbe.split_embedding_weights()],
         set_weights=set_weights,
     )
     return impl
+
+
+def _embtables(name: str) -> Factory:
+    def factory(wl: Workload, batches: list[Batch], opt: OptimizerSpec, mode: str) -> Impl:
+        from benchmarks.impl_embtables import EMBTABLES_IMPLS
+
+        return EMBTABLES_IMPLS[name](wl, batches, opt, mode)
+
+    return factory
 
 
 def tensorflow_peer(wl: Workload, batches: list[Batch], opt: OptimizerSpec, mode: str) -> Impl:
@@ -277,11 +316,14 @@ def tensorflow_peer(wl: Workload, batches: list[Batch], opt: OptimizerSpec, mode
 
 
 IMPLS: dict[str, Factory] = {
+    "embtables": _embtables("embtables"),
     "torch": torch_peer,
     "fbgemm": _fbgemm_factory(rowwise=False),
     "fbgemm-rowwise": _fbgemm_factory(rowwise=True),
     "torchrec": torchrec_peer,
     "tensorflow": tensorflow_peer,
+    "embtables-noacc": _embtables("embtables-noacc"),
+    "embtables-seq": _embtables("embtables-seq"),
 }
 
 

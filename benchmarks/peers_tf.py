@@ -53,8 +53,9 @@ def tensorflow_factory(wl: Workload, batches: list[Batch], opt: OptimizerSpec, m
     if mode == "train" and opt.name not in ("adagrad", "ftrl", "sgd", "adam"):
         raise Skip(f"optimizer {opt.name} not implemented for tensorflow")
     n = wl.batch * wl.pooling
-    sp_index = tf.constant(np.stack([np.repeat(np.arange(wl.batch), wl.pooling), np.tile(np.arange(wl.pooling),
-                                                                                      wl.batch)], axis=1))
+    sp_index = tf.constant(
+        np.stack([np.repeat(np.arange(wl.batch), wl.pooling), np.tile(np.arange(wl.pooling), wl.batch)], axis=1)
+    )
     shape = tf.constant([wl.batch, wl.pooling], dtype=tf.int64)
     sp_ids = [[tf.SparseTensor(sp_index, tf.constant(x), shape) for x in b.ids] for b in batches]
     assert all(x.size == n for b in batches for x in b.ids)
@@ -87,13 +88,29 @@ def tensorflow_factory(wl: Workload, batches: list[Batch], opt: OptimizerSpec, m
     def apply(t: int, rows: Any, g: Any) -> None:
         w = weights[t]
         if opt.name == "adagrad":
-            tf.raw_ops.ResourceSparseApplyAdagradV2(var=w.handle, accum=slots[0][t].handle, lr=lr, epsilon=0.0,
-                                                   grad=g, indices=rows, update_slots=True)
+            tf.raw_ops.ResourceSparseApplyAdagradV2(
+                var=w.handle,
+                accum=slots[0][t].handle,
+                lr=lr,
+                epsilon=0.0,
+                grad=g,
+                indices=rows,
+                update_slots=True,
+            )
         elif opt.name == "ftrl":
             z = tf.constant(0.0)
-            tf.raw_ops.ResourceSparseApplyFtrlV2(var=w.handle, accum=slots[0][t].handle, linear=slots[1][t].handle,
-                                                 grad=g, indices=rows, lr=lr, l1=z, l2=z, l2_shrinkage=z,
-                                                 lr_power=tf.constant(opt.lr_power))
+            tf.raw_ops.ResourceSparseApplyFtrlV2(
+                var=w.handle,
+                accum=slots[0][t].handle,
+                linear=slots[1][t].handle,
+                grad=g,
+                indices=rows,
+                lr=lr,
+                l1=z,
+                l2=z,
+                l2_shrinkage=z,
+                lr_power=tf.constant(opt.lr_power),
+            )
         elif opt.name == "sgd":
             w.scatter_sub(tf.IndexedSlices(lr * g, rows))
         else:
@@ -122,10 +139,18 @@ def tensorflow_factory(wl: Workload, batches: list[Batch], opt: OptimizerSpec, m
         for v, w in zip(weights, ws, strict=True):
             v.assign(w)
 
-    kernel = {"adagrad": "ResourceSparseApplyAdagradV2(epsilon=0)", "ftrl": "ResourceSparseApplyFtrlV2",
-              "sgd": "scatter_sub", "adam": "lazy Adam via gather/scatter_update"}[opt.name]
+    kernel = {
+        "adagrad": "ResourceSparseApplyAdagradV2(epsilon=0)",
+        "ftrl": "ResourceSparseApplyFtrlV2",
+        "sgd": "scatter_sub",
+        "adam": "lazy Adam via gather/scatter_update",
+    }[opt.name]
     return Impl(
-        "tensorflow", opt.name, step, slot_bytes_per_row=wl.dim * 4 * opt.slots,
+        "tensorflow",
+        opt.name,
+        step,
+        slot_bytes_per_row=wl.dim * 4 * opt.slots,
         notes=f"tf {tf.__version__}: embedding_lookup_sparse + GradientTape + {kernel} in one tf.function",
-        read_weights=lambda: [v.numpy().copy() for v in weights], set_weights=set_weights,
+        read_weights=lambda: [v.numpy().copy() for v in weights],
+        set_weights=set_weights,
     )

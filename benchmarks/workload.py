@@ -75,9 +75,10 @@ VARIATIONS: dict[str, dict[str, object]] = {
 }
 
 
-def variation(name: str, ids: str = "zipf", **overrides: object) -> Workload:
-    kw: dict[str, object] = {**VARIATIONS[name], "ids": ids, **overrides}
-    return STANDARD.with_(name=name, **kw)
+def variation(vname: str, /, ids: str = "zipf", **overrides: object) -> Workload:
+    """The standard workload with variation ``vname`` applied; ``overrides`` (e.g. ``name``) win."""
+    kw: dict[str, object] = {"name": vname, **VARIATIONS[vname], "ids": ids, **overrides}
+    return STANDARD.with_(**kw)
 
 
 @dataclass

@@ -5,9 +5,10 @@
 #   pyre-extensions, iopath; plus tqdm, matplotlib, psutil for the harness.
 # Every pip call runs under a constraint pinning the CPU torch that is already installed, so pip can
 # never replace it by the multi-GB CUDA build, and under a constraint pinning the installed numpy.
-# TensorFlow is NOT installed here: benchmarks/peers.py skips the TF peer when `import tensorflow`
-# fails (set BENCH_INSTALL_TF=1 to try `tensorflow-cpu` anyway; it is refused if it would change
-# torch or numpy).
+# TensorFlow is NOT installed into this environment: benchmarks/peers_tf.py skips the TF peer when
+# `import tensorflow` fails. BENCH_INSTALL_TF=1 installs tensorflow-cpu into a separate venv
+# (--system-site-packages, so it shares torch/fbgemm/torchrec) at $BENCH_TF_VENV
+# (default ~/.cache/embtables/venv-tf); run the benchmark with that venv's python to include it.
 set -euo pipefail
 PY=${PYTHON:-python3}
 
@@ -51,17 +52,20 @@ else
 fi
 
 if [ "${BENCH_INSTALL_TF:-0}" = "1" ]; then
-  if have "import tensorflow"; then
-    echo "install_bench_peers: tensorflow already importable"
+  # TensorFlow adds ~20 packages (keras, protobuf, grpcio, ...), so it goes into a venv that sees the main
+  # environment's packages (--system-site-packages) instead of into the main environment itself.
+  # Run the benchmark with "$BENCH_TF_VENV/bin/python" to include the TF peer.
+  TF_VENV=${BENCH_TF_VENV:-$HOME/.cache/embtables/venv-tf}
+  if [ -x "$TF_VENV/bin/python" ] && "$TF_VENV/bin/python" -c "import tensorflow" >/dev/null 2>&1; then
+    echo "install_bench_peers: tensorflow already importable in $TF_VENV"
   else
-    # A dry run first: refuse if tensorflow-cpu would touch torch or numpy.
-    if "$PY" -m pip install --dry-run -c "$CONSTRAINTS" tensorflow-cpu >/dev/null 2>&1; then
-      "${PIP[@]}" tensorflow-cpu || echo "install_bench_peers: tensorflow-cpu failed to install" >&2
-    else
-      echo "install_bench_peers: tensorflow-cpu cannot install next to torch $TORCH_VER/numpy $NUMPY_VER;" \
-        "the TF peer will be skipped" >&2
-    fi
+    "$PY" -m venv --system-site-packages "$TF_VENV"
+    "$TF_VENV/bin/python" -m pip install -q -c "$CONSTRAINTS" tensorflow-cpu \
+      || echo "install_bench_peers: tensorflow-cpu failed to install into $TF_VENV" >&2
   fi
+  "$TF_VENV/bin/python" -c "import tensorflow as tf, torch, numpy; \
+print('install_bench_peers: venv', '$TF_VENV', 'tensorflow', tf.__version__, 'torch', torch.__version__, \
+'numpy', numpy.__version__)" 2>/dev/null || echo "install_bench_peers: tensorflow not importable in $TF_VENV" >&2
 fi
 
 "$PY" - <<'EOF'
