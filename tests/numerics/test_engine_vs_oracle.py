@@ -112,10 +112,7 @@ def run_against_oracle(sc: Scenario, optimizer: Any) -> dict[str, float]:
             got = acts[f"f{i}"]
             torch.testing.assert_close(got.detach(), torch.from_numpy(exp).float(), **tol)
             errors["activations"] = max(errors["activations"], float(np.abs(got.detach().numpy() - exp).max(initial=0)))
-        if isinstance(lr, Schedule):
-            step_lr = _f32(lr.values[step % len(lr.values)])
-        else:
-            step_lr = _f32(lr)
+        step_lr = _f32(lr.values[step % len(lr.values)]) if isinstance(lr, Schedule) else _f32(lr)
         emb.apply_gradients({f"f{i}": None if g is None else torch.from_numpy(g) for i, g in enumerate(grads)})
         if isinstance(lr, Schedule):
             assert lr.calls == step + 1, "a dynamic learning rate is evaluated once per apply_gradients"

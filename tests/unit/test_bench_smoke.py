@@ -1,0 +1,42 @@
+"""Smoke run of the benchmark suite with tiny sizes: it runs, reports, and embtables passes its one-step
+oracle check. Never asserts a time (benchmarks measure, tests do not time); missing peers are skip lines."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_benchmark_runner_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    sys.path.insert(0, str(ROOT))
+    from benchmarks import run
+
+    argv = [
+        "--impls", "embtables,embtables-noacc,torch,not-an-impl",
+        "--optimizers", "adagrad,ftrl,adam",
+        "--modes", "train,lookup",
+        "--tables", "2", "--rows", "5000", "--batch", "32",
+        "--steps", "2", "--warmup", "1",
+        "--probe-gib", "0.05",
+        "--out", str(tmp_path),
+    ]  # fmt: skip
+    assert run.main(argv) == 0
+    records = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    steps = [r for r in records if r.get("bench") == "train_step" and r.get("impl") == "embtables"]
+    assert {r["optimizer"] for r in steps} == {"adagrad", "ftrl"}
+    assert all(r["steps_per_s"] > 0 and r["useful_GBps"] > 0 for r in steps)
+    checks = {(r["impl"], r["optimizer"]): r for r in records if r.get("bench") == "oracle_check" and "ok" in r}
+    for impl in ("embtables", "embtables-noacc"):
+        for opt in ("adagrad", "ftrl"):
+            assert checks[(impl, opt)]["ok"], checks[(impl, opt)]
+    assert any(r.get("impl") == "not-an-impl" and "unknown impl" in r.get("skipped", "") for r in records)
+    assert any(str(r.get("bench", "")).startswith("membw_") for r in records), "the bandwidth probe ran"
+    report = (tmp_path / "report.md").read_text()
+    assert "embtables" in report and "One step against the float64 oracle" in report
+    assert os.path.getsize(tmp_path / "results.jsonl") > 0
