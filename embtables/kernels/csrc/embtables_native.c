@@ -174,35 +174,44 @@ static void et_row_adam(const et_opt *p, float *restrict w, float *restrict s0, 
     }
 }
 
-static inline float et_pow(float n, float e, int allow_zero) {
-    const float r = (e == 0.5f) ? sqrtf(n) : powf(n, e);
-    return (allow_zero && n == 0.0f) ? 0.0f : r;
-}
+/* The FTRL element loop, with the accumulator power POW(n) as a macro so that the default
+ * learning_rate_power = -0.5 gets a sqrt loop the compiler vectorises instead of a powf call. */
+#define ET_FTRL_LOOP(POW)                                                                                          \
+    for (int64_t d = 0; d < D; ++d) {                                                                              \
+        ET_PROLOGUE                                                                                                \
+        const float n = s0[d];                                                                                     \
+        const float nn = n + g * g;                                                                                \
+        const float pw_new = (allow_zero && nn == 0.0f) ? 0.0f : POW(nn);                                          \
+        const float pw_old = (allow_zero && n == 0.0f) ? 0.0f : POW(n);                                            \
+        const float delta = pw_new - pw_old;                                                                       \
+        float z = s1[d], den;                                                                                      \
+        if (multiply_linear) {                                                                                     \
+            z = z + lr * g - delta * x;                                                                            \
+            den = pw_new + p->c3 + p->c2;                                                                          \
+        } else {                                                                                                   \
+            z = z + g - (delta / lr) * x;                                                                          \
+            den = (pw_new + p->c2) / lr + p->c3;                                                                   \
+        }                                                                                                          \
+        const float numer = (z < -lim ? -lim : (z > lim ? lim : z)) - z;                                           \
+        s0[d] = nn;                                                                                                \
+        s1[d] = z;                                                                                                 \
+        x = (allow_zero && numer == 0.0f) ? 0.0f : numer / den;                                                    \
+        ET_EPILOGUE                                                                                                \
+    }
+
+#define ET_SQRT(v) sqrtf(v)
+#define ET_POWF(v) powf((v), e)
 
 /* c0 p = -learning_rate_power, c1 l1 (or lr*l1), c2 beta, c3 2*l2 (or 2*lr*l2); flag_a multiply_linear,
  * flag_b allow_zero_accumulator */
 static void et_row_ftrl(const et_opt *p, float *restrict w, float *restrict s0, float *restrict s1,
                         const float *restrict gin, int64_t D) {
-    const float lr = p->lr, lim = p->c1;
-    for (int64_t d = 0; d < D; ++d) {
-        ET_PROLOGUE
-        const float n = s0[d];
-        const float nn = n + g * g;
-        const float pw_new = et_pow(nn, p->c0, p->flag_b);
-        const float delta = pw_new - et_pow(n, p->c0, p->flag_b);
-        float z = s1[d], den;
-        if (p->flag_a) {
-            z = z + lr * g - delta * x;
-            den = pw_new + p->c3 + p->c2;
-        } else {
-            z = z + g - (delta / lr) * x;
-            den = (pw_new + p->c2) / lr + p->c3;
-        }
-        const float numer = (z < -lim ? -lim : (z > lim ? lim : z)) - z;
-        s0[d] = nn;
-        s1[d] = z;
-        x = (p->flag_b && numer == 0.0f) ? 0.0f : numer / den;
-        ET_EPILOGUE
+    const float lr = p->lr, lim = p->c1, e = p->c0;
+    const int allow_zero = p->flag_b, multiply_linear = p->flag_a;
+    if (e == 0.5f) {
+        ET_FTRL_LOOP(ET_SQRT)
+    } else {
+        ET_FTRL_LOOP(ET_POWF)
     }
 }
 
