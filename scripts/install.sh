@@ -10,8 +10,11 @@ else
   "$PY" -m pip install -q "torch==2.13.0+cpu" \
     || "$PY" -m pip install -q torch --index-url https://download.pytorch.org/whl/cpu
 fi
-if "$PY" -c "import embtables, pytest, hypothesis, ruff, mypy, tqdm" 2>/dev/null; then
-  echo "install: embtables and its extras already installed"
+here=$(pwd -P)
+# Installed already only if `import embtables` resolves to THIS checkout (not another clone's editable install).
+if "$PY" -c "import os, sys, embtables, pytest, hypothesis, ruff, mypy, tqdm; \
+sys.exit(0 if os.path.realpath(embtables.__file__).startswith(os.path.realpath('$here') + os.sep) else 1)" 2>/dev/null; then
+  echo "install: embtables (this checkout) and its extras already installed"
 else
   "$PY" -m pip install -q -e ".[test,dev,bench]"
 fi

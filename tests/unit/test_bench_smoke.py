@@ -29,7 +29,7 @@ def test_benchmark_runner_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[st
     assert run.main(argv) == 0
     records = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
     steps = [r for r in records if r.get("bench") == "train_step" and r.get("impl") == "embtables"]
-    assert {r["optimizer"] for r in steps} == {"adagrad", "ftrl"}
+    assert {r["optimizer"] for r in steps} == {"adagrad", "ftrl", "adam"}
     assert all(r["steps_per_s"] > 0 and r["useful_GBps"] > 0 for r in steps)
     checks = {(r["impl"], r["optimizer"]): r for r in records if r.get("bench") == "oracle_check" and "ok" in r}
     for impl in ("embtables", "embtables-noacc"):
