@@ -6,6 +6,11 @@ tensors; the math lives in ``embtables.kernels`` (one file per optimizer). Use
 ``dataclasses.replace(opt, learning_rate=0.1)`` for a variant.
 
 Formulas (SPEC 1.3) are listed in ``docs/optimizers.md``.
+
+Each class spells out every field, the shared ones included, because TF puts each optimizer's own
+arguments between ``learning_rate`` and ``use_gradient_accumulation``; dataclass inheritance would
+append them at the end and break positional calls such as ``Adagrad(0.1, 0.05)``. The shared
+validation and helpers live once, in ``_Optimizer``.
 """
 
 from __future__ import annotations

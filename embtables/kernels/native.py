@@ -103,8 +103,6 @@ def _compile() -> ctypes.CDLL | None:
         logger.info("embtables: compiled native kernels into %s", target)
     lib = ctypes.CDLL(str(target))
     p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.POINTER(_OptParams)
-    lib.et_lookup.argtypes = [p, i64, p, p, i64, p, p, i32]
-    lib.et_lookup.restype = None
     lib.et_lookup_many.argtypes = [i64, p, p, p, p, p, p, p, i32]
     lib.et_lookup_many.restype = None
     lib.et_prepare_many.argtypes = [i64, p, p, p, p, p, p, p, i32, p, p]
@@ -181,25 +179,6 @@ def opt_params(opt: Optimizer, lr: float, decay: float, *, clip_gradients: bool)
         else:
             p.c1, p.c3 = l1, 2.0 * l2
     return p
-
-
-def lookup(table: Tensor, ids: Tensor, offsets: Tensor, coeffs: Tensor | None) -> Tensor:
-    """``out[s] = sum_k coeffs[k] * table[ids[k]]`` over bag s: [S, D] from ``table`` [V, D]."""
-    lib = library()
-    assert lib is not None
-    num_segments = offsets.numel() - 1
-    out = torch.empty((num_segments, table.shape[1]), dtype=torch.float32)
-    lib.et_lookup(
-        table.data_ptr(),
-        table.shape[1],
-        ids.data_ptr(),
-        offsets.data_ptr(),
-        num_segments,
-        _ptr(coeffs),
-        out.data_ptr(),
-        _threads(),
-    )
-    return out
 
 
 def lookup_many(parts: list[tuple[Tensor, Tensor, Tensor, Tensor | None]]) -> list[Tensor]:

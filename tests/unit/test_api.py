@@ -253,3 +253,28 @@ def test_deepcopy_and_pickle_of_a_trained_module(tmp_path: Path) -> None:
     assert torch.equal(twin.embedding_tables["a"], emb.embedding_tables["a"])
     assert torch.equal(loaded.embedding_tables["a"], emb.embedding_tables["a"])
     del twin, loaded
+
+
+def test_native_phase1_equals_torch_dedup_sum() -> None:
+    """The C dedup + float32 sums give exactly torch's ``dedup_sum`` (same rows, same order of addition)."""
+    from embtables.kernels import native
+    from embtables.kernels.lookup import occurrence_gradients
+    from embtables.kernels.segments import dedup_sum, segments_from_offsets
+
+    assert native.library() is not None
+    gen = torch.Generator().manual_seed(3)
+    ids = [torch.randint(0, 50, (40,), generator=gen), torch.randint(0, 50, (25,), generator=gen)]
+    offsets = [torch.tensor([0, 10, 10, 25, 40]), torch.tensor([0, 5, 25])]
+    coeffs = [torch.rand(40, generator=gen), None]
+    grads = [torch.randn(4, 6, generator=gen), torch.randn(2, 6, generator=gen)]
+    ws = native.Workspace(6)
+    (status,) = native.prepare_many([(ws, list(zip(ids, offsets, coeffs, grads)))])
+    assert status == 0
+    rows, sums = ws.rows_and_grads()
+    per_id = torch.cat(
+        [occurrence_gradients(g, segments_from_offsets(o), c) for g, o, c in zip(grads, offsets, coeffs)]
+    )
+    ref_rows, ref_sums = dedup_sum(torch.cat(ids), per_id)
+    order = torch.argsort(rows)  # C keeps first-occurrence order, torch.unique sorts
+    assert torch.equal(rows[order], ref_rows)
+    assert torch.equal(sums[order], ref_sums)

@@ -74,13 +74,6 @@ static inline void et_bag(const float *W, int64_t D, const int64_t *ids, const i
     }
 }
 
-void et_lookup(const float *W, int64_t D, const int64_t *ids, const int64_t *offsets, int64_t S,
-               const float *coeffs, float *out, int nthreads) {
-    const int64_t total = offsets[S];
-#pragma omp parallel for num_threads(nthreads) schedule(static, 256)
-    for (int64_t s = 0; s < S; ++s) et_bag(W, D, ids, offsets, s, total, coeffs, out);
-}
-
 /* The lookups of F features in one parallel region: feature f reads table W[f] [V_f, D[f]] and
  * writes out[f] [S[f], D[f]]. Bags of all features form one index space split over the threads. */
 void et_lookup_many(int64_t F, const float *const *W, const int64_t *D, const int64_t *const *ids,
