@@ -115,7 +115,9 @@ class EmbeddingCollection:
             )
         if not torch.is_floating_point(grad):
             raise TypeError(f"feature {feature.name!r}: the gradient must be floating point, got {grad.dtype}.")
-        return grad.detach().to(self.device, torch.float32).reshape(batch.num_segments, table.dim)
+        # contiguous(): the native update reads raw rows; a transposed or sliced gradient must not
+        # silently send the table down the slower torch path.
+        return grad.detach().to(self.device, torch.float32).reshape(batch.num_segments, table.dim).contiguous()
 
     def table_gradients(self, batches: Sequence[FeatureBatch], grads: Sequence[Tensor | None]) -> list[TableGradient]:
         """Per-table gradients from per-feature activation gradients [S, D] (None = zero)."""

@@ -278,3 +278,14 @@ def test_native_phase1_equals_torch_dedup_sum() -> None:
     order = torch.argsort(rows)  # C keeps first-occurrence order, torch.unique sorts
     assert torch.equal(rows[order], ref_rows)
     assert torch.equal(sums[order], ref_sums)
+
+
+def test_non_contiguous_gradients_take_the_native_path() -> None:
+    a, _ = _tables()
+    emb = et.DistributedEmbedding({"x": et.FeatureConfig(a)}, et.Adagrad(0.1))
+    emb({"x": torch.tensor([1, 2, 3])})
+    grad = torch.randn(4, 3).t()  # [3, 4], not contiguous
+    assert not grad.is_contiguous()
+    checked = emb._engine.check_gradient(0, emb._last.batches[0], grad)  # type: ignore[union-attr]
+    assert checked is not None and checked.is_contiguous() and torch.equal(checked, grad)
+    emb.apply_gradients({"x": grad})
