@@ -127,9 +127,8 @@ class EmbeddingCollection:
             if table.name in fast:
                 out.append(fast[table.name])
                 continue
-            ids_parts, grad_parts, key_parts = [], [], []
-            num_features = len(table.feature_indices)
-            for local, f in enumerate(table.feature_indices):
+            ids_parts, grad_parts = [], []
+            for f in table.feature_indices:
                 batch, g = batches[f], grads[f]
                 if g is None:
                     per_id = torch.zeros((batch.ids.numel(), table.dim), dtype=torch.float32, device=self.device)
@@ -137,19 +136,22 @@ class EmbeddingCollection:
                     per_id = occurrence_gradients(g, batch.seg, batch.coeffs)
                 ids_parts.append(batch.ids)
                 grad_parts.append(per_id)
-                key_parts.append(batch.sample_index() * num_features + local)
             ids = torch.cat(ids_parts)
             per_id = torch.cat(grad_parts)
-            if table.optimizer.use_gradient_accumulation:
-                rows, summed = dedup_sum(ids, per_id)
-                tg = TableGradient(table, rows, summed, accumulated=True)
+            accumulated = table.optimizer.use_gradient_accumulation
+            if accumulated:
+                rows, row_grads = dedup_sum(ids, per_id)
             else:
                 # Occurrence order (SPEC 10.2): sample-major, then feature order, then position.
-                order = torch.sort(torch.cat(key_parts), stable=True).indices
-                tg = TableGradient(table, ids[order], per_id[order], accumulated=False)
-            if not bool(torch.isfinite(tg.grads).all()):  # type: ignore[arg-type]
+                num_features = len(table.feature_indices)
+                keys = torch.cat(
+                    [batches[f].sample_index() * num_features + local for local, f in enumerate(table.feature_indices)]
+                )
+                order = torch.sort(keys, stable=True).indices
+                rows, row_grads = ids[order], per_id[order]
+            if not bool(torch.isfinite(row_grads).all()):
                 raise _non_finite(table)
-            out.append(tg)
+            out.append(TableGradient(table, rows, row_grads, accumulated=accumulated))
         return out
 
     def _native_table_gradients(
