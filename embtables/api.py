@@ -24,6 +24,7 @@ from embtables.errors import InputError
 from embtables.tables.collection import EmbeddingCollection, TableGradient
 from embtables.tables.inputs import FeatureBatch, InputConverter, is_kjt, split_kjt
 from embtables.tables.ragged import Ragged
+from embtables.tables.state import LocalShard
 
 logger = logging.getLogger("embtables")
 
@@ -265,6 +266,17 @@ class DistributedEmbedding(nn.Module):
         if self._pending is not None:
             pending, self._pending = self._pending, None
             self._engine.apply(pending.table_grads, pending.lrs)
+
+    def local_shards(self) -> dict[str, LocalShard]:
+        """``{table name: LocalShard}``: the rows this process owns, with their global row ids, as
+        live storage (after any pipelined update). In one process every table is one whole shard."""
+        self._flush()
+        out = {}
+        for t in self._resolved.tables:
+            state = self._engine.states[t.name]
+            rows = torch.arange(t.vocabulary_size, dtype=torch.int64)
+            out[t.name] = LocalShard(t.name, t.vocabulary_size, rows, state.tensors())
+        return out
 
     # ------------------------------------------------------------------ nn.Module integration
     def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> DistributedEmbedding:

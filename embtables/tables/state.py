@@ -27,6 +27,23 @@ class TableState:
         return {"": self.weights, **self.slots}
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class LocalShard:
+    """The rows of one table that this process owns, with their global row ids.
+
+    ``rows`` [N] int64 are global row ids in ascending order (``arange(V)`` in one process; a div
+    block, a mod stride or a whole table when sharded). ``tensors`` maps ``""`` to the weights
+    [N, D] and each TF slot name to its [N, D] slot, row i holding global row ``rows[i]``. The
+    tensors are the live storage (writing into them changes the table), so checkpoint restore can
+    fill them in place without ever materialising rows this process does not own.
+    """
+
+    table: str
+    vocabulary_size: int
+    rows: Tensor
+    tensors: dict[str, Tensor]
+
+
 def _checked(table: ResolvedTable, what: str, t: object) -> Tensor:
     shape = (table.vocabulary_size, table.dim)
     if not isinstance(t, Tensor) or tuple(t.shape) != shape or not torch.is_floating_point(t):
