@@ -103,18 +103,24 @@ def _compile() -> ctypes.CDLL | None:
         logger.info("embtables: compiled native kernels into %s", target)
     lib = ctypes.CDLL(str(target))
     p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.POINTER(_OptParams)
-    lib.et_lookup_many.argtypes = [i64, p, p, p, p, p, p, p, i32]
-    lib.et_lookup_many.restype = None
-    lib.et_prepare_many.argtypes = [i64, p, p, p, p, p, p, p, i32, p, p]
+    lib.et_lookup_many.argtypes = [i64, p, p, p, p, p, p, p, p, p, i32]
+    lib.et_lookup_many.restype = i32
+    lib.et_prepare_many.argtypes = [i64, p, p, p, p, p, p, p, p, p, i32, p, p]
     lib.et_prepare_many.restype = None
     lib.et_prepared_size.argtypes = [p]
     lib.et_prepared_size.restype = i64
+    lib.et_prepared_gmax.argtypes = [p]
+    lib.et_prepared_gmax.restype = ctypes.c_float
     lib.et_prepared_copy.argtypes = [p, p, p]
     lib.et_prepared_copy.restype = None
-    lib.et_apply.argtypes = [p, p, p, p, i64, f32, i32, i32]
-    lib.et_apply.restype = None
-    lib.et_apply_sequential.argtypes = [p, p, i64, p, p, p, i64, f32, i32]
-    lib.et_apply_sequential.restype = None
+    lib.et_check.argtypes = [p, p, p, p, i64, i64, f32, i32, i32]
+    lib.et_check.restype = i64
+    lib.et_apply.argtypes = [p, p, p, p, i64, i64, f32, i32, i32, p]
+    lib.et_apply.restype = i32
+    lib.et_apply_sequential.argtypes = [p, p, i64, p, p, p, i64, i64, f32, i32]
+    lib.et_apply_sequential.restype = i32
+    lib.et_workspace_load.argtypes = [p, p, p, i64, i64, i64]
+    lib.et_workspace_load.restype = i32
     lib.et_workspace_new.argtypes = []
     lib.et_workspace_new.restype = p
     lib.et_workspace_free.argtypes = [p]
@@ -138,11 +144,49 @@ def library() -> ctypes.CDLL | None:
     return _lib
 
 
+_NATIVE_DTYPES = (torch.float32, torch.int64)
+
+
 def usable(*tensors: Tensor | None) -> bool:
-    """True when the native path is on and every tensor is a contiguous CPU tensor."""
+    """True when the native path is on and every tensor is a contiguous CPU float32 or int64 tensor."""
     if library() is None:
         return False
-    return all(t is None or (t.device.type == "cpu" and t.is_contiguous()) for t in tensors)
+    return all(
+        t is None or (t.device.type == "cpu" and t.dtype in _NATIVE_DTYPES and t.is_contiguous()) for t in tensors
+    )
+
+
+class NativeBufferError(RuntimeError):
+    """A buffer handed to a native kernel is not what the kernel reads (an embtables bug, never user input)."""
+
+
+def _require(t: object, what: str, dtype: torch.dtype, shape: tuple[int, ...]) -> Tensor:
+    """``t`` as a contiguous CPU tensor of ``dtype`` and exactly ``shape`` (-1 = any), else raise.
+
+    Every buffer is checked here, in the call that hands it to C, so C never reads past an allocation."""
+    ok = (
+        isinstance(t, Tensor)
+        and t.device.type == "cpu"
+        and t.dtype == dtype
+        and t.is_contiguous()
+        and t.dim() == len(shape)
+        and all(want in (-1, got) for want, got in zip(shape, t.shape))
+    )
+    if not ok:
+        got = (
+            f"{t.dtype} {tuple(t.shape)} on {t.device}, contiguous={t.is_contiguous()}"
+            if isinstance(t, Tensor)
+            else type(t).__name__
+        )
+        raise NativeBufferError(
+            f"embtables native kernel: {what} must be a contiguous CPU {dtype} tensor of shape {shape}, got {got}."
+        )
+    assert isinstance(t, Tensor)
+    return t
+
+
+def _require_opt(t: Tensor | None, what: str, dtype: torch.dtype, shape: tuple[int, ...]) -> Tensor | None:
+    return None if t is None else _require(t, what, dtype, shape)
 
 
 def _ptr(t: Tensor | None) -> int | None:
@@ -151,8 +195,6 @@ def _ptr(t: Tensor | None) -> int | None:
 
 def _threads() -> int:
     return max(1, torch.get_num_threads())
-
-
 def opt_params(opt: Optimizer, lr: float, decay: float, *, clip_gradients: bool) -> _OptParams:
     """The C parameter block for ``opt`` at learning rate ``lr`` and effective decay ``decay``."""
     p = _OptParams()
@@ -181,33 +223,55 @@ def opt_params(opt: Optimizer, lr: float, decay: float, *, clip_gradients: bool)
     return p
 
 
-def lookup_many(parts: list[tuple[Tensor, Tensor, Tensor, Tensor | None]]) -> list[Tensor]:
+def lookup_many(parts: list[tuple[Tensor, Tensor, Tensor, Tensor | None]]) -> tuple[list[Tensor], int]:
     """Several lookups in one parallel region: for each ``(table [V, D], ids [N], offsets [S+1],
-    coeffs [N] | None)`` the pooled ``[S, D]`` activations (as ``lookup``)."""
+    coeffs [N] | None)`` the pooled ``[S, D]`` activations. Every buffer is checked first; C re-checks
+    every offset and id against V in the same call. Returns the outputs and a status: 0 ok, 1 an id
+    outside [0, V) or bad offsets (outputs unusable), 2 a non-finite activation."""
     lib = library()
     assert lib is not None
     n = len(parts)
+    for table, ids, offsets, coeffs in parts:
+        _require(table, "table", torch.float32, (-1, -1))
+        _require(ids, "ids", torch.int64, (-1,))
+        if _require(offsets, "offsets", torch.int64, (-1,)).numel() < 1:
+            raise NativeBufferError("embtables native kernel: offsets must hold at least one value.")
+        _require_opt(coeffs, "coeffs", torch.float32, (ids.numel(),))
     outs = [torch.empty((p[2].numel() - 1, p[0].shape[1]), dtype=torch.float32) for p in parts]
     arr = ctypes.c_void_p * n
-    lib.et_lookup_many(
+    i64s = ctypes.c_int64 * n
+    status = lib.et_lookup_many(
         n,
         arr(*[p[0].data_ptr() for p in parts]),
-        (ctypes.c_int64 * n)(*[p[0].shape[1] for p in parts]),
+        i64s(*[p[0].shape[1] for p in parts]),
+        i64s(*[p[0].shape[0] for p in parts]),
         arr(*[p[1].data_ptr() for p in parts]),
+        i64s(*[p[1].numel() for p in parts]),
         arr(*[p[2].data_ptr() for p in parts]),
-        (ctypes.c_int64 * n)(*[p[2].numel() - 1 for p in parts]),
+        i64s(*[p[2].numel() - 1 for p in parts]),
         arr(*[_ptr(p[3]) for p in parts]),
         arr(*[o.data_ptr() for o in outs]),
         _threads(),
     )
-    return outs
+    return outs, int(status)
+
+
+def _slots(weights: Tensor, slots: tuple[Tensor, ...]) -> tuple[Tensor | None, Tensor | None]:
+    """The (at most two) slots of a [V, D] table, each checked to be [V, D] float32 like it."""
+    if len(slots) > 2:
+        raise NativeBufferError(f"embtables native kernel: at most 2 slots, got {len(slots)}.")
+    shape = tuple(weights.shape)
+    checked = [_require(s, f"slot {i}", torch.float32, shape) for i, s in enumerate(slots)]
+    return (checked[0] if checked else None, checked[1] if len(checked) > 1 else None)
 
 
 class Workspace:
-    """One table's native scratch memory, reused every step (steady-state steps allocate nothing).
+    """One table's native scratch memory, reused every step (steady-state steps allocate nothing; a
+    buffer over 4x a step's need is freed and sized again, so one huge step does not pin memory).
 
-    After ``prepare_many`` it holds phase 1 of that step: the unique rows and their summed
-    gradients, until the next ``prepare_many`` on it.
+    After ``prepare_many`` (or ``load``) it holds phase 1 of that step: the unique rows and their
+    summed gradients, until the next ``prepare_many`` on it. It is scratch: a copy or a pickle of a
+    module never carries it (a pending update is copied as tensors, see ``TableGradient``).
     """
 
     def __init__(self, dim: int) -> None:
@@ -230,6 +294,13 @@ class Workspace:
         assert lib is not None
         return int(lib.et_prepared_size(self.handle))
 
+    @property
+    def gradient_max_abs(self) -> float:
+        """max |G| over the prepared summed gradients (0 when there are none)."""
+        lib = library()
+        assert lib is not None
+        return float(lib.et_prepared_gmax(self.handle))
+
     def rows_and_grads(self) -> tuple[Tensor, Tensor]:
         """Copies of the prepared unique rows [U] and summed gradients [U, D]."""
         lib = library()
@@ -240,28 +311,61 @@ class Workspace:
         lib.et_prepared_copy(self.handle, rows.data_ptr(), grads.data_ptr())
         return rows, grads
 
-    def apply(self, weights: Tensor, slots: tuple[Tensor, ...], params: _OptParams, *, dense: bool) -> None:
-        """Phase 2: the fused per-row update of ``weights`` [V, D] and ``slots`` (in place)."""
+    def load(self, rows: Tensor, grads: Tensor, vocabulary_size: int) -> int:
+        """Fill the workspace with distinct ``rows`` [U] in [0, V) and summed ``grads`` [U, D], as phase 1
+        would. Returns 0 ok, 2 out of memory, 3 a row out of range or repeated (workspace left empty)."""
         lib = library()
         assert lib is not None
-        s0 = slots[0] if len(slots) > 0 else None
-        s1 = slots[1] if len(slots) > 1 else None
-        lib.et_apply(
-            self.handle,
-            weights.data_ptr(),
-            _ptr(s0),
-            _ptr(s1),
-            weights.shape[0],
-            ctypes.byref(params),
-            int(dense),
-            _threads(),
+        _require(rows, "rows", torch.int64, (-1,))
+        _require(grads, "grads", torch.float32, (rows.numel(), self.dim))
+        return int(
+            lib.et_workspace_load(
+                self.handle, rows.data_ptr(), grads.data_ptr(), rows.numel(), self.dim, vocabulary_size
+            )
         )
+
+    def check(self, weights: Tensor, slots: tuple[Tensor, ...], params: _OptParams, *, dense: bool) -> int:
+        """Phase 2 dry run: -1 when the update would write only finite values, else a row id whose
+        update is not finite. Nothing is written."""
+        lib = library()
+        assert lib is not None
+        _require(weights, "weights", torch.float32, (-1, self.dim))
+        s0, s1 = _slots(weights, slots)
+        bad = int(
+            lib.et_check(
+                self.handle, weights.data_ptr(), _ptr(s0), _ptr(s1), weights.shape[0], self.dim,
+                ctypes.byref(params), int(dense), _threads(),
+            )
+        )
+        if bad == -2:
+            raise NativeBufferError("embtables native kernel: the prepared update does not fit this table.")
+        if bad == -3:
+            raise MemoryError("embtables: out of memory while checking the sparse update.")
+        return bad
+
+    def apply(
+        self, weights: Tensor, slots: tuple[Tensor, ...], params: _OptParams, *, dense: bool
+    ) -> tuple[float, ...]:
+        """Phase 2: the fused per-row update of ``weights`` [V, D] and ``slots`` (in place). Returns the
+        largest |value| written into the weights and each slot."""
+        lib = library()
+        assert lib is not None
+        _require(weights, "weights", torch.float32, (-1, self.dim))
+        s0, s1 = _slots(weights, slots)
+        maxabs = (ctypes.c_float * 3)()
+        status = lib.et_apply(
+            self.handle, weights.data_ptr(), _ptr(s0), _ptr(s1), weights.shape[0], self.dim,
+            ctypes.byref(params), int(dense), _threads(), maxabs,
+        )
+        if status != 0:
+            raise NativeBufferError("embtables native kernel: the prepared update does not fit this table.")
+        return tuple(float(m) for m in maxabs[: 1 + len(slots)])
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Workspace:
         return Workspace(self.dim)  # scratch memory: a copy gets its own, never the same handle
 
-    def __reduce__(self) -> tuple[type[Workspace], tuple[int]]:
-        return (Workspace, (self.dim,))  # pickling (torch.save of a module) rebuilds fresh scratch
+    def __reduce__(self) -> tuple[Any, ...]:
+        raise TypeError("embtables: a native Workspace is scratch memory and is never pickled.")
 
     def __del__(self) -> None:
         if getattr(self, "_handle", None) is not None and _lib is not None:
@@ -272,17 +376,25 @@ class Workspace:
 FeaturePart = tuple[Tensor, Tensor, Tensor | None, Tensor | None]
 
 
-def prepare_many(tables: list[tuple[Workspace, list[FeaturePart]]]) -> list[int]:
-    """Phase 1 for several tables in one call: for each ``(workspace, parts)``, where every part is a
+def prepare_many(tables: list[tuple[Workspace, int, list[FeaturePart]]]) -> list[int]:
+    """Phase 1 for several tables in one call: for each ``(workspace, V, parts)``, where every part is a
     feature's ``(ids [N], offsets [S+1], coeffs [N] | None, grad [S, D] | None)``, dedup the ids and
-    sum the gradients into the workspace. Returns a status per table: 0 ok, 1 non-finite gradient,
-    2 out of memory."""
+    sum the gradients into the workspace. Every buffer is checked first and C re-checks every offset
+    and id against V. Returns a status per table: 0 ok, 1 non-finite gradient, 2 out of memory, 3 an id
+    outside [0, V) or bad offsets."""
     lib = library()
     assert lib is not None
-    parts = [part for _, table_parts in tables for part in table_parts]
+    for ws, _, table_parts in tables:
+        for ids, offsets, coeffs, grad in table_parts:
+            _require(ids, "ids", torch.int64, (-1,))
+            if _require(offsets, "offsets", torch.int64, (-1,)).numel() < 1:
+                raise NativeBufferError("embtables native kernel: offsets must hold at least one value.")
+            _require_opt(coeffs, "coeffs", torch.float32, (ids.numel(),))
+            _require_opt(grad, "gradient", torch.float32, (offsets.numel() - 1, ws.dim))
+    parts = [part for _, _, table_parts in tables for part in table_parts]
     n, t = len(parts), len(tables)
     first = [0]
-    for _, table_parts in tables:
+    for _, _, table_parts in tables:
         first.append(first[-1] + len(table_parts))
     arr = ctypes.c_void_p * n
     statuses = (ctypes.c_int * t)()
@@ -290,13 +402,15 @@ def prepare_many(tables: list[tuple[Workspace, list[FeaturePart]]]) -> list[int]
         t,
         (ctypes.c_int64 * (t + 1))(*first),
         arr(*[part[0].data_ptr() for part in parts]),
+        (ctypes.c_int64 * n)(*[part[0].numel() for part in parts]),
         arr(*[part[1].data_ptr() for part in parts]),
         (ctypes.c_int64 * n)(*[part[1].numel() - 1 for part in parts]),
         arr(*[_ptr(part[2]) for part in parts]),
         arr(*[_ptr(part[3]) for part in parts]),
-        (ctypes.c_int64 * t)(*[ws.dim for ws, _ in tables]),
+        (ctypes.c_int64 * t)(*[ws.dim for ws, _, _ in tables]),
+        (ctypes.c_int64 * t)(*[v for _, v, _ in tables]),
         _threads(),
-        (ctypes.c_void_p * t)(*[ws.handle for ws, _ in tables]),
+        (ctypes.c_void_p * t)(*[ws.handle for ws, _, _ in tables]),
         statuses,
     )
     return list(statuses)
@@ -308,16 +422,21 @@ def apply_sequential(
     """Apply occurrences one at a time, in order (no accumulation): ``rows`` [N], ``grads`` [N, D]."""
     lib = library()
     assert lib is not None
-    s0 = slots[0] if len(slots) > 0 else None
-    s1 = slots[1] if len(slots) > 1 else None
-    lib.et_apply_sequential(
+    _require(weights, "weights", torch.float32, (-1, -1))
+    _require(rows, "rows", torch.int64, (-1,))
+    _require(grads, "grads", torch.float32, (rows.numel(), weights.shape[1]))
+    s0, s1 = _slots(weights, slots)
+    status = lib.et_apply_sequential(
         rows.data_ptr(),
         grads.data_ptr(),
         rows.numel(),
         weights.data_ptr(),
         _ptr(s0),
         _ptr(s1),
+        weights.shape[0],
         weights.shape[1],
         ctypes.byref(params),
         _threads(),
     )
+    if status != 0:
+        raise NativeBufferError("embtables native kernel: a row id is outside the table.")

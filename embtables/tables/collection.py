@@ -17,12 +17,14 @@ import torch
 from torch import Tensor
 
 from embtables.config import ResolvedConfig, ResolvedTable
+from embtables.config.optimizers import FTRL, Adagrad
 from embtables.errors import InputError
 from embtables.kernels import native, sparse_update_
 from embtables.kernels.clip_decay import effective_weight_decay
+from embtables.kernels.finite_guard import update_is_finite
 from embtables.kernels.lookup import occurrence_gradients, pooled_lookup
 from embtables.kernels.segments import dedup_sum, occurrence_rounds
-from embtables.kernels.sparse_update import as_float32
+from embtables.kernels.sparse_update import as_float32, update_rows
 from embtables.tables.inputs import FeatureBatch
 from embtables.tables.state import TableState, create_table_state
 
@@ -42,6 +44,19 @@ class TableGradient:
     accumulated: bool
     prepared: native.Workspace | None = None
 
+    def materialized(self) -> TableGradient:
+        """The same gradient with rows [U] and sums [U, D] as tensors (copied out of C memory)."""
+        if self.prepared is None:
+            return self
+        rows, grads = self.prepared.rows_and_grads()
+        return TableGradient(self.table, rows, grads, accumulated=True)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # A copy or a pickle (of a module with a pipelined update pending) carries the gradient itself,
+        # never the native scratch memory it was prepared in, so it applies anywhere, native or not.
+        m = self.materialized()
+        return (TableGradient, (m.table, m.rows, m.grads, m.accumulated))
+
 
 class EmbeddingCollection:
     """Tables of ``resolved`` on ``device``; single process. A plain object: the ``nn.Module``
@@ -51,10 +66,17 @@ class EmbeddingCollection:
         self.resolved = resolved
         self.states: dict[str, TableState] = {t.name: create_table_state(t, device) for t in resolved.tables}
         self._workspaces: dict[str, native.Workspace] = {}
+        self._bounds: dict[str, _Bounds] = {}
 
     @property
     def device(self) -> torch.device:
         return next(iter(self.states.values())).weights.device
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Workspaces are per-process scratch (C memory): a copy or a pickle starts with none.
+        state = self.__dict__.copy()
+        state["_workspaces"] = {}
+        return state
 
     # ------------------------------------------------------------------ forward
     def lookup(self, batches: Sequence[FeatureBatch]) -> list[Tensor]:
@@ -76,7 +98,15 @@ class EmbeddingCollection:
                 table = self.resolved.tables[self.resolved.features[i].table_index]
                 b = batches[i]
                 parts.append((self.states[table.name].weights, b.ids, b.offsets, b.coeffs))
-            for i, acts in zip(fast, native.lookup_many(parts)):
+            acts_list, status = native.lookup_many(parts)
+            if status == 1:
+                names = ", ".join(repr(self.resolved.features[i].name) for i in fast)
+                raise InputError(
+                    f"features {names}: ids or offsets changed after they were validated (an input buffer was "
+                    "written while the batch was staged); nothing was looked up or changed. Do not modify input "
+                    "tensors between enqueue() and dequeue()."
+                )
+            for i, acts in zip(fast, acts_list):
                 dim = self.resolved.tables[self.resolved.features[i].table_index].dim
                 out[i] = acts.reshape(*batches[i].out_shape, dim)
         for i, (feature, batch) in enumerate(zip(self.resolved.features, batches)):
@@ -94,7 +124,16 @@ class EmbeddingCollection:
                 quantization=None if q is None else (q.num_buckets, float(q.lower), float(q.upper)),
             )
             out[i] = acts.reshape(*batch.out_shape, table.dim)
-        return [a for a in out if a is not None]
+        result = [a for a in out if a is not None]
+        for feature, acts in zip(self.resolved.features, result):
+            if not bool(torch.isfinite(acts).all()):
+                table = self.resolved.tables[feature.table_index]
+                raise InputError(
+                    f"feature {feature.name!r} (table {table.name!r}): the looked-up activations overflow float32 "
+                    "(a sum of large rows or weights is not finite); no table or slot was changed. Check the "
+                    "weights of this feature and the table's values."
+                )
+        return result
 
     # ------------------------------------------------------------------ backward, phase 1
     def check_gradient(self, feature_index: int, batch: FeatureBatch, grad: Any) -> Tensor | None:
@@ -167,11 +206,18 @@ class EmbeddingCollection:
                 eligible.append((table, parts))
         if not eligible:
             return {}
-        statuses = native.prepare_many([(self._workspace(table), parts) for table, parts in eligible])
+        statuses = native.prepare_many(
+            [(self._workspace(table), table.vocabulary_size, parts) for table, parts in eligible]
+        )
         out = {}
         for (table, _), status in zip(eligible, statuses):
             if status == 2:
                 raise MemoryError(f"table {table.name!r}: out of memory while preparing the sparse update.")
+            if status == 3:
+                raise InputError(
+                    f"table {table.name!r}: ids or offsets changed after they were validated (an input buffer was "
+                    "written between the lookup and apply_gradients()); no table or slot was changed."
+                )
             if status != 0:
                 raise _non_finite(table)
             out[table.name] = TableGradient(table, None, None, accumulated=True, prepared=self._workspace(table))
@@ -197,23 +243,141 @@ class EmbeddingCollection:
 
     # ------------------------------------------------------------------ backward, phase 2
     def apply(self, table_grads: Sequence[TableGradient], lrs: dict[str, float]) -> None:
-        """Apply validated gradients: the fused sparse update of every table."""
+        """Apply validated gradients: the fused sparse update of every table, all or nothing.
+
+        Each table's update is first checked to write only finite rows and slots (a dry run that
+        writes nothing; tables updated occurrence by occurrence are applied with a backup of their
+        touched rows instead). A non-finite result raises ``InputError`` naming the table and row,
+        and every table and slot is left exactly as it was.
+        """
+        writes: list[Callable[[], None]] = []
         for tg in table_grads:
-            state = self.states[tg.table.name]
-            opt = tg.table.optimizer
-            lr = lrs[tg.table.name]
-            slots = state.slot_tuple()
-            if tg.prepared is not None or (not tg.accumulated and native.usable(state.weights, *slots)):
+            if tg.accumulated:
+                writes.append(self._checked_update(tg, lrs[tg.table.name]))
+        restores: list[Callable[[], None]] = []
+        try:
+            for tg in table_grads:
+                if not tg.accumulated:
+                    restores.append(self._apply_sequential_or_restore(tg, lrs[tg.table.name]))
+        except BaseException:
+            for restore in reversed(restores):
+                restore()
+            raise
+        for write in writes:
+            write()
+
+    def _checked_update(self, tg: TableGradient, lr: float) -> Callable[[], None]:
+        """Check one accumulated table update (writes nothing); returns the function that writes it."""
+        state = self.states[tg.table.name]
+        opt = tg.table.optimizer
+        slots = state.slot_tuple()
+        dense = not opt.lazy
+        ws = tg.prepared
+        if ws is None and tg.rows is not None and native.usable(state.weights, *slots, tg.rows, tg.grads):
+            assert tg.grads is not None
+            ws = self._workspace(tg.table)
+            status = ws.load(tg.rows, tg.grads.contiguous(), tg.table.vocabulary_size)
+            if status == 2:
+                raise MemoryError(f"table {tg.table.name!r}: out of memory while loading the sparse update.")
+            if status != 0:
+                raise InputError(f"table {tg.table.name!r}: the update's rows are out of range or repeated.")
+        decay = effective_weight_decay(opt.weight_decay_factor, opt.weight_decay_multiplied_by_lr, lr)
+        bounds = self._bounds_for(tg.table)
+        if ws is not None:
+            params = native.opt_params(opt, lr, decay, clip_gradients=True)
+            # The exact dry run (a second pass over every touched row) only when the cheap proof fails.
+            if not update_is_finite(opt, lr, decay, ws.gradient_max_abs, bounds.hi, bounds.lo):
+                bad = ws.check(state.weights, slots, params, dense=dense)
+                if bad >= 0:
+                    raise _non_finite_update(tg.table, bad, lr)
+            prepared = ws
+
+            def write_native() -> None:
+                self._after_write(tg.table, prepared.apply(state.weights, slots, params, dense=dense))
+
+            return write_native
+        assert tg.rows is not None and tg.grads is not None
+        rows, grads = tg.rows, tg.grads
+        if dense:
+            gmax = float(grads.abs().max()) if grads.numel() else 0.0
+            if not update_is_finite(opt, lr, decay, gmax, bounds.hi, bounds.lo):
+                self._dense_update(tg.table, rows, grads, lr, write=False)
+            return lambda: self._after_write(tg.table, self._dense_update(tg.table, rows, grads, lr, write=True))
+        if rows.numel() == 0:
+            return lambda: None
+        w_new, s_new = update_rows(
+            state.weights.index_select(0, rows),
+            tuple(s.index_select(0, rows) for s in slots),
+            grads,
+            opt=opt,
+            lr=lr,
+            clip_gradients=True,
+        )
+        _check_finite_rows(tg.table, rows, (w_new, *s_new), lr)
+
+        def write() -> None:
+            state.weights.index_copy_(0, rows, w_new)
+            for dst, src in zip(slots, s_new):
+                dst.index_copy_(0, rows, src)
+            self._after_write(tg.table, tuple(float(t.abs().max()) for t in (w_new, *s_new)))
+
+        return write
+
+    def _dense_update(
+        self, table: ResolvedTable, rows: Tensor, grads: Tensor, lr: float, *, write: bool
+    ) -> tuple[float, ...]:
+        """Non-lazy update of every row on the torch path, in chunks of rows so the temporaries stay a
+        small fraction of the table; ``write=False`` only checks that every result is finite."""
+        state = self.states[table.name]
+        slots = state.slot_tuple()
+        vocab, dim = state.weights.shape
+        order = torch.argsort(rows)
+        rows, grads = rows[order], grads[order]
+        chunk = max(1, _DENSE_CHUNK_ELEMENTS // max(1, dim))
+        maxabs = [0.0] * (1 + len(slots))
+        for start in range(0, vocab, chunk):
+            stop = min(vocab, start + chunk)
+            lo, hi = (int(i) for i in torch.searchsorted(rows, torch.tensor([start, stop], device=rows.device)))
+            g = torch.zeros((stop - start, dim), dtype=torch.float32, device=state.weights.device)
+            g.index_copy_(0, rows[lo:hi] - start, grads[lo:hi])
+            w_new, s_new = update_rows(
+                state.weights[start:stop],
+                tuple(s[start:stop] for s in slots),
+                g,
+                opt=table.optimizer,
+                lr=lr,
+                clip_gradients=True,
+            )
+            if write:
+                state.weights[start:stop] = w_new
+                for dst, src in zip(slots, s_new):
+                    dst[start:stop] = src
+                maxabs = [max(m, float(t.abs().max())) for m, t in zip(maxabs, (w_new, *s_new))]
+            else:
+                _check_finite_rows(table, torch.arange(start, stop, device=rows.device), (w_new, *s_new), lr)
+        return tuple(maxabs)
+
+    def _apply_sequential_or_restore(self, tg: TableGradient, lr: float) -> Callable[[], None]:
+        """Apply a no-accumulation update (occurrence by occurrence) with a backup of the touched rows;
+        restores them and raises if any result is not finite. Returns the function that undoes it."""
+        assert tg.rows is not None and tg.grads is not None
+        state = self.states[tg.table.name]
+        opt = tg.table.optimizer
+        slots = state.slot_tuple()
+        tensors = (state.weights, *slots)
+        touched = torch.unique(tg.rows)
+        backup = [t.index_select(0, touched) for t in tensors]
+
+        def restore() -> None:
+            for t, b in zip(tensors, backup):
+                t.index_copy_(0, touched, b)
+
+        try:
+            if native.usable(state.weights, *slots, tg.rows, tg.grads):
                 decay = effective_weight_decay(opt.weight_decay_factor, opt.weight_decay_multiplied_by_lr, lr)
-                params = native.opt_params(opt, lr, decay, clip_gradients=tg.accumulated)
-                if tg.prepared is not None:
-                    tg.prepared.apply(state.weights, slots, params, dense=not opt.lazy)
-                else:
-                    assert tg.rows is not None and tg.grads is not None
-                    native.apply_sequential(tg.rows, tg.grads.contiguous(), state.weights, slots, params)
-                continue
-            assert tg.rows is not None and tg.grads is not None
-            if not tg.accumulated:
+                params = native.opt_params(opt, lr, decay, clip_gradients=False)
+                native.apply_sequential(tg.rows, tg.grads.contiguous(), state.weights, slots, params)
+            else:
                 for round_positions in occurrence_rounds(tg.rows):
                     sparse_update_(
                         state.weights,
@@ -224,12 +388,56 @@ class EmbeddingCollection:
                         lr=lr,
                         clip_gradients=False,
                     )
-            elif opt.lazy:
-                sparse_update_(state.weights, slots, tg.rows, tg.grads, opt=opt, lr=lr)
-            else:
-                dense = torch.zeros_like(state.weights)
-                dense.index_copy_(0, tg.rows, tg.grads)
-                sparse_update_(state.weights, slots, None, dense, opt=opt, lr=lr)
+            after = tuple(t.index_select(0, touched) for t in tensors)
+            _check_finite_rows(tg.table, touched, after, lr)
+        except BaseException:
+            restore()
+            raise
+        self._bounds.pop(tg.table.name, None)  # rescanned before the next guarded update of this table
+        return restore
+
+    # ------------------------------------------------------------------ value bounds for the finiteness guard
+    def _bounds_for(self, table: ResolvedTable) -> _Bounds:
+        """Bounds on the table's values: max |value| and min value per tensor (weights, *slots).
+
+        Rescanned (one pass over the table) when unknown or when any tensor was replaced or written in
+        place outside the fused update (torch's version counter moved); kept up to date by every update."""
+        state = self.states[table.name]
+        tensors = (state.weights, *state.slot_tuple())
+        stamp = _stamp(tensors)
+        bounds = self._bounds.get(table.name)
+        if bounds is None or bounds.stamp != stamp:
+            hi, lo = [], []
+            for t in tensors:
+                if t.numel() == 0:
+                    hi.append(0.0)
+                    lo.append(0.0)
+                    continue
+                mn, mx = (float(v) for v in torch.aminmax(t))
+                hi.append(max(abs(mn), abs(mx)))
+                lo.append(mn)
+            bounds = self._bounds[table.name] = _Bounds(hi, lo, stamp)
+        return bounds
+
+    def _after_write(self, table: ResolvedTable, maxabs: tuple[float, ...]) -> None:
+        """Fold the largest |values| an update wrote into the table's bounds."""
+        bounds = self._bounds.get(table.name)
+        if bounds is None:
+            return
+        state = self.states[table.name]
+        bounds.hi = [max(h, m) for h, m in zip(bounds.hi, maxabs)]
+        # Adagrad's and FTRL's accumulators never decrease; every other slot may move towards 0.
+        keeps_min = {1} if isinstance(table.optimizer, (Adagrad, FTRL)) else set()
+        bounds.lo = [v if i in keeps_min else min(v, 0.0) for i, v in enumerate(bounds.lo)]
+        bounds.stamp = _stamp((state.weights, *state.slot_tuple()))
+
+    def note_values_kept(self, table_name: str) -> None:
+        """Tell the guard that in-place writes to a table put back values it held before (e.g. a
+        pipelining snapshot swapped in and out), so its bounds still hold and need no rescan."""
+        bounds = self._bounds.get(table_name)
+        if bounds is not None:
+            state = self.states[table_name]
+            bounds.stamp = _stamp((state.weights, *state.slot_tuple()))
 
     # ------------------------------------------------------------------ torch integration
     def map_tensors(self, fn: Callable[[Tensor], Tensor]) -> None:
@@ -245,6 +453,42 @@ class EmbeddingCollection:
             for slot, t in state.tensors().items():
                 out[f"{name}/{slot}" if slot else name] = t
         return out
+
+
+@dataclasses.dataclass(eq=False)
+class _Bounds:
+    """Per tensor (weights, *slots): an upper bound on max |value| and a lower bound on min value,
+    valid while ``stamp`` (data pointer and version of each tensor) is unchanged."""
+
+    hi: list[float]
+    lo: list[float]
+    stamp: tuple[tuple[int, int], ...]
+
+
+def _stamp(tensors: Sequence[Tensor]) -> tuple[tuple[int, int], ...]:
+    return tuple((t.data_ptr(), t._version) for t in tensors)
+
+
+_DENSE_CHUNK_ELEMENTS = 1 << 22  # rows x D per chunk of the torch-path non-lazy update (16 MiB of float32)
+
+
+def _non_finite_update(table: ResolvedTable, row: int, lr: float) -> InputError:
+    slots = ", ".join(table.optimizer.slot_names) or "no slots"
+    return InputError(
+        f"table {table.name!r}: the update of row {row} would write a non-finite value (NaN or Inf) into the "
+        f"weights or slots ({slots}) at learning rate {lr:g}: float32 overflow; no table or slot was changed. "
+        "Lower the learning rate, clip the gradients (clipvalue=...) or check the table's values."
+    )
+
+
+def _check_finite_rows(table: ResolvedTable, rows: Tensor, values: tuple[Tensor, ...], lr: float) -> None:
+    """Raise ``_non_finite_update`` when any of ``values`` ([U, D] each, row i is table row ``rows[i]``) is
+    not finite."""
+    ok = torch.ones(rows.shape, dtype=torch.bool, device=rows.device)
+    for v in values:
+        ok &= torch.isfinite(v).all(dim=1)
+    if not bool(ok.all()):
+        raise _non_finite_update(table, int(rows[~ok][0]), lr)
 
 
 def _non_finite(table: ResolvedTable) -> InputError:

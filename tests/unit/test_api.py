@@ -268,7 +268,7 @@ def test_native_phase1_equals_torch_dedup_sum() -> None:
     coeffs = [torch.rand(40, generator=gen), None]
     grads = [torch.randn(4, 6, generator=gen), torch.randn(2, 6, generator=gen)]
     ws = native.Workspace(6)
-    (status,) = native.prepare_many([(ws, list(zip(ids, offsets, coeffs, grads)))])
+    (status,) = native.prepare_many([(ws, 50, list(zip(ids, offsets, coeffs, grads)))])
     assert status == 0
     rows, sums = ws.rows_and_grads()
     per_id = torch.cat(

@@ -37,63 +37,93 @@ static inline void et_prefetch_head(const float *row, int64_t D);
 #define ET_LOOKUP_PF 16 /* ids of look-ahead in the lookup: one row prefetched per id processed */
 
 /* One bag, one 64-column block: the accumulator lives in registers (4 AVX-512 / 8 AVX2 vectors).
- * pf_end > 0 also prefetches the row of id k + ET_LOOKUP_PF (k < pf_end), across bag boundaries. */
-static inline void et_bag_block64(const float *W, int64_t D, const int64_t *ids, int64_t k0, int64_t k1,
-                                  const float *coeffs, float *out, int64_t pf_end) {
+ * pf_end > 0 also prefetches the row of id k + ET_LOOKUP_PF (k < pf_end), across bag boundaries.
+ * Every id is range-checked against V before its row is read (prefetching a bad address is harmless);
+ * a bad id sets *bad and is skipped. */
+static inline void et_bag_block64(const float *W, int64_t D, int64_t V, const int64_t *ids, int64_t k0, int64_t k1,
+                                  const float *coeffs, float *out, int64_t pf_end, int *bad) {
     float acc[64];
     for (int j = 0; j < 64; ++j) acc[j] = 0.0f;
     if (coeffs) {
         for (int64_t k = k0; k < k1; ++k) {
             if (k + ET_LOOKUP_PF < pf_end) et_prefetch_head(W + ids[k + ET_LOOKUP_PF] * D, D);
-            const float *restrict row = W + ids[k] * D;
+            const int64_t id = ids[k];
+            if ((uint64_t)id >= (uint64_t)V) { *bad = 1; continue; }
+            const float *restrict row = W + id * D;
             const float c = coeffs[k];
             for (int j = 0; j < 64; ++j) acc[j] += c * row[j];
         }
     } else {
         for (int64_t k = k0; k < k1; ++k) {
             if (k + ET_LOOKUP_PF < pf_end) et_prefetch_head(W + ids[k + ET_LOOKUP_PF] * D, D);
-            const float *restrict row = W + ids[k] * D;
+            const int64_t id = ids[k];
+            if ((uint64_t)id >= (uint64_t)V) { *bad = 1; continue; }
+            const float *restrict row = W + id * D;
             for (int j = 0; j < 64; ++j) acc[j] += row[j];
         }
     }
     memcpy(out, acc, sizeof acc);
 }
 
-static inline void et_bag(const float *W, int64_t D, const int64_t *ids, const int64_t *offsets, int64_t s,
-                          int64_t total, const float *coeffs, float *out) {
+/* One bag; returns 0 when every output value is finite. */
+static inline int et_bag(const float *W, int64_t D, int64_t V, const int64_t *ids, const int64_t *offsets, int64_t s,
+                         int64_t total, const float *coeffs, float *out, int *bad) {
     float *restrict o = out + s * D;
     const int64_t k0 = offsets[s], k1 = offsets[s + 1];
     int64_t d0 = 0;
-    for (; d0 + 64 <= D; d0 += 64) et_bag_block64(W + d0, D, ids, k0, k1, coeffs, o + d0, d0 == 0 ? total : 0);
-    if (d0 == D) return;
-    for (int64_t d = d0; d < D; ++d) o[d] = 0.0f;
-    for (int64_t k = k0; k < k1; ++k) {
-        if (d0 == 0 && k + ET_LOOKUP_PF < total) et_prefetch_head(W + ids[k + ET_LOOKUP_PF] * D, D);
-        const float *restrict row = W + ids[k] * D;
-        const float c = coeffs ? coeffs[k] : 1.0f; /* c * row with c == 1 is exact */
-        for (int64_t d = d0; d < D; ++d) o[d] += c * row[d];
+    for (; d0 + 64 <= D; d0 += 64)
+        et_bag_block64(W + d0, D, V, ids, k0, k1, coeffs, o + d0, d0 == 0 ? total : 0, bad);
+    if (d0 < D) {
+        for (int64_t d = d0; d < D; ++d) o[d] = 0.0f;
+        for (int64_t k = k0; k < k1; ++k) {
+            if (d0 == 0 && k + ET_LOOKUP_PF < total) et_prefetch_head(W + ids[k + ET_LOOKUP_PF] * D, D);
+            const int64_t id = ids[k];
+            if ((uint64_t)id >= (uint64_t)V) { *bad = 1; continue; }
+            const float *restrict row = W + id * D;
+            const float c = coeffs ? coeffs[k] : 1.0f; /* c * row with c == 1 is exact */
+            for (int64_t d = d0; d < D; ++d) o[d] += c * row[d];
+        }
     }
+    int fin = 1;
+    for (int64_t d = 0; d < D; ++d) fin &= isfinite(o[d]) ? 1 : 0;
+    return !fin;
 }
 
-/* The lookups of F features in one parallel region: feature f reads table W[f] [V_f, D[f]] and
- * writes out[f] [S[f], D[f]]. Bags of all features form one index space split over the threads. */
-void et_lookup_many(int64_t F, const float *const *W, const int64_t *D, const int64_t *const *ids,
-                    const int64_t *const *offsets, const int64_t *S, const float *const *coeffs, float *const *out,
-                    int nthreads) {
+/* offsets [S+1] must start at >= 0, never decrease and end at <= N: checked in the call that reads them. */
+static int et_offsets_ok(const int64_t *offsets, int64_t S, int64_t N) {
+    if (offsets[0] < 0 || offsets[S] > N) return 0;
+    for (int64_t s = 0; s < S; ++s)
+        if (offsets[s + 1] < offsets[s]) return 0;
+    return 1;
+}
+
+/* The lookups of F features in one parallel region: feature f reads table W[f] [V[f], D[f]] through
+ * ids[f] [N[f]] and writes out[f] [S[f], D[f]]. Bags of all features form one index space split over
+ * the threads. Returns 0 ok, 1 bad offsets or an id outside [0, V) (outputs are then garbage and must
+ * be discarded), 2 a non-finite activation. */
+int et_lookup_many(int64_t F, const float *const *W, const int64_t *D, const int64_t *V, const int64_t *const *ids,
+                   const int64_t *N, const int64_t *const *offsets, const int64_t *S, const float *const *coeffs,
+                   float *const *out, int nthreads) {
     int64_t first[F + 1];
     first[0] = 0;
-    for (int64_t f = 0; f < F; ++f) first[f + 1] = first[f] + S[f];
+    for (int64_t f = 0; f < F; ++f) {
+        if (!et_offsets_ok(offsets[f], S[f], N[f])) return 1;
+        first[f + 1] = first[f] + S[f];
+    }
     const int64_t all = first[F];
-#pragma omp parallel num_threads(nthreads)
+    int bad = 0, nonfinite = 0;
+#pragma omp parallel num_threads(nthreads) reduction(| : bad, nonfinite)
     {
         int64_t f = 0;
 #pragma omp for schedule(static, 256)
         for (int64_t i = 0; i < all; ++i) {
             while (i >= first[f + 1]) ++f;
             while (i < first[f]) --f;
-            et_bag(W[f], D[f], ids[f], offsets[f], i - first[f], offsets[f][S[f]], coeffs[f], out[f]);
+            nonfinite |= et_bag(W[f], D[f], V[f], ids[f], offsets[f], i - first[f], offsets[f][S[f]], coeffs[f],
+                                out[f], &bad);
         }
     }
+    return bad ? 1 : (nonfinite ? 2 : 0);
 }
 
 /* ------------------------------------------------------------------------------------------ */
@@ -249,6 +279,7 @@ typedef struct {
     int64_t *hkeys; /* hash keys (-1 = empty) */
     int32_t *hvals; /* unique index per key */
     int finite;
+    float gmax;     /* max |G| after phase 1 (for the finiteness guard) */
     /* scratch, reused across steps (capacities in elements) */
     int32_t *inv;
     int64_t *start, *occ;
@@ -302,17 +333,41 @@ static int et_reserve(void **p, int64_t *cap, int64_t n, size_t sz) {
     return 1;
 }
 
-/* Phase 1 for one table into workspace h. status: 0 ok, 1 non-finite gradient, 2 out of memory. */
-static void et_prepare_one(et_workspace *h, int64_t nfeat, const int64_t *const *ids, const int64_t *const *offsets,
-                           const int64_t *nbags, const float *const *coeffs, const float *const *grads, int64_t D,
-                           int nthreads, int *status) {
+/* Free a buffer whose capacity is over 4x what this step needs (and over 1 MiB), so that one huge step
+ * does not pin its scratch memory for the life of the module; the next et_reserve sizes it again. */
+static void et_shrink(void **p, int64_t *cap, int64_t need, size_t sz) {
+    if (*p && *cap > 4 * (need + 16) && (size_t)*cap * sz > ((size_t)1 << 20)) {
+        free(*p);
+        *p = NULL;
+        *cap = 0;
+    }
+}
+
+/* Phase 1 for one table [V, D] into workspace h. Every offset and id is checked here, in the call that
+ * reads them. status: 0 ok, 1 non-finite gradient, 2 out of memory, 3 bad offsets or an id outside [0, V). */
+static void et_prepare_one(et_workspace *h, int64_t nfeat, const int64_t *const *ids, const int64_t *nids,
+                           const int64_t *const *offsets, const int64_t *nbags, const float *const *coeffs,
+                           const float *const *grads, int64_t D, int64_t V, int nthreads, int *status) {
     int64_t N = 0;
-    for (int64_t f = 0; f < nfeat; ++f) N += offsets[f][nbags[f]] - offsets[f][0];
+    h->U = 0;
+    h->D = D;
+    *status = 3;
+    for (int64_t f = 0; f < nfeat; ++f) {
+        if (!et_offsets_ok(offsets[f], nbags[f], nids[f])) return;
+        N += offsets[f][nbags[f]] - offsets[f][0];
+    }
     int64_t H = 16;
     while (H < 2 * N) H <<= 1;
     *status = 2;
-    h->U = 0;
-    h->D = D;
+    if (h->cap_n > 4 * (N + 16) && h->cap_n * 40 > (1 << 20)) {
+        /* every N-sized buffer shares one capacity: drop them together */
+        free(h->inv); free(h->rows); free(h->start); free(h->occ); free(h->occ_g); free(h->occ_c);
+        h->inv = NULL; h->rows = NULL; h->start = NULL; h->occ = NULL; h->occ_g = NULL; h->occ_c = NULL;
+        h->cap_n = 0;
+    }
+    int64_t cap_h0 = h->cap_h;
+    et_shrink((void **)&h->hkeys, &cap_h0, H, sizeof(int64_t));
+    if (!h->hkeys) { free(h->hvals); h->hvals = NULL; h->cap_h = 0; }
     int64_t cap_n = h->cap_n, cap_h = h->cap_h;
     int ok = 1;
     /* every N-sized buffer shares one capacity: reserve them all against the old one */
@@ -346,6 +401,10 @@ static void et_prepare_one(et_workspace *h, int64_t nfeat, const int64_t *const 
                 __builtin_prefetch(h->hvals + ahead, 1, 0);
             }
             const int64_t id = fid[k];
+            if ((uint64_t)id >= (uint64_t)V) {
+                *status = 3;
+                return;
+            }
             uint64_t b = et_hash(id) >> shift;
             while (h->hkeys[b] != -1 && h->hkeys[b] != id) b = (b + 1) & (uint64_t)h->mask;
             if (h->hkeys[b] == -1) {
@@ -356,8 +415,9 @@ static void et_prepare_one(et_workspace *h, int64_t nfeat, const int64_t *const 
             inv[kg] = h->hvals[b];
         }
     }
-    h->U = U;
+    et_shrink((void **)&h->G, &h->cap_g, (U ? U : 1) * D, sizeof(float));
     if (!et_reserve((void **)&h->G, &h->cap_g, (U ? U : 1) * D, sizeof(float))) return;
+    h->U = U;
     /* CSR of occurrences per unique row, in occurrence order. */
     int64_t *start = h->start, *occ = h->occ;
     memset(start, 0, sizeof(int64_t) * (size_t)(U + 1));
@@ -379,7 +439,8 @@ static void et_prepare_one(et_workspace *h, int64_t nfeat, const int64_t *const 
         }
     }
     int finite = 1;
-#pragma omp parallel for num_threads(nthreads) schedule(static, 256) reduction(&& : finite)
+    float gmax = 0.0f;
+#pragma omp parallel for num_threads(nthreads) schedule(static, 256) reduction(&& : finite) reduction(max : gmax)
     for (int64_t u = 0; u < U; ++u) {
         float *restrict acc = h->G + u * D;
         for (int64_t d = 0; d < D; ++d) acc[d] = 0.0f;
@@ -397,36 +458,46 @@ static void et_prepare_one(et_workspace *h, int64_t nfeat, const int64_t *const 
             }
         }
         int fin = 1;
-        for (int64_t d = 0; d < D; ++d) fin &= isfinite(acc[d]) ? 1 : 0;
+        float m = 0.0f;
+        for (int64_t d = 0; d < D; ++d) {
+            fin &= isfinite(acc[d]) ? 1 : 0;
+            const float a = fabsf(acc[d]);
+            m = a > m ? a : m;
+        }
         finite = finite && fin;
+        gmax = m > gmax ? m : gmax;
     }
     h->finite = finite;
+    h->gmax = gmax;
     *status = finite ? 0 : 1;
 }
 
 /* Phase 1 for T tables at once. With at least as many tables as threads, tables run in parallel,
  * each on one thread (the dedup is serial, so this is where the second core pays); otherwise each
- * table uses every thread. Table t's features are features[first[t] .. first[t+1]). */
-void et_prepare_many(int64_t T, const int64_t *first, const int64_t *const *ids, const int64_t *const *offsets,
-                     const int64_t *nbags, const float *const *coeffs, const float *const *grads, const int64_t *dims,
-                     int nthreads, void **workspaces, int *statuses) {
+ * table uses every thread. Table t [V[t], dims[t]] has features features[first[t] .. first[t+1]). */
+void et_prepare_many(int64_t T, const int64_t *first, const int64_t *const *ids, const int64_t *nids,
+                     const int64_t *const *offsets, const int64_t *nbags, const float *const *coeffs,
+                     const float *const *grads, const int64_t *dims, const int64_t *V, int nthreads,
+                     void **workspaces, int *statuses) {
     if (T >= nthreads && nthreads > 1) {
 #pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1)
         for (int64_t t = 0; t < T; ++t) {
             const int64_t f0 = first[t], nf = first[t + 1] - first[t];
-            et_prepare_one((et_workspace *)workspaces[t], nf, ids + f0, offsets + f0, nbags + f0, coeffs + f0,
-                           grads + f0, dims[t], 1, statuses + t);
+            et_prepare_one((et_workspace *)workspaces[t], nf, ids + f0, nids + f0, offsets + f0, nbags + f0,
+                           coeffs + f0, grads + f0, dims[t], V[t], 1, statuses + t);
         }
         return;
     }
     for (int64_t t = 0; t < T; ++t) {
         const int64_t f0 = first[t], nf = first[t + 1] - first[t];
-        et_prepare_one((et_workspace *)workspaces[t], nf, ids + f0, offsets + f0, nbags + f0, coeffs + f0,
-                       grads + f0, dims[t], nthreads, statuses + t);
+        et_prepare_one((et_workspace *)workspaces[t], nf, ids + f0, nids + f0, offsets + f0, nbags + f0, coeffs + f0,
+                       grads + f0, dims[t], V[t], nthreads, statuses + t);
     }
 }
 
 int64_t et_prepared_size(const void *handle) { return ((const et_workspace *)handle)->U; }
+
+float et_prepared_gmax(const void *handle) { return ((const et_workspace *)handle)->gmax; }
 
 /* Copy the unique rows [U] and summed gradients [U, D] out (for tests and the torch fallback). */
 void et_prepared_copy(const void *handle, int64_t *rows, float *G) {
@@ -435,14 +506,98 @@ void et_prepared_copy(const void *handle, int64_t *rows, float *G) {
     memcpy(G, h->G, sizeof(float) * h->U * h->D);
 }
 
-/* Phase 2: one fused pass per updated row. dense != 0 updates every row of [V, D] (non-lazy Adam). */
-void et_apply(const void *handle, float *W, float *S0, float *S1, int64_t V, const et_opt *p, int dense,
-              int nthreads) {
+/* The row function applied to copies of a row and its slots; returns 1 when every new value is finite.
+ * buf holds 3 * D floats. Nothing in W/S changes. */
+static inline int et_row_finite(et_row_fn fn, const et_opt *p, const float *w, const float *s0, const float *s1,
+                                const float *g, int64_t D, float *buf) {
+    float *cw = buf, *c0 = buf + D, *c1 = buf + 2 * D;
+    memcpy(cw, w, sizeof(float) * (size_t)D);
+    if (s0) memcpy(c0, s0, sizeof(float) * (size_t)D);
+    if (s1) memcpy(c1, s1, sizeof(float) * (size_t)D);
+    fn(p, cw, s0 ? c0 : NULL, s1 ? c1 : NULL, g, D);
+    int fin = 1;
+    for (int64_t d = 0; d < D; ++d) fin &= isfinite(cw[d]) ? 1 : 0;
+    if (s0)
+        for (int64_t d = 0; d < D; ++d) fin &= isfinite(c0[d]) ? 1 : 0;
+    if (s1)
+        for (int64_t d = 0; d < D; ++d) fin &= isfinite(c1[d]) ? 1 : 0;
+    return fin;
+}
+
+/* The prepared rows must lie in [0, V) of a [V, D] table: re-checked in each call that writes through them. */
+static int et_prepared_ok(const et_workspace *h, int64_t V, int64_t D) {
+    if (h->D != D) return 0;
+    for (int64_t u = 0; u < h->U; ++u)
+        if ((uint64_t)h->rows[u] >= (uint64_t)V) return 0;
+    return 1;
+}
+
+/* Phase 2 dry run: would the update of the prepared rows (every row of [V, D] when dense) write only finite
+ * values? Computes each row on a copy and writes nothing. Returns -1 when all are finite, else a row id whose
+ * update is not finite; -2 for a workspace that does not fit the table; -3 out of memory. */
+int64_t et_check(const void *handle, const float *W, const float *S0, const float *S1, int64_t V, int64_t D,
+                 const et_opt *p, int dense, int nthreads) {
     const et_workspace *h = (const et_workspace *)handle;
-    const int64_t D = h->D, U = h->U;
+    if (!et_prepared_ok(h, V, D)) return -2;
+    const int64_t U = h->U, n = dense ? V : U;
     const et_row_fn fn = et_row_function(p->kind);
+    const int shift = dense ? et_shift(h->mask) : 0;
+    int64_t bad = -1;
+    int oom = 0;
+#pragma omp parallel num_threads(nthreads) reduction(max : bad) reduction(| : oom)
+    {
+        float *buf = (float *)malloc(sizeof(float) * (size_t)(3 * D));
+        if (!buf) {
+            oom = 1;
+        } else {
+#pragma omp for schedule(static, 256)
+            for (int64_t i = 0; i < n; ++i) {
+                int64_t r, u;
+                if (dense) {
+                    r = i;
+                    u = U ? et_find(h, r, shift) : -1;
+                } else {
+                    r = h->rows[i];
+                    u = i;
+                    if (i + ET_PF < n) {
+                        const int64_t q = h->rows[i + ET_PF] * D;
+                        et_prefetch_row(W + q, D, 0);
+                        if (S0) et_prefetch_row(S0 + q, D, 0);
+                        if (S1) et_prefetch_row(S1 + q, D, 0);
+                    }
+                }
+                const int64_t o = r * D;
+                if (!et_row_finite(fn, p, W + o, S0 ? S0 + o : NULL, S1 ? S1 + o : NULL, u >= 0 ? h->G + u * D : NULL,
+                                   D, buf) &&
+                    r > bad)
+                    bad = r;
+            }
+            free(buf);
+        }
+    }
+    return oom ? -3 : bad;
+}
+
+static inline float et_maxabs(const float *x, int64_t D, float m) {
+    for (int64_t d = 0; d < D; ++d) {
+        const float a = fabsf(x[d]);
+        m = a > m ? a : m;
+    }
+    return m;
+}
+
+/* Phase 2: one fused pass per updated row. dense != 0 updates every row of [V, D] (non-lazy Adam).
+ * maxabs[3] receives the largest |value| written into W, S0 and S1 (the row is still in L1 when it is
+ * scanned). Returns 0, or -2 (nothing written) for a workspace that does not fit the table. */
+int et_apply(const void *handle, float *W, float *S0, float *S1, int64_t V, int64_t D, const et_opt *p, int dense,
+             int nthreads, float *maxabs) {
+    const et_workspace *h = (const et_workspace *)handle;
+    if (!et_prepared_ok(h, V, D)) return -2;
+    const int64_t U = h->U;
+    const et_row_fn fn = et_row_function(p->kind);
+    float mw = 0.0f, m0 = 0.0f, m1 = 0.0f;
     if (!dense) {
-#pragma omp parallel for num_threads(nthreads) schedule(static, 256)
+#pragma omp parallel for num_threads(nthreads) schedule(static, 256) reduction(max : mw, m0, m1)
         for (int64_t u = 0; u < U; ++u) {
             if (u + ET_PF < U) {
                 const int64_t q = h->rows[u + ET_PF] * D;
@@ -452,21 +607,85 @@ void et_apply(const void *handle, float *W, float *S0, float *S1, int64_t V, con
             }
             const int64_t r = h->rows[u] * D;
             fn(p, W + r, S0 ? S0 + r : NULL, S1 ? S1 + r : NULL, h->G + u * D, D);
+            mw = et_maxabs(W + r, D, mw);
+            if (S0) m0 = et_maxabs(S0 + r, D, m0);
+            if (S1) m1 = et_maxabs(S1 + r, D, m1);
         }
-        return;
+    } else {
+        const int shift = et_shift(h->mask);
+#pragma omp parallel for num_threads(nthreads) schedule(static, 1024) reduction(max : mw, m0, m1)
+        for (int64_t r = 0; r < V; ++r) {
+            const int64_t u = U ? et_find(h, r, shift) : -1;
+            fn(p, W + r * D, S0 ? S0 + r * D : NULL, S1 ? S1 + r * D : NULL, u >= 0 ? h->G + u * D : NULL, D);
+            mw = et_maxabs(W + r * D, D, mw);
+            if (S0) m0 = et_maxabs(S0 + r * D, D, m0);
+            if (S1) m1 = et_maxabs(S1 + r * D, D, m1);
+        }
     }
+    maxabs[0] = mw;
+    maxabs[1] = m0;
+    maxabs[2] = m1;
+    return 0;
+}
+
+/* Fill workspace h with U distinct rows [U] in [0, V) and their summed gradients G [U, D], as phase 1 would
+ * (used to apply an update that was copied or unpickled). Returns 0, 2 out of memory, 3 a row outside
+ * [0, V) or a repeated row (the workspace is then empty). */
+int et_workspace_load(void *handle, const int64_t *rows, const float *G, int64_t U, int64_t D, int64_t V) {
+    et_workspace *h = (et_workspace *)handle;
+    h->U = 0;
+    h->D = D;
+    int64_t H = 16;
+    while (H < 2 * U) H <<= 1;
+    int ok = 1;
+    int64_t c = h->cap_n;
+    ok &= et_reserve((void **)&h->rows, &c, U + 1, sizeof(int64_t));
+    if (c != h->cap_n) { /* keep the shared N-capacity of the other N-sized buffers consistent */
+        c = h->cap_n; ok &= et_reserve((void **)&h->inv, &c, U + 1, sizeof(int32_t));
+        c = h->cap_n; ok &= et_reserve((void **)&h->start, &c, U + 2, sizeof(int64_t));
+        c = h->cap_n; ok &= et_reserve((void **)&h->occ, &c, U + 1, sizeof(int64_t));
+        c = h->cap_n; ok &= et_reserve((void **)&h->occ_g, &c, U + 1, sizeof(float *));
+        c = h->cap_n; ok &= et_reserve((void **)&h->occ_c, &c, U + 1, sizeof(float));
+        if (ok) h->cap_n = c;
+    }
+    int64_t ch = h->cap_h;
+    ok &= et_reserve((void **)&h->hkeys, &ch, H, sizeof(int64_t));
+    ch = h->cap_h;
+    ok &= et_reserve((void **)&h->hvals, &ch, H, sizeof(int32_t));
+    if (ok) h->cap_h = ch;
+    ok = ok && et_reserve((void **)&h->G, &h->cap_g, (U ? U : 1) * D, sizeof(float));
+    if (!ok) return 2;
+    h->mask = H - 1;
+    memset(h->hkeys, 0xff, sizeof(int64_t) * H);
     const int shift = et_shift(h->mask);
-#pragma omp parallel for num_threads(nthreads) schedule(static, 1024)
-    for (int64_t r = 0; r < V; ++r) {
-        const int64_t u = et_find(h, r, shift);
-        fn(p, W + r * D, S0 ? S0 + r * D : NULL, S1 ? S1 + r * D : NULL, u >= 0 ? h->G + u * D : NULL, D);
+    for (int64_t u = 0; u < U; ++u) {
+        const int64_t id = rows[u];
+        if ((uint64_t)id >= (uint64_t)V) return 3;
+        uint64_t b = et_hash(id) >> shift;
+        while (h->hkeys[b] != -1 && h->hkeys[b] != id) b = (b + 1) & (uint64_t)h->mask;
+        if (h->hkeys[b] == id) return 3;
+        h->hkeys[b] = id;
+        h->hvals[b] = (int32_t)u;
+        h->rows[u] = id;
     }
+    memcpy(h->G, G, sizeof(float) * (size_t)(U * D));
+    float gmax = 0.0f;
+    for (int64_t i = 0; i < U * D; ++i) {
+        const float a = fabsf(G[i]);
+        gmax = a > gmax ? a : gmax; /* NaN never wins: a NaN gradient is refused before this */
+    }
+    h->gmax = gmax;
+    h->U = U;
+    return 0;
 }
 
 /* No accumulation (SPEC 10.2): occurrences applied one at a time in the given order. Rows are split */
-/* across threads by id, so every row still sees its occurrences in order.                          */
-void et_apply_sequential(const int64_t *rows, const float *G, int64_t N, float *W, float *S0, float *S1, int64_t D,
-                         const et_opt *p, int nthreads) {
+/* across threads by id, so every row still sees its occurrences in order. Returns 0, or 3 (nothing  */
+/* written) when a row is outside [0, V).                                                             */
+int et_apply_sequential(const int64_t *rows, const float *G, int64_t N, float *W, float *S0, float *S1, int64_t V,
+                        int64_t D, const et_opt *p, int nthreads) {
+    for (int64_t k = 0; k < N; ++k)
+        if ((uint64_t)rows[k] >= (uint64_t)V) return 3;
     const et_row_fn fn = et_row_function(p->kind);
 #pragma omp parallel num_threads(nthreads)
     {
@@ -481,4 +700,5 @@ void et_apply_sequential(const int64_t *rows, const float *G, int64_t N, float *
             fn(p, W + r * D, S0 ? S0 + r * D : NULL, S1 ? S1 + r * D : NULL, G + k * D, D);
         }
     }
+    return 0;
 }
