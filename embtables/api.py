@@ -11,10 +11,14 @@ sparse optimizer, so a ``torch.optim`` over ``model.parameters()`` never touches
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import logging
-from collections.abc import Callable, Mapping
-from typing import Any
+import sys
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, TypeVar, cast
 
 import torch
 from torch import Tensor, nn
@@ -54,6 +58,72 @@ class TableDict(dict[str, Any]):
 
 def _is_input_leaf(x: object) -> bool:
     return x is None or isinstance(x, (Tensor, Ragged)) or is_kjt(x)
+
+
+def _storages(x: object) -> set[int]:
+    """Data pointers of every storage an input leaf (ids or weights) exposes to its owner."""
+    tensors: list[object] = []
+    if isinstance(x, Tensor):
+        if x.layout == torch.sparse_coo:
+            tensors += [x._indices(), x._values()]
+        elif x.is_nested:
+            if x.layout == torch.jagged:
+                tensors += [x.values(), x.offsets(), x.lengths()]  # type: ignore[attr-defined]
+            else:
+                tensors += list(x.unbind())
+        else:
+            tensors.append(x)
+    elif isinstance(x, Ragged):
+        tensors += [x.values, x.row_splits]
+    elif is_kjt(x):
+        for name in ("values", "lengths", "weights_or_none", "offsets"):
+            fn = getattr(x, name, None)
+            if callable(fn):
+                with contextlib.suppress(Exception):
+                    tensors.append(fn())
+    return {t.untyped_storage().data_ptr() for t in tensors if isinstance(t, Tensor) and t.layout == torch.strided}
+
+
+def _owned(batch: FeatureBatch, foreign: set[int]) -> FeatureBatch:
+    """``batch`` with every tensor that shares memory with the caller's inputs copied, so a caller who
+    writes into its input buffers after enqueue() can never change ids the engine already validated."""
+    fields: dict[str, Any] = {}
+    for name in ("ids", "offsets", "coeffs", "seg_"):
+        t = getattr(batch, name)
+        if isinstance(t, Tensor) and t.untyped_storage().data_ptr() in foreign:
+            fields[name] = t.clone()
+    return dataclasses.replace(batch, **fields) if fields else batch
+
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _locked(method: _F) -> _F:
+    """Run ``method`` holding the module's lock: one thread at a time touches tables, slots and the
+    native workspaces (ctypes releases the GIL, so two threads could otherwise race in C)."""
+
+    @functools.wraps(method)
+    def wrapper(self: DistributedEmbedding, *args: Any, **kwargs: Any) -> Any:
+        with self._lock:
+            return method(self, *args, **kwargs)
+
+    return cast(_F, wrapper)
+
+
+def _strict_of_caller(default: bool = True) -> bool:
+    """The ``strict`` argument of the ``nn.Module.load_state_dict`` call that is loading us.
+
+    torch passes ``strict=True`` to every ``_load_from_state_dict`` and applies the real flag only
+    afterwards, so a module cannot tell a partial load from a strict one; the caller's frame can."""
+    frame = sys._getframe(1)
+    for _ in range(32):
+        if frame is None:
+            break
+        if frame.f_code.co_name == "load_state_dict" and isinstance(frame.f_locals.get("self"), nn.Module):
+            strict = frame.f_locals.get("strict", default)
+            return bool(strict)
+        frame = frame.f_back  # type: ignore[assignment]
+    return default
 
 
 @dataclasses.dataclass(eq=False)
@@ -109,6 +179,20 @@ class DistributedEmbedding(nn.Module):
         self._enqueued: tuple[list[FeatureBatch], bool] | None = None
         self._last: _Lookup | None = None
         self._pending: _PendingUpdate | None = None
+        # Pipelining: pre-update values of the rows an observer-triggered flush updated early, so the
+        # next training lookup still reads them one step stale: {table: (rows [U], weights [U, D])}.
+        self._stale: dict[str, tuple[Tensor, Tensor]] = {}
+        self._lock = threading.RLock()
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()  # type: ignore[no-untyped-call]
+        state = dict(state)
+        state.pop("_lock", None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)  # type: ignore[no-untyped-call]
+        self._lock = threading.RLock()
 
     # ------------------------------------------------------------------ properties
     @property
@@ -125,17 +209,19 @@ class DistributedEmbedding(nn.Module):
         return self._engine.device
 
     @property
+    @_locked
     def embedding_tables(self) -> dict[str, Tensor]:
         """``{table name: weights [V, D]}`` (live tensors, after any pipelined update); the
         ``TableConfig`` object works as a key too, as in TF."""
-        self._flush()
+        self._flush(observer=True)
         return TableDict({name: s.weights for name, s in self._engine.states.items()}, self._names_by_config)
 
     @property
+    @_locked
     def slot_variables(self) -> dict[str, dict[str, Tensor]]:
         """``{table name: {slot name: [V, D]}}`` with TF's slot names (live tensors); the
         ``TableConfig`` object works as a key too."""
-        self._flush()
+        self._flush(observer=True)
         return TableDict({name: dict(s.slots) for name, s in self._engine.states.items()}, self._names_by_config)
 
     def build(self, per_replica_input_shapes: Any = None, per_replica_batch_size: int | None = None) -> None:
@@ -178,6 +264,7 @@ class DistributedEmbedding(nn.Module):
             flat_w = nest.flatten(weights)
         return flat_x, flat_w
 
+    @_locked
     def enqueue(self, features: Any, weights: Any = None, training: bool = True) -> None:
         """Validate and stage a batch (TF ``enqueue``); ``training=False`` is a forward-only lookup.
 
@@ -186,9 +273,13 @@ class DistributedEmbedding(nn.Module):
         """
         flat_x, flat_w = self._flatten_inputs(features, weights)
         device = self.device
-        batches = [conv.convert(x, w, device) for conv, x, w in zip(self._converters, flat_x, flat_w)]
+        batches = [
+            _owned(conv.convert(x, w, device), _storages(x) | _storages(w))
+            for conv, x, w in zip(self._converters, flat_x, flat_w)
+        ]
         self._enqueued = (batches, bool(training))
 
+    @_locked
     def dequeue(self) -> Any:
         """The activations of the last enqueued batch, in the nest of ``feature_config``.
 
@@ -200,8 +291,8 @@ class DistributedEmbedding(nn.Module):
         batches, training = self._enqueued
         self._enqueued = None
         if not training:
-            self._flush()  # pipelining affects training lookups only
-        with torch.no_grad():
+            self._flush(observer=True)  # pipelining affects training lookups only
+        with torch.no_grad(), self._stale_rows_swapped_in(training):
             acts = self._engine.lookup(batches)
         if training:
             if self._last is not None:
@@ -215,12 +306,14 @@ class DistributedEmbedding(nn.Module):
             self._flush()  # the pending update of the previous step lands after this step's lookup
         return nest.pack_sequence_as(self._feature_config, acts)
 
+    @_locked
     def forward(self, features: Any, weights: Any = None) -> Any:
         """``enqueue(features, weights, training=self.training)`` then ``dequeue()``."""
         self.enqueue(features, weights, training=self.training)
         return self.dequeue()
 
     # ------------------------------------------------------------------ backward
+    @_locked
     def apply_gradients(self, gradients: Any = None) -> None:
         """Apply the fused sparse update for the last training lookup.
 
@@ -262,15 +355,54 @@ class DistributedEmbedding(nn.Module):
         else:
             self._engine.apply(update.table_grads, update.lrs)
 
-    def _flush(self) -> None:
-        if self._pending is not None:
-            pending, self._pending = self._pending, None
-            self._engine.apply(pending.table_grads, pending.lrs)
+    def _flush(self, *, observer: bool = False) -> None:
+        """Apply a held-back (pipelined) update. ``observer=True`` is a flush forced by reading or
+        moving the state before the next training lookup: the pre-update values of the touched rows
+        are kept so that lookup still reads them one step stale (observing never changes training).
+        A flush that fails (the update would not be finite) drops the update and changes nothing."""
+        if self._pending is None:
+            return
+        pending, self._pending = self._pending, None
+        stale: dict[str, tuple[Tensor, Tensor]] = {}
+        if observer and self.pipeline_execution_with_tensor_core:
+            for tg in pending.table_grads:
+                weights = self._engine.states[tg.table.name].weights
+                if not tg.table.optimizer.lazy:  # non-lazy Adam touches every row
+                    rows = torch.arange(weights.shape[0], device=weights.device)
+                else:
+                    touched = tg.materialized().rows
+                    assert touched is not None
+                    rows = torch.unique(touched).to(weights.device)
+                stale[tg.table.name] = (rows, weights.index_select(0, rows))
+        self._engine.apply(pending.table_grads, pending.lrs)
+        self._stale.update({k: v for k, v in stale.items() if k not in self._stale})
 
+    @contextlib.contextmanager
+    def _stale_rows_swapped_in(self, training: bool) -> Iterator[None]:
+        """For the first training lookup after an observer-triggered flush: the tables hold the
+        pre-update values of the touched rows during the lookup, and the updated ones afterwards."""
+        if not training or not self._stale:
+            yield
+            return
+        stale, self._stale = self._stale, {}
+        current = {}
+        with torch.no_grad():
+            for name, (rows, old) in stale.items():
+                weights = self._engine.states[name].weights
+                current[name] = weights.index_select(0, rows)
+                weights.index_copy_(0, rows, old)
+            try:
+                yield
+            finally:
+                for name, (rows, _) in stale.items():
+                    self._engine.states[name].weights.index_copy_(0, rows, current[name])
+                    self._engine.note_values_kept(name)
+
+    @_locked
     def local_shards(self) -> dict[str, LocalShard]:
         """``{table name: LocalShard}``: the rows this process owns, with their global row ids, as
         live storage (after any pipelined update). In one process every table is one whole shard."""
-        self._flush()
+        self._flush(observer=True)
         out = {}
         for t in self._resolved.tables:
             state = self._engine.states[t.name]
@@ -279,16 +411,35 @@ class DistributedEmbedding(nn.Module):
         return out
 
     # ------------------------------------------------------------------ nn.Module integration
+    @_locked
     def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> DistributedEmbedding:
-        self._flush()
+        """``.to()``, ``.cuda()``, ``.half()``...: tables and slots move between devices but stay float32
+        (TF's numerics); a dtype change is refused before anything moves."""
+        probe = fn(torch.zeros(1, dtype=torch.float32, device=self.device))
+        if probe.dtype != torch.float32:
+            raise TypeError(
+                f"DistributedEmbedding: embedding tables and slots stay float32 (TF's TPU numerics); converting "
+                f"them to {probe.dtype} is refused and nothing was changed. Convert only the dense part of the "
+                "model (e.g. `model.dense.half()`) and cast the activations, or keep this module in float32."
+            )
+        self._flush(observer=True)
         self._engine.map_tensors(fn)
+        self._stale = {k: (fn(rows), fn(old)) for k, (rows, old) in self._stale.items()}
+        if self._last is not None:
+            self._last = None
+            logger.warning(
+                "DistributedEmbedding: moved between devices after a training lookup; its gradients are dropped. "
+                "Call apply_gradients() before moving the module."
+            )
         return super()._apply(fn, recurse)  # type: ignore[no-untyped-call,no-any-return]
 
+    @_locked
     def _save_to_state_dict(self, destination: dict[str, Any], prefix: str, keep_vars: bool) -> None:
-        self._flush()
+        self._flush(observer=True)
         for key, t in self._engine.state_keys().items():
             destination[prefix + key] = t if keep_vars else t.detach()
 
+    @_locked
     def _load_from_state_dict(
         self,
         state_dict: Mapping[str, Any],
@@ -299,7 +450,10 @@ class DistributedEmbedding(nn.Module):
         unexpected_keys: list[str],
         error_msgs: list[str],
     ) -> None:
-        """Load ``<table>`` and ``<table>/<slot>`` keys; all-or-nothing for this module."""
+        """Load ``<table>`` and ``<table>/<slot>`` keys. A bad value (shape, dtype, not finite as float32)
+        loads nothing; with ``strict=True`` a missing or unexpected key loads nothing either, and with
+        ``strict=False`` the keys present are loaded and the others keep their values."""
+        strict = _strict_of_caller(strict)
         expected = self._engine.state_keys()
         present: dict[str, Tensor] = {}
         errors: list[str] = []
@@ -332,6 +486,7 @@ class DistributedEmbedding(nn.Module):
             return
         self._pending = None  # a restored state replaces any update still held back
         self._last = None
+        self._stale = {}
         with torch.no_grad():
             for key, value in present.items():
                 expected[key].copy_(value.to(expected[key].dtype))
