@@ -109,6 +109,8 @@ def _compile() -> ctypes.CDLL | None:
     lib.et_prepare_many.restype = None
     lib.et_prepared_size.argtypes = [p]
     lib.et_prepared_size.restype = i64
+    lib.et_workspace_bytes.argtypes = [p]
+    lib.et_workspace_bytes.restype = i64
     lib.et_prepared_gmax.argtypes = [p]
     lib.et_prepared_gmax.restype = ctypes.c_float
     lib.et_prepared_copy.argtypes = [p, p, p]
@@ -293,6 +295,13 @@ class Workspace:
         lib = library()
         assert lib is not None
         return int(lib.et_prepared_size(self.handle))
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of scratch memory held now (at most ~4x the last step's need beyond 1 MiB buffers)."""
+        lib = library()
+        assert lib is not None
+        return int(lib.et_workspace_bytes(self.handle))
 
     @property
     def gradient_max_abs(self) -> float:

@@ -499,6 +499,13 @@ int64_t et_prepared_size(const void *handle) { return ((const et_workspace *)han
 
 float et_prepared_gmax(const void *handle) { return ((const et_workspace *)handle)->gmax; }
 
+/* Bytes of scratch memory the workspace holds now. */
+int64_t et_workspace_bytes(const void *handle) {
+    const et_workspace *h = (const et_workspace *)handle;
+    const int64_t per_n = sizeof(int32_t) + sizeof(int64_t) * 3 + sizeof(float *) + sizeof(float);
+    return h->cap_n * per_n + h->cap_h * (int64_t)(sizeof(int64_t) + sizeof(int32_t)) + h->cap_g * (int64_t)sizeof(float);
+}
+
 /* Copy the unique rows [U] and summed gradients [U, D] out (for tests and the torch fallback). */
 void et_prepared_copy(const void *handle, int64_t *rows, float *G) {
     const et_workspace *h = (const et_workspace *)handle;
