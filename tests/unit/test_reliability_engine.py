@@ -99,6 +99,7 @@ def test_input_buffers_written_after_validation_never_reach_the_kernels(path: st
 
 NATIVE_CHECKS_CHILD = """
 import torch
+import embtables as et
 from embtables.kernels import native
 assert native.library() is not None
 table = torch.zeros(10, 4)
@@ -122,7 +123,7 @@ for bad_call in (
     lambda: native.lookup_many([(table, torch.tensor([1]), torch.tensor([0, 1]), torch.ones(3))]),
     lambda: native.prepare_many([(ws, 10, [(torch.tensor([1]), torch.tensor([0, 1]), None, torch.ones(1, 5))])]),
     lambda: native.apply_sequential(torch.tensor([1]), torch.ones(1, 4), table, (torch.ones(9, 4),),
-                                    native.opt_params(__import__("embtables").Adagrad(0.1), 0.1, 0.0, clip_gradients=False)),
+                                    native.opt_params(et.Adagrad(0.1), 0.1, 0.0, clip_gradients=False)),
 ):
     try:
         bad_call()
@@ -298,7 +299,7 @@ def test_torch_path_non_lazy_adam_runs_in_chunks(monkeypatch: pytest.MonkeyPatch
         m = et.DistributedEmbedding({"f": et.FeatureConfig(t)}, et.Adam(0.1, lazy_adam=False))
         gen = torch.Generator().manual_seed(1)
         for _ in range(3):
-            acts = m({"f": torch.randint(0, 37, (5, 2), generator=gen)})
+            m({"f": torch.randint(0, 37, (5, 2), generator=gen)})
             m.apply_gradients({"f": torch.randn(5, 2, 4, generator=gen)})
         return snapshot(m)
 
@@ -513,7 +514,9 @@ def test_the_finiteness_proof_is_sound(
     if not update_is_finite(opt, lr, decay * lr, gmax, hi, lo):
         return
     proven[-1] = 1
-    opt = dataclasses_replace(opt, weight_decay_factor=decay or None, multiply_weight_decay_factor_by_learning_rate=True)
+    opt = dataclasses_replace(
+        opt, weight_decay_factor=decay or None, multiply_weight_decay_factor_by_learning_rate=True
+    )
     w_new, s_new = update_rows(w.float(), tuple(slots), g, opt=opt, lr=lr, clip_gradients=True)
     for t in (w_new, *s_new):
         assert bool(torch.isfinite(t).all()), (type(opt).__name__, w_exp, s_exp, g_exp, lr_exp)
