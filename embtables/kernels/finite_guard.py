@@ -29,7 +29,21 @@ def _ok(*values: float) -> bool:
 def update_is_finite(
     opt: Optimizer, lr: float, decay: float, gmax: float, hi: Sequence[float], lo: Sequence[float]
 ) -> bool:
-    """True when the update provably writes only finite weights and slots.
+    """True when the update provably writes only finite weights and slots (see ``update_bounds``)."""
+    return update_bounds(opt, lr, decay, gmax, hi, lo) is not None
+
+
+def bounds_compound(opt: Optimizer) -> bool:
+    """True when the bounds of ``update_bounds`` grow geometrically over steps (FTRL: the weight is a
+    quotient of its state), so the engine measures written values instead of carrying the bounds."""
+    return isinstance(opt, FTRL)
+
+
+def update_bounds(
+    opt: Optimizer, lr: float, decay: float, gmax: float, hi: Sequence[float], lo: Sequence[float]
+) -> tuple[float, ...] | None:
+    """Upper bounds on |new value| of (weights, *slots) over every updated row, or None when the
+    update is not proven finite.
 
     Args:
       opt: the table's optimizer config.
@@ -39,7 +53,7 @@ def update_is_finite(
       lo: bound on min value of (weights, *slots) (used for accumulators that divide).
     """
     if not _ok(lr, decay, gmax, *hi):
-        return False
+        return None
     lo_, hi_ = tuple(lo), tuple(hi)
     glo, ghi = opt.gradient_clip_bounds
     g = gmax
@@ -48,45 +62,42 @@ def update_is_finite(
     lr_abs = abs(lr)
     w_dec = hi_[0] * (1.0 + abs(decay))
     if not _ok(w_dec, g * g):
-        return False
+        return None
+    out: tuple[float, ...] | None = None
     if isinstance(opt, SGD):
-        return _ok(w_dec + lr_abs * g)
-    if isinstance(opt, Adagrad):
+        out = (w_dec + lr_abs * g,)
+    elif isinstance(opt, Adagrad):
         a_min = lo_[1]
-        if not a_min > 0:
-            return False
-        # |g| / sqrt(a + g^2) <= 1, except when g^2 underflows: then |g| < 2e-19 and a >= a_min.
-        ratio = max(1.001, 2e-19 / math.sqrt(a_min))
-        return _ok(hi_[1] + g * g, w_dec + lr_abs * ratio)
-    if isinstance(opt, AdagradMomentum):
-        if not lo_[1] >= 0 or not 0 < opt.beta2 <= 1 or not opt.exponent > 0:
-            return False
-        precond = float(opt.epsilon) ** (-1.0 / float(opt.exponent))  # (a + eps)^(-1/exponent), a >= 0
-        scaled = precond * g
-        m_new = abs(opt.momentum) * hi_[2] + scaled
-        update = abs(opt.momentum) * m_new + scaled if opt.use_nesterov else m_new
-        return _ok(hi_[1] + g * g + float(opt.epsilon), precond, scaled, m_new, update, w_dec + lr_abs * update)
-    if isinstance(opt, Adam):
-        if not lo_[2] >= 0:
-            return False
+        if a_min > 0:
+            # |g| / sqrt(a + g^2) <= 1, except when g^2 underflows: then |g| < 2e-19 and a >= a_min.
+            ratio = max(1.001, 2e-19 / math.sqrt(a_min))
+            out = (w_dec + lr_abs * ratio, hi_[1] + g * g)
+    elif isinstance(opt, AdagradMomentum):
+        if lo_[1] >= 0 and 0 < opt.beta2 <= 1 and opt.exponent > 0:
+            precond = float(opt.epsilon) ** (-1.0 / float(opt.exponent))  # (a + eps)^(-1/exponent), a >= 0
+            scaled = precond * g
+            m_new = abs(opt.momentum) * hi_[2] + scaled
+            update = abs(opt.momentum) * m_new + scaled if opt.use_nesterov else m_new
+            if _ok(precond, scaled, update, hi_[1] + g * g + float(opt.epsilon)):
+                out = (w_dec + lr_abs * update, hi_[1] + g * g, m_new)
+    elif isinstance(opt, Adam):
         eps = float(opt.epsilon)
         den_min = eps if not opt.sum_inside_sqrt else math.sqrt(max(eps * eps * (1 - 1e-6), 0.0))
-        if den_min < _F32_MIN_NORMAL:
-            return False
-        m_new = max(hi_[1], g)
-        return _ok(hi_[2] + g * g + eps * eps, m_new, w_dec + lr_abs * m_new / den_min)
-    if isinstance(opt, FTRL):
-        return _ftrl_is_finite(opt, lr, w_dec, g, hi_, lo_)
-    return False
+        if lo_[2] >= 0 and den_min >= _F32_MIN_NORMAL:
+            m_new = max(hi_[1], g)
+            out = (w_dec + lr_abs * m_new / den_min, m_new, hi_[2] + g * g + eps * eps)
+    elif isinstance(opt, FTRL):
+        out = _ftrl_bounds(opt, lr, w_dec, g, hi_, lo_)
+    return out if out is not None and _ok(*out) else None
 
 
-def _ftrl_is_finite(
+def _ftrl_bounds(
     opt: FTRL, lr: float, w_dec: float, g: float, hi: tuple[float, ...], lo: tuple[float, ...]
-) -> bool:
+) -> tuple[float, ...] | None:
     p = -float(opt.learning_rate_power)
     n_min = lo[1]
     if not lr > 0 or not p >= 0 or not n_min >= 0 or (n_min == 0 and not opt.allow_zero_accumulator and p > 0):
-        return False
+        return None
     n_max = hi[1] + g * g
     power_max = max(1.0, n_max) ** p if p > 0 else 1.0  # n^p over n in [n_min, n_max]
     power_min = (n_min**p if n_min > 0 else 0.0) if p > 0 else 1.0
@@ -99,6 +110,6 @@ def _ftrl_is_finite(
         z = hi[2] + g + (power_max / lr) * w_dec
         den_min = (power_min + beta) / lr + 2.0 * l2
         extra = l1
-    if not den_min > 1e-30:
-        return False
-    return _ok(n_max, power_max, power_max / lr, z + extra, (z + extra) / den_min)
+    if not den_min > 1e-30 or not _ok(n_max, power_max, power_max / lr, z + extra):
+        return None
+    return ((z + extra) / den_min, n_max, z)

@@ -353,22 +353,22 @@ class Workspace:
         return bad
 
     def apply(
-        self, weights: Tensor, slots: tuple[Tensor, ...], params: _OptParams, *, dense: bool
-    ) -> tuple[float, ...]:
-        """Phase 2: the fused per-row update of ``weights`` [V, D] and ``slots`` (in place). Returns the
-        largest |value| written into the weights and each slot."""
+        self, weights: Tensor, slots: tuple[Tensor, ...], params: _OptParams, *, dense: bool, measure: bool = False
+    ) -> tuple[float, ...] | None:
+        """Phase 2: the fused per-row update of ``weights`` [V, D] and ``slots`` (in place). With
+        ``measure``, returns the largest |value| written into the weights and each slot."""
         lib = library()
         assert lib is not None
         _require(weights, "weights", torch.float32, (-1, self.dim))
         s0, s1 = _slots(weights, slots)
-        maxabs = (ctypes.c_float * 3)()
+        maxabs = (ctypes.c_float * 3)() if measure else None
         status = lib.et_apply(
             self.handle, weights.data_ptr(), _ptr(s0), _ptr(s1), weights.shape[0], self.dim,
             ctypes.byref(params), int(dense), _threads(), maxabs,
         )
         if status != 0:
             raise NativeBufferError("embtables native kernel: the prepared update does not fit this table.")
-        return tuple(float(m) for m in maxabs[: 1 + len(slots)])
+        return None if maxabs is None else tuple(float(m) for m in maxabs[: 1 + len(slots)])
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Workspace:
         return Workspace(self.dim)  # scratch memory: a copy gets its own, never the same handle

@@ -21,7 +21,7 @@ from embtables.config.optimizers import FTRL, Adagrad
 from embtables.errors import InputError
 from embtables.kernels import native, sparse_update_
 from embtables.kernels.clip_decay import effective_weight_decay
-from embtables.kernels.finite_guard import update_is_finite
+from embtables.kernels.finite_guard import bounds_compound, update_bounds
 from embtables.kernels.lookup import occurrence_gradients, pooled_lookup
 from embtables.kernels.segments import dedup_sum, occurrence_rounds
 from embtables.kernels.sparse_update import as_float32, update_rows
@@ -85,6 +85,7 @@ class EmbeddingCollection:
         Features the native kernel serves are looked up together in one parallel region."""
         out: list[Tensor | None] = [None] * len(batches)
         fast: list[int] = []
+        status_nonfinite = False
         for i, (feature, batch) in enumerate(zip(self.resolved.features, batches)):
             table = self.resolved.tables[feature.table_index]
             weights = self.states[table.name].weights
@@ -99,6 +100,7 @@ class EmbeddingCollection:
                 b = batches[i]
                 parts.append((self.states[table.name].weights, b.ids, b.offsets, b.coeffs))
             acts_list, status = native.lookup_many(parts)
+            status_nonfinite = status == 2
             if status == 1:
                 names = ", ".join(repr(self.resolved.features[i].name) for i in fast)
                 raise InputError(
@@ -125,7 +127,10 @@ class EmbeddingCollection:
             )
             out[i] = acts.reshape(*batch.out_shape, table.dim)
         result = [a for a in out if a is not None]
-        for feature, acts in zip(self.resolved.features, result):
+        # The native lookup checked its outputs in C (status 2); check the others, or find the culprit.
+        suspects = range(len(result)) if status_nonfinite else [i for i in range(len(result)) if i not in fast]
+        for i in suspects:
+            feature, acts = self.resolved.features[i], result[i]
             if not bool(torch.isfinite(acts).all()):
                 table = self.resolved.tables[feature.table_index]
                 raise InputError(
@@ -282,27 +287,35 @@ class EmbeddingCollection:
             if status != 0:
                 raise InputError(f"table {tg.table.name!r}: the update's rows are out of range or repeated.")
         decay = effective_weight_decay(opt.weight_decay_factor, opt.weight_decay_multiplied_by_lr, lr)
-        bounds = self._bounds_for(tg.table)
         if ws is not None:
             params = native.opt_params(opt, lr, decay, clip_gradients=True)
-            # The exact dry run (a second pass over every touched row) only when the cheap proof fails.
-            if not update_is_finite(opt, lr, decay, ws.gradient_max_abs, bounds.hi, bounds.lo):
+            new_bounds = self._proven_bounds(tg.table, lr, decay, ws.gradient_max_abs)
+            if new_bounds is None:  # not proven: the exact dry run, a second pass over every touched row
                 bad = ws.check(state.weights, slots, params, dense=dense)
                 if bad >= 0:
                     raise _non_finite_update(tg.table, bad, lr)
+            # Carry the proven bounds forward (free) unless they compound over steps: then measure.
+            measure = new_bounds is None or bounds_compound(opt)
             prepared = ws
 
             def write_native() -> None:
-                self._after_write(tg.table, prepared.apply(state.weights, slots, params, dense=dense))
+                written = prepared.apply(state.weights, slots, params, dense=dense, measure=measure)
+                if written is not None:
+                    self._after_write(tg.table, written, measured=True)
+                else:
+                    assert new_bounds is not None
+                    self._after_write(tg.table, new_bounds, measured=False)
 
             return write_native
         assert tg.rows is not None and tg.grads is not None
         rows, grads = tg.rows, tg.grads
         if dense:
             gmax = float(grads.abs().max()) if grads.numel() else 0.0
-            if not update_is_finite(opt, lr, decay, gmax, bounds.hi, bounds.lo):
+            if self._proven_bounds(tg.table, lr, decay, gmax) is None:
                 self._dense_update(tg.table, rows, grads, lr, write=False)
-            return lambda: self._after_write(tg.table, self._dense_update(tg.table, rows, grads, lr, write=True))
+            return lambda: self._after_write(
+                tg.table, self._dense_update(tg.table, rows, grads, lr, write=True), measured=True
+            )
         if rows.numel() == 0:
             return lambda: None
         w_new, s_new = update_rows(
@@ -319,7 +332,7 @@ class EmbeddingCollection:
             state.weights.index_copy_(0, rows, w_new)
             for dst, src in zip(slots, s_new):
                 dst.index_copy_(0, rows, src)
-            self._after_write(tg.table, tuple(float(t.abs().max()) for t in (w_new, *s_new)))
+            self._after_write(tg.table, tuple(float(t.abs().max()) for t in (w_new, *s_new)), measured=True)
 
         return write
 
@@ -397,16 +410,28 @@ class EmbeddingCollection:
         return restore
 
     # ------------------------------------------------------------------ value bounds for the finiteness guard
-    def _bounds_for(self, table: ResolvedTable) -> _Bounds:
+    def _proven_bounds(self, table: ResolvedTable, lr: float, decay: float, gmax: float) -> tuple[float, ...] | None:
+        """Bounds on every value this update writes, or None when it is not proven finite. Carried
+        (analytic) bounds only grow, so before giving up they are measured again once."""
+        opt = table.optimizer
+        bounds = self._bounds_for(table)
+        new = update_bounds(opt, lr, decay, gmax, bounds.hi, bounds.lo)
+        if new is None and not bounds.measured:
+            bounds = self._bounds_for(table, rescan=True)
+            new = update_bounds(opt, lr, decay, gmax, bounds.hi, bounds.lo)
+        return new
+
+    def _bounds_for(self, table: ResolvedTable, *, rescan: bool = False) -> _Bounds:
         """Bounds on the table's values: max |value| and min value per tensor (weights, *slots).
 
-        Rescanned (one pass over the table) when unknown or when any tensor was replaced or written in
-        place outside the fused update (torch's version counter moved); kept up to date by every update."""
+        Measured (one pass over the table) when unknown, when asked, or when any tensor was replaced or
+        written in place outside the fused update (torch's version counter moved); kept up to date by
+        every update."""
         state = self.states[table.name]
         tensors = (state.weights, *state.slot_tuple())
         stamp = _stamp(tensors)
         bounds = self._bounds.get(table.name)
-        if bounds is None or bounds.stamp != stamp:
+        if bounds is None or bounds.stamp != stamp or rescan:
             hi, lo = [], []
             for t in tensors:
                 if t.numel() == 0:
@@ -416,16 +441,18 @@ class EmbeddingCollection:
                 mn, mx = (float(v) for v in torch.aminmax(t))
                 hi.append(max(abs(mn), abs(mx)))
                 lo.append(mn)
-            bounds = self._bounds[table.name] = _Bounds(hi, lo, stamp)
+            bounds = self._bounds[table.name] = _Bounds(hi, lo, stamp, measured=True)
         return bounds
 
-    def _after_write(self, table: ResolvedTable, maxabs: tuple[float, ...]) -> None:
-        """Fold the largest |values| an update wrote into the table's bounds."""
+    def _after_write(self, table: ResolvedTable, maxabs: tuple[float, ...], *, measured: bool) -> None:
+        """Fold bounds on the values an update wrote (``measured``: the largest |values| it really
+        wrote; else the proven bounds) into the table's bounds."""
         bounds = self._bounds.get(table.name)
         if bounds is None:
             return
         state = self.states[table.name]
         bounds.hi = [max(h, m) for h, m in zip(bounds.hi, maxabs)]
+        bounds.measured = bounds.measured and measured
         # Adagrad's and FTRL's accumulators never decrease; every other slot may move towards 0.
         keeps_min = {1} if isinstance(table.optimizer, (Adagrad, FTRL)) else set()
         bounds.lo = [v if i in keeps_min else min(v, 0.0) for i, v in enumerate(bounds.lo)]
@@ -463,7 +490,7 @@ class _Bounds:
     hi: list[float]
     lo: list[float]
     stamp: tuple[tuple[int, int], ...]
-
+    measured: bool  # False once a proven (analytic, looser) bound was folded in
 
 def _stamp(tensors: Sequence[Tensor]) -> tuple[tuple[int, int], ...]:
     return tuple((t.data_ptr(), t._version) for t in tensors)

@@ -27,6 +27,28 @@ typedef struct {
     float c0, c1, c2, c3, c4, c5; /* per-kind constants, see native.py */
 } et_opt;
 
+/* |x| as its IEEE bit pattern: for non-negative floats the integer order is the float order, so an integer
+ * max (which vectorises without -ffast-math, unlike a float max) gives the largest magnitude, and a value
+ * is finite iff its bits are below ET_INF_BITS (NaN sorts above inf). */
+#define ET_INF_BITS 0x7f800000u
+static inline uint32_t et_absbits(float x) {
+    uint32_t u;
+    memcpy(&u, &x, sizeof u);
+    return u & 0x7fffffffu;
+}
+static inline float et_bits_float(uint32_t u) {
+    float x;
+    memcpy(&x, &u, sizeof x);
+    return x;
+}
+static inline uint32_t et_maxbits(const float *x, int64_t D, uint32_t m) {
+    for (int64_t d = 0; d < D; ++d) {
+        const uint32_t a = et_absbits(x[d]);
+        m = a > m ? a : m;
+    }
+    return m;
+}
+
 static inline void et_prefetch_row(const float *row, int64_t D, int rw);
 static inline void et_prefetch_head(const float *row, int64_t D);
 #define ET_PF 8 /* rows of look-ahead: enough misses in flight to cover DRAM latency */
@@ -84,9 +106,7 @@ static inline int et_bag(const float *W, int64_t D, int64_t V, const int64_t *id
             for (int64_t d = d0; d < D; ++d) o[d] += c * row[d];
         }
     }
-    int fin = 1;
-    for (int64_t d = 0; d < D; ++d) fin &= isfinite(o[d]) ? 1 : 0;
-    return !fin;
+    return et_maxbits(o, D, 0) >= ET_INF_BITS;
 }
 
 /* offsets [S+1] must start at >= 0, never decrease and end at <= N: checked in the call that reads them. */
@@ -438,9 +458,8 @@ static void et_prepare_one(et_workspace *h, int64_t nfeat, const int64_t *const 
             }
         }
     }
-    int finite = 1;
-    float gmax = 0.0f;
-#pragma omp parallel for num_threads(nthreads) schedule(static, 256) reduction(&& : finite) reduction(max : gmax)
+    uint32_t gbits = 0;
+#pragma omp parallel for num_threads(nthreads) schedule(static, 256) reduction(max : gbits)
     for (int64_t u = 0; u < U; ++u) {
         float *restrict acc = h->G + u * D;
         for (int64_t d = 0; d < D; ++d) acc[d] = 0.0f;
@@ -457,18 +476,12 @@ static void et_prepare_one(et_workspace *h, int64_t nfeat, const int64_t *const 
                 for (int64_t d = 0; d < D; ++d) acc[d] += g[d] * cf;
             }
         }
-        int fin = 1;
-        float m = 0.0f;
-        for (int64_t d = 0; d < D; ++d) {
-            fin &= isfinite(acc[d]) ? 1 : 0;
-            const float a = fabsf(acc[d]);
-            m = a > m ? a : m;
-        }
-        finite = finite && fin;
-        gmax = m > gmax ? m : gmax;
+        const uint32_t m = et_maxbits(acc, D, 0);
+        gbits = m > gbits ? m : gbits;
     }
+    const int finite = gbits < ET_INF_BITS;
     h->finite = finite;
-    h->gmax = gmax;
+    h->gmax = finite ? et_bits_float(gbits) : INFINITY;
     *status = finite ? 0 : 1;
 }
 
@@ -522,13 +535,10 @@ static inline int et_row_finite(et_row_fn fn, const et_opt *p, const float *w, c
     if (s0) memcpy(c0, s0, sizeof(float) * (size_t)D);
     if (s1) memcpy(c1, s1, sizeof(float) * (size_t)D);
     fn(p, cw, s0 ? c0 : NULL, s1 ? c1 : NULL, g, D);
-    int fin = 1;
-    for (int64_t d = 0; d < D; ++d) fin &= isfinite(cw[d]) ? 1 : 0;
-    if (s0)
-        for (int64_t d = 0; d < D; ++d) fin &= isfinite(c0[d]) ? 1 : 0;
-    if (s1)
-        for (int64_t d = 0; d < D; ++d) fin &= isfinite(c1[d]) ? 1 : 0;
-    return fin;
+    uint32_t m = et_maxbits(cw, D, 0);
+    if (s0) m = et_maxbits(c0, D, m);
+    if (s1) m = et_maxbits(c1, D, m);
+    return m < ET_INF_BITS;
 }
 
 /* The prepared rows must lie in [0, V) of a [V, D] table: re-checked in each call that writes through them. */
@@ -585,24 +595,18 @@ int64_t et_check(const void *handle, const float *W, const float *S0, const floa
     return oom ? -3 : bad;
 }
 
-static inline float et_maxabs(const float *x, int64_t D, float m) {
-    for (int64_t d = 0; d < D; ++d) {
-        const float a = fabsf(x[d]);
-        m = a > m ? a : m;
-    }
-    return m;
-}
-
 /* Phase 2: one fused pass per updated row. dense != 0 updates every row of [V, D] (non-lazy Adam).
- * maxabs[3] receives the largest |value| written into W, S0 and S1 (the row is still in L1 when it is
- * scanned). Returns 0, or -2 (nothing written) for a workspace that does not fit the table. */
+ * maxabs != NULL receives the largest |value| written into W, S0 and S1 (each row is scanned right after
+ * its update; this costs ~15% of the pass, so the engine asks for it only where its bounds need it).
+ * Returns 0, or -2 (nothing written) for a workspace that does not fit the table. */
 int et_apply(const void *handle, float *W, float *S0, float *S1, int64_t V, int64_t D, const et_opt *p, int dense,
              int nthreads, float *maxabs) {
     const et_workspace *h = (const et_workspace *)handle;
     if (!et_prepared_ok(h, V, D)) return -2;
     const int64_t U = h->U;
     const et_row_fn fn = et_row_function(p->kind);
-    float mw = 0.0f, m0 = 0.0f, m1 = 0.0f;
+    const int measure = maxabs != NULL;
+    uint32_t mw = 0, m0 = 0, m1 = 0;
     if (!dense) {
 #pragma omp parallel for num_threads(nthreads) schedule(static, 256) reduction(max : mw, m0, m1)
         for (int64_t u = 0; u < U; ++u) {
@@ -614,9 +618,11 @@ int et_apply(const void *handle, float *W, float *S0, float *S1, int64_t V, int6
             }
             const int64_t r = h->rows[u] * D;
             fn(p, W + r, S0 ? S0 + r : NULL, S1 ? S1 + r : NULL, h->G + u * D, D);
-            mw = et_maxabs(W + r, D, mw);
-            if (S0) m0 = et_maxabs(S0 + r, D, m0);
-            if (S1) m1 = et_maxabs(S1 + r, D, m1);
+            if (measure) {
+                mw = et_maxbits(W + r, D, mw);
+                if (S0) m0 = et_maxbits(S0 + r, D, m0);
+                if (S1) m1 = et_maxbits(S1 + r, D, m1);
+            }
         }
     } else {
         const int shift = et_shift(h->mask);
@@ -624,14 +630,19 @@ int et_apply(const void *handle, float *W, float *S0, float *S1, int64_t V, int6
         for (int64_t r = 0; r < V; ++r) {
             const int64_t u = U ? et_find(h, r, shift) : -1;
             fn(p, W + r * D, S0 ? S0 + r * D : NULL, S1 ? S1 + r * D : NULL, u >= 0 ? h->G + u * D : NULL, D);
-            mw = et_maxabs(W + r * D, D, mw);
-            if (S0) m0 = et_maxabs(S0 + r * D, D, m0);
-            if (S1) m1 = et_maxabs(S1 + r * D, D, m1);
+            if (measure) {
+                mw = et_maxbits(W + r * D, D, mw);
+                if (S0) m0 = et_maxbits(S0 + r * D, D, m0);
+                if (S1) m1 = et_maxbits(S1 + r * D, D, m1);
+            }
         }
     }
-    maxabs[0] = mw;
-    maxabs[1] = m0;
-    maxabs[2] = m1;
+    if (measure) {
+        /* a NaN written (bits above inf) reads back as inf: the engine's bound then forces the exact check */
+        maxabs[0] = mw >= ET_INF_BITS ? INFINITY : et_bits_float(mw);
+        maxabs[1] = m0 >= ET_INF_BITS ? INFINITY : et_bits_float(m0);
+        maxabs[2] = m1 >= ET_INF_BITS ? INFINITY : et_bits_float(m1);
+    }
     return 0;
 }
 
@@ -676,12 +687,8 @@ int et_workspace_load(void *handle, const int64_t *rows, const float *G, int64_t
         h->rows[u] = id;
     }
     memcpy(h->G, G, sizeof(float) * (size_t)(U * D));
-    float gmax = 0.0f;
-    for (int64_t i = 0; i < U * D; ++i) {
-        const float a = fabsf(G[i]);
-        gmax = a > gmax ? a : gmax; /* NaN never wins: a NaN gradient is refused before this */
-    }
-    h->gmax = gmax;
+    const uint32_t gbits = et_maxbits(G, U * D, 0);
+    h->gmax = gbits >= ET_INF_BITS ? INFINITY : et_bits_float(gbits);
     h->U = U;
     return 0;
 }
