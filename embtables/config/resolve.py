@@ -103,6 +103,15 @@ def resolve(feature_config: object, optimizer: Optimizer | None) -> ResolvedConf
         name = leaf.name if leaf.name is not None else nest.path_str(path)
         features.append(ResolvedFeature(index=i, path=path, name=name, config=leaf, table_index=t))
 
+    seen_features: dict[str, int] = {}
+    for f in features:
+        if f.name in seen_features:
+            raise ConfigError(
+                f"DistributedEmbedding: two features are named {f.name!r} (features #{seen_features[f.name]} and "
+                f"#{f.index} in tf.nest order); error messages and statistics would be ambiguous. Give each "
+                "FeatureConfig a distinct `name`."
+            )
+        seen_features[f.name] = f.index
     tables: list[ResolvedTable] = []
     names: dict[str, int] = {}
     for t, cfg in enumerate(table_objs):
@@ -123,4 +132,23 @@ def resolve(feature_config: object, optimizer: Optimizer | None) -> ResolvedConf
         tables.append(
             ResolvedTable(index=t, name=name, config=cfg, optimizer=opt, feature_indices=tuple(table_features[t]))
         )
+    _check_state_keys(tables)
     return ResolvedConfig(structure=feature_config, features=tuple(features), tables=tuple(tables))
+
+
+def _check_state_keys(tables: list[ResolvedTable]) -> None:
+    """Table names become checkpoint keys ``<table>`` and ``<table>/<slot>`` (TF's names): refuse a name
+    that would collide with another table's slot key, or that is ambiguous as a key."""
+    slot_keys = {f"{t.name}/{slot}": t.name for t in tables for slot in t.optimizer.slot_names}
+    for t in tables:
+        if t.name.startswith("/") or t.name.endswith("/") or "//" in t.name:
+            raise ConfigError(
+                f"DistributedEmbedding: table name {t.name!r} starts or ends with '/' or contains '//'; its "
+                "checkpoint keys would be ambiguous. Rename the table."
+            )
+        owner = slot_keys.get(t.name)
+        if owner is not None:
+            raise ConfigError(
+                f"DistributedEmbedding: table name {t.name!r} is also the state key of a slot of table {owner!r} "
+                f"('<table>/<slot>'), so state_dict() would hold two tensors under one key. Rename the table."
+            )

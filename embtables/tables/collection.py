@@ -152,6 +152,11 @@ class EmbeddingCollection:
             raise TypeError(
                 f"feature {feature.name!r}: the gradient must be a Tensor or None, got {type(grad).__name__}."
             )
+        if grad.layout != torch.strided or grad.is_nested:
+            raise TypeError(
+                f"feature {feature.name!r} (table {table.name!r}): the gradient must be a dense (strided) tensor, "
+                f"got layout {grad.layout}{' (nested)' if grad.is_nested else ''}. Pass grad.to_dense()."
+            )
         if tuple(grad.shape) != expected:
             raise InputError(
                 f"feature {feature.name!r} (table {table.name!r}): gradient shape {list(grad.shape)} does not "

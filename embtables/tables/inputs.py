@@ -24,7 +24,8 @@ from embtables.tables.ragged import Ragged
 
 logger = logging.getLogger("embtables")
 
-_INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
+# uint16/uint32 convert to int64 exactly; uint64 can hold ids above 2**63 - 1 that no table can have.
+_INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8, torch.uint16, torch.uint32)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -86,16 +87,39 @@ def is_kjt(x: object) -> bool:
 
 
 def split_kjt(kjt: Any) -> dict[str, tuple[Ragged, Ragged | None]]:
-    """A KeyedJaggedTensor as ``{key: (ids, weights or None)}`` with one Ragged per key."""
+    """A KeyedJaggedTensor as ``{key: (ids, weights or None)}`` with one Ragged per key.
+
+    Keys must be distinct. A variable-batch KJT (``variable_stride_per_key()``) is split with each
+    key's own batch size (``stride_per_key()``); the lengths must add up to exactly that."""
     keys = list(kjt.keys())
+    duplicates = sorted({k for k in keys if keys.count(k) > 1})
+    if duplicates:
+        raise InputError(
+            f"the KeyedJaggedTensor has duplicate keys {duplicates}; each key must appear once (the values of a "
+            "repeated key would be ambiguous). Merge the ids of a repeated key into one entry."
+        )
     lengths = kjt.lengths().to(torch.int64)
     values = kjt.values()
     weights = kjt.weights_or_none()
-    stride = int(kjt.stride())
+    variable = bool(getattr(kjt, "variable_stride_per_key", lambda: False)())
+    strides = [int(s) for s in kjt.stride_per_key()] if variable else [int(kjt.stride())] * len(keys)
+    if len(strides) != len(keys) or sum(strides) != lengths.numel():
+        raise InputError(
+            f"the KeyedJaggedTensor has {lengths.numel()} lengths for keys {keys} with batch sizes {strides} "
+            f"(sum {sum(strides)}); they must match. For a different batch size per key build the KJT with "
+            "stride_per_key_per_rank (variable batch)."
+        )
+    if int(lengths.sum()) != values.numel() or bool((lengths < 0).any()):
+        raise InputError(
+            f"the KeyedJaggedTensor's lengths sum to {int(lengths.sum())} but it holds {values.numel()} values "
+            "(or a length is negative); they must match."
+        )
     out: dict[str, tuple[Ragged, Ragged | None]] = {}
     start = 0
-    for i, key in enumerate(keys):
-        lens = lengths[i * stride : (i + 1) * stride]
+    first = 0
+    for key, stride in zip(keys, strides):
+        lens = lengths[first : first + stride]
+        first += stride
         n = int(lens.sum().item())
         ids = Ragged.from_lengths(values[start : start + n], lens)
         w = None if weights is None else Ragged(weights[start : start + n], ids.row_splits)
@@ -117,6 +141,12 @@ class InputConverter:
 
     # ------------------------------------------------------------------ parsing per input type
     def _check_ids_dtype(self, values: Tensor, what: str) -> None:
+        if values.dtype == torch.uint64:
+            raise self.fail(
+                f"{what} have dtype torch.uint64, which can hold ids above 2**63 - 1 that no table has.",
+                "Cast the ids to int64 (ids.to(torch.int64)) after checking they are below vocabulary_size.",
+                TypeError,
+            )
         if values.dtype not in _INT_DTYPES:
             raise self.fail(
                 f"{what} must have an integer dtype, got {values.dtype}.",
@@ -153,7 +183,19 @@ class InputConverter:
             if x.dim() != 2:
                 raise self.fail(f"{what}: a nested tensor must be 2-D [B, j], got {x.dim()}-D.", "")
             if x.layout == torch.jagged:
-                return Ragged(x.values(), x.offsets())  # type: ignore[attr-defined]
+                values, offsets = x.values(), x.offsets()  # type: ignore[attr-defined]
+                lengths = x.lengths()  # type: ignore[attr-defined]
+                if lengths is None:
+                    return Ragged(values, offsets)
+                # A narrowed view ("holes"): row b is values[offsets[b] : offsets[b] + lengths[b]] only.
+                lengths = lengths.to(torch.int64)
+                starts = offsets[: lengths.numel()].to(torch.int64)
+                if bool((lengths < 0).any()) or bool((starts + lengths > values.numel()).any()):
+                    raise self.fail(f"{what}: the nested tensor's offsets and lengths point outside its values.", "")
+                seg = torch.repeat_interleave(torch.arange(lengths.numel(), device=lengths.device), lengths)
+                base = torch.repeat_interleave(starts - torch.cumsum(lengths, 0) + lengths, lengths)
+                index = base + torch.arange(seg.numel(), device=lengths.device)
+                return Ragged.from_lengths(values[index], lengths)
             parts = list(x.unbind())
             lengths = torch.tensor([p.numel() for p in parts], dtype=torch.int64)
             values = torch.cat(parts) if parts else torch.zeros(0, dtype=x.dtype)
@@ -231,6 +273,16 @@ class InputConverter:
         """Row-major order of a COO tensor's entries; raises on duplicate indices."""
         idx = x._indices()
         shape = tuple(int(d) for d in x.shape)
+        if idx.numel():
+            limits = torch.tensor(shape, dtype=idx.dtype, device=idx.device).unsqueeze(1)
+            outside = (idx < 0) | (idx >= limits)
+            if bool(outside.any()):
+                k = int(torch.nonzero(outside.any(0))[0, 0])
+                raise self.fail(
+                    f"the sparse {what} tensor has index {idx[:, k].tolist()} outside its shape {list(shape)} "
+                    "(torch does not check this by default).",
+                    "Fix the indices, or build the tensor with check_invariants=True to catch this at creation.",
+                )
         strides = [math.prod(shape[i + 1 :]) for i in range(len(shape))]
         linear = sum((idx[i] * strides[i] for i in range(len(shape))), torch.zeros_like(idx[0]))
         linear_sorted, order = torch.sort(linear, stable=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from collections.abc import Sequence
 
 import torch
@@ -24,7 +25,15 @@ class Ragged:
     def from_lists(cls, rows: Sequence[Sequence[int | float]], dtype: torch.dtype = torch.int64) -> Ragged:
         """``Ragged.from_lists([[1, 2], [], [3]])``."""
         lengths = [len(r) for r in rows]
-        values = torch.tensor([v for r in rows for v in r], dtype=dtype)
+        flat = [v for r in rows for v in r]
+        if not dtype.is_floating_point:
+            for v in flat:
+                if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+                    raise TypeError(
+                        f"Ragged.from_lists: ids must be integers, got {v!r} ({type(v).__name__}); a float id would be "
+                        "truncated silently. Convert the ids to int first, or pass dtype=torch.float32 for weights."
+                    )
+        values = torch.tensor(flat, dtype=dtype)
         return cls.from_lengths(values, torch.tensor(lengths, dtype=torch.int64))
 
     @classmethod

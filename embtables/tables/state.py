@@ -52,13 +52,45 @@ def _checked(table: ResolvedTable, what: str, t: object) -> Tensor:
     return t
 
 
+_MAX_TABLE_BYTES = 1 << 46  # 64 TiB: more is a typo, not a table
+
+
+def _owned(t: Tensor, device: torch.device) -> Tensor:
+    """Plain leaf storage of its own: detached from any graph (a pretrained nn.Parameter), float32,
+    contiguous (the native kernels need it), never sharing memory with the caller's tensor."""
+    out = t.detach().to(device, torch.float32)
+    if out.data_ptr() == t.data_ptr() or not out.is_contiguous():
+        out = out.clone(memory_format=torch.contiguous_format)
+    return out
+
+
 def create_table_state(table: ResolvedTable, device: torch.device) -> TableState:
     """Initialise weights with the table's initializer (TF's truncated normal by default) and the
     slots with the optimizer's constants, or with ``slot_variable_creation_fn`` when given."""
     shape = (table.vocabulary_size, table.dim)
+    nbytes = table.vocabulary_size * table.dim * 4 * (1 + len(table.optimizer.slot_names))
+    if nbytes > _MAX_TABLE_BYTES:
+        raise ConfigError(
+            f"table {table.name!r}: vocabulary_size={table.vocabulary_size} x dim={table.dim} needs "
+            f"{nbytes / 2**40:.1f} TiB for the weights and {len(table.optimizer.slot_names)} slot(s) in float32. "
+            "Check vocabulary_size and dim (hash ids into a smaller vocabulary)."
+        )
+    try:
+        return _create(table, shape, device)
+    except (RuntimeError, MemoryError) as exc:
+        if "alloc" not in str(exc).lower() and not isinstance(exc, MemoryError):
+            raise
+        raise MemoryError(
+            f"table {table.name!r}: could not allocate {nbytes / 2**30:.2f} GiB for vocabulary_size="
+            f"{table.vocabulary_size} x dim={table.dim} (weights and {len(table.optimizer.slot_names)} slot(s), "
+            "float32). Reduce vocabulary_size or dim, or shard the table over more processes."
+        ) from exc
+
+
+def _create(table: ResolvedTable, shape: tuple[int, int], device: torch.device) -> TableState:
     init = table.config.initializer or default_initializer(table.dim)
-    # clone(): an initializer may return an existing tensor (pretrained weights); never train it in place.
-    weights = _checked(table, "the initializer", init(shape, torch.float32)).to(device, torch.float32).clone()
+    # An initializer may return an existing tensor (pretrained weights): never train it in place.
+    weights = _owned(_checked(table, "the initializer", init(shape, torch.float32)), device)
     opt = table.optimizer
     names = list(opt.slot_names)
     inits = [Constant(v) for v in opt.slot_initial_values()]
@@ -79,5 +111,5 @@ def create_table_state(table: ResolvedTable, device: torch.device) -> TableState
                 f"table {table.name!r}: slot_variable_creation_fn returned tensors that share memory with each "
                 "other or with the table; each slot needs its own storage."
             )
-        slots = {n: t.to(device, torch.float32).contiguous() for n, t in slots.items()}
+        slots = {n: _owned(t, device) for n, t in slots.items()}
     return TableState(weights=weights, slots=slots)
