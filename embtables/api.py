@@ -28,7 +28,7 @@ from embtables.errors import InputError
 from embtables.tables.collection import EmbeddingCollection, TableGradient
 from embtables.tables.inputs import FeatureBatch, InputConverter, is_kjt, split_kjt
 from embtables.tables.ragged import Ragged
-from embtables.tables.state import LocalShard
+from embtables.tables.state import LocalShard, check_loaded_value
 
 logger = logging.getLogger("embtables")
 
@@ -455,6 +455,7 @@ class DistributedEmbedding(nn.Module):
         ``strict=False`` the keys present are loaded and the others keep their values."""
         strict = _strict_of_caller(strict)
         expected = self._engine.state_keys()
+        owners = self._engine.state_key_owners()
         present: dict[str, Tensor] = {}
         errors: list[str] = []
         missing = []
@@ -471,8 +472,10 @@ class DistributedEmbedding(nn.Module):
                     f"{full!r}: shape {list(value.shape)} in the checkpoint, {list(current.shape)} in this "
                     "model (vocabulary_size, dim); the table configs differ"
                 )
-            elif not torch.is_floating_point(value) or not bool(torch.isfinite(value).all()):
-                errors.append(f"{full!r}: must be finite floating point values (the checkpoint is corrupt)")
+            elif not torch.is_floating_point(value):
+                errors.append(f"{full!r}: must be floating point, got {value.dtype} (the checkpoint is corrupt)")
+            elif (problem := check_loaded_value(*owners[key], value)) is not None:
+                errors.append(f"{full!r}: {problem}")
             else:
                 present[key] = value
         unexpected = [k for k in state_dict if k.startswith(prefix) and k[len(prefix) :] not in expected]

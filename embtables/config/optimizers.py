@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import struct
 from collections.abc import Callable
 from typing import Any, ClassVar
 
@@ -31,6 +32,15 @@ def _is_number(x: object) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
+FLOAT32_MAX = 3.4028234663852886e38
+FLOAT32_MIN_NORMAL = 1.1754943508222875e-38
+
+
+def as_float32(x: float) -> float:
+    """``x`` rounded to float32 (the precision every kernel computes in), as a Python float."""
+    return float(struct.unpack("f", struct.pack("f", x))[0])
+
+
 def _check_number(owner: str, name: str, value: object, *, optional: bool = False) -> None:
     if value is None and optional:
         return
@@ -38,6 +48,20 @@ def _check_number(owner: str, name: str, value: object, *, optional: bool = Fals
         raise TypeError(f"{owner}: `{name}` must be a float{' or None' if optional else ''}, got {value!r}.")
     if not math.isfinite(float(value)):  # type: ignore[arg-type]
         raise ConfigError(f"{owner}: `{name}` must be finite, got {value!r}.")
+    if abs(float(value)) > FLOAT32_MAX:  # type: ignore[arg-type]
+        raise ConfigError(
+            f"{owner}: `{name}`={value!r} does not fit in float32 (largest 3.4e38), the precision the kernels "
+            "compute in; it would become inf. Use a smaller value."
+        )
+
+
+def _check_positive_float32(owner: str, name: str, value: float, why: str) -> None:
+    """``value`` must stay a positive normal float32 (it divides, or is squared, in the kernels)."""
+    if not as_float32(value) >= FLOAT32_MIN_NORMAL:
+        raise ConfigError(
+            f"{owner}: `{name}` must be a positive float32 of at least 1.2e-38 ({why}), got {value!r}, which is "
+            f"{as_float32(value)!r} in float32. Use a larger value."
+        )
 
 
 class _Optimizer:
@@ -212,6 +236,9 @@ class Adagrad(_Optimizer):
                 "Adagrad: `initial_accumulator_value` must be a positive float (the update divides by "
                 f"sqrt of the accumulator), got {self.initial_accumulator_value}."
             )
+        _check_positive_float32(
+            "Adagrad", "initial_accumulator_value", self.initial_accumulator_value, "the update divides by its sqrt"
+        )
 
     def slot_initial_values(self) -> tuple[float, ...]:
         return (float(self.initial_accumulator_value),)
@@ -250,6 +277,17 @@ class AdagradMomentum(_Optimizer):
             raise ConfigError(f"AdagradMomentum: `epsilon` must be positive, got {self.epsilon}.")
         if self.exponent <= 0:
             raise ConfigError(f"AdagradMomentum: the precondition `exponent` must be > 0, got {self.exponent}.")
+        if not 0 < self.beta2 <= 1:
+            raise ConfigError(
+                f"AdagradMomentum: `beta2` must be in (0, 1] (1 sums squared gradients, < 1 averages them), got "
+                f"{self.beta2}."
+            )
+        _check_positive_float32("AdagradMomentum", "epsilon", self.epsilon, "it is raised to -1/exponent")
+        if as_float32(self.epsilon) ** (-1.0 / self.exponent) > FLOAT32_MAX:
+            raise ConfigError(
+                f"AdagradMomentum: epsilon^(-1/exponent) = {self.epsilon}^(-1/{self.exponent}) overflows float32, "
+                "so a row with a zero accumulator would get an infinite step. Raise `epsilon` or `exponent`."
+            )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -290,6 +328,12 @@ class Adam(_Optimizer):
                 raise ConfigError(f"Adam: `{arg}` must be >= 0 and < 1, got {value}.")
         if self.epsilon <= 0:
             raise ConfigError(f"Adam: `epsilon` must be positive, got {self.epsilon}.")
+        eps = as_float32(self.epsilon)
+        if not as_float32(eps * eps) >= FLOAT32_MIN_NORMAL:
+            raise ConfigError(
+                f"Adam: `epsilon`={self.epsilon!r} squared underflows float32 ({as_float32(eps * eps)!r}), so a row "
+                "with zero velocities would divide by zero. Use epsilon >= 1.1e-19 (TF's default is 1e-7)."
+            )
         if not self.lazy_adam and not self.use_gradient_accumulation:
             raise ConfigError(
                 "Adam: non-lazy Adam (`lazy_adam=False`) updates every row from an accumulated gradient, "
@@ -340,6 +384,27 @@ class FTRL(_Optimizer):
         for arg in ("multiply_linear_by_learning_rate", "allow_zero_accumulator"):
             if not isinstance(getattr(self, arg), bool):
                 raise TypeError(f"FTRL: `{arg}` must be a bool, got {getattr(self, arg)!r}.")
+        for arg in ("l1_regularization_strength", "l2_regularization_strength", "beta"):
+            if getattr(self, arg) < 0:
+                raise ConfigError(f"FTRL: `{arg}` must be >= 0 (as TF documents), got {getattr(self, arg)}.")
+        if self.learning_rate_power > 0:
+            raise ConfigError(
+                f"FTRL: `learning_rate_power` must be <= 0 (as TF v1 checks; -0.5 is the default), got "
+                f"{self.learning_rate_power}."
+            )
+        if (
+            not callable(self.learning_rate)
+            and not self.multiply_linear_by_learning_rate
+            and as_float32(self.learning_rate) == 0
+        ):
+            raise ConfigError(
+                f"FTRL: `learning_rate`={self.learning_rate!r} is 0 in float32, and the update divides by it. Use a "
+                "non-zero learning rate (or multiply_linear_by_learning_rate=True)."
+            )
+        if self.initial_accumulator_value > 0:
+            _check_positive_float32(
+                "FTRL", "initial_accumulator_value", self.initial_accumulator_value, "it is raised to a power"
+            )
         if self.initial_accumulator_value <= 0:
             raise ConfigError(
                 f"FTRL: `initial_accumulator_value` must be a positive float, got {self.initial_accumulator_value}."

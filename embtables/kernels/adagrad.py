@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
 from embtables.config.optimizers import Adagrad
+from embtables.kernels.sqrt import sqrt_f32
 
 
 def update_rows(
@@ -15,4 +15,4 @@ def update_rows(
     del opt
     (acc,) = slots
     acc = acc + g * g
-    return w - lr * g / torch.sqrt(acc), (acc,)
+    return w - lr * g / sqrt_f32(acc), (acc,)

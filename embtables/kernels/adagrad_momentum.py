@@ -6,6 +6,7 @@ import torch
 from torch import Tensor
 
 from embtables.config.optimizers import AdagradMomentum
+from embtables.kernels.float32 import f32, neg_reciprocal, one_minus
 
 
 def update_rows(
@@ -17,8 +18,9 @@ def update_rows(
     ``m <- mu m + s``; ``u = mu m + s`` with Nesterov else ``m``; ``w <- w - lr u``.
     """
     acc, mom = slots
-    acc = acc + g * g if opt.beta2 == 1 else opt.beta2 * acc + (1.0 - opt.beta2) * (g * g)
-    scaled = torch.pow(acc + opt.epsilon, -1.0 / opt.exponent) * g
-    mom = opt.momentum * mom + scaled
-    step = opt.momentum * mom + scaled if opt.use_nesterov else mom
+    b2, mu = f32(opt.beta2), f32(opt.momentum)
+    acc = acc + g * g if b2 == 1 else b2 * acc + one_minus(b2) * (g * g)
+    scaled = torch.pow(acc + f32(opt.epsilon), neg_reciprocal(opt.exponent)) * g
+    mom = mu * mom + scaled
+    step = mu * mom + scaled if opt.use_nesterov else mom
     return w - lr * step, (acc, mom)

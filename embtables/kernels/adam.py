@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
 from embtables.config.optimizers import Adam
+from embtables.kernels.float32 import f32, one_minus, times
+from embtables.kernels.sqrt import sqrt_f32
 
 
 def update_rows(
@@ -17,8 +18,8 @@ def update_rows(
     ``den = sqrt(v + eps^2)`` (sum_inside_sqrt) or ``sqrt(v) + eps``.
     """
     m, v = slots
-    b1, b2, eps = opt.beta_1, opt.beta_2, opt.epsilon
-    m = b1 * m + (1.0 - b1) * g
-    v = b2 * v + (1.0 - b2) * (g * g)
-    den = torch.sqrt(v + eps * eps) if opt.sum_inside_sqrt else torch.sqrt(v) + eps
+    b1, b2, eps = f32(opt.beta_1), f32(opt.beta_2), f32(opt.epsilon)
+    m = b1 * m + one_minus(b1) * g
+    v = b2 * v + one_minus(b2) * (g * g)
+    den = sqrt_f32(v + times(eps, eps)) if opt.sum_inside_sqrt else sqrt_f32(v) + eps
     return w - lr * m / den, (m, v)

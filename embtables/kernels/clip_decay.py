@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from embtables.kernels.float32 import f32, times
+
 
 def clip_gradient(g: Tensor, lower: float | None, upper: float | None) -> Tensor:
     """Clamp the accumulated per-row gradient ``g`` [U, D] elementwise; None is an open side."""
@@ -31,4 +33,4 @@ def effective_weight_decay(factor: float | None, multiply_by_lr: bool, lr: float
     """``lambda * lr`` when the multiply flag is set, else ``lambda``; 0 when decay is off."""
     if not factor:
         return 0.0
-    return float(factor) * lr if multiply_by_lr else float(factor)
+    return times(factor, lr) if multiply_by_lr else f32(factor)

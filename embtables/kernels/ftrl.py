@@ -6,11 +6,13 @@ import torch
 from torch import Tensor
 
 from embtables.config.optimizers import FTRL
+from embtables.kernels.float32 import f32, times
+from embtables.kernels.sqrt import sqrt_f32
 
 
 def _power(n: Tensor, p: float, allow_zero: bool) -> Tensor:
     """``n ** p``; with ``allow_zero`` an accumulator equal to 0 gives 0 instead of inf/NaN (SPEC 10.3)."""
-    out = torch.pow(n, p)
+    out = sqrt_f32(n) if p == 0.5 else torch.pow(n, p)
     if allow_zero:
         out = torch.where(n == 0, torch.zeros_like(out), out)
     return out
@@ -27,17 +29,22 @@ def update_rows(
     ``Dn = n'^p + 2 lr l2 + beta``; then ``w = N / Dn``.
     """
     n, z = slots
-    p = -opt.learning_rate_power
-    l1, l2, beta = opt.l1_regularization_strength, opt.l2_regularization_strength, opt.beta
+    p = f32(-opt.learning_rate_power)
+    beta = f32(opt.beta)
     n_new = n + g * g
     pow_new = _power(n_new, p, opt.allow_zero_accumulator)
     delta = pow_new - _power(n, p, opt.allow_zero_accumulator)
     if opt.multiply_linear_by_learning_rate:
+        lim = times(lr, opt.l1_regularization_strength)
         z = z + lr * g - delta * w
-        numer = torch.clamp(z, -lr * l1, lr * l1) - z
-        den = pow_new + 2.0 * lr * l2 + beta
+        numer = torch.clamp(z, -lim, lim) - z
+        den = pow_new + times(2.0, lr, opt.l2_regularization_strength) + beta
     else:
+        lim = f32(opt.l1_regularization_strength)
         z = z + g - (delta / lr) * w
-        numer = torch.clamp(z, -l1, l1) - z
-        den = (pow_new + beta) / lr + 2.0 * l2
-    return numer / den, (n_new, z)
+        numer = torch.clamp(z, -lim, lim) - z
+        den = (pow_new + beta) / lr + times(2.0, opt.l2_regularization_strength)
+    w_new = numer / den
+    if opt.allow_zero_accumulator:  # SPEC 10.3: a zero numerator gives 0 even over a zero denominator
+        w_new = torch.where(numer == 0, torch.zeros_like(w_new), w_new)
+    return w_new, (n_new, z)

@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 
 from embtables.config.optimizers import FTRL, SGD, Adagrad, AdagradMomentum, Adam, Optimizer
+from embtables.kernels.float32 import f32, neg_reciprocal, one_minus, times
 
 logger = logging.getLogger("embtables")
 
@@ -207,21 +208,23 @@ def opt_params(opt: Optimizer, lr: float, decay: float, *, clip_gradients: bool)
     wlo, whi = opt.clip_weight_min, opt.clip_weight_max
     p.wlo, p.whi = -inf if wlo is None else float(wlo), inf if whi is None else float(whi)
     p.lr, p.decay = lr, decay
+    # Derived constants in float32, exactly as the torch kernels (and TF) compute them.
     if isinstance(opt, AdagradMomentum):
-        p.flag_a, p.flag_b = int(opt.use_nesterov), int(opt.beta2 == 1)
-        p.c0, p.c1, p.c2, p.c3, p.c4 = opt.momentum, -1.0 / opt.exponent, opt.beta2, 1.0 - opt.beta2, opt.epsilon
+        p.flag_a, p.flag_b = int(opt.use_nesterov), int(f32(opt.beta2) == 1)
+        p.c0, p.c1, p.c2 = f32(opt.momentum), neg_reciprocal(opt.exponent), f32(opt.beta2)
+        p.c3, p.c4 = one_minus(opt.beta2), f32(opt.epsilon)
     elif isinstance(opt, Adam):
         p.flag_a = int(opt.sum_inside_sqrt)
-        p.c0, p.c1, p.c2, p.c3 = opt.beta_1, 1.0 - opt.beta_1, opt.beta_2, 1.0 - opt.beta_2
-        p.c4, p.c5 = opt.epsilon * opt.epsilon, opt.epsilon
+        p.c0, p.c1, p.c2, p.c3 = f32(opt.beta_1), one_minus(opt.beta_1), f32(opt.beta_2), one_minus(opt.beta_2)
+        p.c4, p.c5 = times(opt.epsilon, opt.epsilon), f32(opt.epsilon)
     elif isinstance(opt, FTRL):
         p.flag_a, p.flag_b = int(opt.multiply_linear_by_learning_rate), int(opt.allow_zero_accumulator)
-        p.c0, p.c2 = -opt.learning_rate_power, opt.beta
+        p.c0, p.c2 = f32(-opt.learning_rate_power), f32(opt.beta)
         l1, l2 = opt.l1_regularization_strength, opt.l2_regularization_strength
         if opt.multiply_linear_by_learning_rate:
-            p.c1, p.c3 = lr * l1, 2.0 * lr * l2
+            p.c1, p.c3 = times(lr, l1), times(2.0, lr, l2)
         else:
-            p.c1, p.c3 = l1, 2.0 * l2
+            p.c1, p.c3 = f32(l1), times(2.0, l2)
     return p
 
 

@@ -9,7 +9,9 @@ changes nothing.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
+import numbers
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -17,7 +19,7 @@ import torch
 from torch import Tensor
 
 from embtables.config import ResolvedConfig, ResolvedTable
-from embtables.config.optimizers import FTRL, Adagrad
+from embtables.config.optimizers import FLOAT32_MAX, FTRL, Adagrad
 from embtables.errors import InputError
 from embtables.kernels import native, sparse_update_
 from embtables.kernels.clip_decay import effective_weight_decay
@@ -243,7 +245,7 @@ class EmbeddingCollection:
         """Evaluate each distinct learning-rate callable once (SPEC 1.1.8), float32-rounded, per table."""
         values: dict[int, float] = {}
         for fn in self.resolved.learning_rate_callables():
-            users = [t.name for t in self.resolved.tables if t.optimizer.learning_rate is fn]
+            users = [t for t in self.resolved.tables if t.optimizer.learning_rate is fn]
             values[id(fn)] = _checked_lr(fn, users)
         out = {}
         for t in self.resolved.tables:
@@ -478,6 +480,14 @@ class EmbeddingCollection:
             state.weights = fn(state.weights)
             state.slots = {k: fn(v) for k, v in state.slots.items()}
 
+    def state_key_owners(self) -> dict[str, tuple[ResolvedTable, str]]:
+        """``{"<table>" or "<table>/<slot>": (table, slot name or "")}``, as ``state_keys``."""
+        return {
+            (f"{t.name}/{slot}" if slot else t.name): (t, slot)
+            for t in self.resolved.tables
+            for slot in self.states[t.name].tensors()
+        }
+
     def state_keys(self) -> dict[str, Tensor]:
         """``{"<table>": weights, "<table>/<slot>": slot}``: the TF checkpoint names (SPEC 7)."""
         out = {}
@@ -530,16 +540,44 @@ def _non_finite(table: ResolvedTable) -> InputError:
     )
 
 
-def _checked_lr(fn: Callable[[], float], tables: list[str]) -> float:
-    who = "table " + ", ".join(map(repr, tables))
-    value = fn()
+def _checked_lr(fn: Callable[[], float], tables: list[ResolvedTable]) -> float:
+    """Call a dynamic learning rate once and check its value as the float32 the kernels use."""
+    who = "table " + ", ".join(repr(t.name) for t in tables)
     try:
-        lr = float(value)
-    except (TypeError, ValueError):
-        raise TypeError(f"{who}: the learning_rate callable must return a float, got {type(value).__name__}.") from None
-    if not math.isfinite(lr):
-        raise InputError(
-            f"{who}: the learning_rate callable returned {lr}; learning rates must be finite. "
+        inspect.signature(fn).bind()
+    except TypeError:
+        raise TypeError(
+            f"{who}: the learning_rate callable {fn!r} needs arguments; it must be a zero-argument callable "
+            "(e.g. `lambda: schedule(step)`), evaluated once per apply_gradients. No table or slot was changed."
+        ) from None
+    except ValueError:
+        pass  # no signature (a builtin): just call it
+    try:
+        value = fn()
+    except Exception as exc:
+        raise RuntimeError(
+            f"{who}: the learning_rate callable raised {type(exc).__name__}: {exc}. No table or slot was changed."
+        ) from exc
+    if isinstance(value, (bool, str, bytes)) or not isinstance(value, (numbers.Real, Tensor)):
+        raise TypeError(
+            f"{who}: the learning_rate callable must return a float, got {type(value).__name__} {value!r}. "
             "No table or slot was changed."
         )
-    return as_float32(lr)
+    if isinstance(value, Tensor) and (value.numel() != 1 or value.dtype == torch.bool):
+        raise TypeError(f"{who}: the learning_rate callable returned a tensor {value!r}; return a float.")
+    lr = float(value)
+    lr32 = as_float32(lr) if math.isfinite(lr) and abs(lr) <= FLOAT32_MAX else math.inf
+    if not math.isfinite(lr32):
+        raise InputError(
+            f"{who}: the learning_rate callable returned {lr!r}, which is not finite in float32 (the kernels' "
+            "precision). No table or slot was changed."
+        )
+    divides = [
+        t.name for t in tables if isinstance(t.optimizer, FTRL) and not t.optimizer.multiply_linear_by_learning_rate
+    ]
+    if lr32 == 0 and divides:
+        raise InputError(
+            f"{who}: the learning_rate callable returned {lr!r}, which is 0 in float32, and FTRL table(s) "
+            f"{divides} divide by the learning rate. No table or slot was changed."
+        )
+    return lr32

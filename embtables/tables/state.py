@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 from torch import Tensor
 
-from embtables.config import ResolvedTable
+from embtables.config import FTRL, Adagrad, AdagradMomentum, ResolvedTable
+from embtables.config.optimizers import FLOAT32_MAX
 from embtables.errors import ConfigError
 from embtables.tables.initializers import Constant, default_initializer
 
@@ -42,6 +44,32 @@ class LocalShard:
     vocabulary_size: int
     rows: Tensor
     tensors: dict[str, Tensor]
+
+
+def check_loaded_value(table: ResolvedTable, slot: str, value: Tensor) -> str | None:
+    """Why ``value`` cannot be loaded as table ``table``'s weights (``slot == ""``) or slot ``slot``, or None.
+
+    Every value must be finite as the float32 it becomes (a float64 1e39 would load as inf), and each
+    slot must be in its optimizer's domain: accumulators that divide (Adagrad, FTRL) > 0 (>= 0 with
+    FTRL's allow_zero_accumulator), AdagradMomentum's accumulators and Adam's velocities >= 0."""
+    if value.numel() == 0:
+        return None
+    lo, hi = (float(v) for v in torch.aminmax(value.detach()))
+    if not (math.isfinite(lo) and math.isfinite(hi)) or max(abs(lo), abs(hi)) > FLOAT32_MAX:
+        return "must be finite float32 values (NaN, Inf or beyond 3.4e38 found; the checkpoint is corrupt)"
+    opt = table.optimizer
+    strict_positive = slot == "accumulators" and isinstance(opt, (Adagrad, FTRL))
+    if strict_positive and isinstance(opt, FTRL) and opt.allow_zero_accumulator:
+        strict_positive = False
+        non_negative = True
+    else:
+        non_negative = (slot == "accumulators" and isinstance(opt, AdagradMomentum)) or slot == "velocities"
+    smallest = float(value.detach().to(torch.float32).min())
+    if strict_positive and not smallest > 0:
+        return f"holds {smallest!r} (as float32), but {type(opt).__name__}'s {slot} must be > 0 (the update divides)"
+    if non_negative and not smallest >= 0:
+        return f"holds {smallest!r}, but {type(opt).__name__}'s {slot} must be >= 0"
+    return None
 
 
 def _checked(table: ResolvedTable, what: str, t: object) -> Tensor:

@@ -143,6 +143,20 @@ def has_gradient_clip(opt: Opt) -> bool:
     return param(opt, "clipvalue") is not None or param(opt, "clipping_limit") is not None
 
 
+def _f32(*xs: float) -> float:
+    """The float32 product of ``xs`` (left to right): TF derives every constant from float32
+    hyper-parameters in float32 arithmetic (SPEC: all arithmetic is float32)."""
+    out = np.float32(xs[0])
+    for x in xs[1:]:
+        out = np.float32(out * np.float32(x))
+    return float(out)
+
+
+def _f32_one_minus(x: float) -> float:
+    """``1 - x`` computed in float32 from float32 ``x``."""
+    return float(np.float32(np.float32(1.0) - np.float32(x)))
+
+
 def effective_weight_decay(opt: Opt, lr: float) -> float:
     """SPEC 10.1 / 1.1 step 5: lambda_eff = lambda*lr if the multiply flag is truthy, else lambda.
 
@@ -152,8 +166,8 @@ def effective_weight_decay(opt: Opt, lr: float) -> float:
     if not lam:
         return 0.0
     if param(opt, "multiply_weight_decay_factor_by_learning_rate"):
-        return float(lam) * lr
-    return float(lam)
+        return _f32(lam, lr)
+    return _f32(lam)
 
 
 def _accumulator_power(n: np.ndarray, p: float, allow_zero_accumulator: bool) -> np.ndarray:
@@ -185,16 +199,16 @@ def _adagrad_momentum(
     opt: Opt, w: np.ndarray, slots: dict[str, np.ndarray], g: np.ndarray, lr: float
 ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
     # SPEC 1.3 AdagradMomentum.
-    momentum = float(param(opt, "momentum"))
+    momentum = _f32(param(opt, "momentum"))
     use_nesterov = bool(param(opt, "use_nesterov"))
-    exponent = float(param(opt, "exponent"))
-    beta2 = float(param(opt, "beta2"))
-    epsilon = float(param(opt, "epsilon"))
+    neg_inv_exponent = float(np.float32(np.float32(-1.0) / np.float32(param(opt, "exponent"))))
+    beta2 = _f32(param(opt, "beta2"))
+    epsilon = _f32(param(opt, "epsilon"))
     a = slots["accumulators"]
     m = slots["momenta"]
     # beta2 == 1: a <- a + g^2; otherwise a <- beta2*a + (1 - beta2)*g^2
-    a_new = a + g * g if beta2 == 1.0 else beta2 * a + (1.0 - beta2) * g * g
-    s = (a_new + epsilon) ** (-1.0 / exponent) * g
+    a_new = a + g * g if beta2 == 1.0 else beta2 * a + _f32_one_minus(beta2) * g * g
+    s = (a_new + epsilon) ** neg_inv_exponent * g
     m_new = momentum * m + s
     u = momentum * m_new + s if use_nesterov else m_new
     w_new = w - lr * u
@@ -205,13 +219,13 @@ def _adam(
     opt: Opt, w: np.ndarray, slots: dict[str, np.ndarray], g: np.ndarray, lr: float
 ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
     # SPEC 1.3 Adam, with no bias correction.
-    beta_1 = float(param(opt, "beta_1"))
-    beta_2 = float(param(opt, "beta_2"))
-    epsilon = float(param(opt, "epsilon"))
-    m_new = beta_1 * slots["momenta"] + (1.0 - beta_1) * g
-    v_new = beta_2 * slots["velocities"] + (1.0 - beta_2) * g * g
+    beta_1 = _f32(param(opt, "beta_1"))
+    beta_2 = _f32(param(opt, "beta_2"))
+    epsilon = _f32(param(opt, "epsilon"))
+    m_new = beta_1 * slots["momenta"] + _f32_one_minus(beta_1) * g
+    v_new = beta_2 * slots["velocities"] + _f32_one_minus(beta_2) * g * g
     sum_inside_sqrt = bool(param(opt, "sum_inside_sqrt"))
-    denom = np.sqrt(v_new + epsilon * epsilon) if sum_inside_sqrt else np.sqrt(v_new) + epsilon
+    denom = np.sqrt(v_new + _f32(epsilon, epsilon)) if sum_inside_sqrt else np.sqrt(v_new) + epsilon
     w_new = w - lr * m_new / denom
     return w_new, {"momenta": m_new, "velocities": v_new}
 
@@ -220,10 +234,10 @@ def _ftrl(
     opt: Opt, w: np.ndarray, slots: dict[str, np.ndarray], g: np.ndarray, lr: float
 ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
     # SPEC 1.3 FTRL. ``w`` here is the (already weight-decayed, SPEC 10.1) weight entering the linear update.
-    p = -float(param(opt, "learning_rate_power"))
-    l1 = float(param(opt, "l1_regularization_strength"))
+    p = _f32(-float(param(opt, "learning_rate_power")))
+    l1 = _f32(param(opt, "l1_regularization_strength"))
     l2 = float(param(opt, "l2_regularization_strength"))
-    beta = float(param(opt, "beta"))
+    beta = _f32(param(opt, "beta"))
     allow_zero = bool(param(opt, "allow_zero_accumulator"))
     n = slots["accumulators"]
     z = slots["linears"]
@@ -235,12 +249,13 @@ def _ftrl(
     if not param(opt, "multiply_linear_by_learning_rate"):
         z_new = z + g - (delta / lr) * w
         numer = np.clip(z_new, -l1, l1) - z_new
-        denom = (n_new_pow + beta) / lr + 2.0 * l2
+        denom = (n_new_pow + beta) / lr + _f32(2.0, l2)
     else:
         # The linears slot stores lr*z.
         z_new = z + lr * g - delta * w
-        numer = np.clip(z_new, -lr * l1, lr * l1) - z_new
-        denom = n_new_pow + 2.0 * lr * l2 + beta
+        lim = _f32(lr, l1)
+        numer = np.clip(z_new, -lim, lim) - z_new
+        denom = n_new_pow + _f32(2.0, lr, l2) + beta
 
     w_new = np.empty_like(w)
     for d in range(w.shape[0]):

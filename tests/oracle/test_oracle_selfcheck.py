@@ -19,6 +19,18 @@ def _row(values: list[float]) -> np.ndarray:
     return np.array(values, dtype=np.float64)
 
 
+def F(*xs: float) -> float:
+    """The float32 product of ``xs``: hyper-parameters and derived constants are float32 (SPEC 1, issue 6)."""
+    out = np.float32(xs[0])
+    for x in xs[1:]:
+        out = np.float32(out * np.float32(x))
+    return float(out)
+
+
+def one_minus(x: float) -> float:
+    return float(np.float32(1.0) - np.float32(x))
+
+
 def _close(actual: Any, expected: Any) -> None:
     np.testing.assert_allclose(np.asarray(actual, dtype=np.float64), expected, rtol=1e-12, atol=1e-14)
 
@@ -76,13 +88,13 @@ def test_adagrad_momentum_beta2_two_steps() -> None:
     slots = {"accumulators": _row([0.0]), "momenta": _row([0.0])}
     w1, s1 = update_row(opt, _row([1.0]), slots, _row([2.0]), 0.1)
     a1 = 0.5 * 0.0 + 0.5 * 4.0  # = 2
-    sc1 = (a1 + 1e-10) ** -0.25 * 2.0
+    sc1 = (a1 + F(1e-10)) ** -0.25 * 2.0
     m1 = sc1
     _close(w1, [1.0 - 0.1 * m1])
     w2, s2 = update_row(opt, w1, s1, _row([1.0]), 0.1)
     a2 = 0.5 * 2.0 + 0.5 * 1.0  # = 1.5
-    sc2 = (a2 + 1e-10) ** -0.25 * 1.0
-    m2 = 0.9 * m1 + sc2
+    sc2 = (a2 + F(1e-10)) ** -0.25 * 1.0
+    m2 = F(0.9) * m1 + sc2
     _close(s2["accumulators"], [1.5])
     _close(s2["momenta"], [m2])
     _close(w2, [1.0 - 0.1 * m1 - 0.1 * m2])
@@ -93,9 +105,9 @@ def test_adam(sum_inside_sqrt: bool) -> None:
     opt = {"name": "Adam", "sum_inside_sqrt": sum_inside_sqrt}  # defaults 0.9, 0.999, 1e-7
     slots = {"momenta": _row([0.0]), "velocities": _row([0.0])}
     w, new = update_row(opt, _row([1.0]), slots, _row([0.5]), 0.01)
-    m = 0.1 * 0.5  # 0.05
-    v = 0.001 * 0.25  # 0.00025
-    denom = math.sqrt(v + 1e-14) if sum_inside_sqrt else math.sqrt(v) + 1e-7
+    m = one_minus(0.9) * 0.5  # 0.05, with 1 - beta_1 derived in float32
+    v = one_minus(0.999) * 0.25  # 0.00025 (1 - beta_2 in float32 is 1.3e-5 relative off 0.001)
+    denom = math.sqrt(v + F(1e-7, 1e-7)) if sum_inside_sqrt else math.sqrt(v) + F(1e-7)
     _close(new["momenta"], [m])
     _close(new["velocities"], [v])
     _close(w, [1.0 - 0.01 * m / denom])  # no bias correction
@@ -126,10 +138,16 @@ def test_ftrl_l1_l2_beta(multiply_linear: bool) -> None:
     }
     slots = {"accumulators": _row([0.1]), "linears": _row([0.0])}
     w, _ = update_row(opt, _row([1.0]), slots, _row([0.5]), 0.1)
-    z = 0.5 - (math.sqrt(0.35) - math.sqrt(0.1)) / 0.1  # about -2.254, so |z| > l1
+    delta = math.sqrt(0.35) - math.sqrt(0.1)
+    if not multiply_linear:
+        z = 0.5 - delta / 0.1  # about -2.254, so |z| > l1
+        numer = -F(0.01) - z  # clamp(z, -l1, l1) - z with z < -l1
+        denom = (math.sqrt(0.35) + F(0.3)) / 0.1 + F(2.0, 0.2)
+    else:  # the linears slot holds lr * z; constants lr * l1 and 2 * lr * l2 derived in float32
+        z = 0.1 * 0.5 - delta
+        numer = -F(0.1, 0.01) - z
+        denom = math.sqrt(0.35) + F(2.0, 0.1, 0.2) + F(0.3)
     assert z < -0.01
-    numer = -0.01 - z  # clamp(z, -l1, l1) - z with z < -l1
-    denom = (math.sqrt(0.35) + 0.3) / 0.1 + 2 * 0.2
     _close(w, [numer / denom])
 
 
@@ -173,11 +191,11 @@ def test_weight_decay_with_and_without_lr_multiplier() -> None:
     g = _row([0.5])
     # lambda_eff = 0.1: w = 2 - 0.1*2 - 0.5*0.5 = 1.55
     w, _ = update_row({"name": "SGD", "weight_decay_factor": 0.1}, _row([2.0]), {}, g, 0.5)
-    _close(w, [1.55])
-    # lambda_eff = 0.1*0.5 = 0.05: w = 2 - 0.1 - 0.25 = 1.65
+    _close(w, [2.0 - F(0.1) * 2.0 - 0.25])  # 1.55 with lambda as float32
+    # lambda_eff = 0.1*0.5 = 0.05 (in float32): w = 2 - 0.1 - 0.25 = 1.65
     opt = {"name": "SGD", "weight_decay_factor": 0.1, "multiply_weight_decay_factor_by_learning_rate": True}
     w, _ = update_row(opt, _row([2.0]), {}, g, 0.5)
-    _close(w, [1.65])
+    _close(w, [2.0 - F(0.1, 0.5) * 2.0 - 0.25])
     # 0 means off; the multiply flag alone does nothing
     w, _ = update_row({"name": "SGD", "weight_decay_factor": 0.0}, _row([2.0]), {}, g, 0.5)
     _close(w, [1.75])
@@ -187,7 +205,7 @@ def test_weight_decay_with_and_without_lr_multiplier() -> None:
     # Adagrad: w_new = w - lambda*w - lr*g/sqrt(a_new)
     opt = {"name": "Adagrad", "weight_decay_factor": 0.1}
     w, _ = update_row(opt, _row([2.0]), {"accumulators": _row([0.1])}, g, 0.5)
-    _close(w, [2.0 - 0.2 - 0.5 * 0.5 / math.sqrt(0.35)])
+    _close(w, [2.0 - F(0.1) * 2.0 - 0.5 * 0.5 / math.sqrt(0.35)])
 
 
 def test_weight_decay_ftrl_enters_linear() -> None:
@@ -376,14 +394,16 @@ def test_non_lazy_adam_moves_untouched_row() -> None:
         eng.apply_gradients([([[0]], None)], [np.array([[1.0]])], {"t": lr})
         eng.apply_gradients([([[1]], None)], [np.array([[1.0]])], {"t": lr})
         results[lazy] = eng
-    w0_step1 = -lr * 0.1 / math.sqrt(0.001 + 1e-14)  # m = 0.1, v = 0.001
+    m1, v1, eps2 = one_minus(0.9), one_minus(0.999), F(1e-7, 1e-7)  # m = 0.1, v = 0.001 (float32 constants)
+    w0_step1 = -lr * m1 / math.sqrt(v1 + eps2)
     _close(results[True].tables["t"][0], [w0_step1])  # lazy: row 0 untouched in step 2
     # non-lazy: row 0 has g = 0 in step 2, m = 0.09, v = 0.000999
-    _close(results[False].tables["t"][0], [w0_step1 - lr * 0.09 / math.sqrt(0.000999 + 1e-14)])
-    _close(results[False].slots["t"]["momenta"][0], [0.09])
+    m2, v2 = F(0.9) * m1, F(0.999) * v1
+    _close(results[False].tables["t"][0], [w0_step1 - lr * m2 / math.sqrt(v2 + eps2)])
+    _close(results[False].slots["t"]["momenta"][0], [m2])
     # both: row 1 had m = v = 0 (non-lazy step 1 updated it with g = 0 and it did not move)
     for eng in results.values():
-        _close(eng.tables["t"][1], [-lr * 0.1 / math.sqrt(0.001 + 1e-14)])
+        _close(eng.tables["t"][1], [-lr * m1 / math.sqrt(v1 + eps2)])
 
 
 def test_weight_decay_only_on_updated_rows() -> None:

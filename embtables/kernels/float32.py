@@ -1,0 +1,37 @@
+"""Derived optimizer constants in float32, as TF computes them (SPEC: all arithmetic is float32).
+
+TF receives float32 hyper-parameters and derives ``1 - beta_1``, ``eps * eps``, ``2 * l2``,
+``lr * l1``, ``-1 / exponent``... in float32. Computing them in Python's float64 and rounding once
+gives a different float32 (``1 - beta_2`` for beta_2 = 0.999 is off by 1.3e-5 relative), so both
+kernel paths take their constants from here. Each function returns a Python float that holds a
+float32 value exactly.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def f32(x: float) -> float:
+    """``x`` rounded to float32."""
+    with np.errstate(over="ignore"):
+        return float(np.float32(x))
+
+
+def one_minus(x: float) -> float:
+    """``1 - x`` in float32."""
+    return float(np.float32(1.0) - np.float32(x))
+
+
+def times(*xs: float) -> float:
+    """The product of ``xs`` in float32, left to right."""
+    out = np.float32(1.0)
+    with np.errstate(over="ignore", under="ignore"):
+        for i, x in enumerate(xs):
+            out = np.float32(x) if i == 0 else out * np.float32(x)
+    return float(out)
+
+
+def neg_reciprocal(x: float) -> float:
+    """``-1 / x`` in float32."""
+    return float(np.float32(-1.0) / np.float32(x))
