@@ -351,6 +351,9 @@ class DistributedEmbedding(nn.Module):
         self._last = None
         update = _PendingUpdate(table_grads, lrs)
         if self.pipeline_execution_with_tensor_core:
+            # Nothing changes the tables before this update lands, so check it now: a non-finite
+            # update raises here, like in a synchronous run, instead of at the next lookup.
+            self._engine.check(update.table_grads, update.lrs)
             self._pending = update
         else:
             self._engine.apply(update.table_grads, update.lrs)

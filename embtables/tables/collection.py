@@ -278,6 +278,15 @@ class EmbeddingCollection:
         for write in writes:
             write()
 
+    def check(self, table_grads: Sequence[TableGradient], lrs: dict[str, float]) -> None:
+        """Raise exactly as ``apply`` would, but write nothing (used for an update held back by
+        pipelining, so its error surfaces at ``apply_gradients`` and not at a later lookup)."""
+        for tg in table_grads:
+            if tg.accumulated:
+                self._checked_update(tg, lrs[tg.table.name])
+            else:
+                self._apply_sequential_or_restore(tg, lrs[tg.table.name])()
+
     def _checked_update(self, tg: TableGradient, lr: float) -> Callable[[], None]:
         """Check one accumulated table update (writes nothing); returns the function that writes it."""
         state = self.states[tg.table.name]
