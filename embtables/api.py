@@ -84,15 +84,53 @@ def _storages(x: object) -> set[int]:
     return {t.untyped_storage().data_ptr() for t in tensors if isinstance(t, Tensor) and t.layout == torch.strided}
 
 
-def _owned(batch: FeatureBatch, foreign: set[int]) -> FeatureBatch:
+_BATCH_FIELDS = ("ids", "offsets", "coeffs", "seg_")
+
+
+class _Staging:
+    """Reusable buffers for the engine's own copies of input tensors, so owning a batch costs a copy
+    but no allocation (fresh pages) per step. A buffer is reused only when no live batch (staged by
+    enqueue, or awaiting apply_gradients) still refers to it."""
+
+    def __init__(self) -> None:
+        self.buffers: dict[tuple[int, str], list[Tensor]] = {}
+
+    def copy(self, key: tuple[int, str], t: Tensor, busy: set[int]) -> Tensor:
+        pool = self.buffers.setdefault(key, [])
+        n = t.numel()
+        for i, buf in enumerate(pool):
+            if buf.data_ptr() in busy or buf.dtype != t.dtype or buf.device != t.device:
+                continue
+            if buf.numel() < n:
+                buf = pool[i] = torch.empty(max(n, 2 * buf.numel()), dtype=t.dtype, device=t.device)
+            return buf[:n].view(t.shape).copy_(t)
+        buf = torch.empty(n, dtype=t.dtype, device=t.device)
+        pool.append(buf)
+        return buf.view(t.shape).copy_(t)
+
+
+def _batch_pointers(batches: list[FeatureBatch]) -> set[int]:
+    return {t.data_ptr() for b in batches for name in _BATCH_FIELDS if isinstance(t := getattr(b, name), Tensor)}
+
+
+def _owned(batch: FeatureBatch, foreign: set[int], staging: _Staging, index: int, busy: set[int]) -> FeatureBatch:
     """``batch`` with every tensor that shares memory with the caller's inputs copied, so a caller who
     writes into its input buffers after enqueue() can never change ids the engine already validated."""
     fields: dict[str, Any] = {}
-    for name in ("ids", "offsets", "coeffs", "seg_"):
+    for name in _BATCH_FIELDS:
         t = getattr(batch, name)
         if isinstance(t, Tensor) and t.untyped_storage().data_ptr() in foreign:
-            fields[name] = t.clone()
+            fields[name] = staging.copy((index, name), t.contiguous(), busy)
     return dataclasses.replace(batch, **fields) if fields else batch
+
+
+def _detached(batches: list[FeatureBatch]) -> list[FeatureBatch]:
+    """The batches with their tensors cloned out of any shared staging buffer."""
+    out = []
+    for b in batches:
+        fields: dict[str, Any] = {n: t.clone() for n in _BATCH_FIELDS if isinstance(t := getattr(b, n), Tensor)}
+        out.append(dataclasses.replace(b, **fields))
+    return out
 
 
 _F = TypeVar("_F", bound=Callable[..., Any])
@@ -182,12 +220,18 @@ class DistributedEmbedding(nn.Module):
         # Pipelining: pre-update values of the rows an observer-triggered flush updated early, so the
         # next training lookup still reads them one step stale: {table: (rows [U], weights [U, D])}.
         self._stale: dict[str, tuple[Tensor, Tensor]] = {}
+        self._staging = _Staging()
         self._lock = threading.RLock()
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()  # type: ignore[no-untyped-call]
         state = dict(state)
         state.pop("_lock", None)
+        state["_staging"] = _Staging()  # scratch buffers: a copy owns fresh ones
+        live = [b for b in (state.get("_enqueued"), state.get("_last")) if b is not None]
+        if live:  # batches that point into the staging buffers get their own storage in the copy
+            state["_enqueued"] = self._enqueued and (_detached(self._enqueued[0]), self._enqueued[1])
+            state["_last"] = self._last and _Lookup(_detached(self._last.batches), self._last.activations)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -273,9 +317,12 @@ class DistributedEmbedding(nn.Module):
         """
         flat_x, flat_w = self._flatten_inputs(features, weights)
         device = self.device
+        busy = _batch_pointers(self._last.batches) if self._last is not None else set()
+        if self._enqueued is not None:  # kept until this batch is valid: a bad enqueue changes nothing
+            busy |= _batch_pointers(self._enqueued[0])
         batches = [
-            _owned(conv.convert(x, w, device), _storages(x) | _storages(w))
-            for conv, x, w in zip(self._converters, flat_x, flat_w)
+            _owned(conv.convert(x, w, device), _storages(x) | _storages(w), self._staging, i, busy)
+            for i, (conv, x, w) in enumerate(zip(self._converters, flat_x, flat_w))
         ]
         self._enqueued = (batches, bool(training))
 

@@ -167,14 +167,13 @@ def _require(t: object, what: str, dtype: torch.dtype, shape: tuple[int, ...]) -
     """``t`` as a contiguous CPU tensor of ``dtype`` and exactly ``shape`` (-1 = any), else raise.
 
     Every buffer is checked here, in the call that hands it to C, so C never reads past an allocation."""
-    ok = (
-        isinstance(t, Tensor)
-        and t.device.type == "cpu"
-        and t.dtype == dtype
-        and t.is_contiguous()
-        and t.dim() == len(shape)
-        and all(want in (-1, got) for want, got in zip(shape, t.shape))
-    )
+    ok = isinstance(t, Tensor) and t.dtype == dtype and t.is_contiguous() and t.dim() == len(shape)
+    if ok:
+        assert isinstance(t, Tensor)
+        ok = t.device.type == "cpu"
+        for want, size in zip(shape, t.shape):
+            if want != -1 and want != size:
+                ok = False
     if not ok:
         got = (
             f"{t.dtype} {tuple(t.shape)} on {t.device}, contiguous={t.is_contiguous()}"

@@ -442,11 +442,23 @@ static void et_prepare_one(et_workspace *h, int64_t nfeat, const int64_t *const 
     int64_t *start = h->start, *occ = h->occ;
     memset(start, 0, sizeof(int64_t) * (size_t)(U + 1));
     for (int64_t i = 0; i < N; ++i) start[inv[i] + 1]++;
-    for (int64_t u = 0; u < U; ++u) start[u + 1] += start[u];
+    int64_t maxcount = 0; /* the most occurrences any one row has */
+    for (int64_t u = 0; u < U; ++u) {
+        const int64_t c = start[u + 1];
+        maxcount = c > maxcount ? c : maxcount;
+        start[u + 1] += start[u];
+    }
     memcpy(occ, start, sizeof(int64_t) * (size_t)U);
     const float **occ_g = h->occ_g;
     float *occ_c = h->occ_c;
     kg = 0;
+    /* |summed gradient| <= maxcount * max|coeff| * max|incoming gradient|: bounded from the S x D
+     * gradients (and N coefficients) instead of scanning the U x D sums afterwards. */
+    uint32_t in_bits = 0, c_bits = 0x3f800000u; /* |1.0f|: absent coefficients are 1 */
+    for (int64_t f = 0; f < nfeat; ++f) {
+        if (grads[f]) in_bits = et_maxbits(grads[f], nbags[f] * D, in_bits);
+        if (coeffs[f]) c_bits = et_maxbits(coeffs[f] + offsets[f][0], offsets[f][nbags[f]] - offsets[f][0], c_bits);
+    }
     for (int64_t f = 0; f < nfeat; ++f) {
         const int64_t *off = offsets[f];
         for (int64_t s = 0; s < nbags[f]; ++s) {
@@ -458,6 +470,12 @@ static void et_prepare_one(et_workspace *h, int64_t nfeat, const int64_t *const 
             }
         }
     }
+    const double bound = (in_bits >= ET_INF_BITS || c_bits >= ET_INF_BITS)
+                             ? INFINITY
+                             : (double)maxcount * (double)et_bits_float(c_bits) * (double)et_bits_float(in_bits);
+    /* Below 1e37 no sum of maxcount float32 terms can overflow (float32 max is 3.4e38), so the sums need no
+     * scan; above it each row is scanned exactly. */
+    const int scan = !(bound < 1e37);
     uint32_t gbits = 0;
 #pragma omp parallel for num_threads(nthreads) schedule(static, 256) reduction(max : gbits)
     for (int64_t u = 0; u < U; ++u) {
@@ -476,12 +494,14 @@ static void et_prepare_one(et_workspace *h, int64_t nfeat, const int64_t *const 
                 for (int64_t d = 0; d < D; ++d) acc[d] += g[d] * cf;
             }
         }
-        const uint32_t m = et_maxbits(acc, D, 0);
-        gbits = m > gbits ? m : gbits;
+        if (scan) {
+            const uint32_t m = et_maxbits(acc, D, 0);
+            gbits = m > gbits ? m : gbits;
+        }
     }
     const int finite = gbits < ET_INF_BITS;
     h->finite = finite;
-    h->gmax = finite ? et_bits_float(gbits) : INFINITY;
+    h->gmax = !finite ? INFINITY : (scan ? et_bits_float(gbits) : (float)(bound * 1.0001));
     *status = finite ? 0 : 1;
 }
 
@@ -607,7 +627,19 @@ int et_apply(const void *handle, float *W, float *S0, float *S1, int64_t V, int6
     const et_row_fn fn = et_row_function(p->kind);
     const int measure = maxabs != NULL;
     uint32_t mw = 0, m0 = 0, m1 = 0;
-    if (!dense) {
+    if (!dense && !measure) { /* the hot path: exactly the plain fused pass */
+#pragma omp parallel for num_threads(nthreads) schedule(static, 256)
+        for (int64_t u = 0; u < U; ++u) {
+            if (u + ET_PF < U) {
+                const int64_t q = h->rows[u + ET_PF] * D;
+                et_prefetch_row(W + q, D, 1);
+                if (S0) et_prefetch_row(S0 + q, D, 1);
+                if (S1) et_prefetch_row(S1 + q, D, 1);
+            }
+            const int64_t r = h->rows[u] * D;
+            fn(p, W + r, S0 ? S0 + r : NULL, S1 ? S1 + r : NULL, h->G + u * D, D);
+        }
+    } else if (!dense) {
 #pragma omp parallel for num_threads(nthreads) schedule(static, 256) reduction(max : mw, m0, m1)
         for (int64_t u = 0; u < U; ++u) {
             if (u + ET_PF < U) {
