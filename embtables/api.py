@@ -96,17 +96,23 @@ class _Staging:
         self.buffers: dict[tuple[int, str], list[Tensor]] = {}
 
     def copy(self, key: tuple[int, str], t: Tensor, busy: set[int]) -> Tensor:
-        pool = self.buffers.setdefault(key, [])
+        """A copy of the 1-D tensor ``t`` in a buffer whose data pointer is not in ``busy``."""
+        pool = self.buffers.get(key)
+        if pool is None:
+            pool = self.buffers[key] = []
         n = t.numel()
         for i, buf in enumerate(pool):
             if buf.data_ptr() in busy or buf.dtype != t.dtype or buf.device != t.device:
                 continue
             if buf.numel() < n:
                 buf = pool[i] = torch.empty(max(n, 2 * buf.numel()), dtype=t.dtype, device=t.device)
-            return buf[:n].view(t.shape).copy_(t)
+            out = buf[:n]
+            out.copy_(t)
+            return out
         buf = torch.empty(n, dtype=t.dtype, device=t.device)
         pool.append(buf)
-        return buf.view(t.shape).copy_(t)
+        buf.copy_(t)
+        return buf
 
 
 def _batch_pointers(batches: list[FeatureBatch]) -> set[int]:
@@ -116,12 +122,15 @@ def _batch_pointers(batches: list[FeatureBatch]) -> set[int]:
 def _owned(batch: FeatureBatch, foreign: set[int], staging: _Staging, index: int, busy: set[int]) -> FeatureBatch:
     """``batch`` with every tensor that shares memory with the caller's inputs copied, so a caller who
     writes into its input buffers after enqueue() can never change ids the engine already validated."""
-    fields: dict[str, Any] = {}
-    for name in _BATCH_FIELDS:
-        t = getattr(batch, name)
-        if isinstance(t, Tensor) and t.untyped_storage().data_ptr() in foreign:
-            fields[name] = staging.copy((index, name), t.contiguous(), busy)
-    return dataclasses.replace(batch, **fields) if fields else batch
+    copied = [
+        staging.copy((index, name), t.contiguous(), busy)
+        if isinstance(t := getattr(batch, name), Tensor) and t.untyped_storage().data_ptr() in foreign
+        else t
+        for name in _BATCH_FIELDS
+    ]
+    ids, offsets, coeffs, seg = copied
+    assert isinstance(ids, Tensor) and isinstance(offsets, Tensor)
+    return FeatureBatch(ids=ids, offsets=offsets, coeffs=coeffs, out_shape=batch.out_shape, seg_=seg)
 
 
 def _detached(batches: list[FeatureBatch]) -> list[FeatureBatch]:
