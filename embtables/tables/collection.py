@@ -26,6 +26,7 @@ from embtables.kernels.clip_decay import effective_weight_decay
 from embtables.kernels.finite_guard import bounds_compound, update_bounds
 from embtables.kernels.lookup import occurrence_gradients, pooled_lookup
 from embtables.kernels.segments import dedup_sum, occurrence_rounds
+from embtables.kernels.sequential import apply_in_order_, has_vectorised_form
 from embtables.kernels.sparse_update import as_float32, update_rows
 from embtables.tables.inputs import FeatureBatch
 from embtables.tables.state import TableState, create_table_state
@@ -406,6 +407,8 @@ class EmbeddingCollection:
                 decay = effective_weight_decay(opt.weight_decay_factor, opt.weight_decay_multiplied_by_lr, lr)
                 params = native.opt_params(opt, lr, decay, clip_gradients=False)
                 native.apply_sequential(tg.rows, tg.grads.contiguous(), state.weights, slots, params)
+            elif has_vectorised_form(opt):
+                apply_in_order_(state.weights, slots, tg.rows, tg.grads, opt=opt, lr=lr)
             else:
                 for round_positions in occurrence_rounds(tg.rows):
                     sparse_update_(
