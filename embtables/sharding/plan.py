@@ -1,0 +1,89 @@
+"""Row placement of one table over W ranks (SPEC 3): pure integer arithmetic, no process group.
+
+- ``div`` (TF's ``DIV_DEFAULT``, the default): contiguous blocks. With ``q = V // W`` and
+  ``e = V % W``, the first ``e`` ranks hold ``q + 1`` rows, the others ``q``. Id ``i`` lives on
+  ``max(i // (q + 1), (i - e) // q)``.
+- ``mod``: id ``i`` lives on rank ``i % W`` at local row ``i // W``.
+- ``table``: the whole table on one rank.
+
+With V < W some ranks hold no rows of a table. Partitioning is layout only (SPEC 10.8): it never
+changes what a lookup or an update computes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+Strategy = Literal["div", "mod", "table"]
+STRATEGIES: tuple[str, ...] = ("div", "mod", "table")
+
+
+@dataclasses.dataclass(frozen=True)
+class TablePlan:
+    """Where the V rows of one table live over ``world_size`` (W) ranks.
+
+    Attributes:
+      strategy: "div", "mod" or "table".
+      vocabulary_size: V, the table's rows.
+      world_size: W, the number of ranks.
+      rank: for "table", the rank that holds the whole table (ignored otherwise).
+    """
+
+    strategy: str
+    vocabulary_size: int
+    world_size: int
+    rank: int = 0
+
+    def __post_init__(self) -> None:
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"TablePlan: `strategy` must be one of {STRATEGIES}, got {self.strategy!r}.")
+        if not isinstance(self.vocabulary_size, int) or self.vocabulary_size < 1:
+            raise ValueError(f"TablePlan: `vocabulary_size` must be an int >= 1, got {self.vocabulary_size!r}.")
+        if not isinstance(self.world_size, int) or self.world_size < 1:
+            raise ValueError(f"TablePlan: `world_size` must be an int >= 1, got {self.world_size!r}.")
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"TablePlan: `rank` must be in [0, {self.world_size}), got {self.rank!r}.")
+
+    def shard_sizes(self) -> list[int]:
+        """Rows held by each rank [W]; they add up to V."""
+        v, w = self.vocabulary_size, self.world_size
+        if self.strategy == "table":
+            return [v if r == self.rank else 0 for r in range(w)]
+        q, e = divmod(v, w)
+        return [q + 1 if r < e else q for r in range(w)]
+
+    def owner(self, ids: Tensor) -> tuple[Tensor, Tensor]:
+        """``(rank, local row)`` of every global id in ``ids`` [N] (int64, each in [0, V))."""
+        ids = ids.to(torch.int64)
+        v, w = self.vocabulary_size, self.world_size
+        if self.strategy == "table":
+            return torch.full_like(ids, self.rank), ids
+        if self.strategy == "mod":
+            return torch.remainder(ids, w), torch.div(ids, w, rounding_mode="floor")
+        q, e = divmod(v, w)
+        if q == 0:  # V < W: rank i holds only row i
+            return ids.clone(), torch.zeros_like(ids)
+        big = e * (q + 1)  # rows held by the first e ranks (q + 1 rows each)
+        in_big = ids < big
+        rank = torch.where(
+            in_big, torch.div(ids, q + 1, rounding_mode="floor"), torch.div(ids - e, q, rounding_mode="floor")
+        )
+        local = torch.where(in_big, torch.remainder(ids, q + 1), torch.remainder(ids - e, q))
+        return rank, local
+
+    def global_rows(self, rank: int) -> Tensor:
+        """The global ids held by ``rank``, ascending, [shard_sizes()[rank]]; local row j holds id [j]."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"TablePlan.global_rows: rank must be in [0, {self.world_size}), got {rank}.")
+        v, w = self.vocabulary_size, self.world_size
+        if self.strategy == "table":
+            return torch.arange(v) if rank == self.rank else torch.zeros(0, dtype=torch.int64)
+        if self.strategy == "mod":
+            return torch.arange(rank, v, w) if rank < v else torch.zeros(0, dtype=torch.int64)
+        q, e = divmod(v, w)
+        start = rank * (q + 1) if rank < e else e * (q + 1) + (rank - e) * q
+        return torch.arange(start, start + self.shard_sizes()[rank])
