@@ -484,7 +484,7 @@ class DistributedEmbedding(nn.Module):
         self._flush(observer=True)
         self._engine.map_tensors(fn)
         self._stale = {k: (fn(rows), fn(old)) for k, (rows, old) in self._stale.items()}
-        if self._last is not None:
+        if self._last is not None and probe.device != self._last.activations[0].device:
             self._last = None
             logger.warning(
                 "DistributedEmbedding: moved between devices after a training lookup; its gradients are dropped. "
