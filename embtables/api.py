@@ -404,7 +404,6 @@ class DistributedEmbedding(nn.Module):
         self._flush()  # a held-back update lands first: phase 1 below reuses the tables' native workspaces
         table_grads = self._engine.table_gradients(last.batches, checked)
         lrs = self._engine.learning_rates()
-        self._last = None
         update = _PendingUpdate(table_grads, lrs)
         if self.pipeline_execution_with_tensor_core:
             # Nothing changes the tables before this update lands, so check it now: a non-finite
@@ -413,6 +412,8 @@ class DistributedEmbedding(nn.Module):
             self._pending = update
         else:
             self._engine.apply(update.table_grads, update.lrs)
+        # Consumed only once applied: after any refusal the lookup stays, to retry with another gradient.
+        self._last = None
 
     def _flush(self, *, observer: bool = False) -> None:
         """Apply a held-back (pipelined) update. ``observer=True`` is a flush forced by reading or
