@@ -9,7 +9,9 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 import torch.distributed as dist
+from torch import Tensor
 
 ProcessGroup = Any  # torch.distributed.ProcessGroup; typed loosely so callers need not import it
 
@@ -54,3 +56,48 @@ def broadcast_object(obj: object, src: int = 0, group: ProcessGroup | None = Non
     global_src = dist.get_global_rank(group, src) if group is not None else src
     dist.broadcast_object_list(box, src=global_src, group=group)
     return box[0]
+
+
+def all_to_all_v(send: Tensor, send_counts: list[int], group: ProcessGroup | None = None) -> tuple[Tensor, list[int]]:
+    """Exchange rows with every rank: the first ``send_counts[0]`` rows of ``send`` [N, ...] go to rank
+    0, the next ``send_counts[1]`` to rank 1, and so on. Returns the received rows [M, ...], concatenated
+    in source-rank order, and how many came from each rank [W]. The counts are exchanged first, so
+    every rank may send a different number of rows (including none)."""
+    world = get_world_size(group)
+    if len(send_counts) != world or sum(send_counts) != send.shape[0] or min(send_counts, default=0) < 0:
+        raise ValueError(
+            f"all_to_all_v: send_counts {send_counts} must have {world} non-negative entries adding up to the "
+            f"{send.shape[0]} rows sent."
+        )
+    if not is_distributed(group):
+        return send.clone(), list(send_counts)
+    counts = torch.tensor(send_counts, dtype=torch.int64, device=send.device)
+    recv_counts_t = torch.empty_like(counts)
+    dist.all_to_all_single(recv_counts_t, counts, group=group)
+    recv_counts = [int(c) for c in recv_counts_t.tolist()]
+    out = torch.empty((sum(recv_counts), *send.shape[1:]), dtype=send.dtype, device=send.device)
+    dist.all_to_all_single(out, send.contiguous(), recv_counts, list(send_counts), group=group)
+    return out, recv_counts
+
+
+def all_gather_v(local: Tensor, group: ProcessGroup | None = None) -> list[Tensor]:
+    """Every rank's ``local`` [n_r, ...] (the first dimension may differ between ranks), in rank order."""
+    if not is_distributed(group):
+        return [local.clone()]
+    sizes = [int(n) for n in all_gather_object(int(local.shape[0]), group)]
+    biggest = max(sizes)
+    padded = torch.zeros((biggest, *local.shape[1:]), dtype=local.dtype, device=local.device)
+    padded[: local.shape[0]] = local
+    out = [torch.empty_like(padded) for _ in sizes]
+    dist.all_gather(out, padded, group=group)
+    return [t[:n] for t, n in zip(out, sizes)]
+
+
+def any_rank(flag: bool, group: ProcessGroup | None = None) -> bool:
+    """True on every rank when ``flag`` is True on at least one (so all ranks take the same branch,
+    e.g. all refuse a step in which one rank saw a bad id)."""
+    if not is_distributed(group):
+        return bool(flag)
+    t = torch.tensor([int(bool(flag))], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return bool(t.item())

@@ -1,0 +1,62 @@
+"""Run a function on W real processes joined by a gloo process group on localhost (multi-process tests).
+
+``run_world(fn, W, *args)`` spawns W processes; each calls ``fn(rank, W, *args)`` with the default
+process group initialised (gloo, a free localhost port, a short collective timeout). A worker's
+exception fails the test with that worker's traceback; a run that outlives ``timeout`` is killed and
+fails instead of hanging. ``fn`` must be a module-level function (spawn pickles it by name).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _entry(rank: int, fn: Callable[..., Any], world: int, port: int, timeout_s: float, args: tuple[Any, ...]) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+    try:
+        fn(rank, world, *args)
+    except BaseException:
+        raise RuntimeError(f"rank {rank} of {world} failed:\n{traceback.format_exc()}") from None
+    finally:
+        dist.destroy_process_group()
+
+
+def run_world(
+    fn: Callable[..., Any], world: int, *args: Any, timeout: float = 90, collective_timeout: float = 30
+) -> None:
+    """Run ``fn(rank, world, *args)`` on ``world`` gloo processes; raise if any fails or time runs out."""
+    ctx = mp.start_processes(
+        _entry, args=(fn, world, free_port(), collective_timeout, args), nprocs=world, join=False, start_method="spawn"
+    )
+    deadline = time.monotonic() + timeout
+    while not ctx.join(timeout=1):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.kill()
+            raise TimeoutError(f"run_world: {world} processes did not finish within {timeout} s (killed).")
