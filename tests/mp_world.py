@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import pickle
 import socket
 import time
 import traceback
@@ -47,16 +48,26 @@ def _entry(rank: int, fn: Callable[..., Any], world: int, port: int, timeout_s: 
 
 
 def run_world(
-    fn: Callable[..., Any], world: int, *args: Any, timeout: float = 90, collective_timeout: float = 30
+    fn: Callable[..., Any], world: int, *args: Any, timeout: float = 300, collective_timeout: float = 120
 ) -> None:
     """Run ``fn(rank, world, *args)`` on ``world`` gloo processes; raise if any fails or time runs out."""
     ctx = mp.start_processes(
         _entry, args=(fn, world, free_port(), collective_timeout, args), nprocs=world, join=False, start_method="spawn"
     )
     deadline = time.monotonic() + timeout
-    while not ctx.join(timeout=1):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                if p.is_alive():
-                    p.kill()
-            raise TimeoutError(f"run_world: {world} processes did not finish within {timeout} s (killed).")
+    try:
+        while not ctx.join(timeout=1):
+            if time.monotonic() > deadline:
+                for p in ctx.processes:
+                    if p.is_alive():
+                        p.kill()
+                raise TimeoutError(f"run_world: {world} processes did not finish within {timeout} s (killed).")
+    except mp.ProcessRaisedException as exc:
+        # torch reports the first dead process it notices, often a rank that only lost its peer; collect
+        # every rank's own traceback so the original error is always in the message.
+        messages = []
+        for rank, path in enumerate(ctx.error_files):
+            if os.path.exists(path) and os.path.getsize(path) > 0:
+                with open(path, "rb") as f:
+                    messages.append(f"--- rank {rank}:\n{pickle.load(f)}")
+        raise RuntimeError("\n".join(messages) or str(exc)) from None

@@ -17,22 +17,13 @@ import pytest
 import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
+from statecheck import assert_same, snapshot
 from subproc import run_python
 from torch import Tensor
 
 import embtables as et
 from embtables.kernels import native
 from embtables.tables import collection
-
-
-def snapshot(emb: et.DistributedEmbedding) -> dict[str, Tensor]:
-    return {k: v.detach().clone() for k, v in emb.state_dict().items()}
-
-
-def assert_same(a: dict[str, Tensor], b: dict[str, Tensor]) -> None:
-    assert sorted(a) == sorted(b)
-    for key in a:
-        assert torch.equal(a[key], b[key]), key
 
 
 def ones(acts: dict[str, Tensor], scale: float = 1.0) -> dict[str, Tensor]:

@@ -10,19 +10,10 @@ from typing import Any
 
 import pytest
 import torch
+from statecheck import assert_same, snapshot
 from torch import Tensor, nn
 
 import embtables as et
-
-
-def snapshot(emb: et.DistributedEmbedding) -> dict[str, Tensor]:
-    return {k: v.detach().clone() for k, v in emb.state_dict().items()}
-
-
-def assert_same(a: dict[str, Tensor], b: dict[str, Tensor]) -> None:
-    assert sorted(a) == sorted(b)
-    for key in a:
-        assert torch.equal(a[key], b[key]), key
 
 
 def make(combiner: str = "sum", **feature_kwargs: Any) -> et.DistributedEmbedding:

@@ -12,21 +12,11 @@ import numpy as np
 import pytest
 import torch
 from oracle.np_optimizers import update_row
+from statecheck import assert_same, snapshot
 from torch import Tensor
 
 import embtables as et
 from embtables.kernels import native
-
-
-def snapshot(emb: et.DistributedEmbedding) -> dict[str, Tensor]:
-    return {k: v.detach().clone() for k, v in emb.state_dict().items()}
-
-
-def assert_same(a: dict[str, Tensor], b: dict[str, Tensor]) -> None:
-    assert sorted(a) == sorted(b)
-    for key in a:
-        assert torch.equal(a[key], b[key]), key
-
 
 # ---------------------------------------------------------------------------------------------
 # 6. Config values are validated as float32.

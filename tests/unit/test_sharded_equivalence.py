@@ -99,7 +99,7 @@ CASES = [(o, s) for o in OPTIMIZERS for s in ("div", "mod", "table")]
 @pytest.mark.distributed
 @pytest.mark.parametrize("world", [2, 3])
 def test_sharded_tables_equal_a_single_process_run(world: int) -> None:
-    run_world(_scenarios, world, CASES, timeout=240)
+    run_world(_scenarios, world, CASES)
 
 
 def test_no_accumulation_is_refused_until_it_is_sharded() -> None:
