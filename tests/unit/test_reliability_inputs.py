@@ -202,3 +202,32 @@ def test_sparse_gradient_gets_a_clear_error(kernel_path: str) -> None:
     with pytest.raises(TypeError, match=r"feature 'f'.*dense.*to_dense"):
         m.apply_gradients({"f": torch.ones_like(acts["f"]).to_sparse()})
     assert_same(snapshot(m), before)
+
+
+def test_narrowed_jagged_nested_tensor_trains_like_its_ragged_twin(kernel_path: str) -> None:
+    base = torch.tensor([[1, 2, 99], [3, 99, 99], [99, 4, 5]])
+    holes = torch.nested.narrow(base, 1, torch.tensor([0, 0, 1]), torch.tensor([2, 1, 2]), layout=torch.jagged)
+    twin = et.Ragged.from_lists([[1, 2], [3], [4, 5]])
+    states = []
+    for x in (holes, twin):
+        m = make()
+        acts = m({"f": x})
+        m.apply_gradients({"f": torch.ones_like(acts["f"])})
+        states.append(snapshot(m))
+    assert_same(states[0], states[1])  # hidden elements (99 >= V) were never looked up or updated
+
+
+def test_slot_creation_fn_outputs_are_detached_owned_storage() -> None:
+    pretrained = nn.Parameter(torch.ones(6, 4))
+
+    def make_slots(table: Tensor, names: list[str], inits: list[Any]) -> dict[str, Tensor]:
+        return {"accumulators": pretrained * 0.5}  # a non-leaf with a grad_fn
+
+    t = et.TableConfig(6, 4, name="t", initializer=et.Constant(0.1))
+    m = et.DistributedEmbedding({"f": et.FeatureConfig(t)}, et.Adagrad(0.1, slot_variable_creation_fn=make_slots))
+    acc = m.slot_variables["t"]["accumulators"]
+    assert acc.grad_fn is None and not acc.requires_grad and acc.is_contiguous()
+    acts = m({"f": torch.tensor([[1, 2]])})
+    acts["f"].sum().backward()
+    m.apply_gradients()
+    assert pretrained.grad is None and torch.equal(pretrained.detach(), torch.ones(6, 4))
