@@ -37,8 +37,12 @@ FLOAT32_MIN_NORMAL = 1.1754943508222875e-38
 
 
 def as_float32(x: float) -> float:
-    """``x`` rounded to float32 (the precision every kernel computes in), as a Python float."""
-    return float(struct.unpack("f", struct.pack("f", x))[0])
+    """``x`` rounded to float32 (the precision every kernel computes in), as a Python float; beyond
+    float32's range it is +-inf, as a float32 conversion gives. The one float32 rounding of the package."""
+    try:
+        return float(struct.unpack("f", struct.pack("f", x))[0])
+    except OverflowError:
+        return math.copysign(math.inf, x)
 
 
 def _check_number(owner: str, name: str, value: object, *, optional: bool = False) -> None:

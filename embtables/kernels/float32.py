@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import numpy as np
 
+from embtables.config.optimizers import as_float32
+
 
 def f32(x: float) -> float:
     """``x`` rounded to float32."""
-    with np.errstate(over="ignore"):
-        return float(np.float32(x))
+    return as_float32(x)
 
 
 def one_minus(x: float) -> float:

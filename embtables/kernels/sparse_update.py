@@ -8,7 +8,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import torch
 from torch import Tensor
 
 from embtables.config.optimizers import FTRL, SGD, Adagrad, AdagradMomentum, Adam, Optimizer
@@ -81,7 +80,3 @@ def sparse_update_(
     for dst, src in zip(slots, s_new):
         dst.index_copy_(0, rows, src.to(dst.dtype))
 
-
-def as_float32(lr: float) -> float:
-    """A learning rate rounded to float32, as the TPU receives it."""
-    return float(torch.tensor(lr, dtype=torch.float32).item())

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from embtables.config import ResolvedConfig, ResolvedTable
-from embtables.config.optimizers import FLOAT32_MAX, FTRL, Adagrad
+from embtables.config.optimizers import FLOAT32_MAX, FTRL, Adagrad, as_float32
 from embtables.errors import InputError
 from embtables.kernels import native, sparse_update_
 from embtables.kernels.clip_decay import effective_weight_decay
@@ -27,7 +27,7 @@ from embtables.kernels.finite_guard import bounds_compound, update_bounds
 from embtables.kernels.lookup import occurrence_gradients, pooled_lookup
 from embtables.kernels.segments import dedup_sum, occurrence_rounds
 from embtables.kernels.sequential import apply_in_order_, has_vectorised_form
-from embtables.kernels.sparse_update import as_float32, update_rows
+from embtables.kernels.sparse_update import update_rows
 from embtables.tables.inputs import FeatureBatch
 from embtables.tables.state import TableState, create_table_state
 

@@ -9,7 +9,6 @@ import torch
 from torch import Tensor
 
 from embtables.config import FTRL, Adagrad, AdagradMomentum, ResolvedTable
-from embtables.config.optimizers import FLOAT32_MAX
 from embtables.errors import ConfigError
 from embtables.tables.initializers import Constant, default_initializer
 
@@ -54,17 +53,15 @@ def check_loaded_value(table: ResolvedTable, slot: str, value: Tensor) -> str | 
     FTRL's allow_zero_accumulator), AdagradMomentum's accumulators and Adam's velocities >= 0."""
     if value.numel() == 0:
         return None
-    lo, hi = (float(v) for v in torch.aminmax(value.detach()))
-    if not (math.isfinite(lo) and math.isfinite(hi)) or max(abs(lo), abs(hi)) > FLOAT32_MAX:
+    # One pass over the values as the float32 they become: beyond 3.4e38 turns into inf, 1e-46 into 0.
+    smallest, largest = (float(v) for v in torch.aminmax(value.detach().to(torch.float32)))
+    if not (math.isfinite(smallest) and math.isfinite(largest)):
         return "must be finite float32 values (NaN, Inf or beyond 3.4e38 found; the checkpoint is corrupt)"
     opt = table.optimizer
-    strict_positive = slot == "accumulators" and isinstance(opt, (Adagrad, FTRL))
-    if strict_positive and isinstance(opt, FTRL) and opt.allow_zero_accumulator:
-        strict_positive = False
-        non_negative = True
-    else:
-        non_negative = (slot == "accumulators" and isinstance(opt, AdagradMomentum)) or slot == "velocities"
-    smallest = float(value.detach().to(torch.float32).min())
+    accumulators = slot == "accumulators"
+    zero_allowed = isinstance(opt, FTRL) and opt.allow_zero_accumulator
+    strict_positive = accumulators and isinstance(opt, (Adagrad, FTRL)) and not zero_allowed
+    non_negative = (accumulators and (isinstance(opt, AdagradMomentum) or zero_allowed)) or slot == "velocities"
     if strict_positive and not smallest > 0:
         return f"holds {smallest!r} (as float32), but {type(opt).__name__}'s {slot} must be > 0 (the update divides)"
     if non_negative and not smallest >= 0:
