@@ -11,6 +11,7 @@ sparse optimizer, so a ``torch.optim`` over ``model.parameters()`` never touches
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import functools
@@ -23,11 +24,14 @@ from typing import Any, TypeVar, cast
 import torch
 from torch import Tensor, nn
 
+from embtables.batch_ownership import Staging, batch_pointers, detached, is_input_leaf, owned, storages
 from embtables.config import Optimizer, ResolvedConfig, TableConfig, nest, resolve
 from embtables.errors import InputError
+from embtables.sharding import comm
+from embtables.sharding.sharded_collection import LookupContext, ShardedEmbeddingCollection
+from embtables.sharding.strategies import check_sharding, place_tables
 from embtables.tables.collection import EmbeddingCollection, TableGradient
 from embtables.tables.inputs import FeatureBatch, InputConverter, is_kjt, split_kjt
-from embtables.tables.ragged import Ragged
 from embtables.tables.state import LocalShard, check_loaded_value
 
 logger = logging.getLogger("embtables")
@@ -56,93 +60,8 @@ class TableDict(dict[str, Any]):
         return super().get(self._key(key), default)
 
 
-def _is_input_leaf(x: object) -> bool:
-    return x is None or isinstance(x, (Tensor, Ragged)) or is_kjt(x)
-
-
-def _storages(x: object) -> set[int]:
-    """Data pointers of every storage an input leaf (ids or weights) exposes to its owner."""
-    tensors: list[object] = []
-    if isinstance(x, Tensor):
-        if x.layout == torch.sparse_coo:
-            tensors += [x._indices(), x._values()]
-        elif x.is_nested:
-            if x.layout == torch.jagged:
-                tensors += [x.values(), x.offsets(), x.lengths()]  # type: ignore[attr-defined]
-            else:
-                tensors += list(x.unbind())
-        else:
-            tensors.append(x)
-    elif isinstance(x, Ragged):
-        tensors += [x.values, x.row_splits]
-    elif is_kjt(x):
-        for name in ("values", "lengths", "weights_or_none", "offsets"):
-            fn = getattr(x, name, None)
-            if callable(fn):
-                with contextlib.suppress(Exception):
-                    tensors.append(fn())
-    return {t.untyped_storage().data_ptr() for t in tensors if isinstance(t, Tensor) and t.layout == torch.strided}
-
-
-_BATCH_FIELDS = ("ids", "offsets", "coeffs", "seg_")
-
-
-class _Staging:
-    """Reusable buffers for the engine's own copies of input tensors, so owning a batch costs a copy
-    but no allocation (fresh pages) per step. A buffer is reused only when no live batch (staged by
-    enqueue, or awaiting apply_gradients) still refers to it."""
-
-    def __init__(self) -> None:
-        self.buffers: dict[tuple[int, str], list[Tensor]] = {}
-
-    def copy(self, key: tuple[int, str], t: Tensor, busy: set[int]) -> Tensor:
-        """A copy of the 1-D tensor ``t`` in a buffer whose data pointer is not in ``busy``."""
-        pool = self.buffers.get(key)
-        if pool is None:
-            pool = self.buffers[key] = []
-        n = t.numel()
-        for i, buf in enumerate(pool):
-            if buf.data_ptr() in busy or buf.dtype != t.dtype or buf.device != t.device:
-                continue
-            if buf.numel() < n:
-                buf = pool[i] = torch.empty(max(n, 2 * buf.numel()), dtype=t.dtype, device=t.device)
-            out = buf[:n]
-            out.copy_(t)
-            return out
-        buf = torch.empty(n, dtype=t.dtype, device=t.device)
-        pool.append(buf)
-        buf.copy_(t)
-        return buf
-
-
-def _batch_pointers(batches: list[FeatureBatch]) -> set[int]:
-    return {t.data_ptr() for b in batches for name in _BATCH_FIELDS if isinstance(t := getattr(b, name), Tensor)}
-
-
-def _owned(batch: FeatureBatch, foreign: set[int], staging: _Staging, index: int, busy: set[int]) -> FeatureBatch:
-    """``batch`` with every tensor that shares memory with the caller's inputs copied, so a caller who
-    writes into its input buffers after enqueue() can never change ids the engine already validated."""
-    copied = [
-        staging.copy((index, name), t.contiguous(), busy)
-        if isinstance(t := getattr(batch, name), Tensor) and t.untyped_storage().data_ptr() in foreign
-        else t
-        for name in _BATCH_FIELDS
-    ]
-    ids, offsets, coeffs, seg = copied
-    assert isinstance(ids, Tensor) and isinstance(offsets, Tensor)
-    return FeatureBatch(ids=ids, offsets=offsets, coeffs=coeffs, out_shape=batch.out_shape, seg_=seg)
-
-
-def _detached(batches: list[FeatureBatch]) -> list[FeatureBatch]:
-    """The batches with their tensors cloned out of any shared staging buffer."""
-    out = []
-    for b in batches:
-        fields: dict[str, Any] = {n: t.clone() for n in _BATCH_FIELDS if isinstance(t := getattr(b, n), Tensor)}
-        out.append(dataclasses.replace(b, **fields))
-    return out
-
-
 _F = TypeVar("_F", bound=Callable[..., Any])
+_T = TypeVar("_T")
 
 
 def _locked(method: _F) -> _F:
@@ -174,11 +93,23 @@ def _strict_of_caller(default: bool = True) -> bool:
 
 
 @dataclasses.dataclass(eq=False)
+class _Staged:
+    """An enqueued batch: its features (None when refused), the mode, and, when sharded, this rank's
+    validation error (raised on every rank at the lookup) and the lookup started early by pipelining."""
+
+    batches: list[FeatureBatch] | None
+    training: bool
+    refused: BaseException | None = None
+    prefetch: concurrent.futures.Future[tuple[list[Tensor], LookupContext | None]] | None = None
+
+
+@dataclasses.dataclass(eq=False)
 class _Lookup:
     """What the last training lookup left for ``apply_gradients``."""
 
     batches: list[FeatureBatch]
     activations: list[Tensor]
+    context: LookupContext | None = None
 
 
 @dataclasses.dataclass(eq=False)
@@ -190,7 +121,7 @@ class _PendingUpdate:
 
 
 class DistributedEmbedding(nn.Module):
-    """Embedding tables with TF ``TPUEmbedding`` semantics (one process; sharding comes later).
+    """Embedding tables with TF ``TPUEmbedding`` semantics, in one process or sharded over many.
 
     Args:
       feature_config: a nest (dict, list, tuple, nested) of ``FeatureConfig``. Activations come back
@@ -200,6 +131,19 @@ class DistributedEmbedding(nn.Module):
       pipeline_execution_with_tensor_core: when True, the lookup of step t+1 reads the tables before
         the update of step t is applied (one step stale, SPEC 6); updates still apply in order.
       device: where tables, slots and activations live (default CPU).
+      sharding: how tables are spread over the ranks of the process group when its world size W > 1:
+        "div" (default, as TF: contiguous row blocks), "mod" (row id modulo W), "table" (whole tables
+        on ranks, balanced by size and measured lookup load), "auto" (per table, from the lookup
+        statistics), or a dict table name -> strategy. Ignored (one process owns everything) when
+        W == 1 or no process group is initialised.
+      process_group: the torch.distributed group to shard over (default: the default group).
+      timeout: seconds after which a collective gives up when another rank raised, died or never
+        arrived (a dedicated group is created with it; default: the process group's own timeout).
+        Every rank then raises ``CollectiveError`` instead of hanging.
+
+    Sharded, every rank passes its own local batch and calls the same methods in the same order;
+    ``state_dict()``, ``embedding_tables`` and ``slot_variables`` gather the full logical tables
+    (every rank must call them), ``local_shards()`` gives this rank's rows without communicating.
     """
 
     def __init__(
@@ -208,6 +152,9 @@ class DistributedEmbedding(nn.Module):
         optimizer: Optimizer | None = None,
         pipeline_execution_with_tensor_core: bool = False,
         device: torch.device | str | None = None,
+        sharding: str | Mapping[str, str] = "div",
+        process_group: Any = None,
+        timeout: float | None = None,
     ) -> None:
         super().__init__()
         if not isinstance(pipeline_execution_with_tensor_core, bool):
@@ -219,33 +166,57 @@ class DistributedEmbedding(nn.Module):
         self._feature_config = feature_config
         self.pipeline_execution_with_tensor_core = pipeline_execution_with_tensor_core
         dev = torch.device(device) if device is not None else torch.device("cpu")
-        self._engine = EmbeddingCollection(self._resolved, dev)
+        check_sharding(sharding, self._resolved)
+        if timeout is not None and not (isinstance(timeout, (int, float)) and 0 < timeout < float("inf")):
+            raise ValueError(f"DistributedEmbedding: `timeout` must be a positive number of seconds, got {timeout!r}.")
+        self._sharded = comm.is_distributed(process_group) and comm.get_world_size(process_group) > 1
+        self._worker: concurrent.futures.ThreadPoolExecutor | None = None
+        self._engine: EmbeddingCollection | ShardedEmbeddingCollection
+        if self._sharded:
+            group = process_group if timeout is None else comm.new_group(float(timeout), process_group)
+            strategies, table_ranks = place_tables(self._resolved, sharding, comm.get_world_size(group))
+            self._engine = ShardedEmbeddingCollection(self._resolved, dev, strategies, table_ranks, group)
+            if pipeline_execution_with_tensor_core:  # collectives run on one thread, in program order
+                self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="embtables-exchange")
+        else:
+            self._engine = EmbeddingCollection(self._resolved, dev)
         self._converters = [InputConverter(f, self._resolved.tables[f.table_index]) for f in self._resolved.features]
         self._names_by_config = {id(t.config): t.name for t in self._resolved.tables}
         self._built = False
-        self._enqueued: tuple[list[FeatureBatch], bool] | None = None
+        self._enqueued: _Staged | None = None
         self._last: _Lookup | None = None
         self._pending: _PendingUpdate | None = None
         # Pipelining: pre-update values of the rows an observer-triggered flush updated early, so the
         # next training lookup still reads them one step stale: {table: (rows [U], weights [U, D])}.
         self._stale: dict[str, tuple[Tensor, Tensor]] = {}
-        self._staging = _Staging()
+        self._staging = Staging()
         self._lock = threading.RLock()
 
     def __getstate__(self) -> dict[str, Any]:
+        if self._sharded:
+            raise TypeError(
+                "a sharded DistributedEmbedding cannot be copied or pickled: its rows live in several processes. "
+                "Use state_dict() (full tables) or local_shards() (this rank's rows) instead."
+            )
         state = super().__getstate__()  # type: ignore[no-untyped-call]
         state = dict(state)
         state.pop("_lock", None)
-        state["_staging"] = _Staging()  # scratch buffers: a copy owns fresh ones
+        state.pop("_worker", None)
+        state["_staging"] = Staging()  # scratch buffers: a copy owns fresh ones
         live = [b for b in (state.get("_enqueued"), state.get("_last")) if b is not None]
         if live:  # batches that point into the staging buffers get their own storage in the copy
-            state["_enqueued"] = self._enqueued and (_detached(self._enqueued[0]), self._enqueued[1])
-            state["_last"] = self._last and _Lookup(_detached(self._last.batches), self._last.activations)
+            staged = self._enqueued
+            if staged is not None:
+                batches = detached(staged.batches) if staged.batches is not None else None
+                state["_enqueued"] = dataclasses.replace(staged, batches=batches, prefetch=None)
+            last = self._last
+            state["_last"] = last and _Lookup(detached(last.batches), last.activations, last.context)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)  # type: ignore[no-untyped-call]
         self._lock = threading.RLock()
+        self._worker = None
 
     # ------------------------------------------------------------------ properties
     @property
@@ -267,6 +238,9 @@ class DistributedEmbedding(nn.Module):
         """``{table name: weights [V, D]}`` (live tensors, after any pipelined update); the
         ``TableConfig`` object works as a key too, as in TF."""
         self._flush(observer=True)
+        if isinstance(self._engine, ShardedEmbeddingCollection):
+            full = self._run(self._engine.full_state)
+            return TableDict({t.name: full[t.name] for t in self._resolved.tables}, self._names_by_config)
         return TableDict({name: s.weights for name, s in self._engine.states.items()}, self._names_by_config)
 
     @property
@@ -275,6 +249,10 @@ class DistributedEmbedding(nn.Module):
         """``{table name: {slot name: [V, D]}}`` with TF's slot names (live tensors); the
         ``TableConfig`` object works as a key too."""
         self._flush(observer=True)
+        if isinstance(self._engine, ShardedEmbeddingCollection):
+            full = self._run(self._engine.full_state)
+            slots = {t.name: {s: full[f"{t.name}/{s}"] for s in t.optimizer.slot_names} for t in self._resolved.tables}
+            return TableDict(slots, self._names_by_config)
         return TableDict({name: dict(s.slots) for name, s in self._engine.states.items()}, self._names_by_config)
 
     def build(self, per_replica_input_shapes: Any = None, per_replica_batch_size: int | None = None) -> None:
@@ -308,12 +286,12 @@ class DistributedEmbedding(nn.Module):
                 )
             features = {k: parts[k][0] for k in cfg}
             weights = {k: parts[k][1] for k in cfg}
-        nest.assert_same_structure(cfg, features, what="features", is_leaf=_is_input_leaf)
+        nest.assert_same_structure(cfg, features, what="features", is_leaf=is_input_leaf)
         flat_x = nest.flatten(features)
         if weights is None:
             flat_w: list[Any] = [None] * len(flat_x)
         else:
-            nest.assert_same_structure(cfg, weights, what="weights", is_leaf=_is_input_leaf)
+            nest.assert_same_structure(cfg, weights, what="weights", is_leaf=is_input_leaf)
             flat_w = nest.flatten(weights)
         return flat_x, flat_w
 
@@ -324,16 +302,30 @@ class DistributedEmbedding(nn.Module):
         ``features`` / ``weights`` follow the nest of ``feature_config``; see ``embtables.Ragged``
         for the accepted input types. Raises (and stages nothing) on any invalid input.
         """
-        flat_x, flat_w = self._flatten_inputs(features, weights)
-        device = self.device
-        busy = _batch_pointers(self._last.batches) if self._last is not None else set()
-        if self._enqueued is not None:  # kept until this batch is valid: a bad enqueue changes nothing
-            busy |= _batch_pointers(self._enqueued[0])
-        batches = [
-            _owned(conv.convert(x, w, device), _storages(x) | _storages(w), self._staging, i, busy)
-            for i, (conv, x, w) in enumerate(zip(self._converters, flat_x, flat_w))
-        ]
-        self._enqueued = (batches, bool(training))
+        try:
+            flat_x, flat_w = self._flatten_inputs(features, weights)
+            device = self.device
+            busy = batch_pointers(self._last.batches) if self._last is not None else set()
+            if self._enqueued is not None and self._enqueued.batches is not None:
+                busy |= batch_pointers(self._enqueued.batches)  # kept until this batch is valid
+            batches = [
+                owned(conv.convert(x, w, device), storages(x) | storages(w), self._staging, i, busy)
+                for i, (conv, x, w) in enumerate(zip(self._converters, flat_x, flat_w))
+            ]
+        except (ValueError, TypeError) as exc:
+            if not self._sharded:
+                raise  # a bad enqueue changes nothing
+            # Sharded: every rank must refuse this step together, at the lookup (dequeue).
+            self._drop_prefetch()
+            self._enqueued = _Staged(None, bool(training), refused=exc)
+            return
+        self._drop_prefetch()
+        staged = _Staged(batches, bool(training))
+        if self._worker is not None and staged.training:
+            # Pipelining: the id exchange and lookup of this step run now, overlapping the caller's dense
+            # compute; they read the tables before the pending update, as the pipelined lookup must.
+            staged.prefetch = self._worker.submit(self._lookup, staged)
+        self._enqueued = staged
 
     @_locked
     def dequeue(self) -> Any:
@@ -344,13 +336,17 @@ class DistributedEmbedding(nn.Module):
         """
         if self._enqueued is None:
             raise RuntimeError("DistributedEmbedding.dequeue: nothing was enqueued. Call enqueue(features) first.")
-        batches, training = self._enqueued
+        staged = self._enqueued
         self._enqueued = None
+        training = staged.training
         if not training:
             self._flush(observer=True)  # pipelining affects training lookups only
-        with torch.no_grad(), self._stale_rows_swapped_in(training):
-            acts = self._engine.lookup(batches)
+        if staged.prefetch is not None:
+            acts, context = staged.prefetch.result()
+        else:
+            acts, context = self._run(functools.partial(self._lookup, staged))
         if training:
+            assert staged.batches is not None
             if self._last is not None:
                 logger.warning(
                     "DistributedEmbedding: a training lookup's gradients were never applied before the next "
@@ -358,9 +354,30 @@ class DistributedEmbedding(nn.Module):
                     "or look up with training=False / module.eval() for inference."
                 )
             acts = [a.requires_grad_(True) for a in acts]
-            self._last = _Lookup(batches, acts)
+            self._last = _Lookup(staged.batches, acts, context)
             self._flush()  # the pending update of the previous step lands after this step's lookup
         return nest.pack_sequence_as(self._feature_config, acts)
+
+    def _lookup(self, staged: _Staged) -> tuple[list[Tensor], LookupContext | None]:
+        """The lookup of a staged batch (on the exchange thread when pipelining is sharded)."""
+        with torch.no_grad(), self._stale_rows_swapped_in(staged.training):
+            if isinstance(self._engine, ShardedEmbeddingCollection):
+                return self._engine.lookup(staged.batches or [], staged.refused)
+            assert staged.batches is not None
+            return self._engine.lookup(staged.batches), None
+
+    def _run(self, fn: Callable[[], _T]) -> _T:
+        """Run ``fn`` where this module's collectives run: on the exchange thread when there is one, so
+        every rank issues them in program order; else here."""
+        if self._worker is None:
+            return fn()
+        return self._worker.submit(fn).result()
+
+    def _drop_prefetch(self) -> None:
+        """Wait for a lookup started early (a staged batch being replaced, or tables about to change)."""
+        staged = self._enqueued
+        if staged is not None and staged.prefetch is not None:
+            concurrent.futures.wait([staged.prefetch])
 
     @_locked
     def forward(self, features: Any, weights: Any = None) -> Any:
@@ -395,23 +412,35 @@ class DistributedEmbedding(nn.Module):
                 if g is None:
                     logger.warning("feature %r: no gradient reached its activation; applying a zero gradient.", f.name)
         else:
-            nest.assert_same_structure(self._feature_config, gradients, what="gradients", is_leaf=_is_input_leaf)
+            nest.assert_same_structure(self._feature_config, gradients, what="gradients", is_leaf=is_input_leaf)
             flat_g = nest.flatten(gradients)
             for f, g in zip(self._resolved.features, flat_g):
                 if g is None:
                     logger.warning("feature %r: gradient is None; applying a zero gradient.", f.name)
-        checked = [self._engine.check_gradient(i, b, g) for i, (b, g) in enumerate(zip(last.batches, flat_g))]
+        engine = self._engine
+        refused: BaseException | None = None
+        try:
+            checked = [engine.check_gradient(i, b, g) for i, (b, g) in enumerate(zip(last.batches, flat_g))]
+        except (ValueError, TypeError) as exc:
+            if not isinstance(engine, ShardedEmbeddingCollection):
+                raise
+            refused, checked = exc, [None] * len(flat_g)  # every rank refuses this step together
         self._flush()  # a held-back update lands first: phase 1 below reuses the tables' native workspaces
-        table_grads = self._engine.table_gradients(last.batches, checked)
-        lrs = self._engine.learning_rates()
+        if isinstance(engine, ShardedEmbeddingCollection):
+            assert last.context is not None
+            context = last.context
+            table_grads = self._run(lambda: engine.table_gradients(last.batches, checked, context, refused))
+        else:
+            table_grads = engine.table_gradients(last.batches, checked)
+        lrs = engine.learning_rates()
         update = _PendingUpdate(table_grads, lrs)
         if self.pipeline_execution_with_tensor_core:
             # Nothing changes the tables before this update lands, so check it now: a non-finite
             # update raises here, like in a synchronous run, instead of at the next lookup.
-            self._engine.check(update.table_grads, update.lrs)
+            self._run(lambda: engine.check(update.table_grads, update.lrs))
             self._pending = update
         else:
-            self._engine.apply(update.table_grads, update.lrs)
+            self._run(lambda: engine.apply(update.table_grads, update.lrs))
         # Consumed only once applied: after any refusal the lookup stays, to retry with another gradient.
         self._last = None
 
@@ -420,11 +449,14 @@ class DistributedEmbedding(nn.Module):
         moving the state before the next training lookup: the pre-update values of the touched rows
         are kept so that lookup still reads them one step stale (observing never changes training).
         A flush that fails (the update would not be finite) drops the update and changes nothing."""
+        self._drop_prefetch()  # never write rows an early lookup is reading
         if self._pending is None:
             return
         pending, self._pending = self._pending, None
         stale: dict[str, tuple[Tensor, Tensor]] = {}
-        if observer and self.pipeline_execution_with_tensor_core:
+        staged = self._enqueued
+        prefetched = staged is not None and staged.prefetch is not None  # that lookup already read them
+        if observer and self.pipeline_execution_with_tensor_core and not prefetched:
             for tg in pending.table_grads:
                 weights = self._engine.states[tg.table.name].weights
                 if not tg.table.optimizer.lazy:  # non-lazy Adam touches every row
@@ -434,7 +466,10 @@ class DistributedEmbedding(nn.Module):
                     assert touched is not None
                     rows = torch.unique(touched).to(weights.device)
                 stale[tg.table.name] = (rows, weights.index_select(0, rows))
-        self._engine.apply(pending.table_grads, pending.lrs)
+        if isinstance(self._engine, ShardedEmbeddingCollection):
+            self._engine.apply(pending.table_grads, pending.lrs, agreed=True)  # agreed at apply_gradients
+        else:
+            self._engine.apply(pending.table_grads, pending.lrs)
         self._stale.update({k: v for k, v in stale.items() if k not in self._stale})
 
     @contextlib.contextmanager
@@ -463,6 +498,8 @@ class DistributedEmbedding(nn.Module):
         """``{table name: LocalShard}``: the rows this process owns, with their global row ids, as
         live storage (after any pipelined update). In one process every table is one whole shard."""
         self._flush(observer=True)
+        if isinstance(self._engine, ShardedEmbeddingCollection):
+            return self._engine.local_shards()
         out = {}
         for t in self._resolved.tables:
             state = self._engine.states[t.name]
@@ -483,6 +520,8 @@ class DistributedEmbedding(nn.Module):
                 "model (e.g. `model.dense.half()`) and cast the activations, or keep this module in float32."
             )
         self._flush(observer=True)
+        if self._enqueued is not None and self._enqueued.prefetch is not None:
+            self._enqueued.prefetch = None  # looked up on the old device: look up again at dequeue
         self._engine.map_tensors(fn)
         self._stale = {k: (fn(rows), fn(old)) for k, (rows, old) in self._stale.items()}
         if self._last is not None and probe.device != self._last.activations[0].device:
@@ -496,6 +535,10 @@ class DistributedEmbedding(nn.Module):
     @_locked
     def _save_to_state_dict(self, destination: dict[str, Any], prefix: str, keep_vars: bool) -> None:
         self._flush(observer=True)
+        if isinstance(self._engine, ShardedEmbeddingCollection):
+            for key, t in self._run(self._engine.full_state).items():
+                destination[prefix + key] = t
+            return
         for key, t in self._engine.state_keys().items():
             destination[prefix + key] = t if keep_vars else t.detach()
 
@@ -514,12 +557,17 @@ class DistributedEmbedding(nn.Module):
         loads nothing; with ``strict=True`` a missing or unexpected key loads nothing either, and with
         ``strict=False`` the keys present are loaded and the others keep their values."""
         strict = _strict_of_caller(strict)
-        expected = self._engine.state_keys()
-        owners = self._engine.state_key_owners()
+        engine = self._engine
+        shapes = (
+            engine.logical_shapes()
+            if isinstance(engine, ShardedEmbeddingCollection)
+            else {k: tuple(t.shape) for k, t in engine.state_keys().items()}
+        )
+        owners = engine.state_key_owners()
         present: dict[str, Tensor] = {}
         errors: list[str] = []
         missing = []
-        for key, current in expected.items():
+        for key, shape in shapes.items():
             full = prefix + key
             if full not in state_dict:
                 missing.append(full)
@@ -527,9 +575,9 @@ class DistributedEmbedding(nn.Module):
             value = state_dict[full]
             if not isinstance(value, Tensor):
                 errors.append(f"{full!r}: expected a Tensor, got {type(value).__name__}")
-            elif tuple(value.shape) != tuple(current.shape):
+            elif tuple(value.shape) != tuple(shape):
                 errors.append(
-                    f"{full!r}: shape {list(value.shape)} in the checkpoint, {list(current.shape)} in this "
+                    f"{full!r}: shape {list(value.shape)} in the checkpoint, {list(shape)} in this "
                     "model (vocabulary_size, dim); the table configs differ"
                 )
             elif not torch.is_floating_point(value):
@@ -538,18 +586,28 @@ class DistributedEmbedding(nn.Module):
                 errors.append(f"{full!r}: {problem}")
             else:
                 present[key] = value
-        unexpected = [k for k in state_dict if k.startswith(prefix) and k[len(prefix) :] not in expected]
+        unexpected = [k for k in state_dict if k.startswith(prefix) and k[len(prefix) :] not in shapes]
         if strict:
             unexpected_keys.extend(unexpected)
         missing_keys.extend(missing)
-        if errors:
-            error_msgs.extend(f"DistributedEmbedding: {e}." for e in errors)
+        refuse = bool(errors) or (strict and bool(missing or unexpected))
+        if isinstance(engine, ShardedEmbeddingCollection) and self._run(lambda: comm.any_rank(refuse, engine.group)):
+            if not refuse:  # every rank loads, or none does
+                error_msgs.append("DistributedEmbedding: another rank refused its state dict; nothing was loaded.")
+            refuse = True
+        error_msgs.extend(f"DistributedEmbedding: {e}." for e in errors)
+        if refuse:
             return
-        if strict and (missing or unexpected):
-            return
+        self._drop_prefetch()
+        if self._enqueued is not None:
+            self._enqueued.prefetch = None  # it read the old tables: look up again at dequeue
         self._pending = None  # a restored state replaces any update still held back
         self._last = None
         self._stale = {}
+        if isinstance(engine, ShardedEmbeddingCollection):
+            engine.load_logical(present)
+            return
+        expected = engine.state_keys()
         with torch.no_grad():
             for key, value in present.items():
                 expected[key].copy_(value.to(expected[key].dtype))
@@ -558,4 +616,8 @@ class DistributedEmbedding(nn.Module):
         tables = ", ".join(
             f"{t.name}: {t.vocabulary_size}x{t.dim} {type(t.optimizer).__name__}" for t in self._resolved.tables
         )
-        return f"tables=[{tables}], features={len(self._resolved.features)}"
+        where = ""
+        if isinstance(self._engine, ShardedEmbeddingCollection):
+            plans = ", ".join(f"{n}: {p.strategy}" for n, p in self._engine.plans.items())
+            where = f", rank={self._engine.rank}/{self._engine.world}, sharding=[{plans}]"
+        return f"tables=[{tables}], features={len(self._resolved.features)}{where}"

@@ -7,6 +7,9 @@ initialised every function behaves as a world of one (rank 0, world size 1, coll
 
 from __future__ import annotations
 
+import contextlib
+import datetime
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -14,6 +17,34 @@ import torch.distributed as dist
 from torch import Tensor
 
 ProcessGroup = Any  # torch.distributed.ProcessGroup; typed loosely so callers need not import it
+
+
+class CollectiveError(RuntimeError):
+    """A collective with the other ranks failed: a peer raised, died, or did not arrive in time."""
+
+
+@contextlib.contextmanager
+def _collective(what: str, group: ProcessGroup | None) -> Iterator[None]:
+    """Re-raise a failed collective as ``CollectiveError`` saying what the ranks were doing."""
+    try:
+        yield
+    except CollectiveError:
+        raise
+    except RuntimeError as exc:  # DistBackendError and gloo/NCCL errors are RuntimeErrors
+        raise CollectiveError(
+            f"embtables: rank {get_rank(group)} of {get_world_size(group)}: the {what} with the other ranks failed. "
+            "Another rank raised an error, died, or did not reach this step within the process group's timeout "
+            "(DistributedEmbedding(timeout=...) or init_process_group(timeout=...)); its own traceback has the "
+            f"cause. Every rank must make the same calls in the same order. ({type(exc).__name__}: {exc})"
+        ) from exc
+
+
+def new_group(timeout_s: float, group: ProcessGroup | None = None) -> ProcessGroup:
+    """A process group over the ranks of ``group`` (default: all) whose collectives give up after
+    ``timeout_s`` seconds. Collective: every rank of the default group must call it."""
+    ranks = None if group is None else dist.get_process_group_ranks(group)
+    with _collective("creation of embtables' process group", group):
+        return dist.new_group(ranks=ranks, timeout=datetime.timedelta(seconds=timeout_s))
 
 
 def is_distributed(group: ProcessGroup | None = None) -> bool:
@@ -33,10 +64,19 @@ def get_world_size(group: ProcessGroup | None = None) -> int:
     return int(dist.get_world_size(group)) if is_distributed(group) else 1
 
 
+def collective_device(group: ProcessGroup | None = None) -> torch.device:
+    """Where small control tensors (counts, flags) must live for ``group``'s backend: the current
+    CUDA device under NCCL, else the CPU."""
+    if is_distributed(group) and dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def barrier(group: ProcessGroup | None = None) -> None:
     """Wait for every rank of ``group`` (no-op when not distributed)."""
     if is_distributed(group):
-        dist.barrier(group)
+        with _collective("barrier", group):
+            dist.barrier(group)
 
 
 def all_gather_object(obj: object, group: ProcessGroup | None = None) -> list[Any]:
@@ -44,7 +84,8 @@ def all_gather_object(obj: object, group: ProcessGroup | None = None) -> list[An
     if not is_distributed(group):
         return [obj]
     out: list[Any] = [None] * get_world_size(group)
-    dist.all_gather_object(out, obj, group=group)
+    with _collective("exchange of objects", group):
+        dist.all_gather_object(out, obj, group=group)
     return out
 
 
@@ -54,15 +95,22 @@ def broadcast_object(obj: object, src: int = 0, group: ProcessGroup | None = Non
         return obj
     box = [obj]
     global_src = dist.get_global_rank(group, src) if group is not None else src
-    dist.broadcast_object_list(box, src=global_src, group=group)
+    with _collective("broadcast of an object", group):
+        dist.broadcast_object_list(box, src=global_src, group=group)
     return box[0]
 
 
-def all_to_all_v(send: Tensor, send_counts: list[int], group: ProcessGroup | None = None) -> tuple[Tensor, list[int]]:
+def all_to_all_v(
+    send: Tensor,
+    send_counts: list[int],
+    group: ProcessGroup | None = None,
+    recv_counts: list[int] | None = None,
+) -> tuple[Tensor, list[int]]:
     """Exchange rows with every rank: the first ``send_counts[0]`` rows of ``send`` [N, ...] go to rank
     0, the next ``send_counts[1]`` to rank 1, and so on. Returns the received rows [M, ...], concatenated
-    in source-rank order, and how many came from each rank [W]. The counts are exchanged first, so
-    every rank may send a different number of rows (including none)."""
+    in source-rank order, and how many came from each rank [W]. Unless the caller already knows
+    ``recv_counts`` (one message instead of two), the counts are exchanged first, so every rank may
+    send a different number of rows (including none)."""
     world = get_world_size(group)
     if len(send_counts) != world or sum(send_counts) != send.shape[0] or min(send_counts, default=0) < 0:
         raise ValueError(
@@ -71,12 +119,17 @@ def all_to_all_v(send: Tensor, send_counts: list[int], group: ProcessGroup | Non
         )
     if not is_distributed(group):
         return send.clone(), list(send_counts)
-    counts = torch.tensor(send_counts, dtype=torch.int64, device=send.device)
-    recv_counts_t = torch.empty_like(counts)
-    dist.all_to_all_single(recv_counts_t, counts, group=group)
-    recv_counts = [int(c) for c in recv_counts_t.tolist()]
+    if recv_counts is None:
+        counts = torch.tensor(send_counts, dtype=torch.int64, device=send.device)
+        recv_counts_t = torch.empty_like(counts)
+        with _collective("exchange of row counts", group):
+            dist.all_to_all_single(recv_counts_t, counts, group=group)
+        recv_counts = [int(c) for c in recv_counts_t.tolist()]
+    elif len(recv_counts) != world:
+        raise ValueError(f"all_to_all_v: recv_counts {recv_counts} must have {world} entries.")
     out = torch.empty((sum(recv_counts), *send.shape[1:]), dtype=send.dtype, device=send.device)
-    dist.all_to_all_single(out, send.contiguous(), recv_counts, list(send_counts), group=group)
+    with _collective("exchange of ids, rows or gradients", group):
+        dist.all_to_all_single(out, send.contiguous(), recv_counts, list(send_counts), group=group)
     return out, recv_counts
 
 
@@ -89,7 +142,8 @@ def all_gather_v(local: Tensor, group: ProcessGroup | None = None) -> list[Tenso
     padded = torch.zeros((biggest, *local.shape[1:]), dtype=local.dtype, device=local.device)
     padded[: local.shape[0]] = local
     out = [torch.empty_like(padded) for _ in sizes]
-    dist.all_gather(out, padded, group=group)
+    with _collective("gather of table rows", group):
+        dist.all_gather(out, padded, group=group)
     return [t[:n] for t, n in zip(out, sizes)]
 
 
@@ -98,6 +152,7 @@ def any_rank(flag: bool, group: ProcessGroup | None = None) -> bool:
     e.g. all refuse a step in which one rank saw a bad id)."""
     if not is_distributed(group):
         return bool(flag)
-    t = torch.tensor([int(bool(flag))], dtype=torch.int64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    t = torch.tensor([int(bool(flag))], dtype=torch.int64, device=collective_device(group))
+    with _collective("agreement on the step", group):
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return bool(t.item())

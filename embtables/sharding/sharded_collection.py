@@ -1,27 +1,30 @@
-"""``ShardedEmbeddingCollection``: the tables of a resolved config row-sharded over the ranks of a process
+"""``ShardedEmbeddingCollection``: the tables of a resolved config sharded over the ranks of a process
 group, with the same lookup and update semantics as the single-process ``EmbeddingCollection``.
 
-Each rank holds, per table, the rows its ``TablePlan`` gives it, as an ordinary single-process
-collection over those local rows (so the fused update, the native kernels and every check of the
-engine apply unchanged). One step:
+Each rank holds, per table, the rows its ``TablePlan`` gives it (a div block, a mod stride, or the
+whole table on one rank), as an ordinary single-process collection over those local rows, so the
+fused update, the native kernels and every check of the engine apply unchanged. One step:
 
 1. Lookup: each rank deduplicates the ids of its own batch per table, sends each unique id to its
-   owner (``all_to_all_v``), the owner answers with the rows, and the rank pools its bags locally from
-   those rows. The activations are bit-identical to a single-process lookup.
-2. Update: each rank sums its gradients per unique id and sends the sums to the owners, which add the
-   contributions of all ranks (in rank order) and run the fused optimizer on their rows. Gradients are
-   summed over ranks, not averaged (SPEC 10.7). The sums are grouped per rank first, so tables equal a
-   single-process run to float32 rounding of the gradient sums (SPEC 10.8).
+   owner, the owner answers with the rows, and the rank pools its bags locally from those rows
+   (``routing``: three messages per step for all tables together). Pooling next to the batch keeps
+   the activations bit-identical to a single-process lookup, and sends one row per unique id instead
+   of one partial sum per bag and owner.
+2. Update: each rank sums its gradients per unique id and sends the sums to the owners, which add
+   the contributions of all ranks and run the fused optimizer on their rows. Gradients are summed
+   over ranks, not averaged (SPEC 10.7). Tables without gradient accumulation send every occurrence
+   instead, in the order a single process would apply the concatenated global batch (rank-major,
+   then SPEC 10.2's sample-major order), so their updates are bit-identical to it.
 
-Not yet supported (refused at construction): ``use_gradient_accumulation=False``, whose occurrences
-need a global order across ranks. The ``DistributedEmbedding`` wiring, pipelining and statistics are
-issue 7's remaining work.
+Every rank agrees on refusing a step: a bad batch or gradient on one rank raises on all of them
+(carried in the exchanges' own messages), and an update that would not be finite on one rank's
+rows is refused on all, with no table changed anywhere.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -32,11 +35,13 @@ from embtables.errors import InputError
 from embtables.kernels import native
 from embtables.kernels.lookup import occurrence_gradients, pooled_lookup
 from embtables.kernels.segments import dedup_sum
-from embtables.sharding import comm
+from embtables.sharding import comm, routing
+from embtables.sharding.fingerprint import describe_config, differences, fingerprint
 from embtables.sharding.plan import TablePlan
 from embtables.tables.collection import EmbeddingCollection, TableGradient
 from embtables.tables.initializers import default_initializer
 from embtables.tables.inputs import FeatureBatch
+from embtables.tables.state import LocalShard, TableState
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,23 +55,17 @@ class _Rows:
 
 
 @dataclasses.dataclass(eq=False)
-class _Exchange:
-    """What a table's lookup exchange left for its update: unique ids [U] of this rank's batch, each
-    feature's ids as positions in them, and the routing of the unique ids to their owners."""
+class LookupContext:
+    """What a training lookup's exchange left for its update: each table's routes."""
 
-    inverse: list[Tensor]
-    order: Tensor  # unique ids sorted by owner rank
-    send_counts: list[int]
-    recv_local: Tensor  # local rows other ranks asked this rank for, in source-rank order
-    recv_counts: list[int]
-    num_unique: int
+    routes: list[routing.TableRoute]
 
 
 class ShardedEmbeddingCollection:
-    """Row-sharded tables over ``group`` (the default process group when None).
+    """Sharded tables over ``group`` (the default process group when None).
 
     Args:
-      resolved: the resolved config (identical on every rank).
+      resolved: the resolved config (identical on every rank; checked at construction).
       device: where the local rows live.
       strategies: table name -> "div", "mod" or "table".
       table_ranks: for "table" tables, the rank that holds the whole table.
@@ -83,15 +82,12 @@ class ShardedEmbeddingCollection:
         self.resolved = resolved
         self.group = group
         self.rank, self.world = comm.get_rank(group), comm.get_world_size(group)
+        table_ranks = dict(table_ranks or {})
+        _check_same_config_everywhere(resolved, strategies, table_ranks, group)
         self.plans: dict[str, TablePlan] = {}
         local_tables = []
         for t in resolved.tables:
-            if not t.optimizer.use_gradient_accumulation:
-                raise NotImplementedError(
-                    f"table {t.name!r}: use_gradient_accumulation=False is not sharded yet (its occurrences need "
-                    "one global order across ranks). Use gradient accumulation, or one process."
-                )
-            plan = TablePlan(strategies[t.name], t.vocabulary_size, self.world, (table_ranks or {}).get(t.name, 0))
+            plan = TablePlan(strategies[t.name], t.vocabulary_size, self.world, table_ranks.get(t.name, 0))
             self.plans[t.name] = plan
             rows = plan.global_rows(self.rank)
             init = t.config.initializer or default_initializer(t.dim)
@@ -101,85 +97,180 @@ class ShardedEmbeddingCollection:
             config = dataclasses.replace(t.config, vocabulary_size=int(local.shape[0]), initializer=_Rows(local))
             local_tables.append(dataclasses.replace(t, config=config))
         self.local = EmbeddingCollection(dataclasses.replace(resolved, tables=tuple(local_tables)), device)
-        self._exchanges: dict[str, _Exchange] = {}
+        self._owned = {t.name: self.plans[t.name].shard_sizes()[self.rank] for t in resolved.tables}
 
     @property
     def device(self) -> torch.device:
         return self.local.device
 
-    def _owned_rows(self, table: ResolvedTable) -> int:
-        return self.plans[table.name].shard_sizes()[self.rank]
+    @property
+    def states(self) -> dict[str, TableState]:
+        """This rank's rows of every table (local row ids; see ``local_shards`` for the global ones)."""
+        return self.local.states
 
     # ------------------------------------------------------------------ forward
-    def lookup(self, batches: Sequence[FeatureBatch]) -> list[Tensor]:
-        """Activations per feature [*out_shape, D] of this rank's batch (validated against the global V)."""
+    def lookup(
+        self, batches: Sequence[FeatureBatch], refused: BaseException | None = None
+    ) -> tuple[list[Tensor], LookupContext]:
+        """Activations per feature [*out_shape, D] of this rank's batch, and the routes for its update.
+
+        ``refused`` is this rank's validation error for its batch (its ids then take no part): every
+        rank raises when any rank's batch was refused, so all stay in step."""
+        tables = self.resolved.tables
+        routed = []
+        for t in tables:
+            if refused is None:
+                ids = torch.cat([batches[f].ids for f in t.feature_indices])
+            else:
+                ids = torch.empty(0, dtype=torch.int64, device=self.device)
+            routed.append(routing.route_ids(ids, self.plans[t.name]))
+        wanted = [(r[3], r[4]) for r in routed]
+        asked, refusing = routing.exchange_ids(wanted, refused is not None, self.world, self.group)
+        if refusing:
+            self._raise_refused(refused, refusing, "batch")
+        routes = [
+            routing.TableRoute(unique, inverse, order, counts, recv_rows, recv_counts)
+            for (unique, inverse, order, _, counts), (recv_rows, recv_counts) in zip(routed, asked)
+        ]
+        answers = []
+        for t, route in zip(tables, routes):
+            if route.recv_rows.numel() and int(route.recv_rows.max()) >= self._owned[t.name]:
+                raise RuntimeError(f"table {t.name!r}: a rank asked rank {self.rank} for a row it does not hold.")
+            answers.append(self.local.states[t.name].weights.index_select(0, route.recv_rows))
+        minis = routing.exchange_rows(answers, routes, [t.dim for t in tables], self.world, self.group)
+        return self._pool(batches, routes, minis), LookupContext(routes)
+
+    def _pool(
+        self, batches: Sequence[FeatureBatch], routes: list[routing.TableRoute], minis: list[Tensor]
+    ) -> list[Tensor]:
+        """Pool each feature's bags from its table's looked-up unique rows (one native call for all)."""
         out: list[Tensor | None] = [None] * len(batches)
-        for t in self.resolved.tables:
-            plan = self.plans[t.name]
-            feats = t.feature_indices
-            ids = torch.cat([batches[f].ids for f in feats])
-            uniq, inverse = torch.unique(ids, sorted=True, return_inverse=True)
-            owner, local = plan.owner(uniq)
-            order = torch.argsort(owner, stable=True)
-            send_counts = torch.bincount(owner, minlength=self.world).tolist()
-            recv_local, recv_counts = comm.all_to_all_v(local[order], send_counts, self.group)
-            weights = self.local.states[t.name].weights
-            if recv_local.numel() and int(recv_local.max()) >= self._owned_rows(t):
-                raise InputError(f"table {t.name!r}: a rank asked for a row this rank does not hold.")
-            answer = weights.index_select(0, recv_local)
-            rows_back, _ = comm.all_to_all_v(answer, recv_counts, self.group)
-            mini = torch.empty((uniq.numel(), t.dim), dtype=torch.float32, device=weights.device)
-            mini[order] = rows_back
-            parts = list(torch.split(inverse, [batches[f].ids.numel() for f in feats]))
-            self._exchanges[t.name] = _Exchange(parts, order, send_counts, recv_local, recv_counts, uniq.numel())
-            q = t.config.quantization_config
-            for f, local_ids in zip(feats, parts):
+        fast: list[tuple[int, int, Tensor]] = []
+        for t, route, mini in zip(self.resolved.tables, routes, minis):
+            positions = torch.split(route.inverse, [batches[f].ids.numel() for f in t.feature_indices])
+            for f, local_ids in zip(t.feature_indices, positions):
                 b = batches[f]
+                q = t.config.quantization_config
                 if q is None and native.usable(mini, local_ids, b.offsets, b.coeffs):
-                    (acts,), status = native.lookup_many([(mini, local_ids, b.offsets, b.coeffs)])
-                    if status != 0:
-                        raise InputError(f"feature {self.resolved.features[f].name!r}: the lookup failed ({status}).")
-                else:
-                    quant = None if q is None else (q.num_buckets, float(q.lower), float(q.upper))
-                    acts = pooled_lookup(mini, local_ids, b.seg, b.offsets, b.coeffs, quantization=quant)
+                    fast.append((f, t.dim, local_ids))
+                    continue
+                quant = None if q is None else (q.num_buckets, float(q.lower), float(q.upper))
+                acts = pooled_lookup(mini, local_ids, b.seg, b.offsets, b.coeffs, quantization=quant)
                 out[f] = acts.reshape(*b.out_shape, t.dim)
-        return [a for a in out if a is not None]
+        if fast:
+            mini_of = {f: minis[self.resolved.features[f].table_index] for f, _, _ in fast}
+            parts = [(mini_of[f], ids, batches[f].offsets, batches[f].coeffs) for f, _, ids in fast]
+            acts_list, status = native.lookup_many(parts)
+            if status == 1:
+                raise RuntimeError("the sharded lookup produced positions outside the looked-up rows (a bug).")
+            for (f, dim, _), acts in zip(fast, acts_list):
+                out[f] = acts.reshape(*batches[f].out_shape, dim)
+        result = [a for a in out if a is not None]
+        for feature, acts in zip(self.resolved.features, result):
+            if not bool(torch.isfinite(acts).all()):
+                raise InputError(
+                    f"feature {feature.name!r}: the looked-up activations overflow float32 (a sum of large rows or "
+                    "weights is not finite); no table or slot was changed. Check the weights of this feature."
+                )
+        return result
+
+    def _raise_refused(self, mine: BaseException | None, refusing: list[int], what: str) -> None:
+        """Raise on every rank: this rank's own error, or one naming the rank(s) that refused and why."""
+        messages = comm.all_gather_object(None if mine is None else f"{type(mine).__name__}: {mine}", self.group)
+        if mine is not None:
+            raise mine
+        reasons = "; ".join(f"rank {r}: {messages[r]}" for r in refusing)
+        raise InputError(
+            f"the {what} of another rank was refused, so this step is refused on every rank and no table or slot "
+            f"was changed anywhere ({reasons})."
+        )
 
     # ------------------------------------------------------------------ backward
     def check_gradient(self, feature_index: int, batch: FeatureBatch, grad: Any) -> Tensor | None:
         return self.local.check_gradient(feature_index, batch, grad)
 
-    def table_gradients(self, batches: Sequence[FeatureBatch], grads: Sequence[Tensor | None]) -> list[TableGradient]:
-        """Each owner's summed gradients for its own rows (every rank takes part in every exchange)."""
-        out = []
-        bad = False
-        for t, local_table in zip(self.resolved.tables, self.local.resolved.tables):
-            ex = self._exchanges[t.name]
-            per_id = []
-            for f, local_ids in zip(t.feature_indices, ex.inverse):
-                g, b = grads[f], batches[f]
-                if g is None:
-                    per_id.append(torch.zeros((local_ids.numel(), t.dim), dtype=torch.float32, device=self.device))
-                else:
-                    per_id.append(occurrence_gradients(g, b.seg, b.coeffs))
-            sums = torch.zeros((ex.num_unique, t.dim), dtype=torch.float32, device=self.device)
-            sums.index_add_(0, torch.cat(ex.inverse), torch.cat(per_id))
-            received, _ = comm.all_to_all_v(sums[ex.order], ex.send_counts, self.group)
-            rows, row_grads = dedup_sum(ex.recv_local, received)
-            bad = bad or not bool(torch.isfinite(row_grads).all())
-            out.append(TableGradient(local_table, rows, row_grads, accumulated=True))
-        if comm.any_rank(bad, self.group):
-            raise InputError(
-                "a gradient reaching a sharded table has NaN or Inf values (on this or another rank); no table or "
-                "slot was changed on any rank."
+    def table_gradients(
+        self,
+        batches: Sequence[FeatureBatch],
+        grads: Sequence[Tensor | None],
+        context: LookupContext,
+        refused: BaseException | None = None,
+    ) -> list[TableGradient]:
+        """Each owner's gradients for its own rows; every rank takes part in every exchange.
+
+        ``refused`` is this rank's error validating its gradients: every rank then raises."""
+        tables = self.resolved.tables
+        sums = []
+        bad = refused is not None
+        for t, route in zip(tables, context.routes):
+            s = torch.zeros((route.unique.numel(), t.dim), dtype=torch.float32, device=self.device)
+            if t.optimizer.use_gradient_accumulation and not bad:
+                s.index_add_(0, route.inverse, self._occurrence_grads(t, batches, grads))
+                bad = not bool(torch.isfinite(s).all())
+            sums.append(s)
+        if not bad:
+            bad = any(
+                not bool(torch.isfinite(self._occurrence_grads(t, batches, grads)).all())
+                for t in tables
+                if not t.optimizer.use_gradient_accumulation
             )
+        if bad and refused is None:
+            refused = InputError(
+                "a gradient reaching a sharded table has NaN or Inf values; no table or slot was changed on any rank."
+            )
+        received, refusing = routing.exchange_sums(
+            sums, context.routes, [t.dim for t in tables], bad, self.world, self.group
+        )
+        if refusing:
+            self._raise_refused(refused, refusing, "gradient")
+        out = []
+        for t, local_table, route, got in zip(tables, self.local.resolved.tables, context.routes, received):
+            if t.optimizer.use_gradient_accumulation:
+                rows, row_grads = dedup_sum(route.recv_rows, got)
+                out.append(TableGradient(local_table, rows, row_grads, accumulated=True))
+            else:
+                rows, row_grads = self._occurrences_to_owners(t, batches, grads, route)
+                out.append(TableGradient(local_table, rows, row_grads, accumulated=False))
         return out
+
+    def _occurrence_grads(
+        self, t: ResolvedTable, batches: Sequence[FeatureBatch], grads: Sequence[Tensor | None]
+    ) -> Tensor:
+        """The gradient of every id occurrence of table ``t`` [N, D], features concatenated."""
+        parts = []
+        for f in t.feature_indices:
+            g, b = grads[f], batches[f]
+            if g is None:
+                parts.append(torch.zeros((b.ids.numel(), t.dim), dtype=torch.float32, device=self.device))
+            else:
+                parts.append(occurrence_gradients(g, b.seg, b.coeffs))
+        return torch.cat(parts)
+
+    def _occurrences_to_owners(
+        self,
+        t: ResolvedTable,
+        batches: Sequence[FeatureBatch],
+        grads: Sequence[Tensor | None],
+        route: routing.TableRoute,
+    ) -> tuple[Tensor, Tensor]:
+        """Without accumulation: every occurrence (local row, gradient) sent to its owner in SPEC 10.2's
+        order, which the owner receives rank by rank: the order of the concatenated global batch."""
+        per_id = self._occurrence_grads(t, batches, grads)
+        num_features = len(t.feature_indices)
+        keys = torch.cat([batches[f].sample_index() * num_features + i for i, f in enumerate(t.feature_indices)])
+        order = torch.sort(keys, stable=True).indices
+        owner, local = self.plans[t.name].owner(route.unique[route.inverse[order]])
+        by_owner = torch.argsort(owner, stable=True)
+        counts = [int(c) for c in torch.bincount(owner, minlength=self.world).tolist()]
+        rows, recv_counts = comm.all_to_all_v(local[by_owner], counts, self.group)
+        row_grads, _ = comm.all_to_all_v(per_id[order][by_owner], counts, self.group, recv_counts=recv_counts)
+        return rows, row_grads
 
     def learning_rates(self) -> dict[str, float]:
         return self.local.learning_rates()
 
-    def apply(self, table_grads: Sequence[TableGradient], lrs: dict[str, float]) -> None:
-        """The fused update of this rank's rows; every rank applies or none does."""
+    def check(self, table_grads: Sequence[TableGradient], lrs: dict[str, float]) -> None:
+        """Raise on every rank, writing nothing, when the update is refused on any rank's rows."""
         error: Exception | None = None
         try:
             self.local.check(table_grads, lrs)
@@ -189,19 +280,79 @@ class ShardedEmbeddingCollection:
             if error is not None:
                 raise error
             raise InputError("the update was refused on another rank; no table or slot was changed on any rank.")
+
+    def apply(self, table_grads: Sequence[TableGradient], lrs: dict[str, float], *, agreed: bool = False) -> None:
+        """The fused update of this rank's rows; every rank applies or none does. ``agreed=True``: the
+        ranks already agreed through ``check`` (a pipelined update), so no message is needed."""
+        if not agreed:
+            self.check(table_grads, lrs)
         self.local.apply(table_grads, lrs)
 
     # ------------------------------------------------------------------ state
+    def state_key_owners(self) -> dict[str, tuple[ResolvedTable, str]]:
+        """``{"<table>" | "<table>/<slot>": (global table, slot)}``."""
+        by_name = {t.name: t for t in self.resolved.tables}
+        return {key: (by_name[table.name], slot) for key, (table, slot) in self.local.state_key_owners().items()}
+
+    def logical_shapes(self) -> dict[str, tuple[int, int]]:
+        """Every state key's full logical shape (V, D)."""
+        return {key: (t.vocabulary_size, t.dim) for key, (t, _) in self.state_key_owners().items()}
+
     def full_state(self) -> dict[str, Tensor]:
-        """``{"<table>" | "<table>/<slot>": full logical [V, D] tensor}`` gathered on every rank."""
+        """``{"<table>" | "<table>/<slot>": full logical [V, D] tensor}`` gathered on every rank (collective)."""
+        out = {}
+        for key, (t, slot) in self.state_key_owners().items():
+            plan = self.plans[t.name]
+            tensor = self.local.states[t.name].tensors()[slot]
+            parts = comm.all_gather_v(tensor[: self._owned[t.name]].contiguous(), self.group)
+            full = torch.empty((t.vocabulary_size, t.dim), dtype=tensor.dtype, device=tensor.device)
+            for r, part in enumerate(parts):
+                full[plan.global_rows(r).to(full.device)] = part.to(full.device)
+            out[key] = full
+        return out
+
+    def load_logical(self, values: dict[str, Tensor]) -> None:
+        """Keep this rank's rows of full logical tables/slots ``{key: [V, D]}`` (already validated)."""
+        owners = self.state_key_owners()
+        with torch.no_grad():
+            for key, value in values.items():
+                t, slot = owners[key]
+                n = self._owned[t.name]
+                if n == 0:
+                    continue
+                rows = self.plans[t.name].global_rows(self.rank).to(value.device)
+                target = self.local.states[t.name].tensors()[slot]
+                target[:n].copy_(value.index_select(0, rows).to(target.device, target.dtype))
+
+    def local_shards(self) -> dict[str, LocalShard]:
+        """``{table: LocalShard}``: this rank's rows with their global row ids, as live storage."""
         out = {}
         for t in self.resolved.tables:
-            plan = self.plans[t.name]
-            n = self._owned_rows(t)
-            for slot, tensor in self.local.states[t.name].tensors().items():
-                parts = comm.all_gather_v(tensor[:n].contiguous(), self.group)
-                full = torch.empty((t.vocabulary_size, t.dim), dtype=tensor.dtype, device=tensor.device)
-                for r, part in enumerate(parts):
-                    full[plan.global_rows(r).to(full.device)] = part
-                out[f"{t.name}/{slot}" if slot else t.name] = full
+            n = self._owned[t.name]
+            tensors = {slot: x[:n] for slot, x in self.local.states[t.name].tensors().items()}
+            out[t.name] = LocalShard(t.name, t.vocabulary_size, self.plans[t.name].global_rows(self.rank), tensors)
         return out
+
+    def map_tensors(self, fn: Callable[[Tensor], Tensor]) -> None:
+        self.local.map_tensors(fn)
+
+    def note_values_kept(self, table_name: str) -> None:
+        self.local.note_values_kept(table_name)
+
+
+def _check_same_config_everywhere(
+    resolved: ResolvedConfig, strategies: dict[str, str], table_ranks: dict[str, int], group: Any
+) -> None:
+    """Exchange the config's hash once; raise on every rank, naming the differences, when they differ."""
+    mine = describe_config(resolved, strategies, table_ranks)
+    everyone = comm.all_gather_object((fingerprint(mine), mine), group)
+    rank = comm.get_rank(group)
+    for r, (digest, theirs) in enumerate(everyone):
+        if digest != everyone[0][0]:
+            other = everyone[0][1] if r != 0 else theirs
+            diff = "; ".join(differences(everyone[r][1], other))
+            raise ValueError(
+                f"DistributedEmbedding (rank {rank}): the ranks were built from different configs; rank {r} differs "
+                f"from rank 0: {diff}. Build the module from the same feature_config, optimizer and sharding on "
+                "every rank."
+            )

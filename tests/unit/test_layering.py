@@ -33,6 +33,7 @@ LAYERS: dict[str, int] = {
     "data": TOP,
     "cli": TOP,
     "__main__": TOP,
+    "batch_ownership": TOP,
     "__init__": TOP,  # embtables/__init__.py, and `import embtables` itself
 }
 DISTRIBUTED_ALLOWED = {"embtables.sharding.comm"}

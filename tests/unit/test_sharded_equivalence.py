@@ -1,19 +1,27 @@
-"""Issue 7 groundwork: ``ShardedEmbeddingCollection`` on real gloo processes equals a single-process
+"""Issue 7's core test: ``DistributedEmbedding`` sharded over real gloo processes equals a single-process
 ``DistributedEmbedding`` run on the concatenated global batch (SPEC 10.7, 10.8).
 
-Activations are bit-identical (the same rows pooled in the same order); tables and slots are equal to
-float32 rounding of the gradient sums, which the sharded run adds per rank first.
+Every optimizer (with and without gradient accumulation), every combiner, weighted, sequence and
+shared-table features, div/mod/table(-wise) placement, W = 2 and 3 (uneven shards, a table with
+V < W), 3 steps with duplicate ids within and across ranks, synchronous and pipelined. The reference
+runs in the pytest process; each rank compares its slice of the activations and the gathered state.
+
+- Activations are bit-identical at the first step (the same rows pooled in the same order).
+- Without accumulation every occurrence applies in the single process's order: bit-identical throughout.
+- With accumulation the owner adds the per-rank gradient sums, so tables equal the reference to
+  float32 rounding of those sums.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from mp_world import run_world
 
 import embtables as et
-from embtables.sharding.sharded_collection import ShardedEmbeddingCollection
-from embtables.tables.inputs import InputConverter
 
 OPTIMIZERS = {
     "sgd": lambda: et.SGD(0.3),
@@ -22,17 +30,31 @@ OPTIMIZERS = {
     "adam-non-lazy": lambda: et.Adam(0.05, lazy_adam=False),
     "ftrl": lambda: et.FTRL(0.2, l1_regularization_strength=0.01),
     "momentum": lambda: et.AdagradMomentum(0.1, momentum=0.9),
+    "sgd-noacc": lambda: et.SGD(0.3, use_gradient_accumulation=False),
+    "adagrad-noacc": lambda: et.Adagrad(0.2, use_gradient_accumulation=False),
+    "adam-noacc": lambda: et.Adam(0.05, use_gradient_accumulation=False),
 }
 GLOBAL_BATCH = 6
+STEPS = 3
+# (optimizer, sharding, pipelined): every optimizer under every strategy, plus pipelined and mixed runs.
+CASES: list[tuple[str, Any, bool]] = [(o, s, False) for o in OPTIMIZERS for s in ("div", "mod", "table")]
+CASES += [
+    ("adagrad", "div", True),
+    ("sgd-noacc", "mod", True),
+    ("ftrl", {"ta": "mod", "tb": "table", "tc": "div"}, True),
+    ("adam", "auto", False),
+]
 
 
 def _config(opt_name: str) -> dict[str, et.FeatureConfig]:
     opt = OPTIMIZERS[opt_name]()
     ta = et.TableConfig(11, 4, name="ta", combiner="mean", initializer=et.TruncatedNormal(seed=1), optimizer=opt)
     tb = et.TableConfig(2, 3, name="tb", combiner="sum", initializer=et.TruncatedNormal(seed=2), optimizer=opt)
+    tc = et.TableConfig(7, 2, name="tc", combiner="sqrtn", initializer=et.TruncatedNormal(seed=3), optimizer=opt)
     return {
         "a": et.FeatureConfig(ta),  # pooled, weighted, shares table ta
         "b": et.FeatureConfig(tb),  # V = 2 < W = 3: a rank holds no rows of tb
+        "c": et.FeatureConfig(tc),
         "s": et.FeatureConfig(ta, max_sequence_length=2),  # sequence feature on the shared table
     }
 
@@ -45,66 +67,84 @@ def _global_step(step: int) -> tuple[dict[str, list[list[int]]], dict[str, list[
             for _ in range(GLOBAL_BATCH)
         ],
         "b": [torch.randint(0, 2, (2,), generator=g).tolist() for _ in range(GLOBAL_BATCH)],
+        "c": [torch.randint(0, 7, (3,), generator=g).tolist() for _ in range(GLOBAL_BATCH)],
         "s": [torch.randint(0, 11, (3,), generator=g).tolist() for _ in range(GLOBAL_BATCH)],
     }
     weights = {"a": [[0.5 + 0.25 * k for k in range(len(row))] for row in ids["a"]]}
     return ids, weights
 
 
-def _inputs(
-    ids: dict[str, list[list[int]]], weights: dict[str, list[list[float]]], lo: int, hi: int
-) -> tuple[dict[str, object], dict[str, object]]:
+def _inputs(step: int, lo: int, hi: int) -> tuple[dict[str, object], dict[str, object]]:
+    ids, weights = _global_step(step)
     feats = {k: et.Ragged.from_lists(v[lo:hi]) for k, v in ids.items()}
-    w = {"a": et.Ragged.from_lists(weights["a"][lo:hi], dtype=torch.float32), "b": None, "s": None}
+    w = {"a": et.Ragged.from_lists(weights["a"][lo:hi], dtype=torch.float32), "b": None, "c": None, "s": None}
     return feats, w
 
 
-def _scenarios(rank: int, world: int, cases: list[tuple[str, str]]) -> None:
+def _grads(step: int, acts: dict[str, torch.Tensor], lo: int, hi: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(7 + step)
+    return {k: torch.randn((GLOBAL_BATCH, *v.shape[1:]), generator=gen)[lo:hi] for k, v in sorted(acts.items())}
+
+
+def _reference(case: tuple[str, Any, bool]) -> dict[str, Any]:
+    opt_name, _, pipelined = case
+    ref = et.DistributedEmbedding(_config(opt_name), pipeline_execution_with_tensor_core=pipelined)
+    acts = []
+    for step in range(STEPS):
+        a = ref(*_inputs(step, 0, GLOBAL_BATCH))
+        acts.append({k: v.detach().clone() for k, v in a.items()})
+        ref.apply_gradients(_grads(step, a, 0, GLOBAL_BATCH))
+    return {"acts": acts, "state": {k: v.clone() for k, v in ref.state_dict().items()}}
+
+
+def _run_cases(rank: int, world: int, cases: list[tuple[str, Any, bool]], ref_path: str) -> None:
+    refs = torch.load(ref_path)
     per_rank = GLOBAL_BATCH // world
     lo, hi = rank * per_rank, (rank + 1) * per_rank
-    for opt_name, strategy in cases:
-        ref = et.DistributedEmbedding(_config(opt_name))
-        resolved = ref.resolved_config
-        sharded = ShardedEmbeddingCollection(
-            resolved, torch.device("cpu"), {t.name: strategy for t in resolved.tables}, {"ta": 1 % world, "tb": 0}
+    for case, ref in zip(cases, refs):
+        opt_name, sharding, pipelined = case
+        exact = opt_name.endswith("noacc")
+        emb = et.DistributedEmbedding(
+            _config(opt_name), pipeline_execution_with_tensor_core=pipelined, sharding=sharding
         )
-        converters = [InputConverter(f, resolved.tables[f.table_index]) for f in resolved.features]
-        names = [f.name for f in resolved.features]
-        for step in range(3):
-            ids, weights = _global_step(step)
-            ref_acts = ref(*_inputs(ids, weights, 0, GLOBAL_BATCH))
-            gen = torch.Generator().manual_seed(7 + step)
-            grads = {k: torch.randn(v.shape, generator=gen) for k, v in ref_acts.items()}
-            feats, w = _inputs(ids, weights, lo, hi)
-            batches = [conv.convert(feats[n], w[n], torch.device("cpu")) for conv, n in zip(converters, names)]
-            acts = sharded.lookup(batches)
-            for n, a in zip(names, acts):
-                if step == 0:  # same rows, pooled in the same order: bit-identical
-                    assert torch.equal(a, ref_acts[n][lo:hi]), (opt_name, strategy, step, n)
-                else:  # the tables differ by float32 rounding of the per-rank gradient sums
-                    torch.testing.assert_close(a, ref_acts[n][lo:hi], rtol=2e-5, atol=2e-6)
-            checked = [sharded.check_gradient(i, b, grads[n][lo:hi]) for i, (b, n) in enumerate(zip(batches, names))]
-            table_grads = sharded.table_gradients(batches, checked)
-            sharded.apply(table_grads, sharded.learning_rates())
-            ref.apply_gradients(grads)
-        got, want = sharded.full_state(), ref.state_dict()
-        assert sorted(got) == sorted(want)
-        for key in want:
-            torch.testing.assert_close(got[key], want[key], rtol=2e-5, atol=2e-6, msg=f"{opt_name} {strategy} {key}")
-
-
-CASES = [(o, s) for o in OPTIMIZERS for s in ("div", "mod", "table")]
+        if pipelined:  # the next batch is enqueued before this step's update: its exchange overlaps
+            emb.enqueue(*_inputs(0, lo, hi))
+        for step in range(STEPS):
+            if pipelined:
+                acts = emb.dequeue()
+                grads = _grads(step, acts, lo, hi)
+                if step + 1 < STEPS:
+                    emb.enqueue(*_inputs(step + 1, lo, hi))
+            else:
+                acts = emb(*_inputs(step, lo, hi))
+                grads = _grads(step, acts, lo, hi)
+            for n, a in acts.items():
+                want = ref["acts"][step][n][lo:hi]
+                if step == 0 or exact:
+                    assert torch.equal(a, want), (case, step, n)
+                else:
+                    torch.testing.assert_close(a, want, rtol=2e-5, atol=2e-6, msg=f"{case} step {step} {n}")
+            emb.apply_gradients(grads)
+        got = emb.state_dict()
+        assert sorted(got) == sorted(ref["state"])
+        for key, want in ref["state"].items():
+            if exact:
+                assert torch.equal(got[key], want), (case, key)
+            else:
+                torch.testing.assert_close(got[key], want, rtol=2e-5, atol=2e-6, msg=f"{case} {key}")
+        # This rank's own rows, at their global ids, are the live rows of the gathered tables.
+        for name, shard in emb.local_shards().items():
+            for slot, tensor in shard.tensors.items():
+                assert torch.equal(tensor, got[f"{name}/{slot}" if slot else name][shard.rows]), (case, name, slot)
+        # Full logical tables load on every rank: each keeps its own rows.
+        emb.load_state_dict(ref["state"])
+        assert all(torch.equal(v, ref["state"][k]) for k, v in emb.state_dict().items()), case
+        assert all(torch.equal(v, ref["state"][k]) for k, v in emb.embedding_tables.items())
 
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("world", [2, 3])
-def test_sharded_tables_equal_a_single_process_run(world: int) -> None:
-    run_world(_scenarios, world, CASES)
-
-
-def test_no_accumulation_is_refused_until_it_is_sharded() -> None:
-    opt = et.SGD(0.1, use_gradient_accumulation=False)
-    cfg = {"a": et.FeatureConfig(et.TableConfig(5, 2, name="t", optimizer=opt))}
-    resolved = et.DistributedEmbedding(cfg).resolved_config
-    with pytest.raises(NotImplementedError, match="use_gradient_accumulation=False"):
-        ShardedEmbeddingCollection(resolved, torch.device("cpu"), {"t": "div"})
+def test_sharded_runs_equal_a_single_process_run(world: int, tmp_path: Path) -> None:
+    ref_path = tmp_path / "reference.pt"
+    torch.save([_reference(case) for case in CASES], ref_path)
+    run_world(_run_cases, world, CASES, str(ref_path))

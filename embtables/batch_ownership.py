@@ -1,0 +1,105 @@
+"""Batch ownership: the engine's own copies of the caller's input tensors.
+
+A caller may write into its input buffers after ``enqueue()`` (a data loader refilling pinned
+buffers, numpy views): ids that were validated must never change under the engine. Every input
+tensor that shares memory with the caller's inputs is copied into reusable staging buffers, so
+owning a batch costs a copy but no fresh allocation per step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from embtables.tables.inputs import FeatureBatch, is_kjt
+from embtables.tables.ragged import Ragged
+
+
+def is_input_leaf(x: object) -> bool:
+    return x is None or isinstance(x, (Tensor, Ragged)) or is_kjt(x)
+
+
+def storages(x: object) -> set[int]:
+    """Data pointers of every storage an input leaf (ids or weights) exposes to its owner."""
+    tensors: list[object] = []
+    if isinstance(x, Tensor):
+        if x.layout == torch.sparse_coo:
+            tensors += [x._indices(), x._values()]
+        elif x.is_nested:
+            if x.layout == torch.jagged:
+                tensors += [x.values(), x.offsets(), x.lengths()]  # type: ignore[attr-defined]
+            else:
+                tensors += list(x.unbind())
+        else:
+            tensors.append(x)
+    elif isinstance(x, Ragged):
+        tensors += [x.values, x.row_splits]
+    elif is_kjt(x):
+        for name in ("values", "lengths", "weights_or_none", "offsets"):
+            fn = getattr(x, name, None)
+            if callable(fn):
+                with contextlib.suppress(Exception):
+                    tensors.append(fn())
+    return {t.untyped_storage().data_ptr() for t in tensors if isinstance(t, Tensor) and t.layout == torch.strided}
+
+
+_BATCH_FIELDS = ("ids", "offsets", "coeffs", "seg_")
+
+
+class Staging:
+    """Reusable buffers for the engine's own copies of input tensors, so owning a batch costs a copy
+    but no allocation (fresh pages) per step. A buffer is reused only when no live batch (staged by
+    enqueue, or awaiting apply_gradients) still refers to it."""
+
+    def __init__(self) -> None:
+        self.buffers: dict[tuple[int, str], list[Tensor]] = {}
+
+    def copy(self, key: tuple[int, str], t: Tensor, busy: set[int]) -> Tensor:
+        """A copy of the 1-D tensor ``t`` in a buffer whose data pointer is not in ``busy``."""
+        pool = self.buffers.get(key)
+        if pool is None:
+            pool = self.buffers[key] = []
+        n = t.numel()
+        for i, buf in enumerate(pool):
+            if buf.data_ptr() in busy or buf.dtype != t.dtype or buf.device != t.device:
+                continue
+            if buf.numel() < n:
+                buf = pool[i] = torch.empty(max(n, 2 * buf.numel()), dtype=t.dtype, device=t.device)
+            out = buf[:n]
+            out.copy_(t)
+            return out
+        buf = torch.empty(n, dtype=t.dtype, device=t.device)
+        pool.append(buf)
+        buf.copy_(t)
+        return buf
+
+
+def batch_pointers(batches: list[FeatureBatch]) -> set[int]:
+    return {t.data_ptr() for b in batches for name in _BATCH_FIELDS if isinstance(t := getattr(b, name), Tensor)}
+
+
+def owned(batch: FeatureBatch, foreign: set[int], staging: Staging, index: int, busy: set[int]) -> FeatureBatch:
+    """``batch`` with every tensor that shares memory with the caller's inputs copied, so a caller who
+    writes into its input buffers after enqueue() can never change ids the engine already validated."""
+    copied = [
+        staging.copy((index, name), t.contiguous(), busy)
+        if isinstance(t := getattr(batch, name), Tensor) and t.untyped_storage().data_ptr() in foreign
+        else t
+        for name in _BATCH_FIELDS
+    ]
+    ids, offsets, coeffs, seg = copied
+    assert isinstance(ids, Tensor) and isinstance(offsets, Tensor)
+    return FeatureBatch(ids=ids, offsets=offsets, coeffs=coeffs, out_shape=batch.out_shape, seg_=seg)
+
+
+def detached(batches: list[FeatureBatch]) -> list[FeatureBatch]:
+    """The batches with their tensors cloned out of any shared staging buffer."""
+    out = []
+    for b in batches:
+        fields: dict[str, Any] = {n: t.clone() for n in _BATCH_FIELDS if isinstance(t := getattr(b, n), Tensor)}
+        out.append(dataclasses.replace(b, **fields))
+    return out

@@ -1,0 +1,101 @@
+"""Failure behaviour of a sharded ``DistributedEmbedding`` on real gloo processes (issue 7, item 7).
+
+A bad batch or gradient on one rank raises on every rank in that step and changes no table anywhere;
+configs that differ between ranks fail at construction; a rank that dies or stops answering makes
+the others raise ``CollectiveError`` within the configured timeout instead of hanging."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from mp_world import run_world
+
+import embtables as et
+from embtables.sharding.comm import CollectiveError
+
+
+def _config(dim: int = 4) -> dict[str, et.FeatureConfig]:
+    t = et.TableConfig(10, dim, name="t", initializer=et.TruncatedNormal(seed=1), optimizer=et.Adagrad(0.1))
+    return {"a": et.FeatureConfig(t)}
+
+
+def _ids(rank: int, bad: bool = False) -> dict[str, torch.Tensor]:
+    return {"a": torch.tensor([[rank, 3], [99 if bad else 9, rank + 1]])}
+
+
+def _bad_batch_and_gradient(rank: int, world: int) -> None:
+    emb = et.DistributedEmbedding(_config(), sharding="mod")
+    before = {k: v.clone() for k, v in emb.state_dict().items()}
+    # A bad id on rank 1 only: every rank raises in this step's lookup, naming the rank and the rule.
+    with pytest.raises(ValueError, match=r"vocabulary_size|rank 1"):
+        emb(_ids(rank, bad=rank == 1))
+    # The step after is normal on every rank.
+    acts = emb(_ids(rank))
+    # A gradient of the wrong shape on rank 0 only: every rank refuses, no table changes anywhere.
+    grad = torch.ones(3, 4) if rank == 0 else torch.ones_like(acts["a"])
+    with pytest.raises(ValueError, match=r"shape|rank 0"):
+        emb.apply_gradients({"a": grad})
+    # A NaN gradient on rank 1 only.
+    grad = torch.full_like(acts["a"], float("nan")) if rank == 1 else torch.ones_like(acts["a"])
+    with pytest.raises(ValueError, match="NaN"):
+        emb.apply_gradients({"a": grad})
+    after = emb.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    # The lookup is still pending: a good gradient now applies on every rank.
+    emb.apply_gradients({"a": torch.ones_like(acts["a"])})
+    assert not torch.equal(emb.state_dict()["t"], before["t"])
+
+
+def _mismatched_configs(rank: int, world: int) -> None:
+    with pytest.raises(ValueError, match=r"different configs.*dim"):
+        et.DistributedEmbedding(_config(dim=4 + rank))
+
+
+def _dead_rank(rank: int, world: int, marker: str) -> None:
+    emb = et.DistributedEmbedding(_config(), timeout=5)
+    emb(_ids(rank))
+    if rank == 1:
+        os._exit(0)  # dies without a word in the middle of a step
+    start = time.monotonic()
+    with pytest.raises(CollectiveError, match="rank 0 of 2"):
+        emb.apply_gradients({"a": torch.ones(2, 4)})
+    Path(marker).write_text(f"{time.monotonic() - start:.1f}")
+
+
+def _silent_rank(rank: int, world: int, marker: str) -> None:
+    emb = et.DistributedEmbedding(_config(), timeout=3)
+    if rank == 1:
+        time.sleep(8)  # alive but never arrives in time
+    start = time.monotonic()
+    with pytest.raises(CollectiveError):
+        emb(_ids(rank))
+    if rank == 0:
+        Path(marker).write_text(f"{time.monotonic() - start:.1f}")
+
+
+@pytest.mark.distributed
+def test_a_bad_batch_or_gradient_on_one_rank_is_refused_on_every_rank() -> None:
+    run_world(_bad_batch_and_gradient, 2)
+
+
+@pytest.mark.distributed
+def test_ranks_built_from_different_configs_fail_at_construction() -> None:
+    run_world(_mismatched_configs, 2)
+
+
+@pytest.mark.distributed
+def test_a_dead_rank_makes_the_others_fail_within_the_timeout(tmp_path: Path) -> None:
+    marker = tmp_path / "elapsed"
+    run_world(_dead_rank, 2, str(marker), timeout=120)
+    assert float(marker.read_text()) < 30
+
+
+@pytest.mark.distributed
+def test_a_rank_that_never_arrives_makes_the_others_fail_after_the_timeout(tmp_path: Path) -> None:
+    marker = tmp_path / "elapsed"
+    run_world(_silent_rank, 2, str(marker), timeout=120)
+    assert 2 < float(marker.read_text()) < 30
