@@ -16,7 +16,7 @@ import contextlib
 import dataclasses
 import functools
 import logging
-import sys
+import os
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, TypeVar, cast
@@ -25,39 +25,19 @@ import torch
 from torch import Tensor, nn
 
 from embtables.batch_ownership import Staging, batch_pointers, detached, is_input_leaf, owned, storages
-from embtables.config import Optimizer, ResolvedConfig, TableConfig, nest, resolve
+from embtables.config import Optimizer, ResolvedConfig, nest, resolve
 from embtables.errors import InputError
 from embtables.sharding import comm
+from embtables.sharding.lookup_stats import LookupStatsRecorder, merge, read_loads, write_stats
+from embtables.sharding.plan import TablePlan
 from embtables.sharding.sharded_collection import LookupContext, ShardedEmbeddingCollection
 from embtables.sharding.strategies import check_sharding, place_tables
+from embtables.state_dict_io import TableDict, strict_of_caller, validate_state_dict
 from embtables.tables.collection import EmbeddingCollection, TableGradient
 from embtables.tables.inputs import FeatureBatch, InputConverter, is_kjt, split_kjt
-from embtables.tables.state import LocalShard, check_loaded_value
+from embtables.tables.state import LocalShard
 
 logger = logging.getLogger("embtables")
-
-
-class TableDict(dict[str, Any]):
-    """``{table name: value}`` that also accepts the ``TableConfig`` object as a key, as TF's
-    ``embedding_tables[table_config]`` does (resolved by identity to the table's name)."""
-
-    def __init__(self, data: dict[str, Any], names_by_config: dict[int, str]) -> None:
-        super().__init__(data)
-        self._names = names_by_config
-
-    def _key(self, key: object) -> str:
-        if isinstance(key, TableConfig):
-            return self._names.get(id(key), f"<TableConfig {key.name!r} not in this module>")
-        return key  # type: ignore[return-value]  # a str, or a bad key that dict lookup rejects
-
-    def __getitem__(self, key: object) -> Any:
-        return super().__getitem__(self._key(key))
-
-    def __contains__(self, key: object) -> bool:
-        return super().__contains__(self._key(key))
-
-    def get(self, key: object, default: Any = None) -> Any:
-        return super().get(self._key(key), default)
 
 
 _F = TypeVar("_F", bound=Callable[..., Any])
@@ -74,22 +54,6 @@ def _locked(method: _F) -> _F:
             return method(self, *args, **kwargs)
 
     return cast(_F, wrapper)
-
-
-def _strict_of_caller(default: bool = True) -> bool:
-    """The ``strict`` argument of the ``nn.Module.load_state_dict`` call that is loading us.
-
-    torch passes ``strict=True`` to every ``_load_from_state_dict`` and applies the real flag only
-    afterwards, so a module cannot tell a partial load from a strict one; the caller's frame can."""
-    frame = sys._getframe(1)
-    for _ in range(32):
-        if frame is None:
-            break
-        if frame.f_code.co_name == "load_state_dict" and isinstance(frame.f_locals.get("self"), nn.Module):
-            strict = frame.f_locals.get("strict", default)
-            return bool(strict)
-        frame = frame.f_back  # type: ignore[assignment]
-    return default
 
 
 @dataclasses.dataclass(eq=False)
@@ -140,6 +104,9 @@ class DistributedEmbedding(nn.Module):
       timeout: seconds after which a collective gives up when another rank raised, died or never
         arrived (a dedicated group is created with it; default: the process group's own timeout).
         Every rank then raises ``CollectiveError`` instead of hanging.
+      profile_data_directory: where lookup statistics are written (one JSON file per table, at
+        ``flush()``) and read back at construction to place "table"/"auto" tables (SPEC 5).
+      profile_sample_rate, profile_seed: the share of training steps sampled (about 3%) and its seed.
 
     Sharded, every rank passes its own local batch and calls the same methods in the same order;
     ``state_dict()``, ``embedding_tables`` and ``slot_variables`` gather the full logical tables
@@ -155,6 +122,9 @@ class DistributedEmbedding(nn.Module):
         sharding: str | Mapping[str, str] = "div",
         process_group: Any = None,
         timeout: float | None = None,
+        profile_data_directory: str | os.PathLike[str] | None = None,
+        profile_sample_rate: float = 0.03,
+        profile_seed: int = 0,
     ) -> None:
         super().__init__()
         if not isinstance(pipeline_execution_with_tensor_core, bool):
@@ -172,14 +142,24 @@ class DistributedEmbedding(nn.Module):
         self._sharded = comm.is_distributed(process_group) and comm.get_world_size(process_group) > 1
         self._worker: concurrent.futures.ThreadPoolExecutor | None = None
         self._engine: EmbeddingCollection | ShardedEmbeddingCollection
+        loads = read_loads(profile_data_directory, self._resolved)
         if self._sharded:
             group = process_group if timeout is None else comm.new_group(float(timeout), process_group)
-            strategies, table_ranks = place_tables(self._resolved, sharding, comm.get_world_size(group))
+            strategies, table_ranks = place_tables(self._resolved, sharding, comm.get_world_size(group), loads)
             self._engine = ShardedEmbeddingCollection(self._resolved, dev, strategies, table_ranks, group)
+            plans = self._engine.plans
             if pipeline_execution_with_tensor_core:  # collectives run on one thread, in program order
                 self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="embtables-exchange")
         else:
             self._engine = EmbeddingCollection(self._resolved, dev)
+            plans = {t.name: TablePlan("div", t.vocabulary_size, 1, 0) for t in self._resolved.tables}
+        self._profile_dir = None if profile_data_directory is None else os.fspath(profile_data_directory)
+        self._stats = (
+            None
+            if self._profile_dir is None
+            else LookupStatsRecorder(self._resolved, plans, profile_sample_rate, profile_seed)
+        )
+        self._training_steps = 0
         self._converters = [InputConverter(f, self._resolved.tables[f.table_index]) for f in self._resolved.features]
         self._names_by_config = {id(t.config): t.name for t in self._resolved.tables}
         self._built = False
@@ -355,6 +335,12 @@ class DistributedEmbedding(nn.Module):
                 )
             acts = [a.requires_grad_(True) for a in acts]
             self._last = _Lookup(staged.batches, acts, context)
+            if self._stats is not None and self._stats.should_sample(self._training_steps):
+                b = staged.batches
+                self._stats.record(
+                    [x.ids for x in b], [x.out_shape[0] if x.out_shape else 1 for x in b], [x.dropped for x in b]
+                )
+            self._training_steps += 1
             self._flush()  # the pending update of the previous step lands after this step's lookup
         return nest.pack_sequence_as(self._feature_config, acts)
 
@@ -494,6 +480,28 @@ class DistributedEmbedding(nn.Module):
                     self._engine.note_values_kept(name)
 
     @_locked
+    def flush(self) -> list[str]:
+        """Write the lookup statistics gathered so far (all ranks' counts merged; rank 0 writes one
+        JSON file per table into ``profile_data_directory``, merged with what is there, atomically)
+        and start counting afresh. Returns the paths written (on rank 0). Collective when sharded."""
+        if self._stats is None or self._profile_dir is None:
+            return []
+        stats, directory = self._stats, self._profile_dir
+        if isinstance(self._engine, ShardedEmbeddingCollection):
+            engine = self._engine
+            parts = self._run(lambda: comm.all_gather_object(stats.state(), engine.group))
+            strategies = {n: p.strategy for n, p in engine.plans.items()}
+            world, rank = engine.world, engine.rank
+        else:
+            parts, strategies, world, rank = [stats.state()], {t.name: "div" for t in self._resolved.tables}, 1, 0
+        stats.reset()
+        if rank != 0:
+            return []
+        paths = write_stats(directory, merge(parts), self._resolved, strategies, world)
+        logger.info("lookup statistics: wrote %d file(s) to %s", len(paths), directory)
+        return [str(p) for p in paths]
+
+    @_locked
     def local_shards(self) -> dict[str, LocalShard]:
         """``{table name: LocalShard}``: the rows this process owns, with their global row ids, as
         live storage (after any pipelined update). In one process every table is one whole shard."""
@@ -556,37 +564,16 @@ class DistributedEmbedding(nn.Module):
         """Load ``<table>`` and ``<table>/<slot>`` keys. A bad value (shape, dtype, not finite as float32)
         loads nothing; with ``strict=True`` a missing or unexpected key loads nothing either, and with
         ``strict=False`` the keys present are loaded and the others keep their values."""
-        strict = _strict_of_caller(strict)
+        strict = strict_of_caller(strict)
         engine = self._engine
         shapes = (
             engine.logical_shapes()
             if isinstance(engine, ShardedEmbeddingCollection)
-            else {k: tuple(t.shape) for k, t in engine.state_keys().items()}
+            else {k: (int(t.shape[0]), int(t.shape[1])) for k, t in engine.state_keys().items()}
         )
-        owners = engine.state_key_owners()
-        present: dict[str, Tensor] = {}
-        errors: list[str] = []
-        missing = []
-        for key, shape in shapes.items():
-            full = prefix + key
-            if full not in state_dict:
-                missing.append(full)
-                continue
-            value = state_dict[full]
-            if not isinstance(value, Tensor):
-                errors.append(f"{full!r}: expected a Tensor, got {type(value).__name__}")
-            elif tuple(value.shape) != tuple(shape):
-                errors.append(
-                    f"{full!r}: shape {list(value.shape)} in the checkpoint, {list(shape)} in this "
-                    "model (vocabulary_size, dim); the table configs differ"
-                )
-            elif not torch.is_floating_point(value):
-                errors.append(f"{full!r}: must be floating point, got {value.dtype} (the checkpoint is corrupt)")
-            elif (problem := check_loaded_value(*owners[key], value)) is not None:
-                errors.append(f"{full!r}: {problem}")
-            else:
-                present[key] = value
-        unexpected = [k for k in state_dict if k.startswith(prefix) and k[len(prefix) :] not in shapes]
+        present, errors, missing, unexpected = validate_state_dict(
+            state_dict, prefix, shapes, engine.state_key_owners()
+        )
         if strict:
             unexpected_keys.extend(unexpected)
         missing_keys.extend(missing)

@@ -93,7 +93,9 @@ def owned(batch: FeatureBatch, foreign: set[int], staging: Staging, index: int, 
     ]
     ids, offsets, coeffs, seg = copied
     assert isinstance(ids, Tensor) and isinstance(offsets, Tensor)
-    return FeatureBatch(ids=ids, offsets=offsets, coeffs=coeffs, out_shape=batch.out_shape, seg_=seg)
+    return FeatureBatch(
+        ids=ids, offsets=offsets, coeffs=coeffs, out_shape=batch.out_shape, seg_=seg, dropped=batch.dropped
+    )
 
 
 def detached(batches: list[FeatureBatch]) -> list[FeatureBatch]:

@@ -6,6 +6,7 @@ from collections.abc import Mapping
 
 from embtables.config import ResolvedConfig
 from embtables.errors import ConfigError
+from embtables.sharding.lookup_stats import TableLoad
 
 STRATEGIES = ("div", "mod", "table", "auto")
 ROW_STRATEGIES = ("div", "mod", "table")
@@ -47,27 +48,40 @@ def _state_bytes(resolved: ResolvedConfig) -> dict[str, int]:
 
 
 def place_tables(
-    resolved: ResolvedConfig, sharding: str | Mapping[str, str], world_size: int
+    resolved: ResolvedConfig,
+    sharding: str | Mapping[str, str],
+    world_size: int,
+    loads: Mapping[str, TableLoad] | None = None,
 ) -> tuple[dict[str, str], dict[str, int]]:
     """Each table's strategy ("div", "mod" or "table") and, for "table", the rank holding it.
 
-    "table" tables go whole, largest first, to the rank with the fewest bytes so far (ties: lowest
-    rank). "auto" makes a table whose state is under 1/(4W) of the total a "table" table, and
-    row-shards ("div") the others. Deterministic: every rank computes the same placement."""
+    A table's cost is its share of the state bytes (weights and slots) plus, when lookup statistics
+    measured every table, its share of the lookup traffic (ids per batch x dim). "table" tables go
+    whole, most costly first, to the rank with the lowest cost so far (ties: lowest rank). "auto"
+    keeps a table whole when its state is under 1/(4W) of the total and its measured traffic (if
+    any) under 1/(2W), and row-shards ("div") the others, which spreads big or hot tables over every
+    rank. Deterministic: every rank computes the same placement from the same config and files."""
     requested = {
         t.name: sharding if isinstance(sharding, str) else sharding.get(t.name, "div") for t in resolved.tables
     }
     sizes = _state_bytes(resolved)
-    total = sum(sizes.values())
+    total = sum(sizes.values()) or 1
+    loads = loads or {}
+    measured = all(t.name in loads for t in resolved.tables) and bool(resolved.tables)
+    traffic = {t.name: loads[t.name].ids_per_batch * t.dim if measured else 0.0 for t in resolved.tables}
+    total_traffic = sum(traffic.values()) or 1.0
+    cost = {n: sizes[n] / total + (traffic[n] / total_traffic if measured else 0.0) for n in sizes}
     strategies = {}
     for name, strategy in requested.items():
         if strategy == "auto":
-            strategy = "table" if sizes[name] * 4 * world_size < total else "div"
+            small = sizes[name] * 4 * world_size < total
+            cool = not measured or traffic[name] * 2 * world_size < total_traffic
+            strategy = "table" if small and cool else "div"
         strategies[name] = strategy
-    loads = [0] * world_size
+    placed = [0.0] * world_size
     table_ranks = {}
-    for name in sorted((n for n, s in strategies.items() if s == "table"), key=lambda n: (-sizes[n], n)):
-        rank = min(range(world_size), key=lambda r: (loads[r], r))
+    for name in sorted((n for n, s in strategies.items() if s == "table"), key=lambda n: (-cost[n], n)):
+        rank = min(range(world_size), key=lambda r: (placed[r], r))
         table_ranks[name] = rank
-        loads[rank] += sizes[name]
+        placed[rank] += cost[name]
     return strategies, table_ranks

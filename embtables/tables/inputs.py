@@ -37,6 +37,7 @@ class FeatureBatch:
     coeffs: Tensor | None
     out_shape: tuple[int, ...]
     seg_: Tensor | None = None
+    dropped: int = 0  # ids of the input not looked up: negative, weight <= 0, or past max_sequence_length
 
     @property
     def num_segments(self) -> int:
@@ -296,7 +297,6 @@ class InputConverter:
     # ------------------------------------------------------------------ the rules
     def convert(self, x: Any, w: Any, device: torch.device) -> FeatureBatch:
         """Validate and convert ``x`` (and weights ``w``) for this feature, on ``device``."""
-        cfg = self.feature.config
         if is_kjt(x):
             if len(list(x.keys())) != 1:
                 raise self.fail(
@@ -311,8 +311,19 @@ class InputConverter:
                 )
             x, w = next(iter(split_kjt(x).values()))
         if isinstance(x, Tensor) and not x.is_nested and x.layout == torch.strided:
-            return self._convert_dense(x, w, device)
+            dense = self._convert_dense(x, w, device)
+            return (
+                dense
+                if dense.ids.numel() == x.numel()
+                else dataclasses.replace(dense, dropped=x.numel() - dense.ids.numel())
+            )
         j = self._jagged(x, w)
+        out = self._convert_jagged(j, device)
+        n = j.values.numel()
+        return out if out.ids.numel() == n else dataclasses.replace(out, dropped=n - out.ids.numel())
+
+    def _convert_jagged(self, j: _Jagged, device: torch.device) -> FeatureBatch:
+        cfg = self.feature.config
         values = j.values.to(device=device, dtype=torch.int64)
         weights = None if j.weights is None else self._check_weights(j.weights, values.shape).to(device)
         batch = math.prod(j.lead_shape)
