@@ -1,42 +1,63 @@
-"""``python -m embtables {train,bench} [args...]`` (also the ``embtables`` console script).
+"""``python -m embtables COMMAND [args...]`` (also the ``embtables`` console script).
 
-- ``train``: the main job, a CTR model trained on built-in synthetic data (``examples/quickstart.py``).
-- ``bench``: the benchmark suite against the peers (``benchmarks/run.py``); see BENCHMARKS.md.
+Commands:
+  train   the main job: a CTR model trained on built-in synthetic data (examples/quickstart.py)
+  bench   the benchmark suite against the peers (benchmarks/run.py); see BENCHMARKS.md
+  stats   print lookup statistics files (profile_data_directory) and draw per-shard load
 
-Both live in the source checkout next to the package; arguments after the command are passed on
-(``python -m embtables bench --help``).
+``train`` and ``bench`` ship with the source checkout; ``python -m embtables bench --help``.
 """
 
 from __future__ import annotations
 
+import argparse
 import runpy
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
+from embtables.cli import stats
+
 _ROOT = Path(__file__).resolve().parent.parent
-_COMMANDS = {"train": _ROOT / "examples" / "quickstart.py", "bench": _ROOT / "benchmarks" / "run.py"}
+_SCRIPTS = {"train": _ROOT / "examples" / "quickstart.py", "bench": _ROOT / "benchmarks" / "run.py"}
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = list(sys.argv[1:] if argv is None else argv)
-    if not args or args[0] in ("-h", "--help") or args[0] not in _COMMANDS:
-        print(__doc__, file=sys.stderr if args and args[0] not in ("-h", "--help") else sys.stdout)
-        return 0 if args and args[0] in ("-h", "--help") else 2
-    script = _COMMANDS[args[0]]
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="embtables", description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    for name, what in (("train", "the main job (synthetic CTR model)"), ("bench", "benchmarks against the peers")):
+        s = sub.add_parser(name, help=what, add_help=False)
+        s.add_argument("rest", nargs=argparse.REMAINDER)
+    stats.add_arguments(sub.add_parser("stats", help="print lookup statistics (and --png a load chart)"))
+    return p
+
+
+def _run_script(name: str, rest: list[str]) -> int:
+    script = _SCRIPTS[name]
     if not script.exists():
         print(
-            f"embtables {args[0]}: {script} is not here; it ships with the source checkout "
+            f"embtables {name}: {script} is not here; it ships with the source checkout "
             "(git clone, then `pip install -e .`).",
             file=sys.stderr,
         )
         return 2
-    sys.argv = [str(script), *args[1:]]
+    sys.argv = [f"embtables {name}", *rest]
     sys.path.insert(0, str(_ROOT))
     try:
         runpy.run_path(str(script), run_name="__main__")
     except SystemExit as exc:
         return int(exc.code or 0) if not isinstance(exc.code, str) else 1
     return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    if args.command in _SCRIPTS:
+        return _run_script(args.command, list(args.rest))
+    return stats.run(args)
 
 
 if __name__ == "__main__":

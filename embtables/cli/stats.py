@@ -1,0 +1,85 @@
+"""``python -m embtables stats DIR [--png FILE]``: lookup statistics files as a table, and a per-shard
+load chart."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from embtables.sharding.lookup_stats import read_all
+
+_COLUMNS = ("table", "V", "D", "strategy", "W", "batches", "ids/sample", "unique/batch", "balance", "hottest rows")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("directory", help="a profile_data_directory")
+    p.add_argument("--png", metavar="FILE", help="also draw the ids landing on each shard, per table, into FILE")
+    p.add_argument("--top", type=int, default=3, help="hottest rows to list per table (default 3)")
+
+
+def rows(docs: Sequence[dict[str, Any]], top: int) -> list[tuple[str, ...]]:
+    out: list[tuple[str, ...]] = []
+    for doc in docs:
+        t, s = doc["table"], doc["summary"]
+        hot = ", ".join(f"{r}x{n}" for r, n in s["hottest_rows"][:top])
+        out.append(
+            (
+                str(t["name"]),
+                str(t["vocabulary_size"]),
+                str(t["dim"]),
+                str(doc["strategy"]),
+                str(doc["world_size"]),
+                str(doc["counts"]["batches"]),
+                "/".join(f"{v:.2f}" for v in s["ids_per_sample"]),
+                f"{s['unique_ids_per_batch']:.1f}",
+                f"{s['load_balance']:.2f}",
+                hot,
+            )
+        )
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    docs = read_all(args.directory)
+    if not docs:
+        print(f"embtables stats: no lookup statistics files in {args.directory}", file=sys.stderr)
+        return 1
+    table = [_COLUMNS, *rows(docs, args.top)]
+    widths = [max(len(r[i]) for r in table) for i in range(len(_COLUMNS))]
+    for k, r in enumerate(table):
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+        if k == 0:
+            print("  ".join("-" * w for w in widths))
+    if args.png:
+        return _draw(docs, args.png)
+    return 0
+
+
+def _draw(docs: Sequence[dict[str, Any]], path: str) -> int:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("embtables stats: --png needs matplotlib (pip install matplotlib)", file=sys.stderr)
+        return 2
+    fig, axes = plt.subplots(len(docs), 1, figsize=(7, 1.8 + 1.6 * len(docs)), squeeze=False)
+    for ax, doc in zip(axes[:, 0], docs):
+        shard = doc["counts"]["ids_per_shard"]
+        ax.bar(range(len(shard)), shard, color="#4C72B0")
+        ax.set_title(
+            f"{doc['table']['name']} ({doc['strategy']}, W={doc['world_size']}): "
+            f"load balance {doc['summary']['load_balance']:.2f}",
+            fontsize=9,
+        )
+        ax.set_xticks(range(len(shard)))
+        ax.set_xlabel("shard (rank)", fontsize=8)
+        ax.set_ylabel("ids looked up", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    print(f"wrote {path}")
+    return 0
