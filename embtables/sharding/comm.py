@@ -19,6 +19,11 @@ from torch import Tensor
 ProcessGroup = Any  # torch.distributed.ProcessGroup; typed loosely so callers need not import it
 
 
+# Bytes this process sent to other ranks through all_to_all_v, by kind of payload (for benchmarks
+# and logs; a send to itself is not counted). Reset it freely.
+bytes_sent: dict[str, int] = {}
+
+
 class CollectiveError(RuntimeError):
     """A collective with the other ranks failed: a peer raised, died, or did not arrive in time."""
 
@@ -128,6 +133,9 @@ def all_to_all_v(
     elif len(recv_counts) != world:
         raise ValueError(f"all_to_all_v: recv_counts {recv_counts} must have {world} entries.")
     out = torch.empty((sum(recv_counts), *send.shape[1:]), dtype=send.dtype, device=send.device)
+    rank, row_bytes = get_rank(group), send[:1].numel() * send.element_size() if send.shape[0] else 0
+    key = "float" if send.is_floating_point() else "int"
+    bytes_sent[key] = bytes_sent.get(key, 0) + row_bytes * (sum(send_counts) - send_counts[rank])
     with _collective("exchange of ids, rows or gradients", group):
         dist.all_to_all_single(out, send.contiguous(), recv_counts, list(send_counts), group=group)
     return out, recv_counts

@@ -98,6 +98,10 @@ class ShardedEmbeddingCollection:
             local_tables.append(dataclasses.replace(t, config=config))
         self.local = EmbeddingCollection(dataclasses.replace(resolved, tables=tuple(local_tables)), device)
         self._owned = {t.name: self.plans[t.name].shard_sizes()[self.rank] for t in resolved.tables}
+        self._send_workspaces: dict[str, native.Workspace] = {}  # per-table phase 1 of this rank's batch
+
+    def __getstate__(self) -> dict[str, Any]:
+        raise TypeError("a ShardedEmbeddingCollection lives in several processes; it cannot be copied or pickled.")
 
     @property
     def device(self) -> torch.device:
@@ -200,14 +204,11 @@ class ShardedEmbeddingCollection:
 
         ``refused`` is this rank's error validating its gradients: every rank then raises."""
         tables = self.resolved.tables
-        sums = []
         bad = refused is not None
-        for t, route in zip(tables, context.routes):
-            s = torch.zeros((route.unique.numel(), t.dim), dtype=torch.float32, device=self.device)
-            if t.optimizer.use_gradient_accumulation and not bad:
-                s.index_add_(0, route.inverse, self._occurrence_grads(t, batches, grads))
-                bad = not bool(torch.isfinite(s).all())
-            sums.append(s)
+        sums = self._sums_per_unique_id(batches, grads, context) if not bad else None
+        if sums is None:
+            bad = True
+            sums = [torch.zeros((r.unique.numel(), t.dim), device=self.device) for t, r in zip(tables, context.routes)]
         if not bad:
             bad = any(
                 not bool(torch.isfinite(self._occurrence_grads(t, batches, grads)).all())
@@ -226,12 +227,60 @@ class ShardedEmbeddingCollection:
         out = []
         for t, local_table, route, got in zip(tables, self.local.resolved.tables, context.routes, received):
             if t.optimizer.use_gradient_accumulation:
-                rows, row_grads = dedup_sum(route.recv_rows, got)
-                out.append(TableGradient(local_table, rows, row_grads, accumulated=True))
+                out.append(self._owner_gradient(local_table, route, got))
             else:
                 rows, row_grads = self._occurrences_to_owners(t, batches, grads, route)
                 out.append(TableGradient(local_table, rows, row_grads, accumulated=False))
         return out
+
+    def _sums_per_unique_id(
+        self, batches: Sequence[FeatureBatch], grads: Sequence[Tensor | None], context: LookupContext
+    ) -> list[Tensor] | None:
+        """Each table's gradient sums per unique id of this rank's batch [U_t, D_t] in ``unique`` order
+        (zeros for tables without accumulation), or None when a sum is not finite. Phase 1 runs in C
+        where it can (dedup and float32 sums without materialising per-occurrence gradients)."""
+        out = []
+        for t, route in zip(self.resolved.tables, context.routes):
+            s = torch.zeros((route.unique.numel(), t.dim), dtype=torch.float32, device=self.device)
+            if not t.optimizer.use_gradient_accumulation:
+                if not bool(torch.isfinite(self._occurrence_grads(t, batches, grads)).all()):
+                    return None
+                out.append(s)
+                continue
+            parts = [(batches[f].ids, batches[f].offsets, batches[f].coeffs, grads[f]) for f in t.feature_indices]
+            if native.usable(s, *(x for part in parts for x in part)):
+                ws = self._send_workspaces.get(t.name)
+                if ws is None:
+                    ws = self._send_workspaces[t.name] = native.Workspace(t.dim)
+                (status,) = native.prepare_many([(ws, t.vocabulary_size, parts)])
+                if status == 2:
+                    raise MemoryError(f"table {t.name!r}: out of memory while summing gradients.")
+                if status != 0:
+                    return None
+                rows, row_sums = ws.rows_and_grads()  # first-occurrence order
+                s.index_copy_(0, torch.searchsorted(route.unique, rows), row_sums)
+            else:
+                s.index_add_(0, route.inverse, self._occurrence_grads(t, batches, grads))
+                if not bool(torch.isfinite(s).all()):
+                    return None
+            out.append(s)
+        return out
+
+    def _owner_gradient(self, local_table: ResolvedTable, route: routing.TableRoute, got: Tensor) -> TableGradient:
+        """The owner's summed gradient of its rows from every rank's per-id sums ``got`` [M, D] (aligned
+        with ``route.recv_rows``), added in source-rank order; prepared in C when the native path is on."""
+        weights = self.local.states[local_table.name].weights
+        if native.usable(weights, route.recv_rows, got):
+            ws = self.local.workspace(local_table)
+            offsets = torch.arange(route.recv_rows.numel() + 1, dtype=torch.int64)
+            part = (route.recv_rows, offsets, None, got)
+            (status,) = native.prepare_many([(ws, local_table.vocabulary_size, [part])])
+            if status == 0:
+                return TableGradient(local_table, None, None, accumulated=True, prepared=ws)
+            if status == 2:
+                raise MemoryError(f"table {local_table.name!r}: out of memory while summing gradients.")
+        rows, row_grads = dedup_sum(route.recv_rows, got)
+        return TableGradient(local_table, rows, row_grads, accumulated=True)
 
     def _occurrence_grads(
         self, t: ResolvedTable, batches: Sequence[FeatureBatch], grads: Sequence[Tensor | None]

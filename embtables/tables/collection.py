@@ -236,6 +236,10 @@ class EmbeddingCollection:
             out[table.name] = TableGradient(table, None, None, accumulated=True, prepared=self._workspace(table))
         return out
 
+    def workspace(self, table: ResolvedTable) -> native.Workspace:
+        """The table's native scratch for phase 1 (reused every step; one pending update at a time)."""
+        return self._workspace(table)
+
     def _workspace(self, table: ResolvedTable) -> native.Workspace:
         ws = self._workspaces.get(table.name)
         if ws is None:

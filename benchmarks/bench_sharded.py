@@ -1,0 +1,291 @@
+"""Sharded training on this machine: W = 1 vs W = 2 at the same global batch, bytes exchanged, the
+pipelined overlap, and TorchRec ``DistributedModelParallel`` as the peer. JSON lines on stdout.
+
+    python -m benchmarks.bench_sharded            # the standard workload (8 x 1M x 64, B 4096, L 20)
+    python -m benchmarks.bench_sharded --quick    # a small one (smoke)
+
+Configurations (each in fresh processes, the global batch split evenly over the ranks):
+
+- ``embtables`` W=1: one process with 2 threads (the single-process engine);
+- ``embtables`` W=2: two processes with 1 thread each over gloo on localhost, ``sharding`` div and table;
+- the pipelined pair: W=2 div with a dense stand-in (matmuls of about the embedding step's length)
+  between the lookup and ``apply_gradients``, synchronous vs ``pipeline_execution_with_tensor_core``
+  with the next batch enqueued before the dense compute, so its exchange can overlap it;
+- ``torchrec-dmp`` W=2: TorchRec's ``DistributedModelParallel`` (Adagrad fused into the backward,
+  planned by its ``EmbeddingShardingPlanner``), table-wise; row-wise is reported as unavailable when
+  TorchRec's planner offers no row-wise sharding on CPU.
+
+Every line carries the median step time over the timed steps of the slowest rank, and for embtables
+the bytes each rank sent to the others per step (ids, rows, gradient sums).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import socket
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.multiprocessing as mp
+
+from benchmarks.workload import Workload, activation_grad, make_batches
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _dense_standin(batch: int, ms: float) -> Any:
+    """A matmul loop taking about ``ms`` milliseconds on one thread (the dense model's stand-in)."""
+    a = torch.randn(batch, 256)
+    w = torch.randn(256, 256)
+    t0 = time.perf_counter()
+    torch.mm(a, w)
+    once = max(time.perf_counter() - t0, 1e-5)
+    reps = max(1, int(ms / 1000 / once))
+
+    def run() -> None:
+        x = a
+        for _ in range(reps):
+            x = torch.tanh(torch.mm(x, w))
+
+    return run
+
+
+def _embtables_rank(rank: int, world: int, spec: dict[str, Any], out: str) -> None:
+    import embtables as et
+    from embtables.sharding import comm
+
+    torch.set_num_threads(spec["threads"])
+    if world > 1:
+        torch.distributed.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{spec['port']}",
+            rank=rank,
+            world_size=world,
+            timeout=datetime.timedelta(seconds=600),
+        )
+    wl = Workload(**spec["workload"])
+    local = wl.batch // world
+    batches = make_batches(wl)
+    grad_full = torch.from_numpy(activation_grad(wl))  # [B, T * D]
+    opt = et.Adagrad(0.1, initial_accumulator_value=0.1)
+    cfg = {
+        f"f{t}": et.FeatureConfig(
+            et.TableConfig(wl.rows, wl.dim, name=f"t{t}", combiner="sum", optimizer=opt, initializer=et.Constant(0.01))
+        )
+        for t in range(wl.tables)
+    }
+    pipelined = spec.get("pipelined", False)
+    emb = et.DistributedEmbedding(cfg, sharding=spec["sharding"], pipeline_execution_with_tensor_core=pipelined)
+    inputs = []
+    for b in batches:
+        lo, hi = rank * local * wl.pooling, (rank + 1) * local * wl.pooling
+        lengths = torch.full((local,), wl.pooling, dtype=torch.int64)
+        feats = {
+            f"f{t}": et.Ragged.from_lengths(torch.from_numpy(np.ascontiguousarray(b.ids[t][lo:hi])), lengths)
+            for t in range(wl.tables)
+        }
+        inputs.append(feats)
+    rows = slice(rank * local, (rank + 1) * local)
+    grad = {f"f{t}": grad_full[rows, t * wl.dim : (t + 1) * wl.dim].contiguous() for t in range(wl.tables)}
+    dense = _dense_standin(local, spec["dense_ms"]) if spec.get("dense_ms") else None
+    nb = len(inputs)
+    times = []
+    steps = spec["warmup"] + spec["steps"]
+    if pipelined:
+        emb.enqueue(inputs[0])
+    for i in range(steps):
+        if i == spec["warmup"]:
+            comm.barrier()
+            comm.bytes_sent.clear()
+        t0 = time.perf_counter()
+        if pipelined:
+            emb.dequeue()
+            if i + 1 < steps:
+                emb.enqueue(inputs[(i + 1) % nb])  # its exchange overlaps the dense compute below
+        else:
+            emb(inputs[i % nb])
+        if dense is not None:
+            dense()
+        emb.apply_gradients(grad)
+        times.append(time.perf_counter() - t0)
+    timed = times[spec["warmup"] :]
+    sent = sum(comm.bytes_sent.values()) / spec["steps"]
+    everyone = comm.all_gather_object((statistics.median(timed), sent))
+    if rank == 0:
+        Path(out).write_text(json.dumps({"step_s": max(t for t, _ in everyone), "bytes": [b for _, b in everyone]}))
+    if world > 1:
+        torch.distributed.destroy_process_group()
+
+
+def _torchrec_rank(rank: int, world: int, spec: dict[str, Any], out: str) -> None:
+    warnings.simplefilter("ignore")
+    import logging
+
+    logging.disable(logging.WARNING)
+    torch.set_num_threads(spec["threads"])
+    torch.distributed.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{spec['port']}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=600),
+    )
+    from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor, PoolingType
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
+    from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+
+    wl = Workload(**spec["workload"])
+    local = wl.batch // world
+    tables = [
+        EmbeddingBagConfig(
+            name=f"t{t}", embedding_dim=wl.dim, num_embeddings=wl.rows, feature_names=[f"f{t}"], pooling=PoolingType.SUM
+        )
+        for t in range(wl.tables)
+    ]
+    ebc = EmbeddingBagCollection(tables=tables, device=torch.device("meta"))
+    apply_optimizer_in_backward(torch.optim.Adagrad, ebc.parameters(), {"lr": 0.1, "eps": 0.0})
+    constraints = {f"t{t}": ParameterConstraints(sharding_types=[spec["torchrec_sharding"]]) for t in range(wl.tables)}
+    sharders = [EmbeddingBagCollectionSharder()]
+    planner = EmbeddingShardingPlanner(
+        topology=Topology(world_size=world, compute_device="cpu"), constraints=constraints
+    )
+    error = None
+    try:
+        plan = planner.collective_plan(ebc, sharders, torch.distributed.GroupMember.WORLD)
+    except RuntimeError as exc:
+        error = f"{type(exc).__name__}: {str(exc)[:200]}"
+    if error is not None:
+        if rank == 0:
+            Path(out).write_text(json.dumps({"skip": error}))
+        torch.distributed.destroy_process_group()
+        return
+    dmp = DistributedModelParallel(ebc, device=torch.device("cpu"), plan=plan, sharders=sharders)
+    keys = [f"f{t}" for t in range(wl.tables)]
+    lengths = torch.full((wl.tables * local,), wl.pooling, dtype=torch.int64)
+    kjts = []
+    for b in make_batches(wl):
+        lo, hi = rank * local * wl.pooling, (rank + 1) * local * wl.pooling
+        values = torch.from_numpy(np.concatenate([b.ids[t][lo:hi] for t in range(wl.tables)]))
+        kjts.append(KeyedJaggedTensor.from_lengths_sync(keys=keys, values=values, lengths=lengths))
+    grad = torch.from_numpy(activation_grad(wl))[rank * local : (rank + 1) * local]
+    times = []
+    for i in range(spec["warmup"] + spec["steps"]):
+        t0 = time.perf_counter()
+        kt = dmp(kjts[i % len(kjts)])
+        kt = kt.wait() if hasattr(kt, "wait") else kt
+        (kt.values() * grad).sum().backward()
+        times.append(time.perf_counter() - t0)
+    med = statistics.median(times[spec["warmup"] :])
+    everyone: list[Any] = [None] * world
+    torch.distributed.all_gather_object(everyone, med)
+    if rank == 0:
+        Path(out).write_text(json.dumps({"step_s": max(everyone)}))
+    torch.distributed.destroy_process_group()
+
+
+def _launch(fn: Any, world: int, spec: dict[str, Any]) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "result.json")
+        spec = {**spec, "port": _free_port()}
+        mp.start_processes(fn, args=(world, spec, out), nprocs=world, start_method="spawn")
+        return json.loads(Path(out).read_text())  # type: ignore[no-any-return]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--quick", action="store_true", help="a small workload (2 x 100k x 32, B 1024)")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--ids", choices=("zipf", "uniform"), default="zipf")
+    ap.add_argument("--no-torchrec", action="store_true")
+    args = ap.parse_args(argv)
+    wl = Workload(ids=args.ids)
+    if args.quick:
+        wl = wl.with_(tables=2, rows=100_000, dim=32, batch=1024, name="quick")
+    base = {"workload": asdict(wl), "steps": args.steps, "warmup": args.warmup}
+
+    def emit(record: dict[str, Any]) -> None:
+        print(json.dumps({"bench": "sharded", "workload": wl.name, "ids": wl.ids, **record}), flush=True)
+
+    results: dict[str, float] = {}
+    runs = [
+        ("embtables W=1 (1 proc x 2 threads)", 1, {"threads": 2, "sharding": "div"}),
+        ("embtables W=2 div (2 procs x 1 thread)", 2, {"threads": 1, "sharding": "div"}),
+        ("embtables W=2 table (2 procs x 1 thread)", 2, {"threads": 1, "sharding": "table"}),
+    ]
+    for label, world, extra in runs:
+        got = _launch(_embtables_rank, world, {**base, **extra})
+        results[label] = got["step_s"]
+        emit(
+            {
+                "impl": "embtables",
+                "config": label,
+                "world": world,
+                "sharding": extra["sharding"],
+                "step_ms": round(got["step_s"] * 1e3, 2),
+                "sent_mb_per_step_per_rank": [round(b / 2**20, 3) for b in got["bytes"]],
+                "global_batch": wl.batch,
+            }
+        )
+    w1 = results[runs[0][0]]
+    for label, _, _ in runs[1:]:
+        emit({"impl": "embtables", "summary": f"{label} / W=1", "ratio": round(results[label] / w1, 3)})
+    dense_ms = max(5.0, 0.5 * results[runs[1][0]] * 1e3)
+    for pipelined in (False, True):
+        spec = {**base, "threads": 1, "sharding": "div", "dense_ms": dense_ms, "pipelined": pipelined}
+        got = _launch(_embtables_rank, 2, spec)
+        results[f"dense pipelined={pipelined}"] = got["step_s"]
+        emit(
+            {
+                "impl": "embtables",
+                "config": "W=2 div + dense stand-in",
+                "dense_ms": round(dense_ms, 1),
+                "pipelined": pipelined,
+                "step_ms": round(got["step_s"] * 1e3, 2),
+            }
+        )
+    gain = results["dense pipelined=False"] / results["dense pipelined=True"]
+    emit({"impl": "embtables", "summary": "pipelining speed-up with a dense stand-in", "ratio": round(gain, 3)})
+    if not args.no_torchrec:
+        for sharding in ("table_wise", "row_wise"):
+            try:
+                got = _launch(_torchrec_rank, 2, {**base, "threads": 1, "torchrec_sharding": sharding})
+            except Exception as exc:  # an uninstalled or broken peer is reported, not fatal
+                got = {"skip": f"{type(exc).__name__}: {str(exc)[:200]}"}
+            if "skip" in got:
+                emit({"impl": "torchrec-dmp", "sharding": sharding, "world": 2, "skip": got["skip"]})
+                continue
+            ours = results["embtables W=2 table (2 procs x 1 thread)" if sharding == "table_wise" else runs[1][0]]
+            emit(
+                {
+                    "impl": "torchrec-dmp",
+                    "sharding": sharding,
+                    "world": 2,
+                    "step_ms": round(got["step_s"] * 1e3, 2),
+                    "torchrec_over_embtables": round(got["step_s"] / ours, 3),
+                }
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
