@@ -25,32 +25,45 @@ from embtables.sharding.plan import TablePlan
 
 
 @dataclasses.dataclass(eq=False)
-class TableRoute:
-    """One table's ids of one rank's batch and where they went.
+class IdRoute:
+    """One table's unique ids of one rank's batch, in *owner order*: grouped by owner rank (ascending
+    ids within a group). Rows, gradient sums and messages all use this order, so nothing is permuted.
 
-    ``unique`` [U] sorted global ids; ``inverse`` [N] the position of each id (all features of the
-    table concatenated) in ``unique``; ``order`` [U] the unique ids sorted by owner rank (stable);
-    ``send_counts`` [W] how many went to each rank; ``recv_rows`` [M] the local rows other ranks asked
-    this rank for (source-rank order) and ``recv_counts`` [W] how many came from each rank."""
+    ``unique`` [U] the ids sorted; ``position`` [U] where each of them sits in owner order;
+    ``ids`` [U] the ids in owner order; ``local`` [U] their owners' local rows in owner order;
+    ``inverse`` [N] the owner-order position of every id (all features of the table concatenated);
+    ``send_counts`` [W] how many unique ids each rank owns."""
 
     unique: Tensor
+    position: Tensor
+    ids: Tensor
+    local: Tensor
     inverse: Tensor
-    order: Tensor
     send_counts: list[int]
+
+
+@dataclasses.dataclass(eq=False)
+class TableRoute:
+    """An ``IdRoute`` and the other side of its exchange: ``recv_rows`` [M] the local rows other ranks
+    asked this rank for (source-rank order) and ``recv_counts`` [W] how many came from each rank."""
+
+    ids: IdRoute
     recv_rows: Tensor
     recv_counts: list[int]
 
 
-def route_ids(ids: Tensor, plan: TablePlan) -> tuple[Tensor, Tensor, Tensor, Tensor, list[int]]:
-    """Deduplicate ``ids`` [N] and sort the unique ids by owner.
-
-    Returns ``unique`` [U], ``inverse`` [N], ``order`` [U], the owners' local rows in that order [U],
-    and the number of unique ids per owner [W]."""
+def route_ids(ids: Tensor, plan: TablePlan) -> IdRoute:
+    """Deduplicate ``ids`` [N] and arrange the unique ids in owner order."""
     unique, inverse = torch.unique(ids, sorted=True, return_inverse=True)
     owner, local = plan.owner(unique)
-    order = torch.argsort(owner, stable=True)
-    counts = torch.bincount(owner, minlength=plan.world_size).tolist()
-    return unique, inverse, order, local[order], [int(c) for c in counts]
+    counts = [int(c) for c in torch.bincount(owner, minlength=plan.world_size).tolist()]
+    if plan.strategy == "mod" and plan.world_size > 1:
+        order = torch.argsort(owner, stable=True)
+        position = torch.empty_like(order)
+        position[order] = torch.arange(order.numel(), device=order.device)
+        return IdRoute(unique, position, unique[order], local[order], position[inverse], counts)
+    # div blocks and whole tables: owners never decrease with the id, so sorted order is owner order.
+    return IdRoute(unique, torch.arange(unique.numel(), device=unique.device), unique, local, inverse, counts)
 
 
 def exchange_ids(
@@ -100,22 +113,20 @@ def exchange_rows(
     answers: Sequence[Tensor],
     routes: Sequence[TableRoute],
     dims: Sequence[int],
+    rank: int,
     world: int,
     group: comm.ProcessGroup | None,
 ) -> list[Tensor]:
     """Send each table's answer rows [M_t, D_t] (aligned with ``recv_rows``) back to the ranks that asked.
 
-    Returns, per table, the rows of this rank's unique ids [U_t, D_t] in ``unique`` order."""
-    flat, split = _pack(answers, [r.recv_counts for r in routes], dims, world, flags=None)
-    expected = _sizes([r.send_counts for r in routes], dims, world, flags=False)
-    recv, _ = comm.all_to_all_v(flat, split, group, recv_counts=expected)
-    parts = _unpack(recv, [r.send_counts for r in routes], dims, world, flags=False)[1]
-    out = []
-    for route, rows, dim in zip(routes, parts, dims):
-        mini = torch.empty((route.unique.numel(), dim), dtype=torch.float32, device=rows.device)
-        mini[route.order] = rows
-        out.append(mini)
-    return out
+    Returns, per table, the rows of this rank's unique ids [U_t, D_t] in owner order. This rank's
+    answers to itself never enter the message."""
+    asked = [r.recv_counts for r in routes]
+    wanted = [r.ids.send_counts for r in routes]
+    flat, split = _pack(answers, asked, dims, world, None, rank)
+    recv, _ = comm.all_to_all_v(flat, split, group, recv_counts=_sizes(wanted, dims, world, False, rank))
+    own = [a.narrow(0, sum(c[:rank]), c[rank]) for a, c in zip(answers, asked)]
+    return _unpack(recv, wanted, dims, world, None, rank, own)[1]
 
 
 def exchange_sums(
@@ -123,31 +134,39 @@ def exchange_sums(
     routes: Sequence[TableRoute],
     dims: Sequence[int],
     refused: bool,
+    rank: int,
     world: int,
     group: comm.ProcessGroup | None,
 ) -> tuple[list[Tensor], list[int]]:
-    """Send each table's per-unique-id gradient sums [U_t, D_t] (``unique`` order) to the owners.
+    """Send each table's per-unique-id gradient sums [U_t, D_t] (owner order) to the owners.
 
     Returns, per table, the sums other ranks sent for this rank's rows [M_t, D_t], aligned with
     ``recv_rows``, and the ranks that refused their gradient (empty when none did)."""
-    ordered = [s[r.order] for s, r in zip(sums, routes)]
-    flat, split = _pack(ordered, [r.send_counts for r in routes], dims, world, flags=float(refused))
-    expected = _sizes([r.recv_counts for r in routes], dims, world, flags=True)
-    recv, _ = comm.all_to_all_v(flat, split, group, recv_counts=expected)
-    flags, parts = _unpack(recv, [r.recv_counts for r in routes], dims, world, flags=True)
+    wanted = [r.ids.send_counts for r in routes]
+    asked = [r.recv_counts for r in routes]
+    flat, split = _pack(sums, wanted, dims, world, float(refused), rank)
+    recv, _ = comm.all_to_all_v(flat, split, group, recv_counts=_sizes(asked, dims, world, True, rank))
+    own = [x.narrow(0, sum(c[:rank]), c[rank]) for x, c in zip(sums, wanted)]
+    flags, parts = _unpack(recv, asked, dims, world, float(refused), rank, own)
     return parts, [s for s, f in enumerate(flags) if f != 0.0]
 
 
-def _sizes(counts: Sequence[list[int]], dims: Sequence[int], world: int, flags: bool) -> list[int]:
+def _sizes(counts: Sequence[list[int]], dims: Sequence[int], world: int, flags: bool, skip: int) -> list[int]:
     """Elements per rank of a message packed by ``_pack`` with these per-table counts."""
-    return [int(flags) + sum(c[r] * d for c, d in zip(counts, dims)) for r in range(world)]
+    return [0 if r == skip else int(flags) + sum(c[r] * d for c, d in zip(counts, dims)) for r in range(world)]
 
 
 def _pack(
-    tables: Sequence[Tensor], counts: Sequence[list[int]], dims: Sequence[int], world: int, flags: float | None
+    tables: Sequence[Tensor],
+    counts: Sequence[list[int]],
+    dims: Sequence[int],
+    world: int,
+    flags: float | None,
+    skip: int,
 ) -> tuple[Tensor, list[int]]:
     """Flatten per-table rows [n_t, D_t] (grouped by rank, ``counts[t][r]`` rows each) into one float32
-    message grouped by rank, then table; with ``flags``, each rank's part starts with that value."""
+    message grouped by rank, then table; with ``flags``, each rank's part starts with that value.
+    Rank ``skip`` (this rank) gets nothing: its part stays where it is."""
     device = tables[0].device if tables else torch.device("cpu")
     pieces: list[Tensor] = []
     split = []
@@ -155,32 +174,46 @@ def _pack(
     flag = None if flags is None else torch.full((1,), flags, dtype=torch.float32, device=device)
     for r in range(world):
         size = 0
-        if flag is not None:
+        if flag is not None and r != skip:
             pieces.append(flag)
             size += 1
         for t, (rows, dim) in enumerate(zip(tables, dims)):
             n = counts[t][r]
-            pieces.append(rows.narrow(0, starts[t], n).reshape(-1))
+            if r != skip:
+                pieces.append(rows.narrow(0, starts[t], n).reshape(-1))
+                size += n * dim
             starts[t] += n
-            size += n * dim
         split.append(size)
     flat = torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.float32, device=device)
     return flat, split
 
 
 def _unpack(
-    flat: Tensor, counts: Sequence[list[int]], dims: Sequence[int], world: int, flags: bool
+    flat: Tensor,
+    counts: Sequence[list[int]],
+    dims: Sequence[int],
+    world: int,
+    own_flag: float | None,
+    skip: int,
+    own: Sequence[Tensor],
 ) -> tuple[list[float], list[Tensor]]:
-    """The inverse of ``_pack`` on the receiving side: per-rank flags and per-table rows [n_t, D_t]."""
+    """The inverse of ``_pack`` on the receiving side: per-rank flags and per-table rows [n_t, D_t],
+    with this rank's own part (``own``, per table) in its place."""
     got_flags: list[float] = []
     parts: list[list[Tensor]] = [[] for _ in dims]
     offset = 0
     for r in range(world):
-        if flags:
+        if r == skip:
+            if own_flag is not None:
+                got_flags.append(own_flag)
+            for t in range(len(dims)):
+                parts[t].append(own[t])
+            continue
+        if own_flag is not None:
             got_flags.append(float(flat[offset]))
             offset += 1
         for t, dim in enumerate(dims):
             n = counts[t][r]
             parts[t].append(flat.narrow(0, offset, n * dim).view(n, dim))
             offset += n * dim
-    return got_flags, [torch.cat(p) for p in parts]
+    return got_flags, [p[0] if len(p) == 1 else torch.cat(p) for p in parts]

@@ -128,20 +128,17 @@ class ShardedEmbeddingCollection:
             else:
                 ids = torch.empty(0, dtype=torch.int64, device=self.device)
             routed.append(routing.route_ids(ids, self.plans[t.name]))
-        wanted = [(r[3], r[4]) for r in routed]
+        wanted = [(r.local, r.send_counts) for r in routed]
         asked, refusing = routing.exchange_ids(wanted, refused is not None, self.world, self.group)
         if refusing:
             self._raise_refused(refused, refusing, "batch")
-        routes = [
-            routing.TableRoute(unique, inverse, order, counts, recv_rows, recv_counts)
-            for (unique, inverse, order, _, counts), (recv_rows, recv_counts) in zip(routed, asked)
-        ]
+        routes = [routing.TableRoute(r, recv_rows, recv_counts) for r, (recv_rows, recv_counts) in zip(routed, asked)]
         answers = []
         for t, route in zip(tables, routes):
             if route.recv_rows.numel() and int(route.recv_rows.max()) >= self._owned[t.name]:
                 raise RuntimeError(f"table {t.name!r}: a rank asked rank {self.rank} for a row it does not hold.")
             answers.append(self.local.states[t.name].weights.index_select(0, route.recv_rows))
-        minis = routing.exchange_rows(answers, routes, [t.dim for t in tables], self.world, self.group)
+        minis = routing.exchange_rows(answers, routes, [t.dim for t in tables], self.rank, self.world, self.group)
         return self._pool(batches, routes, minis), LookupContext(routes)
 
     def _pool(
@@ -151,7 +148,7 @@ class ShardedEmbeddingCollection:
         out: list[Tensor | None] = [None] * len(batches)
         fast: list[tuple[int, int, Tensor]] = []
         for t, route, mini in zip(self.resolved.tables, routes, minis):
-            positions = torch.split(route.inverse, [batches[f].ids.numel() for f in t.feature_indices])
+            positions = torch.split(route.ids.inverse, [batches[f].ids.numel() for f in t.feature_indices])
             for f, local_ids in zip(t.feature_indices, positions):
                 b = batches[f]
                 q = t.config.quantization_config
@@ -208,7 +205,7 @@ class ShardedEmbeddingCollection:
         sums = self._sums_per_unique_id(batches, grads, context) if not bad else None
         if sums is None:
             bad = True
-            sums = [torch.zeros((r.unique.numel(), t.dim), device=self.device) for t, r in zip(tables, context.routes)]
+            sums = [torch.zeros((r.ids.ids.numel(), t.dim), device=self.device) for t, r in zip(tables, context.routes)]
         if not bad:
             bad = any(
                 not bool(torch.isfinite(self._occurrence_grads(t, batches, grads)).all())
@@ -220,7 +217,7 @@ class ShardedEmbeddingCollection:
                 "a gradient reaching a sharded table has NaN or Inf values; no table or slot was changed on any rank."
             )
         received, refusing = routing.exchange_sums(
-            sums, context.routes, [t.dim for t in tables], bad, self.world, self.group
+            sums, context.routes, [t.dim for t in tables], bad, self.rank, self.world, self.group
         )
         if refusing:
             self._raise_refused(refused, refusing, "gradient")
@@ -236,12 +233,12 @@ class ShardedEmbeddingCollection:
     def _sums_per_unique_id(
         self, batches: Sequence[FeatureBatch], grads: Sequence[Tensor | None], context: LookupContext
     ) -> list[Tensor] | None:
-        """Each table's gradient sums per unique id of this rank's batch [U_t, D_t] in ``unique`` order
+        """Each table's gradient sums per unique id of this rank's batch [U_t, D_t] in owner order
         (zeros for tables without accumulation), or None when a sum is not finite. Phase 1 runs in C
         where it can (dedup and float32 sums without materialising per-occurrence gradients)."""
         out = []
         for t, route in zip(self.resolved.tables, context.routes):
-            s = torch.zeros((route.unique.numel(), t.dim), dtype=torch.float32, device=self.device)
+            s = torch.zeros((route.ids.ids.numel(), t.dim), dtype=torch.float32, device=self.device)
             if not t.optimizer.use_gradient_accumulation:
                 if not bool(torch.isfinite(self._occurrence_grads(t, batches, grads)).all()):
                     return None
@@ -258,9 +255,9 @@ class ShardedEmbeddingCollection:
                 if status != 0:
                     return None
                 rows, row_sums = ws.rows_and_grads()  # first-occurrence order
-                s.index_copy_(0, torch.searchsorted(route.unique, rows), row_sums)
+                s.index_copy_(0, route.ids.position[torch.searchsorted(route.ids.unique, rows)], row_sums)
             else:
-                s.index_add_(0, route.inverse, self._occurrence_grads(t, batches, grads))
+                s.index_add_(0, route.ids.inverse, self._occurrence_grads(t, batches, grads))
                 if not bool(torch.isfinite(s).all()):
                     return None
             out.append(s)
@@ -308,7 +305,7 @@ class ShardedEmbeddingCollection:
         num_features = len(t.feature_indices)
         keys = torch.cat([batches[f].sample_index() * num_features + i for i, f in enumerate(t.feature_indices)])
         order = torch.sort(keys, stable=True).indices
-        owner, local = self.plans[t.name].owner(route.unique[route.inverse[order]])
+        owner, local = self.plans[t.name].owner(route.ids.ids[route.ids.inverse[order]])
         by_owner = torch.argsort(owner, stable=True)
         counts = [int(c) for c in torch.bincount(owner, minlength=self.world).tolist()]
         rows, recv_counts = comm.all_to_all_v(local[by_owner], counts, self.group)
