@@ -209,6 +209,15 @@ class DistributedEmbedding(nn.Module):
         return self._resolved
 
     @property
+    def sharding_plan(self) -> dict[str, str]:
+        """``{table name: "div" | "mod" | "table@<rank>"}`` when sharded; empty in one process."""
+        if not isinstance(self._engine, ShardedEmbeddingCollection):
+            return {}
+        return {
+            n: f"table@{p.rank}" if p.strategy == "table" else p.strategy for n, p in self._engine.plans.items()
+        }
+
+    @property
     def device(self) -> torch.device:
         return self._engine.device
 

@@ -35,7 +35,7 @@ from embtables.errors import InputError
 from embtables.kernels import native
 from embtables.kernels.lookup import occurrence_gradients, pooled_lookup
 from embtables.kernels.segments import dedup_sum
-from embtables.sharding import comm, routing
+from embtables.sharding import comm, owner_pooling, routing
 from embtables.sharding.fingerprint import describe_config, differences, fingerprint
 from embtables.sharding.plan import TablePlan
 from embtables.tables.collection import EmbeddingCollection, TableGradient
@@ -56,9 +56,11 @@ class _Rows:
 
 @dataclasses.dataclass(eq=False)
 class LookupContext:
-    """What a training lookup's exchange left for its update: each table's routes."""
+    """What a training lookup's exchange left for its update: the routes of the row-returning tables
+    and the requests of the tables pooled on their owners."""
 
     routes: list[routing.TableRoute]
+    pooled: owner_pooling.PooledContext | None
 
 
 class ShardedEmbeddingCollection:
@@ -99,6 +101,10 @@ class ShardedEmbeddingCollection:
         self.local = EmbeddingCollection(dataclasses.replace(resolved, tables=tuple(local_tables)), device)
         self._owned = {t.name: self.plans[t.name].shard_sizes()[self.rank] for t in resolved.tables}
         self._send_workspaces: dict[str, native.Workspace] = {}  # per-table phase 1 of this rank's batch
+        pooled = {t.name for t in resolved.tables if owner_pooling.owner_pooled(t, resolved)}
+        self.row_tables = [t for t in resolved.tables if t.name not in pooled]
+        self.pooled_tables = [t for t in resolved.tables if t.name in pooled]
+        self._pooled_features = sorted(f for t in self.pooled_tables for f in t.feature_indices)
 
     def __getstate__(self) -> dict[str, Any]:
         raise TypeError("a ShardedEmbeddingCollection lives in several processes; it cannot be copied or pickled.")
@@ -120,7 +126,7 @@ class ShardedEmbeddingCollection:
 
         ``refused`` is this rank's validation error for its batch (its ids then take no part): every
         rank raises when any rank's batch was refused, so all stay in step."""
-        tables = self.resolved.tables
+        tables = self.row_tables
         routed = []
         for t in tables:
             if refused is None:
@@ -139,15 +145,30 @@ class ShardedEmbeddingCollection:
                 raise RuntimeError(f"table {t.name!r}: a rank asked rank {self.rank} for a row it does not hold.")
             answers.append(self.local.states[t.name].weights.index_select(0, route.recv_rows))
         minis = routing.exchange_rows(answers, routes, [t.dim for t in tables], self.rank, self.world, self.group)
-        return self._pool(batches, routes, minis), LookupContext(routes)
+        out = self._pool(batches, routes, minis)
+        pooled = None
+        if self._pooled_features:
+            acts, pooled = owner_pooling.pooled_lookup_exchange(
+                self._pooled_features, batches, self.resolved, self.plans, self.local, self.rank, self.world, self.group
+            )
+            for f, a in acts.items():
+                out[f] = a.reshape(*batches[f].out_shape, a.shape[1])
+        result = [a for a in out if a is not None]
+        for feature, acts_f in zip(self.resolved.features, result):
+            if not bool(torch.isfinite(acts_f).all()):
+                raise InputError(
+                    f"feature {feature.name!r}: the looked-up activations overflow float32 (a sum of large rows or "
+                    "weights is not finite); no table or slot was changed. Check the weights of this feature."
+                )
+        return result, LookupContext(routes, pooled)
 
     def _pool(
         self, batches: Sequence[FeatureBatch], routes: list[routing.TableRoute], minis: list[Tensor]
-    ) -> list[Tensor]:
-        """Pool each feature's bags from its table's looked-up unique rows (one native call for all)."""
+    ) -> list[Tensor | None]:
+        """Pool the row-returning tables' bags from their looked-up unique rows (one native call for all)."""
         out: list[Tensor | None] = [None] * len(batches)
         fast: list[tuple[int, int, Tensor]] = []
-        for t, route, mini in zip(self.resolved.tables, routes, minis):
+        for t, route, mini in zip(self.row_tables, routes, minis):
             positions = torch.split(route.ids.inverse, [batches[f].ids.numel() for f in t.feature_indices])
             for f, local_ids in zip(t.feature_indices, positions):
                 b = batches[f]
@@ -159,21 +180,17 @@ class ShardedEmbeddingCollection:
                 acts = pooled_lookup(mini, local_ids, b.seg, b.offsets, b.coeffs, quantization=quant)
                 out[f] = acts.reshape(*b.out_shape, t.dim)
         if fast:
-            mini_of = {f: minis[self.resolved.features[f].table_index] for f, _, _ in fast}
+            index = {t.name: i for i, t in enumerate(self.row_tables)}
+            mini_of = {
+                f: minis[index[self.resolved.tables[self.resolved.features[f].table_index].name]] for f, _, _ in fast
+            }
             parts = [(mini_of[f], ids, batches[f].offsets, batches[f].coeffs) for f, _, ids in fast]
             acts_list, status = native.lookup_many(parts)
             if status == 1:
                 raise RuntimeError("the sharded lookup produced positions outside the looked-up rows (a bug).")
             for (f, dim, _), acts in zip(fast, acts_list):
                 out[f] = acts.reshape(*batches[f].out_shape, dim)
-        result = [a for a in out if a is not None]
-        for feature, acts in zip(self.resolved.features, result):
-            if not bool(torch.isfinite(acts).all()):
-                raise InputError(
-                    f"feature {feature.name!r}: the looked-up activations overflow float32 (a sum of large rows or "
-                    "weights is not finite); no table or slot was changed. Check the weights of this feature."
-                )
-        return result
+        return out
 
     def _raise_refused(self, mine: BaseException | None, refusing: list[int], what: str) -> None:
         """Raise on every rank: this rank's own error, or one naming the rank(s) that refused and why."""
@@ -200,7 +217,7 @@ class ShardedEmbeddingCollection:
         """Each owner's gradients for its own rows; every rank takes part in every exchange.
 
         ``refused`` is this rank's error validating its gradients: every rank then raises."""
-        tables = self.resolved.tables
+        tables = self.row_tables
         bad = refused is not None
         sums = self._sums_per_unique_id(batches, grads, context) if not bad else None
         if sums is None:
@@ -211,6 +228,8 @@ class ShardedEmbeddingCollection:
                 not bool(torch.isfinite(self._occurrence_grads(t, batches, grads)).all())
                 for t in tables
                 if not t.optimizer.use_gradient_accumulation
+            ) or any(
+                g is not None and not bool(torch.isfinite(g).all()) for g in (grads[f] for f in self._pooled_features)
             )
         if bad and refused is None:
             refused = InputError(
@@ -221,14 +240,29 @@ class ShardedEmbeddingCollection:
         )
         if refusing:
             self._raise_refused(refused, refusing, "gradient")
-        out = []
-        for t, local_table, route, got in zip(tables, self.local.resolved.tables, context.routes, received):
+        local_tables = {t.name: t for t in self.local.resolved.tables}
+        out = {}
+        for t, route, got in zip(tables, context.routes, received):
             if t.optimizer.use_gradient_accumulation:
-                out.append(self._owner_gradient(local_table, route, got))
+                out[t.name] = self._owner_gradient(local_tables[t.name], route, got)
             else:
                 rows, row_grads = self._occurrences_to_owners(t, batches, grads, route)
-                out.append(TableGradient(local_table, rows, row_grads, accumulated=False))
-        return out
+                out[t.name] = TableGradient(local_tables[t.name], rows, row_grads, accumulated=False)
+        if context.pooled is not None:
+            served, _ = owner_pooling.pooled_gradient_exchange(
+                self._pooled_features, grads, context.pooled, False, self.resolved, self.rank, self.world, self.group
+            )
+            finite = True
+            for t in self.pooled_tables:
+                tg, ok = owner_pooling.owner_table_gradient(t, local_tables[t.name], context.pooled, served, self.local)
+                out[t.name] = tg
+                finite = finite and ok
+            if comm.any_rank(not finite, self.group):
+                raise InputError(
+                    "the summed gradient of a sharded table's row overflows float32 (on this or another rank); no "
+                    "table or slot was changed on any rank."
+                )
+        return [out[t.name] for t in self.resolved.tables]
 
     def _sums_per_unique_id(
         self, batches: Sequence[FeatureBatch], grads: Sequence[Tensor | None], context: LookupContext
@@ -237,7 +271,7 @@ class ShardedEmbeddingCollection:
         (zeros for tables without accumulation), or None when a sum is not finite. Phase 1 runs in C
         where it can (dedup and float32 sums without materialising per-occurrence gradients)."""
         out = []
-        for t, route in zip(self.resolved.tables, context.routes):
+        for t, route in zip(self.row_tables, context.routes):
             s = torch.zeros((route.ids.ids.numel(), t.dim), dtype=torch.float32, device=self.device)
             if not t.optimizer.use_gradient_accumulation:
                 if not bool(torch.isfinite(self._occurrence_grads(t, batches, grads)).all()):

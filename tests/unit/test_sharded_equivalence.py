@@ -109,6 +109,12 @@ def _run_cases(rank: int, world: int, cases: list[tuple[str, Any, bool]], ref_pa
         )
         if pipelined:  # the next batch is enqueued before this step's update: its exchange overlaps
             emb.enqueue(*_inputs(0, lo, hi))
+        plan = emb.sharding_plan
+        # Bit-identical activations where the summation order matches one process: rows returned and
+        # pooled next to the batch (tables with a sequence feature: ta) or a whole table pooled on its owner.
+        first_exact = {n for n in ("a", "s")} | {
+            n for n, t in (("b", "tb"), ("c", "tc")) if plan[t].startswith("table")
+        }
         for step in range(STEPS):
             if pipelined:
                 acts = emb.dequeue()
@@ -120,7 +126,7 @@ def _run_cases(rank: int, world: int, cases: list[tuple[str, Any, bool]], ref_pa
                 grads = _grads(step, acts, lo, hi)
             for n, a in acts.items():
                 want = ref["acts"][step][n][lo:hi]
-                if step == 0 or exact:
+                if (step == 0 and n in first_exact) or exact:
                     assert torch.equal(a, want), (case, step, n)
                 else:
                     torch.testing.assert_close(a, want, rtol=2e-5, atol=2e-6, msg=f"{case} step {step} {n}")

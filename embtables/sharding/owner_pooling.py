@@ -1,0 +1,302 @@
+"""Pooling on the owner: for tables whose features are all combined (sum, mean, sqrtn), the ranks
+holding the rows pool the bags and send back one partial sum per bag, not one row per unique id.
+
+Forward, for every pooled feature f of this rank's batch and every owner r:
+
+1. counts [W, 2F] int64: the ids of f that r owns (n_rf) and the bags of f (S_f);
+2. ids and offsets int64: r's local rows of those ids, in bag order, and their bag offsets [S_f + 1];
+3. coeffs float32 [n_rf]: each id's combiner coefficient (SPEC 2.1, computed next to the batch
+   from all ids of its bag; 1 for an unweighted sum);
+4. back from r: the partial bags [S_f, D] over its rows; the rank adds the partials in rank order.
+
+Backward, each rank sends d(activation) [S_f, D] to the owners holding ids of f (a leading flag says
+whether it refused its gradient), and each owner runs phase 1 (dedup and sums, in C) over the ids it
+was asked for: the same per-row sums as a single process, added in another order (float32 rounding,
+SPEC 10.8). With a whole table on one rank ("table") the activations are bit-identical.
+
+Bytes per feature and remote owner: about 20 per id forward, 4·D per bag each way, against 8 + 8·D
+per unique id for row-returning lookups: owner pooling wins whenever bags are smaller than the
+unique ids a rank asks of the other ranks (20-id bags of Zipf ids: about 3x fewer bytes).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from embtables.config import ResolvedConfig, ResolvedTable
+from embtables.kernels import native
+from embtables.kernels.lookup import occurrence_gradients, pooled_lookup
+from embtables.kernels.segments import dedup_sum, segments_from_offsets
+from embtables.sharding import comm
+from embtables.sharding.plan import TablePlan
+from embtables.tables.collection import EmbeddingCollection, TableGradient
+from embtables.tables.inputs import FeatureBatch
+
+
+def owner_pooled(table: ResolvedTable, resolved: ResolvedConfig) -> bool:
+    """Tables pooled on the owner: every feature combined (no sequence feature), gradient
+    accumulation on (no-accumulation tables need every occurrence in global order), not quantized."""
+    features = [resolved.features[f] for f in table.feature_indices]
+    return (
+        table.optimizer.use_gradient_accumulation
+        and table.config.quantization_config is None
+        and all(not f.config.is_sequence for f in features)
+    )
+
+
+@dataclasses.dataclass(eq=False)
+class Asked:
+    """One (source rank, feature) request an owner served: local rows [n], bag offsets [S+1], coeffs [n]."""
+
+    feature: int
+    ids: Tensor
+    offsets: Tensor
+    coeffs: Tensor
+
+
+@dataclasses.dataclass(eq=False)
+class PooledContext:
+    """What a pooled lookup left for its update: per feature, the ids each owner holds [W] counts and
+    bags; per source rank, the requests this rank served."""
+
+    sent: dict[int, list[int]]  # feature -> ids per owner [W]
+    bags: dict[int, int]  # feature -> S_f of this rank's batch
+    asked: list[list[Asked]]  # [W(source)] -> requests, in feature order
+
+
+def pooled_lookup_exchange(
+    features: Sequence[int],
+    batches: Sequence[FeatureBatch],
+    resolved: ResolvedConfig,
+    plans: dict[str, TablePlan],
+    local: EmbeddingCollection,
+    rank: int,
+    world: int,
+    group: comm.ProcessGroup | None,
+) -> tuple[dict[int, Tensor], PooledContext]:
+    """Activations [S_f, D] of the pooled ``features`` (this rank's batch), pooled by their owners."""
+    device = local.device
+    per_owner: dict[int, list[tuple[Tensor, Tensor, Tensor]]] = {}
+    counts = torch.zeros((world, 2 * len(features)), dtype=torch.int64, device=comm.collective_device(group))
+    sent: dict[int, list[int]] = {}
+    bags: dict[int, int] = {}
+    for k, f in enumerate(features):
+        b = batches[f]
+        table = resolved.tables[resolved.features[f].table_index]
+        owner, local_ids = plans[table.name].owner(b.ids)
+        order = torch.argsort(owner, stable=True)
+        n_per = [int(c) for c in torch.bincount(owner, minlength=world).tolist()]
+        seg = b.seg[order]
+        coeffs = b.coeffs[order] if b.coeffs is not None else torch.ones(b.ids.numel(), device=device)
+        ids_sorted = local_ids[order]
+        start, parts = 0, []
+        for r in range(world):
+            n = n_per[r]
+            seg_r = seg.narrow(0, start, n)
+            offsets = torch.zeros(b.num_segments + 1, dtype=torch.int64, device=device)
+            offsets[1:] = torch.cumsum(torch.bincount(seg_r, minlength=b.num_segments), 0)
+            parts.append((ids_sorted.narrow(0, start, n), offsets, coeffs.narrow(0, start, n)))
+            start += n
+        per_owner[f] = parts
+        sent[f], bags[f] = n_per, b.num_segments
+        counts[:, 2 * k] = torch.tensor(n_per, dtype=torch.int64, device=counts.device)
+        counts[:, 2 * k + 1] = b.num_segments
+    got, _ = comm.all_to_all_v(counts, [1] * world, group, recv_counts=[1] * world)
+    recv_counts = got.tolist()  # [W(source)][2F]
+    # ids and offsets (int64), then coeffs (float32): grouped by destination, then feature.
+    ints, floats, int_split, float_split = [], [], [], []
+    for r in range(world):
+        ni = nf = 0
+        for f in features:
+            ids_r, offsets_r, coeffs_r = per_owner[f][r]
+            if r != rank:
+                ints += [ids_r, offsets_r]
+                floats.append(coeffs_r)
+                ni += ids_r.numel() + offsets_r.numel()
+                nf += coeffs_r.numel()
+        int_split.append(ni)
+        float_split.append(nf)
+    recv_int_split = [
+        0 if s == rank else sum(c[2 * k] + c[2 * k + 1] + 1 for k in range(len(features)))
+        for s, c in enumerate(recv_counts)
+    ]
+    recv_float_split = [
+        0 if s == rank else sum(c[2 * k] for k in range(len(features))) for s, c in enumerate(recv_counts)
+    ]
+    empty_i = torch.empty(0, dtype=torch.int64, device=device)
+    empty_f = torch.empty(0, dtype=torch.float32, device=device)
+    recv_i, _ = comm.all_to_all_v(torch.cat(ints) if ints else empty_i, int_split, group, recv_int_split)
+    recv_f, _ = comm.all_to_all_v(torch.cat(floats) if floats else empty_f, float_split, group, recv_float_split)
+    asked: list[list[Asked]] = []
+    oi = of = 0
+    for s in range(world):
+        mine: list[Asked] = []
+        for k, f in enumerate(features):
+            if s == rank:
+                ids_r, offsets_r, coeffs_r = per_owner[f][rank]
+                mine.append(Asked(f, ids_r, offsets_r, coeffs_r))
+                continue
+            n, nb = recv_counts[s][2 * k], recv_counts[s][2 * k + 1]
+            ids_r = recv_i.narrow(0, oi, n)
+            offsets_r = recv_i.narrow(0, oi + n, nb + 1)
+            coeffs_r = recv_f.narrow(0, of, n)
+            oi += n + nb + 1
+            of += n
+            mine.append(Asked(f, ids_r, offsets_r, coeffs_r))
+        asked.append(mine)
+    # Pool every request on this rank's rows (one native call), then send the partials back.
+    requests = [
+        (a, local.states[resolved.tables[resolved.features[a.feature].table_index].name].weights)
+        for src in asked
+        for a in src
+    ]
+    partials = _pool(requests, resolved)
+    dims = {f: resolved.tables[resolved.features[f].table_index].dim for f in features}
+    out_pieces, out_split = [], []
+    idx = 0
+    own: dict[int, Tensor] = {}
+    for s in range(world):
+        size = 0
+        for a in asked[s]:
+            p = partials[idx]
+            idx += 1
+            if s == rank:
+                own[a.feature] = p
+            else:
+                out_pieces.append(p.reshape(-1))
+                size += p.numel()
+        out_split.append(size)
+    back_split = [0 if r == rank else sum(bags[f] * dims[f] for f in features) for r in range(world)]
+    recv_back, _ = comm.all_to_all_v(torch.cat(out_pieces) if out_pieces else empty_f, out_split, group, back_split)
+    acts: dict[int, Tensor] = {}
+    offset = 0
+    for r in range(world):
+        for f in features:
+            part = own[f] if r == rank else recv_back.narrow(0, offset, bags[f] * dims[f]).view(bags[f], dims[f])
+            if r != rank:
+                offset += bags[f] * dims[f]
+            acts[f] = part.clone() if f not in acts else acts[f].add_(part)
+    return acts, PooledContext(sent, bags, asked)
+
+
+def _pool(requests: list[tuple[Asked, Tensor]], resolved: ResolvedConfig) -> list[Tensor]:
+    """Partial bags [S, D] of every request over this rank's rows."""
+    if requests and all(native.usable(w, a.ids, a.offsets, a.coeffs) for a, w in requests):
+        outs, status = native.lookup_many([(w, a.ids, a.offsets, a.coeffs) for a, w in requests])
+        if status == 1:
+            raise RuntimeError("a rank asked for rows outside this rank's shard (an embtables bug).")
+        return outs
+    return [pooled_lookup(w, a.ids, segments_from_offsets(a.offsets), a.offsets, a.coeffs) for a, w in requests]
+
+
+def pooled_gradient_exchange(
+    features: Sequence[int],
+    grads: Sequence[Tensor | None],
+    context: PooledContext,
+    refused: bool,
+    resolved: ResolvedConfig,
+    rank: int,
+    world: int,
+    group: comm.ProcessGroup | None,
+) -> tuple[dict[int, list[Tensor]], list[int]]:
+    """Send d(activation) [S_f, D] of each pooled feature to the owners holding its ids. Returns, per
+    feature, the gradients of the requests this rank served (aligned with ``context.asked``, one per
+    source rank) and the ranks that refused their gradient."""
+    dims = {f: resolved.tables[resolved.features[f].table_index].dim for f in features}
+    device = next((g.device for g in grads if g is not None), torch.device("cpu"))
+    flag = torch.full((1,), float(refused), dtype=torch.float32, device=device)
+    pieces, split = [], []
+    for r in range(world):
+        if r == rank:
+            split.append(0)
+            continue
+        size = 1
+        pieces.append(flag)
+        for f in features:
+            if context.sent[f][r]:
+                g = grads[f]
+                g = torch.zeros((context.bags[f], dims[f]), device=device) if g is None or refused else g
+                pieces.append(g.reshape(-1))
+                size += g.numel()
+        split.append(size)
+    expected = []
+    for s in range(world):
+        n = (
+            0
+            if s == rank
+            else 1
+            + sum(
+                a.offsets.numel() - 1 and (a.offsets.numel() - 1) * dims[a.feature] if a.ids.numel() else 0
+                for a in context.asked[s]
+            )
+        )
+        expected.append(n)
+    send = torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.float32, device=device)
+    recv, _ = comm.all_to_all_v(send, split, group, expected)
+    out: dict[int, list[Tensor]] = {f: [] for f in features}
+    refusing = []
+    offset = 0
+    for s in range(world):
+        if s == rank:
+            if refused:
+                refusing.append(s)
+            for a in context.asked[s]:
+                g = grads[a.feature]
+                out[a.feature].append(
+                    g
+                    if g is not None and not refused
+                    else torch.zeros((context.bags[a.feature], dims[a.feature]), device=device)
+                )
+            continue
+        if float(recv[offset]) != 0.0:
+            refusing.append(s)
+        offset += 1
+        for a in context.asked[s]:
+            nb, d = a.offsets.numel() - 1, dims[a.feature]
+            if a.ids.numel():
+                out[a.feature].append(recv.narrow(0, offset, nb * d).view(nb, d))
+                offset += nb * d
+            else:
+                out[a.feature].append(torch.zeros((nb, d), device=device))
+    return out, refusing
+
+
+def owner_table_gradient(
+    table: ResolvedTable,
+    local_table: ResolvedTable,
+    context: PooledContext,
+    grads: dict[int, list[Tensor]],
+    local: EmbeddingCollection,
+) -> tuple[TableGradient, bool]:
+    """The owner's summed gradient of its rows of ``table`` from every request it served (phase 1 in
+    C when possible), and whether every sum is finite."""
+    parts: list[native.FeaturePart] = []
+    for s, requests in enumerate(context.asked):
+        for a in requests:
+            if a.feature in table.feature_indices and a.ids.numel():
+                parts.append((a.ids, a.offsets, a.coeffs, grads[a.feature][s].contiguous()))
+    weights = local.states[local_table.name].weights
+    if native.usable(weights, *(x for p in parts for x in p)):
+        ws = local.workspace(local_table)
+        (status,) = native.prepare_many([(ws, local_table.vocabulary_size, parts)])
+        if status == 2:
+            raise MemoryError(f"table {table.name!r}: out of memory while summing gradients.")
+        if status in (0, 1):
+            return TableGradient(local_table, None, None, accumulated=True, prepared=ws), status == 0
+    if not parts:
+        empty = torch.empty(0, dtype=torch.int64, device=weights.device)
+        return TableGradient(local_table, empty, torch.empty((0, table.dim), device=weights.device), True), True
+    ids = torch.cat([p[0] for p in parts])
+    per_id = torch.cat([_occurrences(p) for p in parts])
+    rows, sums = dedup_sum(ids, per_id)
+    return TableGradient(local_table, rows, sums, accumulated=True), bool(torch.isfinite(sums).all())
+
+
+def _occurrences(part: native.FeaturePart) -> Tensor:
+    ids, offsets, coeffs, grad = part
+    assert grad is not None
+    return occurrence_gradients(grad, segments_from_offsets(offsets), coeffs)
