@@ -297,6 +297,6 @@ def owner_table_gradient(
 
 
 def _occurrences(part: native.FeaturePart) -> Tensor:
-    ids, offsets, coeffs, grad = part
+    _, offsets, coeffs, grad = part
     assert grad is not None
     return occurrence_gradients(grad, segments_from_offsets(offsets), coeffs)
