@@ -87,20 +87,27 @@ def pooled_lookup_exchange(
     for k, f in enumerate(features):
         b = batches[f]
         table = resolved.tables[resolved.features[f].table_index]
-        owner, local_ids = plans[table.name].owner(b.ids)
-        order = torch.argsort(owner, stable=True)
-        n_per = [int(c) for c in torch.bincount(owner, minlength=world).tolist()]
-        seg = b.seg[order]
-        coeffs = b.coeffs[order] if b.coeffs is not None else torch.ones(b.ids.numel(), device=device)
-        ids_sorted = local_ids[order]
-        start, parts = 0, []
-        for r in range(world):
-            n = n_per[r]
-            seg_r = seg.narrow(0, start, n)
-            offsets = torch.zeros(b.num_segments + 1, dtype=torch.int64, device=device)
-            offsets[1:] = torch.cumsum(torch.bincount(seg_r, minlength=b.num_segments), 0)
-            parts.append((ids_sorted.narrow(0, start, n), offsets, coeffs.narrow(0, start, n)))
-            start += n
+        plan = plans[table.name]
+        coeffs = b.coeffs if b.coeffs is not None else torch.ones(b.ids.numel(), device=device)
+        parts = []
+        if plan.strategy == "table":  # one owner: the batch as it is, nothing to sort
+            n_per = [b.ids.numel() if r == plan.rank else 0 for r in range(world)]
+            none = torch.zeros(b.num_segments + 1, dtype=torch.int64, device=device)
+            for r in range(world):
+                ids_r = b.ids if r == plan.rank else b.ids[:0]
+                parts.append((ids_r, b.offsets if r == plan.rank else none, coeffs if r == plan.rank else coeffs[:0]))
+        else:
+            owner, local_ids = plan.owner(b.ids)
+            order = torch.argsort(owner, stable=True)
+            n_per = [int(c) for c in torch.bincount(owner, minlength=world).tolist()]
+            seg, coeffs, ids_sorted = b.seg[order], coeffs[order], local_ids[order]
+            start = 0
+            for r in range(world):
+                n = n_per[r]
+                offsets = torch.zeros(b.num_segments + 1, dtype=torch.int64, device=device)
+                offsets[1:] = torch.cumsum(torch.bincount(seg.narrow(0, start, n), minlength=b.num_segments), 0)
+                parts.append((ids_sorted.narrow(0, start, n), offsets, coeffs.narrow(0, start, n)))
+                start += n
         per_owner[f] = parts
         sent[f], bags[f] = n_per, b.num_segments
         counts[:, 2 * k] = torch.tensor(n_per, dtype=torch.int64, device=counts.device)
