@@ -4,6 +4,7 @@ Commands:
   train   the main job: a CTR model trained on built-in synthetic data (examples/quickstart.py)
   bench   the benchmark suite against the peers (benchmarks/run.py); see BENCHMARKS.md
   stats   print lookup statistics files (profile_data_directory) and draw per-shard load
+  inspect what a checkpoint holds (tables, shapes, optimizer, step, size) and its checksum status
 
 ``train`` and ``bench`` ship with the source checkout; ``python -m embtables bench --help``.
 """
@@ -16,6 +17,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from embtables.checkpoint import inspect
 from embtables.cli import stats
 
 _ROOT = Path(__file__).resolve().parent.parent
@@ -32,6 +34,7 @@ def _parser() -> argparse.ArgumentParser:
         s = sub.add_parser(name, help=what, add_help=False)
         s.add_argument("rest", nargs=argparse.REMAINDER)
     stats.add_arguments(sub.add_parser("stats", help="print lookup statistics (and --png a load chart)"))
+    inspect.add_arguments(sub.add_parser("inspect", help="what a checkpoint holds, and its checksum status"))
     return p
 
 
@@ -57,6 +60,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(list(sys.argv[1:] if argv is None else argv))
     if args.command in _SCRIPTS:
         return _run_script(args.command, list(args.rest))
+    if args.command == "inspect":
+        return inspect.run(args)
     return stats.run(args)
 
 

@@ -24,9 +24,10 @@ from typing import Any, TypeVar, cast
 import torch
 from torch import Tensor, nn
 
-from embtables.batch_ownership import Staging, batch_pointers, detached, is_input_leaf, owned, storages
+from embtables import checkpoint
+from embtables.batch_ownership import Staging, batch_pointers, detached, flatten_inputs, is_input_leaf, owned, storages
+from embtables.checkpoint.progress import progress_bar
 from embtables.config import Optimizer, ResolvedConfig, nest, resolve
-from embtables.errors import InputError
 from embtables.sharding import comm
 from embtables.sharding.lookup_stats import LookupStatsRecorder, merge, read_loads, write_stats
 from embtables.sharding.plan import TablePlan
@@ -34,7 +35,7 @@ from embtables.sharding.sharded_collection import LookupContext, ShardedEmbeddin
 from embtables.sharding.strategies import check_sharding, place_tables
 from embtables.state_dict_io import TableDict, strict_of_caller, validate_state_dict
 from embtables.tables.collection import EmbeddingCollection, TableGradient
-from embtables.tables.inputs import FeatureBatch, InputConverter, is_kjt, split_kjt
+from embtables.tables.inputs import FeatureBatch, InputConverter
 from embtables.tables.state import LocalShard
 
 logger = logging.getLogger("embtables")
@@ -160,6 +161,7 @@ class DistributedEmbedding(nn.Module):
             else LookupStatsRecorder(self._resolved, plans, profile_sample_rate, profile_seed)
         )
         self._training_steps = 0
+        self._group = process_group
         self._converters = [InputConverter(f, self._resolved.tables[f.table_index]) for f in self._resolved.features]
         self._names_by_config = {id(t.config): t.name for t in self._resolved.tables}
         self._built = False
@@ -213,9 +215,7 @@ class DistributedEmbedding(nn.Module):
         """``{table name: "div" | "mod" | "table@<rank>"}`` when sharded; empty in one process."""
         if not isinstance(self._engine, ShardedEmbeddingCollection):
             return {}
-        return {
-            n: f"table@{p.rank}" if p.strategy == "table" else p.strategy for n, p in self._engine.plans.items()
-        }
+        return {n: f"table@{p.rank}" if p.strategy == "table" else p.strategy for n, p in self._engine.plans.items()}
 
     @property
     def device(self) -> torch.device:
@@ -256,34 +256,6 @@ class DistributedEmbedding(nn.Module):
         self._built = True
 
     # ------------------------------------------------------------------ forward
-    def _flatten_inputs(self, features: Any, weights: Any) -> tuple[list[Any], list[Any]]:
-        cfg = self._feature_config
-        if is_kjt(features):
-            if weights is not None:
-                raise InputError("weights were given with a KeyedJaggedTensor; put them in the KJT instead.")
-            if not isinstance(cfg, Mapping):
-                raise InputError(
-                    "a whole KeyedJaggedTensor can be passed only when feature_config is a dict keyed by "
-                    f"feature name; feature_config is a {type(cfg).__name__}. Pass a nest of per-feature inputs."
-                )
-            parts = split_kjt(features)
-            missing = [k for k in cfg if k not in parts]
-            if missing:
-                raise InputError(
-                    f"the KeyedJaggedTensor has keys {sorted(parts)} but feature_config also needs {missing}. "
-                    "Give the KJT one key per feature_config key."
-                )
-            features = {k: parts[k][0] for k in cfg}
-            weights = {k: parts[k][1] for k in cfg}
-        nest.assert_same_structure(cfg, features, what="features", is_leaf=is_input_leaf)
-        flat_x = nest.flatten(features)
-        if weights is None:
-            flat_w: list[Any] = [None] * len(flat_x)
-        else:
-            nest.assert_same_structure(cfg, weights, what="weights", is_leaf=is_input_leaf)
-            flat_w = nest.flatten(weights)
-        return flat_x, flat_w
-
     @_locked
     def enqueue(self, features: Any, weights: Any = None, training: bool = True) -> None:
         """Validate and stage a batch (TF ``enqueue``); ``training=False`` is a forward-only lookup.
@@ -292,7 +264,7 @@ class DistributedEmbedding(nn.Module):
         for the accepted input types. Raises (and stages nothing) on any invalid input.
         """
         try:
-            flat_x, flat_w = self._flatten_inputs(features, weights)
+            flat_x, flat_w = flatten_inputs(self._feature_config, features, weights)
             device = self.device
             busy = batch_pointers(self._last.batches) if self._last is not None else set()
             if self._enqueued is not None and self._enqueued.batches is not None:
@@ -511,18 +483,65 @@ class DistributedEmbedding(nn.Module):
         return [str(p) for p in paths]
 
     @_locked
-    def local_shards(self) -> dict[str, LocalShard]:
-        """``{table name: LocalShard}``: the rows this process owns, with their global row ids, as
-        live storage (after any pipelined update). In one process every table is one whole shard."""
-        self._flush(observer=True)
-        if isinstance(self._engine, ShardedEmbeddingCollection):
-            return self._engine.local_shards()
+    def save(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        keep_last: int | None = None,
+        extra: dict[str, Any] | None = None,
+        progress: bool | None = None,
+    ) -> str:
+        """Write a checkpoint under ``path`` (``path/ckpt-<step>``): the full logical tables and slots
+        under TF's names, the step counter, the config as data, ``extra`` (JSON). Every rank writes
+        only its own rows; the checkpoint restores into any number of ranks and any strategy.
+        Collective when sharded. A pending pipelined update is applied first. Returns the directory."""
+        shards = self.local_shards()
+        group = self._engine.group if isinstance(self._engine, ShardedEmbeddingCollection) else self._group
+        strategies = {t.name: "div" for t in self._resolved.tables}
+        strategies.update({n: p.split("@")[0] for n, p in self.sharding_plan.items()})
+        with progress_bar(progress, comm.get_rank(group), "save") as tick:
+            out = checkpoint.save(
+                path, self._resolved, shards, self._training_steps, strategies=strategies, extra=extra,
+                keep_last=keep_last, progress=tick, group=group,
+            )  # fmt: skip
+        if self._stats is not None:
+            self.flush()
+        return str(out)
+
+    @_locked
+    def restore(self, path: str | os.PathLike[str], *, progress: bool | None = None) -> dict[str, Any]:
+        """Load a checkpoint written by ``save`` (by any number of ranks, any strategy), or the latest
+        one under ``path``: tables, slots and the step counter. Verifies every block it reads; on any
+        error raises ``CheckpointError`` naming the file and table, and nothing changes (on any rank).
+        Returns the manifest (with the ``extra`` given to ``save``)."""
+        self._drop_prefetch()
+        engine = self._engine
+        group = engine.group if isinstance(engine, ShardedEmbeddingCollection) else self._group
+        shards = engine.local_shards() if isinstance(engine, ShardedEmbeddingCollection) else self._whole_shards()
+        with progress_bar(progress, comm.get_rank(group), "restore") as tick:
+            manifest = checkpoint.restore(path, self._resolved, shards, progress=tick, group=group)
+        if self._enqueued is not None:
+            self._enqueued.prefetch = None  # it read the old tables: look up again at dequeue
+        self._pending, self._last, self._stale = None, None, {}
+        self._training_steps = int(manifest["step"])
+        return manifest
+
+    def _whole_shards(self) -> dict[str, LocalShard]:
         out = {}
         for t in self._resolved.tables:
             state = self._engine.states[t.name]
             rows = torch.arange(t.vocabulary_size, dtype=torch.int64)
             out[t.name] = LocalShard(t.name, t.vocabulary_size, rows, state.tensors())
         return out
+
+    @_locked
+    def local_shards(self) -> dict[str, LocalShard]:
+        """``{table name: LocalShard}``: the rows this process owns, with their global row ids, as
+        live storage (after any pipelined update). In one process every table is one whole shard."""
+        self._flush(observer=True)
+        if isinstance(self._engine, ShardedEmbeddingCollection):
+            return self._engine.local_shards()
+        return self._whole_shards()
 
     # ------------------------------------------------------------------ nn.Module integration
     @_locked
