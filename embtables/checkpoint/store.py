@@ -263,7 +263,7 @@ def _read_rows(
     for t in resolved.tables:
         mine = shards[t.name].rows.detach().to("cpu", torch.int64).numpy()
         slots = list(shards[t.name].tensors)
-        out = {slot: np.zeros((mine.size, t.dim), dtype=np.float32) for slot in slots}
+        out = {slot: np.empty((mine.size, t.dim), dtype=np.float32) for slot in slots}
         filled = np.zeros(mine.size, dtype=bool)
         for entry in manifest["files"]:
             block = entry["tables"][t.name]
@@ -271,15 +271,22 @@ def _read_rows(
             rows = _block(mm, block["rows"], np.int64, (block["rows"]["count"],), where / entry["file"], t.name)
             if rows.size == 0 or mine.size == 0:
                 continue
-            pos = np.searchsorted(rows, mine)
-            hit = (pos < rows.size) & (rows[np.minimum(pos, rows.size - 1)] == mine)
-            if not hit.any():
-                continue
+            same = rows.size == mine.size and bool(np.array_equal(rows, mine))
+            if same:  # the writer held exactly these rows: one contiguous copy per slot
+                hit = np.ones(mine.size, dtype=bool)
+            else:
+                pos = np.searchsorted(rows, mine)
+                hit = (pos < rows.size) & (rows[np.minimum(pos, rows.size - 1)] == mine)
+                if not hit.any():
+                    continue
             for slot in slots:
                 key = f"{t.name}/{slot}" if slot else t.name
                 spec = block[key]
                 values = _block(mm, spec, np.float32, tuple(spec["shape"]), where / entry["file"], key)
-                out[slot][hit] = values[pos[hit]]
+                if same:
+                    out[slot][...] = values
+                else:
+                    out[slot][hit] = values[pos[hit]]
                 progress(int(hit.sum()) * t.dim * 4)
             filled |= hit
         if not filled.all():
