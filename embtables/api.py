@@ -495,14 +495,16 @@ class DistributedEmbedding(nn.Module):
         under TF's names, the step counter, the config as data, ``extra`` (JSON). Every rank writes
         only its own rows; the checkpoint restores into any number of ranks and any strategy.
         Collective when sharded. A pending pipelined update is applied first. Returns the directory."""
-        shards = self.local_shards()
+        shards = self.local_shards()  # applies a pending pipelined update, keeping its pre-update rows
         group = self._engine.group if isinstance(self._engine, ShardedEmbeddingCollection) else self._group
+        # Pre-update rows the next training lookup must read (pipelining): saved with global row ids.
+        stale = {name: (shards[name].rows[rows.cpu()], old) for name, (rows, old) in self._stale.items()}
         strategies = {t.name: "div" for t in self._resolved.tables}
         strategies.update({n: p.split("@")[0] for n, p in self.sharding_plan.items()})
         with progress_bar(progress, comm.get_rank(group), "save") as tick:
             out = checkpoint.save(
                 path, self._resolved, shards, self._training_steps, strategies=strategies, extra=extra,
-                keep_last=keep_last, progress=tick, group=group,
+                keep_last=keep_last, progress=tick, group=group, stale=stale,
             )  # fmt: skip
         if self._stats is not None:
             self.flush()
@@ -522,7 +524,9 @@ class DistributedEmbedding(nn.Module):
             manifest = checkpoint.restore(path, self._resolved, shards, progress=tick, group=group)
         if self._enqueued is not None:
             self._enqueued.prefetch = None  # it read the old tables: look up again at dequeue
-        self._pending, self._last, self._stale = None, None, {}
+        self._pending, self._last = None, None
+        device = self.device
+        self._stale = {n: (r.to(device), v.to(device)) for n, (r, v) in manifest.pop("stale").items()}
         self._training_steps = int(manifest["step"])
         return manifest
 

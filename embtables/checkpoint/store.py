@@ -90,12 +90,14 @@ def save(
     keep_last: int | None = None,
     progress: Callable[[int], None] | None = None,
     group: comm.ProcessGroup | None = None,
+    stale: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None,
 ) -> Path:
     """Write a checkpoint of ``shards`` (this rank's rows of every table) and return its directory.
 
     Collective when ``group`` (or the default group) spans several ranks: each rank writes its own
     file in parallel, rank 0 writes the manifest and publishes. ``keep_last=N`` then deletes all but
-    the N newest checkpoints under ``root``."""
+    the N newest checkpoints under ``root``. ``stale`` holds, per table, global rows [U] and their values
+    before a pipelined update [U, D] that the next training lookup must still read (SPEC 6)."""
     if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
         raise ValueError(f"save: keep_last must be an int >= 1 or None, got {keep_last!r}.")
     rank, world = comm.get_rank(group), comm.get_world_size(group)
@@ -119,6 +121,12 @@ def save(
                 values = tensor.detach().to("cpu").numpy()
                 entry[key] = {"offset": f.tell(), "shape": [int(x) for x in values.shape]}
                 entry[key]["crc32"] = _write_block(f, values, tick)
+            if stale and t.name in stale:
+                srows, svalues = (x.detach().to("cpu").contiguous().numpy() for x in stale[t.name])
+                entry["stale_rows"] = {"offset": f.tell(), "count": int(srows.size)}
+                entry["stale_rows"]["crc32"] = _write_block(f, srows.astype(np.int64), tick)
+                entry["stale"] = {"offset": f.tell(), "shape": [int(x) for x in svalues.shape]}
+                entry["stale"]["crc32"] = _write_block(f, svalues.astype(np.float32), tick)
             blocks[t.name] = entry
         f.flush()
         os.fsync(f.fileno())
@@ -151,9 +159,9 @@ def save(
         if keep_last is not None:
             for old in published(base)[:-keep_last]:
                 shutil.rmtree(old, ignore_errors=True)
-        for stale in base.glob(f".tmp-{_PREFIX}*"):  # left by saves killed midway
-            if stale.name != tmp_name:
-                shutil.rmtree(stale, ignore_errors=True)
+        for leftover in base.glob(f".tmp-{_PREFIX}*"):  # left by saves killed midway
+            if leftover.name != tmp_name:
+                shutil.rmtree(leftover, ignore_errors=True)
     comm.barrier(group)
     return checkpoint_dir(base, step)
 
@@ -228,6 +236,7 @@ def restore(
         where, manifest = read_manifest(path)
         _check_config(manifest, resolved, where)
         staged = _read_rows(where, manifest, resolved, shards, progress or (lambda n: None))
+        manifest["stale"] = _read_stale(where, manifest, resolved, shards)
     except CheckpointError as exc:
         error = str(exc)
     errors = comm.all_gather_object(error, group)
@@ -295,6 +304,32 @@ def _read_rows(
         for slot in slots:
             staged[(t.name, slot)] = torch.from_numpy(out[slot])
     return staged
+
+
+def _read_stale(
+    where: Path, manifest: dict[str, Any], resolved: ResolvedConfig, shards: dict[str, LocalShard]
+) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Pre-update values saved for a pending pipelined update: per table, this rank's rows among them
+    as (positions in its shard [U], values [U, D])."""
+    out = {}
+    for t in resolved.tables:
+        mine = shards[t.name].rows.detach().to("cpu", torch.int64).numpy()
+        rows_parts, value_parts = [], []
+        for entry in manifest["files"]:
+            block = entry["tables"][t.name]
+            if "stale_rows" not in block:
+                continue
+            file = where / entry["file"]
+            mm = np.memmap(file, dtype=np.uint8, mode="r")
+            rows = _block(mm, block["stale_rows"], np.int64, (block["stale_rows"]["count"],), file, t.name)
+            values = _block(mm, block["stale"], np.float32, tuple(block["stale"]["shape"]), file, t.name)
+            pos = np.searchsorted(mine, rows)
+            ok = (pos < mine.size) & (mine[np.minimum(pos, max(mine.size - 1, 0))] == rows) if mine.size else rows < 0
+            rows_parts.append(pos[ok])
+            value_parts.append(values[ok])
+        if rows_parts:
+            out[t.name] = (torch.from_numpy(np.concatenate(rows_parts)), torch.from_numpy(np.concatenate(value_parts)))
+    return out
 
 
 def _block(

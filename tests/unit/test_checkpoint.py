@@ -68,13 +68,17 @@ def test_round_trip_and_resume_are_bit_identical(opt: str, tmp_path: Path) -> No
     assert_same(snapshot(straight), snapshot(resumed))
 
 
-def test_a_pipelined_update_pending_at_save_is_in_the_checkpoint(tmp_path: Path) -> None:
-    emb = et.DistributedEmbedding(_config(), pipeline_execution_with_tensor_core=True)
-    _train(emb, range(3))  # the third update is still held back
-    emb.save(tmp_path)
-    other = et.DistributedEmbedding(_config(seed=4))
-    other.restore(tmp_path)
-    assert_same(snapshot(emb), snapshot(other))
+def test_a_pipelined_run_resumes_exactly_with_its_update_pending_at_save(tmp_path: Path) -> None:
+    straight = et.DistributedEmbedding(_config(), pipeline_execution_with_tensor_core=True)
+    _train(straight, range(6))
+    first = et.DistributedEmbedding(_config(), pipeline_execution_with_tensor_core=True)
+    _train(first, range(3))  # the third update is still held back at save
+    first.save(tmp_path)
+    resumed = et.DistributedEmbedding(_config(seed=4), pipeline_execution_with_tensor_core=True)
+    resumed.restore(tmp_path)
+    assert_same(snapshot(first), snapshot(resumed))
+    _train(resumed, range(3, 6))  # step 4's lookup still reads the rows before step 3's update
+    assert_same(snapshot(straight), snapshot(resumed))
 
 
 def test_corrupt_or_truncated_files_are_named_and_nothing_changes(tmp_path: Path) -> None:
