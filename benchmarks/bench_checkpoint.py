@@ -13,14 +13,13 @@ VmHWM - VmRSS before the save, sampled by the kernel.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
 import tempfile
 import time
 from pathlib import Path
-
-import torch
 
 import embtables as et
 
@@ -33,10 +32,8 @@ def _rss_kib(field: str) -> int:
 
 
 def _reset_peak() -> None:
-    try:
+    with contextlib.suppress(OSError):
         Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS
-    except OSError:
-        pass
 
 
 def _disk(path: Path, nbytes: int) -> tuple[float, float]:

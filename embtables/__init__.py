@@ -1,6 +1,7 @@
 """embtables: TPU-embedding tables and fused sparse optimizers, with TF's numerics, in PyTorch."""
 
 from embtables.api import DistributedEmbedding
+from embtables.checkpoint import CheckpointError, ServingEmbedding, export
 from embtables.config import (
     FTRL,
     SGD,
@@ -23,6 +24,7 @@ __all__ = [
     "Adagrad",
     "AdagradMomentum",
     "Adam",
+    "CheckpointError",
     "Combiner",
     "ConfigError",
     "Constant",
@@ -32,7 +34,9 @@ __all__ = [
     "QuantizationConfig",
     "Ragged",
     "RowIdInitializer",
+    "ServingEmbedding",
     "TableConfig",
     "TruncatedNormal",
     "__version__",
+    "export",
 ]

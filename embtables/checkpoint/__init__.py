@@ -1,5 +1,15 @@
 """Checkpoints that restore anywhere: per-rank row files, a JSON manifest, atomic publication."""
 
+from embtables.checkpoint.serving import ExportReport, ServingEmbedding, export
 from embtables.checkpoint.store import CheckpointError, published, read_manifest, restore, save
 
-__all__ = ["CheckpointError", "published", "read_manifest", "restore", "save"]
+__all__ = [
+    "CheckpointError",
+    "ExportReport",
+    "ServingEmbedding",
+    "export",
+    "published",
+    "read_manifest",
+    "restore",
+    "save",
+]

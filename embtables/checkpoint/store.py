@@ -22,7 +22,7 @@ import os
 import shutil
 import uuid
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -178,10 +178,34 @@ def config_as_data(resolved: ResolvedConfig) -> dict[str, Any]:
     """Tables and features as JSON data (never pickles of code; callables are recorded by kind)."""
     described = describe_config(resolved, {}, {})
     for t in resolved.tables:
-        described["tables"][t.name]["slots"] = list(t.optimizer.slot_names)
-        described["tables"][t.name].pop("strategy", None)
-        described["tables"][t.name].pop("table_rank", None)
+        d = described["tables"][t.name]
+        d["slots"] = list(t.optimizer.slot_names)
+        d["combiner_value"] = str(t.config.combiner)
+        q = t.config.quantization_config
+        d["quantization"] = None if q is None else [q.num_buckets, float(q.lower), float(q.upper)]
+        d.pop("strategy", None)
+        d.pop("table_rank", None)
+    described["feature_list"] = [
+        {
+            "name": f.name,
+            "table": resolved.tables[f.table_index].name,
+            "max_sequence_length": f.config.max_sequence_length,
+            "output_shape": None if f.config.output_shape is None else list(f.config.output_shape),
+            "validate": f.config.validate_weights_and_indices,
+        }
+        for f in resolved.features
+    ]
+    described["structure"] = _structure(resolved.structure, iter(range(len(resolved.features))))
     return described
+
+
+def _structure(node: Any, counter: Any) -> dict[str, Any]:
+    """The feature nest as JSON: {"dict": {...}}, {"list": [...]}, {"tuple": [...]} or {"feature": i}."""
+    if isinstance(node, Mapping):
+        return {"dict": {str(k): _structure(node[k], counter) for k in sorted(node)}}
+    if isinstance(node, (list, tuple)):
+        return {"list" if isinstance(node, list) else "tuple": [_structure(v, counter) for v in node]}
+    return {"feature": next(counter)}
 
 
 def read_manifest(path: str | os.PathLike[str]) -> tuple[Path, dict[str, Any]]:
