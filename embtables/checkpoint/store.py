@@ -6,11 +6,14 @@ Layout of a checkpoint directory ``<root>/ckpt-<step:08d>/``:
   the config as data (tables: name, V, D, combiner, optimizer class and arguments; features), the
   caller's ``extra`` JSON, and one entry per data file with its size and, per block, where the block
   lies and its CRC-32.
-- ``rank-<r:05d>.bin``, one per writing rank: raw little-endian blocks. Per table there is an int64
-  block of the global row ids the rank owns (ascending), then one float32 ``[N, D]`` block per state
-  key: ``<table>`` for the weights and ``<table>/<slot>`` for each TF slot name.
+- ``rank-<r:05d>.safetensors``, one per writing rank, in the safetensors format (an 8-byte header
+  length, a JSON header naming every tensor with its dtype, shape and byte range, then the raw
+  little-endian data). Per table it holds ``<table>#rows``, the int64 global row ids the rank owns
+  (ascending), then one float32 ``[N, D]`` tensor per state key: ``<table>`` for the weights and
+  ``<table>/<slot>`` for each TF slot name.
 
-numpy alone reads the files; the manifest says where every block is. A save writes into
+The safetensors library, numpy or any safetensors reader opens the files; the manifest repeats
+where every block is, with its CRC-32. A save writes into
 ``<root>/.tmp-ckpt-<step>-<id>/`` and publishes it with one atomic rename after every rank has
 finished and the manifest is fsynced. A killed save never leaves a published partial checkpoint.
 """
@@ -108,26 +111,43 @@ def save(
         tmp.mkdir(parents=True, exist_ok=False)
     comm.barrier(group)
     tick = progress or (lambda n: None)
-    blocks: dict[str, Any] = {}
-    data = tmp / f"rank-{rank:05d}.bin"
+    # Plan the file first (a safetensors file: its JSON header lists every tensor's dtype, shape and
+    # byte range), then stream each block from the live storage into its place.
+    plan: list[tuple[str, str, str, np.ndarray[Any, Any]]] = []  # (table, block, tensor name, array)
+    for t in resolved.tables:
+        shard = shards[t.name]
+        plan.append((t.name, "rows", f"{t.name}#rows", shard.rows.detach().to("cpu", torch.int64).numpy()))
+        for slot, tensor in shard.tensors.items():
+            key = f"{t.name}/{slot}" if slot else t.name
+            plan.append((t.name, key, key, tensor.detach().to("cpu").numpy()))
+        if stale and t.name in stale:
+            srows, svalues = (x.detach().to("cpu").contiguous().numpy() for x in stale[t.name])
+            plan.append((t.name, "stale_rows", f"{t.name}#stale_rows", srows.astype(np.int64)))
+            plan.append((t.name, "stale", f"{t.name}#stale", svalues.astype(np.float32)))
+    header: dict[str, Any] = {"__metadata__": {"format": "embtables", "rank": str(rank), "step": str(step)}}
+    at = 0
+    for _, _, name, array in plan:
+        nbytes = array.size * array.itemsize
+        dtype = "I64" if array.dtype == np.int64 else "F32"
+        header[name] = {"dtype": dtype, "shape": [int(x) for x in array.shape], "data_offsets": [at, at + nbytes]}
+        at += nbytes
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)  # safetensors pads its header to 8 bytes
+    start = 8 + len(encoded)
+    blocks: dict[str, Any] = {t.name: {} for t in resolved.tables}
+    data = tmp / f"rank-{rank:05d}.safetensors"
     with open(data, "wb") as f:
-        for t in resolved.tables:
-            shard = shards[t.name]
-            rows = shard.rows.detach().to("cpu", torch.int64).numpy()
-            entry: dict[str, dict[str, Any]] = {"rows": {"offset": f.tell(), "count": int(rows.size)}}
-            entry["rows"]["crc32"] = _write_block(f, rows, tick)
-            for slot, tensor in shard.tensors.items():
-                key = f"{t.name}/{slot}" if slot else t.name
-                values = tensor.detach().to("cpu").numpy()
-                entry[key] = {"offset": f.tell(), "shape": [int(x) for x in values.shape]}
-                entry[key]["crc32"] = _write_block(f, values, tick)
-            if stale and t.name in stale:
-                srows, svalues = (x.detach().to("cpu").contiguous().numpy() for x in stale[t.name])
-                entry["stale_rows"] = {"offset": f.tell(), "count": int(srows.size)}
-                entry["stale_rows"]["crc32"] = _write_block(f, srows.astype(np.int64), tick)
-                entry["stale"] = {"offset": f.tell(), "shape": [int(x) for x in svalues.shape]}
-                entry["stale"]["crc32"] = _write_block(f, svalues.astype(np.float32), tick)
-            blocks[t.name] = entry
+        f.write(len(encoded).to_bytes(8, "little"))
+        f.write(encoded)
+        for table, block, name, array in plan:
+            offset = start + header[name]["data_offsets"][0]
+            spec: dict[str, Any] = {"offset": offset}
+            if array.ndim == 1:
+                spec["count"] = int(array.size)
+            else:
+                spec["shape"] = [int(x) for x in array.shape]
+            spec["crc32"] = _write_block(f, array, tick)
+            blocks[table][block] = spec
         f.flush()
         os.fsync(f.fileno())
     mine = {"file": data.name, "bytes": data.stat().st_size, "tables": blocks}

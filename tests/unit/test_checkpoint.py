@@ -89,15 +89,15 @@ def test_corrupt_or_truncated_files_are_named_and_nothing_changes(tmp_path: Path
     where = Path(emb.save(tmp_path))
     target = et.DistributedEmbedding(_config(seed=3))
     before = snapshot(target)
-    data = where / "rank-00000.bin"
+    data = where / "rank-00000.safetensors"
     raw = bytearray(data.read_bytes())
     raw[len(raw) // 2] ^= 0xFF
     data.write_bytes(bytes(raw))
-    with pytest.raises(CheckpointError, match=r"rank-00000\.bin.*CRC-32"):
+    with pytest.raises(CheckpointError, match=r"rank-00000\.safetensors.*CRC-32"):
         target.restore(where)
     assert_same(before, snapshot(target))
     data.write_bytes(bytes(raw[:100]))
-    with pytest.raises(CheckpointError, match=r"rank-00000\.bin: 100 bytes"):
+    with pytest.raises(CheckpointError, match=r"rank-00000\.safetensors: 100 bytes"):
         target.restore(where)
     assert_same(before, snapshot(target))
     out = subprocess.run([sys.executable, "-m", "embtables", "inspect", str(where)], capture_output=True, text=True)
@@ -147,7 +147,7 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint_intact(tmp_path: Pa
     assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:  # kill it once its data file is being written
-        files = list(tmp_path.glob(".tmp-ckpt-*/rank-00000.bin"))
+        files = list(tmp_path.glob(".tmp-ckpt-*/rank-00000.safetensors"))
         if files and files[0].stat().st_size > 0:
             break
         time.sleep(0.002)
@@ -193,3 +193,28 @@ def test_any_to_any_restore_across_world_sizes_and_strategies(tmp_path: Path) ->
         single = et.DistributedEmbedding(_config(seed=8))
         single.restore(root)
         assert all(torch.equal(single.state_dict()[k], v) for k, v in expected.items())
+
+
+def test_rank_files_are_safetensors_files(tmp_path: Path) -> None:
+    """The safetensors layout read by hand: 8-byte header size, JSON header, contiguous raw data."""
+    import json
+
+    import numpy as np
+
+    emb = et.DistributedEmbedding(_config())
+    _train(emb, range(1))
+    raw = (Path(emb.save(tmp_path)) / "rank-00000.safetensors").read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8 : 8 + n])
+    data = raw[8 + n :]
+    spans = sorted(v["data_offsets"] for k, v in header.items() if k != "__metadata__")
+    assert spans[0][0] == 0 and spans[-1][1] == len(data)
+    assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))  # no holes, as safetensors requires
+    state = emb.state_dict()
+    for key in ("t", "t/accumulators", "u", "u/accumulators"):
+        spec = header[key]
+        assert spec["dtype"] == "F32"
+        lo, hi = spec["data_offsets"]
+        values = np.frombuffer(data[lo:hi], dtype=np.float32).reshape(spec["shape"])
+        assert np.array_equal(values, state[key].numpy())
+    assert header["t#rows"]["dtype"] == "I64" and header["t#rows"]["shape"] == [13]
