@@ -197,6 +197,7 @@ def test_any_to_any_restore_across_world_sizes_and_strategies(tmp_path: Path) ->
 
 def test_rank_files_are_safetensors_files(tmp_path: Path) -> None:
     """The safetensors layout read by hand: 8-byte header size, JSON header, contiguous raw data."""
+    import itertools
     import json
 
     import numpy as np
@@ -209,7 +210,7 @@ def test_rank_files_are_safetensors_files(tmp_path: Path) -> None:
     data = raw[8 + n :]
     spans = sorted(v["data_offsets"] for k, v in header.items() if k != "__metadata__")
     assert spans[0][0] == 0 and spans[-1][1] == len(data)
-    assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))  # no holes, as safetensors requires
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(spans))  # no holes, as safetensors requires
     state = emb.state_dict()
     for key in ("t", "t/accumulators", "u", "u/accumulators"):
         spec = header[key]
