@@ -2,6 +2,7 @@
 
 from embtables.checkpoint.serving import ExportReport, ServingEmbedding, export
 from embtables.checkpoint.store import CheckpointError, published, read_manifest, restore, save
+from embtables.checkpoint.tf_interop import read_tf_checkpoint, write_tf_checkpoint
 
 __all__ = [
     "CheckpointError",
@@ -11,5 +12,7 @@ __all__ = [
     "published",
     "read_manifest",
     "restore",
+    "read_tf_checkpoint",
     "save",
+    "write_tf_checkpoint",
 ]

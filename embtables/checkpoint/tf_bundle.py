@@ -1,0 +1,255 @@
+"""TensorFlow's checkpoint files (the "tensor bundle": ``<prefix>.index`` + ``<prefix>.data-00000-of-00001``)
+read and written without TensorFlow.
+
+The index is a LevelDB-format table, sorted by key: key "" holds a ``BundleHeaderProto``, every
+other key a ``BundleEntryProto`` (dtype, shape, shard, offset, size, masked CRC-32C) for a tensor
+stored raw in the data file. Only what TF's TPU embedding checkpoints use is supported: float32
+tensors, and the scalar string tensor ``_CHECKPOINTABLE_OBJECT_GRAPH`` (a serialized
+``TrackableObjectGraph``) that object-based restore needs. Protobufs are encoded by hand (a few
+varint fields), so neither TensorFlow nor protobuf is needed.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+_MAGIC = 0xDB4775248B80FB57
+DT_FLOAT, DT_STRING = 1, 7
+OBJECT_GRAPH_KEY = "_CHECKPOINTABLE_OBJECT_GRAPH"
+
+
+class BundleError(ValueError):
+    """A TensorFlow checkpoint file that cannot be read (or a tensor it cannot hold)."""
+
+
+# ---------------------------------------------------------------------------------------------- CRC-32C
+def _crc32c_table() -> list[int]:
+    table = []
+    for i in range(256):
+        c = i
+        for _ in range(8):
+            c = (c >> 1) ^ 0x82F63B78 if c & 1 else c >> 1
+        table.append(c)
+    return table
+
+
+_TABLE = _crc32c_table()
+
+
+def crc32c(data: bytes | memoryview, crc: int = 0) -> int:
+    """CRC-32C (Castagnoli) of ``data``; uses ``google_crc32c`` when installed (fast), else pure Python."""
+    try:
+        import google_crc32c  # type: ignore[import-not-found,unused-ignore]
+
+        return int(google_crc32c.extend(crc, bytes(data)))
+    except ImportError:
+        pass
+    c = crc ^ 0xFFFFFFFF
+    for b in bytes(data):
+        c = _TABLE[(c ^ b) & 0xFF] ^ (c >> 8)
+    return c ^ 0xFFFFFFFF
+
+
+def masked(crc: int) -> int:
+    """LevelDB's masked CRC (what TF stores)."""
+    return (((crc >> 15) | (crc << 17)) + 0xA282EAD8) & 0xFFFFFFFF
+
+
+# ---------------------------------------------------------------------------------------------- protobuf
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while True:
+        b = value & 0x7F
+        value >>= 7
+        if value:
+            out.append(b | 0x80)
+        else:
+            out.append(b)
+            return bytes(out)
+
+
+def _read_varint(data: bytes, pos: int) -> tuple[int, int]:
+    result = shift = 0
+    while True:
+        b = data[pos]
+        pos += 1
+        result |= (b & 0x7F) << shift
+        if not b & 0x80:
+            return result, pos
+        shift += 7
+
+
+def field_varint(number: int, value: int) -> bytes:
+    return _varint(number << 3) + _varint(value)
+
+
+def field_bytes(number: int, value: bytes) -> bytes:
+    return _varint((number << 3) | 2) + _varint(len(value)) + value
+
+
+def field_fixed32(number: int, value: int) -> bytes:
+    return _varint((number << 3) | 5) + struct.pack("<I", value)
+
+
+def parse(data: bytes) -> dict[int, list[Any]]:
+    """A protobuf message as {field number: [values]} (varints as ints, length-delimited as bytes)."""
+    out: dict[int, list[Any]] = {}
+    pos = 0
+    while pos < len(data):
+        key, pos = _read_varint(data, pos)
+        number, wire = key >> 3, key & 7
+        value: Any
+        if wire == 0:
+            value, pos = _read_varint(data, pos)
+        elif wire == 2:
+            n, pos = _read_varint(data, pos)
+            value, pos = data[pos : pos + n], pos + n
+        elif wire == 5:
+            value, pos = struct.unpack_from("<I", data, pos)[0], pos + 4
+        elif wire == 1:
+            value, pos = struct.unpack_from("<Q", data, pos)[0], pos + 8
+        else:
+            raise BundleError(f"unsupported protobuf wire type {wire}")
+        out.setdefault(number, []).append(value)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- table
+def _block_entries(block: bytes) -> Iterator[tuple[bytes, bytes]]:
+    num_restarts = struct.unpack_from("<I", block, len(block) - 4)[0]
+    end = len(block) - 4 - 4 * num_restarts
+    pos, key = 0, b""
+    while pos < end:
+        shared, pos = _read_varint(block, pos)
+        non_shared, pos = _read_varint(block, pos)
+        value_len, pos = _read_varint(block, pos)
+        key = key[:shared] + block[pos : pos + non_shared]
+        pos += non_shared
+        yield key, block[pos : pos + value_len]
+        pos += value_len
+
+
+def _read_table(data: bytes) -> dict[str, bytes]:
+    if len(data) < 48 or struct.unpack_from("<Q", data, len(data) - 8)[0] != _MAGIC:
+        raise BundleError("not a TensorFlow checkpoint index (bad table magic)")
+    footer = data[-48:]
+    _, pos = _read_varint(footer, 0)
+    _, pos = _read_varint(footer, pos)
+    index_offset, pos = _read_varint(footer, pos)
+    index_size, pos = _read_varint(footer, pos)
+    entries: dict[str, bytes] = {}
+    for _, handle in _block_entries(data[index_offset : index_offset + index_size]):
+        offset, p = _read_varint(handle, 0)
+        size, _ = _read_varint(handle, p)
+        if data[offset + size] != 0:
+            raise BundleError("compressed checkpoint index blocks are not supported")
+        for key, value in _block_entries(data[offset : offset + size]):
+            entries[key.decode()] = value
+    return entries
+
+
+def _block(entries: list[tuple[bytes, bytes]]) -> bytes:
+    """One uncompressed block (a restart point at every entry), with its type byte and masked CRC."""
+    body = bytearray()
+    restarts = []
+    for key, value in entries:
+        restarts.append(len(body))
+        body += _varint(0) + _varint(len(key)) + _varint(len(value)) + key + value
+    for r in restarts:
+        body += struct.pack("<I", r)
+    body += struct.pack("<I", len(restarts))
+    trailer = b"\x00"
+    return bytes(body) + trailer + struct.pack("<I", masked(crc32c(trailer, crc32c(bytes(body)))))
+
+
+def _write_table(entries: list[tuple[bytes, bytes]]) -> bytes:
+    entries = sorted(entries)
+    data = _block(entries)
+    data_size = len(data) - 5
+    meta = _block([])
+    meta_offset = len(data)
+    index = _block([(entries[-1][0] if entries else b"", _varint(0) + _varint(data_size))])
+    index_offset = meta_offset + len(meta)
+    footer = _varint(meta_offset) + _varint(len(meta) - 5) + _varint(index_offset) + _varint(len(index) - 5)
+    footer += b"\x00" * (40 - len(footer)) + struct.pack("<Q", _MAGIC)
+    return data + meta + index + footer
+
+
+# ---------------------------------------------------------------------------------------------- bundle
+def _content_crc(blob: bytes, dtype: int) -> int:
+    """The CRC-32C TF records for a tensor: of its bytes; for a scalar string, of its length as a
+    uint32, the masked CRC of that length, then the string (the stored length is a varint)."""
+    if dtype != DT_STRING:
+        return crc32c(blob)
+    n, pos = _read_varint(blob, 0)
+    return crc32c(blob[pos + 4 :], crc32c(blob[pos : pos + 4], crc32c(struct.pack("<I", n))))
+
+
+def read_bundle(prefix: str | os.PathLike[str]) -> dict[str, Any]:
+    """``{key: float32 array | bytes}`` of a TF checkpoint (``prefix`` without ``.index``); every tensor's
+    size and CRC-32C are checked."""
+    prefix = Path(prefix)
+    try:
+        index = Path(f"{prefix}.index").read_bytes()
+    except OSError as exc:
+        raise BundleError(f"{prefix}.index: cannot be read ({exc})") from exc
+    entries = _read_table(index)
+    header = parse(entries.pop("", b""))
+    shards = header.get(1, [1])[0]
+    data = [Path(f"{prefix}.data-{i:05d}-of-{shards:05d}").read_bytes() for i in range(shards)]
+    out: dict[str, Any] = {}
+    for key, raw in entries.items():
+        e = parse(raw)
+        dtype, shard = e.get(1, [0])[0], e.get(3, [0])[0]
+        offset, size = e.get(4, [0])[0], e.get(5, [0])[0]
+        blob = data[shard][offset : offset + size]
+        if len(blob) != size:
+            raise BundleError(f"{prefix}: tensor {key!r} is truncated")
+        if 6 in e and masked(_content_crc(blob, dtype)) != e[6][0]:
+            raise BundleError(f"{prefix}: tensor {key!r} fails its CRC-32C check")
+        dims = [parse(d).get(1, [0])[0] for d in parse(e[2][0]).get(2, [])] if 2 in e else []
+        if dtype == DT_FLOAT:
+            out[key] = np.frombuffer(blob, dtype="<f4").reshape(dims).copy()
+        elif dtype == DT_STRING and not dims:
+            n, pos = _read_varint(blob, 0)
+            out[key] = blob[pos + 4 : pos + 4 + n]  # [varint length][masked crc of lengths][bytes]
+        else:
+            raise BundleError(f"{prefix}: tensor {key!r} has dtype {dtype}; only float32 tables are read")
+    return out
+
+
+def write_bundle(
+    prefix: str | os.PathLike[str], tensors: dict[str, np.ndarray[Any, Any]], object_graph: bytes | None
+) -> None:
+    """Write float32 ``tensors`` (and the object graph) as a TF checkpoint at ``prefix``."""
+    prefix = Path(prefix)
+    data = bytearray()
+    entries: list[tuple[bytes, bytes]] = []
+    items: list[tuple[str, Any]] = sorted(tensors.items())
+    if object_graph is not None:
+        items.append((OBJECT_GRAPH_KEY, object_graph))
+    for key, value in sorted(items):
+        if isinstance(value, bytes):
+            length_crc = masked(crc32c(struct.pack("<I", len(value))))
+            blob = _varint(len(value)) + struct.pack("<I", length_crc) + value
+            dtype, shape = DT_STRING, b""
+        else:
+            array = np.ascontiguousarray(value, dtype="<f4")
+            blob = array.tobytes()
+            dtype = DT_FLOAT
+            shape = b"".join(field_bytes(2, field_varint(1, int(d))) for d in array.shape)
+        entry = field_varint(1, dtype) + field_bytes(2, shape) + field_varint(4, len(data)) + field_varint(5, len(blob))
+        entry += field_fixed32(6, masked(_content_crc(blob, dtype)))
+        entries.append((key.encode(), entry))
+        data += blob
+    version = field_varint(1, 1)  # producer 1
+    header = field_varint(1, 1) + field_bytes(3, version)
+    entries.append((b"", header))
+    Path(f"{prefix}.data-00000-of-00001").write_bytes(bytes(data))
+    Path(f"{prefix}.index").write_bytes(_write_table(entries))

@@ -1,0 +1,76 @@
+"""TensorFlow interop without TensorFlow (issue 8, item 6).
+
+The fixture ``tests/fixtures/tf/tpu_embedding`` was written by TF 2.20's own writer
+(``scripts/tf_fixtures.py write``): ``TPUEmbeddingForServing`` with tables "video" (Adagrad) and
+"user" (Adam). TF restores what ``write_tf_checkpoint`` writes: ``scripts/tf_fixtures.py check``
+(run with TensorFlow installed) restores it into the same model and checks every value.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import embtables as et
+from embtables.checkpoint.tf_bundle import OBJECT_GRAPH_KEY, parse, read_bundle
+from embtables.checkpoint.tf_interop import read_tf_checkpoint, write_tf_checkpoint
+
+FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "tf" / "tpu_embedding"
+BASE = {"video": 1.0, "user": 2.0}
+SLOT = {"": 0.0, "accumulators": 0.25, "momenta": 0.5, "velocities": 0.75}
+
+
+def _expected(key: str, shape: tuple[int, ...]) -> np.ndarray:
+    table, _, slot = key.partition("/")
+    return (BASE[table] + SLOT[slot] + np.arange(int(np.prod(shape)), dtype=np.float32).reshape(shape) / 1000).astype(
+        np.float32
+    )
+
+
+def _module() -> et.DistributedEmbedding:
+    video = et.TableConfig(40, 6, name="video", optimizer=et.Adagrad(0.1))
+    user = et.TableConfig(9, 4, name="user", optimizer=et.Adam(0.01))
+    return et.DistributedEmbedding({"watched": et.FeatureConfig(video), "user": et.FeatureConfig(user)})
+
+
+def test_a_tf_tpu_embedding_checkpoint_loads_tables_and_slots() -> None:
+    state = read_tf_checkpoint(FIXTURE)
+    assert sorted(state) == ["user", "user/momenta", "user/velocities", "video", "video/accumulators"]
+    emb = _module()
+    emb.load_state_dict(state)
+    for key, value in emb.state_dict().items():
+        assert np.array_equal(value.numpy(), _expected(key, tuple(value.shape))), key
+
+
+def test_written_checkpoints_have_tfs_keys_and_object_graph(tmp_path: Path) -> None:
+    emb = _module()
+    emb.load_state_dict(read_tf_checkpoint(FIXTURE))
+    write_tf_checkpoint(tmp_path / "ckpt", {k: v * 2 for k, v in emb.state_dict().items()})
+    ours, theirs = read_bundle(tmp_path / "ckpt"), read_bundle(FIXTURE)
+    assert sorted(ours) == sorted(theirs)  # the same checkpoint keys as TF's own writer
+    for key, value in theirs.items():
+        if key != OBJECT_GRAPH_KEY:
+            assert np.array_equal(ours[key], value * 2), key
+    nodes = [parse(n) for n in parse(ours[OBJECT_GRAPH_KEY])[1]]
+    model = [parse(c) for c in nodes[1][1]]
+    names = sorted(c[2][0].decode() for c in model)
+    assert names == ["user", "user/momenta", "user/velocities", "video", "video/accumulators"]
+    round_trip = read_tf_checkpoint(tmp_path / "ckpt")
+    assert all(torch.equal(round_trip[k], v * 2) for k, v in emb.state_dict().items())
+
+
+def test_a_corrupt_tf_checkpoint_is_refused(tmp_path: Path) -> None:
+    for suffix in (".index", ".data-00000-of-00001"):
+        shutil.copy(f"{FIXTURE}{suffix}", tmp_path / f"c{suffix}")
+    data = tmp_path / "c.data-00000-of-00001"
+    raw = bytearray(data.read_bytes())
+    raw[-3] ^= 0x40
+    data.write_bytes(bytes(raw))
+    with pytest.raises(ValueError, match="CRC-32C"):
+        read_tf_checkpoint(tmp_path / "c")
+    with pytest.raises(ValueError, match="cannot be read"):
+        read_tf_checkpoint(tmp_path / "missing")
