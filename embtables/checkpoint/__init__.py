@@ -11,8 +11,8 @@ __all__ = [
     "export",
     "published",
     "read_manifest",
-    "restore",
     "read_tf_checkpoint",
+    "restore",
     "save",
     "write_tf_checkpoint",
 ]
