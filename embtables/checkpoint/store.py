@@ -335,11 +335,11 @@ def _read_rows(
             for slot in slots:
                 key = f"{t.name}/{slot}" if slot else t.name
                 spec = block[key]
+                if same:  # copy and checksum in cache-sized pieces: one pass over the file's bytes
+                    _copy_checked(mm, spec, out[slot], where / entry["file"], key, progress)
+                    continue
                 values = _block(mm, spec, np.float32, tuple(spec["shape"]), where / entry["file"], key)
-                if same:
-                    out[slot][...] = values
-                else:
-                    out[slot][hit] = values[pos[hit]]
+                out[slot][hit] = values[pos[hit]]
                 progress(int(hit.sum()) * t.dim * 4)
             filled |= hit
         if not filled.all():
@@ -374,6 +374,34 @@ def _read_stale(
         if rows_parts:
             out[t.name] = (torch.from_numpy(np.concatenate(rows_parts)), torch.from_numpy(np.concatenate(value_parts)))
     return out
+
+
+def _copy_checked(
+    mm: np.ndarray[Any, Any],
+    spec: dict[str, Any],
+    out: np.ndarray[Any, Any],
+    file: Path,
+    what: str,
+    progress: Callable[[int], None],
+) -> None:
+    """Copy a float32 block of the shape of ``out`` into it, checking its CRC-32 on the way."""
+    if [int(x) for x in spec["shape"]] != list(out.shape):
+        raise CheckpointError(f"{file}: the block of {what!r} has shape {spec['shape']}, expected {list(out.shape)}.")
+    start, nbytes = int(spec["offset"]), out.size * 4
+    if start < 0 or start + nbytes > mm.size:
+        raise CheckpointError(f"{file}: the block of {what!r} lies outside the file (truncated or corrupt).")
+    flat = out.reshape(-1).view(np.uint8)
+    crc, piece = 0, 4 << 20
+    with open(file, "rb", buffering=0) as f:  # read() copies from the page cache once, no page faults
+        f.seek(start)
+        for at in range(0, nbytes, piece):
+            chunk = flat[at : at + piece]
+            if f.readinto(chunk.data) != chunk.size:
+                raise CheckpointError(f"{file}: the block of {what!r} is truncated.")
+            crc = zlib.crc32(chunk.data, crc)
+            progress(chunk.size)
+    if crc != spec["crc32"]:
+        raise CheckpointError(f"{file}: the block of {what!r} fails its CRC-32 check (the file is corrupt).")
 
 
 def _block(
