@@ -65,10 +65,8 @@ def _dense_standin(batch: int, ms: float) -> Any:
     return run
 
 
-def _embtables_rank(rank: int, world: int, spec: dict[str, Any], out: str) -> None:
-    import embtables as et
-    from embtables.sharding import comm
-
+def _join(rank: int, world: int, spec: dict[str, Any]) -> None:
+    """Set this rank's threads and join the gloo group on localhost (nothing to join when W = 1)."""
     torch.set_num_threads(spec["threads"])
     if world > 1:
         torch.distributed.init_process_group(
@@ -78,6 +76,13 @@ def _embtables_rank(rank: int, world: int, spec: dict[str, Any], out: str) -> No
             world_size=world,
             timeout=datetime.timedelta(seconds=600),
         )
+
+
+def _embtables_rank(rank: int, world: int, spec: dict[str, Any], out: str) -> None:
+    import embtables as et
+    from embtables.sharding import comm
+
+    _join(rank, world, spec)
     wl = Workload(**spec["workload"])
     local = wl.batch // world
     batches = make_batches(wl)
@@ -137,14 +142,7 @@ def _torchrec_rank(rank: int, world: int, spec: dict[str, Any], out: str) -> Non
     import logging
 
     logging.disable(logging.WARNING)
-    torch.set_num_threads(spec["threads"])
-    torch.distributed.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{spec['port']}",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=600),
-    )
+    _join(rank, world, spec)
     from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor, PoolingType
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
     from torchrec.distributed.model_parallel import DistributedModelParallel
