@@ -1,12 +1,12 @@
 """``python -m embtables COMMAND [args...]`` (also the ``embtables`` console script).
 
 Commands:
-  train   the main job: a CTR model trained on built-in synthetic data (examples/quickstart.py)
+  train   the main job: a CTR model trained on built-in synthetic data (embtables/cli/train.py)
   bench   the benchmark suite against the peers (benchmarks/run.py); see BENCHMARKS.md
   stats   print lookup statistics files (profile_data_directory) and draw per-shard load
   inspect what a checkpoint holds (tables, shapes, optimizer, step, size) and its checksum status
 
-``train`` and ``bench`` ship with the source checkout; ``python -m embtables bench --help``.
+``bench`` ships with the source checkout; ``python -m embtables train --help``.
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from embtables.checkpoint import inspect
-from embtables.cli import stats
+from embtables.cli import stats, train
 
 _ROOT = Path(__file__).resolve().parent.parent
-_SCRIPTS = {"train": _ROOT / "examples" / "quickstart.py", "bench": _ROOT / "benchmarks" / "run.py"}
+_SCRIPTS = {"bench": _ROOT / "benchmarks" / "run.py"}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -57,9 +57,12 @@ def _run_script(name: str, rest: list[str]) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(list(sys.argv[1:] if argv is None else argv))
-    if args.command in _SCRIPTS:
-        return _run_script(args.command, list(args.rest))
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "train":  # its own argparse reads everything after the command
+        return train.main(argv[1:])
+    if argv and argv[0] in _SCRIPTS:
+        return _run_script(argv[0], argv[1:])
+    args = _parser().parse_args(argv)
     if args.command == "inspect":
         return inspect.run(args)
     return stats.run(args)

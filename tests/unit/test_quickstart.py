@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import re
+import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -20,18 +21,14 @@ QUICKSTART = Path(__file__).resolve().parents[2] / "examples" / "quickstart.py"
 
 @pytest.fixture(scope="module")
 def quickstart() -> ModuleType:
-    """``examples/quickstart.py`` imported as a module (it is a script, not part of the package)."""
-    name = "embtables_examples_quickstart"
-    spec = importlib.util.spec_from_file_location(name, QUICKSTART)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses need the module registered while it executes
-    try:
-        spec.loader.exec_module(module)
-    except BaseException:
-        del sys.modules[name]
-        raise
-    return module
+    """The main job, ``embtables.cli.train`` (``embtables train``; examples/quickstart.py runs it)."""
+    return importlib.import_module("embtables.cli.train")
+
+
+def test_the_example_script_and_the_cli_run_the_same_job(tmp_path: Path) -> None:
+    for cmd in ([sys.executable, str(QUICKSTART)], [sys.executable, "-m", "embtables", "train"]):
+        out = subprocess.run([*cmd, "--steps", "30", "--threads", "1"], capture_output=True, text=True, cwd=tmp_path)
+        assert "summary: training loss" in out.stdout, out.stderr[-2000:]
 
 
 def _run(quickstart: ModuleType, *extra: str) -> int:
