@@ -18,6 +18,10 @@ TOL: dict[str, dict[str, float]] = {
     "Adam": {"rtol": 1e-4, "atol": 1e-5},
     "FTRL": {"rtol": 1e-4, "atol": 1e-5},
     "AdagradMomentum": {"rtol": 1e-4, "atol": 1e-5},
+    "RMSProp": {"rtol": 1e-4, "atol": 1e-5},
+    "CenteredRMSProp": {"rtol": 1e-4, "atol": 1e-5},
+    "Adadelta": {"rtol": 1e-4, "atol": 1e-5},
+    "ProximalYogi": {"rtol": 1e-4, "atol": 1e-5},
 }
 
 

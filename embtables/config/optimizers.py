@@ -1,4 +1,5 @@
-"""Optimizer configs: SGD, Adagrad, AdagradMomentum, Adam, FTRL.
+"""Optimizer configs: SGD, Adagrad, AdagradMomentum, Adam, FTRL (the TF v2 classes; the others are in
+``extra_optimizers``, all of them listed in ``catalogue``).
 
 Each is a frozen dataclass with TensorFlow's exact argument names, order and defaults
 (``tf.tpu.experimental.embedding.*``), validated on construction with TF's rules. They hold no
@@ -418,8 +419,7 @@ class FTRL(_Optimizer):
         return (float(self.initial_accumulator_value), 0.0)
 
 
-OPTIMIZER_TYPES: tuple[type[_Optimizer], ...] = (SGD, Adagrad, AdagradMomentum, Adam, FTRL)
-Optimizer = SGD | Adagrad | AdagradMomentum | Adam | FTRL
+CORE_OPTIMIZER_TYPES: tuple[type[_Optimizer], ...] = (SGD, Adagrad, AdagradMomentum, Adam, FTRL)
 
-for _cls in OPTIMIZER_TYPES:
+for _cls in CORE_OPTIMIZER_TYPES:
     _cls.__doc__ = (_cls.__doc__ or "") + _COMMON_DOC

@@ -10,7 +10,7 @@ import dataclasses
 from collections.abc import Callable
 
 from embtables.config import nest
-from embtables.config.optimizers import OPTIMIZER_TYPES, Optimizer
+from embtables.config.catalogue import OPTIMIZER_TYPES, Optimizer
 from embtables.config.tables import FeatureConfig, TableConfig
 from embtables.errors import ConfigError
 

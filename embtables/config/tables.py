@@ -13,7 +13,7 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from embtables.config.optimizers import OPTIMIZER_TYPES, Optimizer
+from embtables.config.catalogue import OPTIMIZER_TYPES, Optimizer
 from embtables.errors import ConfigError
 
 logger = logging.getLogger("embtables")

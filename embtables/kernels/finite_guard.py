@@ -16,7 +16,8 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from embtables.config.optimizers import FTRL, SGD, Adagrad, AdagradMomentum, Adam, Optimizer
+from embtables.config.catalogue import Optimizer
+from embtables.config.optimizers import FTRL, SGD, Adagrad, AdagradMomentum, Adam
 
 SAFE = 1e30  # every bounded intermediate must stay below this (float32 max is 3.4e38)
 _F32_MIN_NORMAL = 1.1754944e-38

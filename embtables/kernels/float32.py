@@ -10,6 +10,8 @@ float32 value exactly.
 from __future__ import annotations
 
 import numpy as np
+import torch
+from torch import Tensor
 
 from embtables.config.optimizers import as_float32
 
@@ -36,3 +38,9 @@ def times(*xs: float) -> float:
 def neg_reciprocal(x: float) -> float:
     """``-1 / x`` in float32."""
     return float(np.float32(-1.0) / np.float32(x))
+
+
+def scalar_over(s: float, t: Tensor) -> Tensor:
+    """``s / t`` with IEEE division of each element. (``float / tensor`` in torch multiplies by the
+    reciprocal, one rounding more than C's ``s / x`` and TF's, so it can differ in the last bit.)"""
+    return torch.full_like(t, s) / t

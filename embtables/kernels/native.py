@@ -26,14 +26,37 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from embtables.config.optimizers import FTRL, SGD, Adagrad, AdagradMomentum, Adam, Optimizer
+from embtables.config.catalogue import Optimizer
+from embtables.config.extra_optimizers import (
+    Adadelta,
+    CenteredRMSProp,
+    FrequencyEstimator,
+    Momentum,
+    ProximalAdagrad,
+    ProximalYogi,
+    RMSProp,
+)
+from embtables.config.optimizers import FTRL, SGD, Adagrad, AdagradMomentum, Adam
 from embtables.kernels.float32 import f32, neg_reciprocal, one_minus, times
 
 logger = logging.getLogger("embtables")
 
 _SOURCE = Path(__file__).parent / "csrc" / "embtables_native.c"
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-math-errno", "-shared", "-fPIC"]
-_KINDS: dict[type[Any], int] = {SGD: 0, Adagrad: 1, AdagradMomentum: 2, Adam: 3, FTRL: 4}
+_KINDS: dict[type[Any], int] = {
+    SGD: 0,
+    Adagrad: 1,
+    AdagradMomentum: 2,
+    Adam: 3,
+    FTRL: 4,
+    ProximalAdagrad: 5,
+    Momentum: 6,
+    RMSProp: 7,
+    CenteredRMSProp: 8,
+    Adadelta: 9,
+    ProximalYogi: 10,
+    FrequencyEstimator: 11,
+}
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -60,6 +83,8 @@ class _OptParams(ctypes.Structure):
         ("c3", ctypes.c_float),
         ("c4", ctypes.c_float),
         ("c5", ctypes.c_float),
+        ("c6", ctypes.c_float),
+        ("c7", ctypes.c_float),
     ]
 
 
@@ -116,11 +141,11 @@ def _compile() -> ctypes.CDLL | None:
     lib.et_prepared_gmax.restype = ctypes.c_float
     lib.et_prepared_copy.argtypes = [p, p, p]
     lib.et_prepared_copy.restype = None
-    lib.et_check.argtypes = [p, p, p, p, i64, i64, f32, i32, i32]
+    lib.et_check.argtypes = [p, p, p, p, p, i64, i64, f32, i32, i32]
     lib.et_check.restype = i64
-    lib.et_apply.argtypes = [p, p, p, p, i64, i64, f32, i32, i32, p]
+    lib.et_apply.argtypes = [p, p, p, p, p, i64, i64, f32, i32, i32, p]
     lib.et_apply.restype = i32
-    lib.et_apply_sequential.argtypes = [p, p, i64, p, p, p, i64, i64, f32, i32]
+    lib.et_apply_sequential.argtypes = [p, p, i64, p, p, p, p, i64, i64, f32, i32]
     lib.et_apply_sequential.restype = i32
     lib.et_workspace_load.argtypes = [p, p, p, i64, i64, i64]
     lib.et_workspace_load.restype = i32
@@ -197,6 +222,8 @@ def _ptr(t: Tensor | None) -> int | None:
 
 def _threads() -> int:
     return max(1, torch.get_num_threads())
+
+
 def opt_params(opt: Optimizer, lr: float, decay: float, *, clip_gradients: bool) -> _OptParams:
     """The C parameter block for ``opt`` at learning rate ``lr`` and effective decay ``decay``."""
     p = _OptParams()
@@ -224,6 +251,22 @@ def opt_params(opt: Optimizer, lr: float, decay: float, *, clip_gradients: bool)
             p.c1, p.c3 = times(lr, l1), times(2.0, lr, l2)
         else:
             p.c1, p.c3 = f32(l1), times(2.0, l2)
+    elif isinstance(opt, ProximalAdagrad):
+        p.c0, p.c1 = f32(opt.l1_regularization_strength), f32(opt.l2_regularization_strength)
+    elif isinstance(opt, Momentum):
+        p.flag_a, p.c0 = int(opt.use_nesterov), f32(opt.momentum)
+    elif isinstance(opt, (RMSProp, CenteredRMSProp)):
+        p.flag_a = int(isinstance(opt, CenteredRMSProp))
+        p.c0, p.c1, p.c2, p.c3 = f32(opt.rho), one_minus(opt.rho), f32(opt.momentum), f32(opt.epsilon)
+    elif isinstance(opt, Adadelta):
+        p.c0, p.c1, p.c2 = f32(opt.rho), one_minus(opt.rho), f32(opt.epsilon)
+    elif isinstance(opt, ProximalYogi):
+        p.c0, p.c1, p.c2 = f32(opt.beta_1), one_minus(opt.beta_1), one_minus(opt.beta_2)
+        p.c3, p.c4 = f32(opt.epsilon), f32(opt.l1_regularization_strength)
+        p.c5 = f32(opt.l2_regularization_strength)
+    elif isinstance(opt, FrequencyEstimator):
+        p.c0, p.c1 = f32(opt.max_delta), f32(opt.outlier_threshold)
+        p.c2, p.c3 = one_minus(opt.tau), f32(opt.tau)
     return p
 
 
@@ -260,13 +303,14 @@ def lookup_many(parts: list[tuple[Tensor, Tensor, Tensor, Tensor | None]]) -> tu
     return outs, int(status)
 
 
-def _slots(weights: Tensor, slots: tuple[Tensor, ...]) -> tuple[Tensor | None, Tensor | None]:
-    """The (at most two) slots of a [V, D] table, each checked to be [V, D] float32 like it."""
-    if len(slots) > 2:
-        raise NativeBufferError(f"embtables native kernel: at most 2 slots, got {len(slots)}.")
+def _slots(weights: Tensor, slots: tuple[Tensor, ...]) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    """The (at most three) slots of a [V, D] table, each checked to be [V, D] float32 like it."""
+    if len(slots) > 3:
+        raise NativeBufferError(f"embtables native kernel: at most 3 slots, got {len(slots)}.")
     shape = tuple(weights.shape)
-    checked = [_require(s, f"slot {i}", torch.float32, shape) for i, s in enumerate(slots)]
-    return (checked[0] if checked else None, checked[1] if len(checked) > 1 else None)
+    checked: list[Tensor | None] = [_require(s, f"slot {i}", torch.float32, shape) for i, s in enumerate(slots)]
+    checked += [None] * (3 - len(checked))
+    return (checked[0], checked[1], checked[2])
 
 
 class Workspace:
@@ -341,11 +385,19 @@ class Workspace:
         lib = library()
         assert lib is not None
         _require(weights, "weights", torch.float32, (-1, self.dim))
-        s0, s1 = _slots(weights, slots)
+        s0, s1, s2 = _slots(weights, slots)
         bad = int(
             lib.et_check(
-                self.handle, weights.data_ptr(), _ptr(s0), _ptr(s1), weights.shape[0], self.dim,
-                ctypes.byref(params), int(dense), _threads(),
+                self.handle,
+                weights.data_ptr(),
+                _ptr(s0),
+                _ptr(s1),
+                _ptr(s2),
+                weights.shape[0],
+                self.dim,
+                ctypes.byref(params),
+                int(dense),
+                _threads(),
             )
         )
         if bad == -2:
@@ -362,11 +414,20 @@ class Workspace:
         lib = library()
         assert lib is not None
         _require(weights, "weights", torch.float32, (-1, self.dim))
-        s0, s1 = _slots(weights, slots)
-        maxabs = (ctypes.c_float * 3)() if measure else None
+        s0, s1, s2 = _slots(weights, slots)
+        maxabs = (ctypes.c_float * 4)() if measure else None
         status = lib.et_apply(
-            self.handle, weights.data_ptr(), _ptr(s0), _ptr(s1), weights.shape[0], self.dim,
-            ctypes.byref(params), int(dense), _threads(), maxabs,
+            self.handle,
+            weights.data_ptr(),
+            _ptr(s0),
+            _ptr(s1),
+            _ptr(s2),
+            weights.shape[0],
+            self.dim,
+            ctypes.byref(params),
+            int(dense),
+            _threads(),
+            maxabs,
         )
         if status != 0:
             raise NativeBufferError("embtables native kernel: the prepared update does not fit this table.")
@@ -436,7 +497,7 @@ def apply_sequential(
     _require(weights, "weights", torch.float32, (-1, -1))
     _require(rows, "rows", torch.int64, (-1,))
     _require(grads, "grads", torch.float32, (rows.numel(), weights.shape[1]))
-    s0, s1 = _slots(weights, slots)
+    s0, s1, s2 = _slots(weights, slots)
     status = lib.et_apply_sequential(
         rows.data_ptr(),
         grads.data_ptr(),
@@ -444,6 +505,7 @@ def apply_sequential(
         weights.data_ptr(),
         _ptr(s0),
         _ptr(s1),
+        _ptr(s2),
         weights.shape[0],
         weights.shape[1],
         ctypes.byref(params),

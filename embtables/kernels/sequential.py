@@ -19,7 +19,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from embtables.config.optimizers import SGD, Adagrad, Optimizer
+from embtables.config.catalogue import Optimizer
+from embtables.config.optimizers import SGD, Adagrad
 from embtables.kernels.sqrt import sqrt_f32
 
 

@@ -10,8 +10,30 @@ from typing import Any
 
 from torch import Tensor
 
-from embtables.config.optimizers import FTRL, SGD, Adagrad, AdagradMomentum, Adam, Optimizer
-from embtables.kernels import adagrad, adagrad_momentum, adam, ftrl, sgd
+from embtables.config.catalogue import Optimizer
+from embtables.config.extra_optimizers import (
+    Adadelta,
+    CenteredRMSProp,
+    FrequencyEstimator,
+    Momentum,
+    ProximalAdagrad,
+    ProximalYogi,
+    RMSProp,
+)
+from embtables.config.optimizers import FTRL, SGD, Adagrad, AdagradMomentum, Adam
+from embtables.kernels import (
+    adadelta,
+    adagrad,
+    adagrad_momentum,
+    adam,
+    frequency_estimator,
+    ftrl,
+    momentum,
+    proximal_adagrad,
+    proximal_yogi,
+    rmsprop,
+    sgd,
+)
 from embtables.kernels.clip_decay import clip_gradient, clip_weights, decay_weights, effective_weight_decay
 
 RowUpdateFn = Callable[..., tuple[Tensor, tuple[Tensor, ...]]]
@@ -22,6 +44,13 @@ ROW_UPDATES: dict[type[Any], RowUpdateFn] = {
     AdagradMomentum: adagrad_momentum.update_rows,
     Adam: adam.update_rows,
     FTRL: ftrl.update_rows,
+    ProximalAdagrad: proximal_adagrad.update_rows,
+    Momentum: momentum.update_rows,
+    RMSProp: rmsprop.update_rows,
+    CenteredRMSProp: rmsprop.update_rows_centered,
+    Adadelta: adadelta.update_rows,
+    ProximalYogi: proximal_yogi.update_rows,
+    FrequencyEstimator: frequency_estimator.update_rows,
 }
 
 
@@ -79,4 +108,3 @@ def sparse_update_(
     weights.index_copy_(0, rows, w_new.to(weights.dtype))
     for dst, src in zip(slots, s_new):
         dst.index_copy_(0, rows, src.to(dst.dtype))
-

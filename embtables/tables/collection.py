@@ -523,6 +523,7 @@ class _Bounds:
     stamp: tuple[tuple[int, int], ...]
     measured: bool  # False once a proven (analytic, looser) bound was folded in
 
+
 def _stamp(tensors: Sequence[Tensor]) -> tuple[tuple[int, int], ...]:
     return tuple((t.data_ptr(), t._version) for t in tensors)
 

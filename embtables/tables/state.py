@@ -8,7 +8,7 @@ import math
 import torch
 from torch import Tensor
 
-from embtables.config import FTRL, Adagrad, AdagradMomentum, ResolvedTable
+from embtables.config import FTRL, Adadelta, Adagrad, AdagradMomentum, ProximalAdagrad, ProximalYogi, ResolvedTable
 from embtables.errors import ConfigError
 from embtables.tables.initializers import Constant, default_initializer
 
@@ -60,8 +60,12 @@ def check_loaded_value(table: ResolvedTable, slot: str, value: Tensor) -> str | 
     opt = table.optimizer
     accumulators = slot == "accumulators"
     zero_allowed = isinstance(opt, FTRL) and opt.allow_zero_accumulator
-    strict_positive = accumulators and isinstance(opt, (Adagrad, FTRL)) and not zero_allowed
-    non_negative = (accumulators and (isinstance(opt, AdagradMomentum) or zero_allowed)) or slot == "velocities"
+    strict_positive = accumulators and isinstance(opt, (Adagrad, FTRL, ProximalAdagrad)) and not zero_allowed
+    non_negative = (
+        (accumulators and (isinstance(opt, (AdagradMomentum, Adadelta)) or zero_allowed))
+        or slot in ("velocities", "ms", "updates")
+        or (slot == "v" and isinstance(opt, ProximalYogi))
+    )
     if strict_positive and not smallest > 0:
         return f"holds {smallest!r} (as float32), but {type(opt).__name__}'s {slot} must be > 0 (the update divides)"
     if non_negative and not smallest >= 0:

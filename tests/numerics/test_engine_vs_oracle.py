@@ -93,6 +93,32 @@ OPTIMIZERS: dict[str, Any] = {
     "ftrl_power_zero_clip": lambda: et.FTRL(0.1, learning_rate_power=0.0, clipvalue=0.25),
     "ftrl_no_accumulation": lambda: et.FTRL(0.1, use_gradient_accumulation=False, l1_regularization_strength=0.001),
     "ftrl_dynamic_lr": lambda: et.FTRL(Schedule([0.1, 0.2, 0.05]), multiply_linear_by_learning_rate=True),
+    # The TPUEstimator-era optimizers (SPEC 1.3 "v1-only").
+    "proximal_adagrad": lambda: et.ProximalAdagrad(
+        0.2, initial_accumulator_value=0.05, l1_regularization_strength=0.01, l2_regularization_strength=0.1
+    ),
+    "proximal_adagrad_no_accumulation_decay": lambda: et.ProximalAdagrad(
+        0.1, use_gradient_accumulation=False, weight_decay_factor=0.02, l1_regularization_strength=0.02
+    ),
+    "momentum": lambda: et.Momentum(0.1, momentum=0.9, clipvalue=0.5),
+    "momentum_nesterov_no_accumulation": lambda: et.Momentum(
+        0.05, momentum=0.5, use_nesterov=True, use_gradient_accumulation=False
+    ),
+    "rmsprop": lambda: et.RMSProp(0.05, rho=0.8, momentum=0.5, epsilon=1e-3, clip_weight_max=0.9),
+    "centered_rmsprop": lambda: et.CenteredRMSProp(
+        Schedule([0.05, 0.01, 0.02]), rho=0.9, momentum=0.3, epsilon=1e-2, weight_decay_factor=0.01
+    ),
+    "centered_rmsprop_no_accumulation": lambda: et.CenteredRMSProp(
+        0.02, rho=0.7, epsilon=1e-2, use_gradient_accumulation=False
+    ),
+    "adadelta": lambda: et.Adadelta(1.0, rho=0.9, epsilon=1e-4, clipvalue=(-0.3, 0.6)),
+    "proximal_yogi": lambda: et.ProximalYogi(
+        0.05, l1_regularization_strength=0.01, l2_regularization_strength=0.05, initial_accumulator_value=0.01
+    ),
+    "proximal_yogi_no_accumulation": lambda: et.ProximalYogi(0.05, beta_1=0.5, use_gradient_accumulation=False),
+    "frequency_estimator": lambda: et.FrequencyEstimator(
+        Schedule([3.0, 7.0, 30.0]), tau=0.25, max_delta=20.0, outlier_threshold=2.0
+    ),
 }
 
 

@@ -18,7 +18,21 @@ import numpy as np
 
 Opt = dict[str, Any]
 
-OPTIMIZER_NAMES: tuple[str, ...] = ("SGD", "Adagrad", "AdagradMomentum", "Adam", "FTRL")
+OPTIMIZER_NAMES: tuple[str, ...] = (
+    "SGD",
+    "Adagrad",
+    "AdagradMomentum",
+    "Adam",
+    "FTRL",
+    # SPEC 1.3, "v1-only, TPUEstimator-era optimizers" (embtables' v2-style names for their arguments).
+    "ProximalAdagrad",
+    "Momentum",
+    "RMSProp",
+    "CenteredRMSProp",
+    "Adadelta",
+    "ProximalYogi",
+    "FrequencyEstimator",
+)
 
 # SPEC 1.2: arguments shared by every optimizer, with their v2 defaults. ``clipping_limit`` is SPEC 10.4.
 _COMMON_DEFAULTS: dict[str, Any] = {
@@ -58,6 +72,24 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
         "multiply_linear_by_learning_rate": False,
         "allow_zero_accumulator": False,
     },
+    "ProximalAdagrad": {
+        "initial_accumulator_value": 0.1,
+        "l1_regularization_strength": 0.0,
+        "l2_regularization_strength": 0.0,
+    },
+    "Momentum": {"momentum": 0.9, "use_nesterov": False},
+    "RMSProp": {"rho": 0.9, "momentum": 0.0, "epsilon": 1e-07},
+    "CenteredRMSProp": {"rho": 0.9, "momentum": 0.0, "epsilon": 1e-07},
+    "Adadelta": {"rho": 0.95, "epsilon": 1e-07},
+    "ProximalYogi": {
+        "beta_1": 0.9,
+        "beta_2": 0.999,
+        "epsilon": 1e-3,
+        "l1_regularization_strength": 0.0,
+        "l2_regularization_strength": 0.0,
+        "initial_accumulator_value": 1e-6,
+    },
+    "FrequencyEstimator": {"tau": 0.1, "max_delta": 1000.0, "outlier_threshold": 10.0, "weight_exponent": 1.0},
 }
 
 # SPEC 1.3: slot names in TF order.
@@ -67,6 +99,13 @@ _SLOT_NAMES: dict[str, list[str]] = {
     "AdagradMomentum": ["accumulators", "momenta"],
     "Adam": ["momenta", "velocities"],
     "FTRL": ["accumulators", "linears"],
+    "ProximalAdagrad": ["accumulators"],
+    "Momentum": ["momenta"],
+    "RMSProp": ["ms", "mom"],
+    "CenteredRMSProp": ["ms", "mom", "mg"],
+    "Adadelta": ["accumulators", "updates"],
+    "ProximalYogi": ["v", "m"],
+    "FrequencyEstimator": ["last_hit_step"],
 }
 
 
@@ -98,7 +137,9 @@ def slot_names(opt: Opt) -> list[str]:
 def _slot_initial_value(opt: Opt, slot: str) -> float:
     """SPEC 1.3: the initial value of one slot."""
     name = optimizer_name(opt)
-    if slot == "accumulators" and name in ("Adagrad", "FTRL"):
+    if slot == "accumulators" and name in ("Adagrad", "FTRL", "ProximalAdagrad"):
+        return float(param(opt, "initial_accumulator_value"))
+    if slot == "v" and name == "ProximalYogi":
         return float(param(opt, "initial_accumulator_value"))
     # AdagradMomentum accumulators and momenta, Adam momenta and velocities, FTRL linears all start at 0.
     # (SPEC 1.3, AdagradMomentum: epsilon is NOT the initial accumulator.)
@@ -268,6 +309,98 @@ def _ftrl(
     return w_new, {"accumulators": n_new, "linears": z_new}
 
 
+def _proximal(prox: np.ndarray, lr_t: np.ndarray, l1: float, l2: float) -> np.ndarray:
+    # SPEC 1.3 ProximalAdagrad: sign(prox) * max(|prox| - lr_t*l1, 0) / (1 + lr_t*l2)
+    return np.sign(prox) * np.maximum(np.abs(prox) - lr_t * l1, 0.0) / (1.0 + lr_t * l2)
+
+
+def _proximal_adagrad(
+    opt: Opt, w: np.ndarray, slots: dict[str, np.ndarray], g: np.ndarray, lr: float
+) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    # SPEC 1.3 ProximalAdagrad: a += g^2; lr_t = lr/sqrt(a); prox = w - lr_t*g; proximal l1/l2 step.
+    a = slots["accumulators"] + g * g
+    lr_t = lr / np.sqrt(a)
+    prox = w - lr_t * g
+    l1 = _f32(param(opt, "l1_regularization_strength"))
+    l2 = _f32(param(opt, "l2_regularization_strength"))
+    return _proximal(prox, lr_t, l1, l2), {"accumulators": a}
+
+
+def _momentum(
+    opt: Opt, w: np.ndarray, slots: dict[str, np.ndarray], g: np.ndarray, lr: float
+) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    # SPEC 1.3 Momentum (TF ApplyMomentum): m = mu*m + g; w -= lr*m, or lr*(g + mu*m) with Nesterov.
+    mu = _f32(param(opt, "momentum"))
+    m = mu * slots["momenta"] + g
+    step = g + mu * m if param(opt, "use_nesterov") else m
+    return w - lr * step, {"momenta": m}
+
+
+def _rmsprop(
+    opt: Opt, w: np.ndarray, slots: dict[str, np.ndarray], g: np.ndarray, lr: float, centered: bool
+) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    # SPEC 1.3 RMSProp: ms = rho*ms + (1-rho)*g^2; mom = mu*mom + lr*g/sqrt(ms + eps); w -= mom.
+    # CenteredRMSProp: mg = rho*mg + (1-rho)*g and the denominator is sqrt(ms - mg^2 + eps).
+    rho = _f32(param(opt, "rho"))
+    mu = _f32(param(opt, "momentum"))
+    eps = _f32(param(opt, "epsilon"))
+    ms = rho * slots["ms"] + _f32_one_minus(rho) * g * g
+    new: dict[str, np.ndarray] = {"ms": ms}
+    if centered:
+        mg = rho * slots["mg"] + _f32_one_minus(rho) * g
+        new["mg"] = mg
+        den = np.sqrt(ms - mg * mg + eps)
+    else:
+        den = np.sqrt(ms + eps)
+    mom = mu * slots["mom"] + lr * g / den
+    new["mom"] = mom
+    return w - mom, new
+
+
+def _adadelta(
+    opt: Opt, w: np.ndarray, slots: dict[str, np.ndarray], g: np.ndarray, lr: float
+) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    # SPEC 1.3 Adadelta (TF ApplyAdadelta): a = rho*a + (1-rho)*g^2; u = sqrt(upd+eps)/sqrt(a+eps)*g;
+    # upd = rho*upd + (1-rho)*u^2; w -= lr*u.
+    rho = _f32(param(opt, "rho"))
+    eps = _f32(param(opt, "epsilon"))
+    a = rho * slots["accumulators"] + _f32_one_minus(rho) * g * g
+    u = np.sqrt(slots["updates"] + eps) / np.sqrt(a + eps) * g
+    upd = rho * slots["updates"] + _f32_one_minus(rho) * u * u
+    return w - lr * u, {"accumulators": a, "updates": upd}
+
+
+def _proximal_yogi(
+    opt: Opt, w: np.ndarray, slots: dict[str, np.ndarray], g: np.ndarray, lr: float
+) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    # SPEC 1.3 ProximalYogi, no bias correction: m = b1*m + (1-b1)*g; v = v - (1-b2)*sign(v - g^2)*g^2;
+    # then the proximal l1/l2 step of ProximalAdagrad with lr_t = lr/(sqrt(v) + eps) applied to w - lr_t*m.
+    b1 = _f32(param(opt, "beta_1"))
+    b2 = _f32(param(opt, "beta_2"))
+    eps = _f32(param(opt, "epsilon"))
+    m = b1 * slots["m"] + _f32_one_minus(b1) * g
+    g2 = g * g
+    v = slots["v"] - _f32_one_minus(b2) * np.sign(slots["v"] - g2) * g2
+    lr_t = lr / (np.sqrt(v) + eps)
+    prox = w - lr_t * m
+    l1 = _f32(param(opt, "l1_regularization_strength"))
+    l2 = _f32(param(opt, "l2_regularization_strength"))
+    return _proximal(prox, lr_t, l1, l2), {"v": v, "m": m}
+
+
+def _frequency_estimator(
+    opt: Opt, w: np.ndarray, slots: dict[str, np.ndarray], lr: float
+) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    # SPEC 1.3 FrequencyEstimator: the "learning rate" is the global step t; gradients are ignored.
+    t = lr
+    tau = _f32(param(opt, "tau"))
+    delta = t - slots["last_hit_step"]
+    delta_c = np.minimum(delta, _f32(param(opt, "max_delta")))
+    outlier = delta >= _f32(param(opt, "outlier_threshold")) * w
+    w_new = np.where(outlier, delta_c, w * _f32_one_minus(tau) + delta_c * tau)
+    return w_new, {"last_hit_step": np.full_like(w, t)}
+
+
 def update_row(
     opt: Opt, w: np.ndarray, slots: dict[str, np.ndarray], g: np.ndarray, lr: float
 ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
@@ -302,8 +435,20 @@ def update_row(
         w_new, new_slots = _adagrad_momentum(opt, w_decayed, slots, g_clipped, lr)
     elif name == "Adam":
         w_new, new_slots = _adam(opt, w_decayed, slots, g_clipped, lr)
-    else:
+    elif name == "FTRL":
         w_new, new_slots = _ftrl(opt, w_decayed, slots, g_clipped, lr)
+    elif name == "ProximalAdagrad":
+        w_new, new_slots = _proximal_adagrad(opt, w_decayed, slots, g_clipped, lr)
+    elif name == "Momentum":
+        w_new, new_slots = _momentum(opt, w_decayed, slots, g_clipped, lr)
+    elif name in ("RMSProp", "CenteredRMSProp"):
+        w_new, new_slots = _rmsprop(opt, w_decayed, slots, g_clipped, lr, centered=name == "CenteredRMSProp")
+    elif name == "Adadelta":
+        w_new, new_slots = _adadelta(opt, w_decayed, slots, g_clipped, lr)
+    elif name == "ProximalYogi":
+        w_new, new_slots = _proximal_yogi(opt, w_decayed, slots, g_clipped, lr)
+    else:
+        w_new, new_slots = _frequency_estimator(opt, w_decayed, slots, lr)
 
     # Step 7: clip the new weights (not the slots); None = unbounded.
     wmin = param(opt, "clip_weight_min")

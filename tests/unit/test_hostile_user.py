@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 from subproc import run_python
 
-CHILD = r'''
+CHILD = r"""
 import copy, io, pickle, warnings, logging
 import torch
 from hypothesis import example, given, settings, HealthCheck, strategies as st
@@ -180,7 +180,7 @@ def run(actions, pipelined):
 
 run()
 print("ok")
-'''
+"""
 
 
 @pytest.mark.parametrize("path", ["native", "torch"])

@@ -320,9 +320,13 @@ def _pipelined_run(observe: Any) -> tuple[dict[str, Tensor], list[Tensor]]:
     tb = et.TableConfig(9, 3, name="tb", initializer=et.TruncatedNormal(seed=1))
     feats = {"a": et.FeatureConfig(ta), "b": et.FeatureConfig(tb), "s": et.FeatureConfig(ta, max_sequence_length=2)}
     m = et.DistributedEmbedding(feats, et.Adagrad(0.5), pipeline_execution_with_tensor_core=True)
-    tb_adam = {"b": et.FeatureConfig(et.TableConfig(
-        9, 3, name="tc", optimizer=et.Adam(0.1, lazy_adam=False), initializer=et.TruncatedNormal(seed=2)
-    ))}
+    tb_adam = {
+        "b": et.FeatureConfig(
+            et.TableConfig(
+                9, 3, name="tc", optimizer=et.Adam(0.1, lazy_adam=False), initializer=et.TruncatedNormal(seed=2)
+            )
+        )
+    }
     m2 = et.DistributedEmbedding(tb_adam, pipeline_execution_with_tensor_core=True)
     gen = torch.Generator().manual_seed(5)
     acts_seen = []

@@ -76,9 +76,7 @@ BAD_LRS: list[tuple[str, Any, type, type[Exception], str]] = [
 ]
 
 
-@pytest.mark.parametrize(
-    "lr, opt, exc, match", [c[1:] for c in BAD_LRS], ids=[c[0] for c in BAD_LRS]
-)
+@pytest.mark.parametrize("lr, opt, exc, match", [c[1:] for c in BAD_LRS], ids=[c[0] for c in BAD_LRS])
 def test_bad_learning_rate_callables_raise_and_change_nothing(
     lr: Any, opt: type, exc: type[Exception], match: str, kernel_path: str
 ) -> None:

@@ -5,7 +5,7 @@
  * the torch reference path (kernels/<optimizer>.py); no fused multiply-add, so gradient sums are
  * bit-identical to the reference's index_add_.
  *
- * Shapes: W, S0, S1 are [V, D] row-major; ids [N] int64; offsets [S+1] int64; coeffs [N] float32
+ * Shapes: W, S0, S1, S2 are [V, D] row-major; ids [N] int64; offsets [S+1] int64; coeffs [N] float32
  * (NULL = all 1); grads [S, D] float32 (NULL = zero gradient).
  */
 #include <math.h>
@@ -16,7 +16,20 @@
 #include <omp.h>
 #endif
 
-enum { ET_SGD = 0, ET_ADAGRAD = 1, ET_ADAGRAD_MOMENTUM = 2, ET_ADAM = 3, ET_FTRL = 4 };
+enum {
+    ET_SGD = 0,
+    ET_ADAGRAD = 1,
+    ET_ADAGRAD_MOMENTUM = 2,
+    ET_ADAM = 3,
+    ET_FTRL = 4,
+    ET_PROXIMAL_ADAGRAD = 5,
+    ET_MOMENTUM = 6,
+    ET_RMSPROP = 7,
+    ET_CENTERED_RMSPROP = 8,
+    ET_ADADELTA = 9,
+    ET_PROXIMAL_YOGI = 10,
+    ET_FREQUENCY_ESTIMATOR = 11
+};
 
 /* Mirrors embtables.kernels.native._OptParams (ctypes.Structure); keep the field order in sync. */
 typedef struct {
@@ -24,7 +37,7 @@ typedef struct {
     int32_t flag_a; /* Adam: sum_inside_sqrt; AdagradMomentum: use_nesterov; FTRL: multiply_linear */
     int32_t flag_b; /* AdagradMomentum: beta2 == 1; FTRL: allow_zero_accumulator */
     float lr, decay, glo, ghi, wlo, whi; /* absent clip bounds are -inf / +inf */
-    float c0, c1, c2, c3, c4, c5; /* per-kind constants, see native.py */
+    float c0, c1, c2, c3, c4, c5, c6, c7; /* per-kind constants, see native.py */
 } et_opt;
 
 /* |x| as its IEEE bit pattern: for non-negative floats the integer order is the float order, so an integer
@@ -161,10 +174,11 @@ int et_lookup_many(int64_t F, const float *const *W, const int64_t *D, const int
     x = x > p->whi ? p->whi : x;                                                                                   \
     w[d] = x;
 
-static void et_row_sgd(const et_opt *p, float *restrict w, float *restrict s0, float *restrict s1,
+static void et_row_sgd(const et_opt *p, float *restrict w, float *restrict s0, float *restrict s1, float *restrict s2,
                        const float *restrict gin, int64_t D) {
     (void)s0;
     (void)s1;
+    (void)s2;
     const float lr = p->lr;
     for (int64_t d = 0; d < D; ++d) {
         ET_PROLOGUE
@@ -173,9 +187,10 @@ static void et_row_sgd(const et_opt *p, float *restrict w, float *restrict s0, f
     }
 }
 
-static void et_row_adagrad(const et_opt *p, float *restrict w, float *restrict s0, float *restrict s1,
+static void et_row_adagrad(const et_opt *p, float *restrict w, float *restrict s0, float *restrict s1, float *restrict s2,
                            const float *restrict gin, int64_t D) {
     (void)s1;
+    (void)s2;
     const float lr = p->lr;
     for (int64_t d = 0; d < D; ++d) {
         ET_PROLOGUE
@@ -187,8 +202,9 @@ static void et_row_adagrad(const et_opt *p, float *restrict w, float *restrict s
 }
 
 /* c0 momentum, c1 -1/exponent, c2 beta2, c3 1-beta2, c4 epsilon; flag_a nesterov, flag_b beta2 == 1 */
-static void et_row_adagrad_momentum(const et_opt *p, float *restrict w, float *restrict s0, float *restrict s1,
+static void et_row_adagrad_momentum(const et_opt *p, float *restrict w, float *restrict s0, float *restrict s1, float *restrict s2,
                                     const float *restrict gin, int64_t D) {
+    (void)s2;
     const float lr = p->lr;
     for (int64_t d = 0; d < D; ++d) {
         ET_PROLOGUE
@@ -203,8 +219,9 @@ static void et_row_adagrad_momentum(const et_opt *p, float *restrict w, float *r
 }
 
 /* c0 b1, c1 1-b1, c2 b2, c3 1-b2, c4 eps^2, c5 eps; flag_a sum_inside_sqrt */
-static void et_row_adam(const et_opt *p, float *restrict w, float *restrict s0, float *restrict s1,
+static void et_row_adam(const et_opt *p, float *restrict w, float *restrict s0, float *restrict s1, float *restrict s2,
                         const float *restrict gin, int64_t D) {
+    (void)s2;
     const float lr = p->lr;
     for (int64_t d = 0; d < D; ++d) {
         ET_PROLOGUE
@@ -248,8 +265,9 @@ static void et_row_adam(const et_opt *p, float *restrict w, float *restrict s0, 
 
 /* c0 p = -learning_rate_power, c1 l1 (or lr*l1), c2 beta, c3 2*l2 (or 2*lr*l2); flag_a multiply_linear,
  * flag_b allow_zero_accumulator */
-static void et_row_ftrl(const et_opt *p, float *restrict w, float *restrict s0, float *restrict s1,
+static void et_row_ftrl(const et_opt *p, float *restrict w, float *restrict s0, float *restrict s1, float *restrict s2,
                         const float *restrict gin, int64_t D) {
+    (void)s2;
     const float lr = p->lr, lim = p->c1, e = p->c0;
     const int allow_zero = p->flag_b, multiply_linear = p->flag_a;
     if (e == 0.5f) {
@@ -259,7 +277,122 @@ static void et_row_ftrl(const et_opt *p, float *restrict w, float *restrict s0, 
     }
 }
 
-typedef void (*et_row_fn)(const et_opt *, float *, float *, float *, const float *, int64_t);
+/* sign(p) max(|p| - lr_t l1, 0) / (1 + lr_t l2), as kernels/proximal_adagrad.py computes it */
+static inline float et_proximal(float prox, float lr_t, float l1, float l2) {
+    float sh = fabsf(prox) - lr_t * l1;
+    sh = sh < 0.0f ? 0.0f : sh;
+    const float sgn = prox > 0.0f ? 1.0f : (prox < 0.0f ? -1.0f : 0.0f);
+    return sgn * sh / (1.0f + lr_t * l2);
+}
+
+/* c0 l1, c1 l2 */
+static void et_row_proximal_adagrad(const et_opt *p, float *restrict w, float *restrict s0, float *restrict s1,
+                                    float *restrict s2, const float *restrict gin, int64_t D) {
+    (void)s1;
+    (void)s2;
+    const float lr = p->lr;
+    for (int64_t d = 0; d < D; ++d) {
+        ET_PROLOGUE
+        const float a = s0[d] + g * g;
+        s0[d] = a;
+        const float lr_t = lr / sqrtf(a);
+        x = et_proximal(x - lr_t * g, lr_t, p->c0, p->c1);
+        ET_EPILOGUE
+    }
+}
+
+/* c0 momentum; flag_a nesterov */
+static void et_row_momentum(const et_opt *p, float *restrict w, float *restrict s0, float *restrict s1,
+                            float *restrict s2, const float *restrict gin, int64_t D) {
+    (void)s1;
+    (void)s2;
+    const float lr = p->lr;
+    for (int64_t d = 0; d < D; ++d) {
+        ET_PROLOGUE
+        const float m = p->c0 * s0[d] + g;
+        s0[d] = m;
+        x = x - lr * (p->flag_a ? g + p->c0 * m : m);
+        ET_EPILOGUE
+    }
+}
+
+/* c0 rho, c1 1-rho, c2 momentum, c3 epsilon; flag_a centered (s2 = mg) */
+static void et_row_rmsprop(const et_opt *p, float *restrict w, float *restrict s0, float *restrict s1,
+                           float *restrict s2, const float *restrict gin, int64_t D) {
+    const float lr = p->lr;
+    for (int64_t d = 0; d < D; ++d) {
+        ET_PROLOGUE
+        const float ms = p->c0 * s0[d] + p->c1 * (g * g);
+        float den;
+        if (p->flag_a) {
+            const float mg = p->c0 * s2[d] + p->c1 * g;
+            s2[d] = mg;
+            den = sqrtf(ms - mg * mg + p->c3);
+        } else {
+            den = sqrtf(ms + p->c3);
+        }
+        const float mom = p->c2 * s1[d] + lr * g / den;
+        s0[d] = ms;
+        s1[d] = mom;
+        x = x - mom;
+        ET_EPILOGUE
+    }
+}
+
+/* c0 rho, c1 1-rho, c2 epsilon */
+static void et_row_adadelta(const et_opt *p, float *restrict w, float *restrict s0, float *restrict s1,
+                            float *restrict s2, const float *restrict gin, int64_t D) {
+    (void)s2;
+    const float lr = p->lr;
+    for (int64_t d = 0; d < D; ++d) {
+        ET_PROLOGUE
+        const float a = p->c0 * s0[d] + p->c1 * (g * g);
+        const float u = sqrtf(s1[d] + p->c2) / sqrtf(a + p->c2) * g;
+        s0[d] = a;
+        s1[d] = p->c0 * s1[d] + p->c1 * (u * u);
+        x = x - lr * u;
+        ET_EPILOGUE
+    }
+}
+
+/* s0 v, s1 m; c0 b1, c1 1-b1, c2 1-b2, c3 epsilon, c4 l1, c5 l2 */
+static void et_row_proximal_yogi(const et_opt *p, float *restrict w, float *restrict s0, float *restrict s1,
+                                 float *restrict s2, const float *restrict gin, int64_t D) {
+    (void)s2;
+    const float lr = p->lr;
+    for (int64_t d = 0; d < D; ++d) {
+        ET_PROLOGUE
+        const float g2 = g * g;
+        const float m = p->c0 * s1[d] + p->c1 * g;
+        const float diff = s0[d] - g2;
+        const float sgn = diff > 0.0f ? 1.0f : (diff < 0.0f ? -1.0f : 0.0f);
+        const float v = s0[d] - p->c2 * sgn * g2;
+        s0[d] = v;
+        s1[d] = m;
+        const float lr_t = lr / (sqrtf(v) + p->c3);
+        x = et_proximal(x - lr_t * m, lr_t, p->c4, p->c5);
+        ET_EPILOGUE
+    }
+}
+
+/* lr = the global step t; s0 last_hit_step; c0 max_delta, c1 outlier_threshold, c2 1-tau, c3 tau */
+static void et_row_frequency_estimator(const et_opt *p, float *restrict w, float *restrict s0, float *restrict s1,
+                                       float *restrict s2, const float *restrict gin, int64_t D) {
+    (void)s1;
+    (void)s2;
+    const float t = p->lr;
+    for (int64_t d = 0; d < D; ++d) {
+        ET_PROLOGUE
+        (void)g;
+        const float delta = t - s0[d];
+        const float dc = delta > p->c0 ? p->c0 : delta;
+        x = delta >= p->c1 * x ? dc : x * p->c2 + dc * p->c3;
+        s0[d] = t;
+        ET_EPILOGUE
+    }
+}
+
+typedef void (*et_row_fn)(const et_opt *, float *, float *, float *, float *, const float *, int64_t);
 
 static et_row_fn et_row_function(int kind) {
     switch (kind) {
@@ -267,6 +400,13 @@ static et_row_fn et_row_function(int kind) {
     case ET_ADAGRAD: return et_row_adagrad;
     case ET_ADAGRAD_MOMENTUM: return et_row_adagrad_momentum;
     case ET_ADAM: return et_row_adam;
+    case ET_PROXIMAL_ADAGRAD: return et_row_proximal_adagrad;
+    case ET_MOMENTUM: return et_row_momentum;
+    case ET_RMSPROP: return et_row_rmsprop;
+    case ET_CENTERED_RMSPROP: return et_row_rmsprop;
+    case ET_ADADELTA: return et_row_adadelta;
+    case ET_PROXIMAL_YOGI: return et_row_proximal_yogi;
+    case ET_FREQUENCY_ESTIMATOR: return et_row_frequency_estimator;
     default: return et_row_ftrl;
     }
 }
@@ -547,17 +687,19 @@ void et_prepared_copy(const void *handle, int64_t *rows, float *G) {
 }
 
 /* The row function applied to copies of a row and its slots; returns 1 when every new value is finite.
- * buf holds 3 * D floats. Nothing in W/S changes. */
+ * buf holds 4 * D floats. Nothing in W/S changes. */
 static inline int et_row_finite(et_row_fn fn, const et_opt *p, const float *w, const float *s0, const float *s1,
-                                const float *g, int64_t D, float *buf) {
-    float *cw = buf, *c0 = buf + D, *c1 = buf + 2 * D;
+                                const float *s2, const float *g, int64_t D, float *buf) {
+    float *cw = buf, *c0 = buf + D, *c1 = buf + 2 * D, *c2 = buf + 3 * D;
     memcpy(cw, w, sizeof(float) * (size_t)D);
     if (s0) memcpy(c0, s0, sizeof(float) * (size_t)D);
     if (s1) memcpy(c1, s1, sizeof(float) * (size_t)D);
-    fn(p, cw, s0 ? c0 : NULL, s1 ? c1 : NULL, g, D);
+    if (s2) memcpy(c2, s2, sizeof(float) * (size_t)D);
+    fn(p, cw, s0 ? c0 : NULL, s1 ? c1 : NULL, s2 ? c2 : NULL, g, D);
     uint32_t m = et_maxbits(cw, D, 0);
     if (s0) m = et_maxbits(c0, D, m);
     if (s1) m = et_maxbits(c1, D, m);
+    if (s2) m = et_maxbits(c2, D, m);
     return m < ET_INF_BITS;
 }
 
@@ -572,7 +714,8 @@ static int et_prepared_ok(const et_workspace *h, int64_t V, int64_t D) {
 /* Phase 2 dry run: would the update of the prepared rows (every row of [V, D] when dense) write only finite
  * values? Computes each row on a copy and writes nothing. Returns -1 when all are finite, else a row id whose
  * update is not finite; -2 for a workspace that does not fit the table; -3 out of memory. */
-int64_t et_check(const void *handle, const float *W, const float *S0, const float *S1, int64_t V, int64_t D,
+int64_t et_check(const void *handle, const float *W, const float *S0, const float *S1, const float *S2, int64_t V,
+                 int64_t D,
                  const et_opt *p, int dense, int nthreads) {
     const et_workspace *h = (const et_workspace *)handle;
     if (!et_prepared_ok(h, V, D)) return -2;
@@ -583,7 +726,7 @@ int64_t et_check(const void *handle, const float *W, const float *S0, const floa
     int oom = 0;
 #pragma omp parallel num_threads(nthreads) reduction(max : bad) reduction(| : oom)
     {
-        float *buf = (float *)malloc(sizeof(float) * (size_t)(3 * D));
+        float *buf = (float *)malloc(sizeof(float) * (size_t)(4 * D));
         if (!buf) {
             oom = 1;
         } else {
@@ -601,11 +744,12 @@ int64_t et_check(const void *handle, const float *W, const float *S0, const floa
                         et_prefetch_row(W + q, D, 0);
                         if (S0) et_prefetch_row(S0 + q, D, 0);
                         if (S1) et_prefetch_row(S1 + q, D, 0);
+                        if (S2) et_prefetch_row(S2 + q, D, 0);
                     }
                 }
                 const int64_t o = r * D;
-                if (!et_row_finite(fn, p, W + o, S0 ? S0 + o : NULL, S1 ? S1 + o : NULL, u >= 0 ? h->G + u * D : NULL,
-                                   D, buf) &&
+                if (!et_row_finite(fn, p, W + o, S0 ? S0 + o : NULL, S1 ? S1 + o : NULL, S2 ? S2 + o : NULL,
+                                   u >= 0 ? h->G + u * D : NULL, D, buf) &&
                     r > bad)
                     bad = r;
             }
@@ -616,17 +760,17 @@ int64_t et_check(const void *handle, const float *W, const float *S0, const floa
 }
 
 /* Phase 2: one fused pass per updated row. dense != 0 updates every row of [V, D] (non-lazy Adam).
- * maxabs != NULL receives the largest |value| written into W, S0 and S1 (each row is scanned right after
+ * maxabs != NULL receives the largest |value| written into W, S0, S1 and S2 (each row is scanned right after
  * its update; this costs ~15% of the pass, so the engine asks for it only where its bounds need it).
  * Returns 0, or -2 (nothing written) for a workspace that does not fit the table. */
-int et_apply(const void *handle, float *W, float *S0, float *S1, int64_t V, int64_t D, const et_opt *p, int dense,
-             int nthreads, float *maxabs) {
+int et_apply(const void *handle, float *W, float *S0, float *S1, float *S2, int64_t V, int64_t D, const et_opt *p,
+             int dense, int nthreads, float *maxabs) {
     const et_workspace *h = (const et_workspace *)handle;
     if (!et_prepared_ok(h, V, D)) return -2;
     const int64_t U = h->U;
     const et_row_fn fn = et_row_function(p->kind);
     const int measure = maxabs != NULL;
-    uint32_t mw = 0, m0 = 0, m1 = 0;
+    uint32_t mw = 0, m0 = 0, m1 = 0, m2 = 0;
     if (!dense && !measure) { /* the hot path: exactly the plain fused pass */
 #pragma omp parallel for num_threads(nthreads) schedule(static, 256)
         for (int64_t u = 0; u < U; ++u) {
@@ -635,37 +779,42 @@ int et_apply(const void *handle, float *W, float *S0, float *S1, int64_t V, int6
                 et_prefetch_row(W + q, D, 1);
                 if (S0) et_prefetch_row(S0 + q, D, 1);
                 if (S1) et_prefetch_row(S1 + q, D, 1);
+                if (S2) et_prefetch_row(S2 + q, D, 1);
             }
             const int64_t r = h->rows[u] * D;
-            fn(p, W + r, S0 ? S0 + r : NULL, S1 ? S1 + r : NULL, h->G + u * D, D);
+            fn(p, W + r, S0 ? S0 + r : NULL, S1 ? S1 + r : NULL, S2 ? S2 + r : NULL, h->G + u * D, D);
         }
     } else if (!dense) {
-#pragma omp parallel for num_threads(nthreads) schedule(static, 256) reduction(max : mw, m0, m1)
+#pragma omp parallel for num_threads(nthreads) schedule(static, 256) reduction(max : mw, m0, m1, m2)
         for (int64_t u = 0; u < U; ++u) {
             if (u + ET_PF < U) {
                 const int64_t q = h->rows[u + ET_PF] * D;
                 et_prefetch_row(W + q, D, 1);
                 if (S0) et_prefetch_row(S0 + q, D, 1);
                 if (S1) et_prefetch_row(S1 + q, D, 1);
+                if (S2) et_prefetch_row(S2 + q, D, 1);
             }
             const int64_t r = h->rows[u] * D;
-            fn(p, W + r, S0 ? S0 + r : NULL, S1 ? S1 + r : NULL, h->G + u * D, D);
+            fn(p, W + r, S0 ? S0 + r : NULL, S1 ? S1 + r : NULL, S2 ? S2 + r : NULL, h->G + u * D, D);
             if (measure) {
                 mw = et_maxbits(W + r, D, mw);
                 if (S0) m0 = et_maxbits(S0 + r, D, m0);
                 if (S1) m1 = et_maxbits(S1 + r, D, m1);
+                if (S2) m2 = et_maxbits(S2 + r, D, m2);
             }
         }
     } else {
         const int shift = et_shift(h->mask);
-#pragma omp parallel for num_threads(nthreads) schedule(static, 1024) reduction(max : mw, m0, m1)
+#pragma omp parallel for num_threads(nthreads) schedule(static, 1024) reduction(max : mw, m0, m1, m2)
         for (int64_t r = 0; r < V; ++r) {
             const int64_t u = U ? et_find(h, r, shift) : -1;
-            fn(p, W + r * D, S0 ? S0 + r * D : NULL, S1 ? S1 + r * D : NULL, u >= 0 ? h->G + u * D : NULL, D);
+            fn(p, W + r * D, S0 ? S0 + r * D : NULL, S1 ? S1 + r * D : NULL, S2 ? S2 + r * D : NULL,
+               u >= 0 ? h->G + u * D : NULL, D);
             if (measure) {
                 mw = et_maxbits(W + r * D, D, mw);
                 if (S0) m0 = et_maxbits(S0 + r * D, D, m0);
                 if (S1) m1 = et_maxbits(S1 + r * D, D, m1);
+                if (S2) m2 = et_maxbits(S2 + r * D, D, m2);
             }
         }
     }
@@ -674,6 +823,7 @@ int et_apply(const void *handle, float *W, float *S0, float *S1, int64_t V, int6
         maxabs[0] = mw >= ET_INF_BITS ? INFINITY : et_bits_float(mw);
         maxabs[1] = m0 >= ET_INF_BITS ? INFINITY : et_bits_float(m0);
         maxabs[2] = m1 >= ET_INF_BITS ? INFINITY : et_bits_float(m1);
+        maxabs[3] = m2 >= ET_INF_BITS ? INFINITY : et_bits_float(m2);
     }
     return 0;
 }
@@ -728,8 +878,8 @@ int et_workspace_load(void *handle, const int64_t *rows, const float *G, int64_t
 /* No accumulation (SPEC 10.2): occurrences applied one at a time in the given order. Rows are split */
 /* across threads by id, so every row still sees its occurrences in order. Returns 0, or 3 (nothing  */
 /* written) when a row is outside [0, V).                                                             */
-int et_apply_sequential(const int64_t *rows, const float *G, int64_t N, float *W, float *S0, float *S1, int64_t V,
-                        int64_t D, const et_opt *p, int nthreads) {
+int et_apply_sequential(const int64_t *rows, const float *G, int64_t N, float *W, float *S0, float *S1, float *S2,
+                        int64_t V, int64_t D, const et_opt *p, int nthreads) {
     for (int64_t k = 0; k < N; ++k)
         if ((uint64_t)rows[k] >= (uint64_t)V) return 3;
     const et_row_fn fn = et_row_function(p->kind);
@@ -743,7 +893,7 @@ int et_apply_sequential(const int64_t *rows, const float *G, int64_t N, float *W
         for (int64_t k = 0; k < N; ++k) {
             const int64_t r = rows[k];
             if ((int)(et_hash(r) >> 59) % T != t) continue;
-            fn(p, W + r * D, S0 ? S0 + r * D : NULL, S1 ? S1 + r * D : NULL, G + k * D, D);
+            fn(p, W + r * D, S0 ? S0 + r * D : NULL, S1 ? S1 + r * D : NULL, S2 ? S2 + r * D : NULL, G + k * D, D);
         }
     }
     return 0;
