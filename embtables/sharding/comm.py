@@ -164,3 +164,18 @@ def any_rank(flag: bool, group: ProcessGroup | None = None) -> bool:
     with _collective("agreement on the step", group):
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return bool(t.item())
+
+
+def all_reduce_mean_(tensors: list[Tensor], group: ProcessGroup | None = None) -> None:
+    """Average each tensor over the ranks, in place (dense-model gradients; one flat message)."""
+    if not is_distributed(group) or not tensors:
+        return
+    flat = torch.cat([t.reshape(-1) for t in tensors]).to(collective_device(group))
+    with _collective("average of dense gradients", group):
+        dist.all_reduce(flat, group=group)
+    flat /= get_world_size(group)
+    offset = 0
+    for t in tensors:
+        n = t.numel()
+        t.copy_(flat[offset : offset + n].view_as(t))
+        offset += n

@@ -1,0 +1,92 @@
+"""Raw feature values (Python scalars and lists, ragged lists, NumPy arrays, pandas Series, PyArrow
+arrays, torch tensors) as one flat NumPy array plus a length per sample, vectorised.
+
+``flatten_values(x) -> (values [N], lengths [B])``: a 1-D column of scalars is one value per sample;
+a 2-D array or a column of lists is a list per sample. Missing values (``None``, NaN, pandas NA, an
+empty string, and -1 in an integer array, TF's ignore values) are dropped, shortening their sample.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+
+def _is_scalar(x: object) -> bool:
+    return isinstance(x, (int, float, str, bytes, np.generic)) or x is None
+
+
+def _from_arrow(x: Any) -> tuple[np.ndarray, np.ndarray] | None:
+    """A pyarrow Array / ChunkedArray (list or scalar type), without importing pyarrow."""
+    mod = type(x).__module__
+    if not mod.startswith("pyarrow"):
+        return None
+    if hasattr(x, "combine_chunks"):
+        x = x.combine_chunks()
+    if hasattr(x, "offsets") and hasattr(x, "flatten"):  # a ListArray
+        offsets = np.asarray(x.offsets, dtype=np.int64)
+        values = x.flatten().to_numpy(zero_copy_only=False)
+        return values, np.diff(offsets)
+    values = x.to_numpy(zero_copy_only=False)
+    return values, np.ones(len(values), dtype=np.int64)
+
+
+def _missing_mask(values: np.ndarray) -> np.ndarray:
+    """True where a value is missing (None, NaN, empty string; -1 for integer arrays)."""
+    if values.dtype.kind in "iu":
+        return np.asarray(values == -1) if values.dtype.kind == "i" else np.zeros(values.shape, dtype=bool)
+    if values.dtype.kind == "f":
+        return np.asarray(np.isnan(values))
+    if values.dtype.kind in "US":
+        return np.asarray(values == values.dtype.type())
+    out = np.fromiter(
+        (v is None or v == "" or v == b"" or (isinstance(v, float) and v != v) or str(v) == "<NA>" for v in values),
+        dtype=bool,
+        count=len(values),
+    )
+    return out
+
+
+def flatten_values(x: Any, what: str) -> tuple[np.ndarray, np.ndarray]:
+    """``(values [N], lengths [B])`` of one raw feature (see the module docstring); ``what`` names the
+    feature in errors."""
+    arrow = _from_arrow(x)
+    if arrow is not None:
+        values, lengths = arrow
+    else:
+        if isinstance(x, torch.Tensor):
+            x = x.detach().cpu().numpy()
+        elif hasattr(x, "to_numpy") and not isinstance(x, np.ndarray):  # pandas Series / Index
+            x = x.to_numpy()
+        if _is_scalar(x):
+            x = [x]
+        if isinstance(x, np.ndarray) and x.dtype != object:
+            if x.ndim == 1:
+                values, lengths = x, np.ones(len(x), dtype=np.int64)
+            elif x.ndim == 2:
+                values, lengths = x.reshape(-1), np.full(x.shape[0], x.shape[1], dtype=np.int64)
+            else:
+                raise ValueError(f"feature {what!r}: expected 1-D or 2-D values, got shape {x.shape}.")
+        else:
+            seq = list(x) if not isinstance(x, list) else x
+            if all(_is_scalar(v) for v in seq):
+                flat, lengths = seq, np.ones(len(seq), dtype=np.int64)
+            else:
+                rows = [[v] if _is_scalar(v) else list(np.asarray(v, dtype=object).reshape(-1)) for v in seq]
+                lengths = np.fromiter((len(r) for r in rows), dtype=np.int64, count=len(rows))
+                flat = [v for r in rows for v in r]
+            values = np.empty(len(flat), dtype=object)  # missing values are found before any conversion
+            values[:] = flat
+    values = np.asarray(values)
+    missing = _missing_mask(values)
+    if missing.any():
+        sample = np.repeat(np.arange(len(lengths)), lengths)
+        values = values[~missing]
+        lengths = np.bincount(sample[~missing], minlength=len(lengths)).astype(np.int64)
+    if values.dtype == object:  # a homogeneous column gets its natural dtype (int64, float64 or str)
+        values = np.asarray(values.tolist()) if len(values) else np.zeros(0, dtype=np.int64)
+        if values.dtype.kind == "i":
+            values = values.astype(np.int64)
+    return values, lengths.astype(np.int64)
