@@ -199,8 +199,10 @@ class EmbeddingConfigSpec:
 
     # ------------------------------------------------------------------ inputs
     def engine_inputs(self, features: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-        """Raw input dict -> ``(ids, weights)`` nests for ``DistributedEmbedding`` (feature-column form);
-        with the dicts form, ``features`` must already hold the engine's inputs by feature name."""
+        """Raw input dict -> ``(ids, weights)`` nests for ``DistributedEmbedding`` (feature-column form):
+        ``{column name: Ragged}`` and, when any column is weighted, ``{column name: Ragged | None}``
+        (else ``{}``). With the dicts form, ``features`` must already hold the engine's inputs by
+        feature name."""
         if self.feature_columns is None:
             return {k: features[k] for k in self.feature_to_config_dict or {}}, {}
         ids_out: dict[str, Any] = {}
@@ -216,6 +218,9 @@ class EmbeddingConfigSpec:
             np.cumsum(lengths, out=splits[1:])
             row_splits = torch.from_numpy(splits)
             ids_out[c.name] = Ragged(torch.from_numpy(np.ascontiguousarray(ids, dtype=np.int64)), row_splits)
-            if weights is not None:
-                weights_out[c.name] = Ragged(torch.from_numpy(np.ascontiguousarray(weights)), row_splits)
+            weights_out[c.name] = (
+                None if weights is None else Ragged(torch.from_numpy(np.ascontiguousarray(weights)), row_splits)
+            )
+        if all(w is None for w in weights_out.values()):
+            weights_out = {}  # no weighted column: the engine's default (every weight 1)
         return ids_out, weights_out

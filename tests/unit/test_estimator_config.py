@@ -1,0 +1,291 @@
+"""EmbeddingConfigSpec's rules (SPEC 4.4, 10.4), the v1 ``*Parameters`` classes and the feature
+columns with every raw input format."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pytest
+import torch
+
+import embtables as et
+from embtables import estimator as est
+
+
+def _cols() -> list[Any]:
+    return [est.embedding_column(est.categorical_column_with_identity("a", 10), 4)]
+
+
+# ---------------------------------------------------------------------------------------------- spec rules
+def test_spec_needs_columns_or_both_dicts() -> None:
+    with pytest.raises(ValueError, match="feature_columns"):
+        est.EmbeddingConfigSpec(optimization_parameters=est.AdagradParameters(0.1))
+    t = et.TableConfig(10, 4, name="t")
+    with pytest.raises(ValueError):
+        est.EmbeddingConfigSpec(
+            feature_to_config_dict={"f": et.FeatureConfig(t)}, optimization_parameters=est.AdagradParameters(0.1)
+        )
+    spec = est.EmbeddingConfigSpec(
+        feature_to_config_dict={"f": et.FeatureConfig(t)},
+        table_to_config_dict={"t": t},
+        optimization_parameters=est.AdagradParameters(0.1),
+    )
+    emb = spec.build(lambda: 0)
+    assert set(emb.embedding_tables) == {"t"}
+
+
+@pytest.mark.parametrize(
+    "column",
+    [est.categorical_column_with_identity("a", 10), "a", et.FeatureConfig(et.TableConfig(3, 2))],
+    ids=["categorical", "str", "FeatureConfig"],
+)
+def test_spec_rejects_unsupported_column_types(column: Any) -> None:
+    with pytest.raises(TypeError, match="embedding_column"):
+        est.EmbeddingConfigSpec(feature_columns=[column], optimization_parameters=est.AdagradParameters(0.1))
+
+
+@pytest.mark.parametrize("opt", [None, "adagrad", torch.optim.SGD, 0.1])
+def test_spec_rejects_unsupported_optimization_parameters(opt: Any) -> None:
+    with pytest.raises(ValueError, match="optimization_parameters"):
+        est.EmbeddingConfigSpec(feature_columns=_cols(), optimization_parameters=opt)
+
+
+@pytest.mark.parametrize("strategy", ["table", "auto", "DIV", None])
+def test_spec_rejects_partition_strategy(strategy: Any) -> None:
+    with pytest.raises(ValueError, match="partition_strategy"):
+        est.EmbeddingConfigSpec(
+            feature_columns=_cols(), optimization_parameters=est.AdagradParameters(0.1), partition_strategy=strategy
+        )
+
+
+def test_spec_defaults_match_tf() -> None:
+    spec = est.EmbeddingConfigSpec(feature_columns=_cols(), optimization_parameters=est.AdagradParameters(0.1))
+    assert spec.clipping_limit is None
+    assert spec.pipeline_execution_with_tensor_core is False
+    assert spec.partition_strategy == "div"
+    assert spec.profile_data_directory is None
+    assert spec.experimental_gradient_multiplier_fn is None
+
+
+# ---------------------------------------------------------------------------------------------- v1 parameters
+def test_parameter_defaults_are_v1s() -> None:
+    adam = est.AdamParameters(0.1).to_optimizer()
+    assert isinstance(adam, et.Adam) and adam.epsilon == 1e-08 and adam.beta_1 == 0.9 and adam.lazy_adam
+    assert est.AdagradParameters(0.1).to_optimizer().initial_accumulator_value == 0.1  # type: ignore[union-attr]
+    yogi = est.ProximalYogiParameters().to_optimizer()
+    assert isinstance(yogi, et.ProximalYogi) and yogi.learning_rate == 0.01 and yogi.epsilon == 1e-3
+    assert yogi.initial_accumulator_value == 1e-6
+    ftrl = est.FtrlParameters(0.1).to_optimizer()
+    assert isinstance(ftrl, et.FTRL) and ftrl.learning_rate_power == -0.5 and ftrl.initial_accumulator_value == 0.1
+
+
+def test_sgd_parameters_accumulate_only_with_a_gradient_clip() -> None:
+    assert not est.StochasticGradientDescentParameters(0.1).to_optimizer().use_gradient_accumulation
+    clipped = est.StochasticGradientDescentParameters(0.1, clip_gradient_min=-1.0).to_optimizer()
+    assert clipped.use_gradient_accumulation and clipped.gradient_clip_bounds == (-1.0, None)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: est.AdagradParameters(0.1, initial_accumulator=0.0),
+        lambda: est.AdamParameters(0.1, beta1=1.0),
+        lambda: est.AdamParameters(0.1, lazy_adam=False, use_gradient_accumulation=False),
+        lambda: est.FtrlParameters(0.1, learning_rate_power=0.5),
+        lambda: est.FtrlParameters(0.1, initial_accumulator_value=-0.1),
+        lambda: est.FtrlParameters(0.1, l1_regularization_strength=-1.0),
+        lambda: est.ProximalAdagradParameters(0.1, l2_regularization_strength=-1.0),
+        lambda: est.RMSPropParameters(0.1, rho=0.9, momentum=0.0, epsilon=0.0),
+        lambda: est.ProximalYogiParameters(beta2=1.0),
+        lambda: est.AdagradParameters(0.1, use_gradient_accumulation=False, clip_gradient_max=1.0),
+    ],
+)
+def test_parameters_validate_with_their_v1_name(make: Any) -> None:
+    with pytest.raises(ValueError, match="Parameters"):
+        make()
+
+
+def test_ftrl_parameters_allow_a_zero_initial_accumulator() -> None:
+    opt = est.FtrlParameters(0.1, initial_accumulator_value=0.0, allow_zero_accumulator=True).to_optimizer()
+    t = et.TableConfig(5, 2, name="t", optimizer=opt)
+    emb = et.DistributedEmbedding({"f": et.FeatureConfig(t)})
+    assert torch.equal(emb.slot_variables["t"]["accumulators"], torch.zeros(5, 2))
+
+
+def test_every_v1_class_converts_to_the_matching_optimizer() -> None:
+    pairs = [
+        (est.StochasticGradientDescentParameters(0.1), et.SGD),
+        (est.AdagradParameters(0.1), et.Adagrad),
+        (est.AdamParameters(0.1), et.Adam),
+        (est.FtrlParameters(0.1), et.FTRL),
+        (est.ProximalAdagradParameters(0.1), et.ProximalAdagrad),
+        (est.MomentumParameters(0.1, 0.9), et.Momentum),
+        (est.RMSPropParameters(0.1, 0.9, 0.0, 1e-7), et.RMSProp),
+        (est.CenteredRMSPropParameters(0.1, 0.9, 0.0, 1e-7), et.CenteredRMSProp),
+        (est.AdadeltaParameters(0.1, 0.95, 1e-7), et.Adadelta),
+        (est.ProximalYogiParameters(), et.ProximalYogi),
+        (est.FrequencyEstimatorParameters(0.1, 100.0, 5.0, 1.0), et.FrequencyEstimator),
+    ]
+    for params, cls in pairs:
+        assert type(params.to_optimizer()) is cls
+
+
+# ---------------------------------------------------------------------------------------------- semantics
+def _one_step(spec: est.EmbeddingConfigSpec, grad: torch.Tensor, step: int = 0) -> torch.Tensor:
+    torch.manual_seed(0)
+    emb = spec.build(lambda: step)
+    ids, weights = spec.engine_inputs({"a": [[1, 2], [2]]})
+    out = emb(ids, weights or None)
+    fn = spec.experimental_gradient_multiplier_fn
+    emb.apply_gradients({"a_embedding": grad * (fn(step) if fn else 1.0)})
+    del out
+    return emb.embedding_tables["a_embedding"]
+
+
+def test_gradient_multiplier_scales_every_embedding_gradient() -> None:
+    grad = torch.tensor([[0.5, -1.0, 0.25, 2.0], [1.0, 1.0, -1.0, 0.0]])
+    base = est.EmbeddingConfigSpec(feature_columns=_cols(), optimization_parameters=est.AdagradParameters(0.1))
+    scaled = dataclasses.replace(base, experimental_gradient_multiplier_fn=lambda step: 0.5 * step)
+    manual = _one_step(base, grad * 1.5)
+    assert torch.equal(_one_step(scaled, grad, step=3), manual)
+
+
+def test_clipping_limit_is_a_symmetric_clip_and_the_tighter_bound_wins() -> None:
+    spec = est.EmbeddingConfigSpec(
+        feature_columns=_cols(),
+        optimization_parameters=est.AdagradParameters(0.1, clip_gradient_min=-0.2, clip_gradient_max=5.0),
+        clipping_limit=0.3,
+    )
+    assert spec.optimizer(lambda: 0).gradient_clip_bounds == (-0.2, 0.3)
+    grad = torch.tensor([[0.5, -1.0, 0.25, 2.0], [1.0, 1.0, -1.0, 0.0]])
+    plain = est.EmbeddingConfigSpec(
+        feature_columns=_cols(),
+        optimization_parameters=est.AdagradParameters(0.1, clip_gradient_min=-0.2, clip_gradient_max=0.3),
+    )
+    assert torch.equal(_one_step(spec, grad), _one_step(plain, grad))
+    sgd = est.EmbeddingConfigSpec(
+        feature_columns=_cols(), optimization_parameters=est.StochasticGradientDescentParameters(0.1), clipping_limit=1.0
+    )
+    assert sgd.optimizer(lambda: 0).use_gradient_accumulation
+
+
+def test_learning_rate_fn_follows_the_global_step() -> None:
+    col = est.embedding_column(
+        est.categorical_column_with_identity("a", 10), 4, learning_rate_fn=lambda step: 0.1 * (step + 1)
+    )
+    spec = est.EmbeddingConfigSpec(feature_columns=[col], optimization_parameters=est.AdagradParameters(0.5))
+    step = [4]
+    emb = spec.build(lambda: step[0])
+    assert emb._engine.learning_rates()["a_embedding"] == pytest.approx(0.5, rel=1e-6)  # type: ignore[union-attr]
+
+
+def test_frequency_estimator_gets_the_global_step_as_learning_rate() -> None:
+    col = est.embedding_column(est.categorical_column_with_identity("a", 10), 1, initializer=et.Constant(100.0))
+    spec = est.EmbeddingConfigSpec(
+        feature_columns=[col], optimization_parameters=est.FrequencyEstimatorParameters(0.5, 100.0, 10.0, 1.0)
+    )
+    emb = spec.build(lambda: 7)
+    ids, _ = spec.engine_inputs({"a": [[3]]})
+    out = emb(ids)
+    emb.apply_gradients({"a_embedding": torch.zeros_like(out["a_embedding"])})
+    assert emb.slot_variables["a_embedding"]["last_hit_step"][3, 0] == 7.0
+    assert emb.embedding_tables["a_embedding"][3, 0] == pytest.approx(100 * 0.5 + 7 * 0.5)
+
+
+# ---------------------------------------------------------------------------------------------- feature columns
+def _ids(column: Any, features: dict[str, Any]) -> tuple[list[int], list[int], Any]:
+    ids, lengths, weights = column.ids(features)
+    return ids.tolist(), lengths.tolist(), None if weights is None else weights.tolist()
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        [[1, 2], [], [3]],
+        pd.Series([[1, 2], [], [3]]),
+        pa.array([[1, 2], [], [3]]),
+        pa.chunked_array([pa.array([[1, 2]]), pa.array([[], [3]])]),
+        np.array([[1, 2], [-1, -1], [3, -1]]),
+        torch.tensor([[1, 2], [-1, -1], [3, -1]]),
+    ],
+    ids=["lists", "pandas", "pyarrow", "pyarrow-chunked", "numpy-padded", "torch-padded"],
+)
+def test_identity_column_reads_every_format(raw: Any) -> None:
+    col = est.categorical_column_with_identity("a", 5)
+    assert _ids(col, {"a": raw}) == ([1, 2, 3], [2, 0, 1], None)
+
+
+def test_scalar_columns() -> None:
+    col = est.categorical_column_with_identity("a", 5)
+    assert _ids(col, {"a": [4, 0, 2]}) == ([4, 0, 2], [1, 1, 1], None)
+    assert _ids(col, {"a": np.array([4, 0])}) == ([4, 0], [1, 1], None)
+    assert _ids(col, {"a": pd.Series([4, 0])}) == ([4, 0], [1, 1], None)
+    assert _ids(col, {"a": 3}) == ([3], [1], None)
+
+
+def test_identity_out_of_range_raises_or_uses_default() -> None:
+    with pytest.raises(ValueError, match="outside"):
+        est.categorical_column_with_identity("a", 5).ids({"a": [[1, 7]]})
+    assert _ids(est.categorical_column_with_identity("a", 5, default_value=0), {"a": [[1, 7]]})[0] == [1, 0]
+    with pytest.raises(ValueError, match="no feature 'a'"):
+        est.categorical_column_with_identity("a", 5).ids({"b": [1]})
+    with pytest.raises(ValueError, match="integer ids"):
+        est.categorical_column_with_identity("a", 5).ids({"a": ["x"]})
+
+
+def test_hash_bucket_is_the_documented_stable_hash() -> None:
+    col = est.categorical_column_with_hash_bucket("s", 1000)
+    ids, lengths, _ = _ids(col, {"s": pd.Series(["apple", None, "pear", 42])})
+
+    def expected(v: str) -> int:
+        return int.from_bytes(hashlib.blake2b(v.encode(), digest_size=8).digest(), "little") % 1000
+
+    assert lengths == [1, 0, 1, 1]
+    assert ids == [expected("apple"), expected("pear"), expected("42")]
+    assert est.stable_hash(np.array(["apple"]), 1000).tolist() == [318]  # pinned: the same on every machine
+
+
+def test_vocabulary_list_with_default_and_oov_buckets() -> None:
+    col = est.categorical_column_with_vocabulary_list("c", ["red", "green", "blue"])
+    assert _ids(col, {"c": [["blue", "pink"], ["red"]]}) == ([2, -1, 0], [2, 1], None)
+    oov = est.categorical_column_with_vocabulary_list("c", ["red", "green", "blue"], num_oov_buckets=4)
+    ids, _, _ = _ids(oov, {"c": [["blue", "pink"]]})
+    assert ids[0] == 2 and 3 <= ids[1] < 7 and oov.num_buckets == 7
+    ints = est.categorical_column_with_vocabulary_list("n", [10, 20, 30], default_value=0)
+    assert _ids(ints, {"n": [30, 99, 10]})[0] == [2, 0, 0]
+
+
+def test_weighted_column_needs_one_weight_per_id() -> None:
+    col = est.weighted_categorical_column(est.categorical_column_with_identity("a", 5), "w")
+    assert _ids(col, {"a": [[1, 2], [3]], "w": [[0.5, 2.0], [1.0]]}) == ([1, 2, 3], [2, 1], [0.5, 2.0, 1.0])
+    with pytest.raises(ValueError, match="one weight per id"):
+        col.ids({"a": [[1, 2], [3]], "w": [[0.5], [1.0]]})
+
+
+def test_shared_columns_use_one_table_and_weighted_sequence_columns_shape() -> None:
+    a = est.categorical_column_with_identity("a", 20)
+    b = est.categorical_column_with_identity("b", 20)
+    seq = est.sequence_categorical_column_with_identity("s", 20)
+    cols = est.shared_embedding_columns([a, b], 3) + [
+        est.embedding_column(est.weighted_categorical_column(a, "w"), 2, combiner="sum"),
+        est.embedding_column(seq, 2, max_sequence_length=4),
+    ]
+    spec = est.EmbeddingConfigSpec(feature_columns=cols, optimization_parameters=est.AdagradParameters(0.1))
+    emb = spec.build(lambda: 0)
+    assert sorted(emb.embedding_tables) == ["a_b_shared_embedding", "a_weighted_by_w_embedding", "s_embedding"]
+    feats = {"a": [[1], [2, 3]], "b": [4, 5], "w": [[2.0], [1.0, 0.5]], "s": [[1, 2, 3], [4]]}
+    ids, weights = spec.engine_inputs(feats)
+    out = emb(ids, weights)
+    assert out["a_shared_embedding"].shape == (2, 3) and out["b_shared_embedding"].shape == (2, 3)
+    assert out["s_embedding"].shape == (2, 4, 2)
+    table = emb.embedding_tables["a_weighted_by_w_embedding"]
+    torch.testing.assert_close(out["a_weighted_by_w_embedding"][1], table[2] + 0.5 * table[3])
+    with pytest.raises(ValueError, match="same num_buckets"):
+        est.shared_embedding_columns([a, est.categorical_column_with_identity("c", 7)], 3)
+    with pytest.raises(ValueError, match="max_sequence_length"):
+        est.embedding_column(seq, 2)

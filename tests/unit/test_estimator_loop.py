@@ -1,0 +1,137 @@
+"""The Estimator loop: training learns, resume from model_dir is exact, metrics files, predict, and
+the same loop on two gloo processes."""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from mp_world import run_world
+from torch import nn
+
+from embtables import estimator as est
+
+N, USERS, ITEMS = 1200, 40, 60
+
+
+def _data(seed: int = 0) -> tuple[dict[str, Any], np.ndarray]:
+    rng = np.random.default_rng(seed)
+    users, items = rng.integers(0, USERS, N), rng.integers(0, ITEMS, N)
+    tags = [list(rng.integers(0, 15, rng.integers(0, 4))) for _ in range(N)]
+    u, i = rng.normal(size=USERS), rng.normal(size=ITEMS)
+    y = (u[users] + i[items] + 0.3 * rng.normal(size=N) > 0).astype(np.float32)
+    return {"user": users, "item": [f"i{v}" for v in items], "tags": tags}, y
+
+
+def _input_fn(features: dict[str, Any], y: np.ndarray, batch: int = 100, shard: tuple[int, int] = (0, 1)) -> Any:
+    rank, world = shard
+
+    def fn() -> Any:
+        for s in range(rank * batch, N, batch * world):
+            yield {k: v[s : s + batch] for k, v in features.items()}, y[s : s + batch]
+
+    return fn
+
+
+def _spec() -> est.EmbeddingConfigSpec:
+    cols = [
+        est.embedding_column(est.categorical_column_with_identity("user", USERS), 8),
+        est.embedding_column(est.categorical_column_with_hash_bucket("item", 128), 8, combiner="sum"),
+        *est.shared_embedding_columns([est.categorical_column_with_identity("tags", 15)], 8),
+    ]
+    return est.EmbeddingConfigSpec(feature_columns=cols, optimization_parameters=est.AdagradParameters(0.3))
+
+
+class _Model(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.mlp = nn.Sequential(nn.Linear(24, 16), nn.ReLU(), nn.Linear(16, 1))
+
+    def forward(self, activations: dict[str, torch.Tensor], features: Any) -> torch.Tensor:
+        return self.mlp(torch.cat([activations[k] for k in sorted(activations)], 1)).squeeze(1)
+
+
+def _estimator(model_dir: Path, **kw: Any) -> est.Estimator:
+    torch.manual_seed(0)
+    return est.Estimator(
+        _Model(),
+        _spec(),
+        model_dir,
+        dense_optimizer=lambda p: torch.optim.Adam(p, lr=1e-2),
+        loss_fn=nn.functional.binary_cross_entropy_with_logits,
+        predictions_fn=torch.sigmoid,
+        eval_metrics={"auc": est.auc, "log_loss": est.log_loss},
+        log_step_count_steps=4,
+        progress=False,
+        **kw,
+    )
+
+
+def _state(e: est.Estimator) -> dict[str, torch.Tensor]:
+    out = {f"dense/{k}": v.clone() for k, v in e.model.state_dict().items()}
+    out.update({k: v.clone() for k, v in e.embedding.state_dict().items()})
+    return out
+
+
+def test_training_learns_and_resume_is_exact(tmp_path: Path) -> None:
+    features, y = _data()
+    straight = _estimator(tmp_path / "straight")
+    straight.train(_input_fn(features, y), steps=12)
+    resumed = _estimator(tmp_path / "resumed", save_checkpoints_steps=5)
+    resumed.train(_input_fn(features, y), steps=6)
+    again = _estimator(tmp_path / "resumed")  # a new process would do exactly this
+    again.train(lambda: (b for i, b in enumerate(_input_fn(features, y)()) if i >= 6), steps=6)
+    assert again.global_step == straight.global_step == 12
+    a, b = _state(straight), _state(again)
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    before = _estimator(tmp_path / "fresh").evaluate(_input_fn(features, y))
+    after = straight.evaluate(_input_fn(features, y))
+    assert after["loss"] < before["loss"] and after["auc"] > max(0.6, before["auc"] + 0.05)
+    assert after["global_step"] == 12.0
+
+
+def test_metrics_files_checkpoints_and_predict(tmp_path: Path) -> None:
+    features, y = _data()
+    e = _estimator(tmp_path, save_checkpoints_steps=4, keep_checkpoint_max=2)
+    e.train(_input_fn(features, y), steps=10)
+    e.evaluate(_input_fn(features, y), steps=3)
+    rows = list(csv.DictReader((tmp_path / "train_metrics.csv").open()))
+    assert [int(float(r["step"])) for r in rows] == [4, 8]
+    assert {"loss", "steps_per_sec", "examples_per_sec", "elapsed_s"} <= set(rows[0])
+    evals = list(csv.DictReader((tmp_path / "eval_metrics.csv").open()))
+    assert len(evals) == 1 and {"loss", "auc", "log_loss"} <= set(evals[0])
+    ckpts = sorted(p.name for p in tmp_path.glob("ckpt-*"))
+    dense = sorted(p.name for p in tmp_path.glob("dense-*.pt"))
+    assert len(ckpts) == 2 and len(dense) == 2 and e.latest_checkpoint() is not None
+    assert e.latest_checkpoint().endswith("10")  # type: ignore[union-attr]
+    preds = list(e.predict(_input_fn(features, y)))
+    assert len(preds) == N and all(0.0 < float(p) < 1.0 for p in preds)
+    # train() past max_steps does nothing; a finished input ends training early
+    e.train(_input_fn(features, y), max_steps=10)
+    assert e.global_step == 10
+
+
+def _two_ranks(rank: int, world: int, model_dir: str) -> None:
+    features, y = _data()
+    e = _estimator(Path(model_dir))
+    e.train(_input_fn(features, y, shard=(rank, world)), steps=6)
+    result = e.evaluate(_input_fn(features, y, shard=(rank, world)))
+    params = torch.cat([p.detach().reshape(-1) for p in e.model.parameters()])
+    from embtables.sharding import comm
+
+    everyone = comm.all_gather_object((result, params), None)
+    assert everyone[0][0] == everyone[1][0], "every rank reports the metrics over all ranks' batches"
+    assert torch.equal(everyone[0][1], everyone[1][1]), "dense parameters stay identical on every rank"
+    assert result["auc"] > 0.6
+    resumed = _estimator(Path(model_dir))
+    assert resumed.evaluate(_input_fn(features, y, shard=(rank, world)))["loss"] == result["loss"]
+
+
+def test_estimator_under_two_processes(tmp_path: Path) -> None:
+    run_world(_two_ranks, 2, str(tmp_path))
