@@ -169,7 +169,9 @@ def test_clipping_limit_is_a_symmetric_clip_and_the_tighter_bound_wins() -> None
     )
     assert torch.equal(_one_step(spec, grad), _one_step(plain, grad))
     sgd = est.EmbeddingConfigSpec(
-        feature_columns=_cols(), optimization_parameters=est.StochasticGradientDescentParameters(0.1), clipping_limit=1.0
+        feature_columns=_cols(),
+        optimization_parameters=est.StochasticGradientDescentParameters(0.1),
+        clipping_limit=1.0,
     )
     assert sgd.optimizer(lambda: 0).use_gradient_accumulation
 
@@ -271,7 +273,8 @@ def test_shared_columns_use_one_table_and_weighted_sequence_columns_shape() -> N
     a = est.categorical_column_with_identity("a", 20)
     b = est.categorical_column_with_identity("b", 20)
     seq = est.sequence_categorical_column_with_identity("s", 20)
-    cols = est.shared_embedding_columns([a, b], 3) + [
+    cols = [
+        *est.shared_embedding_columns([a, b], 3),
         est.embedding_column(est.weighted_categorical_column(a, "w"), 2, combiner="sum"),
         est.embedding_column(seq, 2, max_sequence_length=4),
     ]
