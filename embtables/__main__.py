@@ -1,12 +1,14 @@
-"""``python -m embtables COMMAND [args...]`` (also the ``embtables`` console script).
+"""``embtables COMMAND [args...]`` (also ``python -m embtables``).
 
 Commands:
-  train   the main job: a CTR model trained on built-in synthetic data (embtables/cli/train.py)
-  bench   the benchmark suite against the peers (benchmarks/run.py); see BENCHMARKS.md
-  stats   print lookup statistics files (profile_data_directory) and draw per-shard load
-  inspect what a checkpoint holds (tables, shapes, optimizer, step, size) and its checksum status
+  train       the main job: DLRM on synthetic data, --dataset movielens-100k, or --data FILE --schema FILE
+  quickstart  a small CTR model on synthetic data in about ten seconds
+  bench       the benchmark suite against the peers (benchmarks/run.py, from a source checkout)
+  stats       print lookup statistics files (profile_data_directory) and draw per-shard load
+  inspect     what a checkpoint holds (tables, shapes, optimizer, step, size) and its checksum status
+  export      write a serving artifact of a checkpoint's tables (float32, float16, bfloat16 or int8)
 
-``bench`` ships with the source checkout; ``python -m embtables train --help``.
+``embtables COMMAND --help`` for each command's options.
 """
 
 from __future__ import annotations
@@ -17,25 +19,48 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from embtables.checkpoint import inspect
-from embtables.cli import stats, train
+from embtables.checkpoint import CheckpointError, export, inspect
+from embtables.checkpoint.serving import DTYPES
+from embtables.cli import quickstart, stats, train
 
 _ROOT = Path(__file__).resolve().parent.parent
 _SCRIPTS = {"bench": _ROOT / "benchmarks" / "run.py"}
+_OWN_PARSERS = {"train": train.main, "quickstart": quickstart.main}  # read every argument after the command
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="embtables", description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+        prog="embtables", description=__doc__.splitlines()[0], epilog="\n".join(__doc__.splitlines()[2:]),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )  # fmt: skip
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
-    for name, what in (("train", "the main job (synthetic CTR model)"), ("bench", "benchmarks against the peers")):
+    for name, what in (
+        ("train", "the main job (embtables train --help)"),
+        ("quickstart", "a ten-second CTR model"),
+        ("bench", "benchmarks against the peers"),
+    ):
         s = sub.add_parser(name, help=what, add_help=False)
         s.add_argument("rest", nargs=argparse.REMAINDER)
     stats.add_arguments(sub.add_parser("stats", help="print lookup statistics (and --png a load chart)"))
     inspect.add_arguments(sub.add_parser("inspect", help="what a checkpoint holds, and its checksum status"))
+    e = sub.add_parser("export", help="a serving artifact of a checkpoint's tables")
+    e.add_argument("checkpoint", help="a checkpoint directory (or a folder of them: the latest is used)")
+    e.add_argument("out", help="the artifact's directory (replaced atomically)")
+    e.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="storage type (default float32)")
     return p
+
+
+def _export(args: argparse.Namespace) -> int:
+    try:
+        report = export(args.checkpoint, args.out, dtype=args.dtype)
+    except (CheckpointError, FileNotFoundError, ValueError) as exc:
+        print(f"embtables export: {exc}", file=sys.stderr)
+        return 1
+    print(f"{report.path}: {report.dtype}")
+    for name, err in report.max_abs_error.items():
+        print(f"  {name:24s} max abs error {err:.3g} (relative {report.relative_error[name]:.3g})")
+    return 0
 
 
 def _run_script(name: str, rest: list[str]) -> int:
@@ -58,13 +83,15 @@ def _run_script(name: str, rest: list[str]) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] == "train":  # its own argparse reads everything after the command
-        return train.main(argv[1:])
+    if argv and argv[0] in _OWN_PARSERS:
+        return _OWN_PARSERS[argv[0]](argv[1:])
     if argv and argv[0] in _SCRIPTS:
         return _run_script(argv[0], argv[1:])
     args = _parser().parse_args(argv)
     if args.command == "inspect":
         return inspect.run(args)
+    if args.command == "export":
+        return _export(args)
     return stats.run(args)
 
 

@@ -8,6 +8,7 @@ empty string, and -1 in an integer array, TF's ignore values) are dropped, short
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import numpy as np
@@ -41,12 +42,14 @@ def _missing_mask(values: np.ndarray) -> np.ndarray:
         return np.asarray(np.isnan(values))
     if values.dtype.kind in "US":
         return np.asarray(values == values.dtype.type())
-    out = np.fromiter(
-        (v is None or v == "" or v == b"" or (isinstance(v, float) and v != v) or str(v) == "<NA>" for v in values),
-        dtype=bool,
-        count=len(values),
-    )
-    return out
+    return np.asarray(_IS_MISSING(values), dtype=bool)
+
+
+def _is_missing(v: object) -> bool:
+    return v is None or v == "" or v == b"" or (isinstance(v, float) and v != v) or type(v).__name__ == "NAType"
+
+
+_IS_MISSING = np.frompyfunc(_is_missing, 1, 1)  # one C loop over an object array
 
 
 def flatten_values(x: Any, what: str) -> tuple[np.ndarray, np.ndarray]:
@@ -71,8 +74,12 @@ def flatten_values(x: Any, what: str) -> tuple[np.ndarray, np.ndarray]:
                 raise ValueError(f"feature {what!r}: expected 1-D or 2-D values, got shape {x.shape}.")
         else:
             seq = list(x) if not isinstance(x, list) else x
+            kinds = {type(v) for v in seq}
             if all(_is_scalar(v) for v in seq):
                 flat, lengths = seq, np.ones(len(seq), dtype=np.int64)
+            elif kinds <= {list, tuple}:  # the common ragged case, without a per-row conversion
+                lengths = np.fromiter(map(len, seq), dtype=np.int64, count=len(seq))
+                flat = list(itertools.chain.from_iterable(seq))
             else:
                 rows = [[v] if _is_scalar(v) else list(np.asarray(v, dtype=object).reshape(-1)) for v in seq]
                 lengths = np.fromiter((len(r) for r in rows), dtype=np.int64, count=len(rows))
@@ -80,6 +87,10 @@ def flatten_values(x: Any, what: str) -> tuple[np.ndarray, np.ndarray]:
             values = np.empty(len(flat), dtype=object)  # missing values are found before any conversion
             values[:] = flat
     values = np.asarray(values)
+    if values.dtype == object and len(values):
+        natural = np.asarray(values.tolist())  # str / int / float when no None hides in the column
+        if natural.dtype != object:
+            values = natural
     missing = _missing_mask(values)
     if missing.any():
         sample = np.repeat(np.arange(len(lengths)), lengths)

@@ -21,12 +21,12 @@ QUICKSTART = Path(__file__).resolve().parents[2] / "examples" / "quickstart.py"
 
 @pytest.fixture(scope="module")
 def quickstart() -> ModuleType:
-    """The main job, ``embtables.cli.train`` (``embtables train``; examples/quickstart.py runs it)."""
-    return importlib.import_module("embtables.cli.train")
+    """The quick job, ``embtables.cli.quickstart`` (``embtables quickstart``; examples/quickstart.py runs it)."""
+    return importlib.import_module("embtables.cli.quickstart")
 
 
 def test_the_example_script_and_the_cli_run_the_same_job(tmp_path: Path) -> None:
-    for cmd in ([sys.executable, str(QUICKSTART)], [sys.executable, "-m", "embtables", "train"]):
+    for cmd in ([sys.executable, str(QUICKSTART)], [sys.executable, "-m", "embtables", "quickstart"]):
         out = subprocess.run([*cmd, "--steps", "30", "--threads", "1"], capture_output=True, text=True, cwd=tmp_path)
         assert "summary: training loss" in out.stdout, out.stderr[-2000:]
 
