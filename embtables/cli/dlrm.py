@@ -35,6 +35,7 @@ import embtables
 from embtables.data import SyntheticCTR, SyntheticCTRConfig
 from embtables.data.synthetic import CategoricalFeature
 from embtables.estimator import EmbeddingConfigSpec, Estimator, auc, log_loss
+from embtables.sharding import comm
 from embtables.tables import Ragged
 
 HISTORY = 10  # max_sequence_length of item_history
@@ -181,7 +182,10 @@ def run(args: argparse.Namespace) -> int:
     data = SyntheticCTR(
         SyntheticCTRConfig(seed=args.seed, features=features, interactions=(("user", "item"), ("city", "tags")))
     )
-    model_dir = Path(args.model_dir) if args.model_dir else Path(tempfile.mkdtemp(prefix="embtables-dlrm-"))
+    distributed = comm.is_distributed()
+    rank, world = (comm.get_rank(), comm.get_world_size()) if distributed else (0, 1)
+    chosen = args.model_dir or (tempfile.mkdtemp(prefix="embtables-dlrm-") if rank == 0 else None)
+    model_dir = Path(str(comm.broadcast_object(chosen) if distributed else chosen))
     estimator: Estimator | None = None
 
     def step() -> int:
@@ -201,23 +205,30 @@ def run(args: argparse.Namespace) -> int:
         log_step_count_steps=max(1, min(100, args.steps // 10)),
         progress=args.progress,
     )
+    say = print if rank == 0 else (lambda *a, **k: None)
     tables = ", ".join(
         f"{t.name} {t.vocabulary_size}x{t.dim} {type(t.optimizer).__name__}"
         for t in estimator.embedding.resolved_config.tables
     )
-    print(f"embtables {embtables.__version__} DLRM on synthetic CTR data: {args.steps} steps x {args.batch_size}")
-    print(f"model_dir: {model_dir}")
-    print(f"tables: {tables}")
-    eval_features, eval_labels = data.batch(args.eval_size, 0, split="eval")
-    t_logits = data.teacher_logits(eval_features).numpy()
-    teacher = {
-        "auc": auc(t_logits, eval_labels.numpy()),
-        "log_loss": log_loss(1 / (1 + np.exp(-t_logits)), eval_labels.numpy()),
-    }
+    say(f"embtables {embtables.__version__} DLRM on synthetic CTR data: {args.steps} steps x {args.batch_size}")
+    say(
+        f"model_dir: {model_dir}"
+        + (f"  ({world} processes, tables sharded: {estimator.embedding.sharding_plan})" if distributed else "")
+    )
+    say(f"tables: {tables}")
+    # The held-out set: the same batches for the teacher and the model, split evenly over the ranks.
+    n_eval = world * max(1, math.ceil(args.eval_size / (4096 * world)))
+    eval_batches = [data.batch(max(1, args.eval_size // n_eval), i, split="eval") for i in range(n_eval)]
+    t_logits = np.concatenate([data.teacher_logits(f).numpy() for f, _ in eval_batches])
+    t_labels = np.concatenate([y.numpy() for _, y in eval_batches])
+    teacher = {"auc": auc(t_logits, t_labels), "log_loss": log_loss(1 / (1 + np.exp(-t_logits)), t_labels)}
 
     def eval_fn() -> Iterator[tuple[dict[str, Ragged], Tensor]]:
-        for i in range(0, args.eval_size, 4096):
-            yield data.batch(min(4096, args.eval_size - i), i // 4096, split="eval")
+        yield from eval_batches[rank::world]  # every rank its share; evaluate gathers the metrics
+
+    def train_fn(start: int, count: int) -> Iterator[tuple[dict[str, Ragged], Tensor]]:
+        for step in range(start, start + count):  # rank r reads batches r, r + W, ...: a global batch of W x B
+            yield data.batch(args.batch_size, step * world + rank)
 
     start = time.perf_counter()
     evals = []
@@ -225,10 +236,10 @@ def run(args: argparse.Namespace) -> int:
     while estimator.global_step < args.steps:
         chunk = min(args.eval_every, args.steps - estimator.global_step)
         s0 = estimator.global_step
-        estimator.train(functools.partial(data.batches, args.batch_size, chunk, start=s0), steps=chunk)
+        estimator.train(functools.partial(train_fn, s0, chunk), steps=chunk)
         result = estimator.evaluate(eval_fn)
         evals.append({"step": float(estimator.global_step), "auc": result["auc"], "log_loss": result["log_loss"]})
-        print(
+        say(
             f"step {estimator.global_step:6d}  held-out AUC {result['auc']:.4f}  log-loss {result['log_loss']:.4f}  "
             f"(teacher {teacher['auc']:.4f} / {teacher['log_loss']:.4f})  {time.perf_counter() - start:6.1f} s",
             flush=True,
@@ -242,6 +253,9 @@ def run(args: argparse.Namespace) -> int:
             }
         )
     final = evals[-1]
+    learned = final["auc"] > 0.6 if estimator.global_step - first >= 50 else True
+    if rank != 0:
+        return 0 if learned else 1
     png = model_dir / "training_curves.png"
     if plot(estimator.history, evals, teacher, png):
         print(f"curves: {png}")
@@ -256,9 +270,9 @@ def run(args: argparse.Namespace) -> int:
         "teacher_auc": teacher["auc"],
         "teacher_log_loss": teacher["log_loss"],
         "seconds": seconds,
+        "processes": world,
     }
     (model_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     print(json.dumps(summary))
-    learned = final["auc"] > 0.6 if estimator.global_step - first >= 50 else True
     print("PASS: the model learned." if learned else "FAIL: held-out AUC stayed at chance.")
     return 0 if learned else 1

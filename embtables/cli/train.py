@@ -4,6 +4,7 @@
     embtables train --dataset movielens-100k     # 5-fold RMSE/MAE on MovieLens-100k (~1.5 min)
     embtables train --data clicks.parquet --schema schema.json   # your own data
     embtables quickstart                         # the 10-second version of the first one
+    torchrun --nproc_per_node=2 -m embtables train    # the DLRM with its tables sharded over 2 processes
 
 Every job trains through ``embtables.estimator.Estimator`` and writes checkpoints, metrics (CSV) and
 a PNG of its curves into ``--model-dir`` (default: a new temporary folder).
@@ -19,6 +20,7 @@ from collections.abc import Sequence
 import torch
 
 from embtables.cli import dlrm, movielens, user_data
+from embtables.sharding import comm
 
 DATASETS = ("synthetic", "movielens-100k")
 
@@ -59,15 +61,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     for name in ("steps", "batch_size", "dim", "eval_every", "eval_size", "epochs", "factors"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
-    if args.data is not None:
-        if args.schema is None:
-            p.error("--data needs --schema (a JSON file naming the label and the feature columns)")
-        return user_data.run(args)
-    if args.schema is not None:
+    if args.data is not None and args.schema is None:
+        p.error("--data needs --schema (a JSON file naming the label and the feature columns)")
+    if args.schema is not None and args.data is None:
         p.error("--schema goes with --data")
-    if args.dataset == "movielens-100k":
-        return movielens.run(args)
-    return dlrm.run(args)
+    distributed = comm.init_from_environment()  # under torchrun: shard the tables over the processes
+    try:
+        if distributed and (args.data is not None or args.dataset != "synthetic"):
+            p.error("under torchrun only the synthetic job runs sharded (MovieLens runs its folds in parallel)")
+        if args.data is not None:
+            return user_data.run(args)
+        if args.dataset == "movielens-100k":
+            return movielens.run(args)
+        return dlrm.run(args)
+    finally:
+        comm.shutdown()
 
 
 if __name__ == "__main__":

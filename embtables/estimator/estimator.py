@@ -37,6 +37,7 @@ from embtables.sharding import comm
 
 logger = logging.getLogger("embtables")
 
+_END = object()
 Batch = tuple[Mapping[str, Any], Any]
 InputFn = Callable[[], Iterable[Batch]]
 Metric = Callable[[np.ndarray, np.ndarray], float]
@@ -206,6 +207,21 @@ class Estimator:
         self.global_step += 1
         return float(loss.detach())
 
+    def _agreed(self, batches: Iterable[Any]) -> Iterator[Any]:
+        """The batches, until any rank's input ends (sharded lookups are collective: a rank with no
+        batch left would leave the others waiting). One process: all of them."""
+        it = iter(batches)
+        distributed = comm.is_distributed(self._group)
+        while True:
+            batch = next(it, _END)
+            if distributed and comm.any_rank(batch is _END, self._group):
+                if batch is not _END:
+                    logger.warning("Estimator: another rank's input ended first; the remaining batches are skipped.")
+                return
+            if batch is _END:
+                return
+            yield batch
+
     # ------------------------------------------------------------------ public verbs
     def train(self, input_fn: InputFn, steps: int | None = None, max_steps: int | None = None) -> Estimator:
         """Train on the batches of ``input_fn()`` for ``steps`` more steps (or up to global step
@@ -221,7 +237,7 @@ class Estimator:
         t0 = last_t = time.perf_counter()
         last_step, examples = self.global_step, 0
         try:
-            for features, labels in input_fn():
+            for features, labels in self._agreed(input_fn()):
                 losses.append(self._train_step(features, labels))
                 examples += len(labels)
                 if bar is not None:
@@ -254,7 +270,7 @@ class Estimator:
         self.embedding.eval()
         self.model.eval()
         with torch.no_grad():
-            for i, batch in enumerate(input_fn()):
+            for i, batch in enumerate(self._agreed(input_fn())):
                 if steps is not None and i >= steps:
                     break
                 features, labels = batch if isinstance(batch, tuple) else (batch, None)

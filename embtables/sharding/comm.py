@@ -179,3 +179,23 @@ def all_reduce_mean_(tensors: list[Tensor], group: ProcessGroup | None = None) -
         n = t.numel()
         t.copy_(flat[offset : offset + n].view_as(t))
         offset += n
+
+
+def init_from_environment() -> bool:
+    """Join the process group ``torchrun`` describes (``WORLD_SIZE`` > 1 in the environment; NCCL when
+    CUDA is available, else gloo) unless one is up already. True when running distributed."""
+    import os
+
+    if dist.is_available() and dist.is_initialized():
+        return True
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or not dist.is_available():
+        return False
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    return True
+
+
+def shutdown() -> None:
+    """Leave the process group joined by ``init_from_environment`` (no-op when there is none)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()  # no rank tears the group down while another still talks on it
+        dist.destroy_process_group()

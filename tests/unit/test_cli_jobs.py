@@ -5,6 +5,7 @@ with CSV and Parquet, and the command-line surface (unknown commands, export, pr
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -143,3 +144,20 @@ def test_command_line_surface() -> None:
     assert out.returncode == 2 and "--data needs --schema" in out.stderr
     out = subprocess.run([*run, "export", "--help"], capture_output=True, text=True)
     assert out.returncode == 0 and "usage: embtables export" in out.stdout
+
+
+@pytest.mark.distributed
+def test_dlrm_job_under_torchrun(tmp_path: Path) -> None:
+    from mp_world import free_port
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
+           "-m", "embtables", "train", *SMALL, "--steps", "40", "--eval-every", "20",
+           "--model-dir", str(tmp_path)]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert out.stdout.count("PASS") == 1, "rank 0 reports; the other rank stays quiet"
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["processes"] == 2 and summary["steps"] == 40
+    manifest = json.loads((tmp_path / "ckpt-00000040" / "manifest.json").read_text())
+    assert manifest["world_size"] == 2, "each rank wrote its own rows"

@@ -135,3 +135,19 @@ def _two_ranks(rank: int, world: int, model_dir: str) -> None:
 
 def test_estimator_under_two_processes(tmp_path: Path) -> None:
     run_world(_two_ranks, 2, str(tmp_path))
+
+
+def _uneven(rank: int, world: int, model_dir: str) -> None:
+    """Rank 1 has fewer batches than rank 0: every rank stops together instead of hanging."""
+    features, y = _data()
+    e = _estimator(Path(model_dir))
+    batches = list(_input_fn(features, y, shard=(rank, world))())
+    mine = batches[: 5 if rank == 0 else 3]
+    e.train(lambda: iter(mine))
+    assert e.global_step == 3
+    result = e.evaluate(lambda: iter(mine))
+    assert result["global_step"] == 3.0
+
+
+def test_uneven_inputs_stop_every_rank_together(tmp_path: Path) -> None:
+    run_world(_uneven, 2, str(tmp_path), timeout=120, collective_timeout=30)
