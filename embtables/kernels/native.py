@@ -42,7 +42,16 @@ from embtables.kernels.float32 import f32, neg_reciprocal, one_minus, times
 logger = logging.getLogger("embtables")
 
 _SOURCE = Path(__file__).parent / "csrc" / "embtables_native.c"
-_FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-math-errno", "-shared", "-fPIC"]
+_FLAGS = [
+    "-O3",
+    "-march=native",
+    "-fopenmp",
+    "-ffp-contract=off",
+    "-fno-math-errno",
+    "-fno-trapping-math",
+    "-shared",
+    "-fPIC",
+]
 _KINDS: dict[type[Any], int] = {
     SGD: 0,
     Adagrad: 1,

@@ -1,6 +1,7 @@
 /* Native CPU kernels for embtables: pooled lookup and the fused sparse optimizer update.
  *
- * Compiled at first use by embtables/kernels/native.py (gcc -O3 -fopenmp -ffp-contract=off) and
+ * Compiled at first use by embtables/kernels/native.py (gcc -O3 -fopenmp -ffp-contract=off
+ * -fno-trapping-math: FP exception flags are never read, so selects may be if-converted; values unchanged) and
  * called through ctypes on contiguous tensors. Float32 arithmetic in the same operation order as
  * the torch reference path (kernels/<optimizer>.py); no fused multiply-add, so gradient sums are
  * bit-identical to the reference's index_add_.
@@ -281,8 +282,8 @@ static void et_row_ftrl(const et_opt *p, float *restrict w, float *restrict s0, 
 static inline float et_proximal(float prox, float lr_t, float l1, float l2) {
     float sh = fabsf(prox) - lr_t * l1;
     sh = sh < 0.0f ? 0.0f : sh;
-    const float sgn = prox > 0.0f ? 1.0f : (prox < 0.0f ? -1.0f : 0.0f);
-    return sgn * sh / (1.0f + lr_t * l2);
+    /* sign(prox) * sh: copysign is exact for prox != 0; prox == 0 gives sh == 0 (l1 >= 0), a zero either way */
+    return copysignf(sh, prox) / (1.0f + lr_t * l2);
 }
 
 /* c0 l1, c1 l2 */
@@ -316,26 +317,32 @@ static void et_row_momentum(const et_opt *p, float *restrict w, float *restrict 
     }
 }
 
-/* c0 rho, c1 1-rho, c2 momentum, c3 epsilon; flag_a centered (s2 = mg) */
+/* c0 rho, c1 1-rho, c2 momentum, c3 epsilon; flag_a centered (s2 = mg). One loop per variant so each vectorises. */
 static void et_row_rmsprop(const et_opt *p, float *restrict w, float *restrict s0, float *restrict s1,
                            float *restrict s2, const float *restrict gin, int64_t D) {
     const float lr = p->lr;
-    for (int64_t d = 0; d < D; ++d) {
-        ET_PROLOGUE
-        const float ms = p->c0 * s0[d] + p->c1 * (g * g);
-        float den;
-        if (p->flag_a) {
+    if (p->flag_a) {
+        for (int64_t d = 0; d < D; ++d) {
+            ET_PROLOGUE
+            const float ms = p->c0 * s0[d] + p->c1 * (g * g);
             const float mg = p->c0 * s2[d] + p->c1 * g;
+            const float mom = p->c2 * s1[d] + lr * g / sqrtf(ms - mg * mg + p->c3);
+            s0[d] = ms;
+            s1[d] = mom;
             s2[d] = mg;
-            den = sqrtf(ms - mg * mg + p->c3);
-        } else {
-            den = sqrtf(ms + p->c3);
+            x = x - mom;
+            ET_EPILOGUE
         }
-        const float mom = p->c2 * s1[d] + lr * g / den;
-        s0[d] = ms;
-        s1[d] = mom;
-        x = x - mom;
-        ET_EPILOGUE
+    } else {
+        for (int64_t d = 0; d < D; ++d) {
+            ET_PROLOGUE
+            const float ms = p->c0 * s0[d] + p->c1 * (g * g);
+            const float mom = p->c2 * s1[d] + lr * g / sqrtf(ms + p->c3);
+            s0[d] = ms;
+            s1[d] = mom;
+            x = x - mom;
+            ET_EPILOGUE
+        }
     }
 }
 
@@ -364,9 +371,10 @@ static void et_row_proximal_yogi(const et_opt *p, float *restrict w, float *rest
         ET_PROLOGUE
         const float g2 = g * g;
         const float m = p->c0 * s1[d] + p->c1 * g;
-        const float diff = s0[d] - g2;
-        const float sgn = diff > 0.0f ? 1.0f : (diff < 0.0f ? -1.0f : 0.0f);
-        const float v = s0[d] - p->c2 * sgn * g2;
+        const float v0 = s0[d], diff = v0 - g2, step = p->c2 * g2; /* (1-b2) * sign(diff) * g^2 */
+        /* every arm computed first, then selected: straight-line code the compiler vectorises */
+        const float down = v0 - step, up = v0 + step, same = v0 - 0.0f * g2;
+        const float v = diff > 0.0f ? down : (diff < 0.0f ? up : same);
         s0[d] = v;
         s1[d] = m;
         const float lr_t = lr / (sqrtf(v) + p->c3);
@@ -386,7 +394,8 @@ static void et_row_frequency_estimator(const et_opt *p, float *restrict w, float
         (void)g;
         const float delta = t - s0[d];
         const float dc = delta > p->c0 ? p->c0 : delta;
-        x = delta >= p->c1 * x ? dc : x * p->c2 + dc * p->c3;
+        const float smoothed = x * p->c2 + dc * p->c3, threshold = p->c1 * x;
+        x = delta >= threshold ? dc : smoothed;
         s0[d] = t;
         ET_EPILOGUE
     }
