@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from embtables.api import DistributedEmbedding
-from embtables.config import OPTIMIZER_TYPES, FeatureConfig, FrequencyEstimator, Optimizer, TableConfig
+from embtables.config import OPTIMIZER_TYPES, SGD, FeatureConfig, FrequencyEstimator, Optimizer, TableConfig
 from embtables.config.optimizers import _check_number
 from embtables.errors import ConfigError
 from embtables.estimator.feature_columns import EMBEDDING_COLUMN_TYPES, EmbeddingColumn
@@ -122,7 +122,7 @@ class EmbeddingConfigSpec:
         hi = float(limit) if hi is None else min(hi, float(limit))
         changes: dict[str, Any] = {"clipvalue": (lo, hi)}
         if not opt.use_gradient_accumulation:
-            if type(opt).__name__ != "SGD":
+            if not isinstance(opt, SGD):
                 raise ConfigError(
                     f"EmbeddingConfigSpec: `clipping_limit` clips the accumulated gradient, but {type(opt).__name__} "
                     "has use_gradient_accumulation=False. Turn accumulation on or drop clipping_limit."

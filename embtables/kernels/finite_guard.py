@@ -17,6 +17,14 @@ import math
 from collections.abc import Sequence
 
 from embtables.config.catalogue import Optimizer
+from embtables.config.extra_optimizers import (
+    Adadelta,
+    FrequencyEstimator,
+    Momentum,
+    ProximalAdagrad,
+    ProximalYogi,
+    RMSProp,
+)
 from embtables.config.optimizers import FTRL, SGD, Adagrad, AdagradMomentum, Adam
 
 SAFE = 1e30  # every bounded intermediate must stay below this (float32 max is 3.4e38)
@@ -89,7 +97,65 @@ def update_bounds(
             out = (w_dec + lr_abs * m_new / den_min, m_new, hi_[2] + g * g + eps * eps)
     elif isinstance(opt, FTRL):
         out = _ftrl_bounds(opt, lr, w_dec, g, hi_, lo_)
+    else:
+        out = _extra_bounds(opt, lr, w_dec, g, hi_, lo_)
     return out if out is not None and _ok(*out) else None
+
+
+def _extra_bounds(
+    opt: Optimizer, lr: float, w_dec: float, g: float, hi: tuple[float, ...], lo: tuple[float, ...]
+) -> tuple[float, ...] | None:
+    """Bounds for the TPUEstimator-era optimizers (CenteredRMSProp is never proven: ``ms - mg^2`` may round
+    below zero, so it always takes the exact dry run)."""
+    lr_abs = abs(lr)
+    if isinstance(opt, Momentum):
+        m_new = abs(opt.momentum) * hi[1] + g
+        step = g + abs(opt.momentum) * m_new if opt.use_nesterov else m_new
+        return (w_dec + lr_abs * step, m_new)
+    if isinstance(opt, RMSProp):
+        eps = float(opt.epsilon)
+        if lo[1] < 0 or not 0 <= opt.rho <= 1 or eps * (1 - 1e-6) < _F32_MIN_NORMAL:
+            return None
+        den_min = math.sqrt(eps * (1 - 1e-6))  # ms >= 0, so sqrt(ms + eps) >= sqrt(eps), less one rounding
+        if not _ok(lr_abs * g):  # lr * g is formed before the division
+            return None
+        mom = abs(opt.momentum) * hi[2] + lr_abs * g / den_min
+        return (w_dec + mom, hi[1] + g * g, mom)
+    if isinstance(opt, Adadelta):
+        eps = float(opt.epsilon)
+        if lo[1] < 0 or lo[2] < 0 or not 0 <= opt.rho <= 1 or eps * (1 - 1e-6) < _F32_MIN_NORMAL:
+            return None
+        u = math.sqrt(hi[2] + eps) / math.sqrt(eps * (1 - 1e-6)) * g * (1 + 1e-6)
+        if not _ok(u, u * u):
+            return None
+        return (w_dec + lr_abs * u, hi[1] + g * g, hi[2] + u * u)
+    if isinstance(opt, ProximalAdagrad):
+        a_min = lo[1]
+        if not a_min > 0 or lr < 0:  # lr >= 0 keeps the proximal denominator 1 + lr_t * l2 >= 1
+            return None
+        lr_t = lr_abs / math.sqrt(a_min)
+        ratio = max(1.001, 2e-19 / math.sqrt(a_min))  # |g| / sqrt(a + g^2), as for Adagrad
+        l1, l2 = float(opt.l1_regularization_strength), float(opt.l2_regularization_strength)
+        if not _ok(lr_t, lr_t * max(l1, l2)):
+            return None
+        return (w_dec + lr_abs * ratio, hi[1] + g * g)
+    if isinstance(opt, ProximalYogi):
+        eps = float(opt.epsilon)
+        if lo[1] < 0 or lr < 0 or eps < _F32_MIN_NORMAL:  # v stays >= 0, so sqrt(v) + eps >= eps
+            return None
+        lr_t = lr_abs / eps
+        m_new = max(hi[2], g)
+        l1, l2 = float(opt.l1_regularization_strength), float(opt.l2_regularization_strength)
+        if not _ok(lr_t, lr_t * m_new, lr_t * max(l1, l2)):
+            return None
+        return (w_dec + lr_t * m_new, hi[1] + g * g, m_new)
+    if isinstance(opt, FrequencyEstimator):
+        dc = lr_abs + hi[1]  # |t - last|, and min(., max_delta) only lowers it
+        threshold = float(opt.outlier_threshold) * w_dec  # only compared, never written
+        if not _ok(dc, threshold):
+            return None
+        return (w_dec + dc, lr_abs)
+    return None
 
 
 def _ftrl_bounds(

@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from embtables.config import ResolvedConfig, ResolvedTable
+from embtables.config.extra_optimizers import ProximalAdagrad
 from embtables.config.optimizers import FLOAT32_MAX, FTRL, Adagrad, as_float32
 from embtables.errors import InputError
 from embtables.kernels import native, sparse_update_
@@ -476,8 +477,8 @@ class EmbeddingCollection:
         state = self.states[table.name]
         bounds.hi = [max(h, m) for h, m in zip(bounds.hi, maxabs)]
         bounds.measured = bounds.measured and measured
-        # Adagrad's and FTRL's accumulators never decrease; every other slot may move towards 0.
-        keeps_min = {1} if isinstance(table.optimizer, (Adagrad, FTRL)) else set()
+        # Adagrad's, FTRL's and ProximalAdagrad's accumulators never decrease; every other slot may move towards 0.
+        keeps_min = {1} if isinstance(table.optimizer, (Adagrad, FTRL, ProximalAdagrad)) else set()
         bounds.lo = [v if i in keeps_min else min(v, 0.0) for i, v in enumerate(bounds.lo)]
         bounds.stamp = _stamp((state.weights, *state.slot_tuple()))
 

@@ -461,6 +461,16 @@ OPTIMIZERS = st.sampled_from(
         et.Adam(0.2, epsilon=1e-15),
         et.AdagradMomentum(0.1, momentum=0.5, epsilon=1e-30),
         et.FTRL(1e-6, beta=0.0),
+        et.ProximalAdagrad(0.2, l1_regularization_strength=0.1, l2_regularization_strength=0.1),
+        et.Momentum(0.1, momentum=0.9, use_nesterov=True),
+        et.RMSProp(0.1, momentum=0.9, epsilon=1e-7),
+        et.RMSProp(0.1, rho=0.5, epsilon=1e-30),
+        et.CenteredRMSProp(0.1, momentum=0.5),
+        et.Adadelta(1.0, rho=0.9, epsilon=1e-6),
+        et.Adadelta(1.0, epsilon=1e-30),
+        et.ProximalYogi(0.1, l1_regularization_strength=0.1, l2_regularization_strength=0.1),
+        et.ProximalYogi(0.1, epsilon=1e-30),
+        et.FrequencyEstimator(tau=0.5, max_delta=1e30, outlier_threshold=1e30),
     ]
 )
 
@@ -494,7 +504,7 @@ def test_the_finiteness_proof_is_sound(
     slots = []
     for name, exp in zip(opt.slot_names, s_exp):
         s = torch.rand(rows, 4, generator=gen) * 10.0**exp
-        if name in ("momenta", "linears"):
+        if name in ("momenta", "linears", "mom", "m", "mg"):
             s = s * 2 - 10.0**exp
         if name == "accumulators" and not isinstance(opt, et.AdagradMomentum):
             s = s + float(opt.slot_initial_values()[0])
