@@ -49,6 +49,27 @@ def _as_tensor(labels: Any, device: torch.device) -> Tensor:
     return torch.as_tensor(np.asarray(labels, dtype=np.float32), device=device)
 
 
+def _labels_like(labels: Any, out: Tensor, device: torch.device) -> Tensor:
+    """``labels`` as float32 shaped like the model's output, or a ``ValueError`` saying what differs."""
+    y = _as_tensor(labels, device)
+    if y.numel() != out.numel():
+        raise ValueError(
+            f"Estimator: the batch has {y.numel()} label value(s) of shape {tuple(y.shape)}, but model_fn returned "
+            f"{tuple(out.shape)}; return one prediction per label. No table or parameter was changed."
+        )
+    return y.reshape(out.shape)
+
+
+def _split(batch: Any) -> tuple[Mapping[str, Any], Any]:
+    if isinstance(batch, tuple) and len(batch) == 2 and isinstance(batch[0], Mapping):
+        return batch[0], batch[1]
+    if isinstance(batch, Mapping):
+        return batch, None
+    raise TypeError(
+        f"Estimator: input_fn must yield (features, labels) with features a dict, got {type(batch).__name__}."
+    )
+
+
 class Estimator:
     """Train, evaluate and predict with embedding tables and a dense model.
 
@@ -191,7 +212,7 @@ class Estimator:
         self.embedding.train()
         self.model.train()
         activations, out = self._forward(features)
-        loss = self.loss_fn(out, _as_tensor(labels, self.device).reshape(out.shape))
+        loss = self.loss_fn(out, _labels_like(labels, out, self.device))
         self.dense_optimizer.zero_grad(set_to_none=True)
         loss.backward()  # type: ignore[no-untyped-call]
         fn = self.spec.experimental_gradient_multiplier_fn
@@ -237,7 +258,10 @@ class Estimator:
         t0 = last_t = time.perf_counter()
         last_step, examples = self.global_step, 0
         try:
-            for features, labels in self._agreed(input_fn()):
+            for batch in self._agreed(input_fn()):
+                features, labels = _split(batch)
+                if labels is None:
+                    raise TypeError("Estimator.train: input_fn must yield (features, labels); got no labels.")
                 losses.append(self._train_step(features, labels))
                 examples += len(labels)
                 if bar is not None:
@@ -273,7 +297,7 @@ class Estimator:
             for i, batch in enumerate(self._agreed(input_fn())):
                 if steps is not None and i >= steps:
                     break
-                features, labels = batch if isinstance(batch, tuple) else (batch, None)
+                features, labels = _split(batch)
                 _, out = self._forward(features)
                 yield out, labels, self.predictions_fn(out)
 
@@ -282,7 +306,7 @@ class Estimator:
         sharded); appended to ``eval_metrics.csv``. Returns ``{"global_step", "loss", metric...}``."""
         preds, labels, loss_sum, count = [], [], 0.0, 0
         for out, y, p in self._predict_batches(input_fn, steps):
-            y_t = _as_tensor(y, self.device).reshape(out.shape)
+            y_t = _labels_like(y, out, self.device)
             loss_sum += float(self.loss_fn(out, y_t)) * len(y_t)
             count += len(y_t)
             preds.append(p.float().cpu().numpy().reshape(-1))

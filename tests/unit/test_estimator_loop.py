@@ -195,3 +195,25 @@ def test_tensorboard_event_files(tmp_path: Path) -> None:
     e.evaluate(_input_fn(features, y), steps=2)
     events = list(tmp_path.glob("events.out.tfevents.*"))
     assert events and events[0].stat().st_size > 0
+
+
+def test_bad_batches_are_refused_and_change_nothing(tmp_path: Path) -> None:
+    import pytest
+
+    features, y = _data()
+    e = _estimator(tmp_path)
+    e.train(_input_fn(features, y), steps=2)
+    before = _state(e)
+    batch = {k: v[:100] for k, v in features.items()}
+    with pytest.raises(ValueError, match="99 label value"):
+        e.train(lambda: iter([(batch, y[:99])]))
+    with pytest.raises(TypeError, match=r"\(features, labels\)"):
+        e.train(lambda: iter([[batch, y[:100]]]))
+    with pytest.raises(ValueError, match="outside"):
+        e.train(lambda: iter([({**batch, "user": np.full(100, USERS + 5)}, y[:100])]))
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        e.train(lambda: iter([(batch, np.full(100, np.nan, dtype=np.float32))]))
+    after = _state(e)
+    assert e.global_step == 2
+    for k in before:
+        assert torch.equal(before[k], after[k]), k
