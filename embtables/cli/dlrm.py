@@ -32,6 +32,7 @@ import torch
 from torch import Tensor, nn
 
 import embtables
+from embtables.cli.plotting import pyplot
 from embtables.data import SyntheticCTR, SyntheticCTRConfig
 from embtables.data.synthetic import CategoricalFeature
 from embtables.estimator import EmbeddingConfigSpec, Estimator, auc, log_loss
@@ -130,12 +131,8 @@ class DLRM(nn.Module):
 
 def plot(history: list[dict[str, float]], evals: list[dict[str, float]], teacher: dict[str, float], path: Path) -> bool:
     """Training loss and held-out AUC / log-loss against the step, with the teacher's as lines."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return False
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.8), dpi=110)
     ax = axes[0]

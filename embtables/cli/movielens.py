@@ -29,6 +29,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from embtables.cli.plotting import pyplot
 from embtables.data.movielens import GENRES, MovieLens, kfold, load_movielens_100k
 from embtables.estimator import (
     AdagradParameters,
@@ -169,12 +170,8 @@ def _fold_worker(job: tuple[str | None, int, Hyper, str, bool]) -> dict[str, Any
 
 def plot_curves(results: list[dict[str, Any]], path: Path, title: str) -> bool:
     """Test RMSE per epoch of every fold, as a PNG; False when matplotlib is missing."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return False
     fig, ax = plt.subplots(figsize=(6, 4), dpi=120)
     for r in results:

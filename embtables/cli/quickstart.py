@@ -37,6 +37,7 @@ from torch import Tensor, nn
 
 import embtables
 from embtables.data import SyntheticCTR, SyntheticCTRConfig
+from embtables.estimator.metrics import auc
 
 OPTIMIZERS = ("adagrad", "adam", "ftrl", "sgd")
 
@@ -113,20 +114,10 @@ class CTRModel(nn.Module):
 
 
 def roc_auc(scores: Tensor, labels: Tensor) -> float:
-    """Area under the ROC curve (Mann-Whitney U with tied scores averaged); 0.5 if one class is absent."""
-    scores, labels = scores.double(), labels.double()
-    n_pos = float(labels.sum())
-    n_neg = labels.numel() - n_pos
-    if n_pos == 0 or n_neg == 0:
-        return 0.5
-    sorted_scores, order = torch.sort(scores)
-    _, inverse, counts = torch.unique_consecutive(sorted_scores, return_inverse=True, return_counts=True)
-    ends = torch.cumsum(counts, 0).double()
-    avg_rank = ends - (counts.double() - 1) / 2  # 1-based average rank of each group of ties
-    ranks = torch.empty_like(scores)
-    ranks[order] = avg_rank[inverse]
-    u = float(ranks[labels == 1].sum()) - n_pos * (n_pos + 1) / 2
-    return u / (n_pos * n_neg)
+    """Area under the ROC curve (``embtables.estimator.auc``: Mann-Whitney U with tied scores
+    averaged); 0.5 if one class is absent."""
+    value = auc(scores.detach().cpu().double().numpy(), labels.detach().cpu().double().numpy())
+    return 0.5 if math.isnan(value) else value
 
 
 @dataclasses.dataclass(frozen=True)

@@ -8,6 +8,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from embtables.cli.plotting import pyplot
 from embtables.sharding.lookup_stats import read_all
 
 _COLUMNS = ("table", "V", "D", "strategy", "W", "batches", "ids/sample", "unique/batch", "balance", "hottest rows")
@@ -58,12 +59,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _draw(docs: Sequence[dict[str, Any]], path: str) -> int:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         print("embtables stats: --png needs matplotlib (pip install matplotlib)", file=sys.stderr)
         return 2
     fig, axes = plt.subplots(len(docs), 1, figsize=(7, 1.8 + 1.6 * len(docs)), squeeze=False)
