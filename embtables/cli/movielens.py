@@ -156,16 +156,31 @@ def run_fold(
     return {"fold": fold, "rmse": curve[-1]["rmse"], "mae": curve[-1]["mae"], "curve": curve}
 
 
-def _fold_worker(job: tuple[str | None, int, Hyper, str, bool]) -> dict[str, Any]:
-    """One fold in a worker process (1 torch thread): reload the data, split, train, evaluate."""
-    path, fold, hp, model_dir, progress = job
-    torch.set_num_threads(1)
+def _load(path: str | None, max_ratings: int | None) -> MovieLens:
+    """The ratings, or only the first ``max_ratings`` of them (smoke runs)."""
     data = load_movielens_100k(path)
+    if max_ratings:
+        keep = np.arange(min(max_ratings, len(data)))
+        data = dataclasses.replace(data, **{k: getattr(data, k)[keep] for k in (*FIELDS, "rating")})
+    return data
+
+
+def _fold(
+    data: MovieLens, prepared: dict[str, np.ndarray], fold: int, hp: Hyper, model_dir: str, progress: bool
+) -> dict[str, Any]:
+    """Fold ``fold`` of the standard split: train, evaluate, and time it."""
     train_idx, test_idx = kfold(len(data))[fold]
     start = time.perf_counter()
-    out = run_fold(data, prepare(data), train_idx, test_idx, hp, Path(model_dir), fold, progress)
+    out = run_fold(data, prepared, train_idx, test_idx, hp, Path(model_dir), fold, progress)
     out["seconds"] = time.perf_counter() - start
     return out
+
+
+def _fold_worker(job: tuple[str | None, int | None, int, Hyper, str]) -> dict[str, Any]:
+    """One fold in a worker process (its pool gives it 1 torch thread): load the data, then ``_fold``."""
+    path, max_ratings, fold, hp, model_dir = job
+    data = _load(path, max_ratings)
+    return _fold(data, prepare(data), fold, hp, model_dir, False)
 
 
 def plot_curves(results: list[dict[str, Any]], path: Path, title: str) -> bool:
@@ -212,7 +227,7 @@ def run(args: argparse.Namespace) -> int:
         print("embtables train: --folds must be in 1..5", file=sys.stderr)
         return 2
     try:
-        data = load_movielens_100k(args.data_dir)
+        data = _load(args.data_dir, args.max_ratings)
     except FileNotFoundError as exc:
         print(f"embtables train: {exc}", file=sys.stderr)
         return 2
@@ -222,23 +237,18 @@ def run(args: argparse.Namespace) -> int:
     print(f"model: factorization machine over {len(FIELDS)} embtables tables ({', '.join(FIELDS)}), {hp}")
     jobs = args.jobs or min(args.folds, max(1, torch.get_num_threads()))
     start = time.perf_counter()
-    tasks = [(args.data_dir, f, hp, str(out_dir), args.progress and jobs == 1) for f in range(args.folds)]
-    if args.max_ratings:  # a small slice, in this process (the test suite's smoke run)
-        keep = np.arange(min(args.max_ratings, len(data)))
-        data = dataclasses.replace(data, **{k: getattr(data, k)[keep] for k in (*FIELDS, "rating")})
+    if jobs == 1 or args.max_ratings:  # in this process (a smoke run on a slice stays here too)
         prepared = prepare(data)
-        results = []
-        for f in range(args.folds):
-            tr, te = kfold(len(data))[f]
-            results.append({**run_fold(data, prepared, tr, te, hp, out_dir, f, False), "seconds": 0.0})
-    elif jobs == 1:
-        results = [_fold_worker(t) for t in tasks]
+        results = [_fold(data, prepared, f, hp, str(out_dir), args.progress) for f in range(args.folds)]
     else:
+        tasks = [(args.data_dir, args.max_ratings, f, hp, str(out_dir)) for f in range(args.folds)]
         import concurrent.futures
         import multiprocessing
 
         ctx = multiprocessing.get_context("spawn")
-        with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=ctx) as pool:
+        with concurrent.futures.ProcessPoolExecutor(
+            jobs, mp_context=ctx, initializer=torch.set_num_threads, initargs=(1,)
+        ) as pool:
             futures = [pool.submit(_fold_worker, t) for t in tasks]
             for fut in concurrent.futures.as_completed(futures):
                 r = fut.result()
