@@ -130,10 +130,11 @@ class EmbeddingConfigSpec:
             changes["use_gradient_accumulation"] = True  # as TF v1 does for SGD with a clip
         return dataclasses.replace(opt, **changes)
 
-    def feature_config(self, global_step: Callable[[], int]) -> dict[str, FeatureConfig]:
+    def feature_config(self, global_step: Callable[[], int], base: Optimizer | None = None) -> dict[str, FeatureConfig]:
         """``{feature name: FeatureConfig}`` for ``DistributedEmbedding`` (the estimator's global step
-        drives ``learning_rate_fn`` and FrequencyEstimator)."""
-        base = self.optimizer(global_step)
+        drives ``learning_rate_fn`` and FrequencyEstimator); ``base`` is ``optimizer(global_step)``
+        when the caller has it already."""
+        base = self.optimizer(global_step) if base is None else base
         if self.feature_columns is None:
             assert self.feature_to_config_dict is not None and self.table_to_config_dict is not None
             known = {id(t) for t in self.table_to_config_dict.values()}
@@ -186,9 +187,10 @@ class EmbeddingConfigSpec:
         timeout: float | None = None,
     ) -> DistributedEmbedding:
         """The ``DistributedEmbedding`` of this spec (sharded over ``process_group`` when one is up)."""
+        base = self.optimizer(global_step)  # one object: the tables share its learning-rate callable
         return DistributedEmbedding(
-            self.feature_config(global_step),
-            self.optimizer(global_step),
+            self.feature_config(global_step, base),
+            base,
             pipeline_execution_with_tensor_core=self.pipeline_execution_with_tensor_core,
             device=device,
             sharding=self.partition_strategy,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -184,8 +185,6 @@ def all_reduce_mean_(tensors: list[Tensor], group: ProcessGroup | None = None) -
 def init_from_environment() -> bool:
     """Join the process group ``torchrun`` describes (``WORLD_SIZE`` > 1 in the environment; NCCL when
     CUDA is available, else gloo) unless one is up already. True when running distributed."""
-    import os
-
     if dist.is_available() and dist.is_initialized():
         return True
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or not dist.is_available():
