@@ -109,9 +109,11 @@ class EmbeddingConfigSpec:
             out = opt.to_optimizer()
         else:
             out = opt
-        return self._with_clipping_limit(out, global_step)
+        return self._for_engine(out, global_step)
 
-    def _with_clipping_limit(self, opt: Optimizer, global_step: Callable[[], int]) -> Optimizer:
+    def _for_engine(self, opt: Optimizer, global_step: Callable[[], int]) -> Optimizer:
+        """``opt`` as a table trains with it: a FrequencyEstimator's rate becomes the global step, and
+        ``clipping_limit`` is folded into the gradient clip."""
         if isinstance(opt, FrequencyEstimator) and not callable(opt.learning_rate):
             opt = dataclasses.replace(opt, learning_rate=lambda: float(global_step()))
         limit = self.clipping_limit
@@ -147,7 +149,7 @@ class EmbeddingConfigSpec:
                 id(t): dataclasses.replace(
                     t,
                     name=t.name or key,
-                    optimizer=None if t.optimizer is None else self._with_clipping_limit(t.optimizer, global_step),
+                    optimizer=None if t.optimizer is None else self._for_engine(t.optimizer, global_step),
                 )
                 for key, t in self.table_to_config_dict.items()
             }
