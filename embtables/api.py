@@ -19,6 +19,7 @@ import logging
 import os
 import threading
 from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
 from typing import Any, TypeVar, cast
 
 import torch
@@ -147,7 +148,9 @@ class DistributedEmbedding(nn.Module):
         if self._sharded:
             group = process_group if timeout is None else comm.new_group(float(timeout), process_group)
             strategies, table_ranks = place_tables(self._resolved, sharding, comm.get_world_size(group), loads)
-            self._engine = ShardedEmbeddingCollection(self._resolved, dev, strategies, table_ranks, group)
+            self._engine = ShardedEmbeddingCollection(
+                self._resolved, dev, strategies, table_ranks, group, settings=self._settings()
+            )
             plans = self._engine.plans
             if pipeline_execution_with_tensor_core:  # collectives run on one thread, in program order
                 self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="embtables-exchange")
@@ -173,6 +176,10 @@ class DistributedEmbedding(nn.Module):
         self._stale: dict[str, tuple[Tensor, Tensor]] = {}
         self._staging = Staging()
         self._lock = threading.RLock()
+
+    def _settings(self) -> dict[str, Any]:
+        """Module settings that change results, beyond the config: in the rank fingerprint and manifests."""
+        return {"pipeline_execution_with_tensor_core": self.pipeline_execution_with_tensor_core}
 
     def __getstate__(self) -> dict[str, Any]:
         if self._sharded:
@@ -276,9 +283,14 @@ class DistributedEmbedding(nn.Module):
         except (ValueError, TypeError) as exc:
             if not self._sharded:
                 raise  # a bad enqueue changes nothing
-            # Sharded: every rank must refuse this step together, at the lookup (dequeue).
+            # Sharded: every rank must refuse this step together, at the lookup (dequeue). Pipelined,
+            # the refusing rank joins the early lookup's agreement round on the exchange thread like
+            # the others, so every rank's collectives stay in the same order.
             self._drop_prefetch()
-            self._enqueued = _Staged(None, bool(training), refused=exc)
+            refused = _Staged(None, bool(training), refused=exc)
+            if self._worker is not None and refused.training:
+                refused.prefetch = self._worker.submit(self._lookup, refused)
+            self._enqueued = refused
             return
         self._drop_prefetch()
         staged = _Staged(batches, bool(training))
@@ -476,10 +488,23 @@ class DistributedEmbedding(nn.Module):
         else:
             parts, strategies, world, rank = [stats.state()], {t.name: "div" for t in self._resolved.tables}, 1, 0
         stats.reset()
-        if rank != 0:
-            return []
-        paths = write_stats(directory, merge(parts), self._resolved, strategies, world)
-        logger.info("lookup statistics: wrote %d file(s) to %s", len(paths), directory)
+        paths: list[Path] = []
+        error: str | None = None
+        if rank == 0:
+            try:
+                paths = write_stats(directory, merge(parts), self._resolved, strategies, world)
+            except (OSError, ValueError) as exc:
+                error = f"{type(exc).__name__}: {exc}"
+        if isinstance(self._engine, ShardedEmbeddingCollection):  # every rank raises rank 0's error, or none
+            group = self._engine.group
+            error = self._run(lambda: comm.broadcast_object(error, 0, group))
+        if error is not None:
+            raise RuntimeError(
+                f"DistributedEmbedding.flush: rank 0 could not write the lookup statistics to {directory} ({error}); "
+                "training is unaffected. Fix the directory (profile_data_directory) or its permissions."
+            )
+        if paths:
+            logger.info("lookup statistics: wrote %d file(s) to %s", len(paths), directory)
         return [str(p) for p in paths]
 
     @_locked
@@ -504,7 +529,7 @@ class DistributedEmbedding(nn.Module):
         with progress_bar(progress, comm.get_rank(group), "save") as tick:
             out = checkpoint.save(
                 path, self._resolved, shards, self._training_steps, strategies=strategies, extra=extra,
-                keep_last=keep_last, progress=tick, group=group, stale=stale,
+                keep_last=keep_last, progress=tick, group=group, stale=stale, settings=self._settings(),
             )  # fmt: skip
         if self._stats is not None:
             self.flush()
@@ -526,7 +551,12 @@ class DistributedEmbedding(nn.Module):
             self._enqueued.prefetch = None  # it read the old tables: look up again at dequeue
         self._pending, self._last = None, None
         device = self.device
-        self._stale = {n: (r.to(device), v.to(device)) for n, (r, v) in manifest.pop("stale").items()}
+        stale = manifest.pop("stale")
+        # The pre-update rows of a pipelined update pending at save are read by the next training lookup
+        # of a pipelined module only; a synchronous module reads the tables as they are (updated).
+        self._stale = {}
+        if self.pipeline_execution_with_tensor_core:
+            self._stale = {n: (r.to(device), v.to(device)) for n, (r, v) in stale.items()}
         self._training_steps = int(manifest["step"])
         return manifest
 

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import sys
 import zlib
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -11,27 +13,33 @@ import numpy as np
 from embtables.checkpoint.store import CheckpointError, read_manifest
 
 
+def _file_status(where: Path, entry: dict[str, Any]) -> str:
+    """OK, or what is wrong with one rank file (missing, wrong size, a block failing its CRC-32)."""
+    file = where / entry["file"]
+    try:
+        size = file.stat().st_size
+        if size != entry["bytes"]:
+            return f"BAD (size {size}, expected {entry['bytes']})"
+        data = np.memmap(file, dtype=np.uint8, mode="r") if size else np.zeros(0, np.uint8)
+        for table, tb in entry["blocks"].items():
+            named = {"rows": tb.rows, **tb.state, "stale_rows": tb.stale_rows, "stale": tb.stale}
+            for key, block in named.items():
+                if block is None:
+                    continue
+                piece = data[block.offset : block.offset + block.nbytes]
+                if zlib.crc32(np.ascontiguousarray(piece).data) != block.crc32:
+                    return f"BAD (table {table!r}, block {key!r})"
+    except OSError as exc:
+        return f"MISSING ({exc})"
+    return "OK"
+
+
 def summary(path: str) -> dict[str, Any]:
     """Tables (shape, optimizer, slots), step, writer, size on disk and a per-file checksum status."""
     where, manifest = read_manifest(path)
-    files = []
-    for entry in manifest["files"]:
-        file = where / entry["file"]
-        status = "OK"
-        try:
-            data = np.memmap(file, dtype=np.uint8, mode="r") if file.stat().st_size else np.zeros(0, np.uint8)
-            if data.size != entry["bytes"]:
-                status = f"BAD (size {data.size}, expected {entry['bytes']})"
-            else:
-                for table, blocks in entry["tables"].items():
-                    for key, spec in blocks.items():
-                        count = spec["count"] * 8 if key == "rows" else int(np.prod(spec["shape"])) * 4
-                        piece = data[spec["offset"] : spec["offset"] + count]
-                        if zlib.crc32(np.ascontiguousarray(piece).data) != spec["crc32"]:
-                            status = f"BAD (table {table!r}, block {key!r})"
-        except OSError as exc:
-            status = f"MISSING ({exc})"
-        files.append({"file": entry["file"], "bytes": entry["bytes"], "status": status})
+    files = [
+        {"file": e["file"], "bytes": e["bytes"], "status": _file_status(where, e)} for e in manifest["checked_files"]
+    ]
     tables = {
         name: {
             "shape": [t["vocabulary_size"], t["dim"]],
@@ -60,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         s = summary(args.checkpoint)
     except CheckpointError as exc:
-        print(f"embtables inspect: {exc}")
+        print(f"embtables inspect: {exc}", file=sys.stderr)
         return 1
     print(f"{s['path']}: step {s['step']}, written by {s['world_size']} rank(s), {s['bytes'] / 2**20:.1f} MiB")
     for name, t in s["tables"].items():

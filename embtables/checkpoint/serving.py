@@ -1,14 +1,16 @@
 """Export for serving: a lookup-only artifact from a checkpoint, and ``ServingEmbedding``, a CPU
 ``nn.Module`` with the training module's forward over memory-mapped tables.
 
-``export(checkpoint, out, dtype)`` writes ``out/serving.json`` (the features, their nest and the
-tables) and one raw little-endian file per table, ``<table>.bin`` [V, D] in ``dtype``. With "int8",
-each row is quantised on its own: ``q = round((w - bias) / scale)`` in [0, 255] with
-``bias = min(row)`` and ``scale = (max(row) - min(row)) / 255``, stored in ``<table>.scale.bin``
-[V, 2] float32 (scale, bias). A lookup dequantises only the rows it reads. The export streams the
-checkpoint's blocks into the output in row order, so no table is ever held in memory whole, and it
-reports the measured max abs error per table. The artifact is written to a temporary directory
-and renamed into place.
+``export(checkpoint, out, dtype)`` writes ``out/serving.json`` (the features, their nest, the tables
+and, per table, its file names) and one ``.npy`` file per table, ``t<index>-<safe name>.npy`` [V, D]
+in ``dtype`` (file names never come from table names: see ``file_names``). With "int8", each row is
+quantised on its own: ``q = round((w - bias) / scale)`` in [0, 255] with ``bias = min(row)`` and
+``scale = (max(row) - min(row)) / 255``, stored in ``t<index>-<safe name>.scale.npy`` [V, 2] float32
+(scale, bias). A lookup dequantises only the rows it reads. The export streams the checkpoint's
+blocks into the output in row order, so no table is ever held in memory whole, checks that they
+cover every row, and reports the measured max abs error per table. The artifact is built in a
+temporary directory and published atomically; ``out`` must be new, empty, or an earlier export
+(recognised by its marker file ``.embtables-export``), and anything else is refused untouched.
 """
 
 from __future__ import annotations
@@ -17,7 +19,6 @@ import dataclasses
 import json
 import os
 import shutil
-import uuid
 import warnings
 from pathlib import Path
 from typing import Any
@@ -26,7 +27,9 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from embtables.checkpoint.store import CheckpointError, _block, read_manifest
+from embtables.checkpoint.file_names import CheckpointError, contained, table_file_stem
+from embtables.checkpoint.owned_dirs import clean_dead_leftovers, fsync_dir, publish, temp_name
+from embtables.checkpoint.store import read_block, read_manifest, row_ids
 from embtables.config import Combiner, FeatureConfig, QuantizationConfig, TableConfig, nest, resolve
 from embtables.config.optimizers import SGD
 from embtables.kernels import native
@@ -34,23 +37,55 @@ from embtables.kernels.lookup import pooled_lookup
 from embtables.tables.input_nest import flatten_inputs
 from embtables.tables.inputs import InputConverter
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: files named by table index (serving.json maps names to files); 1 is still read
 DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": None, "int8": np.uint8}
+MARKER = ".embtables-export"  # lists every file an export wrote: only such a directory is ever replaced
+_LIMITS = {"float16": float(np.finfo(np.float16).max), "bfloat16": 3.3895313892515355e38}
+_CHUNK_ROWS = 1 << 16
 
 
 @dataclasses.dataclass(frozen=True)
 class ExportReport:
-    """Where the artifact is, and per table the max abs error against the float32 checkpoint (and
-    that error relative to the table's max abs weight)."""
+    """Where the artifact is, and per table the max abs error against the float32 checkpoint over its
+    finite values (and that error relative to the table's max abs weight), and how many values of
+    the checkpoint were not finite (NaN or Inf: exported as they are, never hidden in a maximum)."""
 
     path: str
     dtype: str
     max_abs_error: dict[str, float]
     relative_error: dict[str, float]
+    nonfinite: dict[str, int] = dataclasses.field(default_factory=dict)
+
+
+def _check_out(target: Path) -> None:
+    """Refuse an ``out`` that export may not replace: anything but a new or empty directory, or a
+    directory that an earlier export wrote (its marker lists every entry there)."""
+    if target.is_symlink() or (target.exists() and not target.is_dir()):
+        raise CheckpointError(f"export: {target} exists and is not a directory; give a new or empty directory.")
+    if not target.exists():
+        return
+    entries = sorted(p.name for p in target.iterdir())
+    if not entries:
+        return
+    written: set[str] = set()
+    try:
+        doc = json.loads((target / MARKER).read_text())
+        written = {str(f) for f in doc["files"]} | {MARKER}
+    except (OSError, ValueError, KeyError, TypeError, RecursionError):
+        pass
+    foreign = [e for e in entries if e not in written]
+    if foreign:
+        shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+        raise CheckpointError(
+            f"export: {target} is not empty and is not an embtables export (it holds {shown}). export replaces "
+            "only a directory it wrote itself and never deletes anything else; give a new or empty directory."
+        )
 
 
 def export(checkpoint: str | os.PathLike[str], out: str | os.PathLike[str], dtype: str = "float32") -> ExportReport:
-    """Write a serving artifact of ``checkpoint``'s tables (no slots) in ``dtype``."""
+    """Write a serving artifact of ``checkpoint``'s tables (no slots) in ``dtype`` into ``out``: a new
+    or empty directory, or an earlier export, which is replaced atomically (anything else is refused
+    and left untouched)."""
     if dtype not in DTYPES:
         raise ValueError(f"export: dtype must be one of {sorted(DTYPES)}, got {dtype!r}.")
     where, manifest = read_manifest(checkpoint)
@@ -58,138 +93,289 @@ def export(checkpoint: str | os.PathLike[str], out: str | os.PathLike[str], dtyp
     if "structure" not in config:
         raise CheckpointError(f"{where}: this checkpoint has no feature structure (written by an older embtables).")
     target = Path(out)
-    tmp = target.parent / f".tmp-{target.name}-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir(parents=True)
+    _check_out(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    for kind in ("export", "trash"):
+        clean_dead_leftovers(target.parent, kind)
+    tmp = target.parent / temp_name("export")
+    try:
+        tmp.mkdir()
+    except OSError as exc:
+        raise CheckpointError(f"export: cannot write beside {target} ({exc}).") from exc
     errors: dict[str, float] = {}
     relative: dict[str, float] = {}
+    nonfinite: dict[str, int] = {}
+    files: dict[str, dict[str, str]] = {}
     try:
-        for name, t in config["tables"].items():
-            errors[name], relative[name] = _export_table(where, manifest, name, t, tmp, dtype)
-        doc = {"format_version": FORMAT_VERSION, "dtype": dtype, "step": manifest["step"], **config}
-        (tmp / "serving.json").write_text(json.dumps(doc, indent=1, sort_keys=True))
-        if target.exists():
-            shutil.rmtree(target)
-        os.replace(tmp, target)
+        for index, (name, t) in enumerate(config["tables"].items()):
+            stem = table_file_stem(index, name)
+            files[name] = {"data": f"{stem}.npy", "scales": f"{stem}.scale.npy"}
+            errors[name], relative[name], nonfinite[name] = _export_table(
+                where, manifest, name, t, tmp, files[name], dtype
+            )
+        doc = {"format_version": FORMAT_VERSION, "dtype": dtype, "step": manifest["step"], "files": files, **config}
+        _write_synced(tmp / "serving.json", json.dumps(doc, indent=1, sort_keys=True))
+        written = ["serving.json", *(f for pair in files.values() for f in pair.values())]
+        _write_synced(tmp / MARKER, json.dumps({"format": "embtables serving export", "files": written}))
+        fsync_dir(tmp)
+        _check_out(target)  # still ours to replace, just before the exchange
+        old = publish(tmp, target)
+        fsync_dir(target.parent)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return ExportReport(str(target), dtype, errors, relative)
+    return ExportReport(str(target), dtype, errors, relative, nonfinite)
+
+
+def _write_synced(path: Path, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def _export_table(
-    where: Path, manifest: dict[str, Any], name: str, table: dict[str, Any], out: Path, dtype: str
-) -> tuple[float, float]:
-    v, d = table["vocabulary_size"], table["dim"]
+    where: Path, manifest: dict[str, Any], name: str, table: dict[str, Any], out: Path, files: dict[str, str],
+    dtype: str,
+) -> tuple[float, float, int]:  # fmt: skip
+    """Stream one table's blocks into its files; returns (max abs error, relative error, non-finite count)."""
+    v, d = int(table["vocabulary_size"]), int(table["dim"])
     store = np.uint16 if dtype == "bfloat16" else DTYPES[dtype]
-    data = np.lib.format.open_memmap(out / f"{name}.npy", mode="w+", dtype=store, shape=(v, d)) if v else None
-    scales = np.lib.format.open_memmap(out / f"{name}.scale.npy", mode="w+", dtype=np.float32, shape=(v, 2))
+    data = np.lib.format.open_memmap(out / files["data"], mode="w+", dtype=store, shape=(v, d))
+    scales = np.lib.format.open_memmap(out / files["scales"], mode="w+", dtype=np.float32, shape=(v, 2))
+    filled = np.zeros(v, dtype=bool)
     worst = biggest = 0.0
-    for entry in manifest["files"]:
+    bad = 0
+    for entry in manifest["checked_files"]:
         file = where / entry["file"]
-        block = entry["tables"][name]
-        mm = np.memmap(file, dtype=np.uint8, mode="r") if file.stat().st_size else np.zeros(0, np.uint8)
-        rows = _block(mm, block["rows"], np.int64, (block["rows"]["count"],), file, name)
+        blocks = entry["blocks"][name]
+        try:
+            size = file.stat().st_size
+        except OSError as exc:
+            raise CheckpointError(f"{file}: missing ({exc}).") from exc
+        if size != entry["bytes"]:
+            raise CheckpointError(f"{file}: {size} bytes, the manifest says {entry['bytes']} (truncated or corrupt).")
+        mm = np.memmap(file, dtype=np.uint8, mode="r") if size else np.zeros(0, np.uint8)
+        rows = row_ids(mm, blocks.rows, file, name, v)
         if rows.size == 0:
             continue
-        weights = _block(mm, block[name], np.float32, tuple(block[name]["shape"]), file, name)
-        for start in range(0, rows.size, 1 << 16):  # bounded memory: 64k rows at a time
-            w = np.asarray(weights[start : start + (1 << 16)])
-            r = rows[start : start + (1 << 16)]
-            stored, back, scale_bias = _encode(w, dtype)
-            assert data is not None
+        weights = read_block(mm, blocks.state[name], file, name)
+        for start in range(0, rows.size, _CHUNK_ROWS):  # bounded memory: 64k rows at a time
+            w = np.asarray(weights[start : start + _CHUNK_ROWS])
+            r = rows[start : start + _CHUNK_ROWS]
+            stored, back, scale_bias, finite = _encode(w, dtype, name, r)
             data[r] = stored
             if scale_bias is not None:
                 scales[r] = scale_bias
-            worst = max(worst, float(np.abs(back - w).max()) if w.size else 0.0)
-            biggest = max(biggest, float(np.abs(w).max()) if w.size else 0.0)
-    if data is not None:
-        data.flush()
+            bad += int(finite.size - np.count_nonzero(finite))
+            if finite.any():
+                worst = max(worst, float(np.abs(back[finite] - w[finite]).max()))
+                biggest = max(biggest, float(np.abs(w[finite]).max()))
+        filled[rows] = True
+    if not filled.all():
+        missing = np.flatnonzero(~filled)
+        raise CheckpointError(
+            f"{where}: table {name!r}: {missing.size} of its {v} rows are in no file of the checkpoint (first: "
+            f"{missing[:5].tolist()}); a rank's file is missing from the manifest. Nothing was exported."
+        )
+    data.flush()
     scales.flush()
-    return worst, (worst / biggest if biggest else 0.0)
+    del data, scales
+    for f in files.values():
+        with open(out / f, "rb+") as fh:
+            os.fsync(fh.fileno())
+    return worst, (worst / biggest if biggest else 0.0), bad
 
 
 def _encode(
-    w: np.ndarray[Any, Any], dtype: str
-) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any], np.ndarray[Any, Any] | None]:
-    """Stored values, their float32 decoding, and (int8) the per-row [scale, bias]."""
+    w: np.ndarray[Any, Any], dtype: str, table: str, rows: np.ndarray[Any, Any]
+) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any], np.ndarray[Any, Any] | None, np.ndarray[Any, Any]]:
+    """Stored values, their float32 decoding, (int8) the per-row [scale, bias], and which values are
+    finite. Refuses finite values that ``dtype`` cannot hold (they would be served as Inf or NaN)."""
+    finite = np.isfinite(w)
+    limit = _LIMITS.get(dtype)
+    if limit is not None:
+        over = finite & (np.abs(w) > limit)
+        if over.any():
+            r, c = np.argwhere(over)[0]
+            raise ValueError(
+                f"export: table {table!r}, row {int(rows[r])}: the value {float(w[r, c])!r} exceeds {dtype}'s "
+                f"largest value {limit:.6g} and would be served as Inf; export as float32. Nothing was exported."
+            )
     if dtype == "float32":
-        return w, w, None
+        return w, w, None, finite
     if dtype == "float16":
         h = w.astype(np.float16)
-        return h, h.astype(np.float32), None
+        return h, h.astype(np.float32), None, finite
     if dtype == "bfloat16":
-        b = torch.from_numpy(np.ascontiguousarray(w)).to(torch.bfloat16)
-        return b.view(torch.int16).numpy().view(np.uint16), b.to(torch.float32).numpy(), None
+        b = torch.from_numpy(np.array(w, dtype=np.float32)).to(torch.bfloat16)  # a writable copy
+        return b.view(torch.int16).numpy().view(np.uint16), b.to(torch.float32).numpy(), None, finite
     lo, hi = w.min(axis=1, keepdims=True), w.max(axis=1, keepdims=True)
+    span = hi.astype(np.float64) - lo.astype(np.float64)
+    unfit = ~finite.all(axis=1) | (span > 0.99 * float(np.finfo(np.float32).max))  # q * scale must stay finite
+    if unfit.any():
+        r = int(np.flatnonzero(unfit)[0])
+        raise ValueError(
+            f"export: table {table!r}, row {int(rows[r])}: its values (from {float(lo[r, 0])!r} to "
+            f"{float(hi[r, 0])!r}) cannot be quantised to int8 (not finite, or a range beyond float32); "
+            "export as float32. Nothing was exported."
+        )
     scale = ((hi - lo) / np.float32(255)).astype(np.float32)
     safe = np.where(scale > 0, scale, np.float32(1))
     q = np.clip(np.rint((w - lo) / safe), 0, 255).astype(np.uint8)
     back = (q.astype(np.float32) * scale + lo).astype(np.float32)
-    return q, back, np.concatenate([scale, lo], axis=1)
+    return q, back, np.concatenate([scale, lo], axis=1), finite
 
 
-def _rebuild(structure: Any, features: list[FeatureConfig]) -> Any:
+def _rebuild(structure: Any, features: list[FeatureConfig], used: set[int]) -> Any:
+    """The feature nest from its JSON form, every node checked (each feature index used once)."""
+    if not isinstance(structure, dict) or len(structure) != 1:
+        raise ValueError(f"a structure node must be an object with one key, got {structure!r:.80}")
     kind, body = next(iter(structure.items()))
     if kind == "feature":
+        if isinstance(body, bool) or not isinstance(body, int) or not 0 <= body < len(features) or body in used:
+            raise ValueError(f"feature index {body!r} is out of range or used twice")
+        used.add(body)
         return features[body]
-    if kind == "dict":
-        return {k: _rebuild(v, features) for k, v in body.items()}
-    items = [_rebuild(v, features) for v in body]
-    return items if kind == "list" else tuple(items)
+    if kind == "dict" and isinstance(body, dict):
+        return {str(k): _rebuild(v, features, used) for k, v in body.items()}
+    if kind in ("list", "tuple") and isinstance(body, list):
+        items = [_rebuild(v, features, used) for v in body]
+        return items if kind == "list" else tuple(items)
+    raise ValueError(f"unknown structure node {kind!r:.40}")
 
 
-class ServingEmbedding(nn.Module):
-    """Lookup-only embeddings from an ``export`` artifact: ``forward(features, weights=None)`` takes
-    the training module's inputs (every input type) and returns the same activations, in the same
-    nest. Tables are memory-mapped read-only; only the rows a batch looks up are read (and, for
-    fp16/bf16/int8, decoded to float32)."""
+def _table_configs(doc: dict[str, Any]) -> dict[str, TableConfig]:
+    tables: dict[str, TableConfig] = {}
+    for name, t in doc["tables"].items():
+        q = t.get("quantization")
+        if q is not None and (not isinstance(q, list) or len(q) != 3):
+            raise ValueError(f"table {name!r}: quantization must be [num_buckets, lower, upper], got {q!r:.80}")
+        quant = None if q is None else QuantizationConfig(q[0], float(q[1]), float(q[2]))
+        tables[name] = TableConfig(
+            t["vocabulary_size"], t["dim"], combiner=Combiner(t["combiner_value"]), name=name,
+            optimizer=SGD(0.1), quantization_config=quant,
+        )  # fmt: skip
+    return tables
 
-    def __init__(self, doc: dict[str, Any], root: Path) -> None:
-        super().__init__()
-        self.dtype = doc["dtype"]
-        tables: dict[str, TableConfig] = {}
-        for name, t in doc["tables"].items():
-            q = t.get("quantization")
-            quant = None if q is None else QuantizationConfig(int(q[0]), float(q[1]), float(q[2]))
-            tables[name] = TableConfig(
-                t["vocabulary_size"], t["dim"], combiner=Combiner(t["combiner_value"]), name=name,
-                optimizer=SGD(0.1), quantization_config=quant,
-            )  # fmt: skip
-        features = [
+
+def _feature_configs(doc: dict[str, Any], tables: dict[str, TableConfig]) -> list[FeatureConfig]:
+    out = []
+    for f in doc["feature_list"]:
+        shape = f["output_shape"]
+        out.append(
             FeatureConfig(
                 tables[f["table"]],
                 max_sequence_length=f["max_sequence_length"],
                 validate_weights_and_indices=f["validate"],
                 name=f["name"],
-                output_shape=None if f["output_shape"] is None else tuple(f["output_shape"]),
+                output_shape=None if shape is None else tuple(shape),
             )
-            for f in doc["feature_list"]
-        ]
-        self.feature_config = _rebuild(doc["structure"], features)
+        )
+    return out
+
+
+def _file_names(doc: dict[str, Any], root: Path) -> dict[str, dict[str, Path]]:
+    """Per table, its data and scales files: named in ``serving.json`` (format 2) or, format 1, after
+    the table; either way checked to be plain names inside ``root``."""
+    out = {}
+    for name in doc["tables"]:
+        if doc["format_version"] == 1:
+            pair = {"data": f"{name}.npy", "scales": f"{name}.scale.npy"}
+        else:
+            pair = doc["files"][name]
+            if not isinstance(pair, dict):
+                raise ValueError(f"files[{name!r}] must be an object, got {pair!r:.80}")
+        out[name] = {k: contained(root, pair[k], f"serving.json's files[{name!r}][{k!r}]") for k in ("data", "scales")}
+    return out
+
+
+def _load_array(path: Path, dtype: Any, shape: tuple[int, int], mmap: bool) -> np.ndarray[Any, Any]:
+    """A ``.npy`` file of exactly ``dtype`` and ``shape`` whose size matches its header (checked
+    before a byte of data is read or any memory is allocated)."""
+    fmt = np.lib.format
+    with open(path, "rb") as f:
+        version = fmt.read_magic(f)
+        if version not in ((1, 0), (2, 0)):
+            raise ValueError(f"{path.name}: .npy format version {version} is not one export writes")
+        read_header = fmt.read_array_header_1_0 if version == (1, 0) else fmt.read_array_header_2_0
+        got_shape, fortran, got_dtype = read_header(f)
+        start, size = f.tell(), os.fstat(f.fileno()).st_size
+    if tuple(got_shape) != shape or np.dtype(got_dtype) != np.dtype(dtype) or fortran:
+        raise ValueError(
+            f"{path.name} holds {got_dtype} {tuple(got_shape)}, serving.json says {np.dtype(dtype)} {shape}"
+        )
+    if size != start + shape[0] * shape[1] * np.dtype(dtype).itemsize:
+        raise ValueError(
+            f"{path.name} has {size} bytes, not the {start} + {shape[0]} x {shape[1]} values its header says"
+        )
+    return np.load(path, mmap_mode="r" if mmap else None, allow_pickle=False)  # type: ignore[no-any-return]
+
+
+class ServingEmbedding(nn.Module):
+    """Lookup-only embeddings from an ``export`` artifact: ``forward(features, weights=None)`` takes
+    the training module's inputs (every input type) and returns the same activations, in the same
+    nest. ``load`` reads the tables into memory, or with ``mmap=True`` maps them read-only so that
+    only the rows a batch looks up are read (for tables larger than RAM; the files must then not be
+    changed in place while served). fp16/bf16/int8 rows are decoded to float32 as they are read."""
+
+    def __init__(self, doc: dict[str, Any], root: Path, mmap: bool = False) -> None:
+        super().__init__()
+        self.dtype = doc["dtype"]
+        try:
+            tables = _table_configs(doc)
+            features = _feature_configs(doc, tables)
+            used: set[int] = set()
+            self.feature_config = _rebuild(doc["structure"], features, used)
+            if len(used) != len(features):
+                raise ValueError("the structure does not place every feature")
+            files = _file_names(doc, root)
+        except CheckpointError:
+            raise
+        except (KeyError, TypeError, ValueError, RecursionError, AttributeError) as exc:
+            raise CheckpointError(
+                f"ServingEmbedding.load: {root / 'serving.json'} is malformed ({type(exc).__name__}: {exc}); "
+                "export the checkpoint again."
+            ) from exc
         self.resolved = resolve(self.feature_config, None)
         self._converters = [InputConverter(f, self.resolved.tables[f.table_index]) for f in self.resolved.features]
         self._data: dict[str, Tensor] = {}
         self._scales: dict[str, Tensor] = {}
+        store = np.uint16 if self.dtype == "bfloat16" else DTYPES[self.dtype]
         with warnings.catch_warnings():  # read-only memory maps: torch warns that it cannot write them
             warnings.simplefilter("ignore", UserWarning)
             for t in self.resolved.tables:
-                data = np.load(root / f"{t.name}.npy", mmap_mode="r")
-                self._data[t.name] = torch.from_numpy(data)
-                if self.dtype == "int8":
-                    self._scales[t.name] = torch.from_numpy(np.load(root / f"{t.name}.scale.npy", mmap_mode="r"))
+                paths = files[t.name]
+                try:
+                    self._data[t.name] = torch.from_numpy(
+                        _load_array(paths["data"], store, (t.vocabulary_size, t.dim), mmap)
+                    )
+                    if self.dtype == "int8":
+                        scales = _load_array(paths["scales"], np.float32, (t.vocabulary_size, 2), mmap)
+                        self._scales[t.name] = torch.from_numpy(scales)
+                except (OSError, ValueError, EOFError) as exc:
+                    raise CheckpointError(
+                        f"ServingEmbedding.load: {root}: table {t.name!r}: {exc}. Export the checkpoint again."
+                    ) from exc
 
     @classmethod
-    def load(cls, path: str | os.PathLike[str]) -> ServingEmbedding:
+    def load(cls, path: str | os.PathLike[str], *, mmap: bool = False) -> ServingEmbedding:
+        """The artifact ``export`` wrote to ``path``; ``CheckpointError`` when it is missing or malformed."""
         root = Path(path)
         try:
             doc = json.loads((root / "serving.json").read_text())
-        except (OSError, ValueError) as exc:
-            raise ValueError(
+        except (OSError, ValueError, RecursionError) as exc:
+            raise CheckpointError(
                 f"ServingEmbedding.load: {root / 'serving.json'} is missing or unreadable ({exc})."
             ) from exc
-        if doc.get("format_version") != FORMAT_VERSION:
-            raise ValueError(f"ServingEmbedding.load: {root}: unknown format_version {doc.get('format_version')!r}.")
-        return cls(doc, root)
+        if not isinstance(doc, dict) or doc.get("format_version") not in (1, FORMAT_VERSION):
+            version = doc.get("format_version") if isinstance(doc, dict) else None
+            raise CheckpointError(f"ServingEmbedding.load: {root}: unknown format_version {version!r}.")
+        if doc.get("dtype") not in DTYPES:
+            raise CheckpointError(f"ServingEmbedding.load: {root}: unknown dtype {doc.get('dtype')!r:.40}.")
+        return cls(doc, root, mmap=mmap)
 
     def _rows(self, table: str, ids: Tensor) -> Tensor:
         """Float32 rows [U, D] of ``ids`` [U]."""

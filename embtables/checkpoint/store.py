@@ -4,8 +4,9 @@ Layout of a checkpoint directory ``<root>/ckpt-<step:08d>/``:
 
 - ``manifest.json``: ``format_version``, ``step``, ``world_size`` and ``strategies`` of the writer,
   the config as data (tables: name, V, D, combiner, optimizer class and arguments; features), the
-  caller's ``extra`` JSON, and one entry per data file with its size and, per block, where the block
-  lies and its CRC-32.
+  module's ``settings`` (pipelining), the caller's ``extra`` JSON, and one entry per data file with
+  its size and, per table, where its ``rows`` block and each ``state`` block lie and their CRC-32
+  (``checkpoint.manifest`` checks every value on reading).
 - ``rank-<r:05d>.safetensors``, one per writing rank, in the safetensors format (an 8-byte header
   length, a JSON header naming every tensor with its dtype, shape and byte range, then the raw
   little-endian data). Per table it holds ``<table>#rows``, the int64 global row ids the rank owns
@@ -14,16 +15,19 @@ Layout of a checkpoint directory ``<root>/ckpt-<step:08d>/``:
 
 The safetensors library, numpy or any safetensors reader opens the files; the manifest repeats
 where every block is, with its CRC-32. A save writes into
-``<root>/.tmp-ckpt-<step>-<id>/`` and publishes it with one atomic rename after every rank has
-finished and the manifest is fsynced. A killed save never leaves a published partial checkpoint.
+``<root>/.embtables-tmp-ckpt-<host>-<pid>-<id>/`` and publishes it with one atomic rename (an atomic
+exchange when the step is saved again) after every rank has finished and the manifest is fsynced.
+A killed save never leaves a published partial checkpoint; its leftovers are removed by the next
+save on that host once their writer is dead. Checkpoints are ordered by the step in their manifest.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
+import re
 import shutil
-import uuid
 import zlib
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -32,46 +36,81 @@ from typing import Any
 import numpy as np
 import torch
 
+from embtables.checkpoint import manifest as manifest_io
+from embtables.checkpoint.file_names import CheckpointError as CheckpointError
+from embtables.checkpoint.manifest import Block
+from embtables.checkpoint.owned_dirs import clean_dead_leftovers, fsync_dir, publish, temp_name
 from embtables.config import ResolvedConfig
 from embtables.sharding import comm
 from embtables.sharding.fingerprint import describe_config
 from embtables.tables.state import LocalShard
 
-FORMAT_VERSION = 1
+logger = logging.getLogger("embtables")
+
+FORMAT_VERSION = manifest_io.FORMAT_VERSION
 _PREFIX = "ckpt-"
+_NAME = re.compile(r"ckpt-(\d{1,19})")
 _CHUNK = 64 << 20  # bytes written (and checksummed) per call: bounded extra memory
-
-
-class CheckpointError(ValueError):
-    """A checkpoint is missing, corrupt, or does not match the module it is restored into."""
 
 
 def checkpoint_dir(root: str | os.PathLike[str], step: int) -> Path:
     return Path(root) / f"{_PREFIX}{step:08d}"
 
 
+def _step_of(path: Path) -> int | None:
+    """The step in ``path``'s manifest, or None (with a warning) when it cannot be read."""
+    try:
+        doc = json.loads((path / manifest_io.MANIFEST).read_bytes())
+        step = doc["step"]
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"step {step!r} is not a non-negative integer")
+        return step
+    except (OSError, ValueError, KeyError, TypeError, RecursionError) as exc:
+        logger.warning("embtables: ignoring %s: its manifest cannot be read (%s).", path, exc)
+        return None
+
+
 def published(root: str | os.PathLike[str]) -> list[Path]:
-    """Complete checkpoints under ``root`` (a manifest present), oldest first."""
+    """Complete checkpoints under ``root`` (``ckpt-<digits>`` with a readable manifest), ordered by the
+    step in their manifests, oldest first. Other directories with a manifest (a copy named
+    ``ckpt-best``) and unreadable manifests are ignored with a warning."""
     base = Path(root)
     if not base.is_dir():
         return []
-    found = [p for p in base.iterdir() if p.name.startswith(_PREFIX) and (p / "manifest.json").is_file()]
-    return sorted(found, key=lambda p: p.name)
+    found: list[tuple[int, int, Path]] = []
+    for p in base.iterdir():
+        if not (p / manifest_io.MANIFEST).is_file():
+            continue
+        m = _NAME.fullmatch(p.name)
+        if m is None:
+            logger.warning(
+                "embtables: ignoring %s when looking for the latest checkpoint: its name is not ckpt-<step>. "
+                "Pass its path to restore() to load it.", p,
+            )  # fmt: skip
+            continue
+        step = _step_of(p)
+        if step is not None:
+            found.append((step, int(m[1]), p))
+    return [p for _, _, p in sorted(found)]
 
 
 def resolve_path(path: str | os.PathLike[str]) -> Path:
     """``path`` itself when it is a checkpoint, else the latest checkpoint under it."""
     p = Path(path)
-    if (p / "manifest.json").is_file():
+    if (p / manifest_io.MANIFEST).is_file():
         return p
     done = published(p)
     if not done:
-        raise CheckpointError(f"no checkpoint at {p}: neither a manifest.json there nor a ckpt-* directory with one.")
+        raise CheckpointError(
+            f"no checkpoint at {p}: neither a manifest.json there nor a ckpt-<step> directory with one."
+        )
     return done[-1]
 
 
 def _write_block(f: Any, array: np.ndarray[Any, Any], progress: Callable[[int], None]) -> int:
     """Write ``array``'s bytes in chunks straight from its memory; returns their CRC-32."""
+    if array.size == 0:  # a rank may own no rows of a table
+        return zlib.crc32(b"")
     view = np.ascontiguousarray(array).data.cast("B")
     crc = 0
     for start in range(0, len(view), _CHUNK):
@@ -80,6 +119,85 @@ def _write_block(f: Any, array: np.ndarray[Any, Any], progress: Callable[[int], 
         crc = zlib.crc32(piece, crc)
         progress(len(piece))
     return crc
+
+
+def _agree(error: str | None, group: comm.ProcessGroup | None, what: str) -> None:
+    """One agreement round: when any rank reports an error, every rank raises the same
+    ``CheckpointError`` naming each failing rank and its cause."""
+    _raise_if_any(comm.all_gather_object(error, group), what)
+
+
+def _raise_if_any(errors: list[str | None], what: str) -> None:
+    bad = [(r, e) for r, e in enumerate(errors) if e is not None]
+    if bad:
+        if len(errors) == 1:
+            raise CheckpointError(bad[0][1])
+        raise CheckpointError(f"{what} failed, on every rank: " + "; ".join(f"rank {r}: {e}" for r, e in bad))
+
+
+def _caught(fn: Callable[[], Any]) -> tuple[Any, str | None]:
+    """``(fn(), None)``, or ``(None, the error as text)`` for an error of this rank's own making."""
+    try:
+        return fn(), None
+    except comm.CollectiveError:
+        raise
+    except (OSError, ValueError, TypeError, RuntimeError) as exc:
+        return None, f"{type(exc).__name__}: {exc}" if not isinstance(exc, CheckpointError) else str(exc)
+
+
+def _plan(
+    resolved: ResolvedConfig, shards: dict[str, LocalShard], stale: dict[str, tuple[torch.Tensor, torch.Tensor]] | None
+) -> list[tuple[str, str, str, np.ndarray[Any, Any]]]:
+    """Every block of this rank's file in order: (table, block kind, tensor name, array)."""
+    plan: list[tuple[str, str, str, np.ndarray[Any, Any]]] = []
+    for t in resolved.tables:
+        shard = shards[t.name]
+        plan.append((t.name, "rows", f"{t.name}#rows", shard.rows.detach().to("cpu", torch.int64).numpy()))
+        for slot, tensor in shard.tensors.items():
+            key = f"{t.name}/{slot}" if slot else t.name
+            array = tensor.detach().to("cpu").numpy().reshape(-1, t.dim)
+            plan.append((t.name, "state", key, array))
+        if stale and t.name in stale:
+            srows, svalues = (x.detach().to("cpu").contiguous().numpy() for x in stale[t.name])
+            plan.append((t.name, "stale_rows", f"{t.name}#stale_rows", srows.astype(np.int64)))
+            plan.append((t.name, "stale", f"{t.name}#stale", svalues.astype(np.float32).reshape(-1, t.dim)))
+    return plan
+
+
+def _write_rank_file(
+    data: Path, resolved: ResolvedConfig, plan: list[tuple[str, str, str, np.ndarray[Any, Any]]], rank: int,
+    step: int, tick: Callable[[int], None],
+) -> dict[str, Any]:  # fmt: skip
+    """Write one safetensors file (its JSON header lists every tensor's dtype, shape and byte range)
+    streaming each block from the live storage; returns the file's manifest entry (fsynced)."""
+    header: dict[str, Any] = {"__metadata__": {"format": "embtables", "rank": str(rank), "step": str(step)}}
+    at = 0
+    for _, _, name, array in plan:
+        nbytes = array.size * array.itemsize
+        dtype = "I64" if array.dtype == np.int64 else "F32"
+        header[name] = {"dtype": dtype, "shape": [int(x) for x in array.shape], "data_offsets": [at, at + nbytes]}
+        at += nbytes
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)  # safetensors pads its header to 8 bytes
+    start = 8 + len(encoded)
+    blocks: dict[str, Any] = {t.name: {"state": {}} for t in resolved.tables}
+    with open(data, "wb") as f:
+        f.write(len(encoded).to_bytes(8, "little"))
+        f.write(encoded)
+        for table, kind, name, array in plan:
+            spec: dict[str, Any] = {"offset": start + header[name]["data_offsets"][0]}
+            if array.ndim == 1:
+                spec["count"] = int(array.size)
+            else:
+                spec["shape"] = [int(x) for x in array.shape]
+            spec["crc32"] = _write_block(f, array, tick)
+            if kind == "state":
+                blocks[table]["state"][name] = spec
+            else:
+                blocks[table][kind] = spec
+        f.flush()
+        os.fsync(f.fileno())
+    return {"file": data.name, "bytes": data.stat().st_size, "tables": blocks}
 
 
 def save(
@@ -94,104 +212,96 @@ def save(
     progress: Callable[[int], None] | None = None,
     group: comm.ProcessGroup | None = None,
     stale: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None,
+    settings: dict[str, Any] | None = None,
 ) -> Path:
     """Write a checkpoint of ``shards`` (this rank's rows of every table) and return its directory.
 
     Collective when ``group`` (or the default group) spans several ranks: each rank writes its own
-    file in parallel, rank 0 writes the manifest and publishes. ``keep_last=N`` then deletes all but
-    the N newest checkpoints under ``root``. ``stale`` holds, per table, global rows [U] and their values
-    before a pipelined update [U, D] that the next training lookup must still read (SPEC 6)."""
-    if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
-        raise ValueError(f"save: keep_last must be an int >= 1 or None, got {keep_last!r}.")
+    file in parallel, rank 0 writes the manifest and publishes. Three agreement rounds (arguments and
+    directory, rank files, publication) make every rank raise the same ``CheckpointError`` or none.
+    ``keep_last=N`` then deletes all but the N newest checkpoints under ``root`` (by manifest step).
+    ``stale`` holds, per table, global rows [U] and their values before a pipelined update [U, D] that
+    the next training lookup must still read. ``settings`` (JSON) records module settings."""
     rank, world = comm.get_rank(group), comm.get_world_size(group)
     base = Path(root)
-    tmp_name = comm.broadcast_object(f".tmp-{_PREFIX}{step:08d}-{uuid.uuid4().hex[:12]}", 0, group)
-    tmp = base / tmp_name
-    if rank == 0:
-        tmp.mkdir(parents=True, exist_ok=False)
-    comm.barrier(group)
-    tick = progress or (lambda n: None)
-    # Plan the file first (a safetensors file: its JSON header lists every tensor's dtype, shape and
-    # byte range), then stream each block from the live storage into its place.
-    plan: list[tuple[str, str, str, np.ndarray[Any, Any]]] = []  # (table, block, tensor name, array)
-    for t in resolved.tables:
-        shard = shards[t.name]
-        plan.append((t.name, "rows", f"{t.name}#rows", shard.rows.detach().to("cpu", torch.int64).numpy()))
-        for slot, tensor in shard.tensors.items():
-            key = f"{t.name}/{slot}" if slot else t.name
-            plan.append((t.name, key, key, tensor.detach().to("cpu").numpy()))
-        if stale and t.name in stale:
-            srows, svalues = (x.detach().to("cpu").contiguous().numpy() for x in stale[t.name])
-            plan.append((t.name, "stale_rows", f"{t.name}#stale_rows", srows.astype(np.int64)))
-            plan.append((t.name, "stale", f"{t.name}#stale", svalues.astype(np.float32)))
-    header: dict[str, Any] = {"__metadata__": {"format": "embtables", "rank": str(rank), "step": str(step)}}
-    at = 0
-    for _, _, name, array in plan:
-        nbytes = array.size * array.itemsize
-        dtype = "I64" if array.dtype == np.int64 else "F32"
-        header[name] = {"dtype": dtype, "shape": [int(x) for x in array.shape], "data_offsets": [at, at + nbytes]}
-        at += nbytes
-    encoded = json.dumps(header, separators=(",", ":")).encode()
-    encoded += b" " * (-len(encoded) % 8)  # safetensors pads its header to 8 bytes
-    start = 8 + len(encoded)
-    blocks: dict[str, Any] = {t.name: {} for t in resolved.tables}
-    data = tmp / f"rank-{rank:05d}.safetensors"
-    with open(data, "wb") as f:
-        f.write(len(encoded).to_bytes(8, "little"))
-        f.write(encoded)
-        for table, block, name, array in plan:
-            offset = start + header[name]["data_offsets"][0]
-            spec: dict[str, Any] = {"offset": offset}
-            if array.ndim == 1:
-                spec["count"] = int(array.size)
-            else:
-                spec["shape"] = [int(x) for x in array.shape]
-            spec["crc32"] = _write_block(f, array, tick)
-            blocks[table][block] = spec
-        f.flush()
-        os.fsync(f.fileno())
-    mine = {"file": data.name, "bytes": data.stat().st_size, "tables": blocks}
-    files = comm.all_gather_object(mine, group)
-    if rank == 0:
-        manifest = {
-            "format_version": FORMAT_VERSION,
-            "step": int(step),
-            "world_size": world,
-            "strategies": strategies or {t.name: "div" for t in resolved.tables},
-            "config": config_as_data(resolved),
-            "extra": extra or {},
-            "files": files,
-        }
-        with open(tmp / "manifest.json", "w") as f:
-            json.dump(manifest, f, indent=1, sort_keys=True)
-            f.flush()
-            os.fsync(f.fileno())
-        _fsync_dir(tmp)
-        final = checkpoint_dir(base, step)
-        if final.exists():  # the same step saved again: the new one replaces it
-            trash = base / f".trash-{final.name}-{uuid.uuid4().hex[:8]}"
-            os.replace(final, trash)
-            os.replace(tmp, final)
-            shutil.rmtree(trash, ignore_errors=True)
-        else:
-            os.replace(tmp, final)
-        _fsync_dir(base)
-        if keep_last is not None:
-            for old in published(base)[:-keep_last]:
-                shutil.rmtree(old, ignore_errors=True)
-        for leftover in base.glob(f".tmp-{_PREFIX}*"):  # left by saves killed midway
-            if leftover.name != tmp_name:
-                shutil.rmtree(leftover, ignore_errors=True)
-    comm.barrier(group)
+
+    def check_arguments() -> tuple[str, str]:
+        if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
+            raise ValueError(f"save: keep_last must be an int >= 1 or None, got {keep_last!r}.")
+        try:
+            json.dumps(extra or {}, allow_nan=False)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"save: `extra` must be JSON data (dicts, lists, str, finite numbers): {exc}.") from exc
+        if base.exists() and not base.is_dir():
+            raise CheckpointError(f"save: {base} is a file, not a directory; pass a directory for the checkpoints.")
+        return os.path.abspath(base), temp_name("ckpt")
+
+    checked, error = _caught(check_arguments)
+    agreed = comm.all_gather_object(checked or (os.path.abspath(base), temp_name("ckpt")), group)
+    if error is None and world > 1 and len({w for w, _ in agreed}) > 1:
+        error = f"the ranks passed different paths ({', '.join(f'rank {r}: {w}' for r, (w, _) in enumerate(agreed))})"
+    tmp = base / agreed[0][1]
+    if error is None and rank == 0:
+        _, error = _caught(lambda: _make_dirs(base, tmp))
+    try:
+        _agree(error, group, f"save of step {step} to {base}")
+        tick = progress or (lambda n: None)
+        plan = _plan(resolved, shards, stale)
+        data = tmp / f"rank-{rank:05d}.safetensors"
+        mine, error = _caught(lambda: _write_rank_file(data, resolved, plan, rank, step, tick))
+        gathered = comm.all_gather_object((error, mine), group)
+        _raise_if_any([e for e, _ in gathered], f"save of step {step} to {base}")
+        error = None
+        if rank == 0:
+            files = [m for _, m in gathered]
+            _, error = _caught(
+                lambda: _publish(base, tmp, step, world, resolved, strategies, extra, files, keep_last, settings)
+            )
+        _agree(error, group, f"save of step {step} to {base}")
+    except BaseException:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return checkpoint_dir(base, step)
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+def _make_dirs(base: Path, tmp: Path) -> None:
+    base.mkdir(parents=True, exist_ok=True)
+    tmp.mkdir()
+
+
+def _publish(
+    base: Path, tmp: Path, step: int, world: int, resolved: ResolvedConfig, strategies: dict[str, str] | None,
+    extra: dict[str, Any] | None, files: list[dict[str, Any]], keep_last: int | None,
+    settings: dict[str, Any] | None,
+) -> Path:  # fmt: skip
+    """Rank 0: write the manifest, publish the directory atomically, apply ``keep_last``."""
+    manifest = {
+        "format_version": FORMAT_VERSION,
+        "step": int(step),
+        "world_size": world,
+        "strategies": strategies or {t.name: "div" for t in resolved.tables},
+        "config": config_as_data(resolved),
+        "settings": settings or {},
+        "extra": extra or {},
+        "files": files,
+    }
+    with open(tmp / manifest_io.MANIFEST, "w") as f:
+        json.dump(manifest, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    fsync_dir(tmp)
+    final = checkpoint_dir(base, step)
+    old = publish(tmp, final)  # the same step saved again: the new one replaces it atomically
+    fsync_dir(base)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+    if keep_last is not None:
+        for stale_ckpt in published(base)[:-keep_last]:
+            shutil.rmtree(stale_ckpt, ignore_errors=True)
+    for kind in ("ckpt", "trash"):  # left by saves killed midway, on this host, by dead processes
+        clean_dead_leftovers(base, kind)
+    return final
 
 
 def config_as_data(resolved: ResolvedConfig) -> dict[str, Any]:
@@ -229,16 +339,10 @@ def _structure(node: Any, counter: Any) -> dict[str, Any]:
 
 
 def read_manifest(path: str | os.PathLike[str]) -> tuple[Path, dict[str, Any]]:
+    """The checkpoint directory at (or latest under) ``path`` and its manifest, every value checked
+    (see ``checkpoint.manifest``); ``CheckpointError`` otherwise."""
     where = resolve_path(path)
-    try:
-        manifest = json.loads((where / "manifest.json").read_text())
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"{where / 'manifest.json'}: unreadable ({exc}).") from exc
-    if manifest.get("format_version") != FORMAT_VERSION:
-        raise CheckpointError(
-            f"{where}: format_version {manifest.get('format_version')!r}, this embtables reads {FORMAT_VERSION}."
-        )
-    return where, manifest
+    return where, manifest_io.load(where)
 
 
 def _check_config(manifest: dict[str, Any], resolved: ResolvedConfig, where: Path) -> None:
@@ -270,28 +374,56 @@ def restore(
     group: comm.ProcessGroup | None = None,
 ) -> dict[str, Any]:
     """Fill ``shards`` (this rank's rows, live storage) from a checkpoint written by any number of
-    ranks with any strategy; returns the manifest. Every block read is checked (size and CRC-32)
-    before anything is written, and every rank agrees: on any error every rank raises
-    ``CheckpointError`` naming the file and table, and no shard changes anywhere."""
-    error: str | None = None
+    ranks with any strategy; returns the manifest. Every manifest value and every block read is
+    checked (size, range of row ids, CRC-32) before anything is written, and every rank agrees: on
+    any error every rank raises ``CheckpointError`` naming the rank, file and table, and no shard
+    changes anywhere."""
     staged: dict[tuple[str, str], torch.Tensor] = {}
-    manifest: dict[str, Any] = {}
-    try:
+
+    def read() -> dict[str, Any]:
         where, manifest = read_manifest(path)
         _check_config(manifest, resolved, where)
-        staged = _read_rows(where, manifest, resolved, shards, progress or (lambda n: None))
+        staged.update(_read_rows(where, manifest, resolved, shards, progress or (lambda n: None)))
         manifest["stale"] = _read_stale(where, manifest, resolved, shards)
-    except CheckpointError as exc:
-        error = str(exc)
-    errors = comm.all_gather_object(error, group)
-    bad = [(r, e) for r, e in enumerate(errors) if e is not None]
-    if bad:
-        raise CheckpointError("; ".join(f"rank {r}: {e}" if len(errors) > 1 else e for r, e in bad))
+        return manifest
+
+    manifest, error = _caught(read)
+    _agree(error, group, f"restore from {path}")
     with torch.no_grad():
         for (table, slot), values in staged.items():
             target = shards[table].tensors[slot]
-            target.copy_(values.to(target.device, target.dtype))
-    return manifest
+            target.copy_(values.to(target.device, target.dtype).view_as(target))
+    assert manifest is not None
+    return dict(manifest)
+
+
+def _open_files(where: Path, manifest: dict[str, Any]) -> dict[str, np.ndarray[Any, Any]]:
+    """Every rank file memory-mapped read-only, after checking its size against the manifest."""
+    maps: dict[str, np.ndarray[Any, Any]] = {}
+    for entry in manifest["checked_files"]:
+        file = where / entry["file"]
+        try:
+            size = file.stat().st_size
+        except OSError as exc:
+            raise CheckpointError(f"{file}: missing ({exc}).") from exc
+        if size != entry["bytes"]:
+            raise CheckpointError(f"{file}: {size} bytes, the manifest says {entry['bytes']} (truncated or corrupt).")
+        maps[entry["file"]] = np.memmap(file, dtype=np.uint8, mode="r") if size else np.zeros(0, np.uint8)
+    return maps
+
+
+def row_ids(
+    mm: np.ndarray[Any, Any], block: Block, file: Path, table: str, vocabulary_size: int, ascending: bool = True
+) -> np.ndarray[Any, Any]:
+    """A block of global row ids, checked: CRC-32, inside [0, V), and (``ascending``) strictly increasing."""
+    rows = read_block(mm, block, file, f"{table}#rows")
+    bad_order = ascending and rows.size > 1 and not bool((np.diff(rows) > 0).all())
+    if rows.size and (int(rows.min()) < 0 or int(rows.max()) >= vocabulary_size or bad_order):
+        raise CheckpointError(
+            f"{file}: the row ids of table {table!r} are not {'ascending ' if ascending else ''}ids in "
+            f"[0, {vocabulary_size}) (the file is corrupt or was not written by embtables)."
+        )
+    return rows
 
 
 def _read_rows(
@@ -303,25 +435,16 @@ def _read_rows(
 ) -> dict[tuple[str, str], torch.Tensor]:
     """This rank's rows of every state key, gathered from every file that holds some of them."""
     staged: dict[tuple[str, str], torch.Tensor] = {}
-    maps: dict[str, np.memmap[Any, Any]] = {}
-    for entry in manifest["files"]:
-        file = where / entry["file"]
-        try:
-            size = file.stat().st_size
-        except OSError as exc:
-            raise CheckpointError(f"{file}: missing ({exc}).") from exc
-        if size != entry["bytes"]:
-            raise CheckpointError(f"{file}: {size} bytes, the manifest says {entry['bytes']} (truncated or corrupt).")
-        maps[entry["file"]] = np.memmap(file, dtype=np.uint8, mode="r") if size else np.zeros(0, np.uint8)  # type: ignore[assignment]
+    maps = _open_files(where, manifest)
     for t in resolved.tables:
         mine = shards[t.name].rows.detach().to("cpu", torch.int64).numpy()
         slots = list(shards[t.name].tensors)
         out = {slot: np.empty((mine.size, t.dim), dtype=np.float32) for slot in slots}
         filled = np.zeros(mine.size, dtype=bool)
-        for entry in manifest["files"]:
-            block = entry["tables"][t.name]
-            mm = maps[entry["file"]]
-            rows = _block(mm, block["rows"], np.int64, (block["rows"]["count"],), where / entry["file"], t.name)
+        for entry in manifest["checked_files"]:
+            blocks = entry["blocks"][t.name]
+            file, mm = where / entry["file"], maps[entry["file"]]
+            rows = row_ids(mm, blocks.rows, file, t.name, t.vocabulary_size)
             if rows.size == 0 or mine.size == 0:
                 continue
             same = rows.size == mine.size and bool(np.array_equal(rows, mine))
@@ -334,11 +457,11 @@ def _read_rows(
                     continue
             for slot in slots:
                 key = f"{t.name}/{slot}" if slot else t.name
-                spec = block[key]
+                spec = blocks.state[key]
                 if same:  # copy and checksum in cache-sized pieces: one pass over the file's bytes
-                    _copy_checked(mm, spec, out[slot], where / entry["file"], key, progress)
+                    _copy_checked(mm, spec, out[slot], file, key, progress)
                     continue
-                values = _block(mm, spec, np.float32, tuple(spec["shape"]), where / entry["file"], key)
+                values = read_block(mm, spec, file, key)
                 out[slot][hit] = values[pos[hit]]
                 progress(int(hit.sum()) * t.dim * 4)
             filled |= hit
@@ -356,17 +479,17 @@ def _read_stale(
     """Pre-update values saved for a pending pipelined update: per table, this rank's rows among them
     as (positions in its shard [U], values [U, D])."""
     out = {}
+    maps = _open_files(where, manifest)
     for t in resolved.tables:
         mine = shards[t.name].rows.detach().to("cpu", torch.int64).numpy()
         rows_parts, value_parts = [], []
-        for entry in manifest["files"]:
-            block = entry["tables"][t.name]
-            if "stale_rows" not in block:
+        for entry in manifest["checked_files"]:
+            blocks = entry["blocks"][t.name]
+            if blocks.stale_rows is None or blocks.stale is None:
                 continue
-            file = where / entry["file"]
-            mm = np.memmap(file, dtype=np.uint8, mode="r")
-            rows = _block(mm, block["stale_rows"], np.int64, (block["stale_rows"]["count"],), file, t.name)
-            values = _block(mm, block["stale"], np.float32, tuple(block["stale"]["shape"]), file, t.name)
+            file, mm = where / entry["file"], maps[entry["file"]]
+            rows = row_ids(mm, blocks.stale_rows, file, t.name, t.vocabulary_size, ascending=False)
+            values = read_block(mm, blocks.stale, file, f"{t.name}#stale")
             pos = np.searchsorted(mine, rows)
             ok = (pos < mine.size) & (mine[np.minimum(pos, max(mine.size - 1, 0))] == rows) if mine.size else rows < 0
             rows_parts.append(pos[ok])
@@ -378,17 +501,19 @@ def _read_stale(
 
 def _copy_checked(
     mm: np.ndarray[Any, Any],
-    spec: dict[str, Any],
+    spec: Block,
     out: np.ndarray[Any, Any],
     file: Path,
     what: str,
     progress: Callable[[int], None],
 ) -> None:
     """Copy a float32 block of the shape of ``out`` into it, checking its CRC-32 on the way."""
-    if [int(x) for x in spec["shape"]] != list(out.shape):
-        raise CheckpointError(f"{file}: the block of {what!r} has shape {spec['shape']}, expected {list(out.shape)}.")
-    start, nbytes = int(spec["offset"]), out.size * 4
-    if start < 0 or start + nbytes > mm.size:
+    if spec.shape != out.shape:
+        raise CheckpointError(
+            f"{file}: the block of {what!r} has shape {list(spec.shape)}, expected {list(out.shape)}."
+        )
+    start, nbytes = spec.offset, out.size * 4
+    if start + nbytes > mm.size:
         raise CheckpointError(f"{file}: the block of {what!r} lies outside the file (truncated or corrupt).")
     flat = out.reshape(-1).view(np.uint8)
     crc, piece = 0, 4 << 20
@@ -400,19 +525,16 @@ def _copy_checked(
                 raise CheckpointError(f"{file}: the block of {what!r} is truncated.")
             crc = zlib.crc32(chunk.data, crc)
             progress(chunk.size)
-    if crc != spec["crc32"]:
+    if crc != spec.crc32:
         raise CheckpointError(f"{file}: the block of {what!r} fails its CRC-32 check (the file is corrupt).")
 
 
-def _block(
-    mm: np.ndarray[Any, Any], spec: dict[str, Any], dtype: Any, shape: tuple[int, ...], file: Path, what: str
-) -> np.ndarray[Any, Any]:
+def read_block(mm: np.ndarray[Any, Any], spec: Block, file: Path, what: str) -> np.ndarray[Any, Any]:
     """A block of ``mm`` as an array, after checking that it lies inside the file and its CRC-32."""
-    count = int(np.prod(shape)) if shape else 0
-    start, nbytes = int(spec["offset"]), count * np.dtype(dtype).itemsize
-    if start < 0 or start + nbytes > mm.size:
+    start, nbytes = spec.offset, spec.nbytes
+    if start + nbytes > mm.size:
         raise CheckpointError(f"{file}: the block of {what!r} lies outside the file (truncated or corrupt).")
     raw = mm[start : start + nbytes]
-    if zlib.crc32(np.ascontiguousarray(raw).data) != spec["crc32"]:
+    if zlib.crc32(np.ascontiguousarray(raw).data) != spec.crc32:
         raise CheckpointError(f"{file}: the block of {what!r} fails its CRC-32 check (the file is corrupt).")
-    return np.frombuffer(raw, dtype=dtype, count=count).reshape(shape)
+    return np.frombuffer(raw, dtype=spec.dtype, count=spec.count).reshape(spec.shape)

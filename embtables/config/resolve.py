@@ -140,6 +140,8 @@ def _check_state_keys(tables: list[ResolvedTable]) -> None:
     """Table names become checkpoint keys ``<table>`` and ``<table>/<slot>`` (TF's names): refuse a name
     that would collide with another table's slot key, or that is ambiguous as a key."""
     slot_keys = {f"{t.name}/{slot}": t.name for t in tables for slot in t.optimizer.slot_names}
+    # A rank file also names each table's row ids "<table>#rows" (and "#stale_rows", "#stale").
+    slot_keys.update({f"{t.name}#{kind}": t.name for t in tables for kind in ("rows", "stale_rows", "stale")})
     for t in tables:
         if t.name.startswith("/") or t.name.endswith("/") or "//" in t.name:
             raise ConfigError(
@@ -149,6 +151,7 @@ def _check_state_keys(tables: list[ResolvedTable]) -> None:
         owner = slot_keys.get(t.name)
         if owner is not None:
             raise ConfigError(
-                f"DistributedEmbedding: table name {t.name!r} is also the state key of a slot of table {owner!r} "
-                f"('<table>/<slot>'), so state_dict() would hold two tensors under one key. Rename the table."
+                f"DistributedEmbedding: table name {t.name!r} is also the key of a slot or the row ids of table "
+                f"{owner!r} ('<table>/<slot>', '<table>#rows'), so state_dict() or a checkpoint would hold two tensors "
+                "under one key. Rename the table."
             )

@@ -10,6 +10,7 @@ import dataclasses
 import enum
 import logging
 import math
+import unicodedata
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -105,6 +106,11 @@ class TableConfig:
             ) from None
         if self.name is not None and (not isinstance(self.name, str) or not self.name):
             raise ConfigError(f"{who}: `name` must be a non-empty str or None, got {self.name!r}.")
+        if self.name is not None and any(unicodedata.category(c) in ("Cc", "Cs") for c in self.name):
+            raise ConfigError(
+                f"{who}: `name` must not contain control characters (NUL, newline, tab, ...) or lone surrogates; "
+                "they cannot be written to checkpoints, logs or serving files. Rename the table."
+            )
         if self.quantization_config is not None and not isinstance(self.quantization_config, QuantizationConfig):
             raise ConfigError(f"{who}: `quantization_config` must be a QuantizationConfig or None.")
 

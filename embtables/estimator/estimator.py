@@ -16,10 +16,12 @@ summed (as on TPU); rank 0 writes logs.
 
 from __future__ import annotations
 
+import contextlib
 import csv
+import dataclasses
 import logging
-import math
 import os
+import re
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -31,6 +33,8 @@ import torch
 from torch import Tensor, nn
 
 from embtables.api import DistributedEmbedding
+from embtables.checkpoint.file_names import CheckpointError, contained
+from embtables.checkpoint.owned_dirs import fsync_dir
 from embtables.checkpoint.store import published, read_manifest
 from embtables.estimator.spec import EmbeddingConfigSpec
 from embtables.sharding import comm
@@ -38,26 +42,50 @@ from embtables.sharding import comm
 logger = logging.getLogger("embtables")
 
 _END = object()
+_DENSE = re.compile(r"dense-\d{10}\.pt")  # the dense files the Estimator writes (and only those it removes)
 Batch = tuple[Mapping[str, Any], Any]
 InputFn = Callable[[], Iterable[Batch]]
 Metric = Callable[[np.ndarray, np.ndarray], float]
 
 
-def _as_tensor(labels: Any, device: torch.device) -> Tensor:
-    if isinstance(labels, Tensor):
-        return labels.to(device=device, dtype=torch.float32)
-    return torch.as_tensor(np.asarray(labels, dtype=np.float32), device=device)
+def _as_labels(labels: Any, device: torch.device) -> Tensor:
+    """``labels`` as a float32 tensor; ``ValueError`` when they are not finite numbers."""
+    try:
+        if isinstance(labels, Tensor):
+            y = labels.to(device=device, dtype=torch.float32)
+        else:
+            y = torch.as_tensor(np.asarray(labels, dtype=np.float32), device=device)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(
+            f"Estimator: the labels must be numbers ({exc}); convert a string label column to numbers first. "
+            "No table or parameter was changed."
+        ) from None
+    if not bool(torch.isfinite(y).all()):
+        raise ValueError(
+            f"Estimator: the labels hold {int((~torch.isfinite(y)).sum())} NaN or Inf value(s); drop or fill those "
+            "rows. No table or parameter was changed."
+        )
+    return y
 
 
-def _labels_like(labels: Any, out: Tensor, device: torch.device) -> Tensor:
-    """``labels`` as float32 shaped like the model's output, or a ``ValueError`` saying what differs."""
-    y = _as_tensor(labels, device)
+def _shaped_like(y: Tensor, out: Tensor) -> Tensor:
+    """Labels ``y`` shaped like the model's output, or a ``ValueError`` saying what differs."""
     if y.numel() != out.numel():
         raise ValueError(
             f"Estimator: the batch has {y.numel()} label value(s) of shape {tuple(y.shape)}, but model_fn returned "
             f"{tuple(out.shape)}; return one prediction per label. No table or parameter was changed."
         )
     return y.reshape(out.shape)
+
+
+@dataclasses.dataclass
+class _Prepared:
+    """A batch after conversion: raw features (for model_fn), engine inputs, labels (float32) or None."""
+
+    features: Mapping[str, Any]
+    ids: dict[str, Any]
+    weights: dict[str, Any]
+    labels: Tensor | None
 
 
 def _split(batch: Any) -> tuple[Mapping[str, Any], Any]:
@@ -163,30 +191,103 @@ class Estimator:
         return self.global_step
 
     def _maybe_restore(self) -> None:
+        """Resume from the latest checkpoint, all or nothing: the dense file is read and checked
+        against the model on every rank before the tables are restored (which is itself checked
+        and agreed), and the dense state is applied last. Any problem raises ``CheckpointError`` on
+        every rank, and nothing changes (a retried call tries again)."""
         if self._restored:
             return
-        self._restored = True
-        if self.latest_checkpoint() is None:
+        found = published(self.model_dir)
+        latest = found[-1] if found else None
+        if comm.is_distributed(self._group):
+            paths = comm.all_gather_object(None if latest is None else str(latest), self._group)
+            if len(set(paths)) > 1:
+                raise CheckpointError(
+                    f"Estimator: the ranks see different latest checkpoints in {self.model_dir} ({paths}); every "
+                    "rank must see the same model_dir."
+                )
+        if latest is None:
+            self._restored = True
             return
-        manifest = self.embedding.restore(self.model_dir, progress=self.progress)
-        extra = manifest.get("extra") or {}
-        dense = torch.load(self.model_dir / extra["dense"], map_location=self.device, weights_only=True)
+        dense, error = None, None
+        try:
+            dense = self._read_dense(latest)
+        except CheckpointError as exc:
+            error = str(exc)
+        errors = comm.all_gather_object(error, self._group) if comm.is_distributed(self._group) else [error]
+        bad = [(r, e) for r, e in enumerate(errors) if e is not None]
+        if bad:
+            raise CheckpointError("; ".join(f"rank {r}: {e}" if len(errors) > 1 else e for r, e in bad))
+        assert dense is not None
+        self.embedding.restore(latest, progress=self.progress)
         self.model.load_state_dict(dense["model"])
         self.dense_optimizer.load_state_dict(dense["optimizer"])
-        self.global_step = int(extra["global_step"])
+        self.global_step = int(dense["step"])
+        self._restored = True
         if self.rank == 0:
-            logger.info("Estimator: resumed from %s at global step %d", self.latest_checkpoint(), self.global_step)
+            logger.info("Estimator: resumed from %s at global step %d", latest, self.global_step)
+
+    def _read_dense(self, ckpt: Path) -> dict[str, Any]:
+        """The dense file a checkpoint names, checked against this model (keys, shapes, dtypes, the
+        optimizer's parameter groups) and the checkpoint's step; nothing is applied."""
+        _, manifest = read_manifest(ckpt)
+        extra = manifest.get("extra") or {}
+        name, step = extra.get("dense"), extra.get("global_step")
+        if (
+            not isinstance(name, str)
+            or not _DENSE.fullmatch(name)
+            or isinstance(step, bool)
+            or not isinstance(step, int)
+        ):
+            raise CheckpointError(f"{ckpt}: its manifest does not name a dense file and a global step of an Estimator.")
+        path = contained(self.model_dir, name, f"{ckpt / 'manifest.json'}'s extra.dense")
+        try:
+            dense = torch.load(path, map_location=self.device, weights_only=True)
+        except Exception as exc:  # torch.load raises many types on a damaged file
+            raise CheckpointError(f"{path}: the dense model file is missing or unreadable ({exc}).") from exc
+        if not isinstance(dense, dict) or {"model", "optimizer", "step"} - set(dense):
+            raise CheckpointError(f"{path}: not a dense model file written by the Estimator.")
+        if dense["step"] != step:
+            raise CheckpointError(f"{path}: holds step {dense['step']!r}, the checkpoint step {step}.")
+        mine = self.model.state_dict()
+        theirs = dense["model"]
+        if not isinstance(theirs, dict) or set(theirs) != set(mine):
+            missing, extra_keys = sorted(set(mine) - set(theirs or {})), sorted(set(theirs or {}) - set(mine))
+            raise CheckpointError(
+                f"{path}: the dense model does not match model_fn (missing {missing[:5]}, unexpected {extra_keys[:5]})."
+            )
+        for key, value in mine.items():
+            other = theirs[key]
+            if not isinstance(other, Tensor) or other.shape != value.shape or other.dtype != value.dtype:
+                got = tuple(other.shape) if isinstance(other, Tensor) else type(other).__name__
+                raise CheckpointError(
+                    f"{path}: dense parameter {key!r} is {got} in the checkpoint, {tuple(value.shape)} in model_fn "
+                    "(was the model changed, e.g. a different --dim?). Use a new model_dir for a different model."
+                )
+        opt = dense["optimizer"]
+        groups = opt.get("param_groups") if isinstance(opt, dict) else None
+        mine_groups = self.dense_optimizer.state_dict()["param_groups"]
+        if not isinstance(groups, list) or [len(g.get("params", ())) for g in groups] != [
+            len(g["params"]) for g in mine_groups
+        ]:
+            raise CheckpointError(f"{path}: the dense optimizer state does not match dense_optimizer's parameters.")
+        return dense
 
     def save(self) -> str:
-        """Write a checkpoint of the current step into ``model_dir`` (every rank calls it)."""
+        """Write a checkpoint of the current step into ``model_dir`` (every rank calls it). The dense
+        file is written and fsynced first; the embedding checkpoint's atomic publish commits both."""
         step = self.global_step
         dense_name = f"dense-{step:010d}.pt"
+        error = None
         if self.rank == 0:
-            self.model_dir.mkdir(parents=True, exist_ok=True)
-            tmp = self.model_dir / f".{dense_name}.tmp"
-            state = {"model": self.model.state_dict(), "optimizer": self.dense_optimizer.state_dict(), "step": step}
-            torch.save(state, tmp)
-            os.replace(tmp, self.model_dir / dense_name)  # the embedding checkpoint's publish commits both
+            try:
+                self._write_dense(dense_name, step)
+            except OSError as exc:
+                error = f"cannot write {self.model_dir / dense_name} ({exc})"
+        if comm.is_distributed(self._group):
+            error = comm.broadcast_object(error, 0, self._group)
+        if error is not None:
+            raise CheckpointError(f"Estimator.save: rank 0 {error}; no checkpoint was written.")
         path = self.embedding.save(
             self.model_dir,
             keep_last=self.keep_checkpoint_max,
@@ -196,23 +297,39 @@ class Estimator:
         if self.rank == 0:
             keep = set()
             for ckpt in published(self.model_dir):
-                keep.add((read_manifest(ckpt)[1].get("extra") or {}).get("dense"))
-            for f in self.model_dir.glob("dense-*.pt"):
-                if f.name not in keep:
+                with contextlib.suppress(CheckpointError):
+                    keep.add((read_manifest(ckpt)[1].get("extra") or {}).get("dense"))
+            for f in self.model_dir.iterdir():
+                if _DENSE.fullmatch(f.name) and f.name not in keep:
                     f.unlink(missing_ok=True)
         return path
 
-    # ------------------------------------------------------------------ steps
-    def _forward(self, features: Mapping[str, Any]) -> tuple[dict[str, Tensor], Tensor]:
-        ids, weights = self.spec.engine_inputs(features)
-        activations = self.embedding(ids, weights or None)
-        return activations, self.model(activations, features)
+    def _write_dense(self, name: str, step: int) -> None:
+        self.model_dir.mkdir(parents=True, exist_ok=True)
+        tmp = self.model_dir / f".{name}.{os.getpid()}.tmp"
+        state = {"model": self.model.state_dict(), "optimizer": self.dense_optimizer.state_dict(), "step": step}
+        try:
+            with open(tmp, "wb") as f:
+                torch.save(state, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.model_dir / name)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        fsync_dir(self.model_dir)
 
-    def _train_step(self, features: Mapping[str, Any], labels: Any) -> float:
+    # ------------------------------------------------------------------ steps
+    def _forward(self, batch: _Prepared) -> tuple[dict[str, Tensor], Tensor]:
+        activations = self.embedding(batch.ids, batch.weights or None)
+        return activations, self.model(activations, batch.features)
+
+    def _train_step(self, batch: _Prepared) -> float:
         self.embedding.train()
         self.model.train()
-        activations, out = self._forward(features)
-        loss = self.loss_fn(out, _labels_like(labels, out, self.device))
+        activations, out = self._forward(batch)
+        assert batch.labels is not None
+        loss = self.loss_fn(out, _shaped_like(batch.labels, out))
         self.dense_optimizer.zero_grad(set_to_none=True)
         loss.backward()  # type: ignore[no-untyped-call]
         fn = self.spec.experimental_gradient_multiplier_fn
@@ -228,42 +345,72 @@ class Estimator:
         self.global_step += 1
         return float(loss.detach())
 
-    def _agreed(self, batches: Iterable[Any]) -> Iterator[Any]:
-        """The batches, until any rank's input ends (sharded lookups are collective: a rank with no
-        batch left would leave the others waiting). One process: all of them."""
+    def _prepare(self, item: Any, need_labels: bool) -> _Prepared:
+        """A raw batch converted and checked: engine inputs, labels as float32 (finite)."""
+        features, labels = _split(item)
+        if need_labels and labels is None:
+            raise TypeError("Estimator: input_fn must yield (features, labels) for train and evaluate; got no labels.")
+        ids, weights = self.spec.engine_inputs(features)
+        y = None if labels is None else _as_labels(labels, self.device)
+        return _Prepared(features, ids, weights, y)
+
+    def _agreed(self, batches: Iterable[Any], need_labels: bool) -> Iterator[_Prepared]:
+        """The batches, converted and checked, until any rank's input ends (sharded lookups are
+        collective: a rank with no batch left would leave the others waiting). A batch refused on
+        any rank (bad ids, labels that are not finite numbers) raises on every rank, naming it, before
+        any table or parameter changes. One agreement round per batch, as before."""
         it = iter(batches)
         distributed = comm.is_distributed(self._group)
         while True:
-            batch = next(it, _END)
-            if distributed and comm.any_rank(batch is _END, self._group):
-                if batch is not _END:
+            item = next(it, _END)
+            prepared, error = None, None
+            if item is not _END:
+                try:
+                    prepared = self._prepare(item, need_labels)
+                except (ValueError, TypeError) as exc:
+                    error = exc
+            code = 1 if item is _END else (2 if error is not None else 0)
+            if distributed:
+                code = comm.max_over_ranks(code, self._group)
+            if code == 2:
+                if distributed:
+                    why = comm.all_gather_object(None if error is None else str(error), self._group)
+                    if error is None:
+                        rank, msg = next((r, m) for r, m in enumerate(why) if m is not None)
+                        raise ValueError(f"Estimator: rank {rank}'s batch was refused, so every rank stops: {msg}")
+                assert error is not None
+                raise error
+            if code == 1:
+                if item is not _END:
                     logger.warning("Estimator: another rank's input ended first; the remaining batches are skipped.")
                 return
-            if batch is _END:
-                return
-            yield batch
+            assert prepared is not None
+            yield prepared
 
     # ------------------------------------------------------------------ public verbs
     def train(self, input_fn: InputFn, steps: int | None = None, max_steps: int | None = None) -> Estimator:
         """Train on the batches of ``input_fn()`` for ``steps`` more steps (or up to global step
-        ``max_steps``, or until the input ends); resumes from ``model_dir`` first. Returns self."""
+        ``max_steps``, or until the input ends); resumes from ``model_dir`` first. Returns self.
+        As TF: ``steps`` and ``max_steps`` are ints >= 1, not both."""
         if steps is not None and max_steps is not None:
             raise ValueError("Estimator.train: give `steps` or `max_steps`, not both (as TF).")
+        for name, value in (("steps", steps), ("max_steps", max_steps)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"Estimator.train: `{name}` must be an int >= 1 or None (as TF), got {value!r}.")
         self._maybe_restore()
         target = self.global_step + steps if steps is not None else max_steps
         if target is not None and self.global_step >= target:
+            logger.info("Estimator.train: global step %d already reached max_steps %d.", self.global_step, target)
             return self
         bar = self._bar(None if target is None else target - self.global_step, "train")
         losses: list[float] = []
         t0 = last_t = time.perf_counter()
         last_step, examples = self.global_step, 0
         try:
-            for batch in self._agreed(input_fn()):
-                features, labels = _split(batch)
-                if labels is None:
-                    raise TypeError("Estimator.train: input_fn must yield (features, labels); got no labels.")
-                losses.append(self._train_step(features, labels))
-                examples += len(labels)
+            for batch in self._agreed(input_fn(), need_labels=True):
+                losses.append(self._train_step(batch))
+                assert batch.labels is not None
+                examples += len(batch.labels)
                 if bar is not None:
                     bar.update(1)
                 if self.global_step % self.log_step_count_steps == 0:
@@ -289,24 +436,28 @@ class Estimator:
         self.save()
         return self
 
-    def _predict_batches(self, input_fn: InputFn, steps: int | None) -> Iterator[tuple[Tensor, Any, Tensor]]:
+    def _predict_batches(
+        self, input_fn: InputFn, steps: int | None, need_labels: bool = False
+    ) -> Iterator[tuple[Tensor, Tensor | None, Tensor]]:
         self._maybe_restore()
         self.embedding.eval()
         self.model.eval()
         with torch.no_grad():
-            for i, batch in enumerate(self._agreed(input_fn())):
+            for i, batch in enumerate(self._agreed(input_fn(), need_labels=need_labels)):
                 if steps is not None and i >= steps:
                     break
-                features, labels = _split(batch)
-                _, out = self._forward(features)
-                yield out, labels, self.predictions_fn(out)
+                _, out = self._forward(batch)
+                yield out, batch.labels, self.predictions_fn(out)
 
     def evaluate(self, input_fn: InputFn, steps: int | None = None) -> dict[str, float]:
         """Mean loss and ``eval_metrics`` over the batches of ``input_fn()`` (all ranks' batches, when
         sharded); appended to ``eval_metrics.csv``. Returns ``{"global_step", "loss", metric...}``."""
         preds, labels, loss_sum, count = [], [], 0.0, 0
-        for out, y, p in self._predict_batches(input_fn, steps):
-            y_t = _labels_like(y, out, self.device)
+        if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
+            raise ValueError(f"Estimator.evaluate: `steps` must be an int >= 1 or None (as TF), got {steps!r}.")
+        for out, y, p in self._predict_batches(input_fn, steps, need_labels=True):
+            assert y is not None
+            y_t = _shaped_like(y, out)
             loss_sum += float(self.loss_fn(out, y_t)) * len(y_t)
             count += len(y_t)
             preds.append(p.float().cpu().numpy().reshape(-1))
@@ -318,7 +469,9 @@ class Estimator:
             p_all = np.concatenate([q[0] for q in parts])
             y_all = np.concatenate([q[1] for q in parts])
             loss_sum, count = sum(q[2] for q in parts), sum(q[3] for q in parts)
-        result = {"global_step": float(self.global_step), "loss": loss_sum / count if count else math.nan}
+        if count == 0:
+            raise ValueError("Estimator.evaluate: input_fn yielded no examples (on any rank); nothing to evaluate.")
+        result = {"global_step": float(self.global_step), "loss": loss_sum / count}
         for name, fn in self.eval_metrics.items():
             result[name] = float(fn(p_all, y_all))
         self._log("eval", {"step": float(self.global_step), **{k: v for k, v in result.items() if k != "global_step"}})

@@ -7,8 +7,9 @@ engine's tables and features from the embedding columns and converts raw input d
 
 Hashing (``categorical_column_with_hash_bucket``, vocabulary OOV buckets) is stable across runs,
 processes and machines: ``int.from_bytes(blake2b(str(value).encode("utf-8"), digest_size=8).digest(),
-"little") % buckets`` (integers hash as their decimal string, like TF's hash bucket column; TF itself
-uses FarmHash, so hashed ids differ from TF's).
+"little") % buckets`` (integers hash as their decimal string, like TF's hash bucket column, and so do
+integral floats, so an integer column that arrives as float64 because of a null hashes the same;
+non-integral and NaN floats are refused. TF itself uses FarmHash, so hashed ids differ from TF's).
 """
 
 from __future__ import annotations
@@ -26,15 +27,40 @@ from embtables.estimator.raw_inputs import flatten_values
 Ids = tuple[np.ndarray, np.ndarray, np.ndarray | None]
 
 
-def stable_hash(values: np.ndarray, buckets: int) -> np.ndarray:
-    """The documented stable hash of each value into ``[0, buckets)`` (int64 [N]); one blake2b per distinct value."""
+def _key_text(value: Any, column: str) -> str:
+    """The text a value hashes as: integers (and integral floats: a pandas/Arrow integer column with a
+    null arrives as float64) as their decimal digits, anything else as ``str(value)``."""
+    if isinstance(value, (float, np.floating)):
+        if not np.isfinite(value) or value != np.floor(value):
+            raise InputError(
+                f"column {column!r}: the value {value!r} is not an integer, so it has no stable hash (a null in an "
+                "integer column arrives as NaN); drop or fill it, or convert the column to strings."
+            )
+        return str(int(value))
+    if isinstance(value, (np.integer, bool, np.bool_)):
+        return str(int(value)) if not isinstance(value, (bool, np.bool_)) else str(bool(value))
+    return str(value)
+
+
+def stable_hash(values: np.ndarray, buckets: int, column: str = "?") -> np.ndarray:
+    """The documented stable hash of each value into ``[0, buckets)`` (int64 [N]); one blake2b per distinct
+    value. An integral float hashes like its integer; a non-integral or non-finite float is refused."""
     if len(values) == 0:
         return np.zeros(0, dtype=np.int64)
-    uniq, inverse = np.unique(values.astype(str), return_inverse=True)
+    if values.dtype.kind in "iuU" or values.dtype.kind == "S":
+        uniq, inverse = np.unique(values.astype(str), return_inverse=True)
+        texts: Sequence[str] = list(uniq)
+    elif values.dtype.kind == "f":
+        uniq_f, inverse = np.unique(values, return_inverse=True)
+        texts = [_key_text(float(u), column) for u in uniq_f]
+    else:  # object: mixed Python values, one canonical text per value
+        keys = np.array([_key_text(v, column) for v in values.reshape(-1)], dtype=str)
+        uniq, inverse = np.unique(keys, return_inverse=True)
+        texts = list(uniq)
     hashed = np.fromiter(
-        (int.from_bytes(hashlib.blake2b(u.encode("utf-8"), digest_size=8).digest(), "little") % buckets for u in uniq),
+        (int.from_bytes(hashlib.blake2b(u.encode("utf-8"), digest_size=8).digest(), "little") % buckets for u in texts),
         dtype=np.int64,
-        count=len(uniq),
+        count=len(texts),
     )
     return hashed[inverse.reshape(-1)]
 
@@ -134,7 +160,7 @@ class HashedCategoricalColumn:
 
     def ids(self, features: Mapping[str, Any]) -> Ids:
         values, lengths = _raw(features, self.key, self.name)
-        return stable_hash(values, self.hash_bucket_size), lengths, None
+        return stable_hash(values, self.hash_bucket_size, self.name), lengths, None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -185,7 +211,7 @@ class VocabularyListCategoricalColumn:
         oov = ~found
         if oov.any():
             if self.num_oov_buckets:
-                ids[oov] = len(vocab) + stable_hash(values[oov], self.num_oov_buckets)
+                ids[oov] = len(vocab) + stable_hash(values[oov], self.num_oov_buckets, self.name)
             else:
                 ids[oov] = self.default_value
         return ids, lengths, None

@@ -167,6 +167,16 @@ def any_rank(flag: bool, group: ProcessGroup | None = None) -> bool:
     return bool(t.item())
 
 
+def max_over_ranks(value: int, group: ProcessGroup | None = None) -> int:
+    """The largest of every rank's ``value`` (one small all_reduce; ``value`` when not distributed)."""
+    if not is_distributed(group):
+        return int(value)
+    t = torch.tensor([int(value)], dtype=torch.int64, device=collective_device(group))
+    with _collective("agreement on the step", group):
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return int(t.item())
+
+
 def all_reduce_mean_(tensors: list[Tensor], group: ProcessGroup | None = None) -> None:
     """Average each tensor over the ranks, in place (dense-model gradients; one flat message)."""
     if not is_distributed(group) or not tensors:

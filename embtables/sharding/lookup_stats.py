@@ -241,16 +241,61 @@ def _atomic_write(path: Path, text: str) -> None:
         raise
 
 
+def _nonneg_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 1 << 62
+
+
+def _int_list(x: Any) -> bool:
+    return isinstance(x, list) and len(x) <= 1 << 20 and all(_nonneg_int(v) for v in x)
+
+
+def _check_counts(counts: Any) -> None:
+    """Raise ValueError naming the field when ``counts`` is not the raw counts this module writes."""
+    if not isinstance(counts, dict):
+        raise ValueError("`counts` is not an object")
+    for key in ("batches", "unique_ids", "dropped_ids"):
+        if not _nonneg_int(counts.get(key)):
+            raise ValueError(f"counts.{key} is not a non-negative integer")
+    for key in ("samples", "ids", "ids_per_shard", "unique_ids_per_shard"):
+        if not _int_list(counts.get(key)):
+            raise ValueError(f"counts.{key} is not a list of non-negative integers")
+    if len(counts["samples"]) != len(counts["ids"]) or len(counts["ids_per_shard"]) != len(
+        counts["unique_ids_per_shard"]
+    ):
+        raise ValueError("counts lists of one kind differ in length")
+    hot = counts.get("hot")
+    if not isinstance(hot, dict) or not all(
+        isinstance(k, str) and k.lstrip("-").isdigit() and len(k) < 24 and _nonneg_int(v) for k, v in hot.items()
+    ):
+        raise ValueError("counts.hot is not an object of row id -> count")
+
+
+def _check_doc(doc: Any) -> dict[str, Any]:
+    if not isinstance(doc, dict) or doc.get("format_version") != FORMAT_VERSION:
+        raise ValueError("not an embtables lookup statistics file (format_version)")
+    table = doc.get("table")
+    if not isinstance(table, dict) or not isinstance(table.get("name"), str):
+        raise ValueError("`table` is not an object with a name")
+    for key in ("vocabulary_size", "dim", "num_features"):
+        if not _nonneg_int(table.get(key)):
+            raise ValueError(f"table.{key} is not a non-negative integer")
+    if not isinstance(doc.get("strategy"), str) or not _nonneg_int(doc.get("world_size")):
+        raise ValueError("`strategy` or `world_size` is missing or malformed")
+    _check_counts(doc.get("counts"))
+    doc["summary"] = summary(doc["counts"])  # derived again: never trusted from the file
+    return doc
+
+
 def _read(path: Path) -> dict[str, Any] | None:
-    """A statistics file, or None (with a warning) when it is missing, unreadable or not ours."""
+    """A statistics file, or None (with a warning naming the file and the problem) when it is missing,
+    unreadable, malformed or not ours. Every field is checked before use."""
     if not path.exists():
         return None
     try:
-        doc = json.loads(path.read_text())
-        if doc.get("format_version") != FORMAT_VERSION or "counts" not in doc or "table" not in doc:
-            raise ValueError("not an embtables lookup statistics file")
-        return doc  # type: ignore[no-any-return]
-    except (OSError, ValueError) as exc:
+        if path.stat().st_size > 64 << 20:
+            raise ValueError("larger than 64 MiB")
+        return _check_doc(json.loads(path.read_text()))
+    except (OSError, ValueError, RecursionError) as exc:
         logger.warning("lookup statistics: ignoring %s (%s).", path, exc)
         return None
 

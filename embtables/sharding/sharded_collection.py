@@ -80,12 +80,13 @@ class ShardedEmbeddingCollection:
         strategies: dict[str, str],
         table_ranks: dict[str, int] | None = None,
         group: Any = None,
+        settings: dict[str, Any] | None = None,
     ) -> None:
         self.resolved = resolved
         self.group = group
         self.rank, self.world = comm.get_rank(group), comm.get_world_size(group)
         table_ranks = dict(table_ranks or {})
-        _check_same_config_everywhere(resolved, strategies, table_ranks, group)
+        _check_same_config_everywhere(resolved, strategies, table_ranks, group, settings or {})
         self.plans: dict[str, TablePlan] = {}
         local_tables = []
         for t in resolved.tables:
@@ -421,10 +422,12 @@ class ShardedEmbeddingCollection:
 
 
 def _check_same_config_everywhere(
-    resolved: ResolvedConfig, strategies: dict[str, str], table_ranks: dict[str, int], group: Any
-) -> None:
-    """Exchange the config's hash once; raise on every rank, naming the differences, when they differ."""
-    mine = describe_config(resolved, strategies, table_ranks)
+    resolved: ResolvedConfig, strategies: dict[str, str], table_ranks: dict[str, int], group: Any,
+    settings: dict[str, Any],
+) -> None:  # fmt: skip
+    """Exchange the hash of the config and the module's settings (pipelining) once; raise on every
+    rank, naming the differences, when they differ."""
+    mine = {**describe_config(resolved, strategies, table_ranks), "settings": settings}
     everyone = comm.all_gather_object((fingerprint(mine), mine), group)
     rank = comm.get_rank(group)
     for r, (digest, theirs) in enumerate(everyone):
@@ -433,6 +436,6 @@ def _check_same_config_everywhere(
             diff = "; ".join(differences(everyone[r][1], other))
             raise ValueError(
                 f"DistributedEmbedding (rank {rank}): the ranks were built from different configs; rank {r} differs "
-                f"from rank 0: {diff}. Build the module from the same feature_config, optimizer and sharding on "
-                "every rank."
+                f"from rank 0: {diff}. Build the module from the same feature_config, optimizer, sharding and "
+                "pipeline_execution_with_tensor_core on every rank."
             )

@@ -147,7 +147,7 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint_intact(tmp_path: Pa
     assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:  # kill it once its data file is being written
-        files = list(tmp_path.glob(".tmp-ckpt-*/rank-00000.safetensors"))
+        files = list(tmp_path.glob(".embtables-tmp-ckpt-*/rank-00000.safetensors"))
         if files and files[0].stat().st_size > 0:
             break
         time.sleep(0.002)
@@ -160,7 +160,7 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint_intact(tmp_path: Pa
     fresh.restore(tmp_path)
     assert bool((fresh.embedding_tables["big"] == 0.25).all())
     emb.save(tmp_path)  # the next save cleans up the killed one's leftovers
-    assert not list(tmp_path.glob(".tmp-ckpt-*"))
+    assert not list(tmp_path.glob(".embtables-tmp-ckpt-*"))
 
 
 def _save_sharded(rank: int, world: int, root: str, sharding: str) -> None:

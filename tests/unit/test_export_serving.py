@@ -130,13 +130,13 @@ import sys, torch, embtables as et
 def rss():
     return int([l for l in open('/proc/self/status') if l.startswith('VmRSS')][0].split()[1]) // 1024
 before = rss()
-s = et.ServingEmbedding.load(sys.argv[1])
+s = et.ServingEmbedding.load(sys.argv[1], mmap=True)
 acts = s({"a": torch.tensor([0, 5, 3_999_999])})
 print(rss() - before, float(acts["a"].sum()))
 """
 
 
-def test_tables_are_memory_mapped_not_loaded(tmp_path: Path) -> None:
+def test_mmap_load_maps_tables_instead_of_reading_them(tmp_path: Path) -> None:
     t = et.TableConfig(4_000_000, 16, name="big", initializer=et.Constant(0.5), optimizer=et.SGD(0.1))
     emb = et.DistributedEmbedding({"a": et.FeatureConfig(t)})  # 256 MB of weights
     emb.save(tmp_path / "ckpt")

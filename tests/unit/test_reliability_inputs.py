@@ -143,7 +143,7 @@ def test_duplicate_feature_names_are_refused() -> None:
 def test_table_names_that_collide_with_slot_keys_are_refused() -> None:
     x = et.TableConfig(5, 2, name="x", optimizer=et.Adagrad(0.1))
     clash = et.TableConfig(5, 2, name="x/accumulators", optimizer=et.SGD(0.1))
-    with pytest.raises(ValueError, match=r"'x/accumulators' is also the state key of a slot of table 'x'"):
+    with pytest.raises(ValueError, match=r"'x/accumulators' is also the key of a slot or the row ids of table 'x'"):
         et.DistributedEmbedding({"a": et.FeatureConfig(x), "b": et.FeatureConfig(clash)})
     for bad in ("/x", "x/", "a//b"):
         with pytest.raises(ValueError, match="ambiguous"):

@@ -1,0 +1,115 @@
+"""Directories embtables writes: temporary names that say who wrote them, atomic replacement, and
+cleanup of only what a dead writer of this library left behind.
+
+A writer builds its output in ``<parent>/.embtables-tmp-<kind>-<host>-<pid>-<id>`` and publishes it
+with a rename. Leftovers of a killed writer are removed by the next writer only when it can tell
+that their writer is dead: the same host, and no live process with that pid. Leftovers from other
+hosts (a shared file system) are left alone. Replacing an existing directory exchanges the two
+atomically (Linux ``renameat2(RENAME_EXCHANGE)``), so at every moment the target is either the old
+complete directory or the new one; where the kernel or file system cannot exchange, the old one is
+moved aside first and there is a window of one rename in which the target is absent.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import errno
+import os
+import re
+import shutil
+import socket
+import uuid
+from pathlib import Path
+
+_TMP = re.compile(r"\.embtables-tmp-(?P<kind>[a-z]+)-(?P<host>[A-Za-z0-9_]+)-(?P<pid>\d+)-[0-9a-f]+")
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+
+
+def _host() -> str:
+    return re.sub(r"[^A-Za-z0-9_]", "_", socket.gethostname())[:64] or "host"
+
+
+def temp_name(kind: str) -> str:
+    """A fresh temporary name for a writer of ``kind`` (lowercase letters) in this process."""
+    return f".embtables-tmp-{kind}-{_host()}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):
+        return True  # a live process of another user, or a pid we cannot ask about: leave it
+    return True
+
+
+def clean_dead_leftovers(parent: Path, kind: str, keep: str | None = None) -> list[str]:
+    """Remove ``parent``'s temporary directories of ``kind`` whose writer is dead (this host, no such
+    pid); returns their names. Everything else is left alone."""
+    removed: list[str] = []
+    try:
+        entries = list(parent.iterdir())
+    except OSError:
+        return removed
+    host = _host()
+    for p in entries:
+        m = _TMP.fullmatch(p.name)
+        if m is None or m["kind"] != kind or p.name == keep or m["host"] != host:
+            continue
+        if int(m["pid"]) == os.getpid() or _alive(int(m["pid"])):
+            continue
+        shutil.rmtree(p, ignore_errors=True)
+        removed.append(p.name)
+    return removed
+
+
+def _libc_renameat2() -> object | None:
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name, use_errno=True)
+        return libc.renameat2
+    except (OSError, AttributeError, TypeError):
+        return None
+
+
+def exchange(a: Path, b: Path) -> bool:
+    """Swap the directories ``a`` and ``b`` in one atomic step; False when this system cannot."""
+    fn = _libc_renameat2()
+    if fn is None:
+        return False
+    rc = fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE)  # type: ignore[operator]
+    if rc == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, f"cannot exchange {a} and {b}: {os.strerror(err)}")
+
+
+def publish(tmp: Path, target: Path) -> Path | None:
+    """Move the finished directory ``tmp`` to ``target``. When ``target`` exists (a directory the
+    caller has checked it may replace), the two are exchanged atomically and the old one, now at
+    ``tmp``'s name, is returned for the caller to remove; None when nothing was replaced."""
+    if not target.exists():
+        os.replace(tmp, target)
+        return None
+    if exchange(tmp, target):
+        return tmp
+    aside = target.parent / temp_name("trash")
+    os.replace(target, aside)
+    os.replace(tmp, target)
+    return aside
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+__all__ = ["clean_dead_leftovers", "exchange", "fsync_dir", "publish", "temp_name"]
