@@ -292,3 +292,19 @@ def test_shared_columns_use_one_table_and_weighted_sequence_columns_shape() -> N
         est.shared_embedding_columns([a, est.categorical_column_with_identity("c", 7)], 3)
     with pytest.raises(ValueError, match="max_sequence_length"):
         est.embedding_column(seq, 2)
+
+
+def test_an_integer_column_that_arrives_as_float_hashes_like_its_integers() -> None:
+    """A pandas/Arrow integer column with one null arrives as float64: id 12345 must land in the same
+    bucket as in a batch without nulls (issue 22); a non-integral float is refused by name."""
+    col = est.categorical_column_with_hash_bucket("s", 1000)
+    ints, _, _ = _ids(col, {"s": pd.Series([12345, 7])})
+    with_null, lengths, _ = _ids(col, {"s": pd.Series([12345, None, 7])})
+    assert pd.Series([12345, None, 7]).dtype == np.float64
+    assert with_null == ints and lengths == [1, 0, 1]
+    assert _ids(col, {"s": np.array([12345.0, 7.0])})[0] == ints
+    assert _ids(col, {"s": [[12345.0], [7]]})[0] == ints
+    with pytest.raises(ValueError, match=r"column 's': the value 1.5 is not an integer"):
+        _ids(col, {"s": np.array([1.5, 2.0])})
+    vocab = est.categorical_column_with_vocabulary_list("v", [1, 2], num_oov_buckets=5)
+    assert _ids(vocab, {"v": np.array([12345.0, 2.0])})[0] == _ids(vocab, {"v": np.array([12345, 2])})[0]

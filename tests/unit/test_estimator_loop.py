@@ -217,3 +217,85 @@ def test_bad_batches_are_refused_and_change_nothing(tmp_path: Path) -> None:
     assert e.global_step == 2
     for k in before:
         assert torch.equal(before[k], after[k]), k
+
+
+# ----------------------------------------------------------------------------- all or nothing (issue 22)
+def test_resume_checks_the_dense_file_before_changing_anything(tmp_path: Path) -> None:
+    import pytest
+
+    from embtables.checkpoint import CheckpointError
+
+    features, y = _data()
+    _estimator(tmp_path).train(_input_fn(features, y), steps=3)
+    dense = tmp_path / "dense-0000000003.pt"
+    good = dense.read_bytes()
+    for damage in ("truncate", "missing", "other_model"):
+        if damage == "truncate":
+            dense.write_bytes(good[: len(good) // 2])
+        elif damage == "missing":
+            dense.unlink()
+        else:
+            torch.save({"model": {"w": torch.zeros(3)}, "optimizer": {}, "step": 3}, dense)
+        fresh = _estimator(tmp_path)
+        before = _state(fresh)
+        with pytest.raises(CheckpointError, match="dense"):
+            fresh.train(_input_fn(features, y), steps=1)
+        assert all(torch.equal(before[k], v) for k, v in _state(fresh).items()), damage
+        assert fresh.global_step == 0
+        dense.write_bytes(good)
+        fresh.train(_input_fn(features, y), steps=1)  # a retry after the fix resumes properly
+        assert fresh.global_step == 4, damage
+        for f in tmp_path.glob("ckpt-00000004"):
+            import shutil
+
+            shutil.rmtree(f)
+        (tmp_path / "dense-0000000004.pt").unlink()
+
+
+def test_train_and_evaluate_refuse_what_tf_refuses(tmp_path: Path) -> None:
+    import pytest
+
+    features, y = _data()
+    e = _estimator(tmp_path)
+    for steps in (0, -5, 1.5, True):
+        with pytest.raises(ValueError, match="`steps` must be an int >= 1"):
+            e.train(_input_fn(features, y), steps=steps)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="yielded no examples"):
+        e.evaluate(lambda: iter(()))
+    assert e.global_step == 0
+
+
+def test_bad_labels_are_refused_before_any_change(tmp_path: Path) -> None:
+    import pytest
+
+    features, y = _data()
+    e = _estimator(tmp_path)
+    before = _state(e)
+    bad_nan = y[:100].copy()
+    bad_nan[7] = np.nan
+    for labels, message in ((bad_nan, "NaN or Inf"), (np.array(["yes"] * 100), "must be numbers")):
+        with pytest.raises(ValueError, match=message):
+            e.train(lambda labels=labels: iter([({k: v[:100] for k, v in features.items()}, labels)]), steps=1)
+    assert all(torch.equal(before[k], v) for k, v in _state(e).items())
+
+
+def _bad_batch_on_one_rank(rank: int, world: int, model_dir: str) -> None:
+    import pytest
+
+    features, y = _data()
+    e = _estimator(Path(model_dir))
+
+    def fn() -> Any:
+        for s in range(0, 400, 100):
+            batch = {k: v[s : s + 100] for k, v in features.items()}
+            if s == 200 and rank == 1:
+                batch["user"] = np.full(100, USERS + 5)  # ids outside the identity column's buckets
+            yield batch, y[s : s + 100]
+
+    with pytest.raises(ValueError, match=r"rank 1|num_buckets|buckets"):
+        e.train(fn, steps=10)
+    assert e.global_step == 2  # both ranks stopped at the same step
+
+
+def test_a_bad_batch_on_one_rank_stops_every_rank_with_its_error(tmp_path: Path) -> None:
+    run_world(_bad_batch_on_one_rank, 2, str(tmp_path), timeout=120, collective_timeout=30)

@@ -196,3 +196,33 @@ def test_sharded_statistics_merge_every_rank(tmp_path: Path) -> None:
     assert counts["batches"] == 4 and sum(counts["ids_per_shard"]) == 16
     # ids: rank r: {r, 3, s+4, 8}; mod 2 owners: even ids -> rank 0.
     assert counts["ids_per_shard"] == [8, 8] and counts["unique_ids_per_shard"] == [8, 8]
+
+
+def test_malformed_statistics_files_are_skipped_with_a_warning_naming_them(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    resolved = _resolved().resolved_config
+    rec = _recorder()
+    rec.record(*BATCH_1)
+    (path,) = write_stats(tmp_path, rec.state(), resolved, {"t": "mod", "u": "mod"}, 3)[:1]
+    good = json.loads(path.read_text())
+    mutations = {
+        "no_counts.json": lambda d: d.pop("counts"),
+        "bad_batches.json": lambda d: d["counts"].__setitem__("batches", "many"),
+        "bad_hot.json": lambda d: d["counts"].__setitem__("hot", {"x": 1}),
+        "table_list.json": lambda d: d.__setitem__("table", []),
+        "not_object.json": lambda d: d.clear() or d.update({"format_version": 1, "table": {"name": "t"}}),
+    }
+    for name, fn in mutations.items():
+        doc = json.loads(json.dumps(good))
+        fn(doc)
+        (tmp_path / name).write_text(json.dumps(doc))
+    (tmp_path / "list.json").write_text("[1, 2]")
+    with caplog.at_level(logging.WARNING, logger="embtables"):
+        loads = read_loads(tmp_path, resolved)  # construction reads these: never a bare KeyError
+        et.DistributedEmbedding(
+            {"a": et.FeatureConfig(et.TableConfig(6, 2, name="t"))}, et.SGD(0.1), profile_data_directory=tmp_path
+        )
+    assert loads["t"].batches == 1
+    for name in [*mutations, "list.json"]:
+        assert name in caplog.text
