@@ -1,14 +1,7 @@
-"""``embtables COMMAND [args...]`` (also ``python -m embtables``).
+"""embtables COMMAND [args...] (also python -m embtables): the TPU embedding system, running anywhere.
 
-Commands:
-  train       the main job: DLRM on synthetic data, --dataset movielens-100k, or --data FILE --schema FILE
-  quickstart  a small CTR model on synthetic data in about ten seconds
-  bench       the benchmark suite against the peers (benchmarks/run.py, from a source checkout)
-  stats       print lookup statistics files (profile_data_directory) and draw per-shard load
-  inspect     what a checkpoint holds (tables, shapes, optimizer, step, size) and its checksum status
-  export      write a serving artifact of a checkpoint's tables (float32, float16, bfloat16 or int8)
-
-``embtables COMMAND --help`` for each command's options.
+Run "embtables COMMAND --help" for a command's options. Errors are one line on stderr with exit
+code 2; --debug (or EMBTABLES_DEBUG=1) shows the traceback instead.
 """
 
 from __future__ import annotations
@@ -19,47 +12,54 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from embtables.checkpoint import CheckpointError, export, inspect
+import embtables
+from embtables.checkpoint import export, inspect
 from embtables.checkpoint.serving import DTYPES
 from embtables.cli import quickstart, stats, train
+from embtables.cli.job_runner import ROUTINE, Parser, debugging, fail
 
 _ROOT = Path(__file__).resolve().parent.parent
 _SCRIPTS = {"bench": _ROOT / "benchmarks" / "run.py"}
 _OWN_PARSERS = {"train": train.main, "quickstart": quickstart.main}  # read every argument after the command
+_COMMANDS = (
+    ("train", "the main job: DLRM on synthetic data, --dataset movielens-100k, or --data FILE --schema FILE"),
+    ("quickstart", "a small CTR model on synthetic data in about ten seconds"),
+    ("bench", "the benchmark suite against the peers (from a source checkout)"),
+    ("stats", "print lookup statistics files (profile_data_directory) and draw per-shard load"),
+    ("inspect", "what a checkpoint holds (tables, shapes, optimizer, step, size) and its checksum status"),
+    ("export", "write a serving artifact of a checkpoint's tables (float32, float16, bfloat16 or int8)"),
+)
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="embtables", description=__doc__.splitlines()[0], epilog="\n".join(__doc__.splitlines()[2:]),
+    doc = __doc__ or ""
+    p = Parser(
+        prog="embtables", description=doc.splitlines()[0], epilog="\n".join(doc.splitlines()[2:]),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )  # fmt: skip
-    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    p.add_argument("--version", action="version", version=f"embtables {embtables.__version__}")
+    p.add_argument("--debug", action="store_true", help="show tracebacks (also EMBTABLES_DEBUG=1)")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", title="commands", parser_class=Parser)
     sub.required = True
-    for name, what in (
-        ("train", "the main job (embtables train --help)"),
-        ("quickstart", "a ten-second CTR model"),
-        ("bench", "benchmarks against the peers"),
-    ):
-        s = sub.add_parser(name, help=what, add_help=False)
-        s.add_argument("rest", nargs=argparse.REMAINDER)
-    stats.add_arguments(sub.add_parser("stats", help="print lookup statistics (and --png a load chart)"))
-    inspect.add_arguments(sub.add_parser("inspect", help="what a checkpoint holds, and its checksum status"))
-    e = sub.add_parser("export", help="a serving artifact of a checkpoint's tables")
+    parsers = {name: sub.add_parser(name, help=what, description=what) for name, what in _COMMANDS}
+    for name in ("train", "quickstart", "bench"):
+        parsers[name].add_argument("rest", nargs=argparse.REMAINDER)
+    stats.add_arguments(parsers["stats"])
+    inspect.add_arguments(parsers["inspect"])
+    e = parsers["export"]
     e.add_argument("checkpoint", help="a checkpoint directory (or a folder of them: the latest is used)")
-    e.add_argument("out", help="the artifact's directory (replaced atomically)")
+    e.add_argument("out", help="a new or empty directory, or an earlier export (replaced atomically)")
     e.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="storage type (default float32)")
     return p
 
 
 def _export(args: argparse.Namespace) -> int:
-    try:
-        report = export(args.checkpoint, args.out, dtype=args.dtype)
-    except (CheckpointError, FileNotFoundError, ValueError) as exc:
-        print(f"embtables export: {exc}", file=sys.stderr)
-        return 1
+    report = export(args.checkpoint, args.out, dtype=args.dtype)
     print(f"{report.path}: {report.dtype}")
     for name, err in report.max_abs_error.items():
-        print(f"  {name:24s} max abs error {err:.3g} (relative {report.relative_error[name]:.3g})")
+        bad = report.nonfinite.get(name, 0)
+        note = f"  ({bad} NaN/Inf values in the checkpoint, exported as they are)" if bad else ""
+        print(f"  {name:24s} max abs error {err:.3g} (relative {report.relative_error[name]:.3g}){note}")
     return 0
 
 
@@ -88,11 +88,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv and argv[0] in _SCRIPTS:
         return _run_script(argv[0], argv[1:])
     args = _parser().parse_args(argv)
-    if args.command == "inspect":
-        return inspect.run(args)
-    if args.command == "export":
-        return _export(args)
-    return stats.run(args)
+    try:
+        if args.command == "inspect":
+            return inspect.run(args)
+        if args.command == "export":
+            return _export(args)
+        return stats.run(args)
+    except ROUTINE as exc:
+        if debugging(args):
+            raise
+        return fail(f"embtables {args.command}", exc)
 
 
 if __name__ == "__main__":

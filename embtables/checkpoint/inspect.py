@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import sys
 import zlib
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from embtables.checkpoint.store import CheckpointError, read_manifest
+from embtables.checkpoint.store import read_manifest
 
 
 def _file_status(where: Path, entry: dict[str, Any]) -> str:
@@ -65,11 +64,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        s = summary(args.checkpoint)
-    except CheckpointError as exc:
-        print(f"embtables inspect: {exc}", file=sys.stderr)
-        return 1
+    s = summary(args.checkpoint)  # a missing or malformed checkpoint raises CheckpointError: exit code 2
     print(f"{s['path']}: step {s['step']}, written by {s['world_size']} rank(s), {s['bytes'] / 2**20:.1f} MiB")
     for name, t in s["tables"].items():
         print(f"  {name:24s} {t['shape'][0]} x {t['shape'][1]}  {t['optimizer']} {t['slots']}  ({t['strategy']})")

@@ -21,7 +21,6 @@ import argparse
 import functools
 import json
 import math
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -181,8 +180,7 @@ def run(args: argparse.Namespace) -> int:
     )
     distributed = comm.is_distributed()
     rank, world = (comm.get_rank(), comm.get_world_size()) if distributed else (0, 1)
-    chosen = args.model_dir or (tempfile.mkdtemp(prefix="embtables-dlrm-") if rank == 0 else None)
-    model_dir = Path(str(comm.broadcast_object(chosen) if distributed else chosen))
+    model_dir = Path(args.model_dir)  # checked (or made) by the job runner
     estimator: Estimator | None = None
 
     def step() -> int:
@@ -229,7 +227,11 @@ def run(args: argparse.Namespace) -> int:
 
     start = time.perf_counter()
     evals = []
-    first = estimator.restore()  # an earlier run's checkpoint in model_dir: continue from it
+    first = estimator.restore()  # an earlier run's checkpoint in model_dir: continue from it (--steps is a total)
+    if first:
+        say(f"resumed from step {first} in {model_dir}")
+    if first >= args.steps:
+        say(f"finished: step {first} already reaches --steps {args.steps}; nothing to train (evaluating only)")
     while estimator.global_step < args.steps:
         chunk = min(args.eval_every, args.steps - estimator.global_step)
         s0 = estimator.global_step
@@ -271,5 +273,8 @@ def run(args: argparse.Namespace) -> int:
     }
     (model_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     print(json.dumps(summary))
+    if estimator.global_step == first:
+        print(f"finished: no step trained in this run (the model in {model_dir} is at step {first}).")
+        return 0
     print("PASS: the model learned." if learned else "FAIL: held-out AUC stayed at chance.")
     return 0 if learned else 1

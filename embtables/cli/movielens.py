@@ -14,12 +14,15 @@ on 2 cores (Surprise's SVD, the usual baseline, gets 0.935; ``benchmarks/bench_m
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import json
 import logging
+import math
+import os
+import signal
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -148,11 +151,20 @@ def run_fold(
         progress=progress,
     )
     curve = []
-    for epoch in range(hp.epochs):
+    done = est.restore() // math.ceil(len(train) / hp.batch_size)  # --epochs is a total: resume, never redo
+    if est.global_step:
+        print(
+            f"fold {fold + 1}: resumed from step {est.global_step} in {est.model_dir} ({done} epochs done)", flush=True
+        )
+    for epoch in range(done, hp.epochs):
         seed = fold * 1000 + epoch
         est.train(functools.partial(_batches, data, prepared, train, hp.batch_size, seed))
         result = est.evaluate(lambda: _batches(data, prepared, test, 4096, None))
         curve.append({"epoch": epoch + 1, "rmse": result["rmse"], "mae": result["mae"]})
+    if not curve:  # finished earlier: report the saved model
+        print(f"fold {fold + 1}: finished already ({done} of {hp.epochs} epochs); evaluating only", flush=True)
+        result = est.evaluate(lambda: _batches(data, prepared, test, 4096, None))
+        curve.append({"epoch": done, "rmse": result["rmse"], "mae": result["mae"]})
     return {"fold": fold, "rmse": curve[-1]["rmse"], "mae": curve[-1]["mae"], "curve": curve}
 
 
@@ -181,6 +193,13 @@ def _fold_worker(job: tuple[str | None, int | None, int, Hyper, str]) -> dict[st
     path, max_ratings, fold, hp, model_dir = job
     data = _load(path, max_ratings)
     return _fold(data, prepare(data), fold, hp, model_dir, False)
+
+
+def _interrupt_workers(pool: Any) -> None:
+    """Pass a Ctrl-C on to the pool's workers (a terminal sends it to them too; ``kill -INT`` does not)."""
+    for proc in list(getattr(pool, "_processes", {}).values()):
+        with contextlib.suppress(OSError):
+            os.kill(proc.pid, signal.SIGINT)
 
 
 def plot_curves(results: list[dict[str, Any]], path: Path, title: str) -> bool:
@@ -231,8 +250,7 @@ def run(args: argparse.Namespace) -> int:
     except FileNotFoundError as exc:
         print(f"embtables train: {exc}", file=sys.stderr)
         return 2
-    out_dir = Path(args.model_dir) if args.model_dir else Path(tempfile.mkdtemp(prefix="embtables-movielens-"))
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir = Path(args.model_dir)  # checked (or made) by the job runner
     print(f"MovieLens-100k from {data.source}: {len(data)} ratings, {data.user.max()} users, {data.item.max()} movies")
     print(f"model: factorization machine over {len(FIELDS)} embtables tables ({', '.join(FIELDS)}), {hp}")
     jobs = args.jobs or min(args.folds, max(1, torch.get_num_threads()))
@@ -246,9 +264,10 @@ def run(args: argparse.Namespace) -> int:
         import multiprocessing
 
         ctx = multiprocessing.get_context("spawn")
-        with concurrent.futures.ProcessPoolExecutor(
+        pool = concurrent.futures.ProcessPoolExecutor(
             jobs, mp_context=ctx, initializer=torch.set_num_threads, initargs=(1,)
-        ) as pool:
+        )
+        try:
             futures = [pool.submit(_fold_worker, t) for t in tasks]
             for fut in concurrent.futures.as_completed(futures):
                 r = fut.result()
@@ -257,6 +276,11 @@ def run(args: argparse.Namespace) -> int:
                     flush=True,
                 )
             results = sorted((f.result() for f in futures), key=lambda r: r["fold"])
+        except KeyboardInterrupt:
+            _interrupt_workers(pool)  # each saves its fold after the step in progress
+            raise
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
     seconds = time.perf_counter() - start
     rmse_mean = float(np.mean([r["rmse"] for r in results]))
     mae_mean = float(np.mean([r["mae"] for r in results]))

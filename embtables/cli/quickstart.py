@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import embtables
+from embtables.cli.job_runner import Parser
 from embtables.data import SyntheticCTR, SyntheticCTRConfig
 from embtables.estimator.metrics import auc
 
@@ -246,7 +247,7 @@ def train(args: argparse.Namespace) -> TrainResult:
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="embtables quickstart", description=__doc__.splitlines()[0] if __doc__ else None)
+    p = Parser(prog="embtables quickstart", description=__doc__.splitlines()[0] if __doc__ else None)
     p.add_argument("--steps", type=int, default=2000, help="training steps (default 2000)")
     p.add_argument("--optimizer", choices=OPTIMIZERS, default="adagrad", help="embedding optimizer (default adagrad)")
     p.add_argument("--seed", type=int, default=0, help="seed of the data, the tables and the MLP (default 0)")
@@ -267,6 +268,16 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     for name in ("steps", "batch_size", "dim", "eval_size", "log_every", "threads"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if not (math.isfinite(args.dense_lr) and args.dense_lr >= 0):
+        p.error(f"--dense-lr must be a finite number >= 0, got {args.dense_lr}")
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        p.error(f"--device {args.device!r} is not a torch device (e.g. cpu, cuda, cuda:1)")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        p.error(f"--device {args.device}: this torch has no CUDA device (torch {torch.__version__}); use --device cpu")
+    if device.type not in ("cpu", "cuda"):
+        p.error(f"--device {args.device}: embtables runs on cpu or cuda")
     return args
 
 

@@ -7,7 +7,10 @@
     torchrun --nproc_per_node=2 -m embtables train    # the DLRM with its tables sharded over 2 processes
 
 Every job trains through ``embtables.estimator.Estimator`` and writes checkpoints, metrics (CSV) and
-a PNG of its curves into ``--model-dir`` (default: a new temporary folder).
+a PNG of its curves into ``--model-dir`` (default: a new temporary folder, removed at exit unless
+``--keep``). ``--steps`` / ``--epochs`` are totals: rerunning with the same ``--model-dir`` resumes and
+trains only what is missing. Ctrl-C saves a checkpoint and prints the command that resumes (exit 130);
+a routine mistake is one line on stderr with exit code 2 (``--debug`` for the traceback).
 """
 
 from __future__ import annotations
@@ -15,30 +18,38 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import tempfile
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 
 from embtables.cli import dlrm, movielens, user_data
+from embtables.cli.job_runner import Parser, check_model_dir, run_job
 from embtables.sharding import comm
 
 DATASETS = ("synthetic", "movielens-100k")
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="embtables train",
         description=__doc__.splitlines()[0] if __doc__ else None,
-        epilog="\n".join(__doc__.splitlines()[2:8]) if __doc__ else None,
+        epilog="\n".join(__doc__.splitlines()[2:]) if __doc__ else None,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--dataset", choices=DATASETS, default="synthetic", help="the built-in job (default synthetic)")
     p.add_argument("--data", default=None, help="train on this CSV or Parquet file instead (needs --schema)")
     p.add_argument("--schema", default=None, help="the JSON schema of --data (see docs/estimator.md)")
-    p.add_argument("--model-dir", default=None, help="checkpoints, metrics and plots (default: a new temp folder)")
+    p.add_argument(
+        "--model-dir", default=None,
+        help="checkpoints, metrics and plots; a rerun resumes there (default: a temporary folder, removed at exit)",
+    )  # fmt: skip
+    p.add_argument("--keep", action="store_true", help="keep the default temporary --model-dir at exit")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
     p.add_argument("-v", "--verbose", action="store_true", help="log every metrics line")
+    p.add_argument("--debug", action="store_true", help="show tracebacks (also EMBTABLES_DEBUG=1)")
     group = p.add_argument_group("synthetic (DLRM) job")
     dlrm.add_arguments(group)  # type: ignore[arg-type]
     group = p.add_argument_group("movielens-100k job")
@@ -48,34 +59,54 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    p = parser()
-    args = p.parse_args(argv)
-    if args.progress:
-        args.progress = sys.stderr.isatty()
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
-    if args.threads is not None:
-        if args.threads < 1:
-            p.error("--threads must be >= 1")
-        torch.set_num_threads(args.threads)
-    for name in ("steps", "batch_size", "dim", "eval_every", "eval_size", "epochs", "factors"):
+def _check(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Argument rules argparse cannot express; each a one-line error with exit code 2."""
+    if args.threads is not None and args.threads < 1:
+        p.error("--threads must be >= 1")
+    for name in ("steps", "batch_size", "dim", "eval_every", "eval_size", "epochs", "factors", "folds"):
         if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1")
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.folds > 5:
+        p.error(f"--folds must be in 1..5, got {args.folds}")
+    if args.jobs is not None and args.jobs < 1:
+        p.error(f"--jobs must be >= 1, got {args.jobs}")
+    if not (0.0 < args.eval_fraction < 1.0):  # also refuses NaN
+        p.error(f"--eval-fraction must be a share of the rows in (0, 1), got {args.eval_fraction}")
     if args.data is not None and args.schema is None:
         p.error("--data needs --schema (a JSON file naming the label and the feature columns)")
     if args.schema is not None and args.data is None:
         p.error("--schema goes with --data")
+    for flag, path in (("--data", args.data), ("--schema", args.schema)):
+        if path is not None and not Path(path).is_file():
+            p.error(f"{flag} {path}: no such file")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    p = parser()
+    args = p.parse_args(argv)
+    _check(p, args)
+    if args.progress:
+        args.progress = sys.stderr.isatty()
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     distributed = comm.init_from_environment()  # under torchrun: shard the tables over the processes
     try:
         if distributed and (args.data is not None or args.dataset != "synthetic"):
             p.error("under torchrun only the synthetic job runs sharded (MovieLens runs its folds in parallel)")
-        if args.data is not None:
-            return user_data.run(args)
-        if args.dataset == "movielens-100k":
-            return movielens.run(args)
-        return dlrm.run(args)
+        job = user_data.run if args.data is not None else movielens.run if args.dataset != "synthetic" else dlrm.run
+        return run_job(p.prog, argv, args, job, lambda: _model_dir(args.model_dir, args.dataset, distributed))
     finally:
         comm.shutdown()
+
+
+def _model_dir(given: str | None, dataset: str, distributed: bool) -> Path:
+    """The checked ``--model-dir``, or a new temporary one (rank 0's, when sharded)."""
+    if given is not None:
+        return check_model_dir(given)
+    chosen = tempfile.mkdtemp(prefix="embtables-train-") if comm.get_rank() == 0 else None
+    return Path(str(comm.broadcast_object(chosen) if distributed else chosen))
 
 
 if __name__ == "__main__":

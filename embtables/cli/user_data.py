@@ -24,8 +24,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import sys
-import tempfile
+import math
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -71,9 +70,7 @@ def read_table(path: Path) -> dict[str, np.ndarray]:
         frame = pd.read_csv(path)
         return {str(c): frame[c].to_numpy() for c in frame.columns}
     except ImportError as exc:
-        raise SystemExit(
-            f"embtables train --data: reading {path.name} needs {exc.name}; pip install 'embtables[data]'"
-        ) from None
+        raise ImportError(f"reading {path.name} needs {exc.name}; pip install 'embtables[data]'") from None
 
 
 def columns_from_schema(schema: dict[str, Any], available: set[str]) -> list[Any]:
@@ -104,22 +101,47 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eval-fraction", type=float, default=0.1, help="share of rows held out (default 0.1)")
 
 
+def read_schema(path: Path) -> dict[str, Any]:
+    """The schema file as a JSON object, or ``SchemaError`` saying what is wrong with it."""
+    try:
+        schema = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError) as exc:
+        raise SchemaError(f"--schema {path}: cannot be read ({exc})") from None
+    except ValueError as exc:
+        raise SchemaError(f"--schema {path} is not JSON ({exc})") from None
+    if not isinstance(schema, dict):
+        raise SchemaError(f"--schema {path} must hold a JSON object {{\"label\": ..., \"features\": ...}}, "
+                          f"not a {type(schema).__name__}")  # fmt: skip
+    return schema
+
+
+def labels_of(column: np.ndarray, name: str, path: str) -> np.ndarray:
+    """The label column as float32, or ``SchemaError`` when it is not numbers or holds NaN."""
+    try:
+        y = np.asarray(column, dtype=np.float32)
+    except (TypeError, ValueError):
+        raise SchemaError(
+            f"the label column {name!r} of {path} is not numeric (e.g. {column[0]!r}); encode it as numbers"
+        ) from None
+    if not np.isfinite(y).all():
+        raise SchemaError(f"the label column {name!r} of {path} has {int((~np.isfinite(y)).sum())} empty or NaN values")
+    return y
+
+
 def run(args: argparse.Namespace) -> int:
-    schema = json.loads(Path(args.schema).read_text())
+    schema = read_schema(Path(args.schema))
     data = read_table(Path(args.data))
     label = schema.get("label")
     task = schema.get("task", "binary")
-    if label not in data:
-        print(f"embtables train: schema label {label!r} is not a column of {args.data}", file=sys.stderr)
-        return 2
+    if not isinstance(label, str) or label not in data:
+        raise SchemaError(f"schema label {label!r} is not a column of {args.data} (it has {sorted(data)[:10]})")
     if task not in TASKS:
-        print(f"embtables train: schema task must be one of {TASKS}, got {task!r}", file=sys.stderr)
-        return 2
+        raise SchemaError(f"schema task must be one of {TASKS}, got {task!r}")
     try:
         cols = columns_from_schema(schema, set(data) - {label})
-    except (SchemaError, KeyError, TypeError, ValueError) as exc:
-        print(f"embtables train: {exc}", file=sys.stderr)
-        return 2
+    except (KeyError, TypeError) as exc:
+        raise SchemaError(f"schema: a feature entry is incomplete ({type(exc).__name__}: {exc})") from None
+    y = labels_of(data[label], label, args.data)
     for name, f in schema["features"].items():
         if f.get("separator"):  # a multi-valued cell, e.g. "a|b|c"
             sep = f["separator"]
@@ -130,15 +152,13 @@ def run(args: argparse.Namespace) -> int:
     order = np.random.default_rng(args.seed).permutation(n)
     n_eval = max(1, int(n * args.eval_fraction))
     train_idx, eval_idx = order[: n - n_eval], order[n - n_eval :]
-    y = data[label].astype(np.float32)
     feature_names = list(schema["features"])
     dims = {c.dimension for c in cols}
     if len(dims) != 1:
-        print("embtables train: the DLRM model needs one `dim` for every feature", file=sys.stderr)
-        return 2
+        raise SchemaError("the DLRM model needs one `dim` for every feature")
     binary = task == "binary"
     model = DLRM([c.name for c in cols], dims.pop())
-    model_dir = Path(args.model_dir) if args.model_dir else Path(tempfile.mkdtemp(prefix="embtables-data-"))
+    model_dir = Path(args.model_dir)  # checked (or made) by the job runner
     est = Estimator(
         model,
         EmbeddingConfigSpec(
@@ -163,7 +183,13 @@ def run(args: argparse.Namespace) -> int:
           f"{len(cols)} embedding tables, model_dir {model_dir}")  # fmt: skip
     start = time.perf_counter()
     result: dict[str, float] = {}
-    for epoch in range(args.epochs):
+    done = est.restore() // max(1, math.ceil(len(train_idx) / args.batch_size))  # --epochs is a total
+    if est.global_step:
+        print(f"resumed from step {est.global_step} in {model_dir} ({done} of {args.epochs} epochs done)")
+    if done >= args.epochs:
+        print(f"finished: {done} epochs already trained; evaluating only")
+        result = est.evaluate(lambda: batches(eval_idx, None))
+    for epoch in range(done, args.epochs):
         est.train(functools.partial(batches, train_idx, args.seed * 1000 + epoch))
         result = est.evaluate(lambda: batches(eval_idx, None))
         metrics = "  ".join(f"{k} {v:.4f}" for k, v in result.items() if k != "global_step")

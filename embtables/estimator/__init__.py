@@ -1,7 +1,7 @@
 """Layer 5: TPUEstimator's embedding API on embtables: ``EmbeddingConfigSpec``, the v1
 ``*Parameters`` optimizers, feature columns and the ``Estimator`` training loop."""
 
-from embtables.estimator.estimator import Estimator
+from embtables.estimator.estimator import Estimator, TrainingInterrupted
 from embtables.estimator.feature_columns import (
     categorical_column_with_hash_bucket,
     categorical_column_with_identity,
@@ -42,6 +42,7 @@ __all__ = [
     "ProximalYogiParameters",
     "RMSPropParameters",
     "StochasticGradientDescentParameters",
+    "TrainingInterrupted",
     "auc",
     "categorical_column_with_hash_bucket",
     "categorical_column_with_identity",

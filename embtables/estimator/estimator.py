@@ -22,7 +22,9 @@ import dataclasses
 import logging
 import os
 import re
+import signal
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
@@ -76,6 +78,41 @@ def _shaped_like(y: Tensor, out: Tensor) -> Tensor:
             f"{tuple(out.shape)}; return one prediction per label. No table or parameter was changed."
         )
     return y.reshape(out.shape)
+
+
+class TrainingInterrupted(KeyboardInterrupt):
+    """Ctrl-C during ``Estimator.train``: the step in progress finished, a checkpoint of it was saved
+    (on every rank) at ``checkpoint``, and training stopped."""
+
+    def __init__(self, step: int, checkpoint: str) -> None:
+        super().__init__(f"interrupted at global step {step}; checkpoint saved at {checkpoint}")
+        self.step, self.checkpoint = step, checkpoint
+
+    def __reduce__(self) -> tuple[Any, ...]:  # picklable (a worker process sends it back)
+        return (TrainingInterrupted, (self.step, self.checkpoint))
+
+
+@contextlib.contextmanager
+def _deferred_interrupt() -> Iterator[threading.Event]:
+    """While training, a first Ctrl-C (SIGINT) only sets the returned flag: the loop stops after the
+    step in progress and saves. A second one interrupts at once. Main thread only (else a no-op)."""
+    flag = threading.Event()
+    if threading.current_thread() is not threading.main_thread():
+        yield flag
+        return
+    previous = signal.getsignal(signal.SIGINT)
+
+    def handler(signum: int, frame: Any) -> None:
+        if flag.is_set():
+            raise KeyboardInterrupt
+        flag.set()
+        logger.warning("Estimator: interrupted; saving a checkpoint after this step (Ctrl-C again to stop at once).")
+
+    signal.signal(signal.SIGINT, handler)
+    try:
+        yield flag
+    finally:
+        signal.signal(signal.SIGINT, previous if previous is not None else signal.default_int_handler)
 
 
 @dataclasses.dataclass
@@ -175,6 +212,7 @@ class Estimator:
         self.log_step_count_steps = log_step_count_steps
         self.progress = sys.stderr.isatty() if progress is None else progress
         self._restored = False
+        self._interrupted = False
         self._writer: Any = None
         self.history: list[dict[str, float]] = []  # the rows of train_metrics.csv, in memory
 
@@ -354,24 +392,31 @@ class Estimator:
         y = None if labels is None else _as_labels(labels, self.device)
         return _Prepared(features, ids, weights, y)
 
-    def _agreed(self, batches: Iterable[Any], need_labels: bool) -> Iterator[_Prepared]:
+    def _agreed(
+        self, batches: Iterable[Any], need_labels: bool, stop: threading.Event | None = None
+    ) -> Iterator[_Prepared]:
         """The batches, converted and checked, until any rank's input ends (sharded lookups are
         collective: a rank with no batch left would leave the others waiting). A batch refused on
         any rank (bad ids, labels that are not finite numbers) raises on every rank, naming it, before
         any table or parameter changes. One agreement round per batch, as before."""
         it = iter(batches)
         distributed = comm.is_distributed(self._group)
+        self._interrupted = False
         while True:
-            item = next(it, _END)
+            interrupted = stop is not None and stop.is_set()
+            item = _END if interrupted else next(it, _END)
             prepared, error = None, None
             if item is not _END:
                 try:
                     prepared = self._prepare(item, need_labels)
                 except (ValueError, TypeError) as exc:
                     error = exc
-            code = 1 if item is _END else (2 if error is not None else 0)
+            code = 3 if interrupted else 1 if item is _END else (2 if error is not None else 0)
             if distributed:
                 code = comm.max_over_ranks(code, self._group)
+            if code == 3:  # Ctrl-C on any rank: every rank stops here, after the same step
+                self._interrupted = True
+                return
             if code == 2:
                 if distributed:
                     why = comm.all_gather_object(None if error is None else str(error), self._group)
@@ -403,38 +448,42 @@ class Estimator:
             logger.info("Estimator.train: global step %d already reached max_steps %d.", self.global_step, target)
             return self
         bar = self._bar(None if target is None else target - self.global_step, "train")
+        with contextlib.ExitStack() as stack:
+            stop = stack.enter_context(_deferred_interrupt())
+            stack.callback(lambda: bar.close() if bar is not None else None)
+            self._train_loop(input_fn, target, stop, bar)
+        if self._interrupted:
+            raise TrainingInterrupted(self.global_step, self.save())
+        self.save()
+        return self
+
+    def _train_loop(self, input_fn: InputFn, target: int | None, stop: threading.Event, bar: Any) -> None:
         losses: list[float] = []
         t0 = last_t = time.perf_counter()
         last_step, examples = self.global_step, 0
-        try:
-            for batch in self._agreed(input_fn(), need_labels=True):
-                losses.append(self._train_step(batch))
-                assert batch.labels is not None
-                examples += len(batch.labels)
-                if bar is not None:
-                    bar.update(1)
-                if self.global_step % self.log_step_count_steps == 0:
-                    now = time.perf_counter()
-                    row = {
-                        "step": float(self.global_step),
-                        "loss": float(np.mean(losses)),
-                        "steps_per_sec": (self.global_step - last_step) / max(now - last_t, 1e-9),
-                        "examples_per_sec": examples / max(now - last_t, 1e-9),
-                        "elapsed_s": now - t0,
-                    }
-                    self._log("train", row)
-                    if bar is not None:
-                        bar.set_postfix(loss=f"{row['loss']:.4f}")
-                    losses, last_t, last_step, examples = [], now, self.global_step, 0
-                if self.save_checkpoints_steps and self.global_step % self.save_checkpoints_steps == 0:
-                    self.save()
-                if target is not None and self.global_step >= target:
-                    break
-        finally:
+        for batch in self._agreed(input_fn(), need_labels=True, stop=stop):
+            losses.append(self._train_step(batch))
+            assert batch.labels is not None
+            examples += len(batch.labels)
             if bar is not None:
-                bar.close()
-        self.save()
-        return self
+                bar.update(1)
+            if self.global_step % self.log_step_count_steps == 0:
+                now = time.perf_counter()
+                row = {
+                    "step": float(self.global_step),
+                    "loss": float(np.mean(losses)),
+                    "steps_per_sec": (self.global_step - last_step) / max(now - last_t, 1e-9),
+                    "examples_per_sec": examples / max(now - last_t, 1e-9),
+                    "elapsed_s": now - t0,
+                }
+                self._log("train", row)
+                if bar is not None:
+                    bar.set_postfix(loss=f"{row['loss']:.4f}")
+                losses, last_t, last_step, examples = [], now, self.global_step, 0
+            if self.save_checkpoints_steps and self.global_step % self.save_checkpoints_steps == 0:
+                self.save()
+            if target is not None and self.global_step >= target:
+                break
 
     def _predict_batches(
         self, input_fn: InputFn, steps: int | None, need_labels: bool = False

@@ -211,7 +211,7 @@ def test_a_malformed_manifest_is_refused_before_anything_changes(tmp_path: Path,
         [sys.executable, "-m", "embtables", "inspect", str(target)], capture_output=True, text=True,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
     )  # fmt: skip
-    assert out.returncode == 1 and "Traceback" not in out.stderr and message.split("\\")[0][:10] in out.stderr
+    assert out.returncode == 2 and "Traceback" not in out.stderr and message.split("\\")[0][:10] in out.stderr
 
 
 def test_a_rank_file_that_is_a_link_out_of_the_checkpoint_is_not_read(tmp_path: Path, ckpt: Path) -> None:
