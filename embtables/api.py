@@ -146,6 +146,7 @@ class DistributedEmbedding(nn.Module):
         self._engine: EmbeddingCollection | ShardedEmbeddingCollection
         loads = read_loads(profile_data_directory, self._resolved)
         if self._sharded:
+            comm.clean_exit()  # the program may never call destroy_process_group(): leave cleanly at exit
             group = process_group if timeout is None else comm.new_group(float(timeout), process_group)
             strategies, table_ranks = place_tables(self._resolved, sharding, comm.get_world_size(group), loads)
             self._engine = ShardedEmbeddingCollection(

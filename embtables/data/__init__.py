@@ -1,5 +1,7 @@
-"""Synthetic data for examples, tests and benchmarks: a CTR data set with a planted teacher."""
+"""Synthetic data for examples, tests and benchmarks: a CTR data set with a planted teacher; and small
+sample files (``sample_path("clicks.csv")``) for the docs and ``embtables train --data``."""
 
+from embtables.data.samples import sample_path
 from embtables.data.synthetic import (
     DEFAULT_FEATURES,
     Batch,
@@ -14,4 +16,5 @@ __all__ = [
     "CategoricalFeature",
     "SyntheticCTR",
     "SyntheticCTRConfig",
+    "sample_path",
 ]
