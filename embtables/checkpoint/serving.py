@@ -370,10 +370,10 @@ class ServingEmbedding(nn.Module):
             raise CheckpointError(
                 f"ServingEmbedding.load: {root / 'serving.json'} is missing or unreadable ({exc})."
             ) from exc
-        if not isinstance(doc, dict) or doc.get("format_version") not in (1, FORMAT_VERSION):
-            version = doc.get("format_version") if isinstance(doc, dict) else None
-            raise CheckpointError(f"ServingEmbedding.load: {root}: unknown format_version {version!r}.")
-        if doc.get("dtype") not in DTYPES:
+        version = doc.get("format_version") if isinstance(doc, dict) else None
+        if type(version) is not int or version not in (1, FORMAT_VERSION):
+            raise CheckpointError(f"ServingEmbedding.load: {root}: unknown format_version {version!r:.40}.")
+        if not isinstance(doc.get("dtype"), str) or doc["dtype"] not in DTYPES:
             raise CheckpointError(f"ServingEmbedding.load: {root}: unknown dtype {doc.get('dtype')!r:.40}.")
         return cls(doc, root, mmap=mmap)
 

@@ -11,6 +11,7 @@ varint fields), so neither TensorFlow nor protobuf is needed.
 
 from __future__ import annotations
 
+import math
 import os
 import struct
 from collections.abc import Iterator
@@ -75,8 +76,11 @@ def _varint(value: int) -> bytes:
 
 
 def _read_varint(data: bytes, pos: int) -> tuple[int, int]:
+    """A varint at ``pos`` (at most 10 bytes, inside ``data``) and the position after it."""
     result = shift = 0
     while True:
+        if pos >= len(data) or shift > 63:
+            raise BundleError("a varint runs past its data or is longer than 10 bytes (corrupt file)")
         b = data[pos]
         pos += 1
         result |= (b & 0x7F) << shift
@@ -109,11 +113,14 @@ def parse(data: bytes) -> dict[int, list[Any]]:
             value, pos = _read_varint(data, pos)
         elif wire == 2:
             n, pos = _read_varint(data, pos)
+            if pos + n > len(data):
+                raise BundleError("a protobuf field runs past its message (corrupt file)")
             value, pos = data[pos : pos + n], pos + n
-        elif wire == 5:
-            value, pos = struct.unpack_from("<I", data, pos)[0], pos + 4
-        elif wire == 1:
-            value, pos = struct.unpack_from("<Q", data, pos)[0], pos + 8
+        elif wire in (5, 1):
+            width = 4 if wire == 5 else 8
+            if pos + width > len(data):
+                raise BundleError("a protobuf field runs past its message (corrupt file)")
+            value, pos = struct.unpack_from("<I" if wire == 5 else "<Q", data, pos)[0], pos + width
         else:
             raise BundleError(f"unsupported protobuf wire type {wire}")
         out.setdefault(number, []).append(value)
@@ -122,17 +129,39 @@ def parse(data: bytes) -> dict[int, list[Any]]:
 
 # ---------------------------------------------------------------------------------------------- table
 def _block_entries(block: bytes) -> Iterator[tuple[bytes, bytes]]:
+    """The (key, value) entries of one table block, every length checked against the block."""
+    if len(block) < 4:
+        raise BundleError("a checkpoint index block is shorter than its restart count (corrupt file)")
     num_restarts = struct.unpack_from("<I", block, len(block) - 4)[0]
     end = len(block) - 4 - 4 * num_restarts
+    if end < 0:
+        raise BundleError("a checkpoint index block has more restart points than bytes (corrupt file)")
     pos, key = 0, b""
     while pos < end:
         shared, pos = _read_varint(block, pos)
         non_shared, pos = _read_varint(block, pos)
         value_len, pos = _read_varint(block, pos)
+        if shared > len(key) or pos + non_shared + value_len > end:
+            raise BundleError("a checkpoint index entry runs past its block (corrupt file)")
         key = key[:shared] + block[pos : pos + non_shared]
         pos += non_shared
         yield key, block[pos : pos + value_len]
         pos += value_len
+
+
+def _checked_block(data: bytes, handle: bytes, what: str) -> bytes:
+    """The block a handle (offset, size) points at, after checking that it and its 5-byte trailer lie
+    in the file, that it is uncompressed, and its masked CRC-32C."""
+    offset, p = _read_varint(handle, 0)
+    size, _ = _read_varint(handle, p)
+    if offset + size + 5 > len(data) - 48:
+        raise BundleError(f"the {what} block lies outside the index file (truncated or corrupt)")
+    if data[offset + size] != 0:
+        raise BundleError("compressed checkpoint index blocks are not supported")
+    stored = struct.unpack_from("<I", data, offset + size + 1)[0]
+    if masked(crc32c(data[offset : offset + size + 1])) != stored:
+        raise BundleError(f"the {what} block of the index fails its CRC-32C check (the file is corrupt)")
+    return data[offset : offset + size]
 
 
 def _read_table(data: bytes) -> dict[str, bytes]:
@@ -141,16 +170,14 @@ def _read_table(data: bytes) -> dict[str, bytes]:
     footer = data[-48:]
     _, pos = _read_varint(footer, 0)
     _, pos = _read_varint(footer, pos)
-    index_offset, pos = _read_varint(footer, pos)
-    index_size, pos = _read_varint(footer, pos)
+    index = _checked_block(data, footer[pos:], "table index")
     entries: dict[str, bytes] = {}
-    for _, handle in _block_entries(data[index_offset : index_offset + index_size]):
-        offset, p = _read_varint(handle, 0)
-        size, _ = _read_varint(handle, p)
-        if data[offset + size] != 0:
-            raise BundleError("compressed checkpoint index blocks are not supported")
-        for key, value in _block_entries(data[offset : offset + size]):
-            entries[key.decode()] = value
+    for _, handle in _block_entries(index):
+        for key, value in _block_entries(_checked_block(data, handle, "data")):
+            try:
+                entries[key.decode()] = value
+            except UnicodeDecodeError:
+                raise BundleError("a tensor name in the index is not UTF-8 (corrupt file)") from None
     return entries
 
 
@@ -199,15 +226,25 @@ def read_bundle(prefix: str | os.PathLike[str]) -> dict[str, Any]:
         index = Path(f"{prefix}.index").read_bytes()
     except OSError as exc:
         raise BundleError(f"{prefix}.index: cannot be read ({exc})") from exc
-    entries = _read_table(index)
+    try:
+        entries = _read_table(index)
+    except BundleError as exc:
+        raise BundleError(f"{prefix}.index: {exc}") from None
     header = parse(entries.pop("", b""))
     shards = header.get(1, [1])[0]
-    data = [Path(f"{prefix}.data-{i:05d}-of-{shards:05d}").read_bytes() for i in range(shards)]
+    if not isinstance(shards, int) or not 1 <= shards <= 100_000:
+        raise BundleError(f"{prefix}.index: {shards!r} data shards is not a count a TF writer produces")
+    try:
+        data = [Path(f"{prefix}.data-{i:05d}-of-{shards:05d}").read_bytes() for i in range(shards)]
+    except OSError as exc:
+        raise BundleError(f"{prefix}: a data file cannot be read ({exc})") from exc
     out: dict[str, Any] = {}
     for key, raw in entries.items():
         e = parse(raw)
         dtype, shard = e.get(1, [0])[0], e.get(3, [0])[0]
         offset, size = e.get(4, [0])[0], e.get(5, [0])[0]
+        if not isinstance(shard, int) or not 0 <= shard < shards:
+            raise BundleError(f"{prefix}: tensor {key!r} names data shard {shard!r} of {shards}")
         blob = data[shard][offset : offset + size]
         if len(blob) != size:
             raise BundleError(f"{prefix}: tensor {key!r} is truncated")
@@ -215,6 +252,8 @@ def read_bundle(prefix: str | os.PathLike[str]) -> dict[str, Any]:
             raise BundleError(f"{prefix}: tensor {key!r} fails its CRC-32C check")
         dims = [parse(d).get(1, [0])[0] for d in parse(e[2][0]).get(2, [])] if 2 in e else []
         if dtype == DT_FLOAT:
+            if any(not isinstance(d, int) or d >= 1 << 40 for d in dims) or math.prod(dims) * 4 != size:
+                raise BundleError(f"{prefix}: tensor {key!r} has shape {dims} but {size} bytes")
             out[key] = np.frombuffer(blob, dtype="<f4").reshape(dims).copy()
         elif dtype == DT_STRING and not dims:
             n, pos = _read_varint(blob, 0)
