@@ -7,6 +7,7 @@ code 2; --debug (or EMBTABLES_DEBUG=1) shows the traceback instead.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import runpy
 import sys
 from collections.abc import Sequence
@@ -19,12 +20,12 @@ from embtables.cli import quickstart, stats, train
 from embtables.cli.job_runner import ROUTINE, Parser, debugging, fail
 
 _ROOT = Path(__file__).resolve().parent.parent
-_SCRIPTS = {"bench": _ROOT / "benchmarks" / "run.py"}
+_SCRIPTS = ("bench",)
 _OWN_PARSERS = {"train": train.main, "quickstart": quickstart.main}  # read every argument after the command
 _COMMANDS = (
     ("train", "the main job: DLRM on synthetic data, --dataset movielens-100k, or --data FILE --schema FILE"),
     ("quickstart", "a small CTR model on synthetic data in about ten seconds"),
-    ("bench", "the benchmark suite against the peers (from a source checkout)"),
+    ("bench", "the benchmark suite against the peers (embtables bench --help)"),
     ("stats", "print lookup statistics files (profile_data_directory) and draw per-shard load"),
     ("inspect", "what a checkpoint holds (tables, shapes, optimizer, step, size) and its checksum status"),
     ("export", "write a serving artifact of a checkpoint's tables (float32, float16, bfloat16 or int8)"),
@@ -63,19 +64,30 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _benchmarks_dir() -> Path | None:
+    """The benchmark suite: the checkout's ``benchmarks/``, else the copy shipped in the wheel."""
+    for where in (_ROOT / "benchmarks", Path(__file__).resolve().parent / "_benchmarks"):
+        if (where / "run.py").is_file() and (where / "__init__.py").is_file():
+            return where
+    return None
+
+
 def _run_script(name: str, rest: list[str]) -> int:
-    script = _SCRIPTS[name]
-    if not script.exists():
-        print(
-            f"embtables {name}: {script} is not here; it ships with the source checkout "
-            "(git clone, then `pip install -e .`).",
-            file=sys.stderr,
-        )
-        return 2
+    """Run ``benchmarks/run.py`` as ``embtables bench`` with ``benchmarks`` importable as a package
+    (from a checkout, or from the copy inside an installed wheel)."""
+    where = _benchmarks_dir()
+    if where is None:
+        return fail(f"embtables {name}", "the benchmark suite is not installed with this embtables")
+    spec = importlib.util.spec_from_file_location(
+        "benchmarks", where / "__init__.py", submodule_search_locations=[str(where)]
+    )
+    assert spec is not None and spec.loader is not None
+    package = importlib.util.module_from_spec(spec)
+    sys.modules["benchmarks"] = package
+    spec.loader.exec_module(package)
     sys.argv = [f"embtables {name}", *rest]
-    sys.path.insert(0, str(_ROOT))
     try:
-        runpy.run_path(str(script), run_name="__main__")
+        runpy.run_path(str(where / "run.py"), run_name="__main__")
     except SystemExit as exc:
         return int(exc.code or 0) if not isinstance(exc.code, str) else 1
     return 0

@@ -149,3 +149,36 @@ def test_default_model_dirs_are_removed_at_exit_unless_kept(files: Path) -> None
     assert ours() == []
     kept = _run(files, "train", *SMALL, "--steps", "10", "--eval-every", "10", "--keep")
     assert kept.returncode == 0 and len(ours()) == 1
+
+
+def test_the_installed_wheel_has_bench_and_the_samples(tmp_path: Path) -> None:
+    """`embtables bench` and the sample data work from an installed wheel, not only from a checkout."""
+    import zipfile
+
+    wheel_dir = tmp_path / "wheel"
+    built = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", str(ROOT), "--no-deps", "--no-build-isolation", "-q", "-w",
+         str(wheel_dir)], capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert built.returncode == 0, built.stderr[-2000:]
+    (wheel,) = wheel_dir.glob("*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    for needed in ("embtables/_benchmarks/run.py", "embtables/_benchmarks/_harness.py",
+                   "embtables/data/samples/clicks.csv", "embtables/data/samples/clicks.schema.json"):  # fmt: skip
+        assert needed in names, needed
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True, timeout=120)
+    py = venv / "bin" / "python"
+    install = subprocess.run([str(py), "-m", "pip", "install", "-q", "--no-deps", str(wheel)], capture_output=True,
+                             text=True, timeout=300)  # fmt: skip
+    assert install.returncode == 0, install.stderr[-2000:]
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    where = subprocess.run([str(py), "-c", "import embtables; print(embtables.__file__)"], capture_output=True,
+                           text=True, cwd="/", env=env)  # fmt: skip
+    assert str(venv) in where.stdout, where.stdout + where.stderr
+    bench = subprocess.run([str(py), "-m", "embtables", "bench", "--help"], capture_output=True, text=True, cwd="/",
+                           env=env, timeout=120)  # fmt: skip
+    assert bench.returncode == 0 and bench.stdout.startswith("usage: embtables bench"), bench.stdout + bench.stderr
+    sample = subprocess.run([str(py), "-c", "from embtables.data import sample_path; print(sample_path('clicks.csv'))"],
+                            capture_output=True, text=True, cwd="/", env=env)  # fmt: skip
+    assert str(venv) in sample.stdout and Path(sample.stdout.strip()).is_file()

@@ -124,7 +124,9 @@ def violations(rel_path: str, source: str) -> list[str]:
 
 
 def package_files() -> list[Path]:
-    return sorted(p for p in PACKAGE_DIR.rglob("*.py") if "__pycache__" not in p.parts)
+    return sorted(
+        p for p in PACKAGE_DIR.rglob("*.py") if "__pycache__" not in p.parts and "_benchmarks" not in p.parts
+    )  # _benchmarks links to benchmarks/ (shipped as data), outside the layers
 
 
 def _rel(path: Path) -> str:
