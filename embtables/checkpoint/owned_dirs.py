@@ -12,15 +12,22 @@ moved aside first and there is a window of one rename in which the target is abs
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import errno
+import json
 import os
 import re
 import shutil
 import socket
+import time
 import uuid
+import weakref
 from pathlib import Path
+from typing import Any
+
+from embtables.checkpoint.file_names import CheckpointError
 
 _TMP = re.compile(r"\.embtables-tmp-(?P<kind>[a-z]+)-(?P<host>[A-Za-z0-9_]+)-(?P<pid>\d+)-[0-9a-f]+")
 _RENAME_EXCHANGE = 2
@@ -112,4 +119,71 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-__all__ = ["clean_dead_leftovers", "exchange", "fsync_dir", "publish", "temp_name"]
+class WriterLock:
+    """An exclusive writer's lock on a directory: ``<directory>/<name>`` holds the holder's pid, host
+    and a token. ``acquire()`` refuses with ``CheckpointError`` while another writer (another process,
+    or another object in this one) holds it; a lock left by a dead process on this host is stale and
+    taken over. Released by ``release()``, when the owner is garbage-collected, or at exit."""
+
+    def __init__(self, directory: Path, name: str, what: str) -> None:
+        self.path = Path(directory) / name
+        self.what = what
+        self.token = uuid.uuid4().hex
+        self._finalizer: weakref.finalize[Any, Any] | None = None
+
+    def _holder(self) -> dict[str, Any] | None:
+        try:
+            doc = json.loads(self.path.read_text())
+            return doc if isinstance(doc, dict) else {}
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError):
+            return {}  # being written right now, or damaged: treated as held
+
+    def acquire(self) -> None:
+        for _ in range(3):
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                holder = self._holder()
+                if holder is None:
+                    continue  # released meanwhile: try again
+                if holder.get("token") == self.token:
+                    return
+                pid, host = holder.get("pid"), holder.get("host")
+                if host == _host() and isinstance(pid, int) and pid != os.getpid() and not _alive(pid):
+                    aside = self.path.with_name(f"{self.path.name}.stale-{uuid.uuid4().hex[:8]}")
+                    with contextlib.suppress(OSError):
+                        os.replace(self.path, aside)
+                        os.unlink(aside)
+                    continue
+                who = "this process" if pid == os.getpid() and host == _host() else f"process {pid} on {host}"
+                raise CheckpointError(
+                    f"{self.path.parent} is being written by {who} ({holder.get('what', 'a writer')}, since "
+                    f"{holder.get('since', '?')}); a second writer would clobber its checkpoints. Stop the other "
+                    f"writer or use another directory. (A lock left by a dead process on this host is taken over "
+                    f"by itself; one from another host must be removed by hand: {self.path}.)"
+                ) from None
+            with os.fdopen(fd, "w") as f:
+                json.dump({"pid": os.getpid(), "host": _host(), "token": self.token, "what": self.what,
+                           "since": time.strftime("%Y-%m-%d %H:%M:%S")}, f)  # fmt: skip
+            self._finalizer = weakref.finalize(self, _release, self.path, self.token)
+            return
+        raise CheckpointError(f"{self.path}: could not take the writer's lock (it keeps changing).")
+
+    def release(self) -> None:
+        if self._finalizer is not None:
+            self._finalizer()
+            self._finalizer = None
+
+
+def _release(path: Path, token: str) -> None:
+    """Remove the lock file if it is still this holder's."""
+    try:
+        if json.loads(path.read_text()).get("token") == token:
+            path.unlink()
+    except (OSError, ValueError, AttributeError):
+        pass
+
+
+__all__ = ["WriterLock", "clean_dead_leftovers", "exchange", "fsync_dir", "publish", "temp_name"]

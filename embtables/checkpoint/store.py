@@ -39,7 +39,7 @@ import torch
 from embtables.checkpoint import manifest as manifest_io
 from embtables.checkpoint.file_names import CheckpointError as CheckpointError
 from embtables.checkpoint.manifest import Block
-from embtables.checkpoint.owned_dirs import clean_dead_leftovers, fsync_dir, publish, temp_name
+from embtables.checkpoint.owned_dirs import WriterLock, clean_dead_leftovers, fsync_dir, publish, temp_name
 from embtables.config import ResolvedConfig
 from embtables.sharding import comm
 from embtables.sharding.fingerprint import describe_config
@@ -241,8 +241,9 @@ def save(
     if error is None and world > 1 and len({w for w, _ in agreed}) > 1:
         error = f"the ranks passed different paths ({', '.join(f'rank {r}: {w}' for r, (w, _) in enumerate(agreed))})"
     tmp = base / agreed[0][1]
+    lock = WriterLock(base, ".embtables-save.lock", f"save of step {step}")
     if error is None and rank == 0:
-        _, error = _caught(lambda: _make_dirs(base, tmp))
+        _, error = _caught(lambda: _make_dirs(base, tmp, lock))
     try:
         _agree(error, group, f"save of step {step} to {base}")
         tick = progress or (lambda n: None)
@@ -262,11 +263,14 @@ def save(
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         raise
+    finally:
+        lock.release()
     return checkpoint_dir(base, step)
 
 
-def _make_dirs(base: Path, tmp: Path) -> None:
+def _make_dirs(base: Path, tmp: Path, lock: WriterLock) -> None:
     base.mkdir(parents=True, exist_ok=True)
+    lock.acquire()  # one save into a root at a time: two writers would replace each other's steps
     tmp.mkdir()
 
 

@@ -36,7 +36,7 @@ from torch import Tensor, nn
 
 from embtables.api import DistributedEmbedding
 from embtables.checkpoint.file_names import CheckpointError, contained
-from embtables.checkpoint.owned_dirs import fsync_dir
+from embtables.checkpoint.owned_dirs import WriterLock, fsync_dir
 from embtables.checkpoint.store import published, read_manifest
 from embtables.estimator.spec import EmbeddingConfigSpec
 from embtables.sharding import comm
@@ -213,6 +213,7 @@ class Estimator:
         self.progress = sys.stderr.isatty() if progress is None else progress
         self._restored = False
         self._interrupted = False
+        self._writer_lock: WriterLock | None = None
         self._writer: Any = None
         self.history: list[dict[str, float]] = []  # the rows of train_metrics.csv, in memory
 
@@ -264,6 +265,31 @@ class Estimator:
         self._restored = True
         if self.rank == 0:
             logger.info("Estimator: resumed from %s at global step %d", latest, self.global_step)
+
+    def _take_writer_lock(self) -> None:
+        """One Estimator trains into a model_dir at a time (rank 0 holds a lock file with its pid and
+        host until ``close()``, garbage collection or exit); a second one, in this process or another,
+        is refused on every rank instead of interleaving checkpoints with the first."""
+        if self._writer_lock is not None:
+            return
+        lock, error = WriterLock(self.model_dir, ".embtables-writer.lock", "Estimator.train"), None
+        if self.rank == 0:
+            try:
+                self.model_dir.mkdir(parents=True, exist_ok=True)
+                lock.acquire()
+            except (CheckpointError, OSError) as exc:
+                error = str(exc)
+        if comm.is_distributed(self._group):
+            error = comm.broadcast_object(error, 0, self._group)
+        if error is not None:
+            raise CheckpointError(f"Estimator.train: {error}")
+        self._writer_lock = lock
+
+    def close(self) -> None:
+        """Release ``model_dir`` for another writer (training again takes it back)."""
+        if self._writer_lock is not None:
+            self._writer_lock.release()
+            self._writer_lock = None
 
     def _read_dense(self, ckpt: Path) -> dict[str, Any]:
         """The dense file a checkpoint names, checked against this model (keys, shapes, dtypes, the
@@ -443,6 +469,7 @@ class Estimator:
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"Estimator.train: `{name}` must be an int >= 1 or None (as TF), got {value!r}.")
         self._maybe_restore()
+        self._take_writer_lock()
         target = self.global_step + steps if steps is not None else max_steps
         if target is not None and self.global_step >= target:
             logger.info("Estimator.train: global step %d already reached max_steps %d.", self.global_step, target)

@@ -83,6 +83,7 @@ def test_training_learns_and_resume_is_exact(tmp_path: Path) -> None:
     straight.train(_input_fn(features, y), steps=12)
     resumed = _estimator(tmp_path / "resumed", save_checkpoints_steps=5)
     resumed.train(_input_fn(features, y), steps=6)
+    resumed.close()  # lets another writer train into its model_dir (a second one is refused while it trains)
     again = _estimator(tmp_path / "resumed")  # a new process would do exactly this
     again.train(lambda: (b for i, b in enumerate(_input_fn(features, y)()) if i >= 6), steps=6)
     assert again.global_step == straight.global_step == 12
@@ -177,6 +178,7 @@ def test_pipelined_training_resumes_bit_for_bit(tmp_path: Path) -> None:
     straight.train(_input_fn(features, y), steps=12)
     first = make(tmp_path / "b")
     first.train(_input_fn(features, y), steps=6)
+    first.close()
     second = make(tmp_path / "b")
     second.train(lambda: (b for i, b in enumerate(_input_fn(features, y)()) if i >= 6), steps=6)
     a, b = _state(straight), _state(second)
@@ -245,6 +247,7 @@ def test_resume_checks_the_dense_file_before_changing_anything(tmp_path: Path) -
         dense.write_bytes(good)
         fresh.train(_input_fn(features, y), steps=1)  # a retry after the fix resumes properly
         assert fresh.global_step == 4, damage
+        fresh.close()
         for f in tmp_path.glob("ckpt-00000004"):
             import shutil
 
@@ -299,3 +302,53 @@ def _bad_batch_on_one_rank(rank: int, world: int, model_dir: str) -> None:
 
 def test_a_bad_batch_on_one_rank_stops_every_rank_with_its_error(tmp_path: Path) -> None:
     run_world(_bad_batch_on_one_rank, 2, str(tmp_path), timeout=120, collective_timeout=30)
+
+
+_TRAINER = """
+import sys, time, numpy as np, torch
+sys.path.insert(0, sys.argv[2])
+from test_estimator_loop import _data, _estimator, _input_fn
+from pathlib import Path
+features, y = _data()
+e = _estimator(Path(sys.argv[1]))
+e.train(_input_fn(features, y), steps=1)
+print("training", flush=True)
+time.sleep(600)
+"""
+
+
+def test_one_writer_per_model_dir(tmp_path: Path) -> None:
+    """Two Estimators (two processes, or two objects in one) training into one model_dir would
+    interleave checkpoints: the second is refused, naming the holder; a killed holder's lock is
+    taken over (issue 15, item 5)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    import pytest
+
+    from embtables.checkpoint import CheckpointError
+
+    features, y = _data()
+    tests = str(Path(__file__).resolve().parent)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(tests).parent.parent), str(Path(tests).parent)])}
+    proc = subprocess.Popen([sys.executable, "-c", _TRAINER, str(tmp_path), tests], stdout=subprocess.PIPE, text=True,
+                            env=env)  # fmt: skip
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "training"
+        second = _estimator(tmp_path)
+        with pytest.raises(CheckpointError, match=rf"being written by process {proc.pid} on"):
+            second.train(_input_fn(features, y), steps=1)
+        assert second.global_step == 1  # it resumed the other's checkpoint, and wrote nothing
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    second.train(_input_fn(features, y), steps=1)  # the dead holder's lock is stale: taken over
+    assert second.global_step == 2
+    third = _estimator(tmp_path)
+    with pytest.raises(CheckpointError, match="being written by this process"):
+        third.train(_input_fn(features, y), steps=1)
+    second.close()
+    third.train(_input_fn(features, y), steps=1)
+    assert third.global_step == 3

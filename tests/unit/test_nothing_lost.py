@@ -342,3 +342,24 @@ def test_serving_refuses_malformed_or_truncated_artifacts(tmp_path: Path, ckpt: 
         f.truncate(64)
     after = serving({"f0": torch.tensor([1, 2]), "f1": torch.tensor([0])})
     assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_a_save_into_a_root_another_live_process_is_saving_into_is_refused(tmp_path: Path) -> None:
+    from embtables.checkpoint.owned_dirs import _host
+
+    emb = _emb(["video"])
+    emb.save(tmp_path)
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        lock = tmp_path / ".embtables-save.lock"
+        lock.write_text(json.dumps({"pid": sleeper.pid, "host": _host(), "token": "x", "what": "save of step 9"}))
+        emb._training_steps = 1
+        with pytest.raises(CheckpointError, match=rf"being written by process {sleeper.pid}"):
+            emb.save(tmp_path)
+        assert [p.name for p in published(tmp_path)] == ["ckpt-00000000"]
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    emb.save(tmp_path)  # the holder died: its lock is stale and taken over
+    assert [p.name for p in published(tmp_path)] == ["ckpt-00000000", "ckpt-00000001"]
+    assert not lock.exists()
