@@ -41,6 +41,7 @@ def _entry(rank: int, fn: Callable[..., Any], world: int, port: int, timeout_s: 
     )
     try:
         fn(rank, world, *args)
+        dist.barrier()  # no rank tears its connections down while another still talks on them
     except BaseException:
         raise RuntimeError(f"rank {rank} of {world} failed:\n{traceback.format_exc()}") from None
     finally:

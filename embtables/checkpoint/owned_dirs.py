@@ -157,7 +157,8 @@ class WriterLock:
                         os.replace(self.path, aside)
                         os.unlink(aside)
                     continue
-                who = "this process" if pid == os.getpid() and host == _host() else f"process {pid} on {host}"
+                mine = pid == os.getpid() and host == _host()
+                who = "this process (another object: close() it or drop it)" if mine else f"process {pid} on {host}"
                 raise CheckpointError(
                     f"{self.path.parent} is being written by {who} ({holder.get('what', 'a writer')}, since "
                     f"{holder.get('since', '?')}); a second writer would clobber its checkpoints. Stop the other "

@@ -57,6 +57,17 @@ def checkpoint_dir(root: str | os.PathLike[str], step: int) -> Path:
     return Path(root) / f"{_PREFIX}{step:08d}"
 
 
+_warned: set[str] = set()
+
+
+def _warn_once(message: str, *args: object) -> None:
+    """Log ``message % args`` once per process (latest-lookups run at every save)."""
+    key = f"{message}|{args}"
+    if key not in _warned:
+        _warned.add(key)
+        logger.warning(message, *args)
+
+
 def _step_of(path: Path) -> int | None:
     """The step in ``path``'s manifest, or None (with a warning) when it cannot be read."""
     try:
@@ -66,7 +77,7 @@ def _step_of(path: Path) -> int | None:
             raise ValueError(f"step {step!r} is not a non-negative integer")
         return step
     except (OSError, ValueError, KeyError, TypeError, RecursionError) as exc:
-        logger.warning("embtables: ignoring %s: its manifest cannot be read (%s).", path, exc)
+        _warn_once("embtables: ignoring %s: its manifest cannot be read (%s).", path, exc)
         return None
 
 
@@ -83,7 +94,7 @@ def published(root: str | os.PathLike[str]) -> list[Path]:
             continue
         m = _NAME.fullmatch(p.name)
         if m is None:
-            logger.warning(
+            _warn_once(
                 "embtables: ignoring %s when looking for the latest checkpoint: its name is not ckpt-<step>. "
                 "Pass its path to restore() to load it.", p,
             )  # fmt: skip

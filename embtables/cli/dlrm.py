@@ -200,81 +200,85 @@ def run(args: argparse.Namespace) -> int:
         log_step_count_steps=max(1, min(100, args.steps // 10)),
         progress=args.progress,
     )
-    say = print if rank == 0 else (lambda *a, **k: None)
-    tables = ", ".join(
-        f"{t.name} {t.vocabulary_size}x{t.dim} {type(t.optimizer).__name__}"
-        for t in estimator.embedding.resolved_config.tables
-    )
-    say(f"embtables {embtables.__version__} DLRM on synthetic CTR data: {args.steps} steps x {args.batch_size}")
-    say(
-        f"model_dir: {model_dir}"
-        + (f"  ({world} processes, tables sharded: {estimator.embedding.sharding_plan})" if distributed else "")
-    )
-    say(f"tables: {tables}")
-    # The held-out set: the same batches for the teacher and the model, split evenly over the ranks.
-    n_eval = world * max(1, math.ceil(args.eval_size / (4096 * world)))
-    eval_batches = [data.batch(max(1, args.eval_size // n_eval), i, split="eval") for i in range(n_eval)]
-    t_logits = np.concatenate([data.teacher_logits(f).numpy() for f, _ in eval_batches])
-    t_labels = np.concatenate([y.numpy() for _, y in eval_batches])
-    teacher = {"auc": auc(t_logits, t_labels), "log_loss": log_loss(1 / (1 + np.exp(-t_logits)), t_labels)}
-
-    def eval_fn() -> Iterator[tuple[dict[str, Ragged], Tensor]]:
-        yield from eval_batches[rank::world]  # every rank its share; evaluate gathers the metrics
-
-    def train_fn(start: int, count: int) -> Iterator[tuple[dict[str, Ragged], Tensor]]:
-        for step in range(start, start + count):  # rank r reads batches r, r + W, ...: a global batch of W x B
-            yield data.batch(args.batch_size, step * world + rank)
-
-    start = time.perf_counter()
-    evals = []
-    first = estimator.restore()  # an earlier run's checkpoint in model_dir: continue from it (--steps is a total)
-    if first:
-        say(f"resumed from step {first} in {model_dir}")
-    if first >= args.steps:
-        say(f"finished: step {first} already reaches --steps {args.steps}; nothing to train (evaluating only)")
-    while estimator.global_step < args.steps:
-        chunk = min(args.eval_every, args.steps - estimator.global_step)
-        s0 = estimator.global_step
-        estimator.train(functools.partial(train_fn, s0, chunk), steps=chunk)
-        result = estimator.evaluate(eval_fn)
-        evals.append({"step": float(estimator.global_step), "auc": result["auc"], "log_loss": result["log_loss"]})
+    try:
+        say = print if rank == 0 else (lambda *a, **k: None)
+        tables = ", ".join(
+            f"{t.name} {t.vocabulary_size}x{t.dim} {type(t.optimizer).__name__}"
+            for t in estimator.embedding.resolved_config.tables
+        )
+        say(f"embtables {embtables.__version__} DLRM on synthetic CTR data: {args.steps} steps x {args.batch_size}")
         say(
-            f"step {estimator.global_step:6d}  held-out AUC {result['auc']:.4f}  log-loss {result['log_loss']:.4f}  "
-            f"(teacher {teacher['auc']:.4f} / {teacher['log_loss']:.4f})  {time.perf_counter() - start:6.1f} s",
-            flush=True,
+            f"model_dir: {model_dir}"
+            + (f"  ({world} processes, tables sharded: {estimator.embedding.sharding_plan})" if distributed else "")
         )
-    seconds = time.perf_counter() - start
-    if not evals:
-        evals.append(
-            {
-                "step": float(estimator.global_step),
-                **{k: v for k, v in estimator.evaluate(eval_fn).items() if k != "global_step"},
-            }
-        )
-    final = evals[-1]
-    learned = final["auc"] > 0.6 if estimator.global_step - first >= 50 else True
-    if rank != 0:
+        say(f"tables: {tables}")
+        # The held-out set: the same batches for the teacher and the model, split evenly over the ranks.
+        n_eval = world * max(1, math.ceil(args.eval_size / (4096 * world)))
+        eval_batches = [data.batch(max(1, args.eval_size // n_eval), i, split="eval") for i in range(n_eval)]
+        t_logits = np.concatenate([data.teacher_logits(f).numpy() for f, _ in eval_batches])
+        t_labels = np.concatenate([y.numpy() for _, y in eval_batches])
+        teacher = {"auc": auc(t_logits, t_labels), "log_loss": log_loss(1 / (1 + np.exp(-t_logits)), t_labels)}
+
+        def eval_fn() -> Iterator[tuple[dict[str, Ragged], Tensor]]:
+            yield from eval_batches[rank::world]  # every rank its share; evaluate gathers the metrics
+
+        def train_fn(start: int, count: int) -> Iterator[tuple[dict[str, Ragged], Tensor]]:
+            for step in range(start, start + count):  # rank r reads batches r, r + W, ...: a global batch of W x B
+                yield data.batch(args.batch_size, step * world + rank)
+
+        start = time.perf_counter()
+        evals = []
+        first = estimator.restore()  # an earlier run's checkpoint in model_dir: continue from it (--steps is a total)
+        if first:
+            say(f"resumed from step {first} in {model_dir}")
+        if first >= args.steps:
+            say(f"finished: step {first} already reaches --steps {args.steps}; nothing to train (evaluating only)")
+        while estimator.global_step < args.steps:
+            chunk = min(args.eval_every, args.steps - estimator.global_step)
+            s0 = estimator.global_step
+            estimator.train(functools.partial(train_fn, s0, chunk), steps=chunk)
+            result = estimator.evaluate(eval_fn)
+            evals.append({"step": float(estimator.global_step), "auc": result["auc"], "log_loss": result["log_loss"]})
+            say(
+                f"step {estimator.global_step:6d}  held-out AUC {result['auc']:.4f}  "
+                f"log-loss {result['log_loss']:.4f}  (teacher {teacher['auc']:.4f} / {teacher['log_loss']:.4f})  "
+                f"{time.perf_counter() - start:6.1f} s",
+                flush=True,
+            )
+        seconds = time.perf_counter() - start
+        if not evals:
+            evals.append(
+                {
+                    "step": float(estimator.global_step),
+                    **{k: v for k, v in estimator.evaluate(eval_fn).items() if k != "global_step"},
+                }
+            )
+        final = evals[-1]
+        learned = final["auc"] > 0.6 if estimator.global_step - first >= 50 else True
+        if rank != 0:
+            return 0 if learned else 1
+        png = model_dir / "training_curves.png"
+        if plot(estimator.history, evals, teacher, png):
+            print(f"curves: {png}")
+        print(f"checkpoint: {estimator.latest_checkpoint()}   lookup statistics: {model_dir / 'lookup_stats'}")
+        summary = {
+            "job": "dlrm-synthetic",
+            "steps": estimator.global_step,
+            "steps_trained": estimator.global_step - first,
+            "batch_size": args.batch_size,
+            "auc": final["auc"],
+            "log_loss": final["log_loss"],
+            "teacher_auc": teacher["auc"],
+            "teacher_log_loss": teacher["log_loss"],
+            "seconds": seconds,
+            "processes": world,
+        }
+        (model_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+        print(json.dumps(summary))
+        if estimator.global_step == first:
+            print(f"finished: no step trained in this run (the model in {model_dir} is at step {first}).")
+            return 0
+        print("PASS: the model learned." if learned else "FAIL: held-out AUC stayed at chance.")
         return 0 if learned else 1
-    png = model_dir / "training_curves.png"
-    if plot(estimator.history, evals, teacher, png):
-        print(f"curves: {png}")
-    print(f"checkpoint: {estimator.latest_checkpoint()}   lookup statistics: {model_dir / 'lookup_stats'}")
-    summary = {
-        "job": "dlrm-synthetic",
-        "steps": estimator.global_step,
-        "steps_trained": estimator.global_step - first,
-        "batch_size": args.batch_size,
-        "auc": final["auc"],
-        "log_loss": final["log_loss"],
-        "teacher_auc": teacher["auc"],
-        "teacher_log_loss": teacher["log_loss"],
-        "seconds": seconds,
-        "processes": world,
-    }
-    (model_dir / "summary.json").write_text(json.dumps(summary, indent=1))
-    print(json.dumps(summary))
-    if estimator.global_step == first:
-        print(f"finished: no step trained in this run (the model in {model_dir} is at step {first}).")
-        return 0
-    print("PASS: the model learned." if learned else "FAIL: held-out AUC stayed at chance.")
-    return 0 if learned else 1
+    finally:
+        estimator.close()  # let the next writer (a rerun in this process) take the model_dir

@@ -150,22 +150,26 @@ def run_fold(
         log_step_count_steps=50,
         progress=progress,
     )
-    curve = []
-    done = est.restore() // math.ceil(len(train) / hp.batch_size)  # --epochs is a total: resume, never redo
-    if est.global_step:
-        print(
-            f"fold {fold + 1}: resumed from step {est.global_step} in {est.model_dir} ({done} epochs done)", flush=True
-        )
-    for epoch in range(done, hp.epochs):
-        seed = fold * 1000 + epoch
-        est.train(functools.partial(_batches, data, prepared, train, hp.batch_size, seed))
-        result = est.evaluate(lambda: _batches(data, prepared, test, 4096, None))
-        curve.append({"epoch": epoch + 1, "rmse": result["rmse"], "mae": result["mae"]})
-    if not curve:  # finished earlier: report the saved model
-        print(f"fold {fold + 1}: finished already ({done} of {hp.epochs} epochs); evaluating only", flush=True)
-        result = est.evaluate(lambda: _batches(data, prepared, test, 4096, None))
-        curve.append({"epoch": done, "rmse": result["rmse"], "mae": result["mae"]})
-    return {"fold": fold, "rmse": curve[-1]["rmse"], "mae": curve[-1]["mae"], "curve": curve}
+    try:
+        curve = []
+        done = est.restore() // math.ceil(len(train) / hp.batch_size)  # --epochs is a total: resume, never redo
+        if est.global_step:
+            print(
+                f"fold {fold + 1}: resumed from step {est.global_step} in {est.model_dir} ({done} epochs done)",
+                flush=True,
+            )
+        for epoch in range(done, hp.epochs):
+            seed = fold * 1000 + epoch
+            est.train(functools.partial(_batches, data, prepared, train, hp.batch_size, seed))
+            result = est.evaluate(lambda: _batches(data, prepared, test, 4096, None))
+            curve.append({"epoch": epoch + 1, "rmse": result["rmse"], "mae": result["mae"]})
+        if not curve:  # finished earlier: report the saved model
+            print(f"fold {fold + 1}: finished already ({done} of {hp.epochs} epochs); evaluating only", flush=True)
+            result = est.evaluate(lambda: _batches(data, prepared, test, 4096, None))
+            curve.append({"epoch": done, "rmse": result["rmse"], "mae": result["mae"]})
+        return {"fold": fold, "rmse": curve[-1]["rmse"], "mae": curve[-1]["mae"], "curve": curve}
+    finally:
+        est.close()  # let the next writer (a rerun in this process) take the model_dir
 
 
 def _load(path: str | None, max_ratings: int | None) -> MovieLens:

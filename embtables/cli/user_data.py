@@ -172,30 +172,33 @@ def run(args: argparse.Namespace) -> int:
         save_checkpoints_steps=None,
         progress=args.progress,
     )
+    try:
 
-    def batches(index: np.ndarray, shuffle_seed: int | None) -> Iterator[tuple[dict[str, Any], np.ndarray]]:
-        rows = index if shuffle_seed is None else index[np.random.default_rng(shuffle_seed).permutation(len(index))]
-        for s in range(0, len(rows), args.batch_size):
-            r = rows[s : s + args.batch_size]
-            yield {k: data[k][r] for k in feature_names}, y[r]
+        def batches(index: np.ndarray, shuffle_seed: int | None) -> Iterator[tuple[dict[str, Any], np.ndarray]]:
+            rows = index if shuffle_seed is None else index[np.random.default_rng(shuffle_seed).permutation(len(index))]
+            for s in range(0, len(rows), args.batch_size):
+                r = rows[s : s + args.batch_size]
+                yield {k: data[k][r] for k in feature_names}, y[r]
 
-    print(f"{args.data}: {n} rows ({len(train_idx)} train, {len(eval_idx)} held out), task {task}, "
-          f"{len(cols)} embedding tables, model_dir {model_dir}")  # fmt: skip
-    start = time.perf_counter()
-    result: dict[str, float] = {}
-    done = est.restore() // max(1, math.ceil(len(train_idx) / args.batch_size))  # --epochs is a total
-    if est.global_step:
-        print(f"resumed from step {est.global_step} in {model_dir} ({done} of {args.epochs} epochs done)")
-    if done >= args.epochs:
-        print(f"finished: {done} epochs already trained; evaluating only")
-        result = est.evaluate(lambda: batches(eval_idx, None))
-    for epoch in range(done, args.epochs):
-        est.train(functools.partial(batches, train_idx, args.seed * 1000 + epoch))
-        result = est.evaluate(lambda: batches(eval_idx, None))
-        metrics = "  ".join(f"{k} {v:.4f}" for k, v in result.items() if k != "global_step")
-        print(
-            f"epoch {epoch + 1:3d}  step {est.global_step:6d}  {metrics}  {time.perf_counter() - start:6.1f} s",
-            flush=True,
-        )
-    print(json.dumps({"data": str(args.data), "task": task, **result, "seconds": time.perf_counter() - start}))
-    return 0
+        print(f"{args.data}: {n} rows ({len(train_idx)} train, {len(eval_idx)} held out), task {task}, "
+              f"{len(cols)} embedding tables, model_dir {model_dir}")  # fmt: skip
+        start = time.perf_counter()
+        result: dict[str, float] = {}
+        done = est.restore() // max(1, math.ceil(len(train_idx) / args.batch_size))  # --epochs is a total
+        if est.global_step:
+            print(f"resumed from step {est.global_step} in {model_dir} ({done} of {args.epochs} epochs done)")
+        if done >= args.epochs:
+            print(f"finished: {done} epochs already trained; evaluating only")
+            result = est.evaluate(lambda: batches(eval_idx, None))
+        for epoch in range(done, args.epochs):
+            est.train(functools.partial(batches, train_idx, args.seed * 1000 + epoch))
+            result = est.evaluate(lambda: batches(eval_idx, None))
+            metrics = "  ".join(f"{k} {v:.4f}" for k, v in result.items() if k != "global_step")
+            print(
+                f"epoch {epoch + 1:3d}  step {est.global_step:6d}  {metrics}  {time.perf_counter() - start:6.1f} s",
+                flush=True,
+            )
+        print(json.dumps({"data": str(args.data), "task": task, **result, "seconds": time.perf_counter() - start}))
+        return 0
+    finally:
+        est.close()  # let the next writer (a rerun in this process) take the model_dir
