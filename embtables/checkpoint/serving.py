@@ -29,7 +29,7 @@ from torch import Tensor, nn
 
 from embtables.checkpoint.file_names import CheckpointError, contained, table_file_stem
 from embtables.checkpoint.owned_dirs import clean_dead_leftovers, fsync_dir, publish, temp_name
-from embtables.checkpoint.store import read_block, read_manifest, row_ids
+from embtables.checkpoint.store import open_rank_files, read_block, read_manifest, row_ids
 from embtables.config import Combiner, FeatureConfig, QuantizationConfig, TableConfig, nest, resolve
 from embtables.config.optimizers import SGD
 from embtables.kernels import native
@@ -92,6 +92,7 @@ def export(checkpoint: str | os.PathLike[str], out: str | os.PathLike[str], dtyp
     config = manifest["config"]
     if "structure" not in config:
         raise CheckpointError(f"{where}: this checkpoint has no feature structure (written by an older embtables).")
+    maps = open_rank_files(where, manifest)  # every rank file checked against the manifest, once
     target = Path(out)
     _check_out(target)
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -111,7 +112,7 @@ def export(checkpoint: str | os.PathLike[str], out: str | os.PathLike[str], dtyp
             stem = table_file_stem(index, name)
             files[name] = {"data": f"{stem}.npy", "scales": f"{stem}.scale.npy"}
             errors[name], relative[name], nonfinite[name] = _export_table(
-                where, manifest, name, t, tmp, files[name], dtype
+                where, manifest, maps, name, t, tmp, files[name], dtype
             )
         doc = {"format_version": FORMAT_VERSION, "dtype": dtype, "step": manifest["step"], "files": files, **config}
         _write_synced(tmp / "serving.json", json.dumps(doc, indent=1, sort_keys=True))
@@ -137,8 +138,8 @@ def _write_synced(path: Path, text: str) -> None:
 
 
 def _export_table(
-    where: Path, manifest: dict[str, Any], name: str, table: dict[str, Any], out: Path, files: dict[str, str],
-    dtype: str,
+    where: Path, manifest: dict[str, Any], maps: dict[str, np.ndarray[Any, Any]], name: str, table: dict[str, Any],
+    out: Path, files: dict[str, str], dtype: str,
 ) -> tuple[float, float, int]:  # fmt: skip
     """Stream one table's blocks into its files; returns (max abs error, relative error, non-finite count)."""
     v, d = int(table["vocabulary_size"]), int(table["dim"])
@@ -149,15 +150,8 @@ def _export_table(
     worst = biggest = 0.0
     bad = 0
     for entry in manifest["checked_files"]:
-        file = where / entry["file"]
+        file, mm = where / entry["file"], maps[entry["file"]]
         blocks = entry["blocks"][name]
-        try:
-            size = file.stat().st_size
-        except OSError as exc:
-            raise CheckpointError(f"{file}: missing ({exc}).") from exc
-        if size != entry["bytes"]:
-            raise CheckpointError(f"{file}: {size} bytes, the manifest says {entry['bytes']} (truncated or corrupt).")
-        mm = np.memmap(file, dtype=np.uint8, mode="r") if size else np.zeros(0, np.uint8)
         rows = row_ids(mm, blocks.rows, file, name, v)
         if rows.size == 0:
             continue

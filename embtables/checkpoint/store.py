@@ -398,8 +398,9 @@ def restore(
     def read() -> dict[str, Any]:
         where, manifest = read_manifest(path)
         _check_config(manifest, resolved, where)
-        staged.update(_read_rows(where, manifest, resolved, shards, progress or (lambda n: None)))
-        manifest["stale"] = _read_stale(where, manifest, resolved, shards)
+        maps = open_rank_files(where, manifest)
+        staged.update(_read_rows(where, manifest, maps, resolved, shards, progress or (lambda n: None)))
+        manifest["stale"] = _read_stale(where, manifest, maps, resolved, shards)
         return manifest
 
     manifest, error = _caught(read)
@@ -412,8 +413,9 @@ def restore(
     return dict(manifest)
 
 
-def _open_files(where: Path, manifest: dict[str, Any]) -> dict[str, np.ndarray[Any, Any]]:
-    """Every rank file memory-mapped read-only, after checking its size against the manifest."""
+def open_rank_files(where: Path, manifest: dict[str, Any]) -> dict[str, np.ndarray[Any, Any]]:
+    """Every rank file of a checked manifest, memory-mapped read-only, after checking its size against
+    the manifest (``{file name: uint8 map}``); ``CheckpointError`` for a missing or resized file."""
     maps: dict[str, np.ndarray[Any, Any]] = {}
     for entry in manifest["checked_files"]:
         file = where / entry["file"]
@@ -444,13 +446,13 @@ def row_ids(
 def _read_rows(
     where: Path,
     manifest: dict[str, Any],
+    maps: dict[str, np.ndarray[Any, Any]],
     resolved: ResolvedConfig,
     shards: dict[str, LocalShard],
     progress: Callable[[int], None],
 ) -> dict[tuple[str, str], torch.Tensor]:
     """This rank's rows of every state key, gathered from every file that holds some of them."""
     staged: dict[tuple[str, str], torch.Tensor] = {}
-    maps = _open_files(where, manifest)
     for t in resolved.tables:
         mine = shards[t.name].rows.detach().to("cpu", torch.int64).numpy()
         slots = list(shards[t.name].tensors)
@@ -489,12 +491,15 @@ def _read_rows(
 
 
 def _read_stale(
-    where: Path, manifest: dict[str, Any], resolved: ResolvedConfig, shards: dict[str, LocalShard]
+    where: Path,
+    manifest: dict[str, Any],
+    maps: dict[str, np.ndarray[Any, Any]],
+    resolved: ResolvedConfig,
+    shards: dict[str, LocalShard],
 ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """Pre-update values saved for a pending pipelined update: per table, this rank's rows among them
     as (positions in its shard [U], values [U, D])."""
     out = {}
-    maps = _open_files(where, manifest)
     for t in resolved.tables:
         mine = shards[t.name].rows.detach().to("cpu", torch.int64).numpy()
         rows_parts, value_parts = [], []
