@@ -132,7 +132,7 @@ def _write_block(f: Any, array: np.ndarray[Any, Any], progress: Callable[[int], 
     return crc
 
 
-def _agree(error: str | None, group: comm.ProcessGroup | None, what: str) -> None:
+def agree(error: str | None, group: comm.ProcessGroup | None, what: str) -> None:
     """One agreement round: when any rank reports an error, every rank raises the same
     ``CheckpointError`` naming each failing rank and its cause."""
     _raise_if_any(comm.all_gather_object(error, group), what)
@@ -256,7 +256,7 @@ def save(
     if error is None and rank == 0:
         _, error = _caught(lambda: _make_dirs(base, tmp, lock))
     try:
-        _agree(error, group, f"save of step {step} to {base}")
+        agree(error, group, f"save of step {step} to {base}")
         tick = progress or (lambda n: None)
         plan = _plan(resolved, shards, stale)
         data = tmp / f"rank-{rank:05d}.safetensors"
@@ -269,7 +269,7 @@ def save(
             _, error = _caught(
                 lambda: _publish(base, tmp, step, world, resolved, strategies, extra, files, keep_last, settings)
             )
-        _agree(error, group, f"save of step {step} to {base}")
+        agree(error, group, f"save of step {step} to {base}")
     except BaseException:
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -404,7 +404,7 @@ def restore(
         return manifest
 
     manifest, error = _caught(read)
-    _agree(error, group, f"restore from {path}")
+    agree(error, group, f"restore from {path}")
     with torch.no_grad():
         for (table, slot), values in staged.items():
             target = shards[table].tensors[slot]

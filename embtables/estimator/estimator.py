@@ -37,7 +37,7 @@ from torch import Tensor, nn
 from embtables.api import DistributedEmbedding
 from embtables.checkpoint.file_names import CheckpointError, contained
 from embtables.checkpoint.owned_dirs import WriterLock, fsync_dir
-from embtables.checkpoint.store import published, read_manifest
+from embtables.checkpoint.store import agree, published, read_manifest
 from embtables.estimator.spec import EmbeddingConfigSpec
 from embtables.sharding import comm
 
@@ -253,10 +253,7 @@ class Estimator:
             dense = self._read_dense(latest)
         except CheckpointError as exc:
             error = str(exc)
-        errors = comm.all_gather_object(error, self._group) if comm.is_distributed(self._group) else [error]
-        bad = [(r, e) for r, e in enumerate(errors) if e is not None]
-        if bad:
-            raise CheckpointError("; ".join(f"rank {r}: {e}" if len(errors) > 1 else e for r, e in bad))
+        agree(error, self._group, f"Estimator resume from {latest}")
         assert dense is not None
         self.embedding.restore(latest, progress=self.progress)
         self.model.load_state_dict(dense["model"])
