@@ -117,6 +117,7 @@ def _embtables_rank(rank: int, world: int, spec: dict[str, Any], out: str) -> No
         if i == spec["warmup"]:
             comm.barrier()
             comm.bytes_sent.clear()
+            comm.phase_checks = 0
         t0 = time.perf_counter()
         if pipelined:
             emb.dequeue()
@@ -130,9 +131,25 @@ def _embtables_rank(rank: int, world: int, spec: dict[str, Any], out: str) -> No
         times.append(time.perf_counter() - t0)
     timed = times[spec["warmup"] :]
     sent = sum(comm.bytes_sent.values()) / spec["steps"]
+    headers = comm.phase_checks / spec["steps"]
+    # The phase headers' cost (issue 15): the same header exchanged back to back, median of 5 x 100.
+    header_s = 0.0
+    if world > 1:
+        per_call = []
+        for _ in range(5):
+            comm.barrier()
+            t0 = time.perf_counter()
+            for _ in range(100):
+                comm.check_phase("lookup", 0, 0)
+            per_call.append((time.perf_counter() - t0) / 100)
+        header_s = statistics.median(per_call)
     everyone = comm.all_gather_object((statistics.median(timed), sent))
     if rank == 0:
-        Path(out).write_text(json.dumps({"step_s": max(t for t, _ in everyone), "bytes": [b for _, b in everyone]}))
+        step_s = max(t for t, _ in everyone)
+        Path(out).write_text(
+            json.dumps({"step_s": step_s, "bytes": [b for _, b in everyone], "headers_per_step": headers,
+                        "header_us": header_s * 1e6, "phase_check_share": headers * header_s / step_s})
+        )  # fmt: skip
     if world > 1:
         torch.distributed.destroy_process_group()
 
@@ -242,6 +259,9 @@ def main(argv: list[str] | None = None) -> int:
                 "step_ms": round(got["step_s"] * 1e3, 2),
                 "sent_mb_per_step_per_rank": [round(b / 2**20, 3) for b in got["bytes"]],
                 "global_batch": wl.batch,
+                "phase_headers_per_step": got["headers_per_step"],
+                "phase_header_us": round(got["header_us"], 1),
+                "phase_check_share_of_step": round(got["phase_check_share"], 5),
             }
         )
     w1 = results[runs[0][0]]

@@ -65,6 +65,7 @@ class _Staged:
 
     batches: list[FeatureBatch] | None
     training: bool
+    step: int  # the training step it looks up for (its phase header's step)
     refused: BaseException | None = None
     prefetch: concurrent.futures.Future[tuple[list[Tensor], LookupContext | None]] | None = None
 
@@ -236,7 +237,7 @@ class DistributedEmbedding(nn.Module):
         ``TableConfig`` object works as a key too, as in TF."""
         self._flush(observer=True)
         if isinstance(self._engine, ShardedEmbeddingCollection):
-            full = self._run(self._engine.full_state)
+            full = self._exchange(self._engine, "state read", self._engine.full_state)
             return TableDict({t.name: full[t.name] for t in self._resolved.tables}, self._names_by_config)
         return TableDict({name: s.weights for name, s in self._engine.states.items()}, self._names_by_config)
 
@@ -247,7 +248,7 @@ class DistributedEmbedding(nn.Module):
         ``TableConfig`` object works as a key too."""
         self._flush(observer=True)
         if isinstance(self._engine, ShardedEmbeddingCollection):
-            full = self._run(self._engine.full_state)
+            full = self._exchange(self._engine, "state read", self._engine.full_state)
             slots = {t.name: {s: full[f"{t.name}/{s}"] for s in t.optimizer.slot_names} for t in self._resolved.tables}
             return TableDict(slots, self._names_by_config)
         return TableDict({name: dict(s.slots) for name, s in self._engine.states.items()}, self._names_by_config)
@@ -288,13 +289,13 @@ class DistributedEmbedding(nn.Module):
             # the refusing rank joins the early lookup's agreement round on the exchange thread like
             # the others, so every rank's collectives stay in the same order.
             self._drop_prefetch()
-            refused = _Staged(None, bool(training), refused=exc)
+            refused = _Staged(None, bool(training), self._lookup_step(bool(training)), refused=exc)
             if self._worker is not None and refused.training:
                 refused.prefetch = self._worker.submit(self._lookup, refused)
             self._enqueued = refused
             return
         self._drop_prefetch()
-        staged = _Staged(batches, bool(training))
+        staged = _Staged(batches, bool(training), self._lookup_step(bool(training)))
         if self._worker is not None and staged.training:
             # Pipelining: the id exchange and lookup of this step run now, overlapping the caller's dense
             # compute; they read the tables before the pending update, as the pipelined lookup must.
@@ -338,10 +339,15 @@ class DistributedEmbedding(nn.Module):
             self._flush()  # the pending update of the previous step lands after this step's lookup
         return nest.pack_sequence_as(self._feature_config, acts)
 
+    def _lookup_step(self, training: bool) -> int:
+        """The step a lookup belongs to: the next training step, or (eval) the last one trained."""
+        return self._training_steps + 1 if training else self._training_steps
+
     def _lookup(self, staged: _Staged) -> tuple[list[Tensor], LookupContext | None]:
         """The lookup of a staged batch (on the exchange thread when pipelining is sharded)."""
         with torch.no_grad(), self._stale_rows_swapped_in(staged.training):
             if isinstance(self._engine, ShardedEmbeddingCollection):
+                self._engine.check_phase("lookup" if staged.training else "eval lookup", staged.step)
                 return self._engine.lookup(staged.batches or [], staged.refused)
             assert staged.batches is not None
             return self._engine.lookup(staged.batches), None
@@ -352,6 +358,17 @@ class DistributedEmbedding(nn.Module):
         if self._worker is None:
             return fn()
         return self._worker.submit(fn).result()
+
+    def _exchange(self, engine: ShardedEmbeddingCollection, phase: str, fn: Callable[[], _T]) -> _T:
+        """A sharded operation's collectives (``_run``), preceded by its phase header: ranks out of step
+        raise ``CollectiveError`` on every rank before any data moves."""
+        step = self._training_steps
+
+        def run() -> _T:
+            engine.check_phase(phase, step)
+            return fn()
+
+        return self._run(run)
 
     def _drop_prefetch(self) -> None:
         """Wait for a lookup started early (a staged batch being replaced, or tables about to change)."""
@@ -409,7 +426,9 @@ class DistributedEmbedding(nn.Module):
         if isinstance(engine, ShardedEmbeddingCollection):
             assert last.context is not None
             context = last.context
-            table_grads = self._run(lambda: engine.table_gradients(last.batches, checked, context, refused))
+            table_grads = self._exchange(
+                engine, "apply_gradients", lambda: engine.table_gradients(last.batches, checked, context, refused)
+            )
         else:
             table_grads = engine.table_gradients(last.batches, checked)
         lrs = engine.learning_rates()
@@ -483,7 +502,7 @@ class DistributedEmbedding(nn.Module):
         stats, directory = self._stats, self._profile_dir
         if isinstance(self._engine, ShardedEmbeddingCollection):
             engine = self._engine
-            parts = self._run(lambda: comm.all_gather_object(stats.state(), engine.group))
+            parts = self._exchange(engine, "flush", lambda: comm.all_gather_object(stats.state(), engine.group))
             strategies = {n: p.strategy for n, p in engine.plans.items()}
             world, rank = engine.world, engine.rank
         else:
@@ -523,6 +542,8 @@ class DistributedEmbedding(nn.Module):
         Collective when sharded. A pending pipelined update is applied first. Returns the directory."""
         shards = self.local_shards()  # applies a pending pipelined update, keeping its pre-update rows
         group = self._engine.group if isinstance(self._engine, ShardedEmbeddingCollection) else self._group
+        if isinstance(self._engine, ShardedEmbeddingCollection):
+            self._exchange(self._engine, "save", lambda: None)
         # Pre-update rows the next training lookup must read (pipelining): saved with global row ids.
         stale = {name: (shards[name].rows[rows.cpu()], old) for name, (rows, old) in self._stale.items()}
         strategies = {t.name: "div" for t in self._resolved.tables}
@@ -546,6 +567,8 @@ class DistributedEmbedding(nn.Module):
         engine = self._engine
         group = engine.group if isinstance(engine, ShardedEmbeddingCollection) else self._group
         shards = engine.local_shards() if isinstance(engine, ShardedEmbeddingCollection) else self._whole_shards()
+        if isinstance(engine, ShardedEmbeddingCollection):
+            self._exchange(engine, "restore", lambda: None)
         with progress_bar(progress, comm.get_rank(group), "restore") as tick:
             manifest = checkpoint.restore(path, self._resolved, shards, progress=tick, group=group)
         if self._enqueued is not None:
@@ -607,7 +630,7 @@ class DistributedEmbedding(nn.Module):
     def _save_to_state_dict(self, destination: dict[str, Any], prefix: str, keep_vars: bool) -> None:
         self._flush(observer=True)
         if isinstance(self._engine, ShardedEmbeddingCollection):
-            for key, t in self._run(self._engine.full_state).items():
+            for key, t in self._exchange(self._engine, "state read", self._engine.full_state).items():
                 destination[prefix + key] = t
             return
         for key, t in self._engine.state_keys().items():
@@ -641,7 +664,9 @@ class DistributedEmbedding(nn.Module):
             unexpected_keys.extend(unexpected)
         missing_keys.extend(missing)
         refuse = bool(errors) or (strict and bool(missing or unexpected))
-        if isinstance(engine, ShardedEmbeddingCollection) and self._run(lambda: comm.any_rank(refuse, engine.group)):
+        if isinstance(engine, ShardedEmbeddingCollection) and self._exchange(
+            engine, "state load", lambda: comm.any_rank(refuse, engine.group)
+        ):
             if not refuse:  # every rank loads, or none does
                 error_msgs.append("DistributedEmbedding: another rank refused its state dict; nothing was loaded.")
             refuse = True

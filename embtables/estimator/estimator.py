@@ -401,7 +401,7 @@ class Estimator:
             grads[name] = g * multiplier if fn is not None else g
         self.embedding.apply_gradients(grads)
         params = [p.grad for p in self.model.parameters() if p.grad is not None]
-        comm.all_reduce_mean_(params, self._group)
+        comm.all_reduce_mean_(params, self._group, self.global_step + 1)
         self.dense_optimizer.step()
         self.global_step += 1
         return float(loss.detach())

@@ -86,7 +86,8 @@ class ShardedEmbeddingCollection:
         self.group = group
         self.rank, self.world = comm.get_rank(group), comm.get_world_size(group)
         table_ranks = dict(table_ranks or {})
-        _check_same_config_everywhere(resolved, strategies, table_ranks, group, settings or {})
+        digest = _check_same_config_everywhere(resolved, strategies, table_ranks, group, settings or {})
+        self.tag = int(digest[:15], 16)  # the tables' fingerprint in every phase header (63 bits)
         self.plans: dict[str, TablePlan] = {}
         local_tables = []
         for t in resolved.tables:
@@ -113,6 +114,11 @@ class ShardedEmbeddingCollection:
     @property
     def device(self) -> torch.device:
         return self.local.device
+
+    def check_phase(self, phase: str, step: int) -> None:
+        """Every rank confirms it is in the same operation (``comm.PHASES``) of the same step before the
+        operation's first exchange; ranks out of step raise ``CollectiveError`` on every rank."""
+        comm.check_phase(phase, step, self.tag, self.group)
 
     @property
     def states(self) -> dict[str, TableState]:
@@ -424,9 +430,9 @@ class ShardedEmbeddingCollection:
 def _check_same_config_everywhere(
     resolved: ResolvedConfig, strategies: dict[str, str], table_ranks: dict[str, int], group: Any,
     settings: dict[str, Any],
-) -> None:  # fmt: skip
+) -> str:  # fmt: skip
     """Exchange the hash of the config and the module's settings (pipelining) once; raise on every
-    rank, naming the differences, when they differ."""
+    rank, naming the differences, when they differ. Returns the hash (hex)."""
     mine = {**describe_config(resolved, strategies, table_ranks), "settings": settings}
     everyone = comm.all_gather_object((fingerprint(mine), mine), group)
     rank = comm.get_rank(group)
@@ -439,3 +445,4 @@ def _check_same_config_everywhere(
                 f"from rank 0: {diff}. Build the module from the same feature_config, optimizer, sharding and "
                 "pipeline_execution_with_tensor_core on every rank."
             )
+    return str(everyone[0][0])
