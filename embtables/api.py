@@ -178,6 +178,7 @@ class DistributedEmbedding(nn.Module):
         self._stale: dict[str, tuple[Tensor, Tensor]] = {}
         self._staging = Staging()
         self._lock = threading.RLock()
+        self._torn: str | None = None  # a restore interrupted half-way: refuse to train or save until one succeeds
 
     def _settings(self) -> dict[str, Any]:
         """Module settings that change results, beyond the config: in the rank fingerprint and manifests."""
@@ -272,6 +273,8 @@ class DistributedEmbedding(nn.Module):
         ``features`` / ``weights`` follow the nest of ``feature_config``; see ``embtables.Ragged``
         for the accepted input types. Raises (and stages nothing) on any invalid input.
         """
+        if training:
+            self._refuse_if_torn("enqueue")
         try:
             flat_x, flat_w = flatten_inputs(self._feature_config, features, weights)
             device = self.device
@@ -396,6 +399,7 @@ class DistributedEmbedding(nn.Module):
         a table) and ``RuntimeError`` when there is no training lookup to apply to; in every case no
         table or slot changes.
         """
+        self._refuse_if_torn("apply_gradients")
         if self._last is None:
             raise RuntimeError(
                 "DistributedEmbedding.apply_gradients: no training lookup to apply gradients to. Call the "
@@ -534,12 +538,13 @@ class DistributedEmbedding(nn.Module):
         *,
         keep_last: int | None = None,
         extra: dict[str, Any] | None = None,
-        progress: bool | None = None,
+        progress: bool | Callable[[int], None] | None = None,
     ) -> str:
         """Write a checkpoint under ``path`` (``path/ckpt-<step>``): the full logical tables and slots
         under TF's names, the step counter, the config as data, ``extra`` (JSON). Every rank writes
         only its own rows; the checkpoint restores into any number of ranks and any strategy.
         Collective when sharded. A pending pipelined update is applied first. Returns the directory."""
+        self._refuse_if_torn("save")
         shards = self.local_shards()  # applies a pending pipelined update, keeping its pre-update rows
         group = self._engine.group if isinstance(self._engine, ShardedEmbeddingCollection) else self._group
         if isinstance(self._engine, ShardedEmbeddingCollection):
@@ -558,7 +563,9 @@ class DistributedEmbedding(nn.Module):
         return str(out)
 
     @_locked
-    def restore(self, path: str | os.PathLike[str], *, progress: bool | None = None) -> dict[str, Any]:
+    def restore(
+        self, path: str | os.PathLike[str], *, progress: bool | Callable[[int], None] | None = None
+    ) -> dict[str, Any]:
         """Load a checkpoint written by ``save`` (by any number of ranks, any strategy), or the latest
         one under ``path``: tables, slots and the step counter. Verifies every block it reads; on any
         error raises ``CheckpointError`` naming the file and table, and nothing changes (on any rank).
@@ -570,7 +577,12 @@ class DistributedEmbedding(nn.Module):
         if isinstance(engine, ShardedEmbeddingCollection):
             self._exchange(engine, "restore", lambda: None)
         with progress_bar(progress, comm.get_rank(group), "restore") as tick:
-            manifest = checkpoint.restore(path, self._resolved, shards, progress=tick, group=group)
+            try:
+                manifest = checkpoint.restore(path, self._resolved, shards, progress=tick, group=group)
+            except checkpoint.TornRestore as exc:
+                self._torn = str(exc)
+                raise
+        self._torn = None
         if self._enqueued is not None:
             self._enqueued.prefetch = None  # it read the old tables: look up again at dequeue
         self._pending, self._last = None, None
@@ -583,6 +595,13 @@ class DistributedEmbedding(nn.Module):
             self._stale = {n: (r.to(device), v.to(device)) for n, (r, v) in stale.items()}
         self._training_steps = int(manifest["step"])
         return manifest
+
+    def _refuse_if_torn(self, what: str) -> None:
+        if self._torn is not None:
+            raise checkpoint.CheckpointError(
+                f"DistributedEmbedding.{what}: refused, the last restore was interrupted half-way and the tables are "
+                f"partly restored ({self._torn}). Restore again (or load_state_dict) first."
+            )
 
     def _whole_shards(self) -> dict[str, LocalShard]:
         out = {}
@@ -679,6 +698,7 @@ class DistributedEmbedding(nn.Module):
         self._pending = None  # a restored state replaces any update still held back
         self._last = None
         self._stale = {}
+        self._torn = None if not missing else self._torn
         if isinstance(engine, ShardedEmbeddingCollection):
             engine.load_logical(present)
             return

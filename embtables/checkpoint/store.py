@@ -37,6 +37,7 @@ import numpy as np
 import torch
 
 from embtables.checkpoint import manifest as manifest_io
+from embtables.checkpoint import streaming_restore
 from embtables.checkpoint.file_names import CheckpointError as CheckpointError
 from embtables.checkpoint.manifest import Block
 from embtables.checkpoint.owned_dirs import WriterLock, clean_dead_leftovers, fsync_dir, publish, temp_name
@@ -393,23 +394,31 @@ def restore(
     checked (size, range of row ids, CRC-32) before anything is written, and every rank agrees: on
     any error every rank raises ``CheckpointError`` naming the rank, file and table, and no shard
     changes anywhere."""
-    staged: dict[tuple[str, str], torch.Tensor] = {}
+    tick = progress or (lambda n: None)
+    files: dict[str, Any] = {}
 
-    def read() -> dict[str, Any]:
+    def verify() -> tuple[dict[str, Any], list[Any]]:
         where, manifest = read_manifest(path)
         _check_config(manifest, resolved, where)
         maps = open_rank_files(where, manifest)
-        staged.update(_read_rows(where, manifest, maps, resolved, shards, progress or (lambda n: None)))
+        files.update(streaming_restore.open_files(where, manifest))
+        plans = streaming_restore.verify(where, manifest, resolved, shards, files, tick)
         manifest["stale"] = _read_stale(where, manifest, maps, resolved, shards)
-        return manifest
+        return manifest, plans
 
-    manifest, error = _caught(read)
-    agree(error, group, f"restore from {path}")
-    with torch.no_grad():
-        for (table, slot), values in staged.items():
-            target = shards[table].tensors[slot]
-            target.copy_(values.to(target.device, target.dtype).view_as(target))
-    assert manifest is not None
+    try:
+        verified, error = _caught(verify)  # pass 1: every block this rank needs, checked; nothing written
+        agree(error, group, f"restore from {path}")
+        _, error = _caught(lambda: streaming_restore.unchanged(files))
+        agree(error, group, f"restore from {path}")
+        manifest, plans = verified
+        _, error = _caught(lambda: streaming_restore.write(plans, shards, tick))  # pass 2: into place
+        errors = comm.all_gather_object(error, group)
+        if any(e is not None for e in errors):  # a file changed under pass 2: every rank's tables are suspect
+            message = "; ".join(f"rank {r}: {e}" for r, e in enumerate(errors) if e is not None)
+            raise streaming_restore.TornRestore(f"restore from {path} was interrupted, on every rank: {message}")
+    finally:
+        streaming_restore.close(files)
     return dict(manifest)
 
 
@@ -443,53 +452,6 @@ def row_ids(
     return rows
 
 
-def _read_rows(
-    where: Path,
-    manifest: dict[str, Any],
-    maps: dict[str, np.ndarray[Any, Any]],
-    resolved: ResolvedConfig,
-    shards: dict[str, LocalShard],
-    progress: Callable[[int], None],
-) -> dict[tuple[str, str], torch.Tensor]:
-    """This rank's rows of every state key, gathered from every file that holds some of them."""
-    staged: dict[tuple[str, str], torch.Tensor] = {}
-    for t in resolved.tables:
-        mine = shards[t.name].rows.detach().to("cpu", torch.int64).numpy()
-        slots = list(shards[t.name].tensors)
-        out = {slot: np.empty((mine.size, t.dim), dtype=np.float32) for slot in slots}
-        filled = np.zeros(mine.size, dtype=bool)
-        for entry in manifest["checked_files"]:
-            blocks = entry["blocks"][t.name]
-            file, mm = where / entry["file"], maps[entry["file"]]
-            rows = row_ids(mm, blocks.rows, file, t.name, t.vocabulary_size)
-            if rows.size == 0 or mine.size == 0:
-                continue
-            same = rows.size == mine.size and bool(np.array_equal(rows, mine))
-            if same:  # the writer held exactly these rows: one contiguous copy per slot
-                hit = np.ones(mine.size, dtype=bool)
-            else:
-                pos = np.searchsorted(rows, mine)
-                hit = (pos < rows.size) & (rows[np.minimum(pos, rows.size - 1)] == mine)
-                if not hit.any():
-                    continue
-            for slot in slots:
-                key = f"{t.name}/{slot}" if slot else t.name
-                spec = blocks.state[key]
-                if same:  # copy and checksum in cache-sized pieces: one pass over the file's bytes
-                    _copy_checked(mm, spec, out[slot], file, key, progress)
-                    continue
-                values = read_block(mm, spec, file, key)
-                out[slot][hit] = values[pos[hit]]
-                progress(int(hit.sum()) * t.dim * 4)
-            filled |= hit
-        if not filled.all():
-            missing = mine[~filled][:5].tolist()
-            raise CheckpointError(f"{where}: table {t.name!r}: rows {missing} are in no file of the checkpoint.")
-        for slot in slots:
-            staged[(t.name, slot)] = torch.from_numpy(out[slot])
-    return staged
-
-
 def _read_stale(
     where: Path,
     manifest: dict[str, Any],
@@ -517,36 +479,6 @@ def _read_stale(
         if rows_parts:
             out[t.name] = (torch.from_numpy(np.concatenate(rows_parts)), torch.from_numpy(np.concatenate(value_parts)))
     return out
-
-
-def _copy_checked(
-    mm: np.ndarray[Any, Any],
-    spec: Block,
-    out: np.ndarray[Any, Any],
-    file: Path,
-    what: str,
-    progress: Callable[[int], None],
-) -> None:
-    """Copy a float32 block of the shape of ``out`` into it, checking its CRC-32 on the way."""
-    if spec.shape != out.shape:
-        raise CheckpointError(
-            f"{file}: the block of {what!r} has shape {list(spec.shape)}, expected {list(out.shape)}."
-        )
-    start, nbytes = spec.offset, out.size * 4
-    if start + nbytes > mm.size:
-        raise CheckpointError(f"{file}: the block of {what!r} lies outside the file (truncated or corrupt).")
-    flat = out.reshape(-1).view(np.uint8)
-    crc, piece = 0, 4 << 20
-    with open(file, "rb", buffering=0) as f:  # read() copies from the page cache once, no page faults
-        f.seek(start)
-        for at in range(0, nbytes, piece):
-            chunk = flat[at : at + piece]
-            if f.readinto(chunk.data) != chunk.size:
-                raise CheckpointError(f"{file}: the block of {what!r} is truncated.")
-            crc = zlib.crc32(chunk.data, crc)
-            progress(chunk.size)
-    if crc != spec.crc32:
-        raise CheckpointError(f"{file}: the block of {what!r} fails its CRC-32 check (the file is corrupt).")
 
 
 def read_block(mm: np.ndarray[Any, Any], spec: Block, file: Path, what: str) -> np.ndarray[Any, Any]:
