@@ -1,14 +1,16 @@
 """Max abs error of the float32 engine against the float64 oracle, per optimizer config and kernel path.
 
-    python3 scripts/oracle_errors.py [--examples 40]
+    python3 scripts/oracle_errors.py [--examples 40] [--json]
 
 Uses the same hypothesis scenarios as tests/numerics (drawn with fixed seeds) and prints a
-Markdown table: activations, tables and slots, over every step of every scenario.
+Markdown table (or, with ``--json``, one JSON object ``{config: {path: {activations, tables, slots}}}``):
+activations, tables and slots, over every step of every scenario.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import sys
@@ -26,10 +28,13 @@ from embtables.kernels import native  # noqa: E402
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--examples", type=int, default=40)
+    parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     random.seed(0)
-    print("| optimizer config | path | activations | tables | slots |")
-    print("| --- | --- | --- | --- | --- |")
+    if not args.json:
+        print("| optimizer config | path | activations | tables | slots |")
+        print("| --- | --- | --- | --- | --- |")
+    result: dict[str, dict[str, dict[str, float]]] = {}
     for name in sorted(OPTIMIZERS):
         for path in ("native", "torch"):
             native.set_enabled(path == "native")
@@ -44,8 +49,12 @@ def main() -> None:
                     worst[k] = max(worst[k], v)
 
             collect()
-            print(f"| {name} | {path} | {worst['activations']:.2e} | {worst['tables']:.2e} | {worst['slots']:.2e} |")
+            result.setdefault(name, {})[path] = dict(worst)
+            if not args.json:
+                print(f"| {name} | {path} | {worst['activations']:.2e} | {worst['tables']:.2e} | {worst['slots']:.2e} |")
     native.set_enabled(True)
+    if args.json:
+        print(json.dumps({"examples": args.examples, "worst": result}))
 
 
 if __name__ == "__main__":

@@ -108,6 +108,14 @@ def check() -> list[str]:
     return problems
 
 
+def _bench_python() -> str:
+    """The TensorFlow venv's python when scripts/install_bench_peers.sh made one (it sees every other
+    peer too), else this one (the TensorFlow column is then "—")."""
+    venv = Path.home() / ".cache" / "embtables" / "venv-tf" / "bin" / "python"
+    ok = venv.exists() and subprocess.run([str(venv), "-c", "import tensorflow"], capture_output=True).returncode == 0
+    return str(venv) if ok else sys.executable
+
+
 def measure(what: str) -> None:
     RESULTS.mkdir(parents=True, exist_ok=True)
     if what == "dlrm":
@@ -123,6 +131,28 @@ def measure(what: str) -> None:
         records = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
         result = {r["impl"]: r for r in records if "impl" in r}
         (RESULTS / "movielens.json").write_text(json.dumps(result, indent=1) + "\n")
+    elif what == "sharded":  # ~10 min: W = 1, W = 2 div/table, the pipelined pair, TorchRec DMP
+        out = subprocess.run([sys.executable, "-m", "benchmarks.bench_sharded"], check=True, cwd=ROOT,
+                             capture_output=True, text=True).stdout  # fmt: skip
+        (RESULTS / "sharded.jsonl").write_text("".join(line + "\n" for line in out.splitlines() if line.startswith("{")))
+    elif what == "checkpoint":  # ~1 min: 2 GiB saved and restored (cold and warm) beside the disk's own speed
+        out = subprocess.run([sys.executable, "-m", "benchmarks.bench_checkpoint", "--gib", "2"], check=True,
+                             cwd=ROOT, capture_output=True, text=True).stdout  # fmt: skip
+        (RESULTS / "checkpoint.json").write_text(json.dumps(json.loads(out.splitlines()[-1]), indent=1) + "\n")
+    elif what == "standard":  # ~15 min: every peer, four optimizers, then lookups with Zipf and uniform ids
+        python = _bench_python()
+        records = []
+        for extra in (["--optimizers", "adagrad,sgd,adam,ftrl", "--ids", "zipf", "--modes", "train"],
+                      ["--optimizers", "adagrad", "--ids", "zipf,uniform", "--modes", "lookup", "--no-check"]):
+            with tempfile.TemporaryDirectory() as tmp:
+                subprocess.run([python, "benchmarks/run.py", *extra, "--out", tmp, "--wait-idle", "30"], check=True,
+                               cwd=ROOT, stdout=subprocess.DEVNULL)  # fmt: skip
+                records += (Path(tmp) / "results.jsonl").read_text().splitlines()
+        (RESULTS / "standard.jsonl").write_text("".join(line + "\n" for line in records))
+    elif what == "oracle":  # ~3 min
+        out = subprocess.run([sys.executable, "scripts/oracle_errors.py", "--json"], check=True, cwd=ROOT,
+                             capture_output=True, text=True).stdout  # fmt: skip
+        (RESULTS / "oracle_errors.json").write_text(json.dumps(json.loads(out), indent=1) + "\n")
     elif what == "clean-exit":
         out = subprocess.run([sys.executable, "scripts/clean_exit.py", "--runs", "100"], cwd=ROOT,
                              capture_output=True, text=True).stdout  # fmt: skip
@@ -133,7 +163,7 @@ def measure(what: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     p.add_argument("--check", action="store_true")
-    p.add_argument("--measure", choices=("dlrm", "movielens", "clean-exit"))
+    p.add_argument("--measure", choices=("dlrm", "movielens", "clean-exit", "sharded", "checkpoint", "standard", "oracle"))
     args = p.parse_args(argv)
     if args.measure:
         measure(args.measure)

@@ -19,6 +19,7 @@ import dataclasses
 import json
 import os
 import shutil
+import tokenize
 import warnings
 from pathlib import Path
 from typing import Any
@@ -295,7 +296,10 @@ def _load_array(path: Path, dtype: Any, shape: tuple[int, int], mmap: bool) -> n
         if version not in ((1, 0), (2, 0)):
             raise ValueError(f"{path.name}: .npy format version {version} is not one export writes")
         read_header = fmt.read_array_header_1_0 if version == (1, 0) else fmt.read_array_header_2_0
-        got_shape, fortran, got_dtype = read_header(f)
+        try:  # numpy parses the header as a Python literal: a mangled one raises SyntaxError or TokenError
+            got_shape, fortran, got_dtype = read_header(f)
+        except (SyntaxError, tokenize.TokenError, TypeError, RecursionError) as exc:
+            raise ValueError(f"{path.name}: its .npy header is not readable ({type(exc).__name__})") from None
         start, size = f.tell(), os.fstat(f.fileno()).st_size
     if tuple(got_shape) != shape or np.dtype(got_dtype) != np.dtype(dtype) or fortran:
         raise ValueError(

@@ -4,8 +4,13 @@ mutation that changes nothing the reader uses) -- never crash, hang, raise a bar
 IndexError / struct.error, or touch another file. Each case runs in this process, so a crash would
 end the suite; the readers validate before they read.
 
-Cases per reader (fixed seeds): the manifest 600, the TF index every byte flipped (several hundred),
-the TF data file 200, serving.json 400, lookup statistics 400, rank-file bytes 300.
+Cases per reader (fixed seeds, ``CASES`` each unless noted): the manifest, rank-file bytes (the
+safetensors header included: restore never parses it, the manifest's checked offsets and CRC-32s
+decide) and its structured header mutations, the TF index (every byte flipped twice, then random
+mutations), the TF data file, serving.json, the serving ``.npy`` files, lookup statistics. Mutations:
+bit flips, truncation, splices (a chunk copied elsewhere), huge and negative sizes, wrong types, deep
+JSON nesting, long strings. The pure readers (TF bundle, serving.json, lookup statistics) are also held
+to a memory bound: Python-heap peak (tracemalloc) at most 16x the file plus 1 MiB.
 """
 
 from __future__ import annotations
@@ -14,6 +19,9 @@ import copy
 import json
 import random
 import shutil
+import struct
+import tracemalloc
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +35,7 @@ from embtables.checkpoint.tf_bundle import BundleError, read_bundle
 from embtables.sharding.lookup_stats import _read
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "tf" / "tpu_embedding"
+CASES = 2000
 _ODD = [None, True, -1, 0, 1, 2**63, -(2**70), 1.5, float("nan"), "x", "../x", "/etc/passwd", "", [], {}, [1, 2],
         {"a": 1}, "a" * 5000, [[[[[[]]]]]]]  # fmt: skip
 
@@ -61,6 +70,38 @@ def _mutate_json(doc: Any, rng: random.Random) -> Any:
         else:
             parent[path[-1]] = copy.deepcopy(rng.choice(_ODD))
     return doc
+
+
+def _mutate_bytes(data: bytes, rng: random.Random) -> bytes:
+    """A bit flip (1-4), a truncation, a splice, or an 8-byte little-endian size overwritten."""
+    out = bytearray(data)
+    kind = rng.random()
+    if kind < 0.25:
+        return bytes(out[: rng.randrange(len(out))])
+    if kind < 0.45:
+        start = rng.randrange(len(out))
+        chunk = out[start : start + rng.randint(1, 64)]
+        at = rng.randrange(len(out))
+        out[at : at + len(chunk)] = chunk
+        return bytes(out)
+    if kind < 0.6:
+        at = rng.randrange(max(1, len(out) - 8))
+        out[at : at + 8] = struct.pack("<q", rng.choice([-1, -(2**62), 2**62, 2**31, len(out), len(out) + 1]))
+        return bytes(out)
+    for _ in range(rng.randint(1, 4)):
+        out[rng.randrange(len(out))] ^= 1 << rng.randrange(8)
+    return bytes(out)
+
+
+def _bounded(fn: Callable[[], Any], file_bytes: int) -> Any:
+    """``fn()``, asserting its Python-heap peak stays within 16x the file's size plus 1 MiB."""
+    tracemalloc.start()
+    try:
+        return fn()
+    finally:
+        _, peak = tracemalloc.get_traced_memory()
+        tracemalloc.stop()
+        assert peak <= 16 * file_bytes + (1 << 20), f"peak {peak} bytes for a file of {file_bytes}"
 
 
 def _deep(n: int) -> Any:
@@ -99,10 +140,12 @@ def test_manifest_mutations(tmp_path: Path) -> None:
     rank_file = (ck / "rank-00000.safetensors").read_bytes()
     rng = random.Random(1)
     outcomes = {"refused": 0, "loaded": 0}
-    for case in range(600):
-        doc = _mutate_json(manifest, rng) if case < 595 else _deep(100_000 if case == 599 else 50)
-        (ck / "manifest.json").write_text(json.dumps(doc) if case < 599 else "[" * 100_000)
-        emb = _model()
+    emb = _model()  # one module: a refused restore must leave it exactly as it was, a loaded one equal to state
+    for case in range(CASES):
+        doc = _mutate_json(manifest, rng) if case < CASES - 5 else _deep(100_000 if case == CASES - 1 else 50)
+        if case % 7 == 3:
+            doc = _mutate_json(doc, rng) if isinstance(doc, dict) else doc  # two mutations at once
+        (ck / "manifest.json").write_text(json.dumps(doc) if case < CASES - 1 else "[" * 100_000)
         before = {k: v.clone() for k, v in emb.state_dict().items()}
         try:
             emb.restore(ck)
@@ -113,7 +156,7 @@ def test_manifest_mutations(tmp_path: Path) -> None:
             outcomes["loaded"] += 1
             assert all(torch.equal(state[k], v) for k, v in emb.state_dict().items()), (case, doc)
         assert (ck / "rank-00000.safetensors").read_bytes() == rank_file
-    assert outcomes["refused"] > 200, outcomes  # the rest changed fields restore does not use
+    assert outcomes["refused"] > CASES // 3, outcomes  # the rest changed fields restore does not use
 
 
 def test_rank_file_byte_mutations(tmp_path: Path) -> None:
@@ -121,20 +164,44 @@ def test_rank_file_byte_mutations(tmp_path: Path) -> None:
     path = ck / "rank-00000.safetensors"
     good = path.read_bytes()
     rng = random.Random(2)
-    for case in range(300):
-        data = bytearray(good)
-        if case % 3 == 0:
-            data = data[: rng.randrange(len(data))]  # truncated
-        else:
-            for _ in range(rng.randint(1, 4)):
-                data[rng.randrange(len(data))] ^= 1 << rng.randrange(8)
-        path.write_bytes(bytes(data))
-        emb = _model()
+    emb = _model()
+    refused = 0
+    for case in range(CASES):
+        path.write_bytes(_mutate_bytes(good, rng))
+        before = {k: v.clone() for k, v in emb.state_dict().items()}
         try:
             emb.restore(ck)
         except CheckpointError:
+            refused += 1
+            assert all(torch.equal(before[k], v) for k, v in emb.state_dict().items()), case
             continue
         assert all(torch.equal(state[k], v) for k, v in emb.state_dict().items()), case  # only the header changed
+    assert refused > CASES // 2
+
+
+def test_safetensors_header_mutations(tmp_path: Path) -> None:
+    """The rank file's JSON header rewritten (mutated values, any length): restore reads the blocks the
+    manifest names and checks, so it loads the same state or refuses; never a crash."""
+    ck, state = _trained(tmp_path)
+    path = ck / "rank-00000.safetensors"
+    good = path.read_bytes()
+    (n,) = struct.unpack("<Q", good[:8])
+    header, body = json.loads(good[8 : 8 + n]), good[8 + n :]
+    rng = random.Random(6)
+    emb = _model()
+    for case in range(CASES // 2):
+        raw = json.dumps(_mutate_json(header, rng)).encode()
+        if case % 5 == 0:
+            raw = raw[: len(raw) // 2]  # not JSON
+        length = len(raw) if case % 3 else rng.choice([len(raw), 0, 2**63 - 1, len(good)])
+        path.write_bytes(struct.pack("<Q", length) + raw + body)
+        before = {k: v.clone() for k, v in emb.state_dict().items()}
+        try:
+            emb.restore(ck)
+        except CheckpointError:
+            assert all(torch.equal(before[k], v) for k, v in emb.state_dict().items()), case
+            continue
+        assert all(torch.equal(state[k], v) for k, v in emb.state_dict().items()), case
 
 
 def test_tf_index_every_byte_flipped(tmp_path: Path) -> None:
@@ -159,22 +226,32 @@ def test_tf_index_every_byte_flipped(tmp_path: Path) -> None:
         (tmp_path / "t.index").write_bytes(index[:cut])
         with pytest.raises(BundleError):
             read_bundle(tmp_path / "t")
+    rng = random.Random(7)
+    for case in range(CASES):  # random bit flips, truncations, splices and overwritten sizes
+        mutated = _mutate_bytes(index, rng)
+        (tmp_path / "t.index").write_bytes(mutated)
+        try:
+            got = _bounded(lambda: read_bundle(tmp_path / "t"), len(mutated) + len(good_data_bytes()))
+        except BundleError:
+            continue
+        assert got.keys() == good.keys(), case
+        assert all(np.array_equal(np.asarray(got[k]), np.asarray(good[k])) for k in good), case
+
+
+def good_data_bytes() -> bytes:
+    return Path(f"{FIXTURE}.data-00000-of-00001").read_bytes()
 
 
 def test_tf_data_mutations(tmp_path: Path) -> None:
     good = read_bundle(FIXTURE)
-    data = Path(f"{FIXTURE}.data-00000-of-00001").read_bytes()
+    data = good_data_bytes()
     shutil.copy(f"{FIXTURE}.index", tmp_path / "t.index")
     rng = random.Random(3)
-    for case in range(200):
-        mutated = bytearray(data)
-        if case % 4 == 0:
-            mutated = mutated[: rng.randrange(len(mutated))]
-        else:
-            mutated[rng.randrange(len(mutated))] ^= 1 << rng.randrange(8)
-        (tmp_path / "t.data-00000-of-00001").write_bytes(bytes(mutated))
+    for case in range(CASES):
+        mutated = _mutate_bytes(data, rng)
+        (tmp_path / "t.data-00000-of-00001").write_bytes(mutated)
         try:
-            got = read_bundle(tmp_path / "t")
+            got = _bounded(lambda: read_bundle(tmp_path / "t"), len(mutated) + (1 << 12))
         except BundleError:
             continue
         assert all(np.array_equal(np.asarray(got[k]), np.asarray(good[k])) for k in good), case
@@ -192,10 +269,11 @@ def test_serving_json_mutations(tmp_path: Path) -> None:
     outside = {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()}
     rng = random.Random(4)
     refused = 0
-    for case in range(400):
-        (root / "serving.json").write_text(json.dumps(_mutate_json(doc, rng)))
+    for case in range(CASES):
+        text = json.dumps(_mutate_json(doc, rng))
+        (root / "serving.json").write_text(text)
         try:
-            serving = et.ServingEmbedding.load(root)
+            serving = _bounded(lambda: et.ServingEmbedding.load(root), len(text) + sum(map(len, files.values())))
         except CheckpointError:
             refused += 1
             continue
@@ -209,7 +287,20 @@ def test_serving_json_mutations(tmp_path: Path) -> None:
         assert all(bool(torch.isfinite(x).all()) for x in flat), case
     _untouched(root, files)
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()} == outside
-    assert refused > 150
+    assert refused > CASES // 3
+    # The table files (.npy): bytes mutated the same ways; load refuses or serves finite values.
+    npys = sorted(p for p in root.iterdir() if p.suffix == ".npy")
+    (root / "serving.json").write_text(json.dumps(doc))
+    for case in range(CASES // 2):
+        victim = npys[case % len(npys)]
+        victim.write_bytes(_mutate_bytes(files[victim.name], rng))
+        try:
+            got = et.ServingEmbedding.load(root)(batch)
+        except CheckpointError:
+            continue
+        finally:
+            victim.write_bytes(files[victim.name])
+        assert all(bool(torch.isfinite(got[k]).all()) for k in got if isinstance(got[k], torch.Tensor)), case
 
 
 def test_lookup_statistics_mutations(tmp_path: Path) -> None:
@@ -223,10 +314,13 @@ def test_lookup_statistics_mutations(tmp_path: Path) -> None:
     (path,) = [Path(p) for p in emb.flush()]
     doc = json.loads(path.read_text())
     rng = random.Random(5)
-    for _ in range(400):
-        path.write_text(json.dumps(_mutate_json(doc, rng)))
-        got = _read(path)
+    for case in range(CASES):
+        text = json.dumps(_mutate_json(doc, rng)) if case % 10 else _mutate_bytes(json.dumps(doc).encode(), rng)
+        path.write_bytes(text.encode() if isinstance(text, str) else text)
+        got = _bounded(lambda: _read(path), len(text))
         assert got is None or isinstance(got["summary"]["ids_per_batch"], float)
+        if case % 4:
+            continue
         et.DistributedEmbedding(
             {"a": et.FeatureConfig(et.TableConfig(6, 2, name="t"))}, et.SGD(0.1), profile_data_directory=tmp_path,
             sharding="auto",
