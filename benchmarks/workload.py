@@ -72,6 +72,10 @@ VARIATIONS: dict[str, dict[str, object]] = {
     # 8 x 10M x 64 fp32 is 20.5 GB of weights alone: with an Adagrad slot it cannot fit this 24 GiB
     # machine, so the 10M-row case keeps 2 tables (5.1 GB of weights, still far beyond any cache).
     "rows10m": {"rows": 10_000_000, "tables": 2},
+    # Small batches, where fixed costs dominate (issue 16): 8 tables of 2000 x 24, one id per bag, batch
+    # 512 (``--batch 64`` / ``--batch 2048`` for the other sizes); and 26 tables of 100k x 16 at batch 64.
+    "small": {"tables": 8, "rows": 2000, "dim": 24, "pooling": 1, "batch": 512},
+    "ctr26": {"tables": 26, "rows": 100_000, "dim": 16, "pooling": 1, "batch": 64},
 }
 
 

@@ -83,9 +83,10 @@ def test_the_python_blocks_of_a_doc_run_as_copied(doc: Path, tmp_path: Path) -> 
 
 
 def test_the_main_job_numbers_in_the_readme_match_the_recorded_runs() -> None:
-    """README.md's numbers for the main jobs and the clean-exit loop equal the results the runs
-    recorded in docs/results/ (scripts/readme_numbers.py --measure ...), and the DLRM teacher's
-    metrics equal a fresh computation."""
+    """Every number README.md quotes (main jobs, benchmarks against the peers, sharded steps, checkpoint
+    throughput, oracle errors, clean exits, the suite's time) equals the result its run recorded in
+    docs/results/ (scripts/readme_numbers.py --measure ...), and the DLRM teacher's metrics equal a
+    fresh computation."""
     out = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "readme_numbers.py"), "--check"],
         capture_output=True, text=True, env=_env(), timeout=300,
