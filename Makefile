@@ -12,7 +12,7 @@ test: install
 	$(PY) -m pytest tests
 
 lint: install
-	$(PY) -m ruff check embtables tests benchmarks examples
+	$(PY) -m ruff check embtables tests benchmarks examples scripts
 	$(PY) -m mypy
 
 bench: install

@@ -2,8 +2,8 @@
 
     python3 benchmarks/bench_noacc.py [--repeats 100000] [--dim 64]
 
-One ``apply_gradients`` applying ``--repeats`` occurrences of row 0 (occurrence by occurrence, SPEC
-10.2), per kernel path and optimizer; prints one JSON line each. The torch path is vectorised for
+One ``apply_gradients`` applying ``--repeats`` occurrences of row 0 (occurrence by occurrence, spec
+§10.2), per kernel path and optimizer; prints one JSON line each. The torch path is vectorised for
 SGD and Adagrad without weight decay or weight clipping; the other optimizers take one round per
 repeat, so keep ``--repeats`` small for them (``--slow-repeats``).
 """

@@ -7,7 +7,7 @@ Impls:
   timing. A step is ``emb(features)``, ``(acts * grad).sum().backward()``, ``emb.apply_gradients()``.
   Lookup-only runs the module in eval mode under ``no_grad``.
 * ``embtables-noacc``: the same with ``use_gradient_accumulation=False`` (occurrences applied one at a
-  time in order, SPEC 10.2). No peer has this mode.
+  time in order, spec §10.2). No peer has this mode.
 * ``embtables-seq``: sequence features (``max_sequence_length = pooling``): activations ``[B, M, D]``,
   one row per position, no combining. No peer has this mode.
 

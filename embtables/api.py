@@ -26,7 +26,6 @@ import torch
 from torch import Tensor, nn
 
 from embtables import checkpoint
-from embtables.batch_ownership import Staging, batch_pointers, detached, flatten_inputs, is_input_leaf, owned, storages
 from embtables.checkpoint.progress import progress_bar
 from embtables.config import Optimizer, ResolvedConfig, nest, resolve
 from embtables.sharding import comm
@@ -34,10 +33,19 @@ from embtables.sharding.lookup_stats import LookupStatsRecorder, merge, read_loa
 from embtables.sharding.plan import TablePlan
 from embtables.sharding.sharded_collection import LookupContext, ShardedEmbeddingCollection
 from embtables.sharding.strategies import check_sharding, place_tables
-from embtables.state_dict_io import TableDict, strict_of_caller, validate_state_dict
+from embtables.tables.batch_ownership import (
+    Staging,
+    batch_pointers,
+    detached,
+    flatten_inputs,
+    is_input_leaf,
+    owned,
+    storages,
+)
 from embtables.tables.collection import EmbeddingCollection, TableGradient
 from embtables.tables.inputs import FeatureBatch, InputConverter
 from embtables.tables.state import LocalShard
+from embtables.tables.state_dict_io import TableDict, strict_of_caller, validate_state_dict
 
 logger = logging.getLogger("embtables")
 
@@ -81,7 +89,7 @@ class _Lookup:
 
 @dataclasses.dataclass(eq=False)
 class _PendingUpdate:
-    """A validated update held back one step by pipelining (SPEC 6)."""
+    """A validated update held back one step by pipelining (spec §6)."""
 
     table_grads: list[TableGradient]
     lrs: dict[str, float]
@@ -96,7 +104,7 @@ class DistributedEmbedding(nn.Module):
         ``tf.nest`` order, i.e. dict keys sorted; unnamed tables become ``table_{i}`` in that order.
       optimizer: the global optimizer for tables whose ``TableConfig.optimizer`` is None.
       pipeline_execution_with_tensor_core: when True, the lookup of step t+1 reads the tables before
-        the update of step t is applied (one step stale, SPEC 6); updates still apply in order.
+        the update of step t is applied (one step stale, spec §6); updates still apply in order.
       device: where tables, slots and activations live (default CPU).
       sharding: how tables are spread over the ranks of the process group when its world size W > 1:
         "div" (default, as TF: contiguous row blocks), "mod" (row id modulo W), "table" (whole tables
@@ -108,7 +116,7 @@ class DistributedEmbedding(nn.Module):
         arrived (a dedicated group is created with it; default: the process group's own timeout).
         Every rank then raises ``CollectiveError`` instead of hanging.
       profile_data_directory: where lookup statistics are written (one JSON file per table, at
-        ``flush()``) and read back at construction to place "table"/"auto" tables (SPEC 5).
+        ``flush()``) and read back at construction to place "table"/"auto" tables (spec §5).
       profile_sample_rate, profile_seed: the share of training steps sampled (about 3%) and its seed.
 
     Sharded, every rank passes its own local batch and calls the same methods in the same order;

@@ -13,9 +13,3 @@ class ConfigError(ValueError):
 
 class InputError(ValueError):
     """A batch of ids, weights or gradients breaks a documented rule; nothing was changed."""
-
-
-def describe(value: object, limit: int = 80) -> str:
-    """A short ``repr`` of ``value`` for error messages, cut at ``limit`` characters."""
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."

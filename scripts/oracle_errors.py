@@ -18,11 +18,27 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "numerics"))
 
-from hypothesis import HealthCheck, given, seed, settings  # noqa: E402
-from scenarios import scenarios  # noqa: E402
-from test_engine_vs_oracle import OPTIMIZERS, run_against_oracle  # noqa: E402
+from hypothesis import HealthCheck, given, seed, settings
+from scenarios import scenarios
+from test_engine_vs_oracle import OPTIMIZERS, run_against_oracle
 
-from embtables.kernels import native  # noqa: E402
+from embtables.kernels import native
+
+
+def _worst(name: str, examples: int) -> dict[str, float]:
+    """The largest errors of optimizer config ``name`` over ``examples`` seeded scenarios."""
+    worst = {"activations": 0.0, "tables": 0.0, "slots": 0.0}
+
+    @seed(1234)
+    @settings(max_examples=examples, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+    @given(sc=scenarios())
+    def collect(sc: object) -> None:
+        errors = run_against_oracle(sc, OPTIMIZERS[name]())  # type: ignore[arg-type]
+        for k, v in errors.items():
+            worst[k] = max(worst[k], v)
+
+    collect()
+    return worst
 
 
 def main() -> None:
@@ -38,20 +54,11 @@ def main() -> None:
     for name in sorted(OPTIMIZERS):
         for path in ("native", "torch"):
             native.set_enabled(path == "native")
-            worst = {"activations": 0.0, "tables": 0.0, "slots": 0.0}
-
-            @seed(1234)
-            @settings(max_examples=args.examples, deadline=None, database=None, suppress_health_check=list(HealthCheck))
-            @given(sc=scenarios())
-            def collect(sc: object) -> None:
-                errors = run_against_oracle(sc, OPTIMIZERS[name]())  # type: ignore[arg-type]
-                for k, v in errors.items():
-                    worst[k] = max(worst[k], v)
-
-            collect()
-            result.setdefault(name, {})[path] = dict(worst)
+            worst = _worst(name, args.examples)
+            result.setdefault(name, {})[path] = worst
             if not args.json:
-                print(f"| {name} | {path} | {worst['activations']:.2e} | {worst['tables']:.2e} | {worst['slots']:.2e} |")
+                cells = " | ".join(f"{worst[k]:.2e}" for k in ("activations", "tables", "slots"))
+                print(f"| {name} | {path} | {cells} |")
     native.set_enabled(True)
     if args.json:
         print(json.dumps({"examples": args.examples, "worst": result}))

@@ -11,7 +11,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))  # `import oracle` from any test directory
 
-# Tolerances against the float64 oracle, per optimizer family (float32 engine). SPEC 1.4 lists TF's own
+# Tolerances against the float64 oracle, per optimizer family (float32 engine). spec §1.4 lists TF's own
 # parity tolerances (1e-4 Adam, 5e-5/5e-4 FTRL, 1e-3 AdagradMomentum); ours are tighter where we can be.
 TOL: dict[str, dict[str, float]] = {
     "default": {"rtol": 1e-5, "atol": 2e-6},

@@ -2,7 +2,7 @@
 ``TPUEmbeddingForServing``) read into, and written from, embtables state dicts, without TensorFlow.
 
 TF saves each table as ``<path>/<table>/.ATTRIBUTES/VARIABLE_VALUE`` and each slot under the local
-name ``<table>/<slot>``, escaped to ``<table>.S<slot>`` (SPEC 7). Both map one to one onto
+name ``<table>/<slot>``, escaped to ``<table>.S<slot>`` (spec §7). Both map one to one onto
 embtables' state keys (``<table>``, ``<table>/<slot>``):
 
     emb.load_state_dict(read_tf_checkpoint("tf_ckpt/ckpt-1"))      # from TF

@@ -5,7 +5,7 @@ TF exposes them only as v1 ``tf.tpu.experimental.*Parameters`` (``embtables.esti
 also gives each a v2-style class, with the same field layout as ``embtables.config.optimizers``
 (own arguments between ``learning_rate`` and ``use_gradient_accumulation``, then the shared ones),
 so they plug into ``TableConfig(optimizer=...)`` and ``DistributedEmbedding`` like the core five.
-Formulas (SPEC 1.3, "v1-only") are in ``docs/optimizers.md``; every derived constant is float32.
+Formulas (spec §1.3, "v1-only") are in ``docs/optimizers.md``; every derived constant is float32.
 """
 
 from __future__ import annotations

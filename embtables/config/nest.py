@@ -81,11 +81,6 @@ def pack_sequence_as(structure: object, leaves: Sequence[Any]) -> Any:
     return _rebuild(structure, iter(leaves))
 
 
-def map_structure(fn: Callable[[Any], Any], structure: object) -> Any:
-    """Apply ``fn`` to every leaf, keeping the structure."""
-    return pack_sequence_as(structure, [fn(leaf) for leaf in flatten(structure)])
-
-
 def assert_same_structure(expected: object, got: object, *, what: str, is_leaf: Callable[[Any], bool]) -> None:
     """Raise ``ValueError`` naming the first path where ``got`` differs from ``expected``.
 

@@ -6,7 +6,7 @@ Each is a frozen dataclass with TensorFlow's exact argument names, order and def
 tensors; the math lives in ``embtables.kernels`` (one file per optimizer). Use
 ``dataclasses.replace(opt, learning_rate=0.1)`` for a variant.
 
-Formulas (SPEC 1.3) are listed in ``docs/optimizers.md``.
+Formulas (spec §1.3) are listed in ``docs/optimizers.md``.
 
 Each class spells out every field, the shared ones included, because TF puts each optimizer's own
 arguments between ``learning_rate`` and ``use_gradient_accumulation``; dataclass inheritance would

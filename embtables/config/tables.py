@@ -1,4 +1,4 @@
-"""TableConfig, FeatureConfig and QuantizationConfig: frozen, validated values (SPEC 4.1, 4.2, 2.1).
+"""TableConfig, FeatureConfig and QuantizationConfig: frozen, validated values (spec §4.1, 4.2, 2.1).
 
 They hold no tensors. A ``TableConfig`` is identified by object identity when a feature config is
 resolved (as in TF: two separately built tables are two tables even if their fields are equal).
@@ -21,7 +21,7 @@ logger = logging.getLogger("embtables")
 
 
 class Combiner(str, enum.Enum):
-    """How the rows of one sample are combined (SPEC 2.1). Compares equal to its lowercase string."""
+    """How the rows of one sample are combined (spec §2.1). Compares equal to its lowercase string."""
 
     SUM = "sum"
     MEAN = "mean"
@@ -37,7 +37,7 @@ def _is_int(x: object) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class QuantizationConfig:
-    """Simulated quantization of looked-up rows (SPEC 2.1).
+    """Simulated quantization of looked-up rows (spec §2.1).
 
     Each looked-up value is clamped to ``[lower, upper]`` and snapped to one of ``num_buckets``
     evenly spaced levels before the combiner; storage stays float32. The backward pass is

@@ -1,4 +1,4 @@
-"""``EmbeddingConfigSpec``: TPUEstimator's embedding configuration (SPEC 4.4), and how it builds a
+"""``EmbeddingConfigSpec``: TPUEstimator's embedding configuration (spec §4.4), and how it builds a
 ``DistributedEmbedding`` and converts raw input dicts for it."""
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ class EmbeddingConfigSpec:
     - ``optimization_parameters``: a v1 ``*Parameters`` for every table (``ValueError`` for anything
       else; an embtables optimizer is accepted too). With the dicts, a table's own ``optimizer`` wins.
     - ``clipping_limit``: symmetric clip of each accumulated row gradient (the tighter of it and the
-      optimizer's own clip wins, SPEC 10.4).
+      optimizer's own clip wins, spec §10.4).
     - ``experimental_gradient_multiplier_fn(global_step) -> float`` scales every embedding gradient.
     - ``partition_strategy``: "div" or "mod" (``ValueError`` otherwise), the row layout when sharded.
     - ``pipeline_execution_with_tensor_core``, ``profile_data_directory``: as ``DistributedEmbedding``.

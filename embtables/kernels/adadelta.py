@@ -1,11 +1,11 @@
-"""Adadelta row math (SPEC 1.3, TF ApplyAdadelta)."""
+"""Adadelta row math (spec §1.3, TF ApplyAdadelta)."""
 
 from __future__ import annotations
 
 from torch import Tensor
 
 from embtables.config.extra_optimizers import Adadelta
-from embtables.kernels.float32 import f32, one_minus
+from embtables.kernels.float32 import as_float32, one_minus
 from embtables.kernels.sqrt import sqrt_f32
 
 
@@ -18,7 +18,7 @@ def update_rows(
     w <- w - lr u``.
     """
     acc, upd = slots
-    rho, eps, one_minus_rho = f32(opt.rho), f32(opt.epsilon), one_minus(opt.rho)
+    rho, eps, one_minus_rho = as_float32(opt.rho), as_float32(opt.epsilon), one_minus(opt.rho)
     acc = rho * acc + one_minus_rho * (g * g)
     u = sqrt_f32(upd + eps) / sqrt_f32(acc + eps) * g
     upd = rho * upd + one_minus_rho * (u * u)

@@ -1,4 +1,4 @@
-"""AdagradMomentum row math (SPEC 1.3)."""
+"""AdagradMomentum row math (spec §1.3)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import torch
 from torch import Tensor
 
 from embtables.config.optimizers import AdagradMomentum
-from embtables.kernels.float32 import f32, neg_reciprocal, one_minus
+from embtables.kernels.float32 import as_float32, neg_reciprocal, one_minus
 
 
 def update_rows(
@@ -18,9 +18,9 @@ def update_rows(
     ``m <- mu m + s``; ``u = mu m + s`` with Nesterov else ``m``; ``w <- w - lr u``.
     """
     acc, mom = slots
-    b2, mu = f32(opt.beta2), f32(opt.momentum)
+    b2, mu = as_float32(opt.beta2), as_float32(opt.momentum)
     acc = acc + g * g if b2 == 1 else b2 * acc + one_minus(b2) * (g * g)
-    scaled = torch.pow(acc + f32(opt.epsilon), neg_reciprocal(opt.exponent)) * g
+    scaled = torch.pow(acc + as_float32(opt.epsilon), neg_reciprocal(opt.exponent)) * g
     mom = mu * mom + scaled
     step = mu * mom + scaled if opt.use_nesterov else mom
     return w - lr * step, (acc, mom)

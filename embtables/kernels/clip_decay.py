@@ -1,11 +1,11 @@
-"""Gradient clipping, decoupled weight decay and weight clipping (SPEC 1.1 steps 4, 5, 7; 10.1)."""
+"""Gradient clipping, decoupled weight decay and weight clipping (spec §1.1 steps 4, 5, 7; 10.1)."""
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
-from embtables.kernels.float32 import f32, times
+from embtables.kernels.float32 import as_float32, times
 
 
 def clip_gradient(g: Tensor, lower: float | None, upper: float | None) -> Tensor:
@@ -33,4 +33,4 @@ def effective_weight_decay(factor: float | None, multiply_by_lr: bool, lr: float
     """``lambda * lr`` when the multiply flag is set, else ``lambda``; 0 when decay is off."""
     if not factor:
         return 0.0
-    return times(factor, lr) if multiply_by_lr else f32(factor)
+    return times(factor, lr) if multiply_by_lr else as_float32(factor)

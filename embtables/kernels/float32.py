@@ -1,4 +1,4 @@
-"""Derived optimizer constants in float32, as TF computes them (SPEC: all arithmetic is float32).
+"""Derived optimizer constants in float32, as TF computes them (spec: all arithmetic is float32).
 
 TF receives float32 hyper-parameters and derives ``1 - beta_1``, ``eps * eps``, ``2 * l2``,
 ``lr * l1``, ``-1 / exponent``... in float32. Computing them in Python's float64 and rounding once
@@ -13,12 +13,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from embtables.config.optimizers import as_float32
-
-
-def f32(x: float) -> float:
-    """``x`` rounded to float32."""
-    return as_float32(x)
+from embtables.config.optimizers import as_float32 as as_float32  # the one float32 rounding
 
 
 def one_minus(x: float) -> float:

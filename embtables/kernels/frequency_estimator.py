@@ -1,4 +1,4 @@
-"""FrequencyEstimator row math (SPEC 1.3, TF proto ``FrequencyEstimatorParameters``)."""
+"""FrequencyEstimator row math (spec §1.3, TF proto ``FrequencyEstimatorParameters``)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import torch
 from torch import Tensor
 
 from embtables.config.extra_optimizers import FrequencyEstimator
-from embtables.kernels.float32 import f32, one_minus
+from embtables.kernels.float32 import as_float32, one_minus
 
 
 def update_rows(
@@ -22,7 +22,7 @@ def update_rows(
     (last,) = slots
     t = lr
     delta = t - last
-    dc = torch.clamp(delta, max=f32(opt.max_delta))
-    outlier = delta >= f32(opt.outlier_threshold) * w
-    smoothed = w * one_minus(opt.tau) + dc * f32(opt.tau)
+    dc = torch.clamp(delta, max=as_float32(opt.max_delta))
+    outlier = delta >= as_float32(opt.outlier_threshold) * w
+    smoothed = w * one_minus(opt.tau) + dc * as_float32(opt.tau)
     return torch.where(outlier, dc, smoothed), (torch.full_like(last, t),)

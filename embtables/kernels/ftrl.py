@@ -1,4 +1,4 @@
-"""FTRL row math (SPEC 1.3, TF v2 / SparseCore program)."""
+"""FTRL row math (spec §1.3, TF v2 / SparseCore program)."""
 
 from __future__ import annotations
 
@@ -6,12 +6,12 @@ import torch
 from torch import Tensor
 
 from embtables.config.optimizers import FTRL
-from embtables.kernels.float32 import f32, times
+from embtables.kernels.float32 import as_float32, times
 from embtables.kernels.sqrt import sqrt_f32
 
 
 def _power(n: Tensor, p: float, allow_zero: bool) -> Tensor:
-    """``n ** p``; with ``allow_zero`` an accumulator equal to 0 gives 0 instead of inf/NaN (SPEC 10.3)."""
+    """``n ** p``; with ``allow_zero`` an accumulator equal to 0 gives 0 instead of inf/NaN (spec §10.3)."""
     out = sqrt_f32(n) if p == 0.5 else torch.pow(n, p)
     if allow_zero:
         out = torch.where(n == 0, torch.zeros_like(out), out)
@@ -29,8 +29,8 @@ def update_rows(
     ``Dn = n'^p + 2 lr l2 + beta``; then ``w = N / Dn``.
     """
     n, z = slots
-    p = f32(-opt.learning_rate_power)
-    beta = f32(opt.beta)
+    p = as_float32(-opt.learning_rate_power)
+    beta = as_float32(opt.beta)
     n_new = n + g * g
     pow_new = _power(n_new, p, opt.allow_zero_accumulator)
     delta = pow_new - _power(n, p, opt.allow_zero_accumulator)
@@ -40,11 +40,11 @@ def update_rows(
         numer = torch.clamp(z, -lim, lim) - z
         den = pow_new + times(2.0, lr, opt.l2_regularization_strength) + beta
     else:
-        lim = f32(opt.l1_regularization_strength)
+        lim = as_float32(opt.l1_regularization_strength)
         z = z + g - (delta / lr) * w
         numer = torch.clamp(z, -lim, lim) - z
         den = (pow_new + beta) / lr + times(2.0, opt.l2_regularization_strength)
     w_new = numer / den
-    if opt.allow_zero_accumulator:  # SPEC 10.3: a zero numerator gives 0 even over a zero denominator
+    if opt.allow_zero_accumulator:  # spec §10.3: a zero numerator gives 0 even over a zero denominator
         w_new = torch.where(numer == 0, torch.zeros_like(w_new), w_new)
     return w_new, (n_new, z)

@@ -1,4 +1,4 @@
-"""Pooled lookup over a canonical batch, and the per-occurrence gradient of it (SPEC 2.1).
+"""Pooled lookup over a canonical batch, and the per-occurrence gradient of it (spec §2.1).
 
 A feature batch is canonical when it is ``ids`` [N], a non-decreasing segment index ``seg`` [N]
 into S output rows, ``offsets`` [S+1] and optional per-id coefficients ``coeffs`` [N] (already
@@ -13,7 +13,7 @@ from torch import Tensor
 
 
 def quantize(x: Tensor, num_buckets: int, lower: float, upper: float) -> Tensor:
-    """Simulated quantization of looked-up values (SPEC 2.1)."""
+    """Simulated quantization of looked-up values (spec §2.1)."""
     step = (upper - lower) / (num_buckets - 1)
     x = torch.clamp(x, lower, upper)
     return torch.floor((x - lower) / step + 0.5) * step + lower

@@ -1,11 +1,11 @@
-"""Momentum row math (SPEC 1.3, TF ApplyMomentum)."""
+"""Momentum row math (spec §1.3, TF ApplyMomentum)."""
 
 from __future__ import annotations
 
 from torch import Tensor
 
 from embtables.config.extra_optimizers import Momentum
-from embtables.kernels.float32 import f32
+from embtables.kernels.float32 import as_float32
 
 
 def update_rows(
@@ -16,7 +16,7 @@ def update_rows(
     ``m <- mu m + g``; ``w <- w - lr m``, or with Nesterov ``w <- w - lr (g + mu m)``.
     """
     (mom,) = slots
-    mu = f32(opt.momentum)
+    mu = as_float32(opt.momentum)
     mom = mu * mom + g
     step = g + mu * mom if opt.use_nesterov else mom
     return w - lr * step, (mom,)

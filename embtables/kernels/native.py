@@ -37,7 +37,7 @@ from embtables.config.extra_optimizers import (
     RMSProp,
 )
 from embtables.config.optimizers import FTRL, SGD, Adagrad, AdagradMomentum, Adam
-from embtables.kernels.float32 import f32, neg_reciprocal, one_minus, times
+from embtables.kernels.float32 import as_float32, neg_reciprocal, one_minus, times
 
 logger = logging.getLogger("embtables")
 
@@ -137,7 +137,7 @@ def _compile() -> ctypes.CDLL | None:
             os.replace(out, target)  # atomic: concurrent processes never load a half-written file
         logger.info("embtables: compiled native kernels into %s", target)
     lib = ctypes.CDLL(str(target))
-    p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.POINTER(_OptParams)
+    p, i64, i32, opt_p = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.POINTER(_OptParams)
     lib.et_lookup_many.argtypes = [i64, p, p, p, p, p, p, p, p, p, i32]
     lib.et_lookup_many.restype = i32
     lib.et_prepare_many.argtypes = [i64, p, p, p, p, p, p, p, p, p, i32, p, p]
@@ -150,11 +150,11 @@ def _compile() -> ctypes.CDLL | None:
     lib.et_prepared_gmax.restype = ctypes.c_float
     lib.et_prepared_copy.argtypes = [p, p, p]
     lib.et_prepared_copy.restype = None
-    lib.et_check.argtypes = [p, p, p, p, p, i64, i64, f32, i32, i32]
+    lib.et_check.argtypes = [p, p, p, p, p, i64, i64, opt_p, i32, i32]
     lib.et_check.restype = i64
-    lib.et_apply.argtypes = [p, p, p, p, p, i64, i64, f32, i32, i32, p]
+    lib.et_apply.argtypes = [p, p, p, p, p, i64, i64, opt_p, i32, i32, p]
     lib.et_apply.restype = i32
-    lib.et_apply_sequential.argtypes = [p, p, i64, p, p, p, p, i64, i64, f32, i32]
+    lib.et_apply_sequential.argtypes = [p, p, i64, p, p, p, p, i64, i64, opt_p, i32]
     lib.et_apply_sequential.restype = i32
     lib.et_workspace_load.argtypes = [p, p, p, i64, i64, i64]
     lib.et_workspace_load.restype = i32
@@ -245,37 +245,39 @@ def opt_params(opt: Optimizer, lr: float, decay: float, *, clip_gradients: bool)
     p.lr, p.decay = lr, decay
     # Derived constants in float32, exactly as the torch kernels (and TF) compute them.
     if isinstance(opt, AdagradMomentum):
-        p.flag_a, p.flag_b = int(opt.use_nesterov), int(f32(opt.beta2) == 1)
-        p.c0, p.c1, p.c2 = f32(opt.momentum), neg_reciprocal(opt.exponent), f32(opt.beta2)
-        p.c3, p.c4 = one_minus(opt.beta2), f32(opt.epsilon)
+        p.flag_a, p.flag_b = int(opt.use_nesterov), int(as_float32(opt.beta2) == 1)
+        p.c0, p.c1, p.c2 = as_float32(opt.momentum), neg_reciprocal(opt.exponent), as_float32(opt.beta2)
+        p.c3, p.c4 = one_minus(opt.beta2), as_float32(opt.epsilon)
     elif isinstance(opt, Adam):
         p.flag_a = int(opt.sum_inside_sqrt)
-        p.c0, p.c1, p.c2, p.c3 = f32(opt.beta_1), one_minus(opt.beta_1), f32(opt.beta_2), one_minus(opt.beta_2)
-        p.c4, p.c5 = times(opt.epsilon, opt.epsilon), f32(opt.epsilon)
+        p.c0, p.c1 = as_float32(opt.beta_1), one_minus(opt.beta_1)
+        p.c2, p.c3 = as_float32(opt.beta_2), one_minus(opt.beta_2)
+        p.c4, p.c5 = times(opt.epsilon, opt.epsilon), as_float32(opt.epsilon)
     elif isinstance(opt, FTRL):
         p.flag_a, p.flag_b = int(opt.multiply_linear_by_learning_rate), int(opt.allow_zero_accumulator)
-        p.c0, p.c2 = f32(-opt.learning_rate_power), f32(opt.beta)
+        p.c0, p.c2 = as_float32(-opt.learning_rate_power), as_float32(opt.beta)
         l1, l2 = opt.l1_regularization_strength, opt.l2_regularization_strength
         if opt.multiply_linear_by_learning_rate:
             p.c1, p.c3 = times(lr, l1), times(2.0, lr, l2)
         else:
-            p.c1, p.c3 = f32(l1), times(2.0, l2)
+            p.c1, p.c3 = as_float32(l1), times(2.0, l2)
     elif isinstance(opt, ProximalAdagrad):
-        p.c0, p.c1 = f32(opt.l1_regularization_strength), f32(opt.l2_regularization_strength)
+        p.c0, p.c1 = as_float32(opt.l1_regularization_strength), as_float32(opt.l2_regularization_strength)
     elif isinstance(opt, Momentum):
-        p.flag_a, p.c0 = int(opt.use_nesterov), f32(opt.momentum)
+        p.flag_a, p.c0 = int(opt.use_nesterov), as_float32(opt.momentum)
     elif isinstance(opt, (RMSProp, CenteredRMSProp)):
         p.flag_a = int(isinstance(opt, CenteredRMSProp))
-        p.c0, p.c1, p.c2, p.c3 = f32(opt.rho), one_minus(opt.rho), f32(opt.momentum), f32(opt.epsilon)
+        p.c0, p.c1 = as_float32(opt.rho), one_minus(opt.rho)
+        p.c2, p.c3 = as_float32(opt.momentum), as_float32(opt.epsilon)
     elif isinstance(opt, Adadelta):
-        p.c0, p.c1, p.c2 = f32(opt.rho), one_minus(opt.rho), f32(opt.epsilon)
+        p.c0, p.c1, p.c2 = as_float32(opt.rho), one_minus(opt.rho), as_float32(opt.epsilon)
     elif isinstance(opt, ProximalYogi):
-        p.c0, p.c1, p.c2 = f32(opt.beta_1), one_minus(opt.beta_1), one_minus(opt.beta_2)
-        p.c3, p.c4 = f32(opt.epsilon), f32(opt.l1_regularization_strength)
-        p.c5 = f32(opt.l2_regularization_strength)
+        p.c0, p.c1, p.c2 = as_float32(opt.beta_1), one_minus(opt.beta_1), one_minus(opt.beta_2)
+        p.c3, p.c4 = as_float32(opt.epsilon), as_float32(opt.l1_regularization_strength)
+        p.c5 = as_float32(opt.l2_regularization_strength)
     elif isinstance(opt, FrequencyEstimator):
-        p.c0, p.c1 = f32(opt.max_delta), f32(opt.outlier_threshold)
-        p.c2, p.c3 = one_minus(opt.tau), f32(opt.tau)
+        p.c0, p.c1 = as_float32(opt.max_delta), as_float32(opt.outlier_threshold)
+        p.c2, p.c3 = one_minus(opt.tau), as_float32(opt.tau)
     return p
 
 

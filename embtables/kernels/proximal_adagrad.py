@@ -1,4 +1,4 @@
-"""ProximalAdagrad row math (SPEC 1.3, TF ApplyProximalAdagrad)."""
+"""ProximalAdagrad row math (spec §1.3, TF ApplyProximalAdagrad)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import torch
 from torch import Tensor
 
 from embtables.config.extra_optimizers import ProximalAdagrad
-from embtables.kernels.float32 import f32, scalar_over
+from embtables.kernels.float32 import as_float32, scalar_over
 from embtables.kernels.sqrt import sqrt_f32
 
 
@@ -27,5 +27,5 @@ def update_rows(
     acc = acc + g * g
     lr_t = scalar_over(lr, sqrt_f32(acc))
     prox = w - lr_t * g
-    l1, l2 = f32(opt.l1_regularization_strength), f32(opt.l2_regularization_strength)
+    l1, l2 = as_float32(opt.l1_regularization_strength), as_float32(opt.l2_regularization_strength)
     return proximal_step(prox, lr_t, l1, l2), (acc,)

@@ -1,4 +1,4 @@
-"""ProximalYogi row math (SPEC 1.3; lazy, no bias correction)."""
+"""ProximalYogi row math (spec §1.3; lazy, no bias correction)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import torch
 from torch import Tensor
 
 from embtables.config.extra_optimizers import ProximalYogi
-from embtables.kernels.float32 import f32, one_minus, scalar_over
+from embtables.kernels.float32 import as_float32, one_minus, scalar_over
 from embtables.kernels.proximal_adagrad import proximal_step
 from embtables.kernels.sqrt import sqrt_f32
 
@@ -21,9 +21,9 @@ def update_rows(
     """
     v, m = slots
     g2 = g * g
-    m = f32(opt.beta_1) * m + one_minus(opt.beta_1) * g
+    m = as_float32(opt.beta_1) * m + one_minus(opt.beta_1) * g
     v = v - one_minus(opt.beta_2) * torch.sign(v - g2) * g2
-    lr_t = scalar_over(lr, sqrt_f32(v) + f32(opt.epsilon))
+    lr_t = scalar_over(lr, sqrt_f32(v) + as_float32(opt.epsilon))
     prox = w - lr_t * m
-    l1, l2 = f32(opt.l1_regularization_strength), f32(opt.l2_regularization_strength)
+    l1, l2 = as_float32(opt.l1_regularization_strength), as_float32(opt.l2_regularization_strength)
     return proximal_step(prox, lr_t, l1, l2), (v, m)

@@ -1,11 +1,11 @@
-"""RMSProp and centered RMSProp row math (SPEC 1.3, TF ApplyRMSProp / ApplyCenteredRMSProp)."""
+"""RMSProp and centered RMSProp row math (spec §1.3, TF ApplyRMSProp / ApplyCenteredRMSProp)."""
 
 from __future__ import annotations
 
 from torch import Tensor
 
 from embtables.config.extra_optimizers import CenteredRMSProp, RMSProp
-from embtables.kernels.float32 import f32, one_minus
+from embtables.kernels.float32 import as_float32, one_minus
 from embtables.kernels.sqrt import sqrt_f32
 
 
@@ -17,7 +17,7 @@ def update_rows(
     ``ms <- rho ms + (1-rho) g^2; mom <- mu mom + lr g / sqrt(ms + eps); w <- w - mom``.
     """
     ms, mom = slots
-    rho, mu, eps = f32(opt.rho), f32(opt.momentum), f32(opt.epsilon)
+    rho, mu, eps = as_float32(opt.rho), as_float32(opt.momentum), as_float32(opt.epsilon)
     ms = rho * ms + one_minus(opt.rho) * (g * g)
     mom = mu * mom + lr * g / sqrt_f32(ms + eps)
     return w - mom, (ms, mom)
@@ -32,7 +32,7 @@ def update_rows_centered(
     ``w <- w - mom``.
     """
     ms, mom, mg = slots
-    rho, mu, eps = f32(opt.rho), f32(opt.momentum), f32(opt.epsilon)
+    rho, mu, eps = as_float32(opt.rho), as_float32(opt.momentum), as_float32(opt.epsilon)
     one_minus_rho = one_minus(opt.rho)
     mg = rho * mg + one_minus_rho * g
     ms = rho * ms + one_minus_rho * (g * g)

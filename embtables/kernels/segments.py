@@ -39,7 +39,7 @@ def occurrence_rounds(ids: Tensor) -> list[Tensor]:
 
     Round k holds the positions of the (k+1)-th occurrence of every id that occurs more than k
     times, so applying round 0, then round 1, ... applies each id's occurrences in order while
-    every round is one vectorised update over distinct rows (SPEC 10.2).
+    every round is one vectorised update over distinct rows (spec §10.2).
     """
     n = ids.numel()
     if n == 0:

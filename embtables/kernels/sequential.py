@@ -1,4 +1,4 @@
-"""Vectorised forms of the no-accumulation update (SPEC 10.2: occurrences applied one at a time, in
+"""Vectorised forms of the no-accumulation update (spec §10.2: occurrences applied one at a time, in
 order) for the optimizers where one exists, so the torch path needs no Python round per repeat of
 the hottest id.
 

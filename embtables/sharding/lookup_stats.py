@@ -1,4 +1,4 @@
-"""Lookup statistics (``profile_data_directory``, SPEC 5): what the ids of sampled batches look like per
+"""Lookup statistics (``profile_data_directory``, spec §5): what the ids of sampled batches look like per
 table, written as one JSON file per table and read back to plan table placement.
 
 Sampling is per step and seeded: step ``s`` is sampled when a hash of ``(seed, s)`` falls under

@@ -5,14 +5,14 @@ Forward, for every pooled feature f of this rank's batch and every owner r:
 
 1. counts [W, 2F] int64: the ids of f that r owns (n_rf) and the bags of f (S_f);
 2. ids and offsets int64: r's local rows of those ids, in bag order, and their bag offsets [S_f + 1];
-3. coeffs float32 [n_rf]: each id's combiner coefficient (SPEC 2.1, computed next to the batch
+3. coeffs float32 [n_rf]: each id's combiner coefficient (spec §2.1, computed next to the batch
    from all ids of its bag; 1 for an unweighted sum);
 4. back from r: the partial bags [S_f, D] over its rows; the rank adds the partials in rank order.
 
 Backward, each rank sends d(activation) [S_f, D] to the owners holding ids of f (a leading flag says
 whether it refused its gradient), and each owner runs phase 1 (dedup and sums, in C) over the ids it
 was asked for: the same per-row sums as a single process, added in another order (float32 rounding,
-SPEC 10.8). With a whole table on one rank ("table") the activations are bit-identical.
+spec §10.8). With a whole table on one rank ("table") the activations are bit-identical.
 
 Bytes per feature and remote owner: about 20 per id forward, 4·D per bag each way, against 8 + 8·D
 per unique id for row-returning lookups: owner pooling wins whenever bags are smaller than the

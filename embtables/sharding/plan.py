@@ -1,4 +1,4 @@
-"""Row placement of one table over W ranks (SPEC 3): pure integer arithmetic, no process group.
+"""Row placement of one table over W ranks (spec §3): pure integer arithmetic, no process group.
 
 - ``div`` (TF's ``DIV_DEFAULT``, the default): contiguous blocks. With ``q = V // W`` and
   ``e = V % W``, the first ``e`` ranks hold ``q + 1`` rows, the others ``q``. Id ``i`` lives on
@@ -6,19 +6,17 @@
 - ``mod``: id ``i`` lives on rank ``i % W`` at local row ``i // W``.
 - ``table``: the whole table on one rank.
 
-With V < W some ranks hold no rows of a table. Partitioning is layout only (SPEC 10.8): it never
+With V < W some ranks hold no rows of a table. Partitioning is layout only (spec §10.8): it never
 changes what a lookup or an update computes.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
 
 import torch
 from torch import Tensor
 
-Strategy = Literal["div", "mod", "table"]
 STRATEGIES: tuple[str, ...] = ("div", "mod", "table")
 
 

@@ -12,9 +12,9 @@ fused update, the native kernels and every check of the engine apply unchanged. 
    of one partial sum per bag and owner.
 2. Update: each rank sums its gradients per unique id and sends the sums to the owners, which add
    the contributions of all ranks and run the fused optimizer on their rows. Gradients are summed
-   over ranks, not averaged (SPEC 10.7). Tables without gradient accumulation send every occurrence
+   over ranks, not averaged (spec §10.7). Tables without gradient accumulation send every occurrence
    instead, in the order a single process would apply the concatenated global batch (rank-major,
-   then SPEC 10.2's sample-major order), so their updates are bit-identical to it.
+   then spec §10.2's sample-major order), so their updates are bit-identical to it.
 
 Every rank agrees on refusing a step: a bad batch or gradient on one rank raises on all of them
 (carried in the exchanges' own messages), and an update that would not be finite on one rank's
@@ -340,7 +340,7 @@ class ShardedEmbeddingCollection:
         grads: Sequence[Tensor | None],
         route: routing.TableRoute,
     ) -> tuple[Tensor, Tensor]:
-        """Without accumulation: every occurrence (local row, gradient) sent to its owner in SPEC 10.2's
+        """Without accumulation: every occurrence (local row, gradient) sent to its owner in spec §10.2's
         order, which the owner receives rank by rank: the order of the concatenated global batch."""
         per_id = self._occurrence_grads(t, batches, grads)
         num_features = len(t.feature_indices)

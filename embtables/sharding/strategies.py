@@ -9,7 +9,6 @@ from embtables.errors import ConfigError
 from embtables.sharding.lookup_stats import TableLoad
 
 STRATEGIES = ("div", "mod", "table", "auto")
-ROW_STRATEGIES = ("div", "mod", "table")
 
 
 def check_sharding(sharding: object, resolved: ResolvedConfig) -> None:

@@ -195,7 +195,7 @@ class EmbeddingCollection:
             if accumulated:
                 rows, row_grads = dedup_sum(ids, per_id)
             else:
-                # Occurrence order (SPEC 10.2): sample-major, then feature order, then position.
+                # Occurrence order (spec §10.2): sample-major, then feature order, then position.
                 num_features = len(table.feature_indices)
                 keys = torch.cat(
                     [batches[f].sample_index() * num_features + local for local, f in enumerate(table.feature_indices)]
@@ -248,7 +248,7 @@ class EmbeddingCollection:
         return ws
 
     def learning_rates(self) -> dict[str, float]:
-        """Evaluate each distinct learning-rate callable once (SPEC 1.1.8), float32-rounded, per table."""
+        """Evaluate each distinct learning-rate callable once (spec §1.1.8), float32-rounded, per table."""
         values: dict[int, float] = {}
         for fn in self.resolved.learning_rate_callables():
             users = [t for t in self.resolved.tables if t.optimizer.learning_rate is fn]
@@ -506,7 +506,7 @@ class EmbeddingCollection:
         }
 
     def state_keys(self) -> dict[str, Tensor]:
-        """``{"<table>": weights, "<table>/<slot>": slot}``: the TF checkpoint names (SPEC 7)."""
+        """``{"<table>": weights, "<table>/<slot>": slot}``: the TF checkpoint names (spec §7)."""
         out = {}
         for name, state in self.states.items():
             for slot, t in state.tensors().items():

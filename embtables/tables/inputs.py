@@ -1,5 +1,5 @@
 """Turn one feature's input (dense, sparse COO, Ragged, nested jagged, KeyedJaggedTensor) into a
-canonical ``FeatureBatch``, applying every input rule of SPEC 2.2 and 10.5.
+canonical ``FeatureBatch``, applying every input rule of spec §2.2 and 10.5.
 
 Canonical form: ``ids`` [N] int64, a non-decreasing segment index ``seg`` [N] into S output rows,
 ``offsets`` [S+1] and per-id coefficients ``coeffs`` [N] (``s_b * w_k``; None means all 1), plus
@@ -438,7 +438,7 @@ class InputConverter:
         return ids[keep], keep, None if weights is None else weights[keep]
 
     def _combiner_coeffs(self, batch: FeatureBatch, weights: Tensor | None) -> Tensor | None:
-        """``s_b * w_k`` per id (SPEC 2.1); a zero denominator gives s_b = 0."""
+        """``s_b * w_k`` per id (spec §2.1); a zero denominator gives s_b = 0."""
         combiner = self.table.config.combiner
         if combiner == Combiner.SUM:
             return weights

@@ -93,7 +93,7 @@ OPTIMIZERS: dict[str, Any] = {
     "ftrl_power_zero_clip": lambda: et.FTRL(0.1, learning_rate_power=0.0, clipvalue=0.25),
     "ftrl_no_accumulation": lambda: et.FTRL(0.1, use_gradient_accumulation=False, l1_regularization_strength=0.001),
     "ftrl_dynamic_lr": lambda: et.FTRL(Schedule([0.1, 0.2, 0.05]), multiply_linear_by_learning_rate=True),
-    # The TPUEstimator-era optimizers (SPEC 1.3 "v1-only").
+    # The TPUEstimator-era optimizers (spec §1.3 "v1-only").
     "proximal_adagrad": lambda: et.ProximalAdagrad(
         0.2, initial_accumulator_value=0.05, l1_regularization_strength=0.01, l2_regularization_strength=0.1
     ),
@@ -159,7 +159,7 @@ def run_against_oracle(sc: Scenario, optimizer: Any) -> dict[str, float]:
 
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 # Derandomized: CI runs the same examples every time. A random search can find batches whose gradient
-# sum cancels to ~1e-6 in float32 (the SPEC's accumulation precision), which Adam's m / sqrt(v) then
+# sum cancels to ~1e-6 in float32 (the spec's accumulation precision), which Adam's m / sqrt(v) then
 # amplifies past the float64 oracle's tolerance: ill-conditioning, not an engine error.
 @settings(
     max_examples=20,
@@ -200,7 +200,7 @@ def test_autograd_path_equals_explicit_gradients(name: str, sc: Scenario, kernel
 
 
 def test_allow_zero_accumulator_with_zero_initial_slots(kernel_path: str) -> None:
-    """SPEC 10.3: with allow_zero_accumulator, n**p of a zero accumulator is 0 (here p = 0, where it matters)."""
+    """spec §10.3: with allow_zero_accumulator, n**p of a zero accumulator is 0 (here p = 0, where it matters)."""
     from oracle.np_engine import OracleEngine
 
     def zero_slots(table: torch.Tensor, names: list[str], inits: list[Any]) -> dict[str, torch.Tensor]:

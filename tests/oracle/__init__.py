@@ -1,1 +1,1 @@
-"""Independent float64 NumPy reference ("oracle") for embtables, written from SPEC sections 1, 2 and 10."""
+"""Independent float64 NumPy reference ("oracle") for embtables, written from docs/spec.md, sections 1, 2 and 10."""

@@ -1,6 +1,6 @@
 """Float64 NumPy reference for lookups, combiners and per-occurrence gradients.
 
-Follows /work/shared/SPEC.md sections 2.1 (combiners, quantization, backward), 2.2 (input types, sequence
+Follows docs/spec.md sections 2.1 (combiners, quantization, backward), 2.2 (input types, sequence
 features) and 10.5 (id and weight validation).
 
 A feature input is ``ids: list[list[int]]`` (one list per sample, B samples) and
@@ -29,7 +29,7 @@ def kept_occurrences(
 ) -> list[list[tuple[int, int, float]]]:
     """Per sample, the kept occurrences as ``(position k in the sample's original list, id, weight)``.
 
-    SPEC 10.5 and 2.2:
+    spec §10.5 and 2.2:
     - weights must have the same ragged shape as ids; a sequence feature must have no weights;
     - every weight must be finite, and every id must be < vocab_size (checked on ALL occurrences,
       before any dropping, so a bad id/weight raises even where it would otherwise be dropped);
@@ -38,7 +38,7 @@ def kept_occurrences(
     """
     if weights is not None:
         if is_sequence:
-            raise ValueError("weights specified for a sequence feature")  # SPEC 2.2
+            raise ValueError("weights specified for a sequence feature")  # spec §2.2
         if len(weights) != len(ids):
             raise ValueError("weights and ids have different numbers of samples")
         for b in range(len(ids)):
@@ -67,7 +67,7 @@ def kept_occurrences(
 
 
 def combiner_scale(combiner: str, sample_weights: list[float]) -> float:
-    """SPEC 2.1: s_b for one sample from its kept weights; 0 when the denominator is 0."""
+    """spec §2.1: s_b for one sample from its kept weights; 0 when the denominator is 0."""
     if combiner == "sum":
         return 1.0
     if combiner == "mean":
@@ -85,7 +85,7 @@ def combiner_scale(combiner: str, sample_weights: list[float]) -> float:
 
 
 def quantize(x: np.ndarray, quantization: Quantization) -> np.ndarray:
-    """SPEC 2.1 simulated quantization of one looked-up row value (identity when quantization is None)."""
+    """spec §2.1 simulated quantization of one looked-up row value (identity when quantization is None)."""
     if quantization is None:
         return np.array(x, dtype=np.float64)
     num_buckets, lower, upper = quantization
@@ -117,7 +117,7 @@ def lookup(
     kept = kept_occurrences(ids, weights, validate, is_sequence=M > 0, vocab_size=V)
 
     if M > 0:
-        # SPEC 2.2 sequence feature: position j is the plain lookup of the id at column j of the input;
+        # spec §2.2 sequence feature: position j is the plain lookup of the id at column j of the input;
         # columns >= M are truncated, missing (or dropped) positions are zero vectors, no combiner.
         out = np.zeros((B, M, D), dtype=np.float64)
         for b in range(B):
@@ -126,7 +126,7 @@ def lookup(
                     out[b, k] = quantize(table[row_id], quantization)
         return out
 
-    # SPEC 2.1 pooled feature: a_b = s_b * sum_k w_k * T[id_k]; zero vector when the denominator is 0.
+    # spec §2.1 pooled feature: a_b = s_b * sum_k w_k * T[id_k]; zero vector when the denominator is 0.
     out = np.zeros((B, D), dtype=np.float64)
     for b in range(B):
         s_b = combiner_scale(combiner, [w for _, _, w in kept[b]])
@@ -148,11 +148,11 @@ def occurrences(
 ) -> list[tuple[int, int, int, np.ndarray]]:
     """Every kept occurrence as ``(sample b, position k, row id, gradient (D,))``, sample-major then position.
 
-    Pooled (SPEC 2.1 backward): the gradient is s_b * w_k * g_b, with s_b a constant (no gradient through the
+    Pooled (spec §2.1 backward): the gradient is s_b * w_k * g_b, with s_b a constant (no gradient through the
     weights). The quantization is straight-through, so it plays no part here.
-    Sequence (SPEC 2.2): the gradient of position k < M is grad_out[b, k]; truncated positions (k >= M)
+    Sequence (spec §2.2): the gradient of position k < M is grad_out[b, k]; truncated positions (k >= M)
     contribute nothing. ``grad_out`` is [B, D] (pooled) or [B, M, D] (sequence).
-    ``vocab_size`` (optional) turns on the id >= vocab_size check of SPEC 10.5.
+    ``vocab_size`` (optional) turns on the id >= vocab_size check of spec §10.5.
     """
     grad_out = np.asarray(grad_out, dtype=np.float64)
     B = len(ids)

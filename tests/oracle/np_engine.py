@@ -1,6 +1,6 @@
 """Float64 NumPy reference of the whole single-process embedding engine.
 
-Follows /work/shared/SPEC.md sections 1.1 (pipeline, accumulation, laziness), 2 (lookups) and 10 (binding
+Follows docs/spec.md sections 1.1 (pipeline, accumulation, laziness), 2 (lookups) and 10 (binding
 decisions: no-accumulation order, id checks, non-finite gradients).
 """
 
@@ -37,21 +37,21 @@ class OracleEngine:
             weights = np.array(cfg["weights"], dtype=np.float64, copy=True)
             if weights.ndim != 2:
                 raise ValueError(f"table {name!r}: weights must be 2-D, got shape {weights.shape}")
-            combiner = cfg.get("combiner", "mean")  # SPEC 4.1: TableConfig default combiner
+            combiner = cfg.get("combiner", "mean")  # spec §4.1: TableConfig default combiner
             if combiner not in COMBINERS:
-                raise ValueError(f"table {name!r}: unknown combiner {combiner!r}")  # SPEC 2.1
+                raise ValueError(f"table {name!r}: unknown combiner {combiner!r}")  # spec §2.1
             opt = dict(cfg["optimizer"])
             optimizer_name(opt)
             accumulate = bool(param(opt, "use_gradient_accumulation"))
-            # SPEC 1.1 step 4 / 10.4: a gradient clip needs accumulation.
+            # spec §1.1 step 4 / 10.4: a gradient clip needs accumulation.
             if not accumulate and has_gradient_clip(opt):
                 raise ValueError(f"table {name!r}: gradient clipping requires use_gradient_accumulation=True")
-            # SPEC 1.3 Adam: lazy_adam=False together with use_gradient_accumulation=False raises.
+            # spec §1.3 Adam: lazy_adam=False together with use_gradient_accumulation=False raises.
             if opt["name"] == "Adam" and not param(opt, "lazy_adam") and not accumulate:
                 raise ValueError(f"table {name!r}: lazy_adam=False requires use_gradient_accumulation=True")
             quantization = cfg.get("quantization")
             if quantization is not None and quantization[0] < 2:
-                raise ValueError(f"table {name!r}: num_buckets must be >= 2")  # SPEC 2.1
+                raise ValueError(f"table {name!r}: num_buckets must be >= 2")  # spec §2.1
             V, D = weights.shape
             self.tables[name] = weights
             self.slots[name] = init_slots(opt, V, D)
@@ -77,7 +77,7 @@ class OracleEngine:
             raise ValueError(f"expected {len(self.features)} feature inputs, got {len(inputs)}")
 
     def lookup(self, inputs: list[FeatureInput]) -> list[np.ndarray]:
-        """Activations per feature with the current tables (SPEC 2.1, 2.2)."""
+        """Activations per feature with the current tables (spec §2.1, 2.2)."""
         self._check_inputs(inputs)
         outputs: list[np.ndarray] = []
         for feature, (ids, weights) in zip(self.features, inputs, strict=True):
@@ -100,11 +100,11 @@ class OracleEngine:
     def _collect_occurrences(
         self, inputs: list[FeatureInput], grads: list[np.ndarray | None]
     ) -> dict[str, list[_Occurrence]]:
-        """Per table, every occurrence reaching it, in the order of SPEC 10.2.
+        """Per table, every occurrence reaching it, in the order of spec §10.2.
 
         That order is sample-major (sample 0 first), then feature order, then position inside the sample.
         Raises ValueError (before anything changes) on bad ids/weights or a non-finite gradient
-        (SPEC 10.5, 10.6).
+        (spec §10.5, 10.6).
         """
         per_table: dict[str, list[_Occurrence]] = {name: [] for name in self.tables}
         for i, (feature, (ids, weights), grad) in enumerate(zip(self.features, inputs, grads, strict=True)):
@@ -113,7 +113,7 @@ class OracleEngine:
             B = len(ids)
             M = feature["max_sequence_length"]
             if grad is None:
-                # SPEC 1.1: a None gradient is an explicit zero gradient (the rows are still touched).
+                # spec §1.1: a None gradient is an explicit zero gradient (the rows are still touched).
                 grad = np.zeros((B, M, D) if M > 0 else (B, D), dtype=np.float64)
             try:
                 occ = occurrences(
@@ -128,17 +128,17 @@ class OracleEngine:
             except ValueError as e:
                 raise ValueError(f"feature {feature['name']!r}, table {table_name!r}: {e}") from e
             for b, k, row_id, g in occ:
-                if not np.all(np.isfinite(g)):  # SPEC 10.6
+                if not np.all(np.isfinite(g)):  # spec §10.6
                     raise ValueError(f"table {table_name!r}: non-finite gradient for id {row_id}")
                 per_table[table_name].append((b, i, k, row_id, g))
         for occ_list in per_table.values():
-            occ_list.sort(key=lambda o: (o[0], o[1], o[2]))  # sample, feature, position (SPEC 10.2)
+            occ_list.sort(key=lambda o: (o[0], o[1], o[2]))  # sample, feature, position (spec §10.2)
         return per_table
 
     def apply_gradients(
         self, inputs: list[FeatureInput], grads: list[np.ndarray | None], lrs: dict[str, float]
     ) -> None:
-        """One training step from the activation gradients of the same inputs (SPEC 1.1, 10)."""
+        """One training step from the activation gradients of the same inputs (spec §1.1, 10)."""
         self._check_inputs(inputs)
         if len(grads) != len(self.features):
             raise ValueError(f"expected {len(self.features)} gradients, got {len(grads)}")
@@ -150,7 +150,7 @@ class OracleEngine:
             opt = self.optimizers[name]
             if not param(opt, "use_gradient_accumulation"):
                 continue
-            # SPEC 1.1 step 3: sum over all samples and all features sharing the table, one per touched row.
+            # spec §1.1 step 3: sum over all samples and all features sharing the table, one per touched row.
             sums: dict[int, np.ndarray] = {}
             for _, _, _, row_id, g in occ_list:
                 if row_id not in sums:
@@ -160,7 +160,7 @@ class OracleEngine:
                 if not np.all(np.isfinite(g_sum)):
                     raise ValueError(f"table {name!r}: non-finite accumulated gradient for id {row_id}")
             if opt["name"] == "Adam" and not param(opt, "lazy_adam"):
-                # SPEC 1.3 Adam non-lazy: every row is updated, with g = 0 for untouched rows.
+                # spec §1.3 Adam non-lazy: every row is updated, with g = 0 for untouched rows.
                 V, D = self.tables[name].shape
                 for row_id in range(V):
                     if row_id not in sums:
@@ -177,7 +177,7 @@ class OracleEngine:
             if name in accumulated:
                 updates = [(row_id, g) for row_id, g in sorted(accumulated[name].items())]
             else:
-                # SPEC 10.2: one occurrence at a time, in occurrence order.
+                # spec §10.2: one occurrence at a time, in occurrence order.
                 updates = [(row_id, g) for _, _, _, row_id, g in per_table[name]]
             if updates:
                 if name not in lrs:

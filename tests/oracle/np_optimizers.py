@@ -1,11 +1,11 @@
 """Float64 NumPy reference for the per-row optimizer pipeline.
 
-Everything here follows /work/shared/SPEC.md: section 1.1 (the pipeline: gradient clip, weight decay,
+Everything here follows docs/spec.md: section 1.1 (the pipeline: gradient clip, weight decay,
 optimizer math, weight clip), section 1.3 (the optimizer formulas) and section 10 (binding decisions).
 
 An optimizer is described by a plain dict ``opt`` whose keys are TF's v2 argument names plus ``"name"``
 (one of ``"SGD"``, ``"Adagrad"``, ``"AdagradMomentum"``, ``"Adam"``, ``"FTRL"``) and the optional extra key
-``"clipping_limit"`` (SPEC 10.4). Missing keys take TF's v2 defaults (SPEC 1.2, 1.3). Keys that have no
+``"clipping_limit"`` (spec §10.4). Missing keys take TF's v2 defaults (spec §1.2, 1.3). Keys that have no
 numeric effect (``learning_rate``: the rate is passed in; ``slot_variable_creation_fn``;
 ``low_dimensional_packing_status``) are ignored.
 """
@@ -24,7 +24,7 @@ OPTIMIZER_NAMES: tuple[str, ...] = (
     "AdagradMomentum",
     "Adam",
     "FTRL",
-    # SPEC 1.3, "v1-only, TPUEstimator-era optimizers" (embtables' v2-style names for their arguments).
+    # spec §1.3, "v1-only, TPUEstimator-era optimizers" (embtables' v2-style names for their arguments).
     "ProximalAdagrad",
     "Momentum",
     "RMSProp",
@@ -34,7 +34,7 @@ OPTIMIZER_NAMES: tuple[str, ...] = (
     "FrequencyEstimator",
 )
 
-# SPEC 1.2: arguments shared by every optimizer, with their v2 defaults. ``clipping_limit`` is SPEC 10.4.
+# spec §1.2: arguments shared by every optimizer, with their v2 defaults. ``clipping_limit`` is spec §10.4.
 _COMMON_DEFAULTS: dict[str, Any] = {
     "use_gradient_accumulation": True,
     "clip_weight_min": None,
@@ -45,7 +45,7 @@ _COMMON_DEFAULTS: dict[str, Any] = {
     "clipping_limit": None,
 }
 
-# SPEC 1.3: the v2 defaults of each optimizer's own arguments.
+# spec §1.3: the v2 defaults of each optimizer's own arguments.
 _DEFAULTS: dict[str, dict[str, Any]] = {
     "SGD": {},
     "Adagrad": {"initial_accumulator_value": 0.1},
@@ -92,7 +92,7 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
     "FrequencyEstimator": {"tau": 0.1, "max_delta": 1000.0, "outlier_threshold": 10.0, "weight_exponent": 1.0},
 }
 
-# SPEC 1.3: slot names in TF order.
+# spec §1.3: slot names in TF order.
 _SLOT_NAMES: dict[str, list[str]] = {
     "SGD": [],
     "Adagrad": ["accumulators"],
@@ -118,7 +118,7 @@ def optimizer_name(opt: Opt) -> str:
 
 
 def param(opt: Opt, key: str) -> Any:
-    """The value of hyperparameter ``key``: the one in ``opt``, else TF's default (SPEC 1.2, 1.3)."""
+    """The value of hyperparameter ``key``: the one in ``opt``, else TF's default (spec §1.2, 1.3)."""
     name = optimizer_name(opt)
     if key in opt:
         return opt[key]
@@ -130,24 +130,24 @@ def param(opt: Opt, key: str) -> Any:
 
 
 def slot_names(opt: Opt) -> list[str]:
-    """The TF slot names of the optimizer, in TF order (SPEC 1.3)."""
+    """The TF slot names of the optimizer, in TF order (spec §1.3)."""
     return list(_SLOT_NAMES[optimizer_name(opt)])
 
 
 def _slot_initial_value(opt: Opt, slot: str) -> float:
-    """SPEC 1.3: the initial value of one slot."""
+    """spec §1.3: the initial value of one slot."""
     name = optimizer_name(opt)
     if slot == "accumulators" and name in ("Adagrad", "FTRL", "ProximalAdagrad"):
         return float(param(opt, "initial_accumulator_value"))
     if slot == "v" and name == "ProximalYogi":
         return float(param(opt, "initial_accumulator_value"))
     # AdagradMomentum accumulators and momenta, Adam momenta and velocities, FTRL linears all start at 0.
-    # (SPEC 1.3, AdagradMomentum: epsilon is NOT the initial accumulator.)
+    # (spec §1.3, AdagradMomentum: epsilon is NOT the initial accumulator.)
     return 0.0
 
 
 def init_slots(opt: Opt, V: int, D: int) -> dict[str, np.ndarray]:
-    """Freshly initialised slots of a (V, D) table, float64 (SPEC 1.3)."""
+    """Freshly initialised slots of a (V, D) table, float64 (spec §1.3)."""
     slots: dict[str, np.ndarray] = {}
     for slot in slot_names(opt):
         slots[slot] = np.full((V, D), _slot_initial_value(opt, slot), dtype=np.float64)
@@ -157,8 +157,8 @@ def init_slots(opt: Opt, V: int, D: int) -> dict[str, np.ndarray]:
 def gradient_clip_bounds(opt: Opt) -> tuple[float, float]:
     """The (lower, upper) gradient clip bounds; (-inf, +inf) when there is no clip.
 
-    SPEC 1.1 step 4: a scalar ``clipvalue`` c means (-c, +c); a tuple (lo, hi) may hold None on either
-    side, meaning unbounded. SPEC 10.4: ``clipping_limit`` L is a symmetric clip (-L, +L); when
+    spec §1.1 step 4: a scalar ``clipvalue`` c means (-c, +c); a tuple (lo, hi) may hold None on either
+    side, meaning unbounded. spec §10.4: ``clipping_limit`` L is a symmetric clip (-L, +L); when
     ``clipvalue`` is also set, the tighter bound wins on each side.
     """
     lower = -np.inf
@@ -186,7 +186,7 @@ def has_gradient_clip(opt: Opt) -> bool:
 
 def _f32(*xs: float) -> float:
     """The float32 product of ``xs`` (left to right): TF derives every constant from float32
-    hyper-parameters in float32 arithmetic (SPEC: all arithmetic is float32)."""
+    hyper-parameters in float32 arithmetic (spec: all arithmetic is float32)."""
     out = np.float32(xs[0])
     for x in xs[1:]:
         out = np.float32(out * np.float32(x))
@@ -199,7 +199,7 @@ def _f32_one_minus(x: float) -> float:
 
 
 def effective_weight_decay(opt: Opt, lr: float) -> float:
-    """SPEC 10.1 / 1.1 step 5: lambda_eff = lambda*lr if the multiply flag is truthy, else lambda.
+    """spec §10.1 / 1.1 step 5: lambda_eff = lambda*lr if the multiply flag is truthy, else lambda.
 
     A weight_decay_factor of 0 or None means no decay.
     """
@@ -212,7 +212,7 @@ def effective_weight_decay(opt: Opt, lr: float) -> float:
 
 
 def _accumulator_power(n: np.ndarray, p: float, allow_zero_accumulator: bool) -> np.ndarray:
-    """``n**p`` elementwise; with allow_zero_accumulator an accumulator equal to 0 gives 0 (SPEC 10.3)."""
+    """``n**p`` elementwise; with allow_zero_accumulator an accumulator equal to 0 gives 0 (spec §10.3)."""
     result = np.empty_like(n)
     for d in range(n.shape[0]):
         if allow_zero_accumulator and n[d] == 0.0:
@@ -223,14 +223,14 @@ def _accumulator_power(n: np.ndarray, p: float, allow_zero_accumulator: bool) ->
 
 
 def _sgd(w: np.ndarray, g: np.ndarray, lr: float) -> np.ndarray:
-    # SPEC 1.3 SGD: w <- w - lr*g
+    # spec §1.3 SGD: w <- w - lr*g
     return w - lr * g
 
 
 def _adagrad(
     opt: Opt, w: np.ndarray, slots: dict[str, np.ndarray], g: np.ndarray, lr: float
 ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-    # SPEC 1.3 Adagrad: a <- a + g^2; w <- w - lr*g/sqrt(a) with the NEW accumulator and no epsilon.
+    # spec §1.3 Adagrad: a <- a + g^2; w <- w - lr*g/sqrt(a) with the NEW accumulator and no epsilon.
     a = slots["accumulators"] + g * g
     w_new = w - lr * g / np.sqrt(a)
     return w_new, {"accumulators": a}
@@ -239,7 +239,7 @@ def _adagrad(
 def _adagrad_momentum(
     opt: Opt, w: np.ndarray, slots: dict[str, np.ndarray], g: np.ndarray, lr: float
 ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-    # SPEC 1.3 AdagradMomentum.
+    # spec §1.3 AdagradMomentum.
     momentum = _f32(param(opt, "momentum"))
     use_nesterov = bool(param(opt, "use_nesterov"))
     neg_inv_exponent = float(np.float32(np.float32(-1.0) / np.float32(param(opt, "exponent"))))
@@ -259,7 +259,7 @@ def _adagrad_momentum(
 def _adam(
     opt: Opt, w: np.ndarray, slots: dict[str, np.ndarray], g: np.ndarray, lr: float
 ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-    # SPEC 1.3 Adam, with no bias correction.
+    # spec §1.3 Adam, with no bias correction.
     beta_1 = _f32(param(opt, "beta_1"))
     beta_2 = _f32(param(opt, "beta_2"))
     epsilon = _f32(param(opt, "epsilon"))
@@ -274,7 +274,7 @@ def _adam(
 def _ftrl(
     opt: Opt, w: np.ndarray, slots: dict[str, np.ndarray], g: np.ndarray, lr: float
 ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-    # SPEC 1.3 FTRL. ``w`` here is the (already weight-decayed, SPEC 10.1) weight entering the linear update.
+    # spec §1.3 FTRL. ``w`` here is the (already weight-decayed, spec §10.1) weight entering the linear update.
     p = _f32(-float(param(opt, "learning_rate_power")))
     l1 = _f32(param(opt, "l1_regularization_strength"))
     l2 = float(param(opt, "l2_regularization_strength"))
@@ -301,7 +301,7 @@ def _ftrl(
     w_new = np.empty_like(w)
     for d in range(w.shape[0]):
         if allow_zero and numer[d] == 0.0:
-            # SPEC 10.3 (no NaN with a zero accumulator): a zero numerator gives w = 0 even when the
+            # spec §10.3 (no NaN with a zero accumulator): a zero numerator gives w = 0 even when the
             # denominator is 0 too (n_new = 0, beta = 0, l2 = 0). For a non-zero denominator this is N/Dn.
             w_new[d] = 0.0
         else:
@@ -310,14 +310,14 @@ def _ftrl(
 
 
 def _proximal(prox: np.ndarray, lr_t: np.ndarray, l1: float, l2: float) -> np.ndarray:
-    # SPEC 1.3 ProximalAdagrad: sign(prox) * max(|prox| - lr_t*l1, 0) / (1 + lr_t*l2)
+    # spec §1.3 ProximalAdagrad: sign(prox) * max(|prox| - lr_t*l1, 0) / (1 + lr_t*l2)
     return np.sign(prox) * np.maximum(np.abs(prox) - lr_t * l1, 0.0) / (1.0 + lr_t * l2)
 
 
 def _proximal_adagrad(
     opt: Opt, w: np.ndarray, slots: dict[str, np.ndarray], g: np.ndarray, lr: float
 ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-    # SPEC 1.3 ProximalAdagrad: a += g^2; lr_t = lr/sqrt(a); prox = w - lr_t*g; proximal l1/l2 step.
+    # spec §1.3 ProximalAdagrad: a += g^2; lr_t = lr/sqrt(a); prox = w - lr_t*g; proximal l1/l2 step.
     a = slots["accumulators"] + g * g
     lr_t = lr / np.sqrt(a)
     prox = w - lr_t * g
@@ -329,7 +329,7 @@ def _proximal_adagrad(
 def _momentum(
     opt: Opt, w: np.ndarray, slots: dict[str, np.ndarray], g: np.ndarray, lr: float
 ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-    # SPEC 1.3 Momentum (TF ApplyMomentum): m = mu*m + g; w -= lr*m, or lr*(g + mu*m) with Nesterov.
+    # spec §1.3 Momentum (TF ApplyMomentum): m = mu*m + g; w -= lr*m, or lr*(g + mu*m) with Nesterov.
     mu = _f32(param(opt, "momentum"))
     m = mu * slots["momenta"] + g
     step = g + mu * m if param(opt, "use_nesterov") else m
@@ -339,7 +339,7 @@ def _momentum(
 def _rmsprop(
     opt: Opt, w: np.ndarray, slots: dict[str, np.ndarray], g: np.ndarray, lr: float, centered: bool
 ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-    # SPEC 1.3 RMSProp: ms = rho*ms + (1-rho)*g^2; mom = mu*mom + lr*g/sqrt(ms + eps); w -= mom.
+    # spec §1.3 RMSProp: ms = rho*ms + (1-rho)*g^2; mom = mu*mom + lr*g/sqrt(ms + eps); w -= mom.
     # CenteredRMSProp: mg = rho*mg + (1-rho)*g and the denominator is sqrt(ms - mg^2 + eps).
     rho = _f32(param(opt, "rho"))
     mu = _f32(param(opt, "momentum"))
@@ -360,7 +360,7 @@ def _rmsprop(
 def _adadelta(
     opt: Opt, w: np.ndarray, slots: dict[str, np.ndarray], g: np.ndarray, lr: float
 ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-    # SPEC 1.3 Adadelta (TF ApplyAdadelta): a = rho*a + (1-rho)*g^2; u = sqrt(upd+eps)/sqrt(a+eps)*g;
+    # spec §1.3 Adadelta (TF ApplyAdadelta): a = rho*a + (1-rho)*g^2; u = sqrt(upd+eps)/sqrt(a+eps)*g;
     # upd = rho*upd + (1-rho)*u^2; w -= lr*u.
     rho = _f32(param(opt, "rho"))
     eps = _f32(param(opt, "epsilon"))
@@ -373,7 +373,7 @@ def _adadelta(
 def _proximal_yogi(
     opt: Opt, w: np.ndarray, slots: dict[str, np.ndarray], g: np.ndarray, lr: float
 ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-    # SPEC 1.3 ProximalYogi, no bias correction: m = b1*m + (1-b1)*g; v = v - (1-b2)*sign(v - g^2)*g^2;
+    # spec §1.3 ProximalYogi, no bias correction: m = b1*m + (1-b1)*g; v = v - (1-b2)*sign(v - g^2)*g^2;
     # then the proximal l1/l2 step of ProximalAdagrad with lr_t = lr/(sqrt(v) + eps) applied to w - lr_t*m.
     b1 = _f32(param(opt, "beta_1"))
     b2 = _f32(param(opt, "beta_2"))
@@ -391,7 +391,7 @@ def _proximal_yogi(
 def _frequency_estimator(
     opt: Opt, w: np.ndarray, slots: dict[str, np.ndarray], lr: float
 ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-    # SPEC 1.3 FrequencyEstimator: the "learning rate" is the global step t; gradients are ignored.
+    # spec §1.3 FrequencyEstimator: the "learning rate" is the global step t; gradients are ignored.
     t = lr
     tau = _f32(param(opt, "tau"))
     delta = t - slots["last_hit_step"]
@@ -404,7 +404,7 @@ def _frequency_estimator(
 def update_row(
     opt: Opt, w: np.ndarray, slots: dict[str, np.ndarray], g: np.ndarray, lr: float
 ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-    """One optimizer update of one row: SPEC 1.1 steps 4 to 7.
+    """One optimizer update of one row: spec §1.1 steps 4 to 7.
 
     ``w`` and ``g`` have shape (D,); ``slots`` maps each slot name to its (D,) row. Returns new arrays
     (float64); the inputs are not modified. ``lr`` is this step's learning rate for the table.
@@ -419,13 +419,13 @@ def update_row(
     lower, upper = gradient_clip_bounds(opt)
     g_clipped = np.minimum(np.maximum(g, lower), upper)
 
-    # Step 5 / SPEC 10.1: decoupled weight decay, w <- w - lambda_eff*w. For SGD, Adagrad, AdagradMomentum
+    # Step 5 / spec §10.1: decoupled weight decay, w <- w - lambda_eff*w. For SGD, Adagrad, AdagradMomentum
     # and Adam this gives w_new = w - lambda_eff*w - delta_opt; for FTRL it is the w entering the linears
     # update.
     lam_eff = effective_weight_decay(opt, lr)
     w_decayed = w - lam_eff * w
 
-    # Step 6: optimizer math (SPEC 1.3).
+    # Step 6: optimizer math (spec §1.3).
     if name == "SGD":
         w_new = _sgd(w_decayed, g_clipped, lr)
         new_slots: dict[str, np.ndarray] = {}

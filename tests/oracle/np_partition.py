@@ -1,4 +1,4 @@
-"""SPEC 3 partition maps, written literally from the formulas (pure Python; no torch, no embtables).
+"""spec §3 partition maps, written literally from the formulas (pure Python; no torch, no embtables).
 
 With V rows over P shards, q = V // P and e = V % P:
 - div: shard(i) = max(i // (q + 1), (i - e) // q); local(i) = i % (q + 1) if shard(i) < e else (i - e) % q.
@@ -23,7 +23,7 @@ def mod_owner(i: int, v: int, p: int) -> tuple[int, int]:
 
 
 def shards(strategy: str, v: int, p: int) -> list[list[int]]:
-    """The global ids of each shard, in local-row order: SPEC 3's ``[[0,1,2],[3,4,5],...]`` lists."""
+    """The global ids of each shard, in local-row order: spec §3's ``[[0,1,2],[3,4,5],...]`` lists."""
     owner = div_owner if strategy == "div" else mod_owner
     out: list[list[int]] = [[] for _ in range(p)]
     for i in range(v):

@@ -1,4 +1,4 @@
-"""Self-checks of the float64 oracle against numbers computed by hand from SPEC sections 1, 2 and 10."""
+"""Self-checks of the float64 oracle against numbers computed by hand from docs/spec.md, sections 1, 2 and 10."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ def _row(values: list[float]) -> np.ndarray:
 
 
 def F(*xs: float) -> float:
-    """The float32 product of ``xs``: hyper-parameters and derived constants are float32 (SPEC 1, issue 6)."""
+    """The float32 product of ``xs``: hyper-parameters and derived constants are float32 (spec §1, issue 6)."""
     out = np.float32(xs[0])
     for x in xs[1:]:
         out = np.float32(out * np.float32(x))
@@ -171,7 +171,7 @@ def test_ftrl_learning_rate_power_zero() -> None:
 def test_ftrl_allow_zero_accumulator() -> None:
     base = {"name": "FTRL", "initial_accumulator_value": 0.0, "learning_rate_power": 0.0}
     slots = {"accumulators": _row([0.0]), "linears": _row([0.0])}
-    # With the flag: 0**0 -> 0 (SPEC 10.3), 0.25**0 = 1, delta = 1, z = 0.5 - 1/0.1*1 = -9.5, w = 9.5/(1/0.1)
+    # With the flag: 0**0 -> 0 (spec §10.3), 0.25**0 = 1, delta = 1, z = 0.5 - 1/0.1*1 = -9.5, w = 9.5/(1/0.1)
     w, new = update_row({**base, "allow_zero_accumulator": True}, _row([1.0]), slots, _row([0.5]), 0.1)
     _close(new["linears"], [-9.5])
     _close(w, [0.95])

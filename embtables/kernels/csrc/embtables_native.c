@@ -884,7 +884,7 @@ int et_workspace_load(void *handle, const int64_t *rows, const float *G, int64_t
     return 0;
 }
 
-/* No accumulation (SPEC 10.2): occurrences applied one at a time in the given order. Rows are split */
+/* No accumulation (spec §10.2): occurrences applied one at a time in the given order. Rows are split */
 /* across threads by id, so every row still sees its occurrences in order. Returns 0, or 3 (nothing  */
 /* written) when a row is outside [0, V).                                                             */
 int et_apply_sequential(const int64_t *rows, const float *G, int64_t N, float *W, float *S0, float *S1, float *S2,

@@ -33,8 +33,6 @@ LAYERS: dict[str, int] = {
     "data": TOP,
     "cli": TOP,
     "__main__": TOP,
-    "batch_ownership": TOP,
-    "state_dict_io": TOP,
     "__init__": TOP,  # embtables/__init__.py, and `import embtables` itself
 }
 DISTRIBUTED_ALLOWED = {"embtables.sharding.comm"}

@@ -256,7 +256,7 @@ def test_no_accumulation_with_a_hot_id_matches_native_and_oracle(opt: Any) -> No
     else:
         for key in results["native"]:
             torch.testing.assert_close(results["torch"][key], results["native"][key], rtol=2e-6, atol=1e-7)
-    # The float64 oracle, one occurrence at a time in order (SPEC 10.2).
+    # The float64 oracle, one occurrence at a time in order (spec §10.2).
     w = et.TruncatedNormal(seed=6)((40, 4)).double().numpy()
     acc = np.full((40, 4), 0.1)
     for row, g in zip(ids.reshape(-1).tolist(), grads.reshape(-1, 4).double().numpy()):

@@ -1,4 +1,4 @@
-"""Config values (SPEC 1.2, 1.3, 4.1-4.3): TF's signatures, slot names, validation messages,
+"""Config values (spec §1.2, 1.3, 4.1-4.3): TF's signatures, slot names, validation messages,
 equality/hash/frozen/replace, and how ``DistributedEmbedding`` resolves a feature config."""
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from embtables import (
 OPTIMIZER_CLASSES: list[type[Any]] = [SGD, Adagrad, AdagradMomentum, Adam, FTRL]
 
 # ---------------------------------------------------------------------------------------------
-# Signatures: names, order and defaults exactly as TF v2 tf.tpu.experimental.embedding.* (SPEC 1.3).
+# Signatures: names, order and defaults exactly as TF v2 tf.tpu.experimental.embedding.* (spec §1.3).
 # Written out literally; never derived from the package.
 # ---------------------------------------------------------------------------------------------
 _TAIL_WITH_SLOT_FN: list[tuple[str, object]] = [
@@ -147,7 +147,7 @@ def test_slot_initial_values() -> None:
     assert Adagrad(initial_accumulator_value=0.25).slot_initial_values() == (0.25,)
     assert FTRL(initial_accumulator_value=0.5).slot_initial_values() == (0.5, 0.0)
     assert Adam().slot_initial_values() == (0.0, 0.0)
-    # AdagradMomentum: epsilon is not the initial accumulator (SPEC 1.3).
+    # AdagradMomentum: epsilon is not the initial accumulator (spec §1.3).
     assert AdagradMomentum(epsilon=0.5).slot_initial_values() == (0.0, 0.0)
 
 
@@ -217,7 +217,7 @@ def test_replace_works_and_revalidates() -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# Optimizer validation (SPEC 1.2, 1.3): right exception type, message names the argument.
+# Optimizer validation (spec §1.2, 1.3): right exception type, message names the argument.
 # ---------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("cls", [Adagrad, FTRL], ids=lambda c: c.__name__)
 @pytest.mark.parametrize("value", [0.0, -0.1])
@@ -337,7 +337,7 @@ def test_clip_weight_bounds_ordered() -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# TableConfig, QuantizationConfig, FeatureConfig (SPEC 4.1, 4.2, 2.1).
+# TableConfig, QuantizationConfig, FeatureConfig (spec §4.1, 4.2, 2.1).
 # ---------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("arg", ["vocabulary_size", "dim"])
 @pytest.mark.parametrize("value", [0, -3, 2.0, "4", True, None])
@@ -416,7 +416,7 @@ def test_feature_defaults_and_output_shape_normalised() -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# DistributedEmbedding construction (SPEC 4.3): table order and names, sharing, optimizers,
+# DistributedEmbedding construction (spec §4.3): table order and names, sharing, optimizers,
 # no mutation of the caller's configs, initializers.
 # ---------------------------------------------------------------------------------------------
 def _table_shapes(emb: DistributedEmbedding) -> dict[str, tuple[int, ...]]:

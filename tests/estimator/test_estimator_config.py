@@ -1,4 +1,4 @@
-"""EmbeddingConfigSpec's rules (SPEC 4.4, 10.4), the v1 ``*Parameters`` classes and the feature
+"""EmbeddingConfigSpec's rules (spec §4.4, 10.4), the v1 ``*Parameters`` classes and the feature
 columns with every raw input format."""
 
 from __future__ import annotations

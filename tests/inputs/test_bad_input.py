@@ -1,4 +1,4 @@
-"""Bad inputs, gradients, call orders and checkpoints (SPEC 2.2, 4.3, 10.5, 10.6).
+"""Bad inputs, gradients, call orders and checkpoints (spec §2.2, 4.3, 10.5, 10.6).
 
 Every bad case must: raise the documented exception type; name the feature or table and the
 offending value in the message; leave every table and slot bit-for-bit unchanged; and leave the
@@ -378,7 +378,7 @@ def test_output_shape_product_mismatch() -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# Negative ids and weights <= 0 are dropped when validate_weights_and_indices=True (SPEC 10.5).
+# Negative ids and weights <= 0 are dropped when validate_weights_and_indices=True (spec §10.5).
 # ---------------------------------------------------------------------------------------------
 def test_negative_ids_and_nonpositive_weights_dropped_when_validating() -> None:
     dirty_emb, clean_emb = make_emb(), make_emb()
@@ -450,7 +450,7 @@ def test_kjt_with_separate_weights_rejected() -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# apply_gradients errors (SPEC 4.3, 10.6): phase 1 rejects, nothing changes, a retry works.
+# apply_gradients errors (spec §4.3, 10.6): phase 1 rejects, nothing changes, a retry works.
 # ---------------------------------------------------------------------------------------------
 def _grads_with(feature: str, value: Any) -> Callable[[dict[str, Tensor]], Any]:
     def build(acts: dict[str, Tensor]) -> Any:

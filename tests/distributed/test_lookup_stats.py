@@ -1,4 +1,4 @@
-"""Lookup statistics (``profile_data_directory``, SPEC 5) and the placement they feed (issue 7, item 5)."""
+"""Lookup statistics (``profile_data_directory``, spec §5) and the placement they feed (issue 7, item 5)."""
 
 from __future__ import annotations
 

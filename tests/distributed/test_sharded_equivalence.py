@@ -1,5 +1,5 @@
 """Issue 7's core test: ``DistributedEmbedding`` sharded over real gloo processes equals a single-process
-``DistributedEmbedding`` run on the concatenated global batch (SPEC 10.7, 10.8).
+``DistributedEmbedding`` run on the concatenated global batch (spec §10.7, 10.8).
 
 Every optimizer (with and without gradient accumulation), every combiner, weighted, sequence and
 shared-table features, div/mod/table(-wise) placement, W = 2 and 3 (uneven shards, a table with

@@ -87,7 +87,7 @@ def test_native_and_torch_paths_are_bit_identical(opt: Any) -> None:
 
 def test_frequency_estimator_tracks_the_gap_between_hits(kernel_path: str) -> None:
     """Row 0 is hit at steps 1, 3, 5 (gap 2), row 1 at 1 and 9 (gap 8 >= outlier 2 * D: reset), row 2 at
-    step 1 only. tau = 0.5, max_delta = 6: each update is checked against the SPEC 1.3 rule by hand."""
+    step 1 only. tau = 0.5, max_delta = 6: each update is checked against the spec §1.3 rule by hand."""
     step = [0]
     opt = et.FrequencyEstimator(lambda: float(step[0]), tau=0.5, max_delta=6.0, outlier_threshold=2.0)
     table = et.TableConfig(3, 1, name="freq", optimizer=opt, initializer=et.Constant(6.0), combiner="sum")

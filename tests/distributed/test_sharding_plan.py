@@ -1,4 +1,4 @@
-"""The row placement of issue 7 (``embtables.sharding.plan``) against SPEC 3's formulas (``oracle.np_partition``)."""
+"""The row placement of issue 7 (``embtables.sharding.plan``) against spec §3's formulas (``oracle.np_partition``)."""
 
 from __future__ import annotations
 

@@ -76,7 +76,7 @@ def test_whole_keyed_jagged_tensor_splits_by_key() -> None:
 
 
 def test_pipelining_reads_tables_one_step_stale() -> None:
-    """SPEC 6 / 10.9: the lookup of step t+1 reads the tables before the update of step t."""
+    """spec §6 / 10.9: the lookup of step t+1 reads the tables before the update of step t."""
     a, b = _tables()
     cfg = {"x": et.FeatureConfig(a), "y": et.FeatureConfig(b)}
     sync = et.DistributedEmbedding(cfg, et.Adagrad(0.5))
