@@ -157,10 +157,8 @@ class DistributedEmbedding(nn.Module):
         if self._sharded:
             comm.clean_exit()  # the program may never call destroy_process_group(): leave cleanly at exit
             group = process_group if timeout is None else comm.new_group(float(timeout), process_group)
-            strategies, table_ranks = place_tables(self._resolved, sharding, comm.get_world_size(group), loads)
-            self._engine = ShardedEmbeddingCollection(
-                self._resolved, dev, strategies, table_ranks, group, settings=self._settings()
-            )
+            placements = place_tables(self._resolved, sharding, comm.get_world_size(group), loads)
+            self._engine = ShardedEmbeddingCollection(self._resolved, dev, placements, group, settings=self._settings())
             plans = self._engine.plans
             if pipeline_execution_with_tensor_core:  # collectives run on one thread, in program order
                 self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="embtables-exchange")
@@ -233,7 +231,7 @@ class DistributedEmbedding(nn.Module):
         """``{table name: "div" | "mod" | "table@<rank>"}`` when sharded; empty in one process."""
         if not isinstance(self._engine, ShardedEmbeddingCollection):
             return {}
-        return {n: f"table@{p.rank}" if p.strategy == "table" else p.strategy for n, p in self._engine.plans.items()}
+        return {n: str(p.placement) for n, p in self._engine.plans.items()}
 
     @property
     def device(self) -> torch.device:
@@ -560,7 +558,8 @@ class DistributedEmbedding(nn.Module):
         # Pre-update rows the next training lookup must read (pipelining): saved with global row ids.
         stale = {name: (shards[name].rows[rows.cpu()], old) for name, (rows, old) in self._stale.items()}
         strategies = {t.name: "div" for t in self._resolved.tables}
-        strategies.update({n: p.split("@")[0] for n, p in self.sharding_plan.items()})
+        if isinstance(self._engine, ShardedEmbeddingCollection):
+            strategies.update({n: p.strategy for n, p in self._engine.plans.items()})
         with progress_bar(progress, comm.get_rank(group), "save") as tick:
             out = checkpoint.save(
                 path, self._resolved, shards, self._training_steps, strategies=strategies, extra=extra,
@@ -721,6 +720,6 @@ class DistributedEmbedding(nn.Module):
         )
         where = ""
         if isinstance(self._engine, ShardedEmbeddingCollection):
-            plans = ", ".join(f"{n}: {p.strategy}" for n, p in self._engine.plans.items())
+            plans = ", ".join(f"{n}: {p.placement}" for n, p in self._engine.plans.items())
             where = f", rank={self._engine.rank}/{self._engine.world}, sharding=[{plans}]"
         return f"tables=[{tables}], features={len(self._resolved.features)}{where}"

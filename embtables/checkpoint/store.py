@@ -322,7 +322,7 @@ def _publish(
 
 def config_as_data(resolved: ResolvedConfig) -> dict[str, Any]:
     """Tables and features as JSON data (never pickles of code; callables are recorded by kind)."""
-    described = describe_config(resolved, {}, {})
+    described = describe_config(resolved, {})
     for t in resolved.tables:
         d = described["tables"][t.name]
         d["slots"] = list(t.optimizer.slot_names)

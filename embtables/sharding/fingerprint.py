@@ -7,9 +7,11 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+from collections.abc import Mapping
 from typing import Any
 
 from embtables.config import ResolvedConfig
+from embtables.sharding.plan import Placement
 
 
 def _describe(value: Any) -> Any:
@@ -28,9 +30,11 @@ def _describe(value: Any) -> Any:
     return f"{type(value).__name__}"
 
 
-def describe_config(
-    resolved: ResolvedConfig, strategies: dict[str, str], table_ranks: dict[str, int]
-) -> dict[str, Any]:
+def _whole(placement: Placement | None) -> bool:
+    return placement is not None and placement.strategy == "table"
+
+
+def describe_config(resolved: ResolvedConfig, placements: Mapping[str, Placement]) -> dict[str, Any]:
     """Tables (name, V, D, combiner, optimizer and its arguments), features and the placement."""
     tables = {}
     for t in resolved.tables:
@@ -41,8 +45,8 @@ def describe_config(
             "optimizer": _describe(t.optimizer),
             "quantization_config": _describe(t.config.quantization_config),
             "initializer": _describe(t.config.initializer),
-            "strategy": strategies.get(t.name),
-            "table_rank": table_ranks.get(t.name),
+            "strategy": placements[t.name].strategy if t.name in placements else None,
+            "table_rank": placements[t.name].rank if _whole(placements.get(t.name)) else None,
         }
     features = {
         f.name: {

@@ -21,8 +21,33 @@ STRATEGIES: tuple[str, ...] = ("div", "mod", "table")
 
 
 @dataclasses.dataclass(frozen=True)
+class Placement:
+    """How one table is placed: ``strategy`` ("div", "mod" or "table") and, for "table", the ``rank``
+    that holds it whole (0 otherwise). The one value that planning, the sharded engine, checkpoints,
+    lookup statistics and ``repr`` share; ``str()`` gives ``"div"``, ``"mod"`` or ``"table@<rank>"``."""
+
+    strategy: str
+    rank: int = 0
+
+    def __post_init__(self) -> None:
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"Placement: `strategy` must be one of {STRATEGIES}, got {self.strategy!r}.")
+        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 0:
+            raise ValueError(f"Placement: `rank` must be an int >= 0, got {self.rank!r}.")
+        if self.strategy != "table" and self.rank != 0:
+            raise ValueError(f"Placement: only a 'table' placement names a rank, got {self.strategy!r} at {self.rank}.")
+
+    def __str__(self) -> str:
+        return f"table@{self.rank}" if self.strategy == "table" else self.strategy
+
+
+@dataclasses.dataclass(frozen=True)
 class TablePlan:
     """Where the V rows of one table live over ``world_size`` (W) ranks.
+
+    Row counts have three names: ``vocabulary_size`` (V, the table's global rows), ``owned_rows(r)``
+    (the rows rank r holds; they add up to V) and, in the sharded engine, a rank's local rows (its
+    owned rows, or one placeholder row when it owns none).
 
     Attributes:
       strategy: "div", "mod" or "table".
@@ -45,6 +70,18 @@ class TablePlan:
             raise ValueError(f"TablePlan: `world_size` must be an int >= 1, got {self.world_size!r}.")
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"TablePlan: `rank` must be in [0, {self.world_size}), got {self.rank!r}.")
+
+    @classmethod
+    def of(cls, placement: Placement, vocabulary_size: int, world_size: int) -> TablePlan:
+        return cls(placement.strategy, vocabulary_size, world_size, placement.rank)
+
+    @property
+    def placement(self) -> Placement:
+        return Placement(self.strategy, self.rank if self.strategy == "table" else 0)
+
+    def owned_rows(self, rank: int) -> int:
+        """How many rows of the table ``rank`` holds."""
+        return self.shard_sizes()[rank]
 
     def shard_sizes(self) -> list[int]:
         """Rows held by each rank [W]; they add up to V."""

@@ -37,7 +37,7 @@ from embtables.kernels.lookup import occurrence_gradients, pooled_lookup
 from embtables.kernels.segments import dedup_sum
 from embtables.sharding import comm, owner_pooling, routing
 from embtables.sharding.fingerprint import describe_config, differences, fingerprint
-from embtables.sharding.plan import TablePlan
+from embtables.sharding.plan import Placement, TablePlan
 from embtables.tables.collection import EmbeddingCollection, TableGradient
 from embtables.tables.initializers import default_initializer
 from embtables.tables.inputs import FeatureBatch
@@ -69,29 +69,26 @@ class ShardedEmbeddingCollection:
     Args:
       resolved: the resolved config (identical on every rank; checked at construction).
       device: where the local rows live.
-      strategies: table name -> "div", "mod" or "table".
-      table_ranks: for "table" tables, the rank that holds the whole table.
+      placements: table name -> ``Placement`` (strategy, and the rank of a whole table).
     """
 
     def __init__(
         self,
         resolved: ResolvedConfig,
         device: torch.device,
-        strategies: dict[str, str],
-        table_ranks: dict[str, int] | None = None,
+        placements: dict[str, Placement],
         group: Any = None,
         settings: dict[str, Any] | None = None,
     ) -> None:
         self.resolved = resolved
         self.group = group
         self.rank, self.world = comm.get_rank(group), comm.get_world_size(group)
-        table_ranks = dict(table_ranks or {})
-        digest = _check_same_config_everywhere(resolved, strategies, table_ranks, group, settings or {})
+        digest = _check_same_config_everywhere(resolved, placements, group, settings or {})
         self.tag = int(digest[:15], 16)  # the tables' fingerprint in every phase header (63 bits)
         self.plans: dict[str, TablePlan] = {}
         local_tables = []
         for t in resolved.tables:
-            plan = TablePlan(strategies[t.name], t.vocabulary_size, self.world, table_ranks.get(t.name, 0))
+            plan = TablePlan.of(placements[t.name], t.vocabulary_size, self.world)
             self.plans[t.name] = plan
             rows = plan.global_rows(self.rank)
             init = t.config.initializer or default_initializer(t.dim)
@@ -101,7 +98,8 @@ class ShardedEmbeddingCollection:
             config = dataclasses.replace(t.config, vocabulary_size=int(local.shape[0]), initializer=_Rows(local))
             local_tables.append(dataclasses.replace(t, config=config))
         self.local = EmbeddingCollection(dataclasses.replace(resolved, tables=tuple(local_tables)), device)
-        self._owned = {t.name: self.plans[t.name].shard_sizes()[self.rank] for t in resolved.tables}
+        # Owned rows per table (local rows may add one placeholder row when a rank owns none).
+        self._owned_rows = {t.name: self.plans[t.name].owned_rows(self.rank) for t in resolved.tables}
         self._send_workspaces: dict[str, native.Workspace] = {}  # per-table phase 1 of this rank's batch
         pooled = {t.name for t in resolved.tables if owner_pooling.owner_pooled(t, resolved)}
         self.row_tables = [t for t in resolved.tables if t.name not in pooled]
@@ -148,7 +146,7 @@ class ShardedEmbeddingCollection:
         routes = [routing.TableRoute(r, recv_rows, recv_counts) for r, (recv_rows, recv_counts) in zip(routed, asked)]
         answers = []
         for t, route in zip(tables, routes):
-            if route.recv_rows.numel() and int(route.recv_rows.max()) >= self._owned[t.name]:
+            if route.recv_rows.numel() and int(route.recv_rows.max()) >= self._owned_rows[t.name]:
                 raise RuntimeError(f"table {t.name!r}: a rank asked rank {self.rank} for a row it does not hold.")
             answers.append(self.local.states[t.name].weights.index_select(0, route.recv_rows))
         minis = routing.exchange_rows(answers, routes, [t.dim for t in tables], self.rank, self.world, self.group)
@@ -391,7 +389,7 @@ class ShardedEmbeddingCollection:
         for key, (t, slot) in self.state_key_owners().items():
             plan = self.plans[t.name]
             tensor = self.local.states[t.name].tensors()[slot]
-            parts = comm.all_gather_v(tensor[: self._owned[t.name]].contiguous(), self.group)
+            parts = comm.all_gather_v(tensor[: self._owned_rows[t.name]].contiguous(), self.group)
             full = torch.empty((t.vocabulary_size, t.dim), dtype=tensor.dtype, device=tensor.device)
             for r, part in enumerate(parts):
                 full[plan.global_rows(r).to(full.device)] = part.to(full.device)
@@ -404,7 +402,7 @@ class ShardedEmbeddingCollection:
         with torch.no_grad():
             for key, value in values.items():
                 t, slot = owners[key]
-                n = self._owned[t.name]
+                n = self._owned_rows[t.name]
                 if n == 0:
                     continue
                 rows = self.plans[t.name].global_rows(self.rank).to(value.device)
@@ -415,7 +413,7 @@ class ShardedEmbeddingCollection:
         """``{table: LocalShard}``: this rank's rows with their global row ids, as live storage."""
         out = {}
         for t in self.resolved.tables:
-            n = self._owned[t.name]
+            n = self._owned_rows[t.name]
             tensors = {slot: x[:n] for slot, x in self.local.states[t.name].tensors().items()}
             out[t.name] = LocalShard(t.name, t.vocabulary_size, self.plans[t.name].global_rows(self.rank), tensors)
         return out
@@ -428,12 +426,12 @@ class ShardedEmbeddingCollection:
 
 
 def _check_same_config_everywhere(
-    resolved: ResolvedConfig, strategies: dict[str, str], table_ranks: dict[str, int], group: Any,
+    resolved: ResolvedConfig, placements: dict[str, Placement], group: Any,
     settings: dict[str, Any],
 ) -> str:  # fmt: skip
     """Exchange the hash of the config and the module's settings (pipelining) once; raise on every
     rank, naming the differences, when they differ. Returns the hash (hex)."""
-    mine = {**describe_config(resolved, strategies, table_ranks), "settings": settings}
+    mine = {**describe_config(resolved, placements), "settings": settings}
     everyone = comm.all_gather_object((fingerprint(mine), mine), group)
     rank = comm.get_rank(group)
     for r, (digest, theirs) in enumerate(everyone):

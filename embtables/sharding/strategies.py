@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from embtables.config import ResolvedConfig
 from embtables.errors import ConfigError
 from embtables.sharding.lookup_stats import TableLoad
+from embtables.sharding.plan import Placement
 
 STRATEGIES = ("div", "mod", "table", "auto")
 
@@ -51,8 +52,8 @@ def place_tables(
     sharding: str | Mapping[str, str],
     world_size: int,
     loads: Mapping[str, TableLoad] | None = None,
-) -> tuple[dict[str, str], dict[str, int]]:
-    """Each table's strategy ("div", "mod" or "table") and, for "table", the rank holding it.
+) -> dict[str, Placement]:
+    """Each table's ``Placement``: its strategy ("div", "mod" or "table") and, for "table", the rank.
 
     A table's cost is its share of the state bytes (weights and slots) plus, when lookup statistics
     measured every table, its share of the lookup traffic (ids per batch x dim). "table" tables go
@@ -83,4 +84,4 @@ def place_tables(
         rank = min(range(world_size), key=lambda r: (placed[r], r))
         table_ranks[name] = rank
         placed[rank] += cost[name]
-    return strategies, table_ranks
+    return {name: Placement(s, table_ranks.get(name, 0)) for name, s in strategies.items()}

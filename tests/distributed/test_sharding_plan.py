@@ -55,3 +55,15 @@ def test_table_wise() -> None:
 def test_bad_plans_raise(kwargs: dict[str, object], match: str) -> None:
     with pytest.raises(ValueError, match=match):
         TablePlan(**kwargs)  # type: ignore[arg-type]
+
+
+def test_a_placement_is_one_typed_value() -> None:
+    from embtables.sharding.plan import Placement
+
+    assert str(Placement("div")) == "div" and str(Placement("table", 3)) == "table@3"
+    plan = TablePlan.of(Placement("table", 1), 10, 2)
+    assert plan.placement == Placement("table", 1) and [plan.owned_rows(r) for r in range(2)] == [0, 10]
+    assert TablePlan("div", 10, 3).placement == Placement("div")
+    for bad in (("rows", 0), ("div", 2), ("table", -1), ("table", True)):
+        with pytest.raises(ValueError, match="Placement"):
+            Placement(*bad)  # type: ignore[arg-type]
