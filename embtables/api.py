@@ -42,7 +42,8 @@ from embtables.tables.batch_ownership import (
     owned,
     storages,
 )
-from embtables.tables.collection import EmbeddingCollection, TableGradient
+from embtables.tables.collection import TableGradient
+from embtables.tables.engine import Engine, OneProcessEngine
 from embtables.tables.inputs import FeatureBatch, InputConverter
 from embtables.tables.state import LocalShard
 from embtables.tables.state_dict_io import TableDict, strict_of_caller, validate_state_dict
@@ -152,7 +153,7 @@ class DistributedEmbedding(nn.Module):
             raise ValueError(f"DistributedEmbedding: `timeout` must be a positive number of seconds, got {timeout!r}.")
         self._sharded = comm.is_distributed(process_group) and comm.get_world_size(process_group) > 1
         self._worker: concurrent.futures.ThreadPoolExecutor | None = None
-        self._engine: EmbeddingCollection | ShardedEmbeddingCollection
+        self._engine: Engine
         loads = read_loads(profile_data_directory, self._resolved)
         if self._sharded:
             comm.clean_exit()  # the program may never call destroy_process_group(): leave cleanly at exit
@@ -163,7 +164,7 @@ class DistributedEmbedding(nn.Module):
             if pipeline_execution_with_tensor_core:  # collectives run on one thread, in program order
                 self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="embtables-exchange")
         else:
-            self._engine = EmbeddingCollection(self._resolved, dev)
+            self._engine = OneProcessEngine(self._resolved, dev, process_group)
             plans = {t.name: TablePlan("div", t.vocabulary_size, 1, 0) for t in self._resolved.tables}
         self._profile_dir = None if profile_data_directory is None else os.fspath(profile_data_directory)
         self._stats = (
@@ -229,7 +230,7 @@ class DistributedEmbedding(nn.Module):
     @property
     def sharding_plan(self) -> dict[str, str]:
         """``{table name: "div" | "mod" | "table@<rank>"}`` when sharded; empty in one process."""
-        if not isinstance(self._engine, ShardedEmbeddingCollection):
+        if self._engine.world == 1:
             return {}
         return {n: str(p.placement) for n, p in self._engine.plans.items()}
 
@@ -243,10 +244,8 @@ class DistributedEmbedding(nn.Module):
         """``{table name: weights [V, D]}`` (live tensors, after any pipelined update); the
         ``TableConfig`` object works as a key too, as in TF."""
         self._flush(observer=True)
-        if isinstance(self._engine, ShardedEmbeddingCollection):
-            full = self._exchange(self._engine, "state read", self._engine.full_state)
-            return TableDict({t.name: full[t.name] for t in self._resolved.tables}, self._names_by_config)
-        return TableDict({name: s.weights for name, s in self._engine.states.items()}, self._names_by_config)
+        full = self._exchange(self._engine, "state read", self._engine.full_state)
+        return TableDict({t.name: full[t.name] for t in self._resolved.tables}, self._names_by_config)
 
     @property
     @_locked
@@ -254,11 +253,9 @@ class DistributedEmbedding(nn.Module):
         """``{table name: {slot name: [V, D]}}`` with TF's slot names (live tensors); the
         ``TableConfig`` object works as a key too."""
         self._flush(observer=True)
-        if isinstance(self._engine, ShardedEmbeddingCollection):
-            full = self._exchange(self._engine, "state read", self._engine.full_state)
-            slots = {t.name: {s: full[f"{t.name}/{s}"] for s in t.optimizer.slot_names} for t in self._resolved.tables}
-            return TableDict(slots, self._names_by_config)
-        return TableDict({name: dict(s.slots) for name, s in self._engine.states.items()}, self._names_by_config)
+        full = self._exchange(self._engine, "state read", self._engine.full_state)
+        slots = {t.name: {s: full[f"{t.name}/{s}"] for s in t.optimizer.slot_names} for t in self._resolved.tables}
+        return TableDict(slots, self._names_by_config)
 
     def build(self, per_replica_input_shapes: Any = None, per_replica_batch_size: int | None = None) -> None:
         """TF compatibility: tables are created at construction, so this only checks TF's rules
@@ -352,14 +349,11 @@ class DistributedEmbedding(nn.Module):
         """The step a lookup belongs to: the next training step, or (eval) the last one trained."""
         return self._training_steps + 1 if training else self._training_steps
 
-    def _lookup(self, staged: _Staged) -> tuple[list[Tensor], LookupContext | None]:
+    def _lookup(self, staged: _Staged) -> tuple[list[Tensor], Any]:
         """The lookup of a staged batch (on the exchange thread when pipelining is sharded)."""
         with torch.no_grad(), self._stale_rows_swapped_in(staged.training):
-            if isinstance(self._engine, ShardedEmbeddingCollection):
-                self._engine.check_phase("lookup" if staged.training else "eval lookup", staged.step)
-                return self._engine.lookup(staged.batches or [], staged.refused)
-            assert staged.batches is not None
-            return self._engine.lookup(staged.batches), None
+            self._engine.check_phase("lookup" if staged.training else "eval lookup", staged.step)
+            return self._engine.lookup(staged.batches or [], staged.refused)
 
     def _run(self, fn: Callable[[], _T]) -> _T:
         """Run ``fn`` where this module's collectives run: on the exchange thread when there is one, so
@@ -368,9 +362,9 @@ class DistributedEmbedding(nn.Module):
             return fn()
         return self._worker.submit(fn).result()
 
-    def _exchange(self, engine: ShardedEmbeddingCollection, phase: str, fn: Callable[[], _T]) -> _T:
-        """A sharded operation's collectives (``_run``), preceded by its phase header: ranks out of step
-        raise ``CollectiveError`` on every rank before any data moves."""
+    def _exchange(self, engine: Engine, phase: str, fn: Callable[[], _T]) -> _T:
+        """An operation's collectives (``_run``), preceded by its phase header: ranks out of step raise
+        ``CollectiveError`` on every rank before any data moves (in one process, just ``fn()``)."""
         step = self._training_steps
 
         def run() -> _T:
@@ -429,18 +423,13 @@ class DistributedEmbedding(nn.Module):
         try:
             checked = [engine.check_gradient(i, b, g) for i, (b, g) in enumerate(zip(last.batches, flat_g))]
         except (ValueError, TypeError) as exc:
-            if not isinstance(engine, ShardedEmbeddingCollection):
+            if engine.world == 1:
                 raise
             refused, checked = exc, [None] * len(flat_g)  # every rank refuses this step together
         self._flush()  # a held-back update lands first: phase 1 below reuses the tables' native workspaces
-        if isinstance(engine, ShardedEmbeddingCollection):
-            assert last.context is not None
-            context = last.context
-            table_grads = self._exchange(
-                engine, "apply_gradients", lambda: engine.table_gradients(last.batches, checked, context, refused)
-            )
-        else:
-            table_grads = engine.table_gradients(last.batches, checked)
+        table_grads = self._exchange(
+            engine, "apply_gradients", lambda: engine.table_gradients(last.batches, checked, last.context, refused)
+        )
         lrs = engine.learning_rates()
         update = _PendingUpdate(table_grads, lrs)
         if self.pipeline_execution_with_tensor_core:
@@ -475,10 +464,7 @@ class DistributedEmbedding(nn.Module):
                     assert touched is not None
                     rows = torch.unique(touched).to(weights.device)
                 stale[tg.table.name] = (rows, weights.index_select(0, rows))
-        if isinstance(self._engine, ShardedEmbeddingCollection):
-            self._engine.apply(pending.table_grads, pending.lrs, agreed=True)  # agreed at apply_gradients
-        else:
-            self._engine.apply(pending.table_grads, pending.lrs)
+        self._engine.apply(pending.table_grads, pending.lrs, agreed=True)  # the ranks agreed at apply_gradients
         self._stale.update({k: v for k, v in stale.items() if k not in self._stale})
 
     @contextlib.contextmanager
@@ -509,14 +495,10 @@ class DistributedEmbedding(nn.Module):
         and start counting afresh. Returns the paths written (on rank 0). Collective when sharded."""
         if self._stats is None or self._profile_dir is None:
             return []
-        stats, directory = self._stats, self._profile_dir
-        if isinstance(self._engine, ShardedEmbeddingCollection):
-            engine = self._engine
-            parts = self._exchange(engine, "flush", lambda: comm.all_gather_object(stats.state(), engine.group))
-            strategies = {n: p.strategy for n, p in engine.plans.items()}
-            world, rank = engine.world, engine.rank
-        else:
-            parts, strategies, world, rank = [stats.state()], {t.name: "div" for t in self._resolved.tables}, 1, 0
+        stats, directory, engine = self._stats, self._profile_dir, self._engine
+        parts = self._exchange(engine, "flush", lambda: comm.all_gather_object(stats.state(), engine.group))
+        strategies = {n: p.strategy for n, p in engine.plans.items()}
+        world, rank = engine.world, engine.rank
         stats.reset()
         paths: list[Path] = []
         error: str | None = None
@@ -525,9 +507,7 @@ class DistributedEmbedding(nn.Module):
                 paths = write_stats(directory, merge(parts), self._resolved, strategies, world)
             except (OSError, ValueError) as exc:
                 error = f"{type(exc).__name__}: {exc}"
-        if isinstance(self._engine, ShardedEmbeddingCollection):  # every rank raises rank 0's error, or none
-            group = self._engine.group
-            error = self._run(lambda: comm.broadcast_object(error, 0, group))
+        error = self._run(lambda: comm.broadcast_object(error, 0, engine.group))  # rank 0's error on every rank
         if error is not None:
             raise RuntimeError(
                 f"DistributedEmbedding.flush: rank 0 could not write the lookup statistics to {directory} ({error}); "
@@ -552,14 +532,11 @@ class DistributedEmbedding(nn.Module):
         Collective when sharded. A pending pipelined update is applied first. Returns the directory."""
         self._refuse_if_torn("save")
         shards = self.local_shards()  # applies a pending pipelined update, keeping its pre-update rows
-        group = self._engine.group if isinstance(self._engine, ShardedEmbeddingCollection) else self._group
-        if isinstance(self._engine, ShardedEmbeddingCollection):
-            self._exchange(self._engine, "save", lambda: None)
+        group = self._engine.group
+        self._exchange(self._engine, "save", lambda: None)
         # Pre-update rows the next training lookup must read (pipelining): saved with global row ids.
         stale = {name: (shards[name].rows[rows.cpu()], old) for name, (rows, old) in self._stale.items()}
-        strategies = {t.name: "div" for t in self._resolved.tables}
-        if isinstance(self._engine, ShardedEmbeddingCollection):
-            strategies.update({n: p.strategy for n, p in self._engine.plans.items()})
+        strategies = {n: p.strategy for n, p in self._engine.plans.items()}
         with progress_bar(progress, comm.get_rank(group), "save") as tick:
             out = checkpoint.save(
                 path, self._resolved, shards, self._training_steps, strategies=strategies, extra=extra,
@@ -579,10 +556,9 @@ class DistributedEmbedding(nn.Module):
         Returns the manifest (with the ``extra`` given to ``save``)."""
         self._drop_prefetch()
         engine = self._engine
-        group = engine.group if isinstance(engine, ShardedEmbeddingCollection) else self._group
-        shards = engine.local_shards() if isinstance(engine, ShardedEmbeddingCollection) else self._whole_shards()
-        if isinstance(engine, ShardedEmbeddingCollection):
-            self._exchange(engine, "restore", lambda: None)
+        group = engine.group
+        shards = engine.local_shards()
+        self._exchange(engine, "restore", lambda: None)
         with progress_bar(progress, comm.get_rank(group), "restore") as tick:
             try:
                 manifest = checkpoint.restore(path, self._resolved, shards, progress=tick, group=group)
@@ -610,22 +586,12 @@ class DistributedEmbedding(nn.Module):
                 f"partly restored ({self._torn}). Restore again (or load_state_dict) first."
             )
 
-    def _whole_shards(self) -> dict[str, LocalShard]:
-        out = {}
-        for t in self._resolved.tables:
-            state = self._engine.states[t.name]
-            rows = torch.arange(t.vocabulary_size, dtype=torch.int64)
-            out[t.name] = LocalShard(t.name, t.vocabulary_size, rows, state.tensors())
-        return out
-
     @_locked
     def local_shards(self) -> dict[str, LocalShard]:
         """``{table name: LocalShard}``: the rows this process owns, with their global row ids, as
         live storage (after any pipelined update). In one process every table is one whole shard."""
         self._flush(observer=True)
-        if isinstance(self._engine, ShardedEmbeddingCollection):
-            return self._engine.local_shards()
-        return self._whole_shards()
+        return self._engine.local_shards()
 
     # ------------------------------------------------------------------ nn.Module integration
     @_locked
@@ -655,12 +621,8 @@ class DistributedEmbedding(nn.Module):
     @_locked
     def _save_to_state_dict(self, destination: dict[str, Any], prefix: str, keep_vars: bool) -> None:
         self._flush(observer=True)
-        if isinstance(self._engine, ShardedEmbeddingCollection):
-            for key, t in self._exchange(self._engine, "state read", self._engine.full_state).items():
-                destination[prefix + key] = t
-            return
-        for key, t in self._engine.state_keys().items():
-            destination[prefix + key] = t if keep_vars else t.detach()
+        for key, t in self._exchange(self._engine, "state read", self._engine.full_state).items():
+            destination[prefix + key] = t if keep_vars else t.detach()  # gathered copies when sharded
 
     @_locked
     def _load_from_state_dict(
@@ -678,21 +640,14 @@ class DistributedEmbedding(nn.Module):
         ``strict=False`` the keys present are loaded and the others keep their values."""
         strict = strict_of_caller(strict)
         engine = self._engine
-        shapes = (
-            engine.logical_shapes()
-            if isinstance(engine, ShardedEmbeddingCollection)
-            else {k: (int(t.shape[0]), int(t.shape[1])) for k, t in engine.state_keys().items()}
-        )
         present, errors, missing, unexpected = validate_state_dict(
-            state_dict, prefix, shapes, engine.state_key_owners()
+            state_dict, prefix, engine.logical_shapes(), engine.state_key_owners()
         )
         if strict:
             unexpected_keys.extend(unexpected)
         missing_keys.extend(missing)
         refuse = bool(errors) or (strict and bool(missing or unexpected))
-        if isinstance(engine, ShardedEmbeddingCollection) and self._exchange(
-            engine, "state load", lambda: comm.any_rank(refuse, engine.group)
-        ):
+        if self._exchange(engine, "state load", lambda: comm.any_rank(refuse, engine.group)):
             if not refuse:  # every rank loads, or none does
                 error_msgs.append("DistributedEmbedding: another rank refused its state dict; nothing was loaded.")
             refuse = True
@@ -706,20 +661,14 @@ class DistributedEmbedding(nn.Module):
         self._last = None
         self._stale = {}
         self._torn = None if not missing else self._torn
-        if isinstance(engine, ShardedEmbeddingCollection):
-            engine.load_logical(present)
-            return
-        expected = engine.state_keys()
-        with torch.no_grad():
-            for key, value in present.items():
-                expected[key].copy_(value.to(expected[key].dtype))
+        engine.load_logical(present)
 
     def extra_repr(self) -> str:
         tables = ", ".join(
             f"{t.name}: {t.vocabulary_size}x{t.dim} {type(t.optimizer).__name__}" for t in self._resolved.tables
         )
         where = ""
-        if isinstance(self._engine, ShardedEmbeddingCollection):
+        if self._engine.world > 1:
             plans = ", ".join(f"{n}: {p.placement}" for n, p in self._engine.plans.items())
             where = f", rank={self._engine.rank}/{self._engine.world}, sharding=[{plans}]"
         return f"tables=[{tables}], features={len(self._resolved.features)}{where}"

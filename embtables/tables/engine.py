@@ -1,0 +1,174 @@
+"""The engine interface ``DistributedEmbedding`` drives, and its one-process implementation.
+
+``Engine`` is what both engines offer: the sharded one (``sharding.ShardedEmbeddingCollection``) and
+``OneProcessEngine`` here, which is the world-of-one case: no exchanges, no phase headers, rank 0 of 1,
+every table one whole ``div`` shard. The facade never asks which one it holds; it asks ``world`` only
+where the rules differ by world size (one process raises a bad batch at once, several ranks refuse it
+together at the lookup).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor
+
+from embtables.config import ResolvedConfig, ResolvedTable
+from embtables.tables.collection import EmbeddingCollection, TableGradient
+from embtables.tables.inputs import FeatureBatch
+from embtables.tables.state import LocalShard, TableState
+
+
+class Engine(Protocol):
+    """The tables of a resolved config on ``world`` ranks (1 for one process), with the TF verbs.
+
+    Collective methods (lookup, table_gradients, check, apply, full_state) must be called by every
+    rank in the same order, after ``check_phase``; in one process they are ordinary calls."""
+
+    resolved: ResolvedConfig
+    group: Any
+    rank: int
+    world: int
+
+    @property
+    def plans(self) -> dict[str, Any]: ...
+
+    @property
+    def device(self) -> torch.device: ...
+
+    @property
+    def states(self) -> dict[str, TableState]: ...
+
+    def check_phase(self, phase: str, step: int) -> None: ...
+
+    def lookup(
+        self, batches: Sequence[FeatureBatch], refused: BaseException | None = None
+    ) -> tuple[list[Tensor], Any]: ...
+
+    def check_gradient(self, feature_index: int, batch: FeatureBatch, grad: Any) -> Tensor | None: ...
+
+    def table_gradients(
+        self,
+        batches: Sequence[FeatureBatch],
+        grads: Sequence[Tensor | None],
+        context: Any,
+        refused: BaseException | None = None,
+    ) -> list[TableGradient]: ...
+
+    def learning_rates(self) -> dict[str, float]: ...
+
+    def check(self, table_grads: Sequence[TableGradient], lrs: dict[str, float]) -> None: ...
+
+    def apply(self, table_grads: Sequence[TableGradient], lrs: dict[str, float], *, agreed: bool = False) -> None: ...
+
+    def full_state(self) -> dict[str, Tensor]: ...
+
+    def logical_shapes(self) -> dict[str, tuple[int, int]]: ...
+
+    def state_key_owners(self) -> dict[str, tuple[ResolvedTable, str]]: ...
+
+    def load_logical(self, values: dict[str, Tensor]) -> None: ...
+
+    def local_shards(self) -> dict[str, LocalShard]: ...
+
+    def map_tensors(self, fn: Callable[[Tensor], Tensor]) -> None: ...
+
+    def note_values_kept(self, table_name: str) -> None: ...
+
+
+class _WholeTable:
+    """The plan of a table held whole by the only rank (what ``TablePlan("div", V, 1)`` says)."""
+
+    strategy = "div"
+    placement = "div"
+
+
+class OneProcessEngine:
+    """``Engine`` for one process: an ``EmbeddingCollection`` (``local``, as in the sharded engine)."""
+
+    rank = 0
+    world = 1
+
+    def __init__(self, resolved: ResolvedConfig, device: torch.device, group: Any = None) -> None:
+        self.resolved = resolved
+        self.group = group  # a process group of one rank, or None
+        self.local = EmbeddingCollection(resolved, device)
+
+    @property
+    def plans(self) -> dict[str, Any]:
+        return {t.name: _WholeTable() for t in self.resolved.tables}
+
+    @property
+    def device(self) -> torch.device:
+        return self.local.device
+
+    @property
+    def states(self) -> dict[str, TableState]:
+        return self.local.states
+
+    def check_phase(self, phase: str, step: int) -> None:
+        """Nothing to agree on with no other rank."""
+
+    def lookup(
+        self, batches: Sequence[FeatureBatch], refused: BaseException | None = None
+    ) -> tuple[list[Tensor], None]:
+        if refused is not None:  # one process raises a bad batch at enqueue; kept for the interface
+            raise refused
+        return self.local.lookup(batches), None
+
+    def check_gradient(self, feature_index: int, batch: FeatureBatch, grad: Any) -> Tensor | None:
+        return self.local.check_gradient(feature_index, batch, grad)
+
+    def table_gradients(
+        self,
+        batches: Sequence[FeatureBatch],
+        grads: Sequence[Tensor | None],
+        context: Any = None,
+        refused: BaseException | None = None,
+    ) -> list[TableGradient]:
+        if refused is not None:
+            raise refused
+        return self.local.table_gradients(batches, grads)
+
+    def learning_rates(self) -> dict[str, float]:
+        return self.local.learning_rates()
+
+    def check(self, table_grads: Sequence[TableGradient], lrs: dict[str, float]) -> None:
+        self.local.check(table_grads, lrs)
+
+    def apply(self, table_grads: Sequence[TableGradient], lrs: dict[str, float], *, agreed: bool = False) -> None:
+        self.local.apply(table_grads, lrs)
+
+    def full_state(self) -> dict[str, Tensor]:
+        """``{"<table>" | "<table>/<slot>": [V, D]}``: the live tensors (no copy in one process)."""
+        return self.local.state_keys()
+
+    def logical_shapes(self) -> dict[str, tuple[int, int]]:
+        return {k: (int(t.shape[0]), int(t.shape[1])) for k, t in self.local.state_keys().items()}
+
+    def state_key_owners(self) -> dict[str, tuple[ResolvedTable, str]]:
+        return self.local.state_key_owners()
+
+    def load_logical(self, values: dict[str, Tensor]) -> None:
+        """Copy full logical tables/slots ``{key: [V, D]}`` (already validated) into place."""
+        expected = self.local.state_keys()
+        with torch.no_grad():
+            for key, value in values.items():
+                expected[key].copy_(value.to(expected[key].dtype))
+
+    def local_shards(self) -> dict[str, LocalShard]:
+        """Every table as one whole shard (rows ``arange(V)``), as live storage."""
+        out = {}
+        for t in self.resolved.tables:
+            state = self.local.states[t.name]
+            rows = torch.arange(t.vocabulary_size, dtype=torch.int64)
+            out[t.name] = LocalShard(t.name, t.vocabulary_size, rows, state.tensors())
+        return out
+
+    def map_tensors(self, fn: Callable[[Tensor], Tensor]) -> None:
+        self.local.map_tensors(fn)
+
+    def note_values_kept(self, table_name: str) -> None:
+        self.local.note_values_kept(table_name)
