@@ -44,7 +44,7 @@ from embtables.tables.batch_ownership import (
 )
 from embtables.tables.collection import TableGradient
 from embtables.tables.engine import Engine, OneProcessEngine
-from embtables.tables.inputs import FeatureBatch, InputConverter
+from embtables.tables.inputs import FeatureBatch, InputConverter, convert_many
 from embtables.tables.state import LocalShard
 from embtables.tables.state_dict_io import TableDict, strict_of_caller, validate_state_dict
 
@@ -284,9 +284,10 @@ class DistributedEmbedding(nn.Module):
             busy = batch_pointers(self._last.batches) if self._last is not None else set()
             if self._enqueued is not None and self._enqueued.batches is not None:
                 busy |= batch_pointers(self._enqueued.batches)  # kept until this batch is valid
+            converted = convert_many(self._converters, flat_x, flat_w, device)
             batches = [
-                owned(conv.convert(x, w, device), storages(x) | storages(w), self._staging, i, busy)
-                for i, (conv, x, w) in enumerate(zip(self._converters, flat_x, flat_w))
+                owned(b, storages(x) | storages(w), self._staging, i, busy)
+                for i, (b, x, w) in enumerate(zip(converted, flat_x, flat_w))
             ]
         except (ValueError, TypeError) as exc:
             if not self._sharded:

@@ -158,6 +158,8 @@ def _compile() -> ctypes.CDLL | None:
     lib.et_apply_sequential.restype = i32
     lib.et_workspace_load.argtypes = [p, p, p, i64, i64, i64]
     lib.et_workspace_load.restype = i32
+    lib.et_check_inputs_many.argtypes = [i64, p, p, p, p, p, p]
+    lib.et_check_inputs_many.restype = None
     lib.et_workspace_new.argtypes = []
     lib.et_workspace_new.restype = p
     lib.et_workspace_free.argtypes = [p]
@@ -188,9 +190,10 @@ def usable(*tensors: Tensor | None) -> bool:
     """True when the native path is on and every tensor is a contiguous CPU float32 or int64 tensor."""
     if library() is None:
         return False
-    return all(
-        t is None or (t.device.type == "cpu" and t.dtype in _NATIVE_DTYPES and t.is_contiguous()) for t in tensors
-    )
+    for t in tensors:  # a loop, not all(genexpr): this runs several times per feature per step
+        if t is not None and not (t.is_cpu and t.dtype in _NATIVE_DTYPES and t.is_contiguous()):
+            return False
+    return True
 
 
 class NativeBufferError(RuntimeError):
@@ -201,10 +204,9 @@ def _require(t: object, what: str, dtype: torch.dtype, shape: tuple[int, ...]) -
     """``t`` as a contiguous CPU tensor of ``dtype`` and exactly ``shape`` (-1 = any), else raise.
 
     Every buffer is checked here, in the call that hands it to C, so C never reads past an allocation."""
-    ok = isinstance(t, Tensor) and t.dtype == dtype and t.is_contiguous() and t.dim() == len(shape)
+    ok = isinstance(t, Tensor) and t.dtype == dtype and t.is_cpu and t.is_contiguous() and t.dim() == len(shape)
     if ok:
         assert isinstance(t, Tensor)
-        ok = t.device.type == "cpu"
         for want, size in zip(shape, t.shape):
             if want != -1 and want != size:
                 ok = False
@@ -312,6 +314,31 @@ def lookup_many(parts: list[tuple[Tensor, Tensor, Tensor, Tensor | None]]) -> tu
         _threads(),
     )
     return outs, int(status)
+
+
+def check_inputs_many(parts: list[tuple[Tensor, Tensor | None, int]]) -> list[bool]:
+    """For each ``(ids [N] int64, row splits [B+1] int64 | None, V)``: True when every id is in
+    ``[0, V)`` and the splits start at 0, never decrease and end at N (one C call for all features).
+    Every buffer is checked first, so C never reads past one."""
+    lib = library()
+    assert lib is not None
+    n = len(parts)
+    for ids, splits, _ in parts:
+        _require(ids, "ids", torch.int64, (-1,))
+        if _require_opt(splits, "row splits", torch.int64, (-1,)) is not None and splits.numel() < 1:  # type: ignore[union-attr]
+            raise NativeBufferError("embtables native kernel: row splits must hold at least one value.")
+    arr, i64s = ctypes.c_void_p * n, ctypes.c_int64 * n
+    status = (ctypes.c_int32 * n)()
+    lib.et_check_inputs_many(
+        n,
+        arr(*[ids.data_ptr() for ids, _, _ in parts]),
+        i64s(*[ids.numel() for ids, _, _ in parts]),
+        arr(*[_ptr(splits) for _, splits, _ in parts]),
+        i64s(*[-1 if splits is None else splits.numel() - 1 for _, splits, _ in parts]),
+        i64s(*[v for _, _, v in parts]),
+        status,
+    )
+    return [s == 0 for s in status]
 
 
 def _slots(weights: Tensor, slots: tuple[Tensor, ...]) -> tuple[Tensor | None, Tensor | None, Tensor | None]:

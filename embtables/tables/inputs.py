@@ -19,6 +19,7 @@ from torch import Tensor
 
 from embtables.config import Combiner, ResolvedFeature, ResolvedTable
 from embtables.errors import InputError
+from embtables.kernels import native
 from embtables.kernels.segments import offsets_from_segments, segment_sum, segments_from_offsets
 from embtables.tables.ragged import Ragged
 
@@ -456,3 +457,53 @@ class InputConverter:
     ) -> FeatureBatch:
         offsets = offsets_from_segments(seg, num_segments)
         return FeatureBatch(ids=ids, offsets=offsets, coeffs=coeffs, out_shape=out_shape, seg_=seg)
+
+
+def _plain_int64(t: object) -> bool:
+    return (
+        isinstance(t, Tensor)
+        and t.dtype == torch.int64
+        and t.layout == torch.strided
+        and not t.is_nested
+        and t.device.type == "cpu"
+        and t.is_contiguous()
+    )
+
+
+def convert_many(
+    converters: list[InputConverter], xs: list[Any], ws: list[Any], device: torch.device
+) -> list[FeatureBatch]:
+    """Every feature's input converted (``InputConverter.convert`` each), with the common inputs on the
+    fast path: int64 CPU ``Ragged`` or dense ids without weights, for non-sequence features without an
+    ``output_shape``. Their input rules (ids in [0, V), row splits that start at 0, never decrease and end
+    at len(values)) are checked for all features in one native call; a feature whose input breaks a rule,
+    or that is not on the fast path, goes through ``convert``, which drops what the rules drop and names
+    what is wrong. Both paths give the same batches."""
+    fast: list[tuple[int, Tensor, Tensor | None]] = []
+    values: Tensor
+    splits: Tensor | None
+    if device.type == "cpu" and native.library() is not None:
+        for i, (conv, x, w) in enumerate(zip(converters, xs, ws)):
+            cfg = conv.feature.config
+            if w is not None or cfg.is_sequence or cfg.output_shape is not None:
+                continue
+            if type(x) is Ragged:
+                values, splits = x.values, x.row_splits
+                if _plain_int64(values) and _plain_int64(splits) and values.dim() == 1 and splits.dim() == 1 \
+                        and splits.numel() >= 1:  # fmt: skip
+                    fast.append((i, values, splits))
+            elif _plain_int64(x) and x.dim() >= 1:
+                fast.append((i, x.reshape(-1), None))
+    ok = native.check_inputs_many([(v, s, converters[i].table.vocabulary_size) for i, v, s in fast]) if fast else []
+    out: list[FeatureBatch | None] = [None] * len(converters)
+    for (i, values, splits), good in zip(fast, ok):
+        if not good:
+            continue
+        conv = converters[i]
+        if splits is None:  # dense: each element is its own lookup
+            offsets = torch.arange(values.numel() + 1)
+            out[i] = FeatureBatch(ids=values, offsets=offsets, coeffs=None, out_shape=tuple(xs[i].shape))
+        else:
+            batch = FeatureBatch(ids=values, offsets=splits, coeffs=None, out_shape=(splits.numel() - 1,))
+            out[i] = dataclasses.replace(batch, coeffs=conv._combiner_coeffs(batch, None))
+    return [b if b is not None else conv.convert(x, w, device) for b, conv, x, w in zip(out, converters, xs, ws)]

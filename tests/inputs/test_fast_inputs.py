@@ -1,0 +1,84 @@
+"""The fast input path (issue 16): int64 CPU Ragged and dense ids without weights are checked for all
+features in one native call. It must give exactly the batches the general path gives, and every input
+that breaks a rule must take the general path (so it is dropped or named exactly as before)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+import embtables as et
+from embtables.config import resolve
+from embtables.tables.inputs import FeatureBatch, InputConverter, convert_many
+
+
+def _converters(combiners: list[str], validate: bool = True) -> list[InputConverter]:
+    features = {
+        f"f{i}": et.FeatureConfig(
+            et.TableConfig(7, 2, name=f"t{i}", combiner=c), validate_weights_and_indices=validate
+        )
+        for i, c in enumerate(combiners)
+    }
+    resolved = resolve(features, et.SGD(0.1))
+    return [InputConverter(f, resolved.tables[f.table_index]) for f in resolved.features]
+
+
+def _same(a: FeatureBatch, b: FeatureBatch) -> bool:
+    def eq(x: torch.Tensor | None, y: torch.Tensor | None) -> bool:
+        return (x is None and y is None) or (x is not None and y is not None and torch.equal(x, y))
+
+    return (
+        eq(a.ids, b.ids) and eq(a.offsets, b.offsets) and eq(a.coeffs, b.coeffs)
+        and a.out_shape == b.out_shape and a.dropped == b.dropped
+    )  # fmt: skip
+
+
+def _random_input(rng: random.Random) -> object:
+    kind = rng.random()
+    lengths = [rng.randint(0, 4) for _ in range(rng.randint(0, 5))]
+    n = sum(lengths)
+    ids = [rng.choice([0, 1, 3, 6, 6, 2]) for _ in range(n)]
+    if kind < 0.15 and n:
+        ids[rng.randrange(n)] = rng.choice([-1, 7, 100, -(2**62)])  # dropped or refused
+    if kind < 0.55:
+        splits = torch.cumsum(torch.tensor([0, *lengths]), 0)
+        if 0.5 < kind < 0.55 and splits.numel() > 2:
+            splits[1] = splits[-1] + 1  # splits that go past the values
+        return et.Ragged(torch.tensor(ids, dtype=torch.int64), splits)
+    if kind < 0.9:
+        rows, cols = rng.randint(1, 3), rng.randint(1, 3)
+        values = [rng.choice([0, 1, 3, 6]) for _ in range(rows * cols)]
+        if kind < 0.6:
+            values[0] = rng.choice([-1, 7])  # dropped or refused
+        return torch.tensor(values, dtype=torch.int64).reshape(rows, cols)
+    return torch.tensor(ids or [1], dtype=torch.int32)  # another dtype: the general path
+
+
+@pytest.mark.parametrize("validate", [True, False])
+def test_the_fast_path_gives_the_general_paths_batches_or_its_error(validate: bool) -> None:
+    rng = random.Random(11)
+    convs = _converters(["sum", "mean", "sqrtn"], validate)
+    device = torch.device("cpu")
+    fast_used = 0
+    for _ in range(600):
+        xs = [_random_input(rng) for _ in convs]
+        ws = [None] * len(convs)
+        expected: list[FeatureBatch] | None
+        try:
+            expected = [c.convert(x, w, device) for c, x, w in zip(convs, xs, ws)]
+            error = None
+        except (ValueError, TypeError) as exc:
+            expected, error = None, exc
+        if expected is None:
+            assert error is not None
+            with pytest.raises(type(error)) as got:
+                convert_many(convs, xs, ws, device)
+            assert str(got.value) == str(error)
+            continue
+        got_batches = convert_many(convs, xs, ws, device)
+        assert all(_same(a, b) for a, b in zip(got_batches, expected)), xs
+        fast_used += sum(1 for x in xs if isinstance(x, (et.Ragged, torch.Tensor)))
+    assert fast_used > 500
+
