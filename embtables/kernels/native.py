@@ -158,6 +158,8 @@ def _compile() -> ctypes.CDLL | None:
     lib.et_apply_sequential.restype = i32
     lib.et_workspace_load.argtypes = [p, p, p, i64, i64, i64]
     lib.et_workspace_load.restype = i32
+    lib.et_apply_many.argtypes = [i64, p, p, p, p, p, p, p, p, p, p, i32, p, p]
+    lib.et_apply_many.restype = None
     lib.et_check_inputs_many.argtypes = [i64, p, p, p, p, p, p]
     lib.et_check_inputs_many.restype = None
     lib.et_workspace_new.argtypes = []
@@ -339,6 +341,48 @@ def check_inputs_many(parts: list[tuple[Tensor, Tensor | None, int]]) -> list[bo
         status,
     )
     return [s == 0 for s in status]
+
+
+# One table's phase 2 for ``apply_many``: (workspace, weights, slots, params, dense, measure).
+ApplyItem = tuple["Workspace", Tensor, tuple[Tensor, ...], _OptParams, bool, bool]
+
+
+def apply_many(items: list[ApplyItem]) -> list[tuple[float, ...] | None]:
+    """``Workspace.apply`` for several tables in one native call (same checks, same results): per
+    table, the largest |value| written into the weights and each slot when ``measure``, else None."""
+    lib = library()
+    assert lib is not None
+    n = len(items)
+    checked = []
+    for ws, weights, slots, _, _, _ in items:
+        _require(weights, "weights", torch.float32, (-1, ws.dim))
+        checked.append(_slots(weights, slots))
+    arr, i64s, i32s = ctypes.c_void_p * n, ctypes.c_int64 * n, ctypes.c_int32 * n
+    maxabs = (ctypes.c_float * (4 * n))()
+    status = i32s()
+    params = (ctypes.POINTER(_OptParams) * n)(*[ctypes.pointer(item[3]) for item in items])
+    lib.et_apply_many(
+        n,
+        arr(*[ws.handle for ws, *_ in items]),
+        arr(*[w.data_ptr() for _, w, *_ in items]),
+        arr(*[_ptr(s[0]) for s in checked]),
+        arr(*[_ptr(s[1]) for s in checked]),
+        arr(*[_ptr(s[2]) for s in checked]),
+        i64s(*[w.shape[0] for _, w, *_ in items]),
+        i64s(*[ws.dim for ws, *_ in items]),
+        params,
+        i32s(*[int(item[4]) for item in items]),
+        i32s(*[int(item[5]) for item in items]),
+        _threads(),
+        maxabs,
+        status,
+    )
+    if any(status):
+        raise NativeBufferError("embtables native kernel: a prepared update does not fit its table.")
+    return [
+        tuple(float(m) for m in maxabs[4 * t : 4 * t + 1 + len(item[2])]) if item[5] else None
+        for t, item in enumerate(items)
+    ]
 
 
 def _slots(weights: Tensor, slots: tuple[Tensor, ...]) -> tuple[Tensor | None, Tensor | None, Tensor | None]:

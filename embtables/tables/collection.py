@@ -269,9 +269,14 @@ class EmbeddingCollection:
         and every table and slot is left exactly as it was.
         """
         writes: list[Callable[[], None]] = []
+        natives: list[_NativeWrite] = []  # written together, in one native call
         for tg in table_grads:
             if tg.accumulated:
-                writes.append(self._checked_update(tg, lrs[tg.table.name]))
+                write = self._checked_update(tg, lrs[tg.table.name])
+                if isinstance(write, _NativeWrite):
+                    natives.append(write)
+                else:
+                    writes.append(write)
         restores: list[Callable[[], None]] = []
         try:
             for tg in table_grads:
@@ -283,6 +288,14 @@ class EmbeddingCollection:
             raise
         for write in writes:
             write()
+        if natives:
+            written = native.apply_many([(n.ws, n.weights, n.slots, n.params, n.dense, n.measure) for n in natives])
+            for n, maxabs in zip(natives, written):
+                if maxabs is not None:
+                    self._after_write(n.table, maxabs, measured=True)
+                else:
+                    assert n.bounds is not None
+                    self._after_write(n.table, n.bounds, measured=False)
 
     def check(self, table_grads: Sequence[TableGradient], lrs: dict[str, float]) -> None:
         """Raise exactly as ``apply`` would, but write nothing (used for an update held back by
@@ -293,7 +306,7 @@ class EmbeddingCollection:
             else:
                 self._apply_sequential_or_restore(tg, lrs[tg.table.name])()
 
-    def _checked_update(self, tg: TableGradient, lr: float) -> Callable[[], None]:
+    def _checked_update(self, tg: TableGradient, lr: float) -> Callable[[], None] | _NativeWrite:
         """Check one accumulated table update (writes nothing); returns the function that writes it."""
         state = self.states[tg.table.name]
         opt = tg.table.optimizer
@@ -318,17 +331,7 @@ class EmbeddingCollection:
                     raise _non_finite_update(tg.table, bad, lr)
             # Carry the proven bounds forward (free) unless they compound over steps: then measure.
             measure = new_bounds is None or bounds_compound(opt)
-            prepared = ws
-
-            def write_native() -> None:
-                written = prepared.apply(state.weights, slots, params, dense=dense, measure=measure)
-                if written is not None:
-                    self._after_write(tg.table, written, measured=True)
-                else:
-                    assert new_bounds is not None
-                    self._after_write(tg.table, new_bounds, measured=False)
-
-            return write_native
+            return _NativeWrite(tg.table, ws, state.weights, slots, params, dense, measure, new_bounds)
         assert tg.rows is not None and tg.grads is not None
         rows, grads = tg.rows, tg.grads
         if dense:
@@ -512,6 +515,20 @@ class EmbeddingCollection:
             for slot, t in state.tensors().items():
                 out[f"{name}/{slot}" if slot else name] = t
         return out
+
+
+@dataclasses.dataclass(eq=False)
+class _NativeWrite:
+    """A checked native update, not yet written: ``native.apply_many`` writes several together."""
+
+    table: ResolvedTable
+    ws: native.Workspace
+    weights: Tensor
+    slots: tuple[Tensor, ...]
+    params: Any
+    dense: bool
+    measure: bool
+    bounds: tuple[float, ...] | None  # the proven bounds, folded in when not measured
 
 
 @dataclasses.dataclass(eq=False)

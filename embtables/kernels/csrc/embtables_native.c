@@ -927,3 +927,13 @@ void et_check_inputs_many(int64_t F, const int64_t *const *ids, const int64_t *N
         status[f] = bad;
     }
 }
+
+/* et_apply for T tables in one call (the same per-table semantics and checks). maxabs [T][4] is written
+ * for the tables whose measure[t] is set; status[t] as et_apply returns it. */
+void et_apply_many(int64_t T, void *const *handles, float *const *W, float *const *S0, float *const *S1,
+                   float *const *S2, const int64_t *V, const int64_t *D, const et_opt *const *p, const int32_t *dense,
+                   const int32_t *measure, int nthreads, float *maxabs, int32_t *status) {
+    for (int64_t t = 0; t < T; ++t)
+        status[t] = et_apply(handles[t], W[t], S0[t], S1[t], S2[t], V[t], D[t], p[t], dense[t], nthreads,
+                             measure[t] ? maxabs + 4 * t : NULL);
+}
