@@ -240,7 +240,10 @@ def _threads() -> int:
 def opt_params(opt: Optimizer, lr: float, decay: float, *, clip_gradients: bool) -> _OptParams:
     """The C parameter block for ``opt`` at learning rate ``lr`` and effective decay ``decay``."""
     p = _OptParams()
-    p.kind = _KINDS[type(opt)]
+    kind = _KINDS.get(type(opt))
+    if kind is None:  # never fall through to another optimizer's kernel
+        raise NativeBufferError(f"embtables native kernel: no native kernel for {type(opt).__name__}.")
+    p.kind = kind
     inf = float("inf")
     glo, ghi = opt.gradient_clip_bounds if clip_gradients else (None, None)
     p.glo, p.ghi = -inf if glo is None else float(glo), inf if ghi is None else float(ghi)
@@ -377,6 +380,8 @@ def apply_many(items: list[ApplyItem]) -> list[tuple[float, ...] | None]:
         maxabs,
         status,
     )
+    if any(s == -4 for s in status):
+        raise NativeBufferError("embtables native kernel: unknown optimizer kind (no table was written).")
     if any(status):
         raise NativeBufferError("embtables native kernel: a prepared update does not fit its table.")
     return [
@@ -484,6 +489,8 @@ class Workspace:
         )
         if bad == -2:
             raise NativeBufferError("embtables native kernel: the prepared update does not fit this table.")
+        if bad == -4:
+            raise NativeBufferError(f"embtables native kernel: unknown optimizer kind {params.kind}.")
         if bad == -3:
             raise MemoryError("embtables: out of memory while checking the sparse update.")
         return bad
@@ -511,6 +518,8 @@ class Workspace:
             _threads(),
             maxabs,
         )
+        if status == -4:
+            raise NativeBufferError(f"embtables native kernel: unknown optimizer kind {params.kind}.")
         if status != 0:
             raise NativeBufferError("embtables native kernel: the prepared update does not fit this table.")
         return None if maxabs is None else tuple(float(m) for m in maxabs[: 1 + len(slots)])
@@ -593,5 +602,7 @@ def apply_sequential(
         ctypes.byref(params),
         _threads(),
     )
+    if status == 4:
+        raise NativeBufferError(f"embtables native kernel: unknown optimizer kind {params.kind}.")
     if status != 0:
         raise NativeBufferError("embtables native kernel: a row id is outside the table.")

@@ -416,7 +416,8 @@ static et_row_fn et_row_function(int kind) {
     case ET_ADADELTA: return et_row_adadelta;
     case ET_PROXIMAL_YOGI: return et_row_proximal_yogi;
     case ET_FREQUENCY_ESTIMATOR: return et_row_frequency_estimator;
-    default: return et_row_ftrl;
+    case ET_FTRL: return et_row_ftrl;
+    default: return NULL; /* a kind this file does not know: every caller refuses it (-4 / 4) */
     }
 }
 
@@ -730,6 +731,7 @@ int64_t et_check(const void *handle, const float *W, const float *S0, const floa
     if (!et_prepared_ok(h, V, D)) return -2;
     const int64_t U = h->U, n = dense ? V : U;
     const et_row_fn fn = et_row_function(p->kind);
+    if (!fn) return -4;
     const int shift = dense ? et_shift(h->mask) : 0;
     int64_t bad = -1;
     int oom = 0;
@@ -778,6 +780,7 @@ int et_apply(const void *handle, float *W, float *S0, float *S1, float *S2, int6
     if (!et_prepared_ok(h, V, D)) return -2;
     const int64_t U = h->U;
     const et_row_fn fn = et_row_function(p->kind);
+    if (!fn) return -4;
     const int measure = maxabs != NULL;
     uint32_t mw = 0, m0 = 0, m1 = 0, m2 = 0;
     if (!dense && !measure) { /* the hot path: exactly the plain fused pass */
@@ -892,6 +895,7 @@ int et_apply_sequential(const int64_t *rows, const float *G, int64_t N, float *W
     for (int64_t k = 0; k < N; ++k)
         if ((uint64_t)rows[k] >= (uint64_t)V) return 3;
     const et_row_fn fn = et_row_function(p->kind);
+    if (!fn) return 4;
 #pragma omp parallel num_threads(nthreads)
     {
         int t = 0, T = 1;
@@ -933,6 +937,12 @@ void et_check_inputs_many(int64_t F, const int64_t *const *ids, const int64_t *N
 void et_apply_many(int64_t T, void *const *handles, float *const *W, float *const *S0, float *const *S1,
                    float *const *S2, const int64_t *V, const int64_t *D, const et_opt *const *p, const int32_t *dense,
                    const int32_t *measure, int nthreads, float *maxabs, int32_t *status) {
+    int ok = 1; /* every table is checked before any is written */
+    for (int64_t t = 0; t < T; ++t) {
+        status[t] = !et_row_function(p[t]->kind) ? -4 : !et_prepared_ok(handles[t], V[t], D[t]) ? -2 : 0;
+        ok = ok && status[t] == 0;
+    }
+    if (!ok) return;
     for (int64_t t = 0; t < T; ++t)
         status[t] = et_apply(handles[t], W[t], S0[t], S1[t], S2[t], V[t], D[t], p[t], dense[t], nthreads,
                              measure[t] ? maxabs + 4 * t : NULL);
