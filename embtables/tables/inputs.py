@@ -443,6 +443,8 @@ class InputConverter:
         combiner = self.table.config.combiner
         if combiner == Combiner.SUM:
             return weights
+        if weights is None:  # unweighted: the denominators are the bag sizes, no segment index needed
+            return _unweighted_coeffs(batch.offsets, combiner)
         seg, num_segments = batch.seg, batch.num_segments
         w = weights if weights is not None else torch.ones(seg.shape, dtype=torch.float32, device=seg.device)
         if combiner == Combiner.MEAN:
@@ -457,6 +459,18 @@ class InputConverter:
     ) -> FeatureBatch:
         offsets = offsets_from_segments(seg, num_segments)
         return FeatureBatch(ids=ids, offsets=offsets, coeffs=coeffs, out_shape=out_shape, seg_=seg)
+
+
+def _unweighted_coeffs(offsets: Tensor, combiner: str) -> Tensor:
+    """Mean or sqrtn coefficients of unit weights from the offsets [S+1] alone: 1/c or 1/sqrt(c) for
+    every id of a bag of c ids. The same float32 operations as the weighted path with w = 1 (a float32
+    sum of c ones is exactly c), so the same bits."""
+    counts = offsets[1:] - offsets[:-1]
+    den = counts.to(torch.float32)
+    if combiner != Combiner.MEAN:
+        den = torch.sqrt(den)
+    scale = torch.where(den != 0, 1.0 / torch.where(den != 0, den, torch.ones_like(den)), torch.zeros_like(den))
+    return torch.repeat_interleave(scale, counts)
 
 
 def _plain_int64(t: object) -> bool:

@@ -82,3 +82,18 @@ def test_the_fast_path_gives_the_general_paths_batches_or_its_error(validate: bo
         fast_used += sum(1 for x in xs if isinstance(x, (et.Ragged, torch.Tensor)))
     assert fast_used > 500
 
+
+
+@pytest.mark.parametrize("combiner", ["mean", "sqrtn"])
+def test_unweighted_coefficients_from_offsets_equal_the_weighted_path_with_unit_weights(combiner: str) -> None:
+    (conv,) = _converters([combiner])
+    rng = random.Random(3)
+    for _ in range(200):
+        lengths = torch.tensor([rng.choice([0, 1, 1, 2, 3, 7, 40]) for _ in range(rng.randint(1, 30))])
+        values = torch.zeros(int(lengths.sum()), dtype=torch.int64)
+        batch = FeatureBatch(values, torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(lengths, 0)]), None,
+                             (lengths.numel(),))  # fmt: skip
+        ones = torch.ones(values.numel(), dtype=torch.float32)
+        fast, weighted = conv._combiner_coeffs(batch, None), conv._combiner_coeffs(batch, ones)
+        assert fast is not None and weighted is not None
+        assert torch.equal(fast, weighted)  # bit for bit
