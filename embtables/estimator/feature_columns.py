@@ -57,12 +57,22 @@ def stable_hash(values: np.ndarray, buckets: int, column: str = "?") -> np.ndarr
         keys = np.array([_key_text(v, column) for v in values.reshape(-1)], dtype=str)
         uniq, inverse = np.unique(keys, return_inverse=True)
         texts = list(uniq)
-    hashed = np.fromiter(
-        (int.from_bytes(hashlib.blake2b(u.encode("utf-8"), digest_size=8).digest(), "little") % buckets for u in texts),
-        dtype=np.int64,
-        count=len(texts),
-    )
+    hashed = np.fromiter((_digest(u) % buckets for u in texts), dtype=np.int64, count=len(texts))
     return hashed[inverse.reshape(-1)]
+
+
+_DIGESTS: dict[str, int] = {}  # text -> its 64-bit blake2b digest: a column's values repeat every batch
+_MAX_DIGESTS = 1 << 20  # about 100 MB at most; then it starts afresh
+
+
+def _digest(text: str) -> int:
+    got = _DIGESTS.get(text)
+    if got is None:
+        got = int.from_bytes(hashlib.blake2b(text.encode("utf-8"), digest_size=8).digest(), "little")
+        if len(_DIGESTS) >= _MAX_DIGESTS:
+            _DIGESTS.clear()
+        _DIGESTS[text] = got
+    return got
 
 
 def _check_key(who: str, key: object) -> None:
