@@ -203,6 +203,8 @@ def check_phase(phase: str, step: int, tag: int, group: ProcessGroup | None = No
     if not is_distributed(group):
         return
     world = get_world_size(group)
+    if world == 1:  # a group of one (torchrun --nproc_per_node=1): nobody to compare with
+        return
     mine = torch.tensor([_PHASE_MAGIC, PHASES.index(phase), int(step), int(tag)], dtype=torch.int64)
     mine = mine.to(collective_device(group))
     rank = get_rank(group)

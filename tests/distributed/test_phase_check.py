@@ -113,3 +113,15 @@ def _pipelined_out_of_step(rank: int, world: int) -> None:
 @pytest.mark.distributed
 def test_pipelined_ranks_out_of_step_raise_instead_of_aborting() -> None:
     run_world(_pipelined_out_of_step, 2, timeout=120, collective_timeout=30)
+
+
+def _world_of_one(rank: int, world: int) -> None:
+    comm.check_phase("lookup", 0, 0)  # a process group of one rank: nothing to compare, no message
+    grads = [torch.ones(3)]
+    comm.all_reduce_mean_(grads, step=1)
+    assert torch.equal(grads[0], torch.ones(3))
+
+
+@pytest.mark.distributed
+def test_a_process_group_of_one_rank_needs_no_phase_header() -> None:
+    run_world(_world_of_one, 1, timeout=60, collective_timeout=30)
