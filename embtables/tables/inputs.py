@@ -461,11 +461,14 @@ class InputConverter:
         return FeatureBatch(ids=ids, offsets=offsets, coeffs=coeffs, out_shape=out_shape, seg_=seg)
 
 
-def _unweighted_coeffs(offsets: Tensor, combiner: str) -> Tensor:
+def _unweighted_coeffs(offsets: Tensor, combiner: str) -> Tensor | None:
     """Mean or sqrtn coefficients of unit weights from the offsets [S+1] alone: 1/c or 1/sqrt(c) for
     every id of a bag of c ids. The same float32 operations as the weighted path with w = 1 (a float32
-    sum of c ones is exactly c), so the same bits."""
+    sum of c ones is exactly c), so the same bits. None (every coefficient 1, exactly) when every bag
+    holds one id, the common case of single-valued columns."""
     counts = offsets[1:] - offsets[:-1]
+    if bool((counts == 1).all()):
+        return None
     den = counts.to(torch.float32)
     if combiner != Combiner.MEAN:
         den = torch.sqrt(den)
