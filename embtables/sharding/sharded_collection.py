@@ -24,7 +24,7 @@ rows is refused on all, with no table changed anywhere.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -39,9 +39,10 @@ from embtables.sharding import comm, owner_pooling, routing
 from embtables.sharding.fingerprint import describe_config, differences, fingerprint
 from embtables.sharding.plan import Placement, TablePlan
 from embtables.tables.collection import EmbeddingCollection, TableGradient
+from embtables.tables.engine import LocalTables
 from embtables.tables.initializers import default_initializer
 from embtables.tables.inputs import FeatureBatch
-from embtables.tables.state import LocalShard, TableState
+from embtables.tables.state import LocalShard
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,7 +64,7 @@ class LookupContext:
     pooled: owner_pooling.PooledContext | None
 
 
-class ShardedEmbeddingCollection:
+class ShardedEmbeddingCollection(LocalTables):
     """Sharded tables over ``group`` (the default process group when None).
 
     Args:
@@ -109,19 +110,10 @@ class ShardedEmbeddingCollection:
     def __getstate__(self) -> dict[str, Any]:
         raise TypeError("a ShardedEmbeddingCollection lives in several processes; it cannot be copied or pickled.")
 
-    @property
-    def device(self) -> torch.device:
-        return self.local.device
-
     def check_phase(self, phase: str, step: int) -> None:
         """Every rank confirms it is in the same operation (``comm.PHASES``) of the same step before the
         operation's first exchange; ranks out of step raise ``CollectiveError`` on every rank."""
         comm.check_phase(phase, step, self.tag, self.group)
-
-    @property
-    def states(self) -> dict[str, TableState]:
-        """This rank's rows of every table (local row ids; see ``local_shards`` for the global ones)."""
-        return self.local.states
 
     # ------------------------------------------------------------------ forward
     def lookup(
@@ -209,9 +201,6 @@ class ShardedEmbeddingCollection:
         )
 
     # ------------------------------------------------------------------ backward
-    def check_gradient(self, feature_index: int, batch: FeatureBatch, grad: Any) -> Tensor | None:
-        return self.local.check_gradient(feature_index, batch, grad)
-
     def table_gradients(
         self,
         batches: Sequence[FeatureBatch],
@@ -351,9 +340,6 @@ class ShardedEmbeddingCollection:
         row_grads, _ = comm.all_to_all_v(per_id[order][by_owner], counts, self.group, recv_counts=recv_counts)
         return rows, row_grads
 
-    def learning_rates(self) -> dict[str, float]:
-        return self.local.learning_rates()
-
     def check(self, table_grads: Sequence[TableGradient], lrs: dict[str, float]) -> None:
         """Raise on every rank, writing nothing, when the update is refused on any rank's rows."""
         error: Exception | None = None
@@ -417,12 +403,6 @@ class ShardedEmbeddingCollection:
             tensors = {slot: x[:n] for slot, x in self.local.states[t.name].tensors().items()}
             out[t.name] = LocalShard(t.name, t.vocabulary_size, self.plans[t.name].global_rows(self.rank), tensors)
         return out
-
-    def map_tensors(self, fn: Callable[[Tensor], Tensor]) -> None:
-        self.local.map_tensors(fn)
-
-    def note_values_kept(self, table_name: str) -> None:
-        self.local.note_values_kept(table_name)
 
 
 def _check_same_config_everywhere(

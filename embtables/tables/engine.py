@@ -78,14 +78,41 @@ class Engine(Protocol):
     def note_values_kept(self, table_name: str) -> None: ...
 
 
+class LocalTables:
+    """What both engines answer from the rows this process holds (``local``, an ``EmbeddingCollection``
+    over them): shared by ``OneProcessEngine`` and the sharded engine."""
+
+    local: EmbeddingCollection
+
+    @property
+    def device(self) -> torch.device:
+        return self.local.device
+
+    @property
+    def states(self) -> dict[str, TableState]:
+        """This process's rows of every table (local row ids; see ``local_shards`` for the global ones)."""
+        return self.local.states
+
+    def check_gradient(self, feature_index: int, batch: FeatureBatch, grad: Any) -> Tensor | None:
+        return self.local.check_gradient(feature_index, batch, grad)
+
+    def learning_rates(self) -> dict[str, float]:
+        return self.local.learning_rates()
+
+    def map_tensors(self, fn: Callable[[Tensor], Tensor]) -> None:
+        self.local.map_tensors(fn)
+
+    def note_values_kept(self, table_name: str) -> None:
+        self.local.note_values_kept(table_name)
+
+
 class _WholeTable:
     """The plan of a table held whole by the only rank (what ``TablePlan("div", V, 1)`` says)."""
 
     strategy = "div"
-    placement = "div"
 
 
-class OneProcessEngine:
+class OneProcessEngine(LocalTables):
     """``Engine`` for one process: an ``EmbeddingCollection`` (``local``, as in the sharded engine)."""
 
     rank = 0
@@ -100,14 +127,6 @@ class OneProcessEngine:
     def plans(self) -> dict[str, Any]:
         return {t.name: _WholeTable() for t in self.resolved.tables}
 
-    @property
-    def device(self) -> torch.device:
-        return self.local.device
-
-    @property
-    def states(self) -> dict[str, TableState]:
-        return self.local.states
-
     def check_phase(self, phase: str, step: int) -> None:
         """Nothing to agree on with no other rank."""
 
@@ -117,9 +136,6 @@ class OneProcessEngine:
         if refused is not None:  # one process raises a bad batch at enqueue; kept for the interface
             raise refused
         return self.local.lookup(batches), None
-
-    def check_gradient(self, feature_index: int, batch: FeatureBatch, grad: Any) -> Tensor | None:
-        return self.local.check_gradient(feature_index, batch, grad)
 
     def table_gradients(
         self,
@@ -131,9 +147,6 @@ class OneProcessEngine:
         if refused is not None:
             raise refused
         return self.local.table_gradients(batches, grads)
-
-    def learning_rates(self) -> dict[str, float]:
-        return self.local.learning_rates()
 
     def check(self, table_grads: Sequence[TableGradient], lrs: dict[str, float]) -> None:
         self.local.check(table_grads, lrs)
@@ -166,9 +179,3 @@ class OneProcessEngine:
             rows = torch.arange(t.vocabulary_size, dtype=torch.int64)
             out[t.name] = LocalShard(t.name, t.vocabulary_size, rows, state.tensors())
         return out
-
-    def map_tensors(self, fn: Callable[[Tensor], Tensor]) -> None:
-        self.local.map_tensors(fn)
-
-    def note_values_kept(self, table_name: str) -> None:
-        self.local.note_values_kept(table_name)
