@@ -204,9 +204,12 @@ def write(plans: list[_Plan], shards: dict[str, LocalShard], progress: Callable[
     """Pass 2: read the blocks again and copy this rank's rows into place; ``TornRestore`` when a block's
     bytes are not the ones pass 1 checked."""
     tick, tasks = _locked(progress), []
+    mine_of: dict[str, np.ndarray[Any, Any]] = {}  # each table's rows, once (a table has a plan per file)
     for plan in plans:
         shard = shards[plan.table.name]
-        mine = _ascending_rows(shard)
+        mine = mine_of.get(plan.table.name)
+        if mine is None:
+            mine = mine_of[plan.table.name] = _ascending_rows(shard)
         for slot, target in shard.tensors.items():
             key = f"{plan.table.name}/{slot}" if slot else plan.table.name
             tasks.append(_copy_block(plan, key, mine, target, tick))

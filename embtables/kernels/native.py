@@ -152,8 +152,6 @@ def _compile() -> ctypes.CDLL | None:
     lib.et_prepared_copy.restype = None
     lib.et_check.argtypes = [p, p, p, p, p, i64, i64, opt_p, i32, i32]
     lib.et_check.restype = i64
-    lib.et_apply.argtypes = [p, p, p, p, p, i64, i64, opt_p, i32, i32, p]
-    lib.et_apply.restype = i32
     lib.et_apply_sequential.argtypes = [p, p, i64, p, p, p, p, i64, i64, opt_p, i32]
     lib.et_apply_sequential.restype = i32
     lib.et_workspace_load.argtypes = [p, p, p, i64, i64, i64]
@@ -500,29 +498,7 @@ class Workspace:
     ) -> tuple[float, ...] | None:
         """Phase 2: the fused per-row update of ``weights`` [V, D] and ``slots`` (in place). With
         ``measure``, returns the largest |value| written into the weights and each slot."""
-        lib = library()
-        assert lib is not None
-        _require(weights, "weights", torch.float32, (-1, self.dim))
-        s0, s1, s2 = _slots(weights, slots)
-        maxabs = (ctypes.c_float * 4)() if measure else None
-        status = lib.et_apply(
-            self.handle,
-            weights.data_ptr(),
-            _ptr(s0),
-            _ptr(s1),
-            _ptr(s2),
-            weights.shape[0],
-            self.dim,
-            ctypes.byref(params),
-            int(dense),
-            _threads(),
-            maxabs,
-        )
-        if status == -4:
-            raise NativeBufferError(f"embtables native kernel: unknown optimizer kind {params.kind}.")
-        if status != 0:
-            raise NativeBufferError("embtables native kernel: the prepared update does not fit this table.")
-        return None if maxabs is None else tuple(float(m) for m in maxabs[: 1 + len(slots)])
+        return apply_many([(self, weights, slots, params, dense, measure)])[0]
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Workspace:
         return Workspace(self.dim)  # scratch memory: a copy gets its own, never the same handle
