@@ -15,8 +15,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from embtables.config import ResolvedConfig
 from embtables.tables.input_nest import flatten_inputs, is_input_leaf
-from embtables.tables.inputs import FeatureBatch, is_kjt
+from embtables.tables.inputs import FeatureBatch, InputConverter, convert_many, is_kjt
 from embtables.tables.ragged import Ragged
 
 
@@ -104,4 +105,36 @@ def detached(batches: list[FeatureBatch]) -> list[FeatureBatch]:
     return out
 
 
-__all__ = ["Staging", "batch_pointers", "detached", "flatten_inputs", "is_input_leaf", "owned", "storages"]
+class InputStager:
+    """Input staging for one module: a call's ``features``/``weights`` nest -> one validated
+    ``FeatureBatch`` [per feature, F] that the engine owns (spec §4), through reusable buffers."""
+
+    def __init__(self, feature_config: Any, resolved: ResolvedConfig) -> None:
+        self.feature_config = feature_config
+        self.converters = [InputConverter(f, resolved.tables[f.table_index]) for f in resolved.features]
+        self.staging = Staging()
+
+    def stage(self, features: Any, weights: Any, device: torch.device, busy: set[int]) -> list[FeatureBatch]:
+        """The F batches of one call, every input rule checked (``ValueError``/``TypeError`` and nothing
+        staged otherwise); no staging buffer whose data pointer is in ``busy`` is written."""
+        flat_x, flat_w = flatten_inputs(self.feature_config, features, weights)
+        converted = convert_many(self.converters, flat_x, flat_w, device)
+        return [
+            owned(b, storages(x) | storages(w), self.staging, i, busy)
+            for i, (b, x, w) in enumerate(zip(converted, flat_x, flat_w))
+        ]
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "staging": Staging()}  # scratch buffers: a copy owns fresh ones
+
+
+__all__ = [
+    "InputStager",
+    "Staging",
+    "batch_pointers",
+    "detached",
+    "flatten_inputs",
+    "is_input_leaf",
+    "owned",
+    "storages",
+]

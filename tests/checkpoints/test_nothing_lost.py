@@ -206,7 +206,7 @@ def test_a_malformed_manifest_is_refused_before_anything_changes(tmp_path: Path,
         with pytest.raises(CheckpointError, match=message):
             call()
     assert all(torch.equal(before[k], v) for k, v in emb.state_dict().items())
-    assert emb._training_steps == 0
+    assert emb._pipeline.training_steps == 0
     out = subprocess.run(
         [sys.executable, "-m", "embtables", "inspect", str(target)], capture_output=True, text=True,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
@@ -242,7 +242,7 @@ def test_row_ids_out_of_range_in_a_rank_file_are_refused(tmp_path: Path, ckpt: P
 def test_checkpoints_are_ordered_by_their_manifest_step(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     emb = _emb(["video"])
     for step in (99_999_999, 100_000_000, 100_000_001):
-        emb._training_steps = step
+        emb._pipeline.training_steps = step
         emb.save(tmp_path, keep_last=2)
     names = [p.name for p in published(tmp_path)]
     assert names == ["ckpt-100000000", "ckpt-100000001"]  # keep_last kept the newest, not the shortest names
@@ -254,8 +254,8 @@ def test_checkpoints_are_ordered_by_their_manifest_step(tmp_path: Path, caplog: 
     assert "ckpt-best" in caplog.text
     fresh = _emb(["video"])
     fresh.restore(tmp_path)
-    assert fresh._training_steps == 100_000_001
-    emb._training_steps = 100_000_002
+    assert fresh._pipeline.training_steps == 100_000_001
+    emb._pipeline.training_steps = 100_000_002
     emb.save(tmp_path, keep_last=1)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-100000002", "ckpt-best", "ckpt-junk"]
 
@@ -353,7 +353,7 @@ def test_a_save_into_a_root_another_live_process_is_saving_into_is_refused(tmp_p
     try:
         lock = tmp_path / ".embtables-save.lock"
         lock.write_text(json.dumps({"pid": sleeper.pid, "host": _host(), "token": "x", "what": "save of step 9"}))
-        emb._training_steps = 1
+        emb._pipeline.training_steps = 1
         with pytest.raises(CheckpointError, match=rf"being written by process {sleeper.pid}"):
             emb.save(tmp_path)
         assert [p.name for p in published(tmp_path)] == ["ckpt-00000000"]

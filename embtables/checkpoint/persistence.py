@@ -1,0 +1,124 @@
+"""Persistence of one module: checkpoints (``save``/``restore``) and ``state_dict`` loading.
+
+Both go through the step pipeline (``sharding.pipeline``): a held-back update lands (or is kept as
+stale rows) before the state is read, and every lookup made on the old tables is forgotten when the
+state is replaced. An interrupted restore leaves the module *torn*: it refuses to train or save until a
+restore or a complete ``load_state_dict`` succeeds.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from embtables.checkpoint.progress import progress_bar
+from embtables.checkpoint.store import CheckpointError, restore, save
+from embtables.checkpoint.streaming_restore import TornRestore
+from embtables.config import ResolvedConfig
+from embtables.sharding import comm
+from embtables.sharding.pipeline import StepPipeline
+from embtables.tables.state_dict_io import strict_of_caller, validate_state_dict
+
+Progress = bool | Callable[[int], None] | None
+
+
+class Persistence:
+    """Save, restore and state-dict I/O for the tables behind ``pipeline``.
+
+    Args:
+      resolved: the module's resolved config (written into manifests, checked at restore).
+      pipeline: the module's step pipeline (its engine holds the tables).
+      settings: module settings that change results, beyond the config (in every manifest).
+    """
+
+    def __init__(self, resolved: ResolvedConfig, pipeline: StepPipeline, settings: dict[str, Any]) -> None:
+        self.resolved = resolved
+        self.pipeline = pipeline
+        self.settings = settings
+        self.torn: str | None = None  # a restore interrupted half-way: refuse to train or save until one succeeds
+
+    def refuse_if_torn(self, what: str) -> None:
+        if self.torn is not None:
+            raise CheckpointError(
+                f"DistributedEmbedding.{what}: refused, the last restore was interrupted half-way and the tables are "
+                f"partly restored ({self.torn}). Restore again (or load_state_dict) first."
+            )
+
+    def save(
+        self, path: str | os.PathLike[str], keep_last: int | None, extra: dict[str, Any] | None, progress: Progress
+    ) -> Path:
+        """Write ``path/ckpt-<step>`` (see ``DistributedEmbedding.save``); returns the directory."""
+        self.refuse_if_torn("save")
+        pipeline = self.pipeline
+        pipeline.flush(observer=True)  # a pending pipelined update lands, keeping its pre-update rows
+        engine = pipeline.engine
+        shards = engine.local_shards()
+        pipeline.exchange("save", lambda: None)
+        # Pre-update rows the next training lookup must read (pipelining): saved with global row ids.
+        stale = {name: (shards[name].rows[rows.cpu()], old) for name, (rows, old) in pipeline.stale.items()}
+        strategies = {n: p.strategy for n, p in engine.plans.items()}
+        with progress_bar(progress, comm.get_rank(engine.group), "save") as tick:
+            return save(
+                path, self.resolved, shards, pipeline.training_steps, strategies=strategies, extra=extra,
+                keep_last=keep_last, progress=tick, group=engine.group, stale=stale, settings=self.settings,
+            )  # fmt: skip
+
+    def restore(self, path: str | os.PathLike[str], progress: Progress) -> dict[str, Any]:
+        """Load a checkpoint into the tables (see ``DistributedEmbedding.restore``); returns its manifest."""
+        pipeline = self.pipeline
+        pipeline.drop_prefetch()
+        engine = pipeline.engine
+        shards = engine.local_shards()
+        pipeline.exchange("restore", lambda: None)
+        with progress_bar(progress, comm.get_rank(engine.group), "restore") as tick:
+            try:
+                manifest = restore(path, self.resolved, shards, progress=tick, group=engine.group)
+            except TornRestore as exc:
+                self.torn = str(exc)
+                raise
+        self.torn = None
+        # The pre-update rows of a pipelined update pending at save are read by the next training lookup
+        # of a pipelined module only; a synchronous module reads the tables as they are (updated).
+        device = engine.device
+        stale = {n: (r.to(device), v.to(device)) for n, (r, v) in manifest.pop("stale").items()}
+        pipeline.replaced(stale)
+        pipeline.training_steps = int(manifest["step"])
+        return manifest
+
+    def state_dict_into(self, destination: dict[str, Any], prefix: str, keep_vars: bool) -> None:
+        """``nn.Module._save_to_state_dict``: ``<table>`` and ``<table>/<slot>`` keys, full logical tables."""
+        for key, t in self.pipeline.full_state().items():
+            destination[prefix + key] = t if keep_vars else t.detach()  # gathered copies when sharded
+
+    def load_state_dict(
+        self,
+        state_dict: Mapping[str, Any],
+        prefix: str,
+        strict: bool,
+        missing_keys: list[str],
+        unexpected_keys: list[str],
+        error_msgs: list[str],
+    ) -> None:
+        """``nn.Module._load_from_state_dict`` (see ``DistributedEmbedding``): every rank loads, or none."""
+        strict = strict_of_caller(strict)
+        pipeline = self.pipeline
+        engine = pipeline.engine
+        present, errors, missing, unexpected = validate_state_dict(
+            state_dict, prefix, engine.logical_shapes(), engine.state_key_owners()
+        )
+        if strict:
+            unexpected_keys.extend(unexpected)
+        missing_keys.extend(missing)
+        refuse = bool(errors) or (strict and bool(missing or unexpected))
+        if pipeline.exchange("state load", lambda: comm.any_rank(refuse, engine.group)):
+            if not refuse:
+                error_msgs.append("DistributedEmbedding: another rank refused its state dict; nothing was loaded.")
+            refuse = True
+        error_msgs.extend(f"DistributedEmbedding: {e}." for e in errors)
+        if refuse:
+            return
+        pipeline.replaced()  # a loaded state replaces any update still held back
+        self.torn = None if not missing else self.torn
+        engine.load_logical(present)

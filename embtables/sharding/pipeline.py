@@ -1,0 +1,297 @@
+"""The step pipeline: what lives between the TF verbs of one ``DistributedEmbedding``.
+
+``enqueue`` stages a batch, ``dequeue`` looks it up, ``apply_gradients`` updates the tables for the
+last training lookup. In between, this module holds the staged batch, the last training lookup, the
+update held back by pipelining (spec §6) with the pre-update rows an observer must not change, and,
+when sharded and pipelined, the one thread every collective runs on, in program order.
+
+Every method expects the caller (the facade) to hold its lock.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import dataclasses
+import logging
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, TypeVar
+
+import torch
+from torch import Tensor
+
+from embtables.sharding.lookup_stats import LookupStatsRecorder
+from embtables.tables.batch_ownership import batch_pointers, detached
+from embtables.tables.collection import TableGradient
+from embtables.tables.engine import Engine
+from embtables.tables.inputs import FeatureBatch
+
+logger = logging.getLogger("embtables")
+
+_T = TypeVar("_T")
+
+
+@dataclasses.dataclass(eq=False)
+class Staged:
+    """An enqueued batch: its features (None when refused), the mode, and, when sharded, this rank's
+    validation error (raised on every rank at the lookup) and the lookup started early by pipelining."""
+
+    batches: list[FeatureBatch] | None
+    training: bool
+    step: int  # the training step it looks up for (its phase header's step)
+    refused: BaseException | None = None
+    prefetch: concurrent.futures.Future[tuple[list[Tensor], Any]] | None = None
+
+
+@dataclasses.dataclass(eq=False)
+class Lookup:
+    """What the last training lookup left for ``apply_gradients``: F batches and F activations."""
+
+    batches: list[FeatureBatch]
+    activations: list[Tensor]
+    context: Any = None
+
+
+@dataclasses.dataclass(eq=False)
+class PendingUpdate:
+    """A validated update held back one step by pipelining (spec §6)."""
+
+    table_grads: list[TableGradient]
+    lrs: dict[str, float]
+
+
+# Pre-update values of the rows an observer-triggered flush updated early: {table: (rows [U], weights [U, D])}.
+StaleRows = dict[str, tuple[Tensor, Tensor]]
+
+
+class StepPipeline:
+    """The staged batch, the last training lookup and the held-back update of one module's ``engine``.
+
+    Args:
+      engine: the tables (one process or sharded).
+      pipelined: ``pipeline_execution_with_tensor_core``: the lookup of step t+1 reads the tables
+        before the update of step t lands.
+      recorder: lookup statistics sampled at training lookups, or None.
+    """
+
+    def __init__(self, engine: Engine, pipelined: bool, recorder: LookupStatsRecorder | None = None) -> None:
+        self.engine = engine
+        self.pipelined = pipelined
+        self.recorder = recorder
+        self.worker: concurrent.futures.ThreadPoolExecutor | None = None
+        if pipelined and engine.world > 1:  # collectives run on one thread, in program order
+            self.worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="embtables-exchange")
+        self.training_steps = 0
+        self.enqueued: Staged | None = None
+        self.last: Lookup | None = None
+        self.pending: PendingUpdate | None = None
+        self.stale: StaleRows = {}
+
+    # ------------------------------------------------------------------ collectives
+    def run(self, fn: Callable[[], _T]) -> _T:
+        """Run ``fn`` where this module's collectives run: on the exchange thread when there is one, so
+        every rank issues them in program order; else here."""
+        if self.worker is None:
+            return fn()
+        return self.worker.submit(fn).result()
+
+    def exchange(self, phase: str, fn: Callable[[], _T]) -> _T:
+        """An operation's collectives (``run``), preceded by its phase header: ranks out of step raise
+        ``CollectiveError`` on every rank before any data moves (in one process, just ``fn()``)."""
+        engine, step = self.engine, self.training_steps
+
+        def run() -> _T:
+            engine.check_phase(phase, step)
+            return fn()
+
+        return self.run(run)
+
+    # ------------------------------------------------------------------ enqueue / dequeue
+    def busy_pointers(self) -> set[int]:
+        """Data pointers of the staging buffers a live batch still uses (not to be overwritten)."""
+        busy = batch_pointers(self.last.batches) if self.last is not None else set()
+        if self.enqueued is not None and self.enqueued.batches is not None:
+            busy |= batch_pointers(self.enqueued.batches)  # kept until the next batch is valid
+        return busy
+
+    def stage(self, batches: list[FeatureBatch] | None, training: bool, refused: BaseException | None = None) -> None:
+        """Stage a batch for ``dequeue`` (or, sharded, this rank's refusal of it). Pipelined and sharded,
+        the id exchange and lookup start now, overlapping the caller's dense compute; they read the
+        tables before the pending update, as the pipelined lookup must (a refusing rank joins the
+        early lookup's agreement round like the others, so every rank's collectives stay in order)."""
+        self.drop_prefetch()
+        step = self.training_steps + 1 if training else self.training_steps  # eval: the last step trained
+        staged = Staged(batches, training, step, refused=refused)
+        if self.worker is not None and training:
+            staged.prefetch = self.worker.submit(self._lookup, staged)
+        self.enqueued = staged
+
+    def dequeue(self) -> list[Tensor]:
+        """The F activations of the staged batch; a training lookup's require grad and are kept for
+        ``apply_gradients``."""
+        if self.enqueued is None:
+            raise RuntimeError("DistributedEmbedding.dequeue: nothing was enqueued. Call enqueue(features) first.")
+        staged, self.enqueued = self.enqueued, None
+        if not staged.training:
+            self.flush(observer=True)  # pipelining affects training lookups only
+        if staged.prefetch is not None:
+            acts, context = staged.prefetch.result()
+        else:
+            acts, context = self.run(lambda: self._lookup(staged))
+        if not staged.training:
+            return acts
+        assert staged.batches is not None
+        if self.last is not None:
+            logger.warning(
+                "DistributedEmbedding: a training lookup's gradients were never applied before the next "
+                "training lookup; they are dropped. Call apply_gradients() once after each training lookup, "
+                "or look up with training=False / module.eval() for inference."
+            )
+        acts = [a.requires_grad_(True) for a in acts]
+        self.last = Lookup(staged.batches, acts, context)
+        if self.recorder is not None and self.recorder.should_sample(self.training_steps):
+            b = staged.batches
+            self.recorder.record(
+                [x.ids for x in b], [x.out_shape[0] if x.out_shape else 1 for x in b], [x.dropped for x in b]
+            )
+        self.training_steps += 1
+        self.flush()  # the pending update of the previous step lands after this step's lookup
+        return acts
+
+    def _lookup(self, staged: Staged) -> tuple[list[Tensor], Any]:
+        """The lookup of a staged batch (on the exchange thread when pipelining is sharded)."""
+        with torch.no_grad(), self._stale_rows_swapped_in(staged.training):
+            self.engine.check_phase("lookup" if staged.training else "eval lookup", staged.step)
+            return self.engine.lookup(staged.batches or [], staged.refused)
+
+    def drop_prefetch(self) -> None:
+        """Wait for a lookup started early (a staged batch being replaced, or tables about to change)."""
+        staged = self.enqueued
+        if staged is not None and staged.prefetch is not None:
+            concurrent.futures.wait([staged.prefetch])
+
+    # ------------------------------------------------------------------ apply_gradients
+    def training_lookup(self) -> Lookup:
+        """The last training lookup, which ``apply_gradients`` updates for."""
+        if self.last is None:
+            raise RuntimeError(
+                "DistributedEmbedding.apply_gradients: no training lookup to apply gradients to. Call the "
+                "module (in train mode) or enqueue(..., training=True) + dequeue() first; each lookup takes "
+                "one apply_gradients."
+            )
+        return self.last
+
+    def apply_gradients(self, flat_g: Sequence[Any]) -> None:
+        """Update the tables for the last training lookup with its F gradients (None: zero): now, or,
+        pipelined, checked now and held back until after the next lookup. On any error nothing
+        changes and the lookup stays, to retry with another gradient."""
+        last, engine = self.training_lookup(), self.engine
+        refused: BaseException | None = None
+        try:
+            checked = [engine.check_gradient(i, b, g) for i, (b, g) in enumerate(zip(last.batches, flat_g))]
+        except (ValueError, TypeError) as exc:
+            if engine.world == 1:
+                raise
+            refused, checked = exc, [None] * len(flat_g)  # every rank refuses this step together
+        self.flush()  # a held-back update lands first: phase 1 below reuses the tables' native workspaces
+        table_grads = self.exchange(
+            "apply_gradients", lambda: engine.table_gradients(last.batches, checked, last.context, refused)
+        )
+        update = PendingUpdate(table_grads, engine.learning_rates())
+        if self.pipelined:
+            # Nothing changes the tables before this update lands, so check it now: a non-finite
+            # update raises here, like in a synchronous run, instead of at the next lookup.
+            self.run(lambda: engine.check(update.table_grads, update.lrs))
+            self.pending = update
+        else:
+            self.run(lambda: engine.apply(update.table_grads, update.lrs))
+        self.last = None
+
+    def flush(self, *, observer: bool = False) -> None:
+        """Apply a held-back (pipelined) update. ``observer=True`` is a flush forced by reading or
+        moving the state before the next training lookup: the pre-update values of the touched rows
+        are kept so that lookup still reads them one step stale (observing never changes training).
+        A flush that fails (the update would not be finite) drops the update and changes nothing."""
+        self.drop_prefetch()  # never write rows an early lookup is reading
+        if self.pending is None:
+            return
+        pending, self.pending = self.pending, None
+        stale: StaleRows = {}
+        staged = self.enqueued
+        prefetched = staged is not None and staged.prefetch is not None  # that lookup already read them
+        if observer and self.pipelined and not prefetched:
+            for tg in pending.table_grads:
+                weights = self.engine.states[tg.table.name].weights
+                if not tg.table.optimizer.lazy:  # non-lazy Adam touches every row
+                    rows = torch.arange(weights.shape[0], device=weights.device)
+                else:
+                    touched = tg.materialized().rows
+                    assert touched is not None
+                    rows = torch.unique(touched).to(weights.device)
+                stale[tg.table.name] = (rows, weights.index_select(0, rows))
+        self.engine.apply(pending.table_grads, pending.lrs, agreed=True)  # the ranks agreed at apply_gradients
+        self.stale.update({k: v for k, v in stale.items() if k not in self.stale})
+
+    @contextlib.contextmanager
+    def _stale_rows_swapped_in(self, training: bool) -> Iterator[None]:
+        """For the first training lookup after an observer-triggered flush: the tables hold the
+        pre-update values of the touched rows during the lookup, and the updated ones afterwards."""
+        if not training or not self.stale:
+            yield
+            return
+        stale, self.stale = self.stale, {}
+        current = {}
+        with torch.no_grad():
+            for name, (rows, old) in stale.items():
+                weights = self.engine.states[name].weights
+                current[name] = weights.index_select(0, rows)
+                weights.index_copy_(0, rows, old)
+            try:
+                yield
+            finally:
+                for name, (rows, _) in stale.items():
+                    self.engine.states[name].weights.index_copy_(0, rows, current[name])
+                    self.engine.note_values_kept(name)
+
+    # ------------------------------------------------------------------ the state as a whole
+    def full_state(self) -> dict[str, Tensor]:
+        """``{"<table>": [V, D], "<table>/<slot>": [V, D]}``: the logical state after any held-back
+        update (gathered when sharded; every rank calls it)."""
+        self.flush(observer=True)
+        return self.exchange("state read", self.engine.full_state)
+
+    def replaced(self, stale: StaleRows | None = None) -> None:
+        """The tables were replaced (restore, load_state_dict): forget every lookup and update made on
+        the old ones (a staged batch is looked up again at dequeue), and keep ``stale``, the
+        pre-update rows of an update pending when the new state was saved (pipelined modules only)."""
+        self.drop_prefetch()
+        if self.enqueued is not None:
+            self.enqueued.prefetch = None
+        self.pending, self.last = None, None
+        self.stale = dict(stale) if stale and self.pipelined else {}
+
+    def move(self, fn: Callable[[Tensor], Tensor], device: torch.device) -> None:
+        """``nn.Module._apply``: the tables, slots and held rows to ``fn(t)`` on ``device``."""
+        self.flush(observer=True)
+        if self.enqueued is not None and self.enqueued.prefetch is not None:
+            self.enqueued.prefetch = None  # looked up on the old device: look up again at dequeue
+        self.engine.map_tensors(fn)
+        self.stale = {k: (fn(rows), fn(old)) for k, (rows, old) in self.stale.items()}
+        if self.last is not None and device != self.last.activations[0].device:
+            self.last = None
+            logger.warning(
+                "DistributedEmbedding: moved between devices after a training lookup; its gradients are dropped. "
+                "Call apply_gradients() before moving the module."
+            )
+
+    # ------------------------------------------------------------------ copies
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["worker"] = None
+        staged, last = self.enqueued, self.last
+        if staged is not None:  # batches that point into staging buffers get their own storage in the copy
+            batches = detached(staged.batches) if staged.batches is not None else None
+            state["enqueued"] = dataclasses.replace(staged, batches=batches, prefetch=None)
+        if last is not None:
+            state["last"] = Lookup(detached(last.batches), last.activations, last.context)
+        return state
