@@ -14,7 +14,6 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import threading
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar, cast
 
@@ -23,15 +22,10 @@ from torch import Tensor, nn
 
 from embtables.checkpoint.persistence import Persistence, Progress
 from embtables.config import Optimizer, ResolvedConfig, nest, resolve
-from embtables.sharding import comm
-from embtables.sharding.lookup_stats import read_loads
+from embtables.sharding.engine_choice import choose_engine, describe
 from embtables.sharding.pipeline import StepPipeline
-from embtables.sharding.plan import TablePlan
-from embtables.sharding.sharded_collection import ShardedEmbeddingCollection
 from embtables.sharding.statistics import LookupStatistics
-from embtables.sharding.strategies import check_sharding, place_tables
-from embtables.tables.batch_ownership import InputStager, is_input_leaf
-from embtables.tables.engine import Engine, OneProcessEngine
+from embtables.tables.batch_ownership import InputStager
 from embtables.tables.state import LocalShard
 from embtables.tables.state_dict_io import TableDict
 
@@ -47,7 +41,7 @@ def _locked(method: _F) -> _F:
 
     @functools.wraps(method)
     def wrapper(self: DistributedEmbedding, *args: Any, **kwargs: Any) -> Any:
-        with self._lock:
+        with self._pipeline.lock:
             return method(self, *args, **kwargs)
 
     return cast(_F, wrapper)
@@ -104,26 +98,14 @@ class DistributedEmbedding(nn.Module):
         self._resolved: ResolvedConfig = resolve(feature_config, optimizer)
         self._feature_config = feature_config
         dev = torch.device(device) if device is not None else torch.device("cpu")
-        check_sharding(sharding, self._resolved)
-        if timeout is not None and not (isinstance(timeout, (int, float)) and 0 < timeout < float("inf")):
-            raise ValueError(f"DistributedEmbedding: `timeout` must be a positive number of seconds, got {timeout!r}.")
         # Module settings that change results, beyond the config: in the rank fingerprint and manifests.
         settings = {"pipeline_execution_with_tensor_core": pipeline_execution_with_tensor_core}
-        loads = read_loads(profile_data_directory, self._resolved)
-        engine: Engine
-        if comm.is_distributed(process_group) and comm.get_world_size(process_group) > 1:
-            comm.clean_exit()  # the program may never call destroy_process_group(): leave cleanly at exit
-            group = process_group if timeout is None else comm.new_group(float(timeout), process_group)
-            placements = place_tables(self._resolved, sharding, comm.get_world_size(group), loads)
-            engine = ShardedEmbeddingCollection(self._resolved, dev, placements, group, settings=settings)
-            plans = engine.plans
-        else:
-            engine = OneProcessEngine(self._resolved, dev, process_group)
-            plans = {t.name: TablePlan("div", t.vocabulary_size, 1, 0) for t in self._resolved.tables}
+        args = (sharding, process_group, timeout, profile_data_directory, settings)
+        engine, plans = choose_engine(self._resolved, dev, *args)
         self._stats = None
         if profile_data_directory is not None:
-            args = (profile_data_directory, profile_sample_rate, profile_seed)
-            self._stats = LookupStatistics(self._resolved, plans, *args)
+            sampling = (profile_sample_rate, profile_seed)
+            self._stats = LookupStatistics(self._resolved, plans, profile_data_directory, *sampling)
         recorder = None if self._stats is None else self._stats.recorder
         self._engine = engine
         self._pipeline = StepPipeline(engine, pipeline_execution_with_tensor_core, recorder)
@@ -131,21 +113,6 @@ class DistributedEmbedding(nn.Module):
         self._inputs = InputStager(feature_config, self._resolved)
         self._names_by_config = {id(t.config): t.name for t in self._resolved.tables}
         self._built = False
-        self._lock = threading.RLock()
-
-    def __getstate__(self) -> dict[str, Any]:
-        if self._engine.world > 1:
-            raise TypeError(
-                "a sharded DistributedEmbedding cannot be copied or pickled: its rows live in several processes. "
-                "Use state_dict() (full tables) or local_shards() (this rank's rows) instead."
-            )
-        state = dict(super().__getstate__())  # type: ignore[no-untyped-call]
-        state.pop("_lock", None)
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        super().__setstate__(state)  # type: ignore[no-untyped-call]
-        self._lock = threading.RLock()
 
     # ------------------------------------------------------------------ properties
     @property
@@ -251,16 +218,7 @@ class DistributedEmbedding(nn.Module):
         table or slot changes.
         """
         self._persistence.refuse_if_torn("apply_gradients")
-        last = self._pipeline.training_lookup()
-        if gradients is None:
-            flat_g: list[Any] = [a.grad for a in last.activations]
-            why = "no gradient reached its activation"
-        else:
-            nest.assert_same_structure(self._feature_config, gradients, what="gradients", is_leaf=is_input_leaf)
-            flat_g, why = nest.flatten(gradients), "gradient is None"
-        for f, g in zip(self._resolved.features, flat_g):
-            if g is None:
-                logger.warning("feature %r: %s; applying a zero gradient.", f.name, why)
+        flat_g = self._inputs.flat_gradients(gradients, self._pipeline.training_lookup().activations)
         self._pipeline.apply_gradients(flat_g)
 
     # ------------------------------------------------------------------ statistics and persistence
@@ -300,22 +258,14 @@ class DistributedEmbedding(nn.Module):
     def local_shards(self) -> dict[str, LocalShard]:
         """``{table name: LocalShard}``: the rows this process owns, with their global row ids, as
         live storage (after any pipelined update). In one process every table is one whole shard."""
-        self._pipeline.flush(observer=True)
-        return self._engine.local_shards()
+        return self._pipeline.local_shards()
 
     # ------------------------------------------------------------------ nn.Module integration
     @_locked
     def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> DistributedEmbedding:
         """``.to()``, ``.cuda()``, ``.half()``...: tables and slots move between devices but stay float32
         (TF's numerics); a dtype change is refused before anything moves."""
-        probe = fn(torch.zeros(1, dtype=torch.float32, device=self.device))
-        if probe.dtype != torch.float32:
-            raise TypeError(
-                f"DistributedEmbedding: embedding tables and slots stay float32 (TF's TPU numerics); converting "
-                f"them to {probe.dtype} is refused and nothing was changed. Convert only the dense part of the "
-                "model (e.g. `model.dense.half()`) and cast the activations, or keep this module in float32."
-            )
-        self._pipeline.move(fn, probe.device)
+        self._pipeline.move(fn)
         return super()._apply(fn, recurse)  # type: ignore[no-untyped-call,no-any-return]
 
     @_locked
@@ -340,11 +290,4 @@ class DistributedEmbedding(nn.Module):
         self._persistence.load_state_dict(*args)
 
     def extra_repr(self) -> str:
-        tables = ", ".join(
-            f"{t.name}: {t.vocabulary_size}x{t.dim} {type(t.optimizer).__name__}" for t in self._resolved.tables
-        )
-        where = ""
-        if self._engine.world > 1:
-            plans = ", ".join(f"{n}: {p.placement}" for n, p in self._engine.plans.items())
-            where = f", rank={self._engine.rank}/{self._engine.world}, sharding=[{plans}]"
-        return f"tables=[{tables}], features={len(self._resolved.features)}{where}"
+        return describe(self._engine)

@@ -52,9 +52,8 @@ class Persistence:
         """Write ``path/ckpt-<step>`` (see ``DistributedEmbedding.save``); returns the directory."""
         self.refuse_if_torn("save")
         pipeline = self.pipeline
-        pipeline.flush(observer=True)  # a pending pipelined update lands, keeping its pre-update rows
+        shards = pipeline.local_shards()  # a pending pipelined update lands, keeping its pre-update rows
         engine = pipeline.engine
-        shards = engine.local_shards()
         pipeline.exchange("save", lambda: None)
         # Pre-update rows the next training lookup must read (pipelining): saved with global row ids.
         stale = {name: (shards[name].rows[rows.cpu()], old) for name, (rows, old) in pipeline.stale.items()}

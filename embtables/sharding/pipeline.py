@@ -5,7 +5,8 @@ last training lookup. In between, this module holds the staged batch, the last t
 update held back by pipelining (spec §6) with the pre-update rows an observer must not change, and,
 when sharded and pipelined, the one thread every collective runs on, in program order.
 
-Every method expects the caller (the facade) to hold its lock.
+Every method expects the caller (the facade) to hold ``lock``: one thread at a time touches tables,
+slots and the native workspaces (ctypes releases the GIL, so two threads could otherwise race in C).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import logging
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
@@ -25,6 +27,7 @@ from embtables.tables.batch_ownership import batch_pointers, detached
 from embtables.tables.collection import TableGradient
 from embtables.tables.engine import Engine
 from embtables.tables.inputs import FeatureBatch
+from embtables.tables.state import LocalShard
 
 logger = logging.getLogger("embtables")
 
@@ -86,6 +89,7 @@ class StepPipeline:
         self.last: Lookup | None = None
         self.pending: PendingUpdate | None = None
         self.stale: StaleRows = {}
+        self.lock = threading.RLock()
 
     # ------------------------------------------------------------------ collectives
     def run(self, fn: Callable[[], _T]) -> _T:
@@ -260,6 +264,11 @@ class StepPipeline:
         self.flush(observer=True)
         return self.exchange("state read", self.engine.full_state)
 
+    def local_shards(self) -> dict[str, LocalShard]:
+        """This rank's rows of every table (live storage), after any held-back update."""
+        self.flush(observer=True)
+        return self.engine.local_shards()
+
     def replaced(self, stale: StaleRows | None = None) -> None:
         """The tables were replaced (restore, load_state_dict): forget every lookup and update made on
         the old ones (a staged batch is looked up again at dequeue), and keep ``stale``, the
@@ -270,14 +279,22 @@ class StepPipeline:
         self.pending, self.last = None, None
         self.stale = dict(stale) if stale and self.pipelined else {}
 
-    def move(self, fn: Callable[[Tensor], Tensor], device: torch.device) -> None:
-        """``nn.Module._apply``: the tables, slots and held rows to ``fn(t)`` on ``device``."""
+    def move(self, fn: Callable[[Tensor], Tensor]) -> None:
+        """``nn.Module._apply`` (``.to()``, ``.cuda()``, ``.half()``...): tables, slots and held rows move
+        between devices but stay float32 (TF's numerics); a dtype change is refused before anything moves."""
+        probe = fn(torch.zeros(1, dtype=torch.float32, device=self.engine.device))
+        if probe.dtype != torch.float32:
+            raise TypeError(
+                f"DistributedEmbedding: embedding tables and slots stay float32 (TF's TPU numerics); converting "
+                f"them to {probe.dtype} is refused and nothing was changed. Convert only the dense part of the "
+                "model (e.g. `model.dense.half()`) and cast the activations, or keep this module in float32."
+            )
         self.flush(observer=True)
         if self.enqueued is not None and self.enqueued.prefetch is not None:
             self.enqueued.prefetch = None  # looked up on the old device: look up again at dequeue
         self.engine.map_tensors(fn)
         self.stale = {k: (fn(rows), fn(old)) for k, (rows, old) in self.stale.items()}
-        if self.last is not None and device != self.last.activations[0].device:
+        if self.last is not None and probe.device != self.last.activations[0].device:
             self.last = None
             logger.warning(
                 "DistributedEmbedding: moved between devices after a training lookup; its gradients are dropped. "
@@ -286,8 +303,14 @@ class StepPipeline:
 
     # ------------------------------------------------------------------ copies
     def __getstate__(self) -> dict[str, Any]:
+        if self.engine.world > 1:
+            raise TypeError(
+                "a sharded DistributedEmbedding cannot be copied or pickled: its rows live in several processes. "
+                "Use state_dict() (full tables) or local_shards() (this rank's rows) instead."
+            )
         state = dict(self.__dict__)
         state["worker"] = None
+        del state["lock"]
         staged, last = self.enqueued, self.last
         if staged is not None:  # batches that point into staging buffers get their own storage in the copy
             batches = detached(staged.batches) if staged.batches is not None else None
@@ -295,3 +318,7 @@ class StepPipeline:
         if last is not None:
             state["last"] = Lookup(detached(last.batches), last.activations, last.context)
         return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.lock = threading.RLock()

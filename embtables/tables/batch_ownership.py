@@ -10,15 +10,18 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from embtables.config import ResolvedConfig
+from embtables.config import ResolvedConfig, nest
 from embtables.tables.input_nest import flatten_inputs, is_input_leaf
 from embtables.tables.inputs import FeatureBatch, InputConverter, convert_many, is_kjt
 from embtables.tables.ragged import Ragged
+
+logger = logging.getLogger("embtables")
 
 
 def storages(x: object) -> set[int]:
@@ -123,6 +126,20 @@ class InputStager:
             owned(b, storages(x) | storages(w), self.staging, i, busy)
             for i, (b, x, w) in enumerate(zip(converted, flat_x, flat_w))
         ]
+
+    def flat_gradients(self, gradients: Any, activations: list[Tensor]) -> list[Any]:
+        """The F gradients of ``apply_gradients``: ``gradients`` (a nest like ``feature_config``) flattened,
+        or, when None, the activations' ``.grad``. A None entry (a zero gradient) is logged."""
+        if gradients is None:
+            flat_g: list[Any] = [a.grad for a in activations]
+            why = "no gradient reached its activation"
+        else:
+            nest.assert_same_structure(self.feature_config, gradients, what="gradients", is_leaf=is_input_leaf)
+            flat_g, why = nest.flatten(gradients), "gradient is None"
+        for c, g in zip(self.converters, flat_g):
+            if g is None:
+                logger.warning("feature %r: %s; applying a zero gradient.", c.feature.name, why)
+        return flat_g
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "staging": Staging()}  # scratch buffers: a copy owns fresh ones

@@ -1,0 +1,56 @@
+"""Which engine a module gets: the sharded one over a process group of W > 1 ranks, else the
+one-process engine (the world-of-one case of the same interface)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from embtables.config import ResolvedConfig
+from embtables.sharding import comm
+from embtables.sharding.lookup_stats import read_loads
+from embtables.sharding.plan import TablePlan
+from embtables.sharding.sharded_collection import ShardedEmbeddingCollection
+from embtables.sharding.strategies import check_sharding, place_tables
+from embtables.tables.engine import Engine, OneProcessEngine
+
+
+def choose_engine(
+    resolved: ResolvedConfig,
+    device: torch.device,
+    sharding: str | Mapping[str, str],
+    process_group: Any,
+    timeout: float | None,
+    profile_data_directory: str | os.PathLike[str] | None,
+    settings: dict[str, Any],
+) -> tuple[Engine, dict[str, TablePlan]]:
+    """The engine of a module and each table's plan (where its rows live; one whole ``div`` shard in
+    one process). Tables are placed from the lookup statistics in ``profile_data_directory`` when
+    ``sharding`` asks for them (spec §5); ``timeout`` gives the ranks a dedicated group."""
+    check_sharding(sharding, resolved)
+    if timeout is not None and not (isinstance(timeout, (int, float)) and 0 < timeout < float("inf")):
+        raise ValueError(f"DistributedEmbedding: `timeout` must be a positive number of seconds, got {timeout!r}.")
+    loads = read_loads(profile_data_directory, resolved)
+    if not (comm.is_distributed(process_group) and comm.get_world_size(process_group) > 1):
+        plans = {t.name: TablePlan("div", t.vocabulary_size, 1, 0) for t in resolved.tables}
+        return OneProcessEngine(resolved, device, process_group), plans
+    comm.clean_exit()  # the program may never call destroy_process_group(): leave cleanly at exit
+    group = process_group if timeout is None else comm.new_group(float(timeout), process_group)
+    placements = place_tables(resolved, sharding, comm.get_world_size(group), loads)
+    engine = ShardedEmbeddingCollection(resolved, device, placements, group, settings=settings)
+    return engine, engine.plans
+
+
+def describe(engine: Engine) -> str:
+    """The module's ``repr`` body: every table (rows x dim, optimizer), and when sharded, the rank and
+    each table's placement."""
+    resolved = engine.resolved
+    tables = ", ".join(f"{t.name}: {t.vocabulary_size}x{t.dim} {type(t.optimizer).__name__}" for t in resolved.tables)
+    where = ""
+    if engine.world > 1:
+        plans = ", ".join(f"{n}: {p.placement}" for n, p in engine.plans.items())
+        where = f", rank={engine.rank}/{engine.world}, sharding=[{plans}]"
+    return f"tables=[{tables}], features={len(resolved.features)}{where}"
