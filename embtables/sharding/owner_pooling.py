@@ -78,16 +78,45 @@ def pooled_lookup_exchange(
     world: int,
     group: comm.ProcessGroup | None,
 ) -> tuple[dict[int, Tensor], PooledContext]:
-    """Activations [S_f, D] of the pooled ``features`` (this rank's batch), pooled by their owners."""
-    device = local.device
-    per_owner: dict[int, list[tuple[Tensor, Tensor, Tensor]]] = {}
-    counts = torch.zeros((world, 2 * len(features)), dtype=torch.int64, device=comm.collective_device(group))
-    sent: dict[int, list[int]] = {}
-    bags: dict[int, int] = {}
+    """Activations [S_f, D] of the pooled ``features`` (this rank's batch), pooled by their owners:
+    split each bag by owner (plan), send the pieces (steps 1-3 of the module docstring), pool what
+    this rank was asked for in one native call, send the partials back and add them (step 4)."""
+    split = _split_by_owner(features, batches, resolved, plans, local.device, world)
+    asked = _send_requests(split, features, rank, world, group, local.device)
+    tables = resolved.tables
+    weights = [
+        (a, local.states[tables[resolved.features[a.feature].table_index].name].weights) for src in asked for a in src
+    ]
+    partials = _pool(weights, resolved)
+    dims = {f: tables[resolved.features[f].table_index].dim for f in features}
+    acts = _return_partials(partials, asked, split.bags, dims, features, rank, world, group, local.device)
+    return acts, PooledContext(split.sent, split.bags, asked)
+
+
+@dataclasses.dataclass(eq=False)
+class _OwnerSplit:
+    """Every pooled feature's bags split by owner rank: ``parts[f][r]`` = (local rows [n_rf], offsets
+    [S_f + 1], coeffs [n_rf]); ``counts`` [W, 2F] = (n_rf, S_f) per owner and feature."""
+
+    parts: dict[int, list[tuple[Tensor, Tensor, Tensor]]]
+    counts: Tensor
+    sent: dict[int, list[int]]
+    bags: dict[int, int]
+
+
+def _split_by_owner(
+    features: Sequence[int],
+    batches: Sequence[FeatureBatch],
+    resolved: ResolvedConfig,
+    plans: dict[str, TablePlan],
+    device: torch.device,
+    world: int,
+) -> _OwnerSplit:
+    """Plan: each feature's ids grouped by owner (stable, so bag order is kept), with per-owner offsets."""
+    split = _OwnerSplit({}, torch.zeros((world, 2 * len(features)), dtype=torch.int64), {}, {})
     for k, f in enumerate(features):
         b = batches[f]
-        table = resolved.tables[resolved.features[f].table_index]
-        plan = plans[table.name]
+        plan = plans[resolved.tables[resolved.features[f].table_index].name]
         coeffs = b.coeffs if b.coeffs is not None else torch.ones(b.ids.numel(), device=device)
         parts = []
         if plan.strategy == "table":  # one owner: the batch as it is, nothing to sort
@@ -108,18 +137,32 @@ def pooled_lookup_exchange(
                 offsets[1:] = torch.cumsum(torch.bincount(seg.narrow(0, start, n), minlength=b.num_segments), 0)
                 parts.append((ids_sorted.narrow(0, start, n), offsets, coeffs.narrow(0, start, n)))
                 start += n
-        per_owner[f] = parts
-        sent[f], bags[f] = n_per, b.num_segments
-        counts[:, 2 * k] = torch.tensor(n_per, dtype=torch.int64, device=counts.device)
-        counts[:, 2 * k + 1] = b.num_segments
+        split.parts[f] = parts
+        split.sent[f], split.bags[f] = n_per, b.num_segments
+        split.counts[:, 2 * k] = torch.tensor(n_per, dtype=torch.int64)
+        split.counts[:, 2 * k + 1] = b.num_segments
+    return split
+
+
+def _send_requests(
+    split: _OwnerSplit,
+    features: Sequence[int],
+    rank: int,
+    world: int,
+    group: comm.ProcessGroup | None,
+    device: torch.device,
+) -> list[list[Asked]]:
+    """Send: counts, then ids and offsets (int64), then coeffs (float32), grouped by destination, then
+    feature. Returns what each source rank asked of this one, ``asked[source][k]`` (its own pieces
+    for ``source == rank``, never sent)."""
+    counts = split.counts.to(comm.collective_device(group))
     got, _ = comm.all_to_all_v(counts, [1] * world, group, recv_counts=[1] * world)
     recv_counts = got.tolist()  # [W(source)][2F]
-    # ids and offsets (int64), then coeffs (float32): grouped by destination, then feature.
     ints, floats, int_split, float_split = [], [], [], []
     for r in range(world):
         ni = nf = 0
         for f in features:
-            ids_r, offsets_r, coeffs_r = per_owner[f][r]
+            ids_r, offsets_r, coeffs_r = split.parts[f][r]
             if r != rank:
                 ints += [ids_r, offsets_r]
                 floats.append(coeffs_r)
@@ -127,13 +170,11 @@ def pooled_lookup_exchange(
                 nf += coeffs_r.numel()
         int_split.append(ni)
         float_split.append(nf)
+    nfeat = len(features)
     recv_int_split = [
-        0 if s == rank else sum(c[2 * k] + c[2 * k + 1] + 1 for k in range(len(features)))
-        for s, c in enumerate(recv_counts)
+        0 if s == rank else sum(c[2 * k] + c[2 * k + 1] + 1 for k in range(nfeat)) for s, c in enumerate(recv_counts)
     ]
-    recv_float_split = [
-        0 if s == rank else sum(c[2 * k] for k in range(len(features))) for s, c in enumerate(recv_counts)
-    ]
+    recv_float_split = [0 if s == rank else sum(c[2 * k] for k in range(nfeat)) for s, c in enumerate(recv_counts)]
     empty_i = torch.empty(0, dtype=torch.int64, device=device)
     empty_f = torch.empty(0, dtype=torch.float32, device=device)
     recv_i, _ = comm.all_to_all_v(torch.cat(ints) if ints else empty_i, int_split, group, recv_int_split)
@@ -144,25 +185,29 @@ def pooled_lookup_exchange(
         mine: list[Asked] = []
         for k, f in enumerate(features):
             if s == rank:
-                ids_r, offsets_r, coeffs_r = per_owner[f][rank]
-                mine.append(Asked(f, ids_r, offsets_r, coeffs_r))
+                mine.append(Asked(f, *split.parts[f][rank]))
                 continue
             n, nb = recv_counts[s][2 * k], recv_counts[s][2 * k + 1]
-            ids_r = recv_i.narrow(0, oi, n)
-            offsets_r = recv_i.narrow(0, oi + n, nb + 1)
-            coeffs_r = recv_f.narrow(0, of, n)
+            mine.append(Asked(f, recv_i.narrow(0, oi, n), recv_i.narrow(0, oi + n, nb + 1), recv_f.narrow(0, of, n)))
             oi += n + nb + 1
             of += n
-            mine.append(Asked(f, ids_r, offsets_r, coeffs_r))
         asked.append(mine)
-    # Pool every request on this rank's rows (one native call), then send the partials back.
-    requests = [
-        (a, local.states[resolved.tables[resolved.features[a.feature].table_index].name].weights)
-        for src in asked
-        for a in src
-    ]
-    partials = _pool(requests, resolved)
-    dims = {f: resolved.tables[resolved.features[f].table_index].dim for f in features}
+    return asked
+
+
+def _return_partials(
+    partials: list[Tensor],
+    asked: list[list[Asked]],
+    bags: dict[int, int],
+    dims: dict[int, int],
+    features: Sequence[int],
+    rank: int,
+    world: int,
+    group: comm.ProcessGroup | None,
+    device: torch.device,
+) -> dict[int, Tensor]:
+    """Receive: each partial [S_f, D] goes back to the rank that asked for it; each rank adds the
+    partials of its features in rank order (its own in its place) -> activations [S_f, D]."""
     out_pieces, out_split = [], []
     idx = 0
     own: dict[int, Tensor] = {}
@@ -178,6 +223,7 @@ def pooled_lookup_exchange(
                 size += p.numel()
         out_split.append(size)
     back_split = [0 if r == rank else sum(bags[f] * dims[f] for f in features) for r in range(world)]
+    empty_f = torch.empty(0, dtype=torch.float32, device=device)
     recv_back, _ = comm.all_to_all_v(torch.cat(out_pieces) if out_pieces else empty_f, out_split, group, back_split)
     acts: dict[int, Tensor] = {}
     offset = 0
@@ -187,7 +233,7 @@ def pooled_lookup_exchange(
             if r != rank:
                 offset += bags[f] * dims[f]
             acts[f] = part.clone() if f not in acts else acts[f].add_(part)
-    return acts, PooledContext(sent, bags, asked)
+    return acts
 
 
 def _pool(requests: list[tuple[Asked, Tensor]], resolved: ResolvedConfig) -> list[Tensor]:
