@@ -169,27 +169,57 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Train, evaluate against the teacher, write the artefacts; 0 when the model learned."""
     torch.manual_seed(args.seed)
+    data = _dataset(args)
+    rank, world = (comm.get_rank(), comm.get_world_size()) if comm.is_distributed() else (0, 1)
+    model_dir = Path(args.model_dir)  # checked (or made) by the job runner
+    estimator = _estimator(args, data, model_dir)
+    try:
+        say = print if rank == 0 else (lambda *a, **k: None)
+        _announce(say, args, estimator, model_dir, world)
+        held_out = _HeldOut(data, args.eval_size, rank, world)
+        start = time.perf_counter()
+        first = estimator.restore()  # an earlier run's checkpoint in model_dir: continue from it (--steps is a total)
+        if first:
+            say(f"resumed from step {first} in {model_dir}")
+        if first >= args.steps:
+            say(f"finished: step {first} already reaches --steps {args.steps}; nothing to train (evaluating only)")
+        evals = _train(estimator, data, args, held_out, rank, world, say)
+        seconds = time.perf_counter() - start
+        final = evals[-1]
+        learned = final["auc"] > 0.6 if estimator.global_step - first >= 50 else True
+        if rank == 0:
+            _report(estimator, args, evals, held_out.teacher, first, seconds, world, model_dir)
+            if estimator.global_step == first:
+                print(f"finished: no step trained in this run (the model in {model_dir} is at step {first}).")
+                return 0
+            print("PASS: the model learned." if learned else "FAIL: held-out AUC stayed at chance.")
+        return 0 if learned else 1
+    finally:
+        estimator.close()  # let the next writer (a rerun in this process) take the model_dir
+
+
+def _dataset(args: argparse.Namespace) -> SyntheticCTR:
+    """The synthetic CTR data with its planted teacher (``--small``: vocabularies / 1000, at least 50)."""
     features: tuple[CategoricalFeature, ...] = FEATURES
     if args.small:
         features = tuple(
             CategoricalFeature(f.name, max(50, f.vocabulary_size // 1000), f.min_ids, f.max_ids, f.table)
             for f in FEATURES
         )
-    data = SyntheticCTR(
-        SyntheticCTRConfig(seed=args.seed, features=features, interactions=(("user", "item"), ("city", "tags")))
-    )
-    distributed = comm.is_distributed()
-    rank, world = (comm.get_rank(), comm.get_world_size()) if distributed else (0, 1)
-    model_dir = Path(args.model_dir)  # checked (or made) by the job runner
+    interactions = (("user", "item"), ("city", "tags"))
+    return SyntheticCTR(SyntheticCTRConfig(seed=args.seed, features=features, interactions=interactions))
+
+
+def _estimator(args: argparse.Namespace, data: SyntheticCTR, model_dir: Path) -> Estimator:
+    """The DLRM ``Estimator``: embedding tables from ``spec_for``, a dense Adam, AUC and log-loss."""
     estimator: Estimator | None = None
 
     def step() -> int:
         return estimator.global_step if estimator is not None else 0
 
     spec = spec_for(data, args.dim, step, str(model_dir / "lookup_stats"))
-    names = sorted(f.name for f in features)
     estimator = Estimator(
-        DLRM(names, args.dim),
+        DLRM(sorted(f.name for f in data.config.features), args.dim),
         spec,
         model_dir,
         dense_optimizer=lambda p: torch.optim.Adam(p, lr=2e-3),
@@ -200,85 +230,101 @@ def run(args: argparse.Namespace) -> int:
         log_step_count_steps=max(1, min(100, args.steps // 10)),
         progress=args.progress,
     )
-    try:
-        say = print if rank == 0 else (lambda *a, **k: None)
-        tables = ", ".join(
-            f"{t.name} {t.vocabulary_size}x{t.dim} {type(t.optimizer).__name__}"
-            for t in estimator.embedding.resolved_config.tables
-        )
-        say(f"embtables {embtables.__version__} DLRM on synthetic CTR data: {args.steps} steps x {args.batch_size}")
+    return estimator
+
+
+def _announce(
+    say: Callable[..., None], args: argparse.Namespace, estimator: Estimator, model_dir: Path, world: int
+) -> None:
+    tables = ", ".join(
+        f"{t.name} {t.vocabulary_size}x{t.dim} {type(t.optimizer).__name__}"
+        for t in estimator.embedding.resolved_config.tables
+    )
+    say(f"embtables {embtables.__version__} DLRM on synthetic CTR data: {args.steps} steps x {args.batch_size}")
+    sharded = f"  ({world} processes, tables sharded: {estimator.embedding.sharding_plan})" if world > 1 else ""
+    say(f"model_dir: {model_dir}{sharded}")
+    say(f"tables: {tables}")
+
+
+class _HeldOut:
+    """The held-out set: the same batches for the teacher and the model, split evenly over the ranks,
+    and the teacher's AUC and log-loss on it (the best achievable)."""
+
+    def __init__(self, data: SyntheticCTR, eval_size: int, rank: int, world: int) -> None:
+        n_eval = world * max(1, math.ceil(eval_size / (4096 * world)))
+        self.batches = [data.batch(max(1, eval_size // n_eval), i, split="eval") for i in range(n_eval)]
+        logits = np.concatenate([data.teacher_logits(f).numpy() for f, _ in self.batches])
+        labels = np.concatenate([y.numpy() for _, y in self.batches])
+        self.teacher = {"auc": auc(logits, labels), "log_loss": log_loss(1 / (1 + np.exp(-logits)), labels)}
+        self.rank, self.world = rank, world
+
+    def input_fn(self) -> Iterator[tuple[dict[str, Ragged], Tensor]]:
+        yield from self.batches[self.rank :: self.world]  # every rank its share; evaluate gathers the metrics
+
+
+def _train(
+    estimator: Estimator,
+    data: SyntheticCTR,
+    args: argparse.Namespace,
+    held_out: _HeldOut,
+    rank: int,
+    world: int,
+    say: Callable[..., None],
+) -> list[dict[str, float]]:
+    """Train up to ``--steps`` (in total), evaluating every ``--eval-every`` steps; the evaluations
+    (at least one, also when nothing was left to train)."""
+
+    def train_fn(start: int, count: int) -> Iterator[tuple[dict[str, Ragged], Tensor]]:
+        for step in range(start, start + count):  # rank r reads batches r, r + W, ...: a global batch of W x B
+            yield data.batch(args.batch_size, step * world + rank)
+
+    start = time.perf_counter()
+    teacher = held_out.teacher
+    evals: list[dict[str, float]] = []
+    while estimator.global_step < args.steps:
+        chunk = min(args.eval_every, args.steps - estimator.global_step)
+        estimator.train(functools.partial(train_fn, estimator.global_step, chunk), steps=chunk)
+        result = estimator.evaluate(held_out.input_fn)
+        evals.append({"step": float(estimator.global_step), "auc": result["auc"], "log_loss": result["log_loss"]})
         say(
-            f"model_dir: {model_dir}"
-            + (f"  ({world} processes, tables sharded: {estimator.embedding.sharding_plan})" if distributed else "")
+            f"step {estimator.global_step:6d}  held-out AUC {result['auc']:.4f}  "
+            f"log-loss {result['log_loss']:.4f}  (teacher {teacher['auc']:.4f} / {teacher['log_loss']:.4f})  "
+            f"{time.perf_counter() - start:6.1f} s",
+            flush=True,
         )
-        say(f"tables: {tables}")
-        # The held-out set: the same batches for the teacher and the model, split evenly over the ranks.
-        n_eval = world * max(1, math.ceil(args.eval_size / (4096 * world)))
-        eval_batches = [data.batch(max(1, args.eval_size // n_eval), i, split="eval") for i in range(n_eval)]
-        t_logits = np.concatenate([data.teacher_logits(f).numpy() for f, _ in eval_batches])
-        t_labels = np.concatenate([y.numpy() for _, y in eval_batches])
-        teacher = {"auc": auc(t_logits, t_labels), "log_loss": log_loss(1 / (1 + np.exp(-t_logits)), t_labels)}
+    if not evals:
+        result = estimator.evaluate(held_out.input_fn)
+        evals.append({"step": float(estimator.global_step), **{k: v for k, v in result.items() if k != "global_step"}})
+    return evals
 
-        def eval_fn() -> Iterator[tuple[dict[str, Ragged], Tensor]]:
-            yield from eval_batches[rank::world]  # every rank its share; evaluate gathers the metrics
 
-        def train_fn(start: int, count: int) -> Iterator[tuple[dict[str, Ragged], Tensor]]:
-            for step in range(start, start + count):  # rank r reads batches r, r + W, ...: a global batch of W x B
-                yield data.batch(args.batch_size, step * world + rank)
-
-        start = time.perf_counter()
-        evals = []
-        first = estimator.restore()  # an earlier run's checkpoint in model_dir: continue from it (--steps is a total)
-        if first:
-            say(f"resumed from step {first} in {model_dir}")
-        if first >= args.steps:
-            say(f"finished: step {first} already reaches --steps {args.steps}; nothing to train (evaluating only)")
-        while estimator.global_step < args.steps:
-            chunk = min(args.eval_every, args.steps - estimator.global_step)
-            s0 = estimator.global_step
-            estimator.train(functools.partial(train_fn, s0, chunk), steps=chunk)
-            result = estimator.evaluate(eval_fn)
-            evals.append({"step": float(estimator.global_step), "auc": result["auc"], "log_loss": result["log_loss"]})
-            say(
-                f"step {estimator.global_step:6d}  held-out AUC {result['auc']:.4f}  "
-                f"log-loss {result['log_loss']:.4f}  (teacher {teacher['auc']:.4f} / {teacher['log_loss']:.4f})  "
-                f"{time.perf_counter() - start:6.1f} s",
-                flush=True,
-            )
-        seconds = time.perf_counter() - start
-        if not evals:
-            evals.append(
-                {
-                    "step": float(estimator.global_step),
-                    **{k: v for k, v in estimator.evaluate(eval_fn).items() if k != "global_step"},
-                }
-            )
-        final = evals[-1]
-        learned = final["auc"] > 0.6 if estimator.global_step - first >= 50 else True
-        if rank != 0:
-            return 0 if learned else 1
-        png = model_dir / "training_curves.png"
-        if plot(estimator.history, evals, teacher, png):
-            print(f"curves: {png}")
-        print(f"checkpoint: {estimator.latest_checkpoint()}   lookup statistics: {model_dir / 'lookup_stats'}")
-        summary = {
-            "job": "dlrm-synthetic",
-            "steps": estimator.global_step,
-            "steps_trained": estimator.global_step - first,
-            "batch_size": args.batch_size,
-            "auc": final["auc"],
-            "log_loss": final["log_loss"],
-            "teacher_auc": teacher["auc"],
-            "teacher_log_loss": teacher["log_loss"],
-            "seconds": seconds,
-            "processes": world,
-        }
-        (model_dir / "summary.json").write_text(json.dumps(summary, indent=1))
-        print(json.dumps(summary))
-        if estimator.global_step == first:
-            print(f"finished: no step trained in this run (the model in {model_dir} is at step {first}).")
-            return 0
-        print("PASS: the model learned." if learned else "FAIL: held-out AUC stayed at chance.")
-        return 0 if learned else 1
-    finally:
-        estimator.close()  # let the next writer (a rerun in this process) take the model_dir
+def _report(
+    estimator: Estimator,
+    args: argparse.Namespace,
+    evals: list[dict[str, float]],
+    teacher: dict[str, float],
+    first: int,
+    seconds: float,
+    world: int,
+    model_dir: Path,
+) -> None:
+    """Rank 0's artefacts: the curves (PNG), summary.json, and the summary line."""
+    png = model_dir / "training_curves.png"
+    if plot(estimator.history, evals, teacher, png):
+        print(f"curves: {png}")
+    print(f"checkpoint: {estimator.latest_checkpoint()}   lookup statistics: {model_dir / 'lookup_stats'}")
+    final = evals[-1]
+    summary = {
+        "job": "dlrm-synthetic",
+        "steps": estimator.global_step,
+        "steps_trained": estimator.global_step - first,
+        "batch_size": args.batch_size,
+        "auc": final["auc"],
+        "log_loss": final["log_loss"],
+        "teacher_auc": teacher["auc"],
+        "teacher_log_loss": teacher["log_loss"],
+        "seconds": seconds,
+        "processes": world,
+    }
+    (model_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    print(json.dumps(summary))
