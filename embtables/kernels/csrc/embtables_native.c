@@ -515,20 +515,11 @@ static void et_shrink(void **p, int64_t *cap, int64_t need, size_t sz) {
 
 /* Phase 1 for one table [V, D] into workspace h. Every offset and id is checked here, in the call that
  * reads them. status: 0 ok, 1 non-finite gradient, 2 out of memory, 3 bad offsets or an id outside [0, V). */
-static void et_prepare_one(et_workspace *h, int64_t nfeat, const int64_t *const *ids, const int64_t *nids,
-                           const int64_t *const *offsets, const int64_t *nbags, const float *const *coeffs,
-                           const float *const *grads, int64_t D, int64_t V, int nthreads, int *status) {
-    int64_t N = 0;
-    h->U = 0;
-    h->D = D;
-    *status = 3;
-    for (int64_t f = 0; f < nfeat; ++f) {
-        if (!et_offsets_ok(offsets[f], nbags[f], nids[f])) return;
-        N += offsets[f][nbags[f]] - offsets[f][0];
-    }
+/* Phase 1, step 1: every buffer sized for N occurrences (one shared capacity) and a hash table of
+ * 2N..4N buckets, emptied; 0 when out of memory (the workspace stays consistent). */
+static int et_reserve_workspace(et_workspace *h, int64_t N) {
     int64_t H = 16;
     while (H < 2 * N) H <<= 1;
-    *status = 2;
     if (h->cap_n > 4 * (N + 16) && h->cap_n * 40 > (1 << 20)) {
         /* every N-sized buffer shares one capacity: drop them together */
         free(h->inv); free(h->rows); free(h->start); free(h->occ); free(h->occ_g); free(h->occ_c);
@@ -552,14 +543,20 @@ static void et_prepare_one(et_workspace *h, int64_t nfeat, const int64_t *const 
     c = h->cap_h; ok &= et_reserve((void **)&h->hkeys, &c, H, sizeof(int64_t));
     c = h->cap_h; ok &= et_reserve((void **)&h->hvals, &c, H, sizeof(int32_t));
     cap_h = c;
-    if (!ok) return;
+    if (!ok) return 0;
     h->cap_n = cap_n;
     h->cap_h = cap_h;
     h->mask = H - 1;
     memset(h->hkeys, 0xff, sizeof(int64_t) * H);
+    return 1;
+}
+
+/* Phase 1, step 2: dedup in first-occurrence order: rows[u] (the U unique ids) and inv[k] (the unique
+ * index of occurrence k, over all features); 0 when an id is outside [0, V). */
+static int et_dedup(et_workspace *h, int64_t nfeat, const int64_t *const *ids, const int64_t *const *offsets,
+                    const int64_t *nbags, int64_t V, int64_t *U_out) {
     const int shift = et_shift(h->mask);
     int32_t *inv = h->inv;
-
     int64_t U = 0, kg = 0;
     for (int64_t f = 0; f < nfeat; ++f) {
         const int64_t *fid = ids[f];
@@ -571,10 +568,7 @@ static void et_prepare_one(et_workspace *h, int64_t nfeat, const int64_t *const 
                 __builtin_prefetch(h->hvals + ahead, 1, 0);
             }
             const int64_t id = fid[k];
-            if ((uint64_t)id >= (uint64_t)V) {
-                *status = 3;
-                return;
-            }
+            if ((uint64_t)id >= (uint64_t)V) return 0;
             uint64_t b = et_hash(id) >> shift;
             while (h->hkeys[b] != -1 && h->hkeys[b] != id) b = (b + 1) & (uint64_t)h->mask;
             if (h->hkeys[b] == -1) {
@@ -585,47 +579,64 @@ static void et_prepare_one(et_workspace *h, int64_t nfeat, const int64_t *const 
             inv[kg] = h->hvals[b];
         }
     }
-    et_shrink((void **)&h->G, &h->cap_g, (U ? U : 1) * D, sizeof(float));
-    if (!et_reserve((void **)&h->G, &h->cap_g, (U ? U : 1) * D, sizeof(float))) return;
-    h->U = U;
-    /* CSR of occurrences per unique row, in occurrence order. */
+    *U_out = U;
+    return 1;
+}
+
+/* Phase 1, step 3: the occurrences of each unique row in occurrence order (CSR: start [U + 1], each
+ * with its incoming gradient row, NULL for a zero gradient, and its coefficient); returns the most
+ * occurrences any one row has. */
+static int64_t et_group_occurrences(et_workspace *h, int64_t nfeat, const int64_t *const *offsets,
+                                    const int64_t *nbags, const float *const *coeffs, const float *const *grads,
+                                    int64_t D, int64_t N) {
+    const int64_t U = h->U;
+    const int32_t *inv = h->inv;
     int64_t *start = h->start, *occ = h->occ;
     memset(start, 0, sizeof(int64_t) * (size_t)(U + 1));
     for (int64_t i = 0; i < N; ++i) start[inv[i] + 1]++;
-    int64_t maxcount = 0; /* the most occurrences any one row has */
+    int64_t maxcount = 0;
     for (int64_t u = 0; u < U; ++u) {
         const int64_t c = start[u + 1];
         maxcount = c > maxcount ? c : maxcount;
         start[u + 1] += start[u];
     }
     memcpy(occ, start, sizeof(int64_t) * (size_t)U);
-    const float **occ_g = h->occ_g;
-    float *occ_c = h->occ_c;
-    kg = 0;
-    /* |summed gradient| <= maxcount * max|coeff| * max|incoming gradient|: bounded from the S x D
-     * gradients (and N coefficients) instead of scanning the U x D sums afterwards. */
-    uint32_t in_bits = 0, c_bits = 0x3f800000u; /* |1.0f|: absent coefficients are 1 */
-    for (int64_t f = 0; f < nfeat; ++f) {
-        if (grads[f]) in_bits = et_maxbits(grads[f], nbags[f] * D, in_bits);
-        if (coeffs[f]) c_bits = et_maxbits(coeffs[f] + offsets[f][0], offsets[f][nbags[f]] - offsets[f][0], c_bits);
-    }
+    int64_t kg = 0;
     for (int64_t f = 0; f < nfeat; ++f) {
         const int64_t *off = offsets[f];
         for (int64_t s = 0; s < nbags[f]; ++s) {
             const float *grow = grads[f] ? grads[f] + s * D : NULL;
             for (int64_t k = off[s]; k < off[s + 1]; ++k, ++kg) {
                 const int64_t pos = occ[inv[kg]]++;
-                occ_g[pos] = grow;
-                occ_c[pos] = coeffs[f] ? coeffs[f][k] : 1.0f;
+                h->occ_g[pos] = grow;
+                h->occ_c[pos] = coeffs[f] ? coeffs[f][k] : 1.0f;
             }
         }
     }
-    const double bound = (in_bits >= ET_INF_BITS || c_bits >= ET_INF_BITS)
-                             ? INFINITY
-                             : (double)maxcount * (double)et_bits_float(c_bits) * (double)et_bits_float(in_bits);
-    /* Below 1e37 no sum of maxcount float32 terms can overflow (float32 max is 3.4e38), so the sums need no
-     * scan; above it each row is scanned exactly. */
-    const int scan = !(bound < 1e37);
+    return maxcount;
+}
+
+/* |summed gradient| <= maxcount * max|coeff| * max|incoming gradient|: bounded from the S x D
+ * gradients (and N coefficients) instead of scanning the U x D sums afterwards (INFINITY when an
+ * input is not finite). */
+static double et_sum_bound(int64_t nfeat, const int64_t *const *offsets, const int64_t *nbags,
+                           const float *const *coeffs, const float *const *grads, int64_t D, int64_t maxcount) {
+    uint32_t in_bits = 0, c_bits = 0x3f800000u; /* |1.0f|: absent coefficients are 1 */
+    for (int64_t f = 0; f < nfeat; ++f) {
+        if (grads[f]) in_bits = et_maxbits(grads[f], nbags[f] * D, in_bits);
+        if (coeffs[f]) c_bits = et_maxbits(coeffs[f] + offsets[f][0], offsets[f][nbags[f]] - offsets[f][0], c_bits);
+    }
+    if (in_bits >= ET_INF_BITS || c_bits >= ET_INF_BITS) return INFINITY;
+    return (double)maxcount * (double)et_bits_float(c_bits) * (double)et_bits_float(in_bits);
+}
+
+/* Phase 1, step 4: G [U, D], the float32 sums of each row's occurrences in occurrence order (in
+ * parallel over rows); with ``scan``, returns the largest |sum| as float bits (else 0). */
+static uint32_t et_sum_rows(et_workspace *h, int64_t D, int scan, int nthreads) {
+    const int64_t U = h->U;
+    const int64_t *start = h->start;
+    const float *const *occ_g = (const float *const *)h->occ_g;
+    const float *occ_c = h->occ_c;
     uint32_t gbits = 0;
 #pragma omp parallel for num_threads(nthreads) schedule(static, 256) reduction(max : gbits)
     for (int64_t u = 0; u < U; ++u) {
@@ -649,6 +660,37 @@ static void et_prepare_one(et_workspace *h, int64_t nfeat, const int64_t *const 
             gbits = m > gbits ? m : gbits;
         }
     }
+    return gbits;
+}
+
+/* Phase 1 for one table: check the offsets, size the workspace, dedup, group, sum. ``status``: 0 done,
+ * 1 a sum is not finite, 2 out of memory, 3 bad offsets or an id outside [0, V). */
+static void et_prepare_one(et_workspace *h, int64_t nfeat, const int64_t *const *ids, const int64_t *nids,
+                           const int64_t *const *offsets, const int64_t *nbags, const float *const *coeffs,
+                           const float *const *grads, int64_t D, int64_t V, int nthreads, int *status) {
+    int64_t N = 0, U = 0;
+    h->U = 0;
+    h->D = D;
+    *status = 3;
+    for (int64_t f = 0; f < nfeat; ++f) {
+        if (!et_offsets_ok(offsets[f], nbags[f], nids[f])) return;
+        N += offsets[f][nbags[f]] - offsets[f][0];
+    }
+    *status = 2;
+    if (!et_reserve_workspace(h, N)) return;
+    if (!et_dedup(h, nfeat, ids, offsets, nbags, V, &U)) {
+        *status = 3;
+        return;
+    }
+    et_shrink((void **)&h->G, &h->cap_g, (U ? U : 1) * D, sizeof(float));
+    if (!et_reserve((void **)&h->G, &h->cap_g, (U ? U : 1) * D, sizeof(float))) return;
+    h->U = U;
+    const int64_t maxcount = et_group_occurrences(h, nfeat, offsets, nbags, coeffs, grads, D, N);
+    const double bound = et_sum_bound(nfeat, offsets, nbags, coeffs, grads, D, maxcount);
+    /* Below 1e37 no sum of maxcount float32 terms can overflow (float32 max is 3.4e38), so the sums need no
+     * scan; above it each row is scanned exactly. */
+    const int scan = !(bound < 1e37);
+    const uint32_t gbits = et_sum_rows(h, D, scan, nthreads);
     const int finite = gbits < ET_INF_BITS;
     h->finite = finite;
     h->gmax = !finite ? INFINITY : (scan ? et_bits_float(gbits) : (float)(bound * 1.0001));
