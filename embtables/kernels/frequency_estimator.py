@@ -7,6 +7,7 @@ from torch import Tensor
 
 from embtables.config.extra_optimizers import FrequencyEstimator
 from embtables.kernels.float32 import as_float32, one_minus
+from embtables.kernels.record import KernelRecord, bounded
 
 
 def update_rows(
@@ -26,3 +27,29 @@ def update_rows(
     outlier = delta >= as_float32(opt.outlier_threshold) * w
     smoothed = w * one_minus(opt.tau) + dc * as_float32(opt.tau)
     return torch.where(outlier, dc, smoothed), (torch.full_like(last, t),)
+
+
+def _bounds(
+    opt: FrequencyEstimator, lr: float, g: float, w_dec: float, hi: tuple[float, ...], lo: tuple[float, ...]
+) -> tuple[float, ...] | None:
+    dc = abs(lr) + hi[1]  # |t - last|, and min(., max_delta) only lowers it
+    threshold = float(opt.outlier_threshold) * w_dec  # only compared, never written
+    if not bounded(dc, threshold):
+        return None
+    return (w_dec + dc, abs(lr))
+
+
+RECORD = KernelRecord(
+    FrequencyEstimator,
+    native_kind=11,
+    native_name="frequency_estimator",
+    update_rows=update_rows,
+    constant_names=("max_delta", "outlier_threshold", "one_minus_tau", "tau"),
+    constants=lambda opt, lr: {
+        "max_delta": as_float32(opt.max_delta),
+        "outlier_threshold": as_float32(opt.outlier_threshold),
+        "one_minus_tau": one_minus(opt.tau),
+        "tau": as_float32(opt.tau),
+    },
+    bounds=_bounds,
+)

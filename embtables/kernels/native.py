@@ -27,17 +27,7 @@ import torch
 from torch import Tensor
 
 from embtables.config.catalogue import Optimizer
-from embtables.config.extra_optimizers import (
-    Adadelta,
-    CenteredRMSProp,
-    FrequencyEstimator,
-    Momentum,
-    ProximalAdagrad,
-    ProximalYogi,
-    RMSProp,
-)
-from embtables.config.optimizers import FTRL, SGD, Adagrad, AdagradMomentum, Adam
-from embtables.kernels.float32 import as_float32, neg_reciprocal, one_minus, times
+from embtables.kernels.registry import RECORDS, record_of
 
 logger = logging.getLogger("embtables")
 
@@ -52,48 +42,45 @@ _FLAGS = [
     "-shared",
     "-fPIC",
 ]
-_KINDS: dict[type[Any], int] = {
-    SGD: 0,
-    Adagrad: 1,
-    AdagradMomentum: 2,
-    Adam: 3,
-    FTRL: 4,
-    ProximalAdagrad: 5,
-    Momentum: 6,
-    RMSProp: 7,
-    CenteredRMSProp: 8,
-    Adadelta: 9,
-    ProximalYogi: 10,
-    FrequencyEstimator: 11,
-}
-
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _tried = False
 _enabled = os.environ.get("EMBTABLES_NATIVE", "1") != "0"
 
 
+def _named_union(name: str, ctype: Any, width: int, field: str) -> type[ctypes.Union]:
+    """A ctypes mirror of the C union ``et_<name>``: ``raw`` [width] and one member per kernel record
+    (its ``field`` names, in order), as ``csrc/embtables_native.c`` declares it."""
+    members: list[tuple[str, Any]] = [("raw", ctype * width)]
+    seen = set()
+    for record in RECORDS:
+        names = getattr(record, field)
+        if names and record.native_name not in seen:
+            seen.add(record.native_name)
+            fields = [(n, ctype) for n in names]
+            member = type(f"_{record.native_name}_{name}", (ctypes.Structure,), {"_fields_": fields})
+            members.append((record.native_name, member))
+    return type(f"_{name}", (ctypes.Union,), {"_fields_": members})
+
+
+_Flags = _named_union("flags", ctypes.c_int32, 2, "flag_names")
+_Constants = _named_union("constants", ctypes.c_float, 8, "constant_names")
+
+
 class _OptParams(ctypes.Structure):
-    """Mirrors ``et_opt`` in the C source."""
+    """Mirrors ``et_opt`` in the C source: the kind, named flags and constants (unions by optimizer),
+    learning rate, decay and clip bounds."""
 
     _fields_ = [
         ("kind", ctypes.c_int32),
-        ("flag_a", ctypes.c_int32),
-        ("flag_b", ctypes.c_int32),
+        ("flags", _Flags),
         ("lr", ctypes.c_float),
         ("decay", ctypes.c_float),
         ("glo", ctypes.c_float),
         ("ghi", ctypes.c_float),
         ("wlo", ctypes.c_float),
         ("whi", ctypes.c_float),
-        ("c0", ctypes.c_float),
-        ("c1", ctypes.c_float),
-        ("c2", ctypes.c_float),
-        ("c3", ctypes.c_float),
-        ("c4", ctypes.c_float),
-        ("c5", ctypes.c_float),
-        ("c6", ctypes.c_float),
-        ("c7", ctypes.c_float),
+        ("constants", _Constants),
     ]
 
 
@@ -236,53 +223,29 @@ def _threads() -> int:
 
 
 def opt_params(opt: Optimizer, lr: float, decay: float, *, clip_gradients: bool) -> _OptParams:
-    """The C parameter block for ``opt`` at learning rate ``lr`` and effective decay ``decay``."""
+    """The C parameter block for ``opt`` at learning rate ``lr`` and effective decay ``decay``: its
+    kernel record's kind, flags and derived float32 constants (exactly as the torch kernels use them)."""
+    try:
+        record = record_of(opt)
+    except TypeError as exc:  # never fall through to another optimizer's kernel
+        raise NativeBufferError(f"embtables native kernel: no native kernel for {type(opt).__name__}.") from exc
     p = _OptParams()
-    kind = _KINDS.get(type(opt))
-    if kind is None:  # never fall through to another optimizer's kernel
-        raise NativeBufferError(f"embtables native kernel: no native kernel for {type(opt).__name__}.")
-    p.kind = kind
+    p.kind = record.native_kind
     inf = float("inf")
     glo, ghi = opt.gradient_clip_bounds if clip_gradients else (None, None)
     p.glo, p.ghi = -inf if glo is None else float(glo), inf if ghi is None else float(ghi)
     wlo, whi = opt.clip_weight_min, opt.clip_weight_max
     p.wlo, p.whi = -inf if wlo is None else float(wlo), inf if whi is None else float(whi)
     p.lr, p.decay = lr, decay
-    # Derived constants in float32, exactly as the torch kernels (and TF) compute them.
-    if isinstance(opt, AdagradMomentum):
-        p.flag_a, p.flag_b = int(opt.use_nesterov), int(as_float32(opt.beta2) == 1)
-        p.c0, p.c1, p.c2 = as_float32(opt.momentum), neg_reciprocal(opt.exponent), as_float32(opt.beta2)
-        p.c3, p.c4 = one_minus(opt.beta2), as_float32(opt.epsilon)
-    elif isinstance(opt, Adam):
-        p.flag_a = int(opt.sum_inside_sqrt)
-        p.c0, p.c1 = as_float32(opt.beta_1), one_minus(opt.beta_1)
-        p.c2, p.c3 = as_float32(opt.beta_2), one_minus(opt.beta_2)
-        p.c4, p.c5 = times(opt.epsilon, opt.epsilon), as_float32(opt.epsilon)
-    elif isinstance(opt, FTRL):
-        p.flag_a, p.flag_b = int(opt.multiply_linear_by_learning_rate), int(opt.allow_zero_accumulator)
-        p.c0, p.c2 = as_float32(-opt.learning_rate_power), as_float32(opt.beta)
-        l1, l2 = opt.l1_regularization_strength, opt.l2_regularization_strength
-        if opt.multiply_linear_by_learning_rate:
-            p.c1, p.c3 = times(lr, l1), times(2.0, lr, l2)
-        else:
-            p.c1, p.c3 = as_float32(l1), times(2.0, l2)
-    elif isinstance(opt, ProximalAdagrad):
-        p.c0, p.c1 = as_float32(opt.l1_regularization_strength), as_float32(opt.l2_regularization_strength)
-    elif isinstance(opt, Momentum):
-        p.flag_a, p.c0 = int(opt.use_nesterov), as_float32(opt.momentum)
-    elif isinstance(opt, (RMSProp, CenteredRMSProp)):
-        p.flag_a = int(isinstance(opt, CenteredRMSProp))
-        p.c0, p.c1 = as_float32(opt.rho), one_minus(opt.rho)
-        p.c2, p.c3 = as_float32(opt.momentum), as_float32(opt.epsilon)
-    elif isinstance(opt, Adadelta):
-        p.c0, p.c1, p.c2 = as_float32(opt.rho), one_minus(opt.rho), as_float32(opt.epsilon)
-    elif isinstance(opt, ProximalYogi):
-        p.c0, p.c1, p.c2 = as_float32(opt.beta_1), one_minus(opt.beta_1), one_minus(opt.beta_2)
-        p.c3, p.c4 = as_float32(opt.epsilon), as_float32(opt.l1_regularization_strength)
-        p.c5 = as_float32(opt.l2_regularization_strength)
-    elif isinstance(opt, FrequencyEstimator):
-        p.c0, p.c1 = as_float32(opt.max_delta), as_float32(opt.outlier_threshold)
-        p.c2, p.c3 = one_minus(opt.tau), as_float32(opt.tau)
+    flags, constants = record.native_flags(opt), record.native_constants(opt, lr)
+    if flags:
+        member = getattr(p.flags, record.native_name)
+        for name, value in flags.items():
+            setattr(member, name, int(bool(value)))
+    if constants:
+        member = getattr(p.constants, record.native_name)
+        for name, constant in constants.items():
+            setattr(member, name, constant)
     return p
 
 

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
 from embtables.config.extra_optimizers import ProximalAdagrad
 from embtables.kernels.float32 import as_float32, scalar_over
+from embtables.kernels.record import KernelRecord, bounded, slot_domains_of
 from embtables.kernels.sqrt import sqrt_f32
 
 
@@ -29,3 +32,33 @@ def update_rows(
     prox = w - lr_t * g
     l1, l2 = as_float32(opt.l1_regularization_strength), as_float32(opt.l2_regularization_strength)
     return proximal_step(prox, lr_t, l1, l2), (acc,)
+
+
+def _bounds(
+    opt: ProximalAdagrad, lr: float, g: float, w_dec: float, hi: tuple[float, ...], lo: tuple[float, ...]
+) -> tuple[float, ...] | None:
+    a_min = lo[1]
+    if not a_min > 0 or lr < 0:  # lr >= 0 keeps the proximal denominator 1 + lr_t * l2 >= 1
+        return None
+    lr_t = abs(lr) / math.sqrt(a_min)
+    ratio = max(1.001, 2e-19 / math.sqrt(a_min))  # |g| / sqrt(a + g^2), as for Adagrad
+    l1, l2 = float(opt.l1_regularization_strength), float(opt.l2_regularization_strength)
+    if not bounded(lr_t, lr_t * max(l1, l2)):
+        return None
+    return (w_dec + abs(lr) * ratio, hi[1] + g * g)
+
+
+RECORD = KernelRecord(
+    ProximalAdagrad,
+    native_kind=5,
+    native_name="proximal_adagrad",
+    update_rows=update_rows,
+    constant_names=("l1", "l2"),
+    constants=lambda opt, lr: {
+        "l1": as_float32(opt.l1_regularization_strength),
+        "l2": as_float32(opt.l2_regularization_strength),
+    },
+    bounds=_bounds,
+    slot_domains=slot_domains_of({"accumulators": "positive"}),
+    monotone_slots=frozenset({"accumulators"}),
+)

@@ -1,66 +1,21 @@
 """The fused sparse update of one table: clip -> decay -> optimizer -> weight clip, once per row.
 
-Dispatch from optimizer config to row math happens here and nowhere else (``ROW_UPDATES``).
+The row math of each optimizer comes from its kernel record (``kernels/registry.py``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
-
 from torch import Tensor
 
 from embtables.config.catalogue import Optimizer
-from embtables.config.extra_optimizers import (
-    Adadelta,
-    CenteredRMSProp,
-    FrequencyEstimator,
-    Momentum,
-    ProximalAdagrad,
-    ProximalYogi,
-    RMSProp,
-)
-from embtables.config.optimizers import FTRL, SGD, Adagrad, AdagradMomentum, Adam
-from embtables.kernels import (
-    adadelta,
-    adagrad,
-    adagrad_momentum,
-    adam,
-    frequency_estimator,
-    ftrl,
-    momentum,
-    proximal_adagrad,
-    proximal_yogi,
-    rmsprop,
-    sgd,
-)
 from embtables.kernels.clip_decay import clip_gradient, clip_weights, decay_weights, effective_weight_decay
-
-RowUpdateFn = Callable[..., tuple[Tensor, tuple[Tensor, ...]]]
-
-ROW_UPDATES: dict[type[Any], RowUpdateFn] = {
-    SGD: sgd.update_rows,
-    Adagrad: adagrad.update_rows,
-    AdagradMomentum: adagrad_momentum.update_rows,
-    Adam: adam.update_rows,
-    FTRL: ftrl.update_rows,
-    ProximalAdagrad: proximal_adagrad.update_rows,
-    Momentum: momentum.update_rows,
-    RMSProp: rmsprop.update_rows,
-    CenteredRMSProp: rmsprop.update_rows_centered,
-    Adadelta: adadelta.update_rows,
-    ProximalYogi: proximal_yogi.update_rows,
-    FrequencyEstimator: frequency_estimator.update_rows,
-}
+from embtables.kernels.record import RowUpdateFn
+from embtables.kernels.registry import record_of
 
 
 def get_row_update(opt: object) -> RowUpdateFn:
     """The row math for ``opt``; raises ``TypeError`` listing the supported optimizer types."""
-    fn = ROW_UPDATES.get(type(opt))
-    if fn is None:
-        supported = ", ".join(c.__name__ for c in ROW_UPDATES)
-        raise TypeError(f"No sparse update for optimizer type {type(opt).__name__}; supported: {supported}.")
-    return fn
+    return record_of(opt).update_rows
 
 
 def update_rows(

@@ -19,13 +19,13 @@ import torch
 from torch import Tensor
 
 from embtables.config import ResolvedConfig, ResolvedTable
-from embtables.config.extra_optimizers import ProximalAdagrad
-from embtables.config.optimizers import FLOAT32_MAX, FTRL, Adagrad, as_float32
+from embtables.config.optimizers import FLOAT32_MAX, as_float32
 from embtables.errors import InputError
 from embtables.kernels import native, sparse_update_
 from embtables.kernels.clip_decay import effective_weight_decay
 from embtables.kernels.finite_guard import bounds_compound, update_bounds
 from embtables.kernels.lookup import occurrence_gradients, pooled_lookup
+from embtables.kernels.registry import record_of
 from embtables.kernels.segments import dedup_sum, occurrence_rounds
 from embtables.kernels.sequential import apply_in_order_, has_vectorised_form
 from embtables.kernels.sparse_update import update_rows
@@ -480,8 +480,10 @@ class EmbeddingCollection:
         state = self.states[table.name]
         bounds.hi = [max(h, m) for h, m in zip(bounds.hi, maxabs)]
         bounds.measured = bounds.measured and measured
-        # Adagrad's, FTRL's and ProximalAdagrad's accumulators never decrease; every other slot may move towards 0.
-        keeps_min = {1} if isinstance(table.optimizer, (Adagrad, FTRL, ProximalAdagrad)) else set()
+        # Monotone slots (Adagrad's, FTRL's, ProximalAdagrad's accumulators) never decrease; every other
+        # slot may move towards 0. Index 0 is the weights.
+        monotone = record_of(table.optimizer).monotone_slots
+        keeps_min = {1 + i for i, s in enumerate(table.optimizer.slot_names) if s in monotone}
         bounds.lo = [v if i in keeps_min else min(v, 0.0) for i, v in enumerate(bounds.lo)]
         bounds.stamp = _stamp((state.weights, *state.slot_tuple()))
 
@@ -607,9 +609,7 @@ def _checked_lr(fn: Callable[[], float], tables: list[ResolvedTable]) -> float:
             f"{who}: the learning_rate callable returned {lr!r}, which is not finite in float32 (the kernels' "
             "precision). No table or slot was changed."
         )
-    divides = [
-        t.name for t in tables if isinstance(t.optimizer, FTRL) and not t.optimizer.multiply_linear_by_learning_rate
-    ]
+    divides = [t.name for t in tables if record_of(t.optimizer).divides_by_learning_rate(t.optimizer)]
     if lr32 == 0 and divides:
         raise InputError(
             f"{who}: the learning_rate callable returned {lr!r}, which is 0 in float32, and FTRL table(s) "

@@ -8,8 +8,9 @@ import math
 import torch
 from torch import Tensor
 
-from embtables.config import FTRL, Adadelta, Adagrad, AdagradMomentum, ProximalAdagrad, ProximalYogi, ResolvedTable
+from embtables.config import ResolvedTable
 from embtables.errors import ConfigError
+from embtables.kernels.registry import record_of
 from embtables.tables.initializers import Constant, default_initializer
 
 
@@ -58,17 +59,10 @@ def check_loaded_value(table: ResolvedTable, slot: str, value: Tensor) -> str | 
     if not (math.isfinite(smallest) and math.isfinite(largest)):
         return "must be finite float32 values (NaN, Inf or beyond 3.4e38 found; the checkpoint is corrupt)"
     opt = table.optimizer
-    accumulators = slot == "accumulators"
-    zero_allowed = isinstance(opt, FTRL) and opt.allow_zero_accumulator
-    strict_positive = accumulators and isinstance(opt, (Adagrad, FTRL, ProximalAdagrad)) and not zero_allowed
-    non_negative = (
-        (accumulators and (isinstance(opt, (AdagradMomentum, Adadelta)) or zero_allowed))
-        or slot in ("velocities", "ms", "updates")
-        or (slot == "v" and isinstance(opt, ProximalYogi))
-    )
-    if strict_positive and not smallest > 0:
+    domain = dict(zip(opt.slot_names, record_of(opt).slot_domains(opt))).get(slot, "any")
+    if domain == "positive" and not smallest > 0:
         return f"holds {smallest!r} (as float32), but {type(opt).__name__}'s {slot} must be > 0 (the update divides)"
-    if non_negative and not smallest >= 0:
+    if domain == "nonnegative" and not smallest >= 0:
         return f"holds {smallest!r}, but {type(opt).__name__}'s {slot} must be >= 0"
     return None
 

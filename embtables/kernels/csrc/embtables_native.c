@@ -32,13 +32,35 @@ enum {
     ET_FREQUENCY_ESTIMATOR = 11
 };
 
+/* Each optimizer's named flags and float32 constants (its kernel record in embtables/kernels/<name>.py
+ * derives them; tests/numerics/test_kernel_records.py checks these members against the records). */
+typedef union {
+    int32_t raw[2];
+    struct { int32_t use_nesterov, beta2_is_one; } adagrad_momentum;
+    struct { int32_t sum_inside_sqrt; } adam;
+    struct { int32_t multiply_linear_by_learning_rate, allow_zero_accumulator; } ftrl;
+    struct { int32_t use_nesterov; } momentum;
+} et_flags;
+
+typedef union {
+    float raw[8];
+    struct { float momentum, neg_inv_exponent, beta2, one_minus_beta2, epsilon; } adagrad_momentum;
+    struct { float beta_1, one_minus_beta_1, beta_2, one_minus_beta_2, epsilon_squared, epsilon; } adam;
+    struct { float power, l1, beta, two_l2; } ftrl;
+    struct { float l1, l2; } proximal_adagrad;
+    struct { float momentum; } momentum;
+    struct { float rho, one_minus_rho, momentum, epsilon; } rmsprop;
+    struct { float rho, one_minus_rho, epsilon; } adadelta;
+    struct { float beta_1, one_minus_beta_1, one_minus_beta_2, epsilon, l1, l2; } proximal_yogi;
+    struct { float max_delta, outlier_threshold, one_minus_tau, tau; } frequency_estimator;
+} et_constants;
+
 /* Mirrors embtables.kernels.native._OptParams (ctypes.Structure); keep the field order in sync. */
 typedef struct {
     int32_t kind;
-    int32_t flag_a; /* Adam: sum_inside_sqrt; AdagradMomentum: use_nesterov; FTRL: multiply_linear */
-    int32_t flag_b; /* AdagradMomentum: beta2 == 1; FTRL: allow_zero_accumulator */
+    et_flags f;
     float lr, decay, glo, ghi, wlo, whi; /* absent clip bounds are -inf / +inf */
-    float c0, c1, c2, c3, c4, c5, c6, c7; /* per-kind constants, see native.py */
+    et_constants k;
 } et_opt;
 
 /* |x| as its IEEE bit pattern: for non-negative floats the integer order is the float order, so an integer
@@ -202,35 +224,41 @@ static void et_row_adagrad(const et_opt *p, float *restrict w, float *restrict s
     }
 }
 
-/* c0 momentum, c1 -1/exponent, c2 beta2, c3 1-beta2, c4 epsilon; flag_a nesterov, flag_b beta2 == 1 */
 static void et_row_adagrad_momentum(const et_opt *p, float *restrict w, float *restrict s0, float *restrict s1, float *restrict s2,
                                     const float *restrict gin, int64_t D) {
     (void)s2;
     const float lr = p->lr;
+    const float mom = p->k.adagrad_momentum.momentum, pw = p->k.adagrad_momentum.neg_inv_exponent;
+    const float b2 = p->k.adagrad_momentum.beta2, one_minus_b2 = p->k.adagrad_momentum.one_minus_beta2;
+    const float eps = p->k.adagrad_momentum.epsilon;
+    const int nesterov = p->f.adagrad_momentum.use_nesterov, sum = p->f.adagrad_momentum.beta2_is_one;
     for (int64_t d = 0; d < D; ++d) {
         ET_PROLOGUE
-        const float a = p->flag_b ? s0[d] + g * g : p->c2 * s0[d] + p->c3 * (g * g);
-        const float scaled = powf(a + p->c4, p->c1) * g;
-        const float m = p->c0 * s1[d] + scaled;
+        const float a = sum ? s0[d] + g * g : b2 * s0[d] + one_minus_b2 * (g * g);
+        const float scaled = powf(a + eps, pw) * g;
+        const float m = mom * s1[d] + scaled;
         s0[d] = a;
         s1[d] = m;
-        x = x - lr * (p->flag_a ? p->c0 * m + scaled : m);
+        x = x - lr * (nesterov ? mom * m + scaled : m);
         ET_EPILOGUE
     }
 }
 
-/* c0 b1, c1 1-b1, c2 b2, c3 1-b2, c4 eps^2, c5 eps; flag_a sum_inside_sqrt */
 static void et_row_adam(const et_opt *p, float *restrict w, float *restrict s0, float *restrict s1, float *restrict s2,
                         const float *restrict gin, int64_t D) {
     (void)s2;
     const float lr = p->lr;
+    const float b1 = p->k.adam.beta_1, one_minus_b1 = p->k.adam.one_minus_beta_1;
+    const float b2 = p->k.adam.beta_2, one_minus_b2 = p->k.adam.one_minus_beta_2;
+    const float eps2 = p->k.adam.epsilon_squared, eps = p->k.adam.epsilon;
+    const int inside = p->f.adam.sum_inside_sqrt;
     for (int64_t d = 0; d < D; ++d) {
         ET_PROLOGUE
-        const float m = p->c0 * s0[d] + p->c1 * g;
-        const float v = p->c2 * s1[d] + p->c3 * (g * g);
+        const float m = b1 * s0[d] + one_minus_b1 * g;
+        const float v = b2 * s1[d] + one_minus_b2 * (g * g);
         s0[d] = m;
         s1[d] = v;
-        const float den = p->flag_a ? sqrtf(v + p->c4) : sqrtf(v) + p->c5;
+        const float den = inside ? sqrtf(v + eps2) : sqrtf(v) + eps;
         x = x - lr * m / den;
         ET_EPILOGUE
     }
@@ -249,10 +277,10 @@ static void et_row_adam(const et_opt *p, float *restrict w, float *restrict s0, 
         float z = s1[d], den;                                                                                      \
         if (multiply_linear) {                                                                                     \
             z = z + lr * g - delta * x;                                                                            \
-            den = pw_new + p->c3 + p->c2;                                                                          \
+            den = pw_new + two_l2 + beta;                                                                          \
         } else {                                                                                                   \
             z = z + g - (delta / lr) * x;                                                                          \
-            den = (pw_new + p->c2) / lr + p->c3;                                                                   \
+            den = (pw_new + beta) / lr + two_l2;                                                                   \
         }                                                                                                          \
         const float numer = (z < -lim ? -lim : (z > lim ? lim : z)) - z;                                           \
         s0[d] = nn;                                                                                                \
@@ -264,13 +292,12 @@ static void et_row_adam(const et_opt *p, float *restrict w, float *restrict s0, 
 #define ET_SQRT(v) sqrtf(v)
 #define ET_POWF(v) powf((v), e)
 
-/* c0 p = -learning_rate_power, c1 l1 (or lr*l1), c2 beta, c3 2*l2 (or 2*lr*l2); flag_a multiply_linear,
- * flag_b allow_zero_accumulator */
+/* power = -learning_rate_power; l1 and two_l2 are lr*l1 and 2*lr*l2 when multiply_linear_by_learning_rate */
 static void et_row_ftrl(const et_opt *p, float *restrict w, float *restrict s0, float *restrict s1, float *restrict s2,
                         const float *restrict gin, int64_t D) {
     (void)s2;
-    const float lr = p->lr, lim = p->c1, e = p->c0;
-    const int allow_zero = p->flag_b, multiply_linear = p->flag_a;
+    const float lr = p->lr, lim = p->k.ftrl.l1, e = p->k.ftrl.power, beta = p->k.ftrl.beta, two_l2 = p->k.ftrl.two_l2;
+    const int allow_zero = p->f.ftrl.allow_zero_accumulator, multiply_linear = p->f.ftrl.multiply_linear_by_learning_rate;
     if (e == 0.5f) {
         ET_FTRL_LOOP(ET_SQRT)
     } else {
@@ -286,7 +313,6 @@ static inline float et_proximal(float prox, float lr_t, float l1, float l2) {
     return copysignf(sh, prox) / (1.0f + lr_t * l2);
 }
 
-/* c0 l1, c1 l2 */
 static void et_row_proximal_adagrad(const et_opt *p, float *restrict w, float *restrict s0, float *restrict s1,
                                     float *restrict s2, const float *restrict gin, int64_t D) {
     (void)s1;
@@ -297,36 +323,37 @@ static void et_row_proximal_adagrad(const et_opt *p, float *restrict w, float *r
         const float a = s0[d] + g * g;
         s0[d] = a;
         const float lr_t = lr / sqrtf(a);
-        x = et_proximal(x - lr_t * g, lr_t, p->c0, p->c1);
+        x = et_proximal(x - lr_t * g, lr_t, p->k.proximal_adagrad.l1, p->k.proximal_adagrad.l2);
         ET_EPILOGUE
     }
 }
 
-/* c0 momentum; flag_a nesterov */
 static void et_row_momentum(const et_opt *p, float *restrict w, float *restrict s0, float *restrict s1,
                             float *restrict s2, const float *restrict gin, int64_t D) {
     (void)s1;
     (void)s2;
-    const float lr = p->lr;
+    const float lr = p->lr, mom = p->k.momentum.momentum;
+    const int nesterov = p->f.momentum.use_nesterov;
     for (int64_t d = 0; d < D; ++d) {
         ET_PROLOGUE
-        const float m = p->c0 * s0[d] + g;
+        const float m = mom * s0[d] + g;
         s0[d] = m;
-        x = x - lr * (p->flag_a ? g + p->c0 * m : m);
+        x = x - lr * (nesterov ? g + mom * m : m);
         ET_EPILOGUE
     }
 }
 
-/* c0 rho, c1 1-rho, c2 momentum, c3 epsilon; flag_a centered (s2 = mg). One loop per variant so each vectorises. */
+/* RMSProp and, for kind ET_CENTERED_RMSPROP, centered RMSProp (s2 = mg). One loop per variant so each vectorises. */
 static void et_row_rmsprop(const et_opt *p, float *restrict w, float *restrict s0, float *restrict s1,
                            float *restrict s2, const float *restrict gin, int64_t D) {
-    const float lr = p->lr;
-    if (p->flag_a) {
+    const float lr = p->lr, rho = p->k.rmsprop.rho, one_minus_rho = p->k.rmsprop.one_minus_rho;
+    const float momentum = p->k.rmsprop.momentum, eps = p->k.rmsprop.epsilon;
+    if (p->kind == ET_CENTERED_RMSPROP) {
         for (int64_t d = 0; d < D; ++d) {
             ET_PROLOGUE
-            const float ms = p->c0 * s0[d] + p->c1 * (g * g);
-            const float mg = p->c0 * s2[d] + p->c1 * g;
-            const float mom = p->c2 * s1[d] + lr * g / sqrtf(ms - mg * mg + p->c3);
+            const float ms = rho * s0[d] + one_minus_rho * (g * g);
+            const float mg = rho * s2[d] + one_minus_rho * g;
+            const float mom = momentum * s1[d] + lr * g / sqrtf(ms - mg * mg + eps);
             s0[d] = ms;
             s1[d] = mom;
             s2[d] = mg;
@@ -336,8 +363,8 @@ static void et_row_rmsprop(const et_opt *p, float *restrict w, float *restrict s
     } else {
         for (int64_t d = 0; d < D; ++d) {
             ET_PROLOGUE
-            const float ms = p->c0 * s0[d] + p->c1 * (g * g);
-            const float mom = p->c2 * s1[d] + lr * g / sqrtf(ms + p->c3);
+            const float ms = rho * s0[d] + one_minus_rho * (g * g);
+            const float mom = momentum * s1[d] + lr * g / sqrtf(ms + eps);
             s0[d] = ms;
             s1[d] = mom;
             x = x - mom;
@@ -346,55 +373,59 @@ static void et_row_rmsprop(const et_opt *p, float *restrict w, float *restrict s
     }
 }
 
-/* c0 rho, c1 1-rho, c2 epsilon */
 static void et_row_adadelta(const et_opt *p, float *restrict w, float *restrict s0, float *restrict s1,
                             float *restrict s2, const float *restrict gin, int64_t D) {
     (void)s2;
-    const float lr = p->lr;
+    const float lr = p->lr, rho = p->k.adadelta.rho, one_minus_rho = p->k.adadelta.one_minus_rho;
+    const float eps = p->k.adadelta.epsilon;
     for (int64_t d = 0; d < D; ++d) {
         ET_PROLOGUE
-        const float a = p->c0 * s0[d] + p->c1 * (g * g);
-        const float u = sqrtf(s1[d] + p->c2) / sqrtf(a + p->c2) * g;
+        const float a = rho * s0[d] + one_minus_rho * (g * g);
+        const float u = sqrtf(s1[d] + eps) / sqrtf(a + eps) * g;
         s0[d] = a;
-        s1[d] = p->c0 * s1[d] + p->c1 * (u * u);
+        s1[d] = rho * s1[d] + one_minus_rho * (u * u);
         x = x - lr * u;
         ET_EPILOGUE
     }
 }
 
-/* s0 v, s1 m; c0 b1, c1 1-b1, c2 1-b2, c3 epsilon, c4 l1, c5 l2 */
+/* s0 v, s1 m */
 static void et_row_proximal_yogi(const et_opt *p, float *restrict w, float *restrict s0, float *restrict s1,
                                  float *restrict s2, const float *restrict gin, int64_t D) {
     (void)s2;
-    const float lr = p->lr;
+    const float lr = p->lr, b1 = p->k.proximal_yogi.beta_1, one_minus_b1 = p->k.proximal_yogi.one_minus_beta_1;
+    const float one_minus_b2 = p->k.proximal_yogi.one_minus_beta_2, eps = p->k.proximal_yogi.epsilon;
+    const float l1 = p->k.proximal_yogi.l1, l2 = p->k.proximal_yogi.l2;
     for (int64_t d = 0; d < D; ++d) {
         ET_PROLOGUE
         const float g2 = g * g;
-        const float m = p->c0 * s1[d] + p->c1 * g;
-        const float v0 = s0[d], diff = v0 - g2, step = p->c2 * g2; /* (1-b2) * sign(diff) * g^2 */
+        const float m = b1 * s1[d] + one_minus_b1 * g;
+        const float v0 = s0[d], diff = v0 - g2, step = one_minus_b2 * g2; /* (1-b2) * sign(diff) * g^2 */
         /* every arm computed first, then selected: straight-line code the compiler vectorises */
         const float down = v0 - step, up = v0 + step, same = v0 - 0.0f * g2;
         const float v = diff > 0.0f ? down : (diff < 0.0f ? up : same);
         s0[d] = v;
         s1[d] = m;
-        const float lr_t = lr / (sqrtf(v) + p->c3);
-        x = et_proximal(x - lr_t * m, lr_t, p->c4, p->c5);
+        const float lr_t = lr / (sqrtf(v) + eps);
+        x = et_proximal(x - lr_t * m, lr_t, l1, l2);
         ET_EPILOGUE
     }
 }
 
-/* lr = the global step t; s0 last_hit_step; c0 max_delta, c1 outlier_threshold, c2 1-tau, c3 tau */
+/* lr = the global step t; s0 last_hit_step */
 static void et_row_frequency_estimator(const et_opt *p, float *restrict w, float *restrict s0, float *restrict s1,
                                        float *restrict s2, const float *restrict gin, int64_t D) {
     (void)s1;
     (void)s2;
-    const float t = p->lr;
+    const float t = p->lr, max_delta = p->k.frequency_estimator.max_delta;
+    const float one_minus_tau = p->k.frequency_estimator.one_minus_tau, tau = p->k.frequency_estimator.tau;
+    const float outlier = p->k.frequency_estimator.outlier_threshold;
     for (int64_t d = 0; d < D; ++d) {
         ET_PROLOGUE
         (void)g;
         const float delta = t - s0[d];
-        const float dc = delta > p->c0 ? p->c0 : delta;
-        const float smoothed = x * p->c2 + dc * p->c3, threshold = p->c1 * x;
+        const float dc = delta > max_delta ? max_delta : delta;
+        const float smoothed = x * one_minus_tau + dc * tau, threshold = outlier * x;
         x = delta >= threshold ? dc : smoothed;
         s0[d] = t;
         ET_EPILOGUE

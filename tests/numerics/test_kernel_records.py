@@ -1,0 +1,101 @@
+"""The kernel records (``embtables/kernels/registry.py``): one per optimizer, in sync with the C source's
+kinds and named constants, with the docs table, and the only dispatch there is."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+
+import pytest
+
+import embtables
+from embtables.config import OPTIMIZER_TYPES
+from embtables.kernels import native
+from embtables.kernels.registry import RECORDS, markdown_table, record_of
+from embtables.kernels.sparse_update import get_row_update
+
+C_SOURCE = Path(native.__file__).parent / "csrc" / "embtables_native.c"
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "optimizers.md"
+
+
+def _c_union_members(union: str) -> dict[str, tuple[str, ...]]:
+    """``{member: (field, ...)}`` of ``typedef union { ... } <union>;`` in the C source."""
+    text = C_SOURCE.read_text()
+    body = re.search(r"typedef union \{(.*?)\} " + union + ";", text, re.S)
+    assert body is not None, union
+    members = {}
+    for fields, member in re.findall(r"struct \{\s*(?:int32_t|float) ([^;]*);\s*\} (\w+);", body.group(1)):
+        members[member] = tuple(f.strip() for f in fields.split(","))
+    return members
+
+
+def test_every_optimizer_has_exactly_one_record() -> None:
+    assert {r.config for r in RECORDS} == set(OPTIMIZER_TYPES)
+    assert len({r.native_kind for r in RECORDS}) == len(RECORDS)
+
+
+def test_native_kinds_match_the_c_enum() -> None:
+    text = C_SOURCE.read_text()
+    kinds = {name: int(v) for name, v in re.findall(r"ET_([A-Z_]+) = (\d+)", text)}
+    for r in RECORDS:
+        c_name = {"SGD": "SGD", "FTRL": "FTRL", "RMSProp": "RMSPROP", "CenteredRMSProp": "CENTERED_RMSPROP"}.get(
+            r.config.__name__, re.sub(r"(?<!^)(?=[A-Z])", "_", r.config.__name__).upper()
+        )
+        assert kinds[c_name] == r.native_kind, r.config.__name__
+
+
+@pytest.mark.parametrize("union, field", [("et_flags", "flag_names"), ("et_constants", "constant_names")])
+def test_named_native_fields_match_the_c_unions(union: str, field: str) -> None:
+    members = _c_union_members(union)
+    expected = {r.native_name: getattr(r, field) for r in RECORDS if getattr(r, field)}
+    assert members == expected
+
+
+@pytest.mark.parametrize("record", RECORDS, ids=lambda r: r.config.__name__)
+def test_native_parameters_come_from_the_record_by_name(record: object) -> None:
+    opt = record.config(learning_rate=0.25)  # type: ignore[attr-defined]
+    p = native.opt_params(opt, 0.25, 0.0, clip_gradients=True)
+    assert p.kind == record.native_kind  # type: ignore[attr-defined]
+    constants = record.native_constants(opt, 0.25)  # type: ignore[attr-defined]
+    flags = record.native_flags(opt)  # type: ignore[attr-defined]
+    raw_c = list(p.constants.raw)
+    raw_f = list(p.flags.raw)
+    assert raw_c[: len(constants)] == pytest.approx(list(constants.values()), rel=0, abs=0)
+    assert raw_c[len(constants) :] == [0.0] * (8 - len(constants))
+    assert raw_f[: len(flags)] == [int(v) for v in flags.values()]
+    assert get_row_update(opt) is record.update_rows  # type: ignore[attr-defined]
+
+
+def test_a_record_must_name_exactly_its_fields() -> None:
+    bad = dataclasses.replace(record_of(embtables.Adam(0.1)), constants=lambda opt, lr: {"beta_1": 0.9})
+    with pytest.raises(RuntimeError, match="must be"):
+        bad.native_constants(embtables.Adam(0.1), 0.1)
+
+
+def test_an_unknown_optimizer_type_is_an_error_everywhere() -> None:
+    @dataclasses.dataclass(frozen=True)
+    class MyAdagrad(embtables.Adagrad):
+        pass
+
+    opt = MyAdagrad(0.1)
+    with pytest.raises(TypeError, match="supported: SGD, Adagrad"):
+        record_of(opt)
+    with pytest.raises(TypeError, match="No sparse update for optimizer type MyAdagrad"):
+        get_row_update(opt)
+    with pytest.raises(native.NativeBufferError, match="no native kernel for MyAdagrad"):
+        native.opt_params(opt, 0.1, 0.0, clip_gradients=True)
+
+
+def test_ftrl_accumulator_domain_follows_allow_zero_accumulator() -> None:
+    record = record_of(embtables.FTRL(0.1))
+    assert record.slot_domains(embtables.FTRL(0.1)) == ("positive", "any")
+    allow = embtables.FTRL(0.1, allow_zero_accumulator=True)
+    assert record.slot_domains(allow) == ("nonnegative", "any")
+
+
+def test_the_docs_table_is_the_registry() -> None:
+    text = DOCS.read_text()
+    begin = text.index("-->\n", text.index("<!-- kernel-table:begin")) + len("-->\n")
+    end = text.index("<!-- kernel-table:end -->")
+    assert text[begin:end] == markdown_table(), "regenerate the table from embtables.kernels.registry.markdown_table()"
