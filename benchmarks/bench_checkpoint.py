@@ -15,14 +15,18 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import shutil
+import sys
 import tempfile
 import time
 from pathlib import Path
 
+if __package__ in (None, ""):
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 import embtables as et
+from benchmarks._harness import emit
 
 
 def _rss_kib(field: str) -> int:
@@ -130,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
             "restore_peak_extra_share": round(restore_extra / state_bytes, 4),
             "restore_note": "two passes (verify, then copy into place) over the same open files",
         }
-        print(json.dumps(record), flush=True)
+        emit(record)
     finally:
         if args.dir is None:
             shutil.rmtree(root, ignore_errors=True)

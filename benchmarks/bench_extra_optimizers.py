@@ -10,10 +10,8 @@ JSON lines on stdout. Workload: 4 tables of --rows x --dim, batch --batch, 20 Zi
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -24,6 +22,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import embtables as et
+from benchmarks._harness import emit, env_record, summarize, time_steps
 from embtables.kernels import native
 
 OPTIMIZERS: dict[str, tuple[Callable[[], Any], Callable[[Any], torch.optim.Optimizer] | None]] = {
@@ -45,12 +44,9 @@ def zipf_ids(rows: int, n: int, rng: np.random.Generator) -> torch.Tensor:
     return torch.from_numpy(np.where(ids < rows, ids, rng.integers(0, rows, n)).astype(np.int64))
 
 
-def timed(step: Callable[[int], None], steps: int) -> float:
-    step(0)  # warm-up (and the native build)
-    start = time.perf_counter()
-    for i in range(steps):
-        step(i + 1)
-    return (time.perf_counter() - start) / steps
+def timed(step: Callable[[int], None], steps: int, desc: str) -> dict[str, float]:
+    """The harness's summary (median, p90, min) of ``steps`` steps after one warm-up (and the native build)."""
+    return summarize(time_steps(step, 1, steps, desc))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -66,8 +62,8 @@ def main(argv: list[str] | None = None) -> int:
     per = 20
     batches = [[zipf_ids(args.rows, args.batch * per, rng) for _ in range(args.tables)] for _ in range(4)]
     offsets = torch.arange(0, args.batch * per + 1, per)
-    print(json.dumps({"bench": "env", "threads": torch.get_num_threads(), "rows": args.rows, "dim": args.dim,
-                      "batch": args.batch, "tables": args.tables, "ids_per_sample": per}), flush=True)  # fmt: skip
+    shape = {"rows": args.rows, "dim": args.dim, "batch": args.batch, "tables": args.tables, "ids_per_sample": per}
+    emit({**env_record(), **shape})
     for name in args.optimizers.split(","):
         make, torch_opt = OPTIMIZERS[name]
         for path in ("native", "torch-path"):
@@ -81,10 +77,15 @@ def main(argv: list[str] | None = None) -> int:
                 out = emb(feats)
                 emb.apply_gradients({k: torch.full_like(v, 1e-3) for k, v in out.items()})
 
-            ms = timed(step, args.steps) * 1e3
-            print(
-                json.dumps({"bench": "train_step", "optimizer": name, "impl": f"embtables-{path}", "ms": ms}),
-                flush=True,
+            summary = timed(step, args.steps, f"{name} embtables-{path}")
+            emit(
+                {
+                    "bench": "train_step",
+                    "optimizer": name,
+                    "impl": f"embtables-{path}",
+                    "ms": summary["median_ms"],
+                    **summary,
+                }
             )
             del emb
         native.set_enabled(True)
@@ -99,10 +100,15 @@ def main(argv: list[str] | None = None) -> int:
                 loss.backward()  # type: ignore[union-attr]
                 opt.step()
 
-            ms = timed(torch_step, args.steps) * 1e3
-            print(
-                json.dumps({"bench": "train_step", "optimizer": name, "impl": "torch.optim (dense)", "ms": ms}),
-                flush=True,
+            summary = timed(torch_step, args.steps, f"{name} torch.optim")
+            emit(
+                {
+                    "bench": "train_step",
+                    "optimizer": name,
+                    "impl": "torch.optim (dense)",
+                    "ms": summary["median_ms"],
+                    **summary,
+                }
             )
             del bags, opt
     return 0

@@ -25,11 +25,8 @@ import numpy as np
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks._harness import emit
 from embtables.data.movielens import kfold, load_movielens_100k
-
-
-def emit(record: dict[str, Any]) -> None:
-    print(json.dumps(record), flush=True)
 
 
 def surprise_svd(folds: int) -> dict[str, Any]:

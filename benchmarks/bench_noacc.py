@@ -11,12 +11,17 @@ repeat, so keep ``--repeats`` small for them (``--slow-repeats``).
 from __future__ import annotations
 
 import argparse
-import json
+import os
+import sys
 import time
 
 import torch
 
+if __package__ in (None, ""):
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 import embtables as et
+from benchmarks._harness import emit
 from embtables.kernels import native
 
 OPTIMIZERS = {
@@ -44,20 +49,17 @@ def main() -> None:
             start = time.perf_counter()
             emb.apply_gradients(grads)
             seconds = time.perf_counter() - start
-            print(
-                json.dumps(
-                    {
-                        "bench": "noacc_hot_id",
-                        "path": path,
-                        "optimizer": name,
-                        "repeats": repeats,
-                        "dim": args.dim,
-                        "seconds": round(seconds, 4),
-                        "us_per_occurrence": round(1e6 * seconds / repeats, 3),
-                        "vectorised": path == "native" or name in VECTORISED,
-                    }
-                ),
-                flush=True,
+            emit(
+                {
+                    "bench": "noacc_hot_id",
+                    "path": path,
+                    "optimizer": name,
+                    "repeats": repeats,
+                    "dim": args.dim,
+                    "seconds": round(seconds, 4),
+                    "us_per_occurrence": round(1e6 * seconds / repeats, 3),
+                    "vectorised": path == "native" or name in VECTORISED,
+                }
             )
     native.set_enabled(True)
 

@@ -15,8 +15,10 @@ Configurations (each in fresh processes, the global batch split evenly over the 
   planned by its ``EmbeddingShardingPlanner``), table-wise; row-wise is reported as unavailable when
   TorchRec's planner offers no row-wise sharding on CPU.
 
-Every line carries the median step time over the timed steps of the slowest rank, and for embtables
-the bytes each rank sent to the others per step (ids, rows, gradient sums).
+Timing, summaries, the ``env`` line, ``other_cpus`` and ``--wait-idle`` come from the one benchmark
+harness (``benchmarks/_harness.py``). Every line carries ``step_ms``, the median step time of the
+slowest rank (``slowest_rank``: its median/p90/min), and for embtables the bytes each rank sent to the
+others per step (ids, rows, gradient sums).
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ import numpy as np
 import torch
 import torch.multiprocessing as mp
 
+from benchmarks._harness import OtherLoad, env_record, summarize, time_steps, wait_for_idle, workload_fields
+from benchmarks._harness import emit as harness_emit
 from benchmarks.workload import Workload, activation_grad, make_batches
 
 
@@ -109,16 +113,13 @@ def _embtables_rank(rank: int, world: int, spec: dict[str, Any], out: str) -> No
     grad = {f"f{t}": grad_full[rows, t * wl.dim : (t + 1) * wl.dim].contiguous() for t in range(wl.tables)}
     dense = _dense_standin(local, spec["dense_ms"]) if spec.get("dense_ms") else None
     nb = len(inputs)
-    times = []
     steps = spec["warmup"] + spec["steps"]
+    if rank != 0:
+        os.environ["BENCH_PROGRESS"] = "0"  # one progress bar, rank 0's
     if pipelined:
         emb.enqueue(inputs[0])
-    for i in range(steps):
-        if i == spec["warmup"]:
-            comm.barrier()
-            comm.bytes_sent.clear()
-            comm.phase_checks = 0
-        t0 = time.perf_counter()
+
+    def step(i: int) -> None:
         if pipelined:
             emb.dequeue()
             if i + 1 < steps:
@@ -128,8 +129,13 @@ def _embtables_rank(rank: int, world: int, spec: dict[str, Any], out: str) -> No
         if dense is not None:
             dense()
         emb.apply_gradients(grad)
-        times.append(time.perf_counter() - t0)
-    timed = times[spec["warmup"] :]
+
+    time_steps(step, spec["warmup"], 0, f"W={world} warmup")
+    comm.barrier()
+    comm.bytes_sent.clear()
+    comm.phase_checks = 0
+    with OtherLoad() as load:
+        timed = time_steps(lambda i: step(spec["warmup"] + i), 0, spec["steps"], f"W={world} {spec['sharding']}")
     sent = sum(comm.bytes_sent.values()) / spec["steps"]
     headers = comm.phase_checks / spec["steps"]
     # The phase headers' cost (issue 15): the same header exchanged back to back, median of 5 x 100.
@@ -143,11 +149,13 @@ def _embtables_rank(rank: int, world: int, spec: dict[str, Any], out: str) -> No
                 comm.check_phase("lookup", 0, 0)
             per_call.append((time.perf_counter() - t0) / 100)
         header_s = statistics.median(per_call)
-    everyone = comm.all_gather_object((statistics.median(timed), sent))
+    everyone = comm.all_gather_object((summarize(timed), sent, load.other_cpus))
     if rank == 0:
-        step_s = max(t for t, _ in everyone)
+        slowest = max((summary for summary, _, _ in everyone), key=lambda x: x["median_ms"])
+        step_s = slowest["median_ms"] / 1e3
         Path(out).write_text(
-            json.dumps({"step_s": step_s, "bytes": [b for _, b in everyone], "headers_per_step": headers,
+            json.dumps({"step_s": step_s, "slowest_rank": slowest, "bytes": [b for _, b, _ in everyone],
+                        "other_cpus": max(o for _, _, o in everyone), "headers_per_step": headers,
                         "header_us": header_s * 1e6, "phase_check_share": headers * header_s / step_s})
         )  # fmt: skip
     if world > 1:
@@ -200,18 +208,24 @@ def _torchrec_rank(rank: int, world: int, spec: dict[str, Any], out: str) -> Non
         values = torch.from_numpy(np.concatenate([b.ids[t][lo:hi] for t in range(wl.tables)]))
         kjts.append(KeyedJaggedTensor.from_lengths_sync(keys=keys, values=values, lengths=lengths))
     grad = torch.from_numpy(activation_grad(wl))[rank * local : (rank + 1) * local]
-    times = []
-    for i in range(spec["warmup"] + spec["steps"]):
-        t0 = time.perf_counter()
+    if rank != 0:
+        os.environ["BENCH_PROGRESS"] = "0"
+
+    def step(i: int) -> None:
         kt = dmp(kjts[i % len(kjts)])
         kt = kt.wait() if hasattr(kt, "wait") else kt
         (kt.values() * grad).sum().backward()
-        times.append(time.perf_counter() - t0)
-    med = statistics.median(times[spec["warmup"] :])
+
+    with OtherLoad() as load:
+        timed = time_steps(step, spec["warmup"], spec["steps"], f"torchrec W={world}")
     everyone: list[Any] = [None] * world
-    torch.distributed.all_gather_object(everyone, med)
+    torch.distributed.all_gather_object(everyone, (summarize(timed), load.other_cpus))
     if rank == 0:
-        Path(out).write_text(json.dumps({"step_s": max(everyone)}))
+        slowest = max((summary for summary, _ in everyone), key=lambda x: x["median_ms"])
+        other = max(o for _, o in everyone)
+        Path(out).write_text(
+            json.dumps({"step_s": slowest["median_ms"] / 1e3, "slowest_rank": slowest, "other_cpus": other})
+        )
     torch.distributed.destroy_process_group()
 
 
@@ -232,14 +246,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--ids", choices=("zipf", "uniform"), default="zipf")
     ap.add_argument("--no-torchrec", action="store_true")
+    ap.add_argument("--wait-idle", type=float, default=0.0, metavar="S", help="wait up to S s for a quiet machine")
     args = ap.parse_args(argv)
     wl = Workload(ids=args.ids)
     if args.quick:
         wl = wl.with_(tables=2, rows=100_000, dim=32, batch=1024, name="quick")
     base = {"workload": asdict(wl), "steps": args.steps, "warmup": args.warmup}
 
+    if args.wait_idle:
+        wait_for_idle(args.wait_idle)
+    harness_emit(env_record())
+
     def emit(record: dict[str, Any]) -> None:
-        print(json.dumps({"bench": "sharded", "workload": wl.name, "ids": wl.ids, **record}), flush=True)
+        harness_emit({"bench": "sharded", **workload_fields(wl), **record})
 
     results: dict[str, float] = {}
     runs = [
@@ -257,6 +276,8 @@ def main(argv: list[str] | None = None) -> int:
                 "world": world,
                 "sharding": extra["sharding"],
                 "step_ms": round(got["step_s"] * 1e3, 2),
+                "slowest_rank": got["slowest_rank"],
+                "other_cpus": round(got["other_cpus"], 3),
                 "sent_mb_per_step_per_rank": [round(b / 2**20, 3) for b in got["bytes"]],
                 "global_batch": wl.batch,
                 "phase_headers_per_step": got["headers_per_step"],
@@ -299,6 +320,8 @@ def main(argv: list[str] | None = None) -> int:
                     "sharding": sharding,
                     "world": 2,
                     "step_ms": round(got["step_s"] * 1e3, 2),
+                    "slowest_rank": got["slowest_rank"],
+                    "other_cpus": round(got["other_cpus"], 3),
                     "torchrec_over_embtables": round(got["step_s"] / ours, 3),
                 }
             )

@@ -117,7 +117,8 @@ def _csv(s: str) -> list[str]:
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         prog="embtables bench",  # also `python3 benchmarks/run.py`
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     ap.add_argument(
         "--impls", default=",".join(["embtables", *DEFAULT_PEERS]), help=f"comma list of {', '.join(IMPLS)}"
