@@ -69,6 +69,20 @@ def _check_positive_float32(owner: str, name: str, value: float, why: str) -> No
         )
 
 
+# The fields every optimizer has (TF's ``_Optimizer`` arguments); the others are its own.
+SHARED_FIELDS = (
+    "learning_rate",
+    "use_gradient_accumulation",
+    "clip_weight_min",
+    "clip_weight_max",
+    "weight_decay_factor",
+    "multiply_weight_decay_factor_by_learning_rate",
+    "slot_variable_creation_fn",
+    "clipvalue",
+    "low_dimensional_packing_status",
+)
+
+
 class _Optimizer:
     """Shared fields, validation and helpers of every embedding optimizer (TF's ``_Optimizer``)."""
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
@@ -33,6 +33,7 @@ from embtables.config import (
     RMSProp,
 )
 from embtables.errors import ConfigError
+from embtables.kernels.registry import record_of_type
 
 LearningRate = float | Callable[[], float]
 
@@ -64,21 +65,31 @@ class _OptimizationParameters:
             "clipvalue": None if lo is None and hi is None else (lo, hi),
         }
 
-    def _build(self, cls: type[Any], **own: Any) -> Any:
+    def _build(self, cls: type[Any], **overrides: Any) -> Any:
+        """``cls`` from the shared fields and, through its kernel record's names, this class's own
+        fields (``overrides`` replace some)."""
+        record = record_of_type(cls)
+        own = {f: getattr(self, record.v1_name(f)) for f in record.own_fields() if hasattr(self, record.v1_name(f))}
+        own.update(overrides)
         try:
             return cls(**own, **self._common())
         except (ValueError, TypeError) as exc:
             message = str(exc).replace(f"{cls.__name__}:", f"{type(self).__name__}:", 1)
             raise type(exc)(message) from None
 
+    OPTIMIZER: ClassVar[type[Any]]  # the v2 class with the same numerics
+
     def to_optimizer(self) -> Optimizer:
         """The embtables optimizer with these numerics."""
-        raise NotImplementedError
+        out: Optimizer = self._build(self.OPTIMIZER)
+        return out
 
 
 @dataclasses.dataclass(frozen=True)
 class StochasticGradientDescentParameters(_OptimizationParameters):
     """SGD. Accumulation is forced off, or on when a gradient clip bound is given (as TF v1)."""
+
+    OPTIMIZER: ClassVar[type[Any]] = SGD
 
     learning_rate: LearningRate
     clip_weight_min: float | None = None
@@ -92,14 +103,12 @@ class StochasticGradientDescentParameters(_OptimizationParameters):
     def use_gradient_accumulation(self) -> bool:  # type: ignore[override]
         return self.clip_gradient_min is not None or self.clip_gradient_max is not None
 
-    def to_optimizer(self) -> Optimizer:
-        out: Optimizer = self._build(SGD)
-        return out
-
 
 @dataclasses.dataclass(frozen=True)
 class AdagradParameters(_OptimizationParameters):
     """Adagrad; ``initial_accumulator`` (default 0.1) is v2's ``initial_accumulator_value``."""
+
+    OPTIMIZER: ClassVar[type[Any]] = Adagrad
 
     learning_rate: LearningRate
     initial_accumulator: float = 0.1
@@ -111,14 +120,12 @@ class AdagradParameters(_OptimizationParameters):
     clip_gradient_min: float | None = None
     clip_gradient_max: float | None = None
 
-    def to_optimizer(self) -> Optimizer:
-        out: Optimizer = self._build(Adagrad, initial_accumulator_value=self.initial_accumulator)
-        return out
-
 
 @dataclasses.dataclass(frozen=True)
 class AdamParameters(_OptimizationParameters):
     """Adam without bias correction; v1's default ``epsilon`` is 1e-08 (v2: 1e-07)."""
+
+    OPTIMIZER: ClassVar[type[Any]] = Adam
 
     learning_rate: LearningRate
     beta1: float = 0.9
@@ -134,17 +141,6 @@ class AdamParameters(_OptimizationParameters):
     clip_gradient_min: float | None = None
     clip_gradient_max: float | None = None
 
-    def to_optimizer(self) -> Optimizer:
-        out: Optimizer = self._build(
-            Adam,
-            beta_1=self.beta1,
-            beta_2=self.beta2,
-            epsilon=self.epsilon,
-            lazy_adam=self.lazy_adam,
-            sum_inside_sqrt=self.sum_inside_sqrt,
-        )
-        return out
-
 
 def _zero_slots(table: Tensor, names: list[str], initializers: list[Any]) -> dict[str, Tensor]:
     """FTRL slots that start at 0 (``FtrlParameters(initial_accumulator_value=0)``, allowed by TF v1)."""
@@ -157,6 +153,8 @@ class FtrlParameters(_OptimizationParameters):
     """FTRL. Unlike v2, ``initial_accumulator_value`` may be 0 (``learning_rate_power`` must be <= 0,
     l1/l2 >= 0); with a zero accumulator and a zero gradient the update is 0/0, which embtables
     refuses with an error naming the table (set ``allow_zero_accumulator=True`` to get 0 instead)."""
+
+    OPTIMIZER: ClassVar[type[Any]] = FTRL
 
     learning_rate: LearningRate
     learning_rate_power: float = -0.5
@@ -181,13 +179,7 @@ class FtrlParameters(_OptimizationParameters):
         zero = isinstance(init, (int, float)) and init == 0
         out: Optimizer = self._build(
             FTRL,
-            learning_rate_power=self.learning_rate_power,
-            l1_regularization_strength=self.l1_regularization_strength,
-            l2_regularization_strength=self.l2_regularization_strength,
-            beta=self.beta,
             initial_accumulator_value=0.1 if zero else init,
-            multiply_linear_by_learning_rate=self.multiply_linear_by_learning_rate,
-            allow_zero_accumulator=self.allow_zero_accumulator,
             slot_variable_creation_fn=_zero_slots if zero else None,
         )
         return out
@@ -196,6 +188,8 @@ class FtrlParameters(_OptimizationParameters):
 @dataclasses.dataclass(frozen=True)
 class ProximalAdagradParameters(_OptimizationParameters):
     """Proximal Adagrad (``initial_accumulator`` default 0.1, l1/l2 default 0)."""
+
+    OPTIMIZER: ClassVar[type[Any]] = ProximalAdagrad
 
     learning_rate: LearningRate
     initial_accumulator: float = 0.1
@@ -209,19 +203,12 @@ class ProximalAdagradParameters(_OptimizationParameters):
     clip_gradient_min: float | None = None
     clip_gradient_max: float | None = None
 
-    def to_optimizer(self) -> Optimizer:
-        out: Optimizer = self._build(
-            ProximalAdagrad,
-            initial_accumulator_value=self.initial_accumulator,
-            l1_regularization_strength=self.l1_regularization_strength,
-            l2_regularization_strength=self.l2_regularization_strength,
-        )
-        return out
-
 
 @dataclasses.dataclass(frozen=True)
 class MomentumParameters(_OptimizationParameters):
     """Momentum (``momentum`` is required, as in TF v1)."""
+
+    OPTIMIZER: ClassVar[type[Any]] = Momentum
 
     learning_rate: LearningRate
     momentum: float
@@ -234,14 +221,12 @@ class MomentumParameters(_OptimizationParameters):
     clip_gradient_min: float | None = None
     clip_gradient_max: float | None = None
 
-    def to_optimizer(self) -> Optimizer:
-        out: Optimizer = self._build(Momentum, momentum=self.momentum, use_nesterov=self.use_nesterov)
-        return out
-
 
 @dataclasses.dataclass(frozen=True)
 class RMSPropParameters(_OptimizationParameters):
     """RMSProp (``rho``, ``momentum`` and ``epsilon`` are required, as in TF v1)."""
+
+    OPTIMIZER: ClassVar[type[Any]] = RMSProp
 
     learning_rate: LearningRate
     rho: float
@@ -254,16 +239,14 @@ class RMSPropParameters(_OptimizationParameters):
     multiply_weight_decay_factor_by_learning_rate: bool | None = None
     clip_gradient_min: float | None = None
     clip_gradient_max: float | None = None
-
-    def to_optimizer(self) -> Optimizer:
-        out: Optimizer = self._build(RMSProp, rho=self.rho, momentum=self.momentum, epsilon=self.epsilon)
-        return out
 
 
 @dataclasses.dataclass(frozen=True)
 class CenteredRMSPropParameters(_OptimizationParameters):
     """Centered RMSProp (the proto's ``CenteredRmsProp``; arguments as ``RMSPropParameters``)."""
 
+    OPTIMIZER: ClassVar[type[Any]] = CenteredRMSProp
+
     learning_rate: LearningRate
     rho: float
     momentum: float
@@ -276,14 +259,12 @@ class CenteredRMSPropParameters(_OptimizationParameters):
     clip_gradient_min: float | None = None
     clip_gradient_max: float | None = None
 
-    def to_optimizer(self) -> Optimizer:
-        out: Optimizer = self._build(CenteredRMSProp, rho=self.rho, momentum=self.momentum, epsilon=self.epsilon)
-        return out
-
 
 @dataclasses.dataclass(frozen=True)
 class AdadeltaParameters(_OptimizationParameters):
     """Adadelta (the proto's ``Adadelta``; ``rho`` and ``epsilon`` are required)."""
+
+    OPTIMIZER: ClassVar[type[Any]] = Adadelta
 
     learning_rate: LearningRate
     rho: float
@@ -296,14 +277,12 @@ class AdadeltaParameters(_OptimizationParameters):
     clip_gradient_min: float | None = None
     clip_gradient_max: float | None = None
 
-    def to_optimizer(self) -> Optimizer:
-        out: Optimizer = self._build(Adadelta, rho=self.rho, epsilon=self.epsilon)
-        return out
-
 
 @dataclasses.dataclass(frozen=True)
 class ProximalYogiParameters(_OptimizationParameters):
     """Proximal Yogi (every argument has TF v1's default)."""
+
+    OPTIMIZER: ClassVar[type[Any]] = ProximalYogi
 
     learning_rate: LearningRate = 0.01
     beta1: float = 0.9
@@ -320,23 +299,13 @@ class ProximalYogiParameters(_OptimizationParameters):
     clip_gradient_min: float | None = None
     clip_gradient_max: float | None = None
 
-    def to_optimizer(self) -> Optimizer:
-        out: Optimizer = self._build(
-            ProximalYogi,
-            beta_1=self.beta1,
-            beta_2=self.beta2,
-            epsilon=self.epsilon,
-            l1_regularization_strength=self.l1_regularization_strength,
-            l2_regularization_strength=self.l2_regularization_strength,
-            initial_accumulator_value=self.initial_accumulator_value,
-        )
-        return out
-
 
 @dataclasses.dataclass(frozen=True)
 class FrequencyEstimatorParameters(_OptimizationParameters):
     """Frequency estimator (see ``embtables.FrequencyEstimator``). Its "learning rate" is the global
     step: the estimator passes it; ``to_optimizer(global_step=fn)`` does the same by hand."""
+
+    OPTIMIZER: ClassVar[type[Any]] = FrequencyEstimator
 
     tau: float
     max_delta: float
@@ -353,13 +322,7 @@ class FrequencyEstimatorParameters(_OptimizationParameters):
     clip_gradient_max: float | None = dataclasses.field(default=None, init=False, repr=False)
 
     def to_optimizer(self, global_step: Callable[[], float] | None = None) -> Optimizer:
-        out: Optimizer = self._build(
-            FrequencyEstimator,
-            tau=self.tau,
-            max_delta=self.max_delta,
-            outlier_threshold=self.outlier_threshold,
-            weight_exponent=self.weight_exponent,
-        )
+        out: Optimizer = self._build(FrequencyEstimator)
         if global_step is not None:
             out = dataclasses.replace(out, learning_rate=global_step)
         return out

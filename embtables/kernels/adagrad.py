@@ -39,4 +39,5 @@ RECORD = KernelRecord(
     bounds=_bounds,
     slot_domains=slot_domains_of({"accumulators": "positive"}),  # the update divides by sqrt(a)
     monotone_slots=frozenset({"accumulators"}),
+    v1_names=(("initial_accumulator_value", "initial_accumulator"),),
 )

@@ -61,4 +61,5 @@ RECORD = KernelRecord(
     constants=_constants,
     bounds=_bounds,
     slot_domains=slot_domains_of({"velocities": "nonnegative"}),
+    v1_names=(("beta_1", "beta1"), ("beta_2", "beta2")),
 )

@@ -16,6 +16,8 @@ from typing import Any, Literal
 
 from torch import Tensor
 
+from embtables.config.optimizers import SHARED_FIELDS
+
 Domain = Literal["any", "nonnegative", "positive"]
 RowUpdateFn = Callable[..., tuple[Tensor, tuple[Tensor, ...]]]
 # (opt, lr, g, w_dec, hi, lo) -> bounds on |new value| of (weights, *slots), or None when not proven;
@@ -63,6 +65,8 @@ class KernelRecord:
       slot_domains: ``opt -> (domain per slot)``: values a slot must keep (checked at load).
       monotone_slots: slots that never decrease (their minimum carries over between steps).
       divides_by_learning_rate: ``opt -> bool``: a learning rate of 0 would divide by zero.
+      v1_names: ``(v2 field, v1 argument)`` pairs where TF v1's ``*Parameters`` class spells one of the
+        optimizer's own fields differently (``beta_1`` is v1's ``beta1``); others share the v2 name.
     """
 
     config: type[Any]
@@ -78,13 +82,25 @@ class KernelRecord:
     slot_domains: Callable[[Any], tuple[Domain, ...]] = _all_any
     monotone_slots: frozenset[str] = frozenset()
     divides_by_learning_rate: Callable[[Any], bool] = lambda opt: False
+    v1_names: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         slots = self.config.SLOT_NAMES
         if not self.monotone_slots <= set(slots):
             raise ValueError(f"{self.config.__name__}: monotone slots {sorted(self.monotone_slots)} not in {slots}.")
+        unknown = {v2 for v2, _ in self.v1_names} - set(self.own_fields())
+        if unknown:
+            raise ValueError(f"{self.config.__name__}: v1 names for fields it does not have: {sorted(unknown)}.")
         if len(self.flag_names) > 2 or len(self.constant_names) > 8:
             raise ValueError(f"{self.config.__name__}: the C parameter block holds 2 flags and 8 constants.")
+
+    def own_fields(self) -> tuple[str, ...]:
+        """The optimizer's own hyperparameters (its config's fields beyond ``SHARED_FIELDS``), in TF's order."""
+        return tuple(f.name for f in dataclasses.fields(self.config) if f.name not in SHARED_FIELDS)
+
+    def v1_name(self, field: str) -> str:
+        """The TF v1 argument name of the own field ``field``."""
+        return dict(self.v1_names).get(field, field)
 
     def native_flags(self, opt: Any) -> dict[str, bool]:
         """``flags(opt)``, checked to name exactly ``flag_names``."""

@@ -3,6 +3,8 @@ optimizer's own kernel module. Every dispatch on an optimizer goes through ``rec
 
 from __future__ import annotations
 
+from typing import Any
+
 from embtables.kernels import (
     adadelta,
     adagrad,
@@ -68,3 +70,10 @@ def _example(record: KernelRecord) -> object:
     """A default instance of the record's config (for its slot domains with default arguments)."""
     return record.config(learning_rate=0.1)
 
+
+def record_of_type(config: type[Any]) -> KernelRecord:
+    """The kernel record of the optimizer config class ``config``."""
+    record = _BY_CONFIG.get(config)
+    if record is None:
+        raise TypeError(f"No kernel record for optimizer type {config.__name__}.")
+    return record

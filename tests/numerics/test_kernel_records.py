@@ -12,7 +12,7 @@ import pytest
 import embtables
 from embtables.config import OPTIMIZER_TYPES
 from embtables.kernels import native
-from embtables.kernels.registry import RECORDS, markdown_table, record_of
+from embtables.kernels.registry import RECORDS, markdown_table, record_of, record_of_type
 from embtables.kernels.sparse_update import get_row_update
 
 C_SOURCE = Path(native.__file__).parent / "csrc" / "embtables_native.c"
@@ -99,3 +99,26 @@ def test_the_docs_table_is_the_registry() -> None:
     begin = text.index("-->\n", text.index("<!-- kernel-table:begin")) + len("-->\n")
     end = text.index("<!-- kernel-table:end -->")
     assert text[begin:end] == markdown_table(), "regenerate the table from embtables.kernels.registry.markdown_table()"
+
+
+def test_every_v1_class_has_exactly_its_optimizers_own_fields_by_the_records_names() -> None:
+    from embtables.estimator import parameters
+
+    shared = set(parameters._OptimizationParameters.__annotations__)
+    for v1 in parameters.PARAMETER_TYPES:
+        record = record_of_type(v1.OPTIMIZER)
+        v1_own = [f.name for f in dataclasses.fields(v1) if f.name not in shared]
+        assert sorted(v1_own) == sorted(record.v1_name(f) for f in record.own_fields()), v1.__name__
+
+
+def test_v1_conversion_carries_every_own_field() -> None:
+    from embtables.estimator import AdamParameters, ProximalYogiParameters
+
+    adam = AdamParameters(0.1, beta1=0.5, beta2=0.25, epsilon=1e-3, lazy_adam=False, sum_inside_sqrt=False)
+    assert adam.to_optimizer() == embtables.Adam(
+        0.1, beta_1=0.5, beta_2=0.25, epsilon=1e-3, lazy_adam=False, sum_inside_sqrt=False
+    )
+    yogi = ProximalYogiParameters(0.1, beta1=0.5, l1_regularization_strength=0.1, initial_accumulator_value=0.5)
+    assert yogi.to_optimizer() == embtables.ProximalYogi(
+        0.1, beta_1=0.5, l1_regularization_strength=0.1, initial_accumulator_value=0.5
+    )
