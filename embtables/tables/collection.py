@@ -9,9 +9,6 @@ changes nothing.
 from __future__ import annotations
 
 import dataclasses
-import inspect
-import math
-import numbers
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -19,18 +16,18 @@ import torch
 from torch import Tensor
 
 from embtables.config import ResolvedConfig, ResolvedTable
-from embtables.config.optimizers import FLOAT32_MAX, as_float32
 from embtables.errors import InputError
 from embtables.kernels import native, sparse_update_
 from embtables.kernels.clip_decay import effective_weight_decay
-from embtables.kernels.finite_guard import bounds_compound, update_bounds
+from embtables.kernels.finite_guard import bounds_compound
 from embtables.kernels.lookup import occurrence_gradients, pooled_lookup
-from embtables.kernels.registry import record_of
 from embtables.kernels.segments import dedup_sum, occurrence_rounds
 from embtables.kernels.sequential import apply_in_order_, has_vectorised_form
 from embtables.kernels.sparse_update import update_rows
 from embtables.tables.inputs import FeatureBatch
+from embtables.tables.learning_rates import learning_rates
 from embtables.tables.state import TableState, create_table_state
+from embtables.tables.value_bounds import ValueBounds, check_finite_rows, non_finite_gradient, non_finite_update
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -70,7 +67,7 @@ class EmbeddingCollection:
         self.resolved = resolved
         self.states: dict[str, TableState] = {t.name: create_table_state(t, device) for t in resolved.tables}
         self._workspaces: dict[str, native.Workspace] = {}
-        self._bounds: dict[str, _Bounds] = {}
+        self._guard = ValueBounds(self.states)
 
     @property
     def device(self) -> torch.device:
@@ -203,7 +200,7 @@ class EmbeddingCollection:
                 order = torch.sort(keys, stable=True).indices
                 rows, row_grads = ids[order], per_id[order]
             if not bool(torch.isfinite(row_grads).all()):
-                raise _non_finite(table)
+                raise non_finite_gradient(table)
             out.append(TableGradient(table, rows, row_grads, accumulated=accumulated))
         return out
 
@@ -233,7 +230,7 @@ class EmbeddingCollection:
                     "written between the lookup and apply_gradients()); no table or slot was changed."
                 )
             if status != 0:
-                raise _non_finite(table)
+                raise non_finite_gradient(table)
             out[table.name] = TableGradient(table, None, None, accumulated=True, prepared=self._workspace(table))
         return out
 
@@ -247,17 +244,10 @@ class EmbeddingCollection:
             ws = self._workspaces[table.name] = native.Workspace(table.dim)
         return ws
 
+    # ------------------------------------------------------------------ backward, phase 2
     def learning_rates(self) -> dict[str, float]:
-        """Evaluate each distinct learning-rate callable once (spec §1.1.8), float32-rounded, per table."""
-        values: dict[int, float] = {}
-        for fn in self.resolved.learning_rate_callables():
-            users = [t for t in self.resolved.tables if t.optimizer.learning_rate is fn]
-            values[id(fn)] = _checked_lr(fn, users)
-        out = {}
-        for t in self.resolved.tables:
-            lr = t.optimizer.learning_rate
-            out[t.name] = values[id(lr)] if callable(lr) else as_float32(float(lr))
-        return out
+        """Each table's learning rate for this step, float32 (see ``learning_rates.learning_rates``)."""
+        return learning_rates(self.resolved)
 
     # ------------------------------------------------------------------ backward, phase 2
     def apply(self, table_grads: Sequence[TableGradient], lrs: dict[str, float]) -> None:
@@ -292,10 +282,10 @@ class EmbeddingCollection:
             written = native.apply_many([(n.ws, n.weights, n.slots, n.params, n.dense, n.measure) for n in natives])
             for n, maxabs in zip(natives, written):
                 if maxabs is not None:
-                    self._after_write(n.table, maxabs, measured=True)
+                    self._guard.after_write(n.table, maxabs, measured=True)
                 else:
                     assert n.bounds is not None
-                    self._after_write(n.table, n.bounds, measured=False)
+                    self._guard.after_write(n.table, n.bounds, measured=False)
 
     def check(self, table_grads: Sequence[TableGradient], lrs: dict[str, float]) -> None:
         """Raise exactly as ``apply`` would, but write nothing (used for an update held back by
@@ -324,11 +314,11 @@ class EmbeddingCollection:
         decay = effective_weight_decay(opt.weight_decay_factor, opt.weight_decay_multiplied_by_lr, lr)
         if ws is not None:
             params = native.opt_params(opt, lr, decay, clip_gradients=True)
-            new_bounds = self._proven_bounds(tg.table, lr, decay, ws.gradient_max_abs)
+            new_bounds = self._guard.proven(tg.table, lr, decay, ws.gradient_max_abs)
             if new_bounds is None:  # not proven: the exact dry run, a second pass over every touched row
                 bad = ws.check(state.weights, slots, params, dense=dense)
                 if bad >= 0:
-                    raise _non_finite_update(tg.table, bad, lr)
+                    raise non_finite_update(tg.table, bad, lr)
             # Carry the proven bounds forward (free) unless they compound over steps: then measure.
             measure = new_bounds is None or bounds_compound(opt)
             return _NativeWrite(tg.table, ws, state.weights, slots, params, dense, measure, new_bounds)
@@ -336,9 +326,9 @@ class EmbeddingCollection:
         rows, grads = tg.rows, tg.grads
         if dense:
             gmax = float(grads.abs().max()) if grads.numel() else 0.0
-            if self._proven_bounds(tg.table, lr, decay, gmax) is None:
+            if self._guard.proven(tg.table, lr, decay, gmax) is None:
                 self._dense_update(tg.table, rows, grads, lr, write=False)
-            return lambda: self._after_write(
+            return lambda: self._guard.after_write(
                 tg.table, self._dense_update(tg.table, rows, grads, lr, write=True), measured=True
             )
         if rows.numel() == 0:
@@ -351,13 +341,13 @@ class EmbeddingCollection:
             lr=lr,
             clip_gradients=True,
         )
-        _check_finite_rows(tg.table, rows, (w_new, *s_new), lr)
+        check_finite_rows(tg.table, rows, (w_new, *s_new), lr)
 
         def write() -> None:
             state.weights.index_copy_(0, rows, w_new)
             for dst, src in zip(slots, s_new):
                 dst.index_copy_(0, rows, src)
-            self._after_write(tg.table, tuple(float(t.abs().max()) for t in (w_new, *s_new)), measured=True)
+            self._guard.after_write(tg.table, tuple(float(t.abs().max()) for t in (w_new, *s_new)), measured=True)
 
         return write
 
@@ -392,7 +382,7 @@ class EmbeddingCollection:
                     dst[start:stop] = src
                 maxabs = [max(m, float(t.abs().max())) for m, t in zip(maxabs, (w_new, *s_new))]
             else:
-                _check_finite_rows(table, torch.arange(start, stop, device=rows.device), (w_new, *s_new), lr)
+                check_finite_rows(table, torch.arange(start, stop, device=rows.device), (w_new, *s_new), lr)
         return tuple(maxabs)
 
     def _apply_sequential_or_restore(self, tg: TableGradient, lr: float) -> Callable[[], None]:
@@ -429,71 +419,17 @@ class EmbeddingCollection:
                         clip_gradients=False,
                     )
             after = tuple(t.index_select(0, touched) for t in tensors)
-            _check_finite_rows(tg.table, touched, after, lr)
+            check_finite_rows(tg.table, touched, after, lr)
         except BaseException:
             restore()
             raise
-        self._bounds.pop(tg.table.name, None)  # rescanned before the next guarded update of this table
+        self._guard.forget(tg.table.name)  # rescanned before the next guarded update of this table
         return restore
 
-    # ------------------------------------------------------------------ value bounds for the finiteness guard
-    def _proven_bounds(self, table: ResolvedTable, lr: float, decay: float, gmax: float) -> tuple[float, ...] | None:
-        """Bounds on every value this update writes, or None when it is not proven finite. Carried
-        (analytic) bounds only grow, so before giving up they are measured again once."""
-        opt = table.optimizer
-        bounds = self._bounds_for(table)
-        new = update_bounds(opt, lr, decay, gmax, bounds.hi, bounds.lo)
-        if new is None and not bounds.measured:
-            bounds = self._bounds_for(table, rescan=True)
-            new = update_bounds(opt, lr, decay, gmax, bounds.hi, bounds.lo)
-        return new
-
-    def _bounds_for(self, table: ResolvedTable, *, rescan: bool = False) -> _Bounds:
-        """Bounds on the table's values: max |value| and min value per tensor (weights, *slots).
-
-        Measured (one pass over the table) when unknown, when asked, or when any tensor was replaced or
-        written in place outside the fused update (torch's version counter moved); kept up to date by
-        every update."""
-        state = self.states[table.name]
-        tensors = (state.weights, *state.slot_tuple())
-        stamp = _stamp(tensors)
-        bounds = self._bounds.get(table.name)
-        if bounds is None or bounds.stamp != stamp or rescan:
-            hi, lo = [], []
-            for t in tensors:
-                if t.numel() == 0:
-                    hi.append(0.0)
-                    lo.append(0.0)
-                    continue
-                mn, mx = (float(v) for v in torch.aminmax(t))
-                hi.append(max(abs(mn), abs(mx)))
-                lo.append(mn)
-            bounds = self._bounds[table.name] = _Bounds(hi, lo, stamp, measured=True)
-        return bounds
-
-    def _after_write(self, table: ResolvedTable, maxabs: tuple[float, ...], *, measured: bool) -> None:
-        """Fold bounds on the values an update wrote (``measured``: the largest |values| it really
-        wrote; else the proven bounds) into the table's bounds."""
-        bounds = self._bounds.get(table.name)
-        if bounds is None:
-            return
-        state = self.states[table.name]
-        bounds.hi = [max(h, m) for h, m in zip(bounds.hi, maxabs)]
-        bounds.measured = bounds.measured and measured
-        # Monotone slots (Adagrad's, FTRL's, ProximalAdagrad's accumulators) never decrease; every other
-        # slot may move towards 0. Index 0 is the weights.
-        monotone = record_of(table.optimizer).monotone_slots
-        keeps_min = {1 + i for i, s in enumerate(table.optimizer.slot_names) if s in monotone}
-        bounds.lo = [v if i in keeps_min else min(v, 0.0) for i, v in enumerate(bounds.lo)]
-        bounds.stamp = _stamp((state.weights, *state.slot_tuple()))
-
     def note_values_kept(self, table_name: str) -> None:
-        """Tell the guard that in-place writes to a table put back values it held before (e.g. a
-        pipelining snapshot swapped in and out), so its bounds still hold and need no rescan."""
-        bounds = self._bounds.get(table_name)
-        if bounds is not None:
-            state = self.states[table_name]
-            bounds.stamp = _stamp((state.weights, *state.slot_tuple()))
+        """In-place writes put back values the table held before (a pipelining snapshot swapped in and
+        out): its value bounds still hold and need no rescan."""
+        self._guard.note_values_kept(table_name)
 
     # ------------------------------------------------------------------ torch integration
     def map_tensors(self, fn: Callable[[Tensor], Tensor]) -> None:
@@ -533,86 +469,4 @@ class _NativeWrite:
     bounds: tuple[float, ...] | None  # the proven bounds, folded in when not measured
 
 
-@dataclasses.dataclass(eq=False)
-class _Bounds:
-    """Per tensor (weights, *slots): an upper bound on max |value| and a lower bound on min value,
-    valid while ``stamp`` (data pointer and version of each tensor) is unchanged."""
-
-    hi: list[float]
-    lo: list[float]
-    stamp: tuple[tuple[int, int], ...]
-    measured: bool  # False once a proven (analytic, looser) bound was folded in
-
-
-def _stamp(tensors: Sequence[Tensor]) -> tuple[tuple[int, int], ...]:
-    return tuple((t.data_ptr(), t._version) for t in tensors)
-
-
 _DENSE_CHUNK_ELEMENTS = 1 << 22  # rows x D per chunk of the torch-path non-lazy update (16 MiB of float32)
-
-
-def _non_finite_update(table: ResolvedTable, row: int, lr: float) -> InputError:
-    slots = ", ".join(table.optimizer.slot_names) or "no slots"
-    return InputError(
-        f"table {table.name!r}: the update of row {row} would write a non-finite value (NaN or Inf) into the "
-        f"weights or slots ({slots}) at learning rate {lr:g}: float32 overflow; no table or slot was changed. "
-        "Lower the learning rate, clip the gradients (clipvalue=...) or check the table's values."
-    )
-
-
-def _check_finite_rows(table: ResolvedTable, rows: Tensor, values: tuple[Tensor, ...], lr: float) -> None:
-    """Raise ``_non_finite_update`` when any of ``values`` ([U, D] each, row i is table row ``rows[i]``) is
-    not finite."""
-    ok = torch.ones(rows.shape, dtype=torch.bool, device=rows.device)
-    for v in values:
-        ok &= torch.isfinite(v).all(dim=1)
-    if not bool(ok.all()):
-        raise _non_finite_update(table, int(rows[~ok][0]), lr)
-
-
-def _non_finite(table: ResolvedTable) -> InputError:
-    return InputError(
-        f"table {table.name!r}: the gradient reaching the table has NaN or Inf values; no table or slot was "
-        "changed. Check the loss for overflow or lower the learning rate of the dense model."
-    )
-
-
-def _checked_lr(fn: Callable[[], float], tables: list[ResolvedTable]) -> float:
-    """Call a dynamic learning rate once and check its value as the float32 the kernels use."""
-    who = "table " + ", ".join(repr(t.name) for t in tables)
-    try:
-        inspect.signature(fn).bind()
-    except TypeError:
-        raise TypeError(
-            f"{who}: the learning_rate callable {fn!r} needs arguments; it must be a zero-argument callable "
-            "(e.g. `lambda: schedule(step)`), evaluated once per apply_gradients. No table or slot was changed."
-        ) from None
-    except ValueError:
-        pass  # no signature (a builtin): just call it
-    try:
-        value = fn()
-    except Exception as exc:
-        raise RuntimeError(
-            f"{who}: the learning_rate callable raised {type(exc).__name__}: {exc}. No table or slot was changed."
-        ) from exc
-    if isinstance(value, (bool, str, bytes)) or not isinstance(value, (numbers.Real, Tensor)):
-        raise TypeError(
-            f"{who}: the learning_rate callable must return a float, got {type(value).__name__} {value!r}. "
-            "No table or slot was changed."
-        )
-    if isinstance(value, Tensor) and (value.numel() != 1 or value.dtype == torch.bool):
-        raise TypeError(f"{who}: the learning_rate callable returned a tensor {value!r}; return a float.")
-    lr = float(value)
-    lr32 = as_float32(lr) if math.isfinite(lr) and abs(lr) <= FLOAT32_MAX else math.inf
-    if not math.isfinite(lr32):
-        raise InputError(
-            f"{who}: the learning_rate callable returned {lr!r}, which is not finite in float32 (the kernels' "
-            "precision). No table or slot was changed."
-        )
-    divides = [t.name for t in tables if record_of(t.optimizer).divides_by_learning_rate(t.optimizer)]
-    if lr32 == 0 and divides:
-        raise InputError(
-            f"{who}: the learning_rate callable returned {lr!r}, which is 0 in float32, and FTRL table(s) "
-            f"{divides} divide by the learning rate. No table or slot was changed."
-        )
-    return lr32

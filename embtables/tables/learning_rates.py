@@ -1,0 +1,71 @@
+"""Learning rates of one step: each distinct learning-rate callable evaluated once, checked, and
+rounded to the float32 the kernels use (spec §1.1.8)."""
+
+from __future__ import annotations
+
+import inspect
+import math
+import numbers
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from embtables.config import ResolvedConfig, ResolvedTable
+from embtables.config.optimizers import FLOAT32_MAX, as_float32
+from embtables.errors import InputError
+from embtables.kernels.registry import record_of
+
+
+def learning_rates(resolved: ResolvedConfig) -> dict[str, float]:
+    """``{table name: learning rate}``: every distinct callable called once, float32-rounded."""
+    values: dict[int, float] = {}
+    for fn in resolved.learning_rate_callables():
+        users = [t for t in resolved.tables if t.optimizer.learning_rate is fn]
+        values[id(fn)] = _checked_lr(fn, users)
+    out = {}
+    for t in resolved.tables:
+        lr = t.optimizer.learning_rate
+        out[t.name] = values[id(lr)] if callable(lr) else as_float32(float(lr))
+    return out
+
+
+def _checked_lr(fn: Callable[[], float], tables: list[ResolvedTable]) -> float:
+    """Call a dynamic learning rate once and check its value as the float32 the kernels use."""
+    who = "table " + ", ".join(repr(t.name) for t in tables)
+    try:
+        inspect.signature(fn).bind()
+    except TypeError:
+        raise TypeError(
+            f"{who}: the learning_rate callable {fn!r} needs arguments; it must be a zero-argument callable "
+            "(e.g. `lambda: schedule(step)`), evaluated once per apply_gradients. No table or slot was changed."
+        ) from None
+    except ValueError:
+        pass  # no signature (a builtin): just call it
+    try:
+        value = fn()
+    except Exception as exc:
+        raise RuntimeError(
+            f"{who}: the learning_rate callable raised {type(exc).__name__}: {exc}. No table or slot was changed."
+        ) from exc
+    if isinstance(value, (bool, str, bytes)) or not isinstance(value, (numbers.Real, Tensor)):
+        raise TypeError(
+            f"{who}: the learning_rate callable must return a float, got {type(value).__name__} {value!r}. "
+            "No table or slot was changed."
+        )
+    if isinstance(value, Tensor) and (value.numel() != 1 or value.dtype == torch.bool):
+        raise TypeError(f"{who}: the learning_rate callable returned a tensor {value!r}; return a float.")
+    lr = float(value)
+    lr32 = as_float32(lr) if math.isfinite(lr) and abs(lr) <= FLOAT32_MAX else math.inf
+    if not math.isfinite(lr32):
+        raise InputError(
+            f"{who}: the learning_rate callable returned {lr!r}, which is not finite in float32 (the kernels' "
+            "precision). No table or slot was changed."
+        )
+    divides = [t.name for t in tables if record_of(t.optimizer).divides_by_learning_rate(t.optimizer)]
+    if lr32 == 0 and divides:
+        raise InputError(
+            f"{who}: the learning_rate callable returned {lr!r}, which is 0 in float32, and FTRL table(s) "
+            f"{divides} divide by the learning rate. No table or slot was changed."
+        )
+    return lr32
