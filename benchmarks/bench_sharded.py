@@ -85,6 +85,7 @@ def _join(rank: int, world: int, spec: dict[str, Any]) -> None:
 def _embtables_rank(rank: int, world: int, spec: dict[str, Any], out: str) -> None:
     import embtables as et
     from embtables.sharding import comm
+    from embtables.tables import phase_profile
 
     _join(rank, world, spec)
     wl = Workload(**spec["workload"])
@@ -134,8 +135,11 @@ def _embtables_rank(rank: int, world: int, spec: dict[str, Any], out: str) -> No
     comm.barrier()
     comm.bytes_sent.clear()
     comm.phase_checks = 0
+    phase_profile.enable(not pipelined)  # per-phase times (exclusive of nested phases), bytes and messages
     with OtherLoad() as load:
         timed = time_steps(lambda i: step(spec["warmup"] + i), 0, spec["steps"], f"W={world} {spec['sharding']}")
+    phases = phase_profile.snapshot(spec["steps"])
+    phase_profile.enable(False)
     sent = sum(comm.bytes_sent.values()) / spec["steps"]
     headers = comm.phase_checks / spec["steps"]
     # The phase headers' cost (issue 15): the same header exchanged back to back, median of 5 x 100.
@@ -149,13 +153,14 @@ def _embtables_rank(rank: int, world: int, spec: dict[str, Any], out: str) -> No
                 comm.check_phase("lookup", 0, 0)
             per_call.append((time.perf_counter() - t0) / 100)
         header_s = statistics.median(per_call)
-    everyone = comm.all_gather_object((summarize(timed), sent, load.other_cpus))
+    everyone = comm.all_gather_object((summarize(timed), sent, load.other_cpus, phases))
     if rank == 0:
-        slowest = max((summary for summary, _, _ in everyone), key=lambda x: x["median_ms"])
+        slowest = max((summary for summary, _, _, _ in everyone), key=lambda x: x["median_ms"])
         step_s = slowest["median_ms"] / 1e3
         Path(out).write_text(
-            json.dumps({"step_s": step_s, "slowest_rank": slowest, "bytes": [b for _, b, _ in everyone],
-                        "other_cpus": max(o for _, _, o in everyone), "headers_per_step": headers,
+            json.dumps({"step_s": step_s, "slowest_rank": slowest, "bytes": [b for _, b, _, _ in everyone],
+                        "other_cpus": max(o for _, _, o, _ in everyone), "phases": [p for *_, p in everyone],
+                        "headers_per_step": headers,
                         "header_us": header_s * 1e6, "phase_check_share": headers * header_s / step_s})
         )  # fmt: skip
     if world > 1:
@@ -246,6 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--ids", choices=("zipf", "uniform"), default="zipf")
     ap.add_argument("--no-torchrec", action="store_true")
+    ap.add_argument("--w3", action="store_true", help="also W = 3 (div): three processes on this machine's cores")
     ap.add_argument("--wait-idle", type=float, default=0.0, metavar="S", help="wait up to S s for a quiet machine")
     args = ap.parse_args(argv)
     wl = Workload(ids=args.ids)
@@ -265,7 +271,10 @@ def main(argv: list[str] | None = None) -> int:
         ("embtables W=1 (1 proc x 2 threads)", 1, {"threads": 2, "sharding": "div"}),
         ("embtables W=2 div (2 procs x 1 thread)", 2, {"threads": 1, "sharding": "div"}),
         ("embtables W=2 table (2 procs x 1 thread)", 2, {"threads": 1, "sharding": "table"}),
+        ("embtables W=2 mod (2 procs x 1 thread)", 2, {"threads": 1, "sharding": "mod"}),
     ]
+    if args.w3:
+        runs.append(("embtables W=3 div (3 procs x 1 thread, 2 cores)", 3, {"threads": 1, "sharding": "div"}))
     for label, world, extra in runs:
         got = _launch(_embtables_rank, world, {**base, **extra})
         results[label] = got["step_s"]
@@ -283,6 +292,7 @@ def main(argv: list[str] | None = None) -> int:
                 "phase_headers_per_step": got["headers_per_step"],
                 "phase_header_us": round(got["header_us"], 1),
                 "phase_check_share_of_step": round(got["phase_check_share"], 5),
+                "phases_per_rank": got["phases"],
             }
         )
     w1 = results[runs[0][0]]

@@ -8,9 +8,7 @@ from collections.abc import Callable, Iterator
 
 
 @contextlib.contextmanager
-def progress_bar(
-    enabled: bool | Callable[[int], None] | None, rank: int, what: str
-) -> Iterator[Callable[[int], None]]:
+def progress_bar(enabled: bool | Callable[[int], None] | None, rank: int, what: str) -> Iterator[Callable[[int], None]]:
     """A tqdm bar of bytes on rank 0 (default: when stderr is a terminal); yields the update callback.
     ``enabled`` may be the caller's own callback instead, called on every rank with each piece's bytes."""
     if callable(enabled):

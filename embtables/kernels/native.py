@@ -125,6 +125,8 @@ def _compile() -> ctypes.CDLL | None:
         logger.info("embtables: compiled native kernels into %s", target)
     lib = ctypes.CDLL(str(target))
     p, i64, i32, opt_p = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.POINTER(_OptParams)
+    lib.et_split_by_owner.argtypes = [i64, p, p, p, p, p, p, p, i64, p, p, p, p]
+    lib.et_split_by_owner.restype = i32
     lib.et_lookup_many.argtypes = [i64, p, p, p, p, p, p, p, p, p, i32]
     lib.et_lookup_many.restype = i32
     lib.et_prepare_many.argtypes = [i64, p, p, p, p, p, p, p, p, p, i32, p, p]
@@ -247,6 +249,51 @@ def opt_params(opt: Optimizer, lr: float, decay: float, *, clip_gradients: bool)
         for name, constant in constants.items():
             setattr(member, name, constant)
     return p
+
+
+OwnerSplit = tuple[Tensor, Tensor, Tensor, list[int]]  # local ids [N], coeffs [N], offsets [W, S+1], counts [W]
+
+
+def split_by_owner(parts: list[tuple[Tensor, Tensor, Tensor | None, str, int]], world: int) -> list[OwnerSplit] | None:
+    """For each feature ``(ids [N], offsets [S+1], coeffs [N] | None, strategy "div" | "mod", V)``, its
+    ids as local rows grouped by owner rank (stable), their coefficients (1 when None), each owner's bag
+    offsets [W, S+1] and id counts [W], in one native call. Every buffer is checked first, and C
+    re-checks every offset and id. None when the native path is off or an input is not usable."""
+    lib = library()
+    if lib is None or world < 1:
+        return None
+    n = len(parts)
+    for ids, offsets, coeffs, strategy, vocab in parts:
+        if strategy not in ("div", "mod") or vocab < 1:
+            return None
+        _require(ids, "ids", torch.int64, (-1,))
+        if _require(offsets, "offsets", torch.int64, (-1,)).numel() < 1:
+            raise NativeBufferError("embtables native kernel: offsets must hold at least one value.")
+        _require_opt(coeffs, "coeffs", torch.float32, (ids.numel(),))
+    out_ids = [torch.empty(p[0].numel(), dtype=torch.int64) for p in parts]
+    out_coeffs = [torch.empty(p[0].numel(), dtype=torch.float32) for p in parts]
+    out_offsets = [torch.empty((world, p[1].numel()), dtype=torch.int64) for p in parts]
+    out_counts = [torch.empty(world, dtype=torch.int64) for _ in parts]
+    arr = ctypes.c_void_p * n
+    i64s = ctypes.c_int64 * n
+    status = lib.et_split_by_owner(
+        n,
+        arr(*[p[0].data_ptr() for p in parts]),
+        i64s(*[p[0].numel() for p in parts]),
+        arr(*[p[1].data_ptr() for p in parts]),
+        i64s(*[p[1].numel() - 1 for p in parts]),
+        arr(*[_ptr(p[2]) for p in parts]),
+        (ctypes.c_int32 * n)(*[0 if p[3] == "div" else 1 for p in parts]),
+        i64s(*[p[4] for p in parts]),
+        world,
+        arr(*[t.data_ptr() for t in out_ids]),
+        arr(*[t.data_ptr() for t in out_coeffs]),
+        arr(*[t.data_ptr() for t in out_offsets]),
+        arr(*[t.data_ptr() for t in out_counts]),
+    )
+    if status != 0:
+        raise NativeBufferError("embtables native kernel: split_by_owner got bad offsets or an id outside [0, V).")
+    return [(i, c, o, k.tolist()) for i, c, o, k in zip(out_ids, out_coeffs, out_offsets, out_counts)]
 
 
 def lookup_many(parts: list[tuple[Tensor, Tensor, Tensor, Tensor | None]]) -> tuple[list[Tensor], int]:

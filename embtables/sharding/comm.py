@@ -18,6 +18,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from embtables.tables import phase_profile
+
 ProcessGroup = Any  # torch.distributed.ProcessGroup; typed loosely so callers need not import it
 
 
@@ -113,6 +115,7 @@ def all_gather_object(obj: object, group: ProcessGroup | None = None) -> list[An
     if not is_distributed(group):
         return [obj]
     out: list[Any] = [None] * get_world_size(group)
+    phase_profile.count_message(0)  # pickled: its size is not known here
     with _collective("exchange of objects", group):
         dist.all_gather_object(out, obj, group=group)
     return out
@@ -151,6 +154,7 @@ def all_to_all_v(
     if recv_counts is None:
         counts = torch.tensor(send_counts, dtype=torch.int64, device=send.device)
         recv_counts_t = torch.empty_like(counts)
+        phase_profile.count_message(8 * (world - 1))
         with _collective("exchange of row counts", group):
             dist.all_to_all_single(recv_counts_t, counts, group=group)
         recv_counts = [int(c) for c in recv_counts_t.tolist()]
@@ -160,6 +164,7 @@ def all_to_all_v(
     rank, row_bytes = get_rank(group), send[:1].numel() * send.element_size() if send.shape[0] else 0
     key = "float" if send.is_floating_point() else "int"
     bytes_sent[key] = bytes_sent.get(key, 0) + row_bytes * (sum(send_counts) - send_counts[rank])
+    phase_profile.count_message(row_bytes * (sum(send_counts) - send_counts[rank]))
     with _collective("exchange of ids, rows or gradients", group):
         dist.all_to_all_single(out, send.contiguous(), recv_counts, list(send_counts), group=group)
     return out, recv_counts
@@ -210,6 +215,7 @@ def check_phase(phase: str, step: int, tag: int, group: ProcessGroup | None = No
     rank = get_rank(group)
     out = torch.empty((world, 4), dtype=torch.int64, device=mine.device)
     out[rank] = mine
+    phase_profile.count_message(32 * (world - 1))
     with _collective(f"phase check before {phase} of step {step}", group):
         # Point-to-point to every other rank: on gloo over localhost this takes about half the time of
         # an all_to_all and a quarter of an all_gather of the same 32 bytes (0.19 vs 0.41 vs 0.74 ms).
@@ -252,6 +258,7 @@ def any_rank(flag: bool, group: ProcessGroup | None = None) -> bool:
     if not is_distributed(group):
         return bool(flag)
     t = torch.tensor([int(bool(flag))], dtype=torch.int64, device=collective_device(group))
+    phase_profile.count_message(8)
     with _collective("agreement on the step", group):
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return bool(t.item())
@@ -262,6 +269,7 @@ def max_over_ranks(value: int, group: ProcessGroup | None = None) -> int:
     if not is_distributed(group):
         return int(value)
     t = torch.tensor([int(value)], dtype=torch.int64, device=collective_device(group))
+    phase_profile.count_message(8)
     with _collective("agreement on the step", group):
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return int(t.item())

@@ -33,6 +33,7 @@ from embtables.kernels.lookup import occurrence_gradients, pooled_lookup
 from embtables.kernels.segments import dedup_sum, segments_from_offsets
 from embtables.sharding import comm
 from embtables.sharding.plan import TablePlan
+from embtables.tables import phase_profile
 from embtables.tables.collection import EmbeddingCollection, TableGradient
 from embtables.tables.inputs import FeatureBatch
 
@@ -81,15 +82,19 @@ def pooled_lookup_exchange(
     """Activations [S_f, D] of the pooled ``features`` (this rank's batch), pooled by their owners:
     split each bag by owner (plan), send the pieces (steps 1-3 of the module docstring), pool what
     this rank was asked for in one native call, send the partials back and add them (step 4)."""
-    split = _split_by_owner(features, batches, resolved, plans, local.device, world)
-    asked = _send_requests(split, features, rank, world, group, local.device)
+    with phase_profile.phase("owner pooling: split by owner"):
+        split = _split_by_owner(features, batches, resolved, plans, local.device, world)
+    with phase_profile.phase("owner pooling: send requests"):
+        asked = _send_requests(split, features, rank, world, group, local.device)
     tables = resolved.tables
     weights = [
         (a, local.states[tables[resolved.features[a.feature].table_index].name].weights) for src in asked for a in src
     ]
-    partials = _pool(weights, resolved)
+    with phase_profile.phase("owner pooling: pool"):
+        partials = _pool(weights, resolved)
     dims = {f: tables[resolved.features[f].table_index].dim for f in features}
-    acts = _return_partials(partials, asked, split.bags, dims, features, rank, world, group, local.device)
+    with phase_profile.phase("owner pooling: return partials"):
+        acts = _return_partials(partials, asked, split.bags, dims, features, rank, world, group, local.device)
     return acts, PooledContext(split.sent, split.bags, asked)
 
 
@@ -112,36 +117,65 @@ def _split_by_owner(
     device: torch.device,
     world: int,
 ) -> _OwnerSplit:
-    """Plan: each feature's ids grouped by owner (stable, so bag order is kept), with per-owner offsets."""
+    """Plan: each feature's ids grouped by owner (stable, so bag order is kept), with per-owner offsets.
+    Row-partitioned features go through one native counting sort; the rest (whole tables, or inputs
+    the native path cannot take) through torch."""
     split = _OwnerSplit({}, torch.zeros((world, 2 * len(features)), dtype=torch.int64), {}, {})
+    fast = []
+    for f in features:
+        b, plan = batches[f], plans[_table_of(f, resolved)]
+        whole = b.offsets.numel() > 0 and int(b.offsets[0]) == 0 and int(b.offsets[-1]) == b.ids.numel()
+        if plan.strategy in ("div", "mod") and whole and native.usable(b.ids, b.offsets, b.coeffs):
+            fast.append((f, (b.ids, b.offsets, b.coeffs, plan.strategy, plan.vocabulary_size)))
+    done = native.split_by_owner([p for _, p in fast], world) if fast else None
+    native_parts = dict(zip((f for f, _ in fast), done)) if done is not None else {}
     for k, f in enumerate(features):
         b = batches[f]
-        plan = plans[resolved.tables[resolved.features[f].table_index].name]
-        coeffs = b.coeffs if b.coeffs is not None else torch.ones(b.ids.numel(), device=device)
-        parts = []
-        if plan.strategy == "table":  # one owner: the batch as it is, nothing to sort
-            n_per = [b.ids.numel() if r == plan.rank else 0 for r in range(world)]
-            none = torch.zeros(b.num_segments + 1, dtype=torch.int64, device=device)
-            for r in range(world):
-                ids_r = b.ids if r == plan.rank else b.ids[:0]
-                parts.append((ids_r, b.offsets if r == plan.rank else none, coeffs if r == plan.rank else coeffs[:0]))
-        else:
-            owner, local_ids = plan.owner(b.ids)
-            order = torch.argsort(owner, stable=True)
-            n_per = [int(c) for c in torch.bincount(owner, minlength=world).tolist()]
-            seg, coeffs, ids_sorted = b.seg[order], coeffs[order], local_ids[order]
-            start = 0
+        if f in native_parts:
+            local_ids, coeffs, offsets, n_per = native_parts[f]
+            parts, start = [], 0
             for r in range(world):
                 n = n_per[r]
-                offsets = torch.zeros(b.num_segments + 1, dtype=torch.int64, device=device)
-                offsets[1:] = torch.cumsum(torch.bincount(seg.narrow(0, start, n), minlength=b.num_segments), 0)
-                parts.append((ids_sorted.narrow(0, start, n), offsets, coeffs.narrow(0, start, n)))
+                parts.append((local_ids.narrow(0, start, n), offsets[r], coeffs.narrow(0, start, n)))
                 start += n
+        else:
+            parts, n_per = _split_in_torch(b, plans[_table_of(f, resolved)], device, world)
         split.parts[f] = parts
         split.sent[f], split.bags[f] = n_per, b.num_segments
         split.counts[:, 2 * k] = torch.tensor(n_per, dtype=torch.int64)
         split.counts[:, 2 * k + 1] = b.num_segments
     return split
+
+
+def _table_of(feature: int, resolved: ResolvedConfig) -> str:
+    return resolved.tables[resolved.features[feature].table_index].name
+
+
+def _split_in_torch(
+    b: FeatureBatch, plan: TablePlan, device: torch.device, world: int
+) -> tuple[list[tuple[Tensor, Tensor, Tensor]], list[int]]:
+    """One feature's bags split by owner in torch: ``[(local rows, offsets [S+1], coeffs)]`` per rank."""
+    coeffs = b.coeffs if b.coeffs is not None else torch.ones(b.ids.numel(), device=device)
+    parts = []
+    if plan.strategy == "table":  # one owner: the batch as it is, nothing to sort
+        n_per = [b.ids.numel() if r == plan.rank else 0 for r in range(world)]
+        none = torch.zeros(b.num_segments + 1, dtype=torch.int64, device=device)
+        for r in range(world):
+            ids_r = b.ids if r == plan.rank else b.ids[:0]
+            parts.append((ids_r, b.offsets if r == plan.rank else none, coeffs if r == plan.rank else coeffs[:0]))
+        return parts, n_per
+    owner, local_ids = plan.owner(b.ids)
+    order = torch.argsort(owner, stable=True)
+    n_per = [int(c) for c in torch.bincount(owner, minlength=world).tolist()]
+    seg, coeffs, ids_sorted = b.seg[order], coeffs[order], local_ids[order]
+    start = 0
+    for r in range(world):
+        n = n_per[r]
+        offsets = torch.zeros(b.num_segments + 1, dtype=torch.int64, device=device)
+        offsets[1:] = torch.cumsum(torch.bincount(seg.narrow(0, start, n), minlength=b.num_segments), 0)
+        parts.append((ids_sorted.narrow(0, start, n), offsets, coeffs.narrow(0, start, n)))
+        start += n
+    return parts, n_per
 
 
 def _send_requests(

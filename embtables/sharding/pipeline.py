@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from embtables.sharding.lookup_stats import LookupStatsRecorder
+from embtables.tables import phase_profile
 from embtables.tables.batch_ownership import batch_pointers, detached
 from embtables.tables.collection import TableGradient
 from embtables.tables.engine import Engine
@@ -164,7 +165,7 @@ class StepPipeline:
 
     def _lookup(self, staged: Staged) -> tuple[list[Tensor], Any]:
         """The lookup of a staged batch (on the exchange thread when pipelining is sharded)."""
-        with torch.no_grad(), self._stale_rows_swapped_in(staged.training):
+        with torch.no_grad(), self._stale_rows_swapped_in(staged.training), phase_profile.phase("lookup"):
             self.engine.check_phase("lookup" if staged.training else "eval lookup", staged.step)
             return self.engine.lookup(staged.batches or [], staged.refused)
 
@@ -192,15 +193,17 @@ class StepPipeline:
         last, engine = self.training_lookup(), self.engine
         refused: BaseException | None = None
         try:
-            checked = [engine.check_gradient(i, b, g) for i, (b, g) in enumerate(zip(last.batches, flat_g))]
+            with phase_profile.phase("backward: check gradients"):
+                checked = [engine.check_gradient(i, b, g) for i, (b, g) in enumerate(zip(last.batches, flat_g))]
         except (ValueError, TypeError) as exc:
             if engine.world == 1:
                 raise
             refused, checked = exc, [None] * len(flat_g)  # every rank refuses this step together
         self.flush()  # a held-back update lands first: phase 1 below reuses the tables' native workspaces
-        table_grads = self.exchange(
-            "apply_gradients", lambda: engine.table_gradients(last.batches, checked, last.context, refused)
-        )
+        with phase_profile.phase("backward"):
+            table_grads = self.exchange(
+                "apply_gradients", lambda: engine.table_gradients(last.batches, checked, last.context, refused)
+            )
         update = PendingUpdate(table_grads, engine.learning_rates())
         if self.pipelined:
             # Nothing changes the tables before this update lands, so check it now: a non-finite
@@ -208,7 +211,8 @@ class StepPipeline:
             self.run(lambda: engine.check(update.table_grads, update.lrs))
             self.pending = update
         else:
-            self.run(lambda: engine.apply(update.table_grads, update.lrs))
+            with phase_profile.phase("update"):
+                self.run(lambda: engine.apply(update.table_grads, update.lrs))
         self.last = None
 
     def flush(self, *, observer: bool = False) -> None:

@@ -38,6 +38,7 @@ from embtables.kernels.segments import dedup_sum
 from embtables.sharding import comm, owner_pooling, routing
 from embtables.sharding.fingerprint import describe_config, differences, fingerprint
 from embtables.sharding.plan import Placement, TablePlan
+from embtables.tables import phase_profile
 from embtables.tables.collection import EmbeddingCollection, TableGradient
 from embtables.tables.engine import LocalTables
 from embtables.tables.initializers import default_initializer
@@ -113,7 +114,8 @@ class ShardedEmbeddingCollection(LocalTables):
     def check_phase(self, phase: str, step: int) -> None:
         """Every rank confirms it is in the same operation (``comm.PHASES``) of the same step before the
         operation's first exchange; ranks out of step raise ``CollectiveError`` on every rank."""
-        comm.check_phase(phase, step, self.tag, self.group)
+        with phase_profile.phase("phase header"):
+            comm.check_phase(phase, step, self.tag, self.group)
 
     # ------------------------------------------------------------------ forward
     def lookup(
@@ -125,39 +127,51 @@ class ShardedEmbeddingCollection(LocalTables):
         rank raises when any rank's batch was refused, so all stay in step."""
         tables = self.row_tables
         routed = []
-        for t in tables:
-            if refused is None:
-                ids = torch.cat([batches[f].ids for f in t.feature_indices])
-            else:
-                ids = torch.empty(0, dtype=torch.int64, device=self.device)
-            routed.append(routing.route_ids(ids, self.plans[t.name]))
+        with phase_profile.phase("lookup: route ids"):
+            for t in tables:
+                if refused is None:
+                    ids = torch.cat([batches[f].ids for f in t.feature_indices])
+                else:
+                    ids = torch.empty(0, dtype=torch.int64, device=self.device)
+                routed.append(routing.route_ids(ids, self.plans[t.name]))
         wanted = [(r.local, r.send_counts) for r in routed]
-        asked, refusing = routing.exchange_ids(wanted, refused is not None, self.world, self.group)
+        with phase_profile.phase("lookup: exchange ids"):
+            asked, refusing = routing.exchange_ids(wanted, refused is not None, self.world, self.group)
         if refusing:
             self._raise_refused(refused, refusing, "batch")
         routes = [routing.TableRoute(r, recv_rows, recv_counts) for r, (recv_rows, recv_counts) in zip(routed, asked)]
         answers = []
-        for t, route in zip(tables, routes):
-            if route.recv_rows.numel() and int(route.recv_rows.max()) >= self._owned_rows[t.name]:
-                raise RuntimeError(f"table {t.name!r}: a rank asked rank {self.rank} for a row it does not hold.")
-            answers.append(self.local.states[t.name].weights.index_select(0, route.recv_rows))
-        minis = routing.exchange_rows(answers, routes, [t.dim for t in tables], self.rank, self.world, self.group)
-        out = self._pool(batches, routes, minis)
+        with phase_profile.phase("lookup: answer rows"):
+            for t, route in zip(tables, routes):
+                if route.recv_rows.numel() and int(route.recv_rows.max()) >= self._owned_rows[t.name]:
+                    raise RuntimeError(f"table {t.name!r}: a rank asked rank {self.rank} for a row it does not hold.")
+                answers.append(self.local.states[t.name].weights.index_select(0, route.recv_rows))
+        with phase_profile.phase("lookup: exchange rows"):
+            dims = [t.dim for t in tables]
+            minis = routing.exchange_rows(answers, routes, dims, self.rank, self.world, self.group)
+        with phase_profile.phase("lookup: pool"):
+            out = self._pool(batches, routes, minis)
         pooled = None
         if self._pooled_features:
-            acts, pooled = owner_pooling.pooled_lookup_exchange(
-                self._pooled_features, batches, self.resolved, self.plans, self.local, self.rank, self.world, self.group
-            )
+            with phase_profile.phase("lookup: owner pooling"):
+                acts, pooled = owner_pooling.pooled_lookup_exchange(
+                    self._pooled_features, batches, self.resolved, self.plans, self.local, self.rank, self.world,
+                    self.group,
+                )  # fmt: skip
             for f, a in acts.items():
                 out[f] = a.reshape(*batches[f].out_shape, a.shape[1])
         result = [a for a in out if a is not None]
+        with phase_profile.phase("lookup: finite check"):
+            self._check_activations(result)
+        return result, LookupContext(routes, pooled)
+
+    def _check_activations(self, result: list[Tensor]) -> None:
         for feature, acts_f in zip(self.resolved.features, result):
             if not bool(torch.isfinite(acts_f).all()):
                 raise InputError(
                     f"feature {feature.name!r}: the looked-up activations overflow float32 (a sum of large rows or "
                     "weights is not finite); no table or slot was changed. Check the weights of this feature."
                 )
-        return result, LookupContext(routes, pooled)
 
     def _pool(
         self, batches: Sequence[FeatureBatch], routes: list[routing.TableRoute], minis: list[Tensor]
@@ -213,50 +227,67 @@ class ShardedEmbeddingCollection(LocalTables):
         ``refused`` is this rank's error validating its gradients: every rank then raises."""
         tables = self.row_tables
         bad = refused is not None
-        sums = self._sums_per_unique_id(batches, grads, context) if not bad else None
+        with phase_profile.phase("backward: sums per unique id"):
+            sums = self._sums_per_unique_id(batches, grads, context) if not bad else None
         if sums is None:
             bad = True
             sums = [torch.zeros((r.ids.ids.numel(), t.dim), device=self.device) for t, r in zip(tables, context.routes)]
-        if not bad:
-            bad = any(
-                not bool(torch.isfinite(self._occurrence_grads(t, batches, grads)).all())
-                for t in tables
-                if not t.optimizer.use_gradient_accumulation
-            ) or any(
-                g is not None and not bool(torch.isfinite(g).all()) for g in (grads[f] for f in self._pooled_features)
-            )
+        with phase_profile.phase("backward: finite check"):
+            bad = bad or self._gradients_not_finite(batches, grads)
         if bad and refused is None:
             refused = InputError(
                 "a gradient reaching a sharded table has NaN or Inf values; no table or slot was changed on any rank."
             )
-        received, refusing = routing.exchange_sums(
-            sums, context.routes, [t.dim for t in tables], bad, self.rank, self.world, self.group
-        )
+        with phase_profile.phase("backward: exchange sums"):
+            received, refusing = routing.exchange_sums(
+                sums, context.routes, [t.dim for t in tables], bad, self.rank, self.world, self.group
+            )
         if refusing:
             self._raise_refused(refused, refusing, "gradient")
         local_tables = {t.name: t for t in self.local.resolved.tables}
         out = {}
-        for t, route, got in zip(tables, context.routes, received):
-            if t.optimizer.use_gradient_accumulation:
-                out[t.name] = self._owner_gradient(local_tables[t.name], route, got)
-            else:
-                rows, row_grads = self._occurrences_to_owners(t, batches, grads, route)
-                out[t.name] = TableGradient(local_tables[t.name], rows, row_grads, accumulated=False)
+        with phase_profile.phase("backward: owner sums"):
+            for t, route, got in zip(tables, context.routes, received):
+                if t.optimizer.use_gradient_accumulation:
+                    out[t.name] = self._owner_gradient(local_tables[t.name], route, got)
+                else:
+                    rows, row_grads = self._occurrences_to_owners(t, batches, grads, route)
+                    out[t.name] = TableGradient(local_tables[t.name], rows, row_grads, accumulated=False)
         if context.pooled is not None:
-            served, _ = owner_pooling.pooled_gradient_exchange(
-                self._pooled_features, grads, context.pooled, False, self.resolved, self.rank, self.world, self.group
-            )
-            finite = True
-            for t in self.pooled_tables:
-                tg, ok = owner_pooling.owner_table_gradient(t, local_tables[t.name], context.pooled, served, self.local)
-                out[t.name] = tg
-                finite = finite and ok
-            if comm.any_rank(not finite, self.group):
-                raise InputError(
-                    "the summed gradient of a sharded table's row overflows float32 (on this or another rank); no "
-                    "table or slot was changed on any rank."
-                )
+            with phase_profile.phase("backward: owner pooling"):
+                self._pooled_gradients(grads, context, local_tables, out)
         return [out[t.name] for t in self.resolved.tables]
+
+    def _gradients_not_finite(self, batches: Sequence[FeatureBatch], grads: Sequence[Tensor | None]) -> bool:
+        """A NaN/Inf in a gradient that is sent per occurrence (no accumulation) or to the owners' pooling."""
+        return any(
+            not bool(torch.isfinite(self._occurrence_grads(t, batches, grads)).all())
+            for t in self.row_tables
+            if not t.optimizer.use_gradient_accumulation
+        ) or any(g is not None and not bool(torch.isfinite(g).all()) for g in (grads[f] for f in self._pooled_features))
+
+    def _pooled_gradients(
+        self,
+        grads: Sequence[Tensor | None],
+        context: LookupContext,
+        local_tables: dict[str, ResolvedTable],
+        out: dict[str, TableGradient],
+    ) -> None:
+        """The owner-pooled tables' gradients: d(activation) to the owners, phase 1 there, one agreement."""
+        assert context.pooled is not None
+        served, _ = owner_pooling.pooled_gradient_exchange(
+            self._pooled_features, grads, context.pooled, False, self.resolved, self.rank, self.world, self.group
+        )
+        finite = True
+        for t in self.pooled_tables:
+            tg, ok = owner_pooling.owner_table_gradient(t, local_tables[t.name], context.pooled, served, self.local)
+            out[t.name] = tg
+            finite = finite and ok
+        if comm.any_rank(not finite, self.group):
+            raise InputError(
+                "the summed gradient of a sharded table's row overflows float32 (on this or another rank); no "
+                "table or slot was changed on any rank."
+            )
 
     def _sums_per_unique_id(
         self, batches: Sequence[FeatureBatch], grads: Sequence[Tensor | None], context: LookupContext
@@ -356,8 +387,10 @@ class ShardedEmbeddingCollection(LocalTables):
         """The fused update of this rank's rows; every rank applies or none does. ``agreed=True``: the
         ranks already agreed through ``check`` (a pipelined update), so no message is needed."""
         if not agreed:
-            self.check(table_grads, lrs)
-        self.local.apply(table_grads, lrs)
+            with phase_profile.phase("update: agreement"):
+                self.check(table_grads, lrs)
+        with phase_profile.phase("update: apply"):
+            self.local.apply(table_grads, lrs)
 
     # ------------------------------------------------------------------ state
     def state_key_owners(self) -> dict[str, tuple[ResolvedTable, str]]:

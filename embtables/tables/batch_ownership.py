@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from embtables.config import ResolvedConfig, nest
+from embtables.tables import phase_profile
 from embtables.tables.input_nest import flatten_inputs, is_input_leaf
 from embtables.tables.inputs import FeatureBatch, InputConverter, convert_many, is_kjt
 from embtables.tables.ragged import Ragged
@@ -120,12 +121,13 @@ class InputStager:
     def stage(self, features: Any, weights: Any, device: torch.device, busy: set[int]) -> list[FeatureBatch]:
         """The F batches of one call, every input rule checked (``ValueError``/``TypeError`` and nothing
         staged otherwise); no staging buffer whose data pointer is in ``busy`` is written."""
-        flat_x, flat_w = flatten_inputs(self.feature_config, features, weights)
-        converted = convert_many(self.converters, flat_x, flat_w, device)
-        return [
-            owned(b, storages(x) | storages(w), self.staging, i, busy)
-            for i, (b, x, w) in enumerate(zip(converted, flat_x, flat_w))
-        ]
+        with phase_profile.phase("enqueue: validate inputs"):
+            flat_x, flat_w = flatten_inputs(self.feature_config, features, weights)
+            converted = convert_many(self.converters, flat_x, flat_w, device)
+            return [
+                owned(b, storages(x) | storages(w), self.staging, i, busy)
+                for i, (b, x, w) in enumerate(zip(converted, flat_x, flat_w))
+            ]
 
     def flat_gradients(self, gradients: Any, activations: list[Tensor]) -> list[Any]:
         """The F gradients of ``apply_gradients``: ``gradients`` (a nest like ``feature_config``) flattened,

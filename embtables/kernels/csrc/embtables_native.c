@@ -153,6 +153,78 @@ static int et_offsets_ok(const int64_t *offsets, int64_t S, int64_t N) {
     return 1;
 }
 
+/* Owner of a global id under a row partition over W ranks (spec §3): strategy 0 "div" (contiguous
+ * blocks: the first V % W ranks hold q + 1 rows, the others q; V < W: rank i holds row i), 1 "mod" (id
+ * modulo W). Writes the local row. */
+static inline int64_t et_owner(int64_t id, int strategy, int64_t V, int64_t W, int64_t *local) {
+    if (strategy == 1) {
+        *local = id / W;
+        return id % W;
+    }
+    const int64_t q = V / W, e = V % W;
+    if (q == 0) {
+        *local = 0;
+        return id;
+    }
+    const int64_t big = e * (q + 1);
+    if (id < big) {
+        *local = id % (q + 1);
+        return id / (q + 1);
+    }
+    *local = (id - e) % q;
+    return (id - e) / q;
+}
+
+/* Split the bags of F features by the owner of each id (counting sort, stable): for feature f with ids
+ * [N], offsets [S + 1] (offsets[0] == 0, offsets[S] == N) and coefficients [N] (NULL: all 1), write its
+ * local rows and coefficients grouped by owner rank, in bag order within an owner (out_ids, out_coeffs
+ * [N]), each owner's bag offsets (out_offsets [W, S + 1]) and each owner's id count (out_counts [W]).
+ * Returns 0, or 1 when offsets are malformed or an id is outside [0, V) (outputs then unusable). */
+int et_split_by_owner(int64_t F, const int64_t *const *ids, const int64_t *N, const int64_t *const *offsets,
+                      const int64_t *S, const float *const *coeffs, const int32_t *strategy, const int64_t *V,
+                      int64_t W, int64_t *const *out_ids, float *const *out_coeffs, int64_t *const *out_offsets,
+                      int64_t *const *out_counts) {
+    if (W < 1) return 1;
+    int64_t start[W];
+    for (int64_t f = 0; f < F; ++f) {
+        const int64_t n = N[f], nb = S[f], v = V[f];
+        const int64_t *off = offsets[f], *fid = ids[f];
+        if (nb < 0 || !et_offsets_ok(off, nb, n) || off[0] != 0 || off[nb] != n || v < 1) return 1;
+        if (strategy[f] != 0 && strategy[f] != 1) return 1;
+        int64_t *cnt = out_counts[f], *boff = out_offsets[f];
+        memset(cnt, 0, sizeof(int64_t) * (size_t)W);
+        memset(boff, 0, sizeof(int64_t) * (size_t)(W * (nb + 1)));
+        for (int64_t s = 0; s < nb; ++s) {
+            for (int64_t k = off[s]; k < off[s + 1]; ++k) {
+                const int64_t id = fid[k];
+                if ((uint64_t)id >= (uint64_t)v) return 1;
+                int64_t local;
+                const int64_t r = et_owner(id, strategy[f], v, W, &local);
+                cnt[r]++;
+                boff[r * (nb + 1) + s + 1]++;
+            }
+        }
+        int64_t acc = 0;
+        for (int64_t r = 0; r < W; ++r) {
+            start[r] = acc;
+            acc += cnt[r];
+            int64_t *o = boff + r * (nb + 1);
+            for (int64_t s = 0; s < nb; ++s) o[s + 1] += o[s];
+        }
+        const float *c = coeffs[f];
+        int64_t *oid = out_ids[f];
+        float *oc = out_coeffs[f];
+        for (int64_t k = 0; k < n; ++k) {
+            int64_t local;
+            const int64_t r = et_owner(fid[k], strategy[f], v, W, &local);
+            const int64_t pos = start[r]++;
+            oid[pos] = local;
+            oc[pos] = c ? c[k] : 1.0f;
+        }
+    }
+    return 0;
+}
+
 /* The lookups of F features in one parallel region: feature f reads table W[f] [V[f], D[f]] through
  * ids[f] [N[f]] and writes out[f] [S[f], D[f]]. Bags of all features form one index space split over
  * the threads. Returns 0 ok, 1 bad offsets or an id outside [0, V) (outputs are then garbage and must
