@@ -78,14 +78,24 @@ def pooled_lookup_exchange(
     rank: int,
     world: int,
     group: comm.ProcessGroup | None,
-) -> tuple[dict[int, Tensor], PooledContext]:
+    refused: bool = False,
+) -> tuple[dict[int, Tensor], PooledContext, list[int]]:
     """Activations [S_f, D] of the pooled ``features`` (this rank's batch), pooled by their owners:
     split each bag by owner (plan), send the pieces (steps 1-3 of the module docstring), pool what
-    this rank was asked for in one native call, send the partials back and add them (step 4)."""
+    this rank was asked for in one native call, send the partials back and add them (step 4).
+
+    ``refused``: this rank refused its batch (``batches`` is then ignored); the flag travels with the
+    counts, and when any rank refused, nothing more is sent and the refusing ranks are returned (third
+    element; empty otherwise) so that every rank raises together."""
     with phase_profile.phase("owner pooling: split by owner"):
-        split = _split_by_owner(features, batches, resolved, plans, local.device, world)
+        if refused:
+            split = _OwnerSplit({}, torch.zeros((world, 2 * len(features)), dtype=torch.int64), {}, {})
+        else:
+            split = _split_by_owner(features, batches, resolved, plans, local.device, world)
     with phase_profile.phase("owner pooling: send requests"):
-        asked = _send_requests(split, features, rank, world, group, local.device)
+        asked, refusing = _send_requests(split, features, rank, world, group, local.device, refused)
+    if refusing:
+        return {}, PooledContext(split.sent, split.bags, []), refusing
     tables = resolved.tables
     weights = [
         (a, local.states[tables[resolved.features[a.feature].table_index].name].weights) for src in asked for a in src
@@ -95,7 +105,7 @@ def pooled_lookup_exchange(
     dims = {f: tables[resolved.features[f].table_index].dim for f in features}
     with phase_profile.phase("owner pooling: return partials"):
         acts = _return_partials(partials, asked, split.bags, dims, features, rank, world, group, local.device)
-    return acts, PooledContext(split.sent, split.bags, asked)
+    return acts, PooledContext(split.sent, split.bags, asked), []
 
 
 @dataclasses.dataclass(eq=False)
@@ -185,13 +195,18 @@ def _send_requests(
     world: int,
     group: comm.ProcessGroup | None,
     device: torch.device,
-) -> list[list[Asked]]:
-    """Send: counts, then ids and offsets (int64), then coeffs (float32), grouped by destination, then
-    feature. Returns what each source rank asked of this one, ``asked[source][k]`` (its own pieces
-    for ``source == rank``, never sent)."""
-    counts = split.counts.to(comm.collective_device(group))
-    got, _ = comm.all_to_all_v(counts, [1] * world, group, recv_counts=[1] * world)
-    recv_counts = got.tolist()  # [W(source)][2F]
+    refused: bool = False,
+) -> tuple[list[list[Asked]], list[int]]:
+    """Send: counts (and the refusal flag), then ids and offsets (int64), then coeffs (float32), grouped
+    by destination, then feature. Returns what each source rank asked of this one, ``asked[source][k]``
+    (its own pieces for ``source == rank``, never sent), and the ranks that refused their batch (then
+    nothing but the counts was sent)."""
+    counts = torch.cat([split.counts, torch.full((world, 1), int(refused), dtype=torch.int64)], dim=1)
+    got, _ = comm.all_to_all_v(counts.to(comm.collective_device(group)), [1] * world, group, recv_counts=[1] * world)
+    recv_counts = got.tolist()  # [W(source)][2F + 1]
+    refusing = [r for r in range(world) if recv_counts[r][-1] != 0]
+    if refusing:
+        return [], refusing
     ints, floats, int_split, float_split = [], [], [], []
     for r in range(world):
         ni = nf = 0
@@ -226,7 +241,7 @@ def _send_requests(
             oi += n + nb + 1
             of += n
         asked.append(mine)
-    return asked
+    return asked, []
 
 
 def _return_partials(

@@ -126,9 +126,45 @@ class ShardedEmbeddingCollection(LocalTables):
         ``refused`` is this rank's validation error for its batch (its ids then take no part): every
         rank raises when any rank's batch was refused, so all stay in step."""
         tables = self.row_tables
+        routes: list[routing.TableRoute] = []
+        out: list[Tensor | None] = [None] * len(self.resolved.features)
+        if tables:  # the row-returning tables (their exchange carries the refusal agreement)
+            routes = self._routes(batches, refused)
+            answers = []
+            with phase_profile.phase("lookup: answer rows"):
+                for t, route in zip(tables, routes):
+                    if route.recv_rows.numel() and int(route.recv_rows.max()) >= self._owned_rows[t.name]:
+                        raise RuntimeError(
+                            f"table {t.name!r}: a rank asked rank {self.rank} for a row it does not hold."
+                        )
+                    answers.append(self.local.states[t.name].weights.index_select(0, route.recv_rows))
+            with phase_profile.phase("lookup: exchange rows"):
+                dims = [t.dim for t in tables]
+                minis = routing.exchange_rows(answers, routes, dims, self.rank, self.world, self.group)
+            with phase_profile.phase("lookup: pool"):
+                out = self._pool(batches, routes, minis)
+        pooled = None
+        if self._pooled_features:
+            with phase_profile.phase("lookup: owner pooling"):
+                acts, pooled, refusing = owner_pooling.pooled_lookup_exchange(
+                    self._pooled_features, batches, self.resolved, self.plans, self.local, self.rank, self.world,
+                    self.group, refused=refused is not None and not tables,
+                )  # fmt: skip
+            if refusing:
+                self._raise_refused(refused, refusing, "batch")
+            for f, a in acts.items():
+                out[f] = a.reshape(*batches[f].out_shape, a.shape[1])
+        result = [a for a in out if a is not None]
+        with phase_profile.phase("lookup: finite check"):
+            self._check_activations(result)
+        return result, LookupContext(routes, pooled)
+
+    def _routes(self, batches: Sequence[FeatureBatch], refused: BaseException | None) -> list[routing.TableRoute]:
+        """Each row table's unique ids routed to their owners and exchanged; every rank raises here when
+        any rank refused its batch."""
         routed = []
         with phase_profile.phase("lookup: route ids"):
-            for t in tables:
+            for t in self.row_tables:
                 if refused is None:
                     ids = torch.cat([batches[f].ids for f in t.feature_indices])
                 else:
@@ -139,31 +175,7 @@ class ShardedEmbeddingCollection(LocalTables):
             asked, refusing = routing.exchange_ids(wanted, refused is not None, self.world, self.group)
         if refusing:
             self._raise_refused(refused, refusing, "batch")
-        routes = [routing.TableRoute(r, recv_rows, recv_counts) for r, (recv_rows, recv_counts) in zip(routed, asked)]
-        answers = []
-        with phase_profile.phase("lookup: answer rows"):
-            for t, route in zip(tables, routes):
-                if route.recv_rows.numel() and int(route.recv_rows.max()) >= self._owned_rows[t.name]:
-                    raise RuntimeError(f"table {t.name!r}: a rank asked rank {self.rank} for a row it does not hold.")
-                answers.append(self.local.states[t.name].weights.index_select(0, route.recv_rows))
-        with phase_profile.phase("lookup: exchange rows"):
-            dims = [t.dim for t in tables]
-            minis = routing.exchange_rows(answers, routes, dims, self.rank, self.world, self.group)
-        with phase_profile.phase("lookup: pool"):
-            out = self._pool(batches, routes, minis)
-        pooled = None
-        if self._pooled_features:
-            with phase_profile.phase("lookup: owner pooling"):
-                acts, pooled = owner_pooling.pooled_lookup_exchange(
-                    self._pooled_features, batches, self.resolved, self.plans, self.local, self.rank, self.world,
-                    self.group,
-                )  # fmt: skip
-            for f, a in acts.items():
-                out[f] = a.reshape(*batches[f].out_shape, a.shape[1])
-        result = [a for a in out if a is not None]
-        with phase_profile.phase("lookup: finite check"):
-            self._check_activations(result)
-        return result, LookupContext(routes, pooled)
+        return [routing.TableRoute(r, recv_rows, recv_counts) for r, (recv_rows, recv_counts) in zip(routed, asked)]
 
     def _check_activations(self, result: list[Tensor]) -> None:
         for feature, acts_f in zip(self.resolved.features, result):
@@ -238,12 +250,14 @@ class ShardedEmbeddingCollection(LocalTables):
             refused = InputError(
                 "a gradient reaching a sharded table has NaN or Inf values; no table or slot was changed on any rank."
             )
-        with phase_profile.phase("backward: exchange sums"):
-            received, refusing = routing.exchange_sums(
-                sums, context.routes, [t.dim for t in tables], bad, self.rank, self.world, self.group
-            )
-        if refusing:
-            self._raise_refused(refused, refusing, "gradient")
+        received: list[Tensor] = []
+        if tables:  # the row tables' exchange carries the refusal agreement; else the pooled one does
+            with phase_profile.phase("backward: exchange sums"):
+                received, refusing = routing.exchange_sums(
+                    sums, context.routes, [t.dim for t in tables], bad, self.rank, self.world, self.group
+                )
+            if refusing:
+                self._raise_refused(refused, refusing, "gradient")
         local_tables = {t.name: t for t in self.local.resolved.tables}
         out = {}
         with phase_profile.phase("backward: owner sums"):
@@ -255,7 +269,9 @@ class ShardedEmbeddingCollection(LocalTables):
                     out[t.name] = TableGradient(local_tables[t.name], rows, row_grads, accumulated=False)
         if context.pooled is not None:
             with phase_profile.phase("backward: owner pooling"):
-                self._pooled_gradients(grads, context, local_tables, out)
+                refusing = self._pooled_gradients(grads, context, local_tables, out, bad and not tables)
+            if refusing:
+                self._raise_refused(refused, refusing, "gradient")
         return [out[t.name] for t in self.resolved.tables]
 
     def _gradients_not_finite(self, batches: Sequence[FeatureBatch], grads: Sequence[Tensor | None]) -> bool:
@@ -272,22 +288,31 @@ class ShardedEmbeddingCollection(LocalTables):
         context: LookupContext,
         local_tables: dict[str, ResolvedTable],
         out: dict[str, TableGradient],
-    ) -> None:
-        """The owner-pooled tables' gradients: d(activation) to the owners, phase 1 there, one agreement."""
+        refused: bool,
+    ) -> list[int]:
+        """The owner-pooled tables' gradients into ``out``: d(activation) to the owners (with this rank's
+        refusal flag), phase 1 there, one agreement. Returns the refusing ranks (then nothing is summed)."""
         assert context.pooled is not None
-        served, _ = owner_pooling.pooled_gradient_exchange(
-            self._pooled_features, grads, context.pooled, False, self.resolved, self.rank, self.world, self.group
-        )
+        with phase_profile.phase("owner pooling: send gradients"):
+            served, refusing = owner_pooling.pooled_gradient_exchange(
+                self._pooled_features, grads, context.pooled, refused, self.resolved, self.rank, self.world, self.group
+            )
+        if refusing:
+            return refusing
         finite = True
-        for t in self.pooled_tables:
-            tg, ok = owner_pooling.owner_table_gradient(t, local_tables[t.name], context.pooled, served, self.local)
-            out[t.name] = tg
-            finite = finite and ok
-        if comm.any_rank(not finite, self.group):
+        with phase_profile.phase("owner pooling: owner sums"):
+            for t in self.pooled_tables:
+                tg, ok = owner_pooling.owner_table_gradient(t, local_tables[t.name], context.pooled, served, self.local)
+                out[t.name] = tg
+                finite = finite and ok
+        with phase_profile.phase("owner pooling: agreement"):
+            overflow = comm.any_rank(not finite, self.group)
+        if overflow:
             raise InputError(
                 "the summed gradient of a sharded table's row overflows float32 (on this or another rank); no "
                 "table or slot was changed on any rank."
             )
+        return []
 
     def _sums_per_unique_id(
         self, batches: Sequence[FeatureBatch], grads: Sequence[Tensor | None], context: LookupContext
