@@ -125,6 +125,8 @@ def _compile() -> ctypes.CDLL | None:
         logger.info("embtables: compiled native kernels into %s", target)
     lib = ctypes.CDLL(str(target))
     p, i64, i32, opt_p = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.POINTER(_OptParams)
+    lib.et_all_finite.argtypes = [i64, p, p]
+    lib.et_all_finite.restype = i32
     lib.et_split_by_owner.argtypes = [i64, p, p, p, p, p, p, p, i64, p, p, p, p]
     lib.et_split_by_owner.restype = i32
     lib.et_lookup_many.argtypes = [i64, p, p, p, p, p, p, p, p, p, i32]
@@ -249,6 +251,20 @@ def opt_params(opt: Optimizer, lr: float, decay: float, *, clip_gradients: bool)
         for name, constant in constants.items():
             setattr(member, name, constant)
     return p
+
+
+def all_finite(tensors: list[Tensor]) -> bool:
+    """True when no value of the float32 ``tensors`` is NaN or Inf: one native pass (an integer max over
+    the bit patterns, which vectorises), or torch when a tensor is not a contiguous CPU float32 one."""
+    lib = library()
+    if lib is None or not all(
+        t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous() and t.layout == torch.strided
+        for t in tensors
+    ):
+        return all(bool(torch.isfinite(t).all()) for t in tensors)
+    n = len(tensors)
+    ptrs = (ctypes.c_void_p * n)(*[t.data_ptr() for t in tensors])
+    return bool(lib.et_all_finite(n, ptrs, (ctypes.c_int64 * n)(*[t.numel() for t in tensors])))
 
 
 OwnerSplit = tuple[Tensor, Tensor, Tensor, list[int]]  # local ids [N], coeffs [N], offsets [W, S+1], counts [W]

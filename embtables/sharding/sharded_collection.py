@@ -178,6 +178,8 @@ class ShardedEmbeddingCollection(LocalTables):
         return [routing.TableRoute(r, recv_rows, recv_counts) for r, (recv_rows, recv_counts) in zip(routed, asked)]
 
     def _check_activations(self, result: list[Tensor]) -> None:
+        if native.all_finite(result):  # one pass; the per-feature scan below only names the culprit
+            return
         for feature, acts_f in zip(self.resolved.features, result):
             if not bool(torch.isfinite(acts_f).all()):
                 raise InputError(
@@ -280,7 +282,7 @@ class ShardedEmbeddingCollection(LocalTables):
             not bool(torch.isfinite(self._occurrence_grads(t, batches, grads)).all())
             for t in self.row_tables
             if not t.optimizer.use_gradient_accumulation
-        ) or any(g is not None and not bool(torch.isfinite(g).all()) for g in (grads[f] for f in self._pooled_features))
+        ) or not native.all_finite([g for g in (grads[f] for f in self._pooled_features) if g is not None])
 
     def _pooled_gradients(
         self,

@@ -50,3 +50,13 @@ def test_an_id_outside_the_table_or_bad_offsets_is_refused_in_c() -> None:
         native.split_by_owner([(torch.tensor([0, 1]), torch.tensor([0, 3]), None, "div", 10)], 2)
     with pytest.raises(native.NativeBufferError):
         native.split_by_owner([(torch.tensor([0, 1], dtype=torch.int32), offsets, None, "div", 10)], 2)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_all_finite_finds_one_bad_value_anywhere(bad: float) -> None:
+    tensors = [torch.randn(7, 3), torch.randn(0), torch.randn(1000)]
+    assert native.all_finite(tensors)
+    tensors[2][999] = bad
+    assert not native.all_finite(tensors)
+    assert not native.all_finite([tensors[2].view(10, 100).t()])  # a non-contiguous view takes the torch path
+    assert native.all_finite([torch.full((4,), 3.4e38), torch.tensor([-0.0, 1e-45])])

@@ -153,6 +153,13 @@ static int et_offsets_ok(const int64_t *offsets, int64_t S, int64_t N) {
     return 1;
 }
 
+/* 1 when every value of the F float32 buffers x[f] [n[f]] is finite (no NaN, no Inf), else 0. */
+int et_all_finite(int64_t F, const float *const *x, const int64_t *n) {
+    uint32_t m = 0;
+    for (int64_t f = 0; f < F; ++f) m = et_maxbits(x[f], n[f], m);
+    return m < ET_INF_BITS;
+}
+
 /* Owner of a global id under a row partition over W ranks (spec §3): strategy 0 "div" (contiguous
  * blocks: the first V % W ranks hold q + 1 rows, the others q; V < W: rank i holds row i), 1 "mod" (id
  * modulo W). Writes the local row. */
