@@ -248,7 +248,7 @@ def measure(what: str) -> None:
         result = {r["impl"]: r for r in records if "impl" in r}
         (RESULTS / "movielens.json").write_text(json.dumps(result, indent=1) + "\n")
     elif what == "sharded":  # ~10 min: W = 1, W = 2 div/table, the pipelined pair, TorchRec DMP
-        out = subprocess.run([sys.executable, "-m", "benchmarks.bench_sharded"], check=True, cwd=ROOT,
+        out = subprocess.run([sys.executable, "-m", "benchmarks.bench_sharded", "--w3"], check=True, cwd=ROOT,
                              capture_output=True, text=True).stdout  # fmt: skip
         lines = [line + "\n" for line in out.splitlines() if line.startswith("{")]
         (RESULTS / "sharded.jsonl").write_text("".join(lines))
