@@ -1,0 +1,68 @@
+"""The traffic model (``embtables/sharding/cost_model.py``) predicts, from one step's per-owner id
+counts, exactly the bytes every rank sends (``comm.bytes_sent``) at W = 2, 3 and 4, for tables pooled
+on their owners and row-returning tables (a sequence feature) together, with batches of different
+sizes on different ranks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from mp_world import run_world
+
+import embtables as et
+from embtables.sharding import comm
+from embtables.sharding.cost_model import PooledFeature, RowTable, even_step_traffic, step_traffic
+
+
+def _config() -> dict[str, et.FeatureConfig]:
+    pooled_a = et.TableConfig(101, 4, name="pa", combiner="sum", optimizer=et.Adagrad(0.1))
+    pooled_b = et.TableConfig(37, 8, name="pb", combiner="mean", optimizer=et.SGD(0.1))
+    rows = et.TableConfig(53, 4, name="seq", optimizer=et.Adagrad(0.1))
+    return {
+        "a": et.FeatureConfig(pooled_a),
+        "a2": et.FeatureConfig(pooled_a, name="a2"),
+        "b": et.FeatureConfig(pooled_b),
+        "s": et.FeatureConfig(rows, max_sequence_length=3),
+    }
+
+
+def _traffic(rank: int, world: int) -> None:
+    emb = et.DistributedEmbedding(_config(), sharding="div")
+    gen = torch.Generator().manual_seed(rank)
+    bags = 5 + 3 * rank  # every rank its own batch size
+    features: dict[str, et.Ragged] = {}
+    for name, vocab in (("a", 101), ("a2", 101), ("b", 37), ("s", 53)):
+        lengths = torch.randint(0, 5, (bags,), generator=gen) if name != "s" else torch.full((bags,), 3)
+        ids = torch.randint(0, vocab, (int(lengths.sum()),), generator=gen)
+        features[name] = et.Ragged.from_lengths(ids, lengths.to(torch.int64))
+    comm.bytes_sent.clear()
+    acts = emb(features)
+    emb.apply_gradients({k: torch.ones_like(v) for k, v in acts.items()})
+    plans = emb._engine.plans  # type: ignore[attr-defined]
+    bags_of = tuple(comm.all_gather_object(bags))
+    pooled = []
+    for name in ("a", "a2", "b"):  # tf.nest order: sorted keys
+        table = {"a": "pa", "a2": "pa", "b": "pb"}[name]
+        owner, _ = plans[table].owner(features[name].values)
+        per_owner = tuple(int(n) for n in torch.bincount(owner, minlength=world).tolist())
+        pooled.append(PooledFeature(per_owner, bags, bags_of, {"pa": 4, "pb": 8}[table]))
+    owner, _ = plans["seq"].owner(torch.unique(features["s"].values))
+    unique = tuple(int(n) for n in torch.bincount(owner, minlength=world).tolist())
+    everyone = comm.all_gather_object(unique)
+    rows = [RowTable(unique, tuple(everyone[r][rank] for r in range(world)), 4)]
+    predicted = step_traffic(rank, world, pooled, rows)
+    assert comm.bytes_sent.get("int", 0) == predicted.int_bytes, (rank, dict(comm.bytes_sent), predicted, pooled, rows)
+    assert comm.bytes_sent.get("float", 0) == predicted.float_bytes
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_the_model_predicts_every_byte_sent(world: int) -> None:
+    run_world(_traffic, world)
+
+
+def test_even_traffic_grows_with_the_peers_for_pooled_tables_and_not_for_row_tables() -> None:
+    pooled = [even_step_traffic(w, 8, 2048, 20, 64, 0.5, pooled=True).bytes for w in (2, 8, 64)]
+    rows = [even_step_traffic(w, 8, 2048, 20, 64, 0.5, pooled=False).bytes for w in (2, 8, 64)]
+    assert pooled[0] < pooled[1] < pooled[2] and pooled[2] > 50 * pooled[0]  # (W - 1) partial bags per feature
+    assert rows[2] < 2.1 * rows[0]  # unique rows x (W - 1) / W: bounded
