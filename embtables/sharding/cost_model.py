@@ -109,3 +109,16 @@ def network_ms(traffic_bytes: int, messages: int, world: int, gbit_per_s: float,
     """Time on the wire for one rank: its bytes at ``gbit_per_s`` plus one latency per peer per message
     (an all-to-all talks to W - 1 peers)."""
     return traffic_bytes * 8 / (gbit_per_s * 1e9) * 1e3 + messages * (world - 1) * latency_us / 1e3
+
+
+def pools_on_owner(world: int, ids: float, unique_ids: float, bags: float, dim: int) -> bool:
+    """Whether pooling a table's bags on the owners sends fewer bytes per rank than sending its unique
+    rows, at ``world`` ranks, for a batch (per rank) of ``ids`` ids, ``unique_ids`` unique, in ``bags``
+    bags. Pooling sends a partial bag to every peer (grows like W - 1); unique rows do not."""
+    if world < 2 or ids <= 0 or bags <= 0:
+        return True
+    n = round(ids / world)
+    pooled = PooledFeature((n,) * world, round(bags), (round(bags),) * world, dim)
+    unique = round(unique_ids / world)
+    rows = RowTable((unique,) * world, (unique,) * world, dim)
+    return step_traffic(0, world, [pooled], []).bytes <= step_traffic(0, world, [], [rows]).bytes

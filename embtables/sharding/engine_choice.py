@@ -11,7 +11,9 @@ import torch
 
 from embtables.config import ResolvedConfig
 from embtables.sharding import comm
+from embtables.sharding.cost_model import pools_on_owner
 from embtables.sharding.lookup_stats import read_loads
+from embtables.sharding.owner_pooling import owner_pooled
 from embtables.sharding.plan import TablePlan
 from embtables.sharding.sharded_collection import ShardedEmbeddingCollection
 from embtables.sharding.strategies import check_sharding, place_tables
@@ -29,7 +31,9 @@ def choose_engine(
 ) -> tuple[Engine, dict[str, TablePlan]]:
     """The engine of a module and each table's plan (where its rows live; one whole ``div`` shard in
     one process). Tables are placed from the lookup statistics in ``profile_data_directory`` when
-    ``sharding`` asks for them (spec §5); ``timeout`` gives the ranks a dedicated group."""
+    ``sharding`` asks for them (spec §5); ``timeout`` gives the ranks a dedicated group. A table whose
+    features are all combined is pooled on its owners unless its statistics show that sending its
+    unique rows costs fewer bytes at this W (``cost_model.pools_on_owner``)."""
     check_sharding(sharding, resolved)
     if timeout is not None and not (isinstance(timeout, (int, float)) and 0 < timeout < float("inf")):
         raise ValueError(f"DistributedEmbedding: `timeout` must be a positive number of seconds, got {timeout!r}.")
@@ -40,7 +44,19 @@ def choose_engine(
     comm.clean_exit()  # the program may never call destroy_process_group(): leave cleanly at exit
     group = process_group if timeout is None else comm.new_group(float(timeout), process_group)
     placements = place_tables(resolved, sharding, comm.get_world_size(group), loads)
-    engine = ShardedEmbeddingCollection(resolved, device, placements, group, settings=settings)
+    world = comm.get_world_size(group)
+    pooled = {
+        t.name
+        for t in resolved.tables
+        if owner_pooled(t, resolved)
+        and (
+            t.name not in loads
+            or loads[t.name].samples_per_batch <= 0
+            or pools_on_owner(world, loads[t.name].ids_per_batch, loads[t.name].unique_ids_per_batch,
+                              loads[t.name].samples_per_batch, t.dim)
+        )
+    }  # fmt: skip
+    engine = ShardedEmbeddingCollection(resolved, device, placements, group, settings=settings, owner_pooled=pooled)
     return engine, engine.plans
 
 

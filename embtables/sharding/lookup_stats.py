@@ -82,6 +82,7 @@ class TableLoad:
     ids_per_batch: float
     unique_ids_per_batch: float
     batches: int
+    samples_per_batch: float = 0.0  # bags of all the table's features per batch (0: unknown)
 
 
 def _empty(table: ResolvedTable, world: int) -> dict[str, Any]:
@@ -327,5 +328,6 @@ def read_loads(directory: str | os.PathLike[str] | None, resolved: ResolvedConfi
             continue
         s, batches = doc["summary"], int(doc["counts"]["batches"])
         if name not in best or batches > best[name].batches:
-            best[name] = TableLoad(float(s["ids_per_batch"]), float(s["unique_ids_per_batch"]), batches)
+            samples = sum(doc["counts"]["samples"]) / max(1, batches)
+            best[name] = TableLoad(float(s["ids_per_batch"]), float(s["unique_ids_per_batch"]), batches, samples)
     return best

@@ -81,11 +81,16 @@ class ShardedEmbeddingCollection(LocalTables):
         placements: dict[str, Placement],
         group: Any = None,
         settings: dict[str, Any] | None = None,
+        owner_pooled: set[str] | None = None,
     ) -> None:
         self.resolved = resolved
         self.group = group
         self.rank, self.world = comm.get_rank(group), comm.get_world_size(group)
-        digest = _check_same_config_everywhere(resolved, placements, group, settings or {})
+        eligible = {t.name for t in resolved.tables if owner_pooling.owner_pooled(t, resolved)}
+        pooled = eligible if owner_pooled is None else eligible & set(owner_pooled)
+        # Which tables pool on their owners changes the float32 summation order: every rank must agree.
+        checked = {**(settings or {}), "owner_pooled": sorted(pooled)}
+        digest = _check_same_config_everywhere(resolved, placements, group, checked)
         self.tag = int(digest[:15], 16)  # the tables' fingerprint in every phase header (63 bits)
         self.plans: dict[str, TablePlan] = {}
         local_tables = []
@@ -103,7 +108,6 @@ class ShardedEmbeddingCollection(LocalTables):
         # Owned rows per table (local rows may add one placeholder row when a rank owns none).
         self._owned_rows = {t.name: self.plans[t.name].owned_rows(self.rank) for t in resolved.tables}
         self._send_workspaces: dict[str, native.Workspace] = {}  # per-table phase 1 of this rank's batch
-        pooled = {t.name for t in resolved.tables if owner_pooling.owner_pooled(t, resolved)}
         self.row_tables = [t for t in resolved.tables if t.name not in pooled]
         self.pooled_tables = [t for t in resolved.tables if t.name in pooled]
         self._pooled_features = sorted(f for t in self.pooled_tables for f in t.feature_indices)

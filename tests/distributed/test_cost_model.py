@@ -5,13 +5,15 @@ sizes on different ranks."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from mp_world import run_world
 
 import embtables as et
 from embtables.sharding import comm
-from embtables.sharding.cost_model import PooledFeature, RowTable, even_step_traffic, step_traffic
+from embtables.sharding.cost_model import PooledFeature, RowTable, even_step_traffic, pools_on_owner, step_traffic
 
 
 def _config() -> dict[str, et.FeatureConfig]:
@@ -66,3 +68,44 @@ def test_even_traffic_grows_with_the_peers_for_pooled_tables_and_not_for_row_tab
     rows = [even_step_traffic(w, 8, 2048, 20, 64, 0.5, pooled=False).bytes for w in (2, 8, 64)]
     assert pooled[0] < pooled[1] < pooled[2] and pooled[2] > 50 * pooled[0]  # (W - 1) partial bags per feature
     assert rows[2] < 2.1 * rows[0]  # unique rows x (W - 1) / W: bounded
+
+
+def test_pooling_on_the_owner_is_chosen_only_where_it_sends_less() -> None:
+    # The standard per-rank batch: 8 x 2048 bags of 20 ids, 36% unique, D = 64.
+    assert pools_on_owner(2, 40960, 14720, 2048, 64)
+    assert not pools_on_owner(8, 40960, 14720, 2048, 64)
+    # One id per bag and three hot ids: a partial bag per sample costs far more than three rows.
+    assert not pools_on_owner(2, 1000, 3, 1000, 8)
+    assert pools_on_owner(1, 1000, 3, 1000, 8)  # nothing is sent in one process
+
+
+def _hot_ids(rank: int, world: int, stats: str, out: str) -> None:
+    table = et.TableConfig(50, 4, name="hot", combiner="sum", initializer=et.Constant(0.5), optimizer=et.Adagrad(0.1))
+    emb = et.DistributedEmbedding({"h": et.FeatureConfig(table)}, profile_data_directory=stats)
+    assert [t.name for t in emb._engine.pooled_tables] == []  # type: ignore[attr-defined]
+    assert [t.name for t in emb._engine.row_tables] == ["hot"]  # type: ignore[attr-defined]
+    for step in range(3):
+        ids = torch.tensor([(step + rank + i) % 3 for i in range(40)])  # 40 bags of one hot id
+        acts = emb({"h": ids})
+        emb.apply_gradients({"h": torch.full_like(acts["h"], 0.1 * (rank + 1))})
+    state = emb.state_dict()
+    if rank == 0:
+        torch.save(state, out)
+
+
+@pytest.mark.distributed
+def test_statistics_that_favour_unique_rows_switch_a_table_off_owner_pooling(tmp_path: Path) -> None:
+    stats = str(tmp_path / "stats")
+    table = et.TableConfig(50, 4, name="hot", combiner="sum", initializer=et.Constant(0.5), optimizer=et.Adagrad(0.1))
+    one = et.DistributedEmbedding({"h": et.FeatureConfig(table)}, profile_data_directory=stats, profile_sample_rate=1.0)
+    for step in range(3):
+        ids = torch.tensor([(step + r + i) % 3 for r in range(2) for i in range(40)])
+        acts = one({"h": ids})
+        grad = torch.cat([torch.full((40, 4), 0.1), torch.full((40, 4), 0.2)])
+        one.apply_gradients({"h": grad})
+    assert one.flush()
+    out = str(tmp_path / "state.pt")
+    run_world(_hot_ids, 2, stats, out)
+    sharded = torch.load(out)
+    for key, value in one.state_dict().items():
+        torch.testing.assert_close(sharded[key], value, rtol=1e-6, atol=1e-6)
