@@ -105,7 +105,7 @@ def test_files_are_written_atomically_merged_and_bad_files_ignored(
         docs = read_all(tmp_path)
     assert len(docs) == 2 and "junk.json" in caplog.text
     loads = read_loads(tmp_path, resolved)
-    assert loads["t"] == TableLoad(ids_per_batch=6.0, unique_ids_per_batch=4.0, batches=2)
+    assert loads["t"] == TableLoad(ids_per_batch=6.0, unique_ids_per_batch=4.0, batches=2, samples_per_batch=4.0)
 
 
 def test_placement_balances_bytes_and_measured_load() -> None:
