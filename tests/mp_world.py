@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import gc
 import os
 import pickle
 import socket
@@ -42,6 +43,7 @@ def _entry(rank: int, fn: Callable[..., Any], world: int, port: int, timeout_s: 
     )
     try:
         fn(rank, world, *args)
+        gc.collect()  # modules in reference cycles release their process groups now, not in finalisation
         with contextlib.suppress(RuntimeError):  # a peer may have exited on purpose (the dead-rank tests)
             dist.barrier()  # no rank tears its connections down while another still talks on them
     except BaseException:

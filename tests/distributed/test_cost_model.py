@@ -100,7 +100,7 @@ def test_statistics_that_favour_unique_rows_switch_a_table_off_owner_pooling(tmp
     one = et.DistributedEmbedding({"h": et.FeatureConfig(table)}, profile_data_directory=stats, profile_sample_rate=1.0)
     for step in range(3):
         ids = torch.tensor([(step + r + i) % 3 for r in range(2) for i in range(40)])
-        acts = one({"h": ids})
+        one({"h": ids})
         grad = torch.cat([torch.full((40, 4), 0.1), torch.full((40, 4), 0.2)])
         one.apply_gradients({"h": grad})
     assert one.flush()
