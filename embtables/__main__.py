@@ -9,7 +9,9 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import runpy
+import shutil
 import sys
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -25,7 +27,8 @@ _OWN_PARSERS = {"train": train.main, "quickstart": quickstart.main}  # read ever
 _COMMANDS = (
     ("train", "the main job: DLRM on synthetic data, --dataset movielens-100k, or --data FILE --schema FILE"),
     ("quickstart", "a small CTR model on synthetic data in about ten seconds"),
-    ("bench", "the benchmark suite against the peers (embtables bench --help)"),
+    ("bench", "the benchmark suite against the peers (embtables bench --help); embtables bench "
+     "sharded | checkpoint | movielens | extra-optimizers | noacc for the others"),
     ("stats", "print lookup statistics files (profile_data_directory) and draw per-shard load"),
     ("inspect", "what a checkpoint holds (tables, shapes, optimizer, step, size) and its checksum status"),
     ("export", "write a serving artifact of a checkpoint's tables (float32, float16, bfloat16 or int8)"),
@@ -72,24 +75,39 @@ def _benchmarks_dir() -> Path | None:
     return None
 
 
+# ``embtables bench <name>``: the benchmarks beside the standard suite (``embtables bench`` alone).
+_BENCHES = {
+    "sharded": "bench_sharded",
+    "checkpoint": "bench_checkpoint",
+    "movielens": "bench_movielens",
+    "extra-optimizers": "bench_extra_optimizers",
+    "noacc": "bench_noacc",
+}
+
+
 def _run_script(name: str, rest: list[str]) -> int:
-    """Run ``benchmarks/run.py`` as ``embtables bench`` with ``benchmarks`` importable as a package
-    (from a checkout, or from the copy inside an installed wheel)."""
+    """Run ``benchmarks/run.py`` as ``embtables bench`` (or ``embtables bench <name>`` for another
+    benchmark) with ``benchmarks`` importable as a package, from a checkout or from the copy inside an
+    installed wheel; importable by path too, so the processes a benchmark spawns find it."""
     where = _benchmarks_dir()
     if where is None:
         return fail(f"embtables {name}", "the benchmark suite is not installed with this embtables")
-    spec = importlib.util.spec_from_file_location(
-        "benchmarks", where / "__init__.py", submodule_search_locations=[str(where)]
-    )
-    assert spec is not None and spec.loader is not None
-    package = importlib.util.module_from_spec(spec)
-    sys.modules["benchmarks"] = package
-    spec.loader.exec_module(package)
-    sys.argv = [f"embtables {name}", *rest]
+    link_dir = Path(tempfile.mkdtemp(prefix="embtables-bench-"))
+    (link_dir / "benchmarks").symlink_to(where, target_is_directory=True)
+    sys.path.insert(0, str(link_dir))
+    sys.modules.pop("benchmarks", None)
     try:
+        if rest and rest[0] in _BENCHES:
+            module = importlib.import_module(f"benchmarks.{_BENCHES[rest[0]]}")
+            sys.argv = [f"embtables {name} {rest[0]}", *rest[1:]]
+            code = module.main() if rest[0] == "noacc" else module.main(rest[1:])
+            return int(code or 0)
+        sys.argv = [f"embtables {name}", *rest]
         runpy.run_path(str(where / "run.py"), run_name="__main__")
     except SystemExit as exc:
         return int(exc.code or 0) if not isinstance(exc.code, str) else 1
+    finally:
+        shutil.rmtree(link_dir, ignore_errors=True)
     return 0
 
 

@@ -40,3 +40,24 @@ def test_benchmark_runner_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[st
     report = (tmp_path / "report.md").read_text()
     assert "embtables" in report and "One step against the float64 oracle" in report
     assert os.path.getsize(tmp_path / "results.jsonl") > 0
+
+
+def test_sharded_benchmark_reports_each_ranks_phases(tmp_path: Path) -> None:
+    """``embtables bench sharded``: every configuration's line carries every rank's per-phase breakdown,
+    whose owner-pooling bytes add up to the bytes the rank sent."""
+    import subprocess
+
+    cmd = [sys.executable, "-m", "embtables", "bench", "sharded", "--quick", "--no-torchrec", "--steps", "2",
+           "--warmup", "1"]  # fmt: skip
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    records = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    runs = {r["config"]: r for r in records if "phases_per_rank" in r}
+    assert len(runs) == 4  # W = 1, and W = 2 div, table, mod
+    div = next(r for c, r in runs.items() if "W=2 div" in c)
+    for rank, phases in enumerate(div["phases_per_rank"]):
+        assert phases["owner pooling: pool"]["ms"] > 0
+        # all_to_all payloads (what bytes_sent counts), leaving out the agreements and phase headers
+        payload = sum(p["bytes"] for name, p in phases.items() if "agreement" not in name and name != "phase header")
+        assert abs(payload / 2**20 - div["sent_mb_per_step_per_rank"][rank]) < 0.002
+    assert any(r.get("summary", "").startswith("pipelining") for r in records)
