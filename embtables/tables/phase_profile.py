@@ -45,12 +45,26 @@ def reset() -> None:
         d.clear()
 
 
-@contextlib.contextmanager
-def phase(name: str) -> Iterator[None]:
+class _Off:
+    """The ``phase`` of a disabled profile: nothing to do (no generator built on the hot path)."""
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+_OFF = _Off()
+
+
+def phase(name: str) -> contextlib.AbstractContextManager[None]:
     """Record the time spent in this block (minus nested phases) under ``name``."""
-    if not _enabled:
-        yield
-        return
+    return _OFF if not _enabled else _recorded(name)
+
+
+@contextlib.contextmanager
+def _recorded(name: str) -> Iterator[None]:
     stack = _stack()
     frame: list[Any] = [name, time.perf_counter(), 0.0]
     stack.append(frame)
