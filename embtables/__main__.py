@@ -27,8 +27,11 @@ _OWN_PARSERS = {"train": train.main, "quickstart": quickstart.main}  # read ever
 _COMMANDS = (
     ("train", "the main job: DLRM on synthetic data, --dataset movielens-100k, or --data FILE --schema FILE"),
     ("quickstart", "a small CTR model on synthetic data in about ten seconds"),
-    ("bench", "the benchmark suite against the peers (embtables bench --help); embtables bench "
-     "sharded | checkpoint | movielens | extra-optimizers | noacc for the others"),
+    (
+        "bench",
+        "the benchmark suite against the peers (embtables bench --help); embtables bench "
+        "sharded | checkpoint | movielens | extra-optimizers | noacc for the others",
+    ),
     ("stats", "print lookup statistics files (profile_data_directory) and draw per-shard load"),
     ("inspect", "what a checkpoint holds (tables, shapes, optimizer, step, size) and its checksum status"),
     ("export", "write a serving artifact of a checkpoint's tables (float32, float16, bfloat16 or int8)"),

@@ -80,9 +80,11 @@ class Persistence:
         self.torn = None
         # The pre-update rows of a pipelined update pending at save are read by the next training lookup
         # of a pipelined module only; a synchronous module reads the tables as they are (updated).
-        device = engine.device
-        stale = {n: (r.to(device), v.to(device)) for n, (r, v) in manifest.pop("stale").items()}
-        pipeline.replaced(stale)
+        device, stale = engine.device, manifest.pop("stale")
+        if pipeline.pipelined:
+            pipeline.replaced({n: (r.to(device), v.to(device)) for n, (r, v) in stale.items()})
+        else:
+            pipeline.replaced()
         pipeline.training_steps = int(manifest["step"])
         return manifest
 

@@ -26,9 +26,13 @@ def _bounds(
 ) -> tuple[float, ...] | None:
     if not lo[1] > 0:
         return None
-    # |g| / sqrt(a + g^2) <= 1, except when g^2 underflows: then |g| < 2e-19 and a >= a_min.
-    ratio = max(1.001, 2e-19 / math.sqrt(lo[1]))
-    return (w_dec + abs(lr) * ratio, hi[1] + g * g)
+    return (w_dec + abs(lr) * step_ratio_bound(lo[1]), hi[1] + g * g)
+
+
+def step_ratio_bound(a_min: float) -> float:
+    """A bound on |g| / sqrt(a + g^2) for accumulators of at least ``a_min`` > 0: at most 1, except when
+    g^2 underflows in float32; then |g| < 2e-19 and a >= a_min."""
+    return max(1.001, 2e-19 / math.sqrt(a_min))
 
 
 RECORD = KernelRecord(

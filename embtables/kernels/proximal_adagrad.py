@@ -8,6 +8,7 @@ import torch
 from torch import Tensor
 
 from embtables.config.extra_optimizers import ProximalAdagrad
+from embtables.kernels.adagrad import step_ratio_bound
 from embtables.kernels.float32 import as_float32, scalar_over
 from embtables.kernels.record import KernelRecord, bounded, slot_domains_of
 from embtables.kernels.sqrt import sqrt_f32
@@ -41,11 +42,10 @@ def _bounds(
     if not a_min > 0 or lr < 0:  # lr >= 0 keeps the proximal denominator 1 + lr_t * l2 >= 1
         return None
     lr_t = abs(lr) / math.sqrt(a_min)
-    ratio = max(1.001, 2e-19 / math.sqrt(a_min))  # |g| / sqrt(a + g^2), as for Adagrad
     l1, l2 = float(opt.l1_regularization_strength), float(opt.l2_regularization_strength)
     if not bounded(lr_t, lr_t * max(l1, l2)):
         return None
-    return (w_dec + abs(lr) * ratio, hi[1] + g * g)
+    return (w_dec + abs(lr) * step_ratio_bound(a_min), hi[1] + g * g)
 
 
 RECORD = KernelRecord(

@@ -166,8 +166,9 @@ def all_to_all_v(
     out = torch.empty((sum(recv_counts), *send.shape[1:]), dtype=send.dtype, device=send.device)
     rank, row_bytes = get_rank(group), send[:1].numel() * send.element_size() if send.shape[0] else 0
     key = "float" if send.is_floating_point() else "int"
-    bytes_sent[key] = bytes_sent.get(key, 0) + row_bytes * (sum(send_counts) - send_counts[rank])
-    phase_profile.count_message(row_bytes * (sum(send_counts) - send_counts[rank]))
+    payload = row_bytes * (sum(send_counts) - send_counts[rank])  # a send to itself is not counted
+    bytes_sent[key] = bytes_sent.get(key, 0) + payload
+    phase_profile.count_message(payload)
     with _collective("exchange of ids, rows or gradients", group):
         dist.all_to_all_single(out, send.contiguous(), recv_counts, list(send_counts), group=group)
     return out, recv_counts

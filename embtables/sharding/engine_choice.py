@@ -12,7 +12,7 @@ import torch
 from embtables.config import ResolvedConfig
 from embtables.sharding import comm
 from embtables.sharding.cost_model import pools_on_owner
-from embtables.sharding.lookup_stats import read_loads
+from embtables.sharding.lookup_stats import TableLoad, read_loads
 from embtables.sharding.owner_pooling import owner_pooled
 from embtables.sharding.plan import TablePlan
 from embtables.sharding.sharded_collection import ShardedEmbeddingCollection
@@ -43,21 +43,18 @@ def choose_engine(
         return OneProcessEngine(resolved, device, process_group), plans
     comm.clean_exit()  # the program may never call destroy_process_group(): leave cleanly at exit
     group = process_group if timeout is None else comm.new_group(float(timeout), process_group)
-    placements = place_tables(resolved, sharding, comm.get_world_size(group), loads)
     world = comm.get_world_size(group)
-    pooled = {
-        t.name
-        for t in resolved.tables
-        if owner_pooled(t, resolved)
-        and (
-            t.name not in loads
-            or loads[t.name].samples_per_batch <= 0
-            or pools_on_owner(world, loads[t.name].ids_per_batch, loads[t.name].unique_ids_per_batch,
-                              loads[t.name].samples_per_batch, t.dim)
-        )
-    }  # fmt: skip
+    placements = place_tables(resolved, sharding, world, loads)
+    pooled = {t.name for t in resolved.tables if owner_pooled(t, resolved) and _pools(loads.get(t.name), world, t.dim)}
     engine = ShardedEmbeddingCollection(resolved, device, placements, group, settings=settings, owner_pooled=pooled)
     return engine, engine.plans
+
+
+def _pools(load: TableLoad | None, world: int, dim: int) -> bool:
+    """Pool a combined table on its owners unless its measured load says unique rows send less."""
+    if load is None:
+        return True
+    return pools_on_owner(world, load.ids_per_batch, load.unique_ids_per_batch, load.samples_per_batch, dim)
 
 
 def describe(engine: Engine) -> str:
