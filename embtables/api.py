@@ -196,7 +196,9 @@ class DistributedEmbedding(nn.Module):
         In training mode each activation is a leaf tensor that requires grad, so ``loss.backward()``
         leaves d(loss)/d(activation) in its ``.grad`` for ``apply_gradients()``.
         """
-        return nest.pack_sequence_as(self._feature_config, self._pipeline.dequeue())
+        acts = self._pipeline.dequeue()
+        flat = self._inputs.flat
+        return flat.pack(acts) if flat is not None else nest.pack_sequence_as(self._feature_config, acts)
 
     @_locked
     def forward(self, features: Any, weights: Any = None) -> Any:

@@ -81,6 +81,48 @@ def pack_sequence_as(structure: object, leaves: Sequence[Any]) -> Any:
     return _rebuild(structure, iter(leaves))
 
 
+class FlatDict:
+    """A plain ``dict`` of leaves, one level deep (the usual ``feature_config``): flattening a nest of the
+    same keys and packing leaves back are a list lookup, with the results of the walking functions."""
+
+    def __init__(self, template: dict[Any, Any]) -> None:
+        self.keys = sorted(template)  # flatten order
+        position = {k: i for i, k in enumerate(self.keys)}
+        self.template_order = [(k, position[k]) for k in template]
+
+    def flatten_like(self, got: object, is_leaf: Callable[[Any], bool]) -> list[Any] | None:
+        """The leaves of ``got`` in flatten order when it is a ``dict`` of the same keys whose values are
+        leaves; None otherwise (the caller then walks it, and names what differs)."""
+        if type(got) is not dict or len(got) != len(self.keys):
+            return None
+        try:
+            leaves = [got[k] for k in self.keys]
+        except (KeyError, TypeError):
+            return None
+        for leaf in leaves:
+            if not is_leaf(leaf) and isinstance(leaf, (Mapping, list, tuple)):
+                return None
+        return leaves
+
+    def pack(self, leaves: Sequence[Any]) -> dict[Any, Any]:
+        """``pack_sequence_as(template, leaves)``."""
+        if len(leaves) != len(self.keys):
+            raise ValueError(f"nest: structure has {len(self.keys)} leaves but {len(leaves)} values were given.")
+        return {k: leaves[i] for k, i in self.template_order}
+
+
+def flat_dict(structure: object) -> FlatDict | None:
+    """A ``FlatDict`` for a plain ``dict`` whose values are all leaves, else None."""
+    if type(structure) is not dict or not structure:
+        return None
+    if any(_children(v) is not None for v in structure.values()):
+        return None
+    try:
+        return FlatDict(structure)
+    except TypeError:  # unsortable keys: the walking functions name them
+        return None
+
+
 def assert_same_structure(expected: object, got: object, *, what: str, is_leaf: Callable[[Any], bool]) -> None:
     """Raise ``ValueError`` naming the first path where ``got`` differs from ``expected``.
 

@@ -149,8 +149,8 @@ def _compile() -> ctypes.CDLL | None:
     lib.et_workspace_load.restype = i32
     lib.et_apply_many.argtypes = [i64, p, p, p, p, p, p, p, p, p, p, i32, p, p]
     lib.et_apply_many.restype = None
-    lib.et_check_inputs_many.argtypes = [i64, p, p, p, p, p, p]
-    lib.et_check_inputs_many.restype = None
+    lib.et_stage_inputs_many.argtypes = [i64, p, p, p, p, p, p, i64, p, p]
+    lib.et_stage_inputs_many.restype = i64
     lib.et_workspace_new.argtypes = []
     lib.et_workspace_new.restype = p
     lib.et_workspace_free.argtypes = [p]
@@ -345,10 +345,23 @@ def lookup_many(parts: list[tuple[Tensor, Tensor, Tensor, Tensor | None]]) -> tu
     return outs, int(status)
 
 
-def check_inputs_many(parts: list[tuple[Tensor, Tensor | None, int]]) -> list[bool]:
-    """For each ``(ids [N] int64, row splits [B+1] int64 | None, V)``: True when every id is in
-    ``[0, V)`` and the splits start at 0, never decrease and end at N (one C call for all features).
-    Every buffer is checked first, so C never reads past one."""
+InputPart = tuple[Tensor, Tensor | None, int]  # ids [N] int64, row splits [S+1] int64 | None (dense), V
+
+
+def staged_size(parts: list[InputPart]) -> int:
+    """The int64 elements ``stage_inputs_many`` writes for ``parts``: per feature N ids and its offsets."""
+    return sum(2 * ids.numel() + 1 if splits is None else ids.numel() + splits.numel() for ids, splits, _ in parts)
+
+
+StagedInput = tuple[Tensor, Tensor, bool]  # ids [N], offsets [S+1] (views of the arena), every bag one id
+
+
+def stage_inputs_many(parts: list[InputPart], arena: Tensor) -> list[StagedInput | None]:
+    """For each ``(ids [N], row splits [S+1] | None, V)``, copies of the ids and bag offsets ([S+1], or
+    ``0..N`` for dense ids, one per bag) in ``arena`` (int64, at least ``staged_size(parts)`` long),
+    checked there in the same C call: ids in ``[0, V)``, splits that start at 0, never decrease and end at
+    N. None for a feature that breaks a rule; else ``(ids, offsets, single)`` where ``single`` says every
+    bag holds exactly one id. Every buffer is checked first, so C never reads past one."""
     lib = library()
     assert lib is not None
     n = len(parts)
@@ -356,18 +369,32 @@ def check_inputs_many(parts: list[tuple[Tensor, Tensor | None, int]]) -> list[bo
         _require(ids, "ids", torch.int64, (-1,))
         if _require_opt(splits, "row splits", torch.int64, (-1,)) is not None and splits.numel() < 1:  # type: ignore[union-attr]
             raise NativeBufferError("embtables native kernel: row splits must hold at least one value.")
+    _require(arena, "staging arena", torch.int64, (-1,))
     arr, i64s = ctypes.c_void_p * n, ctypes.c_int64 * n
-    status = (ctypes.c_int32 * n)()
-    lib.et_check_inputs_many(
+    status, single = (ctypes.c_int32 * n)(), (ctypes.c_int32 * n)()
+    written = lib.et_stage_inputs_many(
         n,
         arr(*[ids.data_ptr() for ids, _, _ in parts]),
         i64s(*[ids.numel() for ids, _, _ in parts]),
         arr(*[_ptr(splits) for _, splits, _ in parts]),
         i64s(*[-1 if splits is None else splits.numel() - 1 for _, splits, _ in parts]),
         i64s(*[v for _, _, v in parts]),
+        arena.data_ptr(),
+        arena.numel(),
         status,
+        single,
     )
-    return [s == 0 for s in status]
+    if written < 0:
+        raise NativeBufferError("embtables native kernel: the staging arena is too small for the batch.")
+    out: list[StagedInput | None] = []
+    at = 0
+    for (ids, splits, _), bad, one in zip(parts, status, single):
+        n_ids = ids.numel()
+        n_off = n_ids + 1 if splits is None else splits.numel()
+        views = (arena[at : at + n_ids], arena[at + n_ids : at + n_ids + n_off], bool(one))
+        out.append(None if bad else views)
+        at += n_ids + n_off
+    return out
 
 
 # One table's phase 2 for ``apply_many``: (workspace, weights, slots, params, dense, measure).

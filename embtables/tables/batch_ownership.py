@@ -59,6 +59,26 @@ class Staging:
 
     def __init__(self) -> None:
         self.buffers: dict[tuple[int, str], list[Tensor]] = {}
+        self.arenas: list[Tensor] = []  # int64 buffers holding every fast-path feature's ids and offsets
+
+    def arena(self, n: int, busy: set[int]) -> Tensor:
+        """An int64 buffer of at least ``n`` elements that no pointer in ``busy`` points into."""
+        for i, buf in enumerate(self.arenas):
+            lo = buf.data_ptr()
+            hi = lo + buf.numel() * buf.element_size()
+            if any(lo <= p < hi for p in busy):
+                continue
+            if buf.numel() < n:
+                buf = self.arenas[i] = torch.empty(max(n, 2 * buf.numel()), dtype=torch.int64)
+            return buf
+        buf = torch.empty(max(n, 1), dtype=torch.int64)
+        self.arenas.append(buf)
+        return buf
+
+    def holds(self, t: Tensor) -> bool:
+        """True when ``t`` lives in one of the arenas (a copy the engine already owns)."""
+        ptr = t.untyped_storage().data_ptr()
+        return any(ptr == buf.untyped_storage().data_ptr() for buf in self.arenas)
 
     def copy(self, key: tuple[int, str], t: Tensor, busy: set[int]) -> Tensor:
         """A copy of the 1-D tensor ``t`` in a buffer whose data pointer is not in ``busy``."""
@@ -115,6 +135,7 @@ class InputStager:
 
     def __init__(self, feature_config: Any, resolved: ResolvedConfig) -> None:
         self.feature_config = feature_config
+        self.flat = nest.flat_dict(feature_config)  # the usual dict config: flattened without walking
         self.converters = [InputConverter(f, resolved.tables[f.table_index]) for f in resolved.features]
         self.staging = Staging()
 
@@ -122,10 +143,13 @@ class InputStager:
         """The F batches of one call, every input rule checked (``ValueError``/``TypeError`` and nothing
         staged otherwise); no staging buffer whose data pointer is in ``busy`` is written."""
         with phase_profile.phase("enqueue: validate inputs"):
-            flat_x, flat_w = flatten_inputs(self.feature_config, features, weights)
-            converted = convert_many(self.converters, flat_x, flat_w, device)
+            flat_x, flat_w = flatten_inputs(self.feature_config, features, weights, self.flat)
+            staging = self.staging
+            converted = convert_many(self.converters, flat_x, flat_w, device, lambda n: staging.arena(n, busy))
             return [
-                owned(b, storages(x) | storages(w), self.staging, i, busy)
+                b  # the fast path's copy, already the engine's own
+                if staging.holds(b.ids)
+                else owned(b, storages(x) | storages(w), staging, i, busy)
                 for i, (b, x, w) in enumerate(zip(converted, flat_x, flat_w))
             ]
 
@@ -136,8 +160,11 @@ class InputStager:
             flat_g: list[Any] = [a.grad for a in activations]
             why = "no gradient reached its activation"
         else:
-            nest.assert_same_structure(self.feature_config, gradients, what="gradients", is_leaf=is_input_leaf)
-            flat_g, why = nest.flatten(gradients), "gradient is None"
+            fast = None if self.flat is None else self.flat.flatten_like(gradients, is_input_leaf)
+            if fast is None:
+                nest.assert_same_structure(self.feature_config, gradients, what="gradients", is_leaf=is_input_leaf)
+                fast = nest.flatten(gradients)
+            flat_g, why = fast, "gradient is None"
         for c, g in zip(self.converters, flat_g):
             if g is None:
                 logger.warning("feature %r: %s; applying a zero gradient.", c.feature.name, why)

@@ -68,6 +68,7 @@ class EmbeddingCollection:
         self.states: dict[str, TableState] = {t.name: create_table_state(t, device) for t in resolved.tables}
         self._workspaces: dict[str, native.Workspace] = {}
         self._guard = ValueBounds(self.states)
+        self._param_blocks: dict[tuple[str, float, float], Any] = {}  # native parameter blocks, see _params
 
     @property
     def device(self) -> torch.device:
@@ -77,6 +78,7 @@ class EmbeddingCollection:
         # Workspaces are per-process scratch (C memory): a copy or a pickle starts with none.
         state = self.__dict__.copy()
         state["_workspaces"] = {}
+        state["_param_blocks"] = {}  # ctypes structures: rebuilt on demand
         return state
 
     # ------------------------------------------------------------------ forward
@@ -313,7 +315,7 @@ class EmbeddingCollection:
                 raise InputError(f"table {tg.table.name!r}: the update's rows are out of range or repeated.")
         decay = effective_weight_decay(opt.weight_decay_factor, opt.weight_decay_multiplied_by_lr, lr)
         if ws is not None:
-            params = native.opt_params(opt, lr, decay, clip_gradients=True)
+            params = self._params(tg.table, lr, decay)
             new_bounds = self._guard.proven(tg.table, lr, decay, ws.gradient_max_abs)
             if new_bounds is None:  # not proven: the exact dry run, a second pass over every touched row
                 bad = ws.check(state.weights, slots, params, dense=dense)
@@ -350,6 +352,17 @@ class EmbeddingCollection:
             self._guard.after_write(tg.table, tuple(float(t.abs().max()) for t in (w_new, *s_new)), measured=True)
 
         return write
+
+    def _params(self, table: ResolvedTable, lr: float, decay: float) -> Any:
+        """``native.opt_params`` of the table's optimizer, built once per (learning rate, decay): the
+        config is frozen, so the block only changes with them."""
+        key = (table.name, lr, decay)
+        params = self._param_blocks.get(key)
+        if params is None:
+            if len(self._param_blocks) > 4 * len(self.resolved.tables):  # a schedule: keep the latest only
+                self._param_blocks.clear()
+            params = self._param_blocks[key] = native.opt_params(table.optimizer, lr, decay, clip_gradients=True)
+        return params
 
     def _dense_update(
         self, table: ResolvedTable, rows: Tensor, grads: Tensor, lr: float, *, write: bool

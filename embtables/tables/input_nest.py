@@ -17,8 +17,15 @@ def is_input_leaf(x: object) -> bool:
     return x is None or isinstance(x, (Tensor, Ragged)) or is_kjt(x)
 
 
-def flatten_inputs(cfg: Any, features: Any, weights: Any) -> tuple[list[Any], list[Any]]:
-    """The per-feature inputs and weights of a nest (or a whole KJT) shaped like ``cfg``, flattened."""
+def flatten_inputs(
+    cfg: Any, features: Any, weights: Any, flat: nest.FlatDict | None = None
+) -> tuple[list[Any], list[Any]]:
+    """The per-feature inputs and weights of a nest (or a whole KJT) shaped like ``cfg``, flattened.
+    ``flat``: ``nest.flat_dict(cfg)``, when the caller keeps it (a dict of inputs then takes no walk)."""
+    if flat is not None and weights is None:
+        leaves = flat.flatten_like(features, is_input_leaf)
+        if leaves is not None:
+            return leaves, [None] * len(leaves)
     if is_kjt(features):
         if weights is not None:
             raise InputError("weights were given with a KeyedJaggedTensor; put them in the KJT instead.")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -488,14 +489,20 @@ def _plain_int64(t: object) -> bool:
 
 
 def convert_many(
-    converters: list[InputConverter], xs: list[Any], ws: list[Any], device: torch.device
+    converters: list[InputConverter],
+    xs: list[Any],
+    ws: list[Any],
+    device: torch.device,
+    arena: Callable[[int], Tensor] | None = None,
 ) -> list[FeatureBatch]:
     """Every feature's input converted (``InputConverter.convert`` each), with the common inputs on the
     fast path: int64 CPU ``Ragged`` or dense ids without weights, for non-sequence features without an
-    ``output_shape``. Their input rules (ids in [0, V), row splits that start at 0, never decrease and end
-    at len(values)) are checked for all features in one native call; a feature whose input breaks a rule,
-    or that is not on the fast path, goes through ``convert``, which drops what the rules drop and names
-    what is wrong. Both paths give the same batches."""
+    ``output_shape``. Those are copied into one int64 buffer (``arena(n)`` gives one of at least n
+    elements; a fresh one when None) and their input rules (ids in [0, V), row splits that start at 0,
+    never decrease and end at len(values)) checked there, for all features in one native call: the
+    batch holds the copy that was checked. A feature whose input breaks a rule, or that is not on the
+    fast path, goes through ``convert``, which drops what the rules drop and names what is wrong. Both
+    paths give the same batches."""
     fast: list[tuple[int, Tensor, Tensor | None]] = []
     values: Tensor
     splits: Tensor | None
@@ -511,16 +518,20 @@ def convert_many(
                     fast.append((i, values, splits))
             elif _plain_int64(x) and x.dim() >= 1:
                 fast.append((i, x.reshape(-1), None))
-    ok = native.check_inputs_many([(v, s, converters[i].table.vocabulary_size) for i, v, s in fast]) if fast else []
     out: list[FeatureBatch | None] = [None] * len(converters)
-    for (i, values, splits), good in zip(fast, ok):
-        if not good:
-            continue
-        conv = converters[i]
-        if splits is None:  # dense: each element is its own lookup
-            offsets = torch.arange(values.numel() + 1)
-            out[i] = FeatureBatch(ids=values, offsets=offsets, coeffs=None, out_shape=tuple(xs[i].shape))
-        else:
-            batch = FeatureBatch(ids=values, offsets=splits, coeffs=None, out_shape=(splits.numel() - 1,))
-            out[i] = dataclasses.replace(batch, coeffs=conv._combiner_coeffs(batch, None))
+    if fast:
+        parts = [(v, s, converters[i].table.vocabulary_size) for i, v, s in fast]
+        need = native.staged_size(parts)
+        buffer = arena(need) if arena is not None else torch.empty(need, dtype=torch.int64)
+        for (i, _, splits), staged in zip(fast, native.stage_inputs_many(parts, buffer)):
+            if staged is None:
+                continue
+            ids, offsets, single = staged
+            if splits is None:  # dense: each element is its own lookup
+                out[i] = FeatureBatch(ids=ids, offsets=offsets, coeffs=None, out_shape=tuple(xs[i].shape))
+            else:
+                batch = FeatureBatch(ids=ids, offsets=offsets, coeffs=None, out_shape=(offsets.numel() - 1,))
+                # one id per bag: every combiner's coefficient is exactly 1 (what _combiner_coeffs gives)
+                coeffs = None if single else converters[i]._combiner_coeffs(batch, None)
+                out[i] = batch if coeffs is None else dataclasses.replace(batch, coeffs=coeffs)
     return [b if b is not None else conv.convert(x, w, device) for b, conv, x, w in zip(out, converters, xs, ws)]

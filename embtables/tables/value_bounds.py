@@ -43,6 +43,7 @@ class ValueBounds:
     def __init__(self, states: dict[str, TableState]) -> None:
         self.states = states
         self._bounds: dict[str, TableBounds] = {}
+        self._keeps_min: dict[str, set[int]] = {}  # per table: indices of (weights, *slots) that never decrease
 
     def forget(self, table_name: str) -> None:
         """The table was written outside the guard: measure it again before its next guarded update."""
@@ -91,10 +92,13 @@ class ValueBounds:
         state = self.states[table.name]
         bounds.hi = [max(h, m) for h, m in zip(bounds.hi, maxabs)]
         bounds.measured = bounds.measured and measured
-        # Monotone slots (Adagrad's, FTRL's, ProximalAdagrad's accumulators) never decrease; every other
-        # slot may move towards 0. Index 0 is the weights.
-        monotone = record_of(table.optimizer).monotone_slots
-        keeps_min = {1 + i for i, s in enumerate(table.optimizer.slot_names) if s in monotone}
+        keeps_min = self._keeps_min.get(table.name)
+        if keeps_min is None:
+            # Monotone slots (Adagrad's, FTRL's, ProximalAdagrad's accumulators) never decrease; every other
+            # slot may move towards 0. Index 0 is the weights.
+            monotone = record_of(table.optimizer).monotone_slots
+            keeps_min = {1 + i for i, s in enumerate(table.optimizer.slot_names) if s in monotone}
+            self._keeps_min[table.name] = keeps_min
         bounds.lo = [v if i in keeps_min else min(v, 0.0) for i, v in enumerate(bounds.lo)]
         bounds.stamp = _stamp((state.weights, *state.slot_tuple()))
 

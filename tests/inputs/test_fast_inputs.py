@@ -101,3 +101,46 @@ def test_unweighted_coefficients_from_offsets_equal_the_weighted_path_with_unit_
             assert bool((lengths == 1).all()) and torch.equal(weighted, ones)
         else:
             assert torch.equal(fast, weighted)  # bit for bit
+
+
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_a_batch_awaiting_its_update_keeps_its_ids_while_the_next_is_staged(pipelined: bool) -> None:
+    """The fast path stages ids into reusable arenas: the batch awaiting apply_gradients and the next
+    one enqueued (TF's order: enqueue t+1, then apply t) must never share one. Same tables as the
+    torch path, which stages nothing."""
+    from embtables.kernels import native
+
+    gen = torch.Generator().manual_seed(5)
+
+    def batches() -> list[dict[str, object]]:
+        out: list[dict[str, object]] = []
+        for n in (3, 40, 7, 90, 2):  # sizes that grow and shrink the arenas
+            lengths = torch.randint(0, 4, (n,), generator=gen)
+            ids = torch.randint(0, 30, (int(lengths.sum()),), generator=gen)
+            out.append({"a": et.Ragged.from_lengths(ids, lengths), "b": torch.randint(0, 30, (n, 2), generator=gen)})
+        return out
+
+    inputs = batches()
+
+    def train() -> dict[str, torch.Tensor]:
+        t = et.TableConfig(30, 4, name="t", initializer=et.Constant(0.1), combiner="mean")
+        features = {"a": et.FeatureConfig(t), "b": et.FeatureConfig(t)}
+        m = et.DistributedEmbedding(features, et.Adagrad(0.1), pipeline_execution_with_tensor_core=pipelined)
+        acts = m(inputs[0])
+        for batch in inputs[1:]:
+            grads = {k: torch.full_like(v, 0.5) for k, v in acts.items()}
+            m.enqueue(batch)  # the last lookup's batch is still needed by apply_gradients
+            m.apply_gradients(grads)
+            acts = m.dequeue()
+        m.apply_gradients({k: torch.ones_like(v) for k, v in acts.items()})
+        return {k: v.clone() for k, v in m.state_dict().items()}
+
+    fast = train()
+    native.set_enabled(False)
+    try:
+        reference = train()
+    finally:
+        native.set_enabled(True)
+    assert fast.keys() == reference.keys()
+    for k in fast:
+        assert torch.equal(fast[k], reference[k]), k

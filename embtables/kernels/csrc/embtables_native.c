@@ -1064,24 +1064,49 @@ int et_apply_sequential(const int64_t *rows, const float *G, int64_t N, float *W
     return 0;
 }
 
-/* The input rules of the common inputs of F features, checked in one call (the fast path of
- * enqueue): feature f has ids[f] [N[f]] and, unless S[f] < 0, row splits splits[f] [S[f] + 1].
- * status[f] = 0 when every id is in [0, V[f]) and the splits start at 0, never decrease and end at
- * N[f]; 1 otherwise (the caller then takes the general path, which drops or names what is wrong). */
-void et_check_inputs_many(int64_t F, const int64_t *const *ids, const int64_t *N, const int64_t *const *splits,
-                          const int64_t *S, const int64_t *V, int32_t *status) {
+/* Stage F features' inputs into one owned arena dst [cap] and check them there (so what was checked is
+ * what the engine keeps, whatever the caller writes later). Feature f takes N[f] ids then its offsets:
+ * S[f] + 1 copied row splits, or, when S[f] < 0 (dense ids, one id per bag), N[f] + 1 offsets 0..N[f].
+ * status[f] = 0 when every id is in [0, V[f]) and the splits start at 0, never decrease and end at N[f];
+ * 1 otherwise (that feature's region is then unusable); single[f] = 1 when every bag holds exactly one id.
+ * Returns the int64 count written, or -1 (nothing written) when a size is negative or the regions do not
+ * fit in cap. */
+int64_t et_stage_inputs_many(int64_t F, const int64_t *const *ids, const int64_t *N, const int64_t *const *splits,
+                             const int64_t *S, const int64_t *V, int64_t *dst, int64_t cap, int32_t *status,
+                             int32_t *single) {
+    int64_t need = 0;
     for (int64_t f = 0; f < F; ++f) {
-        const int64_t *x = ids[f];
+        if (N[f] < 0 || V[f] < 0 || (S[f] >= 0 && !splits[f])) return -1;
+        const int64_t len = N[f] + 1 + (S[f] >= 0 ? S[f] : N[f]);
+        if (len > cap - need) return -1;
+        need += len;
+    }
+    int64_t at = 0;
+    for (int64_t f = 0; f < F; ++f) {
+        int64_t *x = dst + at;
         const uint64_t v = (uint64_t)V[f];
+        if (N[f] > 0) memcpy(x, ids[f], (size_t)N[f] * sizeof(int64_t));
         int bad = 0;
         for (int64_t k = 0; k < N[f]; ++k) bad |= (uint64_t)x[k] >= v; /* negative ids wrap above V */
-        if (!bad && S[f] >= 0) {
-            const int64_t *s = splits[f];
-            bad = s[0] != 0 || s[S[f]] != N[f];
-            for (int64_t b = 0; b < S[f] && !bad; ++b) bad = s[b + 1] < s[b];
+        int64_t *o = x + N[f];
+        if (S[f] >= 0) {
+            memcpy(o, splits[f], (size_t)(S[f] + 1) * sizeof(int64_t));
+            bad = bad || o[0] != 0 || o[S[f]] != N[f];
+            int one = S[f] == N[f];
+            for (int64_t b = 0; b < S[f] && !bad; ++b) {
+                bad = o[b + 1] < o[b];
+                one = one && o[b + 1] - o[b] == 1;
+            }
+            single[f] = one && !bad;
+            at += N[f] + S[f] + 1;
+        } else {
+            for (int64_t k = 0; k <= N[f]; ++k) o[k] = k;
+            single[f] = 1;
+            at += 2 * N[f] + 1;
         }
         status[f] = bad;
     }
+    return at;
 }
 
 /* et_apply for T tables in one call (the same per-table semantics and checks). maxabs [T][4] is written
