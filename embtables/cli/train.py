@@ -2,6 +2,7 @@
 
     embtables train                              # DLRM on synthetic CTR data vs its teacher (~2 min)
     embtables train --dataset movielens-100k     # 5-fold RMSE/MAE on MovieLens-100k (~1.5 min)
+    embtables train --dataset adult              # income > 50K on UCI Adult, wide and deep (~20 s)
     embtables train --data clicks.parquet --schema schema.json   # your own data
     embtables quickstart                         # the 10-second version of the first one
     torchrun --nproc_per_node=2 -m embtables train    # the DLRM with its tables sharded over 2 processes
@@ -24,11 +25,11 @@ from pathlib import Path
 
 import torch
 
-from embtables.cli import dlrm, movielens, user_data
+from embtables.cli import adult, dlrm, movielens, user_data
 from embtables.cli.job_runner import Parser, check_model_dir, run_job
 from embtables.sharding import comm
 
-DATASETS = ("synthetic", "movielens-100k")
+DATASETS = ("synthetic", "movielens-100k", "adult")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -54,6 +55,8 @@ def parser() -> argparse.ArgumentParser:
     dlrm.add_arguments(group)  # type: ignore[arg-type]
     group = p.add_argument_group("movielens-100k job")
     movielens.add_arguments(group)  # type: ignore[arg-type]
+    group = p.add_argument_group("adult job")
+    adult.add_arguments(group)  # type: ignore[arg-type]
     group = p.add_argument_group("--data job")
     user_data.add_arguments(group)  # type: ignore[arg-type]
     return p
@@ -64,7 +67,7 @@ def _check(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.threads is not None and args.threads < 1:
         p.error("--threads must be >= 1")
     for name in ("steps", "batch_size", "dim", "eval_every", "eval_size", "epochs", "factors", "folds"):
-        if getattr(args, name) < 1:
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.folds > 5:
         p.error(f"--folds must be in 1..5, got {args.folds}")
@@ -95,7 +98,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if distributed and (args.data is not None or args.dataset != "synthetic"):
             p.error("under torchrun only the synthetic job runs sharded (MovieLens runs its folds in parallel)")
-        job = user_data.run if args.data is not None else movielens.run if args.dataset != "synthetic" else dlrm.run
+        jobs = {"synthetic": dlrm.run, "movielens-100k": movielens.run, "adult": adult.run}
+        job = user_data.run if args.data is not None else jobs[args.dataset]
         return run_job(p.prog, argv, args, job, lambda: _model_dir(args.model_dir, args.dataset, distributed))
     finally:
         comm.shutdown()

@@ -129,6 +129,7 @@ def labels_of(column: np.ndarray, name: str, path: str) -> np.ndarray:
 
 
 def run(args: argparse.Namespace) -> int:
+    epochs = args.epochs or 12  # --epochs; its default is the movielens job's
     schema = read_schema(Path(args.schema))
     data = read_table(Path(args.data))
     label = schema.get("label")
@@ -186,11 +187,11 @@ def run(args: argparse.Namespace) -> int:
         result: dict[str, float] = {}
         done = est.restore() // max(1, math.ceil(len(train_idx) / args.batch_size))  # --epochs is a total
         if est.global_step:
-            print(f"resumed from step {est.global_step} in {model_dir} ({done} of {args.epochs} epochs done)")
-        if done >= args.epochs:
+            print(f"resumed from step {est.global_step} in {model_dir} ({done} of {epochs} epochs done)")
+        if done >= epochs:
             print(f"finished: {done} epochs already trained; evaluating only")
             result = est.evaluate(lambda: batches(eval_idx, None))
-        for epoch in range(done, args.epochs):
+        for epoch in range(done, epochs):
             est.train(functools.partial(batches, train_idx, args.seed * 1000 + epoch))
             result = est.evaluate(lambda: batches(eval_idx, None))
             metrics = "  ".join(f"{k} {v:.4f}" for k, v in result.items() if k != "global_step")

@@ -3,16 +3,18 @@
 
 from embtables.estimator.estimator import Estimator, TrainingInterrupted
 from embtables.estimator.feature_columns import (
+    bucketized_column,
     categorical_column_with_hash_bucket,
     categorical_column_with_identity,
     categorical_column_with_vocabulary_list,
     embedding_column,
+    numeric_column,
     sequence_categorical_column_with_identity,
     shared_embedding_columns,
     stable_hash,
     weighted_categorical_column,
 )
-from embtables.estimator.metrics import auc, log_loss, mae, rmse
+from embtables.estimator.metrics import accuracy, auc, log_loss, mae, rmse
 from embtables.estimator.parameters import (
     AdadeltaParameters,
     AdagradParameters,
@@ -43,13 +45,16 @@ __all__ = [
     "RMSPropParameters",
     "StochasticGradientDescentParameters",
     "TrainingInterrupted",
+    "accuracy",
     "auc",
+    "bucketized_column",
     "categorical_column_with_hash_bucket",
     "categorical_column_with_identity",
     "categorical_column_with_vocabulary_list",
     "embedding_column",
     "log_loss",
     "mae",
+    "numeric_column",
     "rmse",
     "sequence_categorical_column_with_identity",
     "shared_embedding_columns",

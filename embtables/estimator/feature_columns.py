@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import itertools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -227,7 +228,77 @@ class VocabularyListCategoricalColumn:
         return ids, lengths, None
 
 
-CategoricalColumn = IdentityCategoricalColumn | HashedCategoricalColumn | VocabularyListCategoricalColumn
+@dataclasses.dataclass(frozen=True)
+class NumericColumn:
+    """A real-valued raw feature (``tf.feature_column.numeric_column``); here only the source of a
+    ``bucketized_column`` (the dense model reads numeric features from the raw input itself)."""
+
+    key: str
+
+    def __post_init__(self) -> None:
+        _check_key("numeric_column", self.key)
+
+    @property
+    def name(self) -> str:
+        return self.key
+
+
+@dataclasses.dataclass(frozen=True)
+class BucketizedColumn:
+    """A numeric feature cut at ``boundaries`` (sorted, strictly increasing): id 0 for values below
+    ``boundaries[0]``, id i for ``boundaries[i-1] <= value < boundaries[i]``, id ``len(boundaries)`` for
+    values at or above the last boundary (``tf.feature_column.bucketized_column``'s buckets)."""
+
+    source_column: NumericColumn
+    boundaries: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        who = "bucketized_column"
+        if not isinstance(self.source_column, NumericColumn):
+            got = type(self.source_column).__name__
+            raise TypeError(f"{who}: `source_column` must be a numeric_column, got {got}.")
+        try:
+            bounds = tuple(float(b) for b in self.boundaries)
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"{who}({self.key!r}): `boundaries` must be a list of numbers ({exc}).") from exc
+        if not bounds or not all(np.isfinite(bounds)) or any(a >= b for a, b in itertools.pairwise(bounds)):
+            raise ConfigError(
+                f"{who}({self.key!r}): `boundaries` must be a non-empty list of finite numbers in strictly increasing "
+                f"order, got {list(self.boundaries)!r}."
+            )
+        object.__setattr__(self, "boundaries", bounds)
+
+    @property
+    def key(self) -> str:
+        return self.source_column.key
+
+    @property
+    def name(self) -> str:
+        return f"{self.key}_bucketized"
+
+    @property
+    def num_buckets(self) -> int:
+        return len(self.boundaries) + 1
+
+    def ids(self, features: Mapping[str, Any]) -> Ids:
+        values, lengths = _raw(features, self.key, self.name)
+        if values.dtype.kind not in "iuf":
+            raise InputError(
+                f"column {self.name!r}: feature {self.key!r} must be numbers to bucketize, got {values.dtype} values "
+                f"such as {values[:3].tolist()!r}."
+            )
+        x = values.astype(np.float64)
+        if not np.isfinite(x).all():
+            raise InputError(
+                f"column {self.name!r}: feature {self.key!r} has the value {x[~np.isfinite(x)][0]!r}, which falls in "
+                "no bucket; fill or drop it first."
+            )
+        return np.searchsorted(np.asarray(self.boundaries), x, side="right").astype(np.int64), lengths, None
+
+
+CategoricalColumn = (
+    IdentityCategoricalColumn | HashedCategoricalColumn | VocabularyListCategoricalColumn | BucketizedColumn
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -269,7 +340,7 @@ class WeightedCategoricalColumn:
         return ids, lengths, weights.astype(np.float32)
 
 
-_CATEGORICAL = (IdentityCategoricalColumn, HashedCategoricalColumn, VocabularyListCategoricalColumn)
+_CATEGORICAL = (IdentityCategoricalColumn, HashedCategoricalColumn, VocabularyListCategoricalColumn, BucketizedColumn)
 _ANY_CATEGORICAL = (*_CATEGORICAL, WeightedCategoricalColumn)
 AnyCategoricalColumn = CategoricalColumn | WeightedCategoricalColumn
 
@@ -298,6 +369,16 @@ def categorical_column_with_vocabulary_list(
 ) -> VocabularyListCategoricalColumn:
     """Values mapped to their position in ``vocabulary_list``."""
     return VocabularyListCategoricalColumn(key, tuple(vocabulary_list), default_value, num_oov_buckets)
+
+
+def numeric_column(key: str) -> NumericColumn:
+    """A real-valued feature, the source of ``bucketized_column``."""
+    return NumericColumn(key)
+
+
+def bucketized_column(source_column: NumericColumn, boundaries: Sequence[float]) -> BucketizedColumn:
+    """``source_column``'s values as ``len(boundaries) + 1`` bucket ids (TF's bucket rule)."""
+    return BucketizedColumn(source_column, tuple(boundaries))
 
 
 def weighted_categorical_column(

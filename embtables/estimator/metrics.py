@@ -1,4 +1,4 @@
-"""Evaluation metrics on NumPy arrays (float64): AUC, log-loss, RMSE, MAE. ``predictions`` and
+"""Evaluation metrics on NumPy arrays (float64): AUC, accuracy, log-loss, RMSE, MAE. ``predictions`` and
 ``labels`` are [N]; classification metrics take probabilities in (0, 1) and labels in {0, 1}."""
 
 from __future__ import annotations
@@ -22,6 +22,13 @@ def auc(predictions: np.ndarray, labels: np.ndarray) -> float:
     avg = (starts + ends - 1) / 2.0 + 1.0
     ranks[order] = np.repeat(avg, ends - starts)
     return float((ranks[y].sum() - pos * (pos + 1) / 2.0) / (pos * neg))
+
+
+def accuracy(predictions: np.ndarray, labels: np.ndarray) -> float:
+    """The share of probabilities on the label's side of 0.5 (a probability of exactly 0.5 predicts 1)."""
+    p = np.asarray(predictions, dtype=np.float64).reshape(-1) >= 0.5
+    y = np.asarray(labels, dtype=np.float64).reshape(-1) > 0.5
+    return float(np.mean(p == y)) if len(y) else float("nan")
 
 
 def log_loss(predictions: np.ndarray, labels: np.ndarray, eps: float = 1e-7) -> float:

@@ -61,3 +61,25 @@ def test_sharded_benchmark_reports_each_ranks_phases(tmp_path: Path) -> None:
         payload = sum(p["bytes"] for name, p in phases.items() if "agreement" not in name and name != "phase header")
         assert abs(payload / 2**20 - div["sent_mb_per_step_per_rank"][rank]) < 0.002
     assert any(r.get("summary", "").startswith("pipelining") for r in records)
+
+
+def test_latency_benchmark_reports_every_size_next_to_its_peers(tmp_path: Path) -> None:
+    """``embtables bench latency``: a train_step line per impl and size, a summary per size whose ratios
+    are the peers' medians over embtables', and the Markdown table written with ``--out``."""
+    import subprocess
+
+    table = tmp_path / "latency.md"
+    cmd = [sys.executable, "-m", "embtables", "bench", "latency", "--batches", "64,128", "--pooling", "1,3",
+           "--steps", "3", "--warmup", "1", "--impls", "embtables,torch", "--out", str(table)]  # fmt: skip
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    records = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    summaries = [r for r in records if r.get("bench") == "latency_summary"]
+    assert [(s["batch"], s["pooling"]) for s in summaries] == [(64, 1), (64, 3), (128, 1), (128, 3)]
+    for s in summaries:
+        steps = {r["impl"]: r for r in records if r.get("bench") == "train_step" and r["workload"].endswith(
+            f"b{s['batch']} p{s['pooling']}")}  # fmt: skip
+        assert set(steps) == {"embtables", "torch"} and steps["embtables"]["batch"] == s["batch"]
+        ratio = steps["torch"]["median_ms"] / steps["embtables"]["median_ms"]
+        assert abs(s["speedup"]["torch"] - ratio) < 1e-3 * max(1.0, ratio)
+    assert table.read_text().count("\n") == 2 + len(summaries)

@@ -139,7 +139,7 @@ def test_command_line_surface() -> None:
     assert out.returncode == 2 and "invalid choice: 'frobnicate'" in out.stderr and "export" in out.stderr
     out = subprocess.run([*run, "train", "--help"], capture_output=True, text=True)
     assert out.returncode == 0 and out.stdout.startswith("usage: embtables train")
-    assert "--dataset {synthetic,movielens-100k}" in out.stdout
+    assert "--dataset {synthetic,movielens-100k,adult}" in out.stdout
     out = subprocess.run([*run, "train", "--data", "x.csv"], capture_output=True, text=True)
     assert out.returncode == 2 and "--data needs --schema" in out.stderr
     out = subprocess.run([*run, "export", "--help"], capture_output=True, text=True)

@@ -1,0 +1,111 @@
+"""Latency at small batches, where fixed costs dominate (issue 16): one training step of 8 tables of
+2000 x 24 (Adagrad), batch 64 / 512 / 2048, 1 / 5 / 20 ids per bag, embtables next to FBGEMM's TBE and
+plain PyTorch in the same run, one thread by default (a serving or small-model trainer's setting).
+
+    python -m embtables bench latency                  # JSON lines on stdout, progress on stderr
+    python -m embtables bench latency --threads 2 --batches 64,512 --pooling 1 --impls embtables,fbgemm
+
+Each measurement is a ``train_step`` JSON line as ``embtables bench`` prints them; then one
+``latency_summary`` line per size with every peer's median and its ratio to embtables' (> 1: embtables
+is faster), and a Markdown table on stderr (``--out FILE`` writes it too).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+if __package__ in (None, ""):
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks._harness import OPTIMIZERS, bench_impl, emit, emit_skip, env_record
+from benchmarks.peers import IMPLS
+from benchmarks.workload import make_batches, variation
+
+
+def _ints(s: str) -> list[int]:
+    return [int(x) for x in s.split(",") if x]
+
+
+def _names(s: str) -> list[str]:
+    return [x for x in s.split(",") if x]
+
+
+def summary_table(summaries: list[dict[str, Any]], impls: Sequence[str]) -> str:
+    """The Markdown table of the ``latency_summary`` records: median ms per impl, ratios to embtables."""
+    peers = [i for i in impls if i != "embtables"]
+    head = "| batch | ids per bag | embtables ms | " + " | ".join(f"{p} ms (embtables speed-up)" for p in peers) + " |"
+    lines = [head, "|" + " --- |" * (3 + len(peers))]
+    for s in summaries:
+        cells = [str(s["batch"]), str(s["pooling"]), f"{s['median_ms'].get('embtables', float('nan')):.3f}"]
+        for p in peers:
+            ms = s["median_ms"].get(p)
+            ratio = s["speedup"].get(p)
+            cells.append("—" if ms is None else f"{ms:.3f} ({ratio:.2f}x)" if ratio is not None else f"{ms:.3f}")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="embtables bench latency", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--impls", default="embtables,fbgemm,torch", help=f"comma list of {', '.join(IMPLS)}")
+    ap.add_argument("--batches", default="64,512,2048")
+    ap.add_argument("--pooling", default="1,5,20", help="ids per bag")
+    ap.add_argument("--optimizer", default="adagrad", choices=sorted(OPTIMIZERS))
+    ap.add_argument("--ids", default="uniform", choices=["uniform", "zipf"])
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (and embtables' kernels)")
+    ap.add_argument("--steps", type=int, default=400)
+    ap.add_argument("--warmup", type=int, default=50)
+    ap.add_argument("--out", help="also write the Markdown table here")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    emit(env_record())
+    impls = _names(args.impls)
+    opt = OPTIMIZERS[args.optimizer]
+    summaries = []
+    for batch in _ints(args.batches):
+        for pooling in _ints(args.pooling):
+            wl = variation("small", ids=args.ids, batch=batch, pooling=pooling, name=f"latency b{batch} p{pooling}")
+            batches = make_batches(wl)
+            medians: dict[str, float] = {}
+            for name in impls:
+                if name not in IMPLS:
+                    emit_skip("train_step", name, f"unknown impl (known: {', '.join(IMPLS)})")
+                    continue
+                rec = bench_impl(name, IMPLS[name], wl, batches, opt, "train", args.warmup, args.steps)
+                if rec is not None:
+                    medians[name] = float(rec["median_ms"])
+                gc.collect()
+            ours = medians.get("embtables")
+            summary = {
+                "bench": "latency_summary",
+                "batch": batch,
+                "pooling": pooling,
+                "tables": wl.tables,
+                "rows": wl.rows,
+                "dim": wl.dim,
+                "optimizer": args.optimizer,
+                "threads": args.threads,
+                "median_ms": medians,
+                "speedup": {k: round(v / ours, 3) for k, v in medians.items() if ours and k != "embtables"},
+            }
+            emit(summary)
+            summaries.append(summary)
+    table = summary_table(summaries, impls)
+    print(table, file=sys.stderr)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(table + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
