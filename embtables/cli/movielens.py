@@ -69,7 +69,19 @@ def prepare(data: MovieLens) -> dict[str, np.ndarray]:
     rows["age"] = np.minimum(rows["age"] // 10, 7)
     rows["zip_code"] = rows["zip_code"].astype("<U3")
     rows["year"] = np.clip((rows["year"] - 1920) // 5, 0, 16)
+    rows["genres"] = genre_ids(rows["genres"])
     return rows
+
+
+def genre_ids(genres: np.ndarray) -> np.ndarray:
+    """Each movie's genres (tuples of names) as a row of ``GENRES`` positions padded with -1 (TF's
+    ignore value, dropped by the column): [N, max genres], converted once, so no batch walks Python lists."""
+    position = {g: i for i, g in enumerate(GENRES)}
+    width = max((len(g) for g in genres), default=1)
+    out = np.full((len(genres), width), -1, dtype=np.int64)
+    for row, names in enumerate(genres):
+        out[row, : len(names)] = [position[n] for n in names]
+    return out
 
 
 def columns(hp: Hyper) -> list[Any]:
@@ -84,7 +96,7 @@ def columns(hp: Hyper) -> list[Any]:
         embedding_column(categorical_column_with_hash_bucket("occupation", 64), k, initializer=init),
         embedding_column(categorical_column_with_hash_bucket("zip_code", 1000), k, initializer=init),
         embedding_column(categorical_column_with_identity("year", 17), k, initializer=init),
-        embedding_column(categorical_column_with_vocabulary_list("genres", GENRES), k, initializer=init),
+        embedding_column(categorical_column_with_identity("genres", len(GENRES)), k, initializer=init),
     ]
 
 

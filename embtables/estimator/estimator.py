@@ -21,7 +21,6 @@ import csv
 import dataclasses
 import logging
 import os
-import re
 import signal
 import sys
 import threading
@@ -35,16 +34,17 @@ import torch
 from torch import Tensor, nn
 
 from embtables.api import DistributedEmbedding
-from embtables.checkpoint.file_names import CheckpointError, contained
-from embtables.checkpoint.owned_dirs import WriterLock, fsync_dir
+from embtables.checkpoint.file_names import CheckpointError
+from embtables.checkpoint.owned_dirs import WriterLock
 from embtables.checkpoint.store import agree, published, read_manifest
+from embtables.estimator.dense_file import DENSE_FILE, read_dense, write_dense
+from embtables.estimator.input_pipeline import Prefetched, prefetched
 from embtables.estimator.spec import EmbeddingConfigSpec
 from embtables.sharding import comm
 
 logger = logging.getLogger("embtables")
 
 _END = object()
-_DENSE = re.compile(r"dense-\d{10}\.pt")  # the dense files the Estimator writes (and only those it removes)
 Batch = tuple[Mapping[str, Any], Any]
 InputFn = Callable[[], Iterable[Batch]]
 Metric = Callable[[np.ndarray, np.ndarray], float]
@@ -153,6 +153,8 @@ class Estimator:
         ``torch.sigmoid`` for logits); default identity.
       save_checkpoints_steps, keep_checkpoint_max, log_step_count_steps: as TF's ``RunConfig``.
       progress: show a progress bar (default: when stderr is a terminal).
+      input_prefetch: batches read from ``input_fn`` and converted ahead, on a background thread, while
+        the current step trains (0: none, each batch is read when its step starts).
     """
 
     def __init__(
@@ -171,17 +173,19 @@ class Estimator:
         log_step_count_steps: int = 100,
         progress: bool | None = None,
         process_group: Any = None,
+        input_prefetch: int = 1,
     ) -> None:
         if not isinstance(model_fn, nn.Module):
             raise TypeError(f"Estimator: `model_fn` must be a torch.nn.Module, got {type(model_fn).__name__}.")
         if not isinstance(embedding_config_spec, EmbeddingConfigSpec):
             raise TypeError("Estimator: `embedding_config_spec` must be an embtables.estimator.EmbeddingConfigSpec.")
-        for name, value in (
-            ("log_step_count_steps", log_step_count_steps),
-            ("keep_checkpoint_max", keep_checkpoint_max),
+        for name, value, least in (
+            ("log_step_count_steps", log_step_count_steps, 1),
+            ("keep_checkpoint_max", keep_checkpoint_max, 1),
+            ("input_prefetch", input_prefetch, 0),
         ):
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"Estimator: `{name}` must be an int >= 1, got {value!r}.")
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValueError(f"Estimator: `{name}` must be an int >= {least}, got {value!r}.")
         if save_checkpoints_steps is not None and (
             not isinstance(save_checkpoints_steps, int) or save_checkpoints_steps < 1
         ):
@@ -189,6 +193,7 @@ class Estimator:
                 f"Estimator: `save_checkpoints_steps` must be None or an int >= 1, got {save_checkpoints_steps!r}."
             )
         self.spec = embedding_config_spec
+        self.input_prefetch = input_prefetch
         self.model_dir = Path(model_dir)
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.model = model_fn.to(self.device)
@@ -250,7 +255,7 @@ class Estimator:
             return
         dense, error = None, None
         try:
-            dense = self._read_dense(latest)
+            dense = read_dense(latest, self.model_dir, self.model, self.dense_optimizer, self.device)
         except CheckpointError as exc:
             error = str(exc)
         agree(error, self._group, f"Estimator resume from {latest}")
@@ -288,52 +293,6 @@ class Estimator:
             self._writer_lock.release()
             self._writer_lock = None
 
-    def _read_dense(self, ckpt: Path) -> dict[str, Any]:
-        """The dense file a checkpoint names, checked against this model (keys, shapes, dtypes, the
-        optimizer's parameter groups) and the checkpoint's step; nothing is applied."""
-        _, manifest = read_manifest(ckpt)
-        extra = manifest.get("extra") or {}
-        name, step = extra.get("dense"), extra.get("global_step")
-        if (
-            not isinstance(name, str)
-            or not _DENSE.fullmatch(name)
-            or isinstance(step, bool)
-            or not isinstance(step, int)
-        ):
-            raise CheckpointError(f"{ckpt}: its manifest does not name a dense file and a global step of an Estimator.")
-        path = contained(self.model_dir, name, f"{ckpt / 'manifest.json'}'s extra.dense")
-        try:
-            dense = torch.load(path, map_location=self.device, weights_only=True)
-        except Exception as exc:  # torch.load raises many types on a damaged file
-            raise CheckpointError(f"{path}: the dense model file is missing or unreadable ({exc}).") from exc
-        if not isinstance(dense, dict) or {"model", "optimizer", "step"} - set(dense):
-            raise CheckpointError(f"{path}: not a dense model file written by the Estimator.")
-        if dense["step"] != step:
-            raise CheckpointError(f"{path}: holds step {dense['step']!r}, the checkpoint step {step}.")
-        mine = self.model.state_dict()
-        theirs = dense["model"]
-        if not isinstance(theirs, dict) or set(theirs) != set(mine):
-            missing, extra_keys = sorted(set(mine) - set(theirs or {})), sorted(set(theirs or {}) - set(mine))
-            raise CheckpointError(
-                f"{path}: the dense model does not match model_fn (missing {missing[:5]}, unexpected {extra_keys[:5]})."
-            )
-        for key, value in mine.items():
-            other = theirs[key]
-            if not isinstance(other, Tensor) or other.shape != value.shape or other.dtype != value.dtype:
-                got = tuple(other.shape) if isinstance(other, Tensor) else type(other).__name__
-                raise CheckpointError(
-                    f"{path}: dense parameter {key!r} is {got} in the checkpoint, {tuple(value.shape)} in model_fn "
-                    "(was the model changed, e.g. a different --dim?). Use a new model_dir for a different model."
-                )
-        opt = dense["optimizer"]
-        groups = opt.get("param_groups") if isinstance(opt, dict) else None
-        mine_groups = self.dense_optimizer.state_dict()["param_groups"]
-        if not isinstance(groups, list) or [len(g.get("params", ())) for g in groups] != [
-            len(g["params"]) for g in mine_groups
-        ]:
-            raise CheckpointError(f"{path}: the dense optimizer state does not match dense_optimizer's parameters.")
-        return dense
-
     def save(self) -> str:
         """Write a checkpoint of the current step into ``model_dir`` (every rank calls it). The dense
         file is written and fsynced first; the embedding checkpoint's atomic publish commits both."""
@@ -342,7 +301,7 @@ class Estimator:
         error = None
         if self.rank == 0:
             try:
-                self._write_dense(dense_name, step)
+                write_dense(self.model_dir, dense_name, step, self.model, self.dense_optimizer)
             except OSError as exc:
                 error = f"cannot write {self.model_dir / dense_name} ({exc})"
         if comm.is_distributed(self._group):
@@ -361,24 +320,9 @@ class Estimator:
                 with contextlib.suppress(CheckpointError):
                     keep.add((read_manifest(ckpt)[1].get("extra") or {}).get("dense"))
             for f in self.model_dir.iterdir():
-                if _DENSE.fullmatch(f.name) and f.name not in keep:
+                if DENSE_FILE.fullmatch(f.name) and f.name not in keep:
                     f.unlink(missing_ok=True)
         return path
-
-    def _write_dense(self, name: str, step: int) -> None:
-        self.model_dir.mkdir(parents=True, exist_ok=True)
-        tmp = self.model_dir / f".{name}.{os.getpid()}.tmp"
-        state = {"model": self.model.state_dict(), "optimizer": self.dense_optimizer.state_dict(), "step": step}
-        try:
-            with open(tmp, "wb") as f:
-                torch.save(state, f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self.model_dir / name)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
-        fsync_dir(self.model_dir)
 
     # ------------------------------------------------------------------ steps
     def _forward(self, batch: _Prepared) -> tuple[dict[str, Tensor], Tensor]:
@@ -425,15 +369,23 @@ class Estimator:
         it = iter(batches)
         distributed = comm.is_distributed(self._group)
         self._interrupted = False
+
+        def fetch() -> tuple[Any, _Prepared | None, Exception | None]:  # on the input thread when prefetching
+            item = next(it, _END)
+            try:
+                return item, None if item is _END else self._prepare(item, need_labels), None
+            except (ValueError, TypeError) as exc:
+                return item, None, exc
+
+        with prefetched(fetch, self.input_prefetch) as pipeline:
+            yield from self._agreement_rounds(pipeline, distributed, stop)
+
+    def _agreement_rounds(
+        self, pipeline: Prefetched[Any], distributed: bool, stop: threading.Event | None
+    ) -> Iterator[_Prepared]:
         while True:
             interrupted = stop is not None and stop.is_set()
-            item = _END if interrupted else next(it, _END)
-            prepared, error = None, None
-            if item is not _END:
-                try:
-                    prepared = self._prepare(item, need_labels)
-                except (ValueError, TypeError) as exc:
-                    error = exc
+            item, prepared, error = (_END, None, None) if interrupted else pipeline.next()
             code = 3 if interrupted else 1 if item is _END else (2 if error is not None else 0)
             if distributed:
                 code = comm.max_over_ranks(code, self._group)

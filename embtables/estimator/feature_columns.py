@@ -15,6 +15,7 @@ non-integral and NaN floats are refused. TF itself uses FarmHash, so hashed ids 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import itertools
 from collections.abc import Callable, Mapping, Sequence
@@ -48,9 +49,15 @@ def stable_hash(values: np.ndarray, buckets: int, column: str = "?") -> np.ndarr
     value. An integral float hashes like its integer; a non-integral or non-finite float is refused."""
     if len(values) == 0:
         return np.zeros(0, dtype=np.int64)
-    if values.dtype.kind in "iuU" or values.dtype.kind == "S":
-        uniq, inverse = np.unique(values.astype(str), return_inverse=True)
-        texts: Sequence[str] = list(uniq)
+    texts: Sequence[str]
+    if values.dtype.kind in "iuUS":
+        strings = values.astype(str).reshape(-1)  # integers hash as their decimal digits
+        digests = _known_digests(strings)
+        if digests is not None:
+            ids: np.ndarray = (digests % np.uint64(buckets)).astype(np.int64)
+            return ids
+        uniq, inverse = np.unique(strings, return_inverse=True)  # a fingerprint collision: one by one
+        texts = list(uniq)
     elif values.dtype.kind == "f":
         uniq_f, inverse = np.unique(values, return_inverse=True)
         texts = [_key_text(float(u), column) for u in uniq_f]
@@ -60,6 +67,59 @@ def stable_hash(values: np.ndarray, buckets: int, column: str = "?") -> np.ndarr
         texts = list(uniq)
     hashed = np.fromiter((_digest(u) % buckets for u in texts), dtype=np.int64, count=len(texts))
     return hashed[inverse.reshape(-1)]
+
+
+def _fingerprints(strings: np.ndarray) -> np.ndarray:
+    """A 64-bit FNV-1a fingerprint of each fixed-width str of ``strings`` [N] (uint64 [N]), vectorised over
+    the N strings: one pass per code point of the width. Equal strings get equal fingerprints; distinct
+    ones almost surely differ (``stable_hash`` checks that they do before trusting them)."""
+    codes = np.ascontiguousarray(strings).view(np.uint32).reshape(len(strings), -1)  # UCS-4, 0-padded
+    fp = np.full(len(strings), 0xCBF29CE484222325, dtype=np.uint64)
+    prime = np.uint64(0x100000001B3)
+    with np.errstate(over="ignore"):
+        for j in range(codes.shape[1]):
+            fp ^= codes[:, j]
+            fp *= prime
+    return fp
+
+
+# Texts seen so far, by fingerprint: (fingerprints sorted [K] uint64, their texts [K] str, the texts'
+# digests [K] uint64). Replaced whole, never mutated, so a reader on another thread sees one state.
+_KNOWN: tuple[np.ndarray, np.ndarray, np.ndarray] = (
+    np.zeros(0, dtype=np.uint64), np.zeros(0, dtype=str), np.zeros(0, dtype=np.uint64),
+)  # fmt: skip
+
+
+def _known_digests(strings: np.ndarray) -> np.ndarray | None:
+    """The 64-bit digest of every str of ``strings`` [N] (uint64 [N]), found by fingerprint with a few
+    vectorised passes; only texts never seen before are hashed in Python. None when two distinct texts
+    share a fingerprint (the caller then hashes text by text)."""
+    global _KNOWN
+    fp = _fingerprints(strings)
+    for _ in range(2):  # look up; on a miss, learn the new texts and look up again
+        known_fp, known_text, known_digest = _KNOWN
+        if len(known_fp):
+            pos = np.minimum(np.searchsorted(known_fp, fp), len(known_fp) - 1)
+            same_fp = known_fp[pos] == fp
+            if (same_fp & (known_text[pos] != strings)).any():
+                return None  # a known fingerprint with another text
+            if same_fp.all():
+                return known_digest[pos]
+            missing = ~same_fp
+        else:
+            missing = np.ones(len(fp), dtype=bool)
+        new_fp, first = np.unique(fp[missing], return_index=True)
+        new_text = strings[missing][first]
+        if len(np.unique(new_text)) != len(new_fp) or len(new_text) != len(np.unique(strings[missing])):
+            return None  # two new texts with one fingerprint
+        new_digest = np.fromiter((_digest(str(t)) for t in new_text), dtype=np.uint64, count=len(new_text))
+        if len(known_fp) + len(new_fp) > _MAX_DIGESTS:
+            known_fp, known_text, known_digest = known_fp[:0], known_text[:0], known_digest[:0]
+        merged = np.concatenate([known_fp, new_fp])
+        order = np.argsort(merged, kind="stable")
+        _KNOWN = (merged[order], np.concatenate([known_text, new_text])[order],
+                  np.concatenate([known_digest, new_digest])[order])  # fmt: skip
+    return None
 
 
 _DIGESTS: dict[str, int] = {}  # text -> its 64-bit blake2b digest: a column's values repeat every batch
@@ -209,13 +269,18 @@ class VocabularyListCategoricalColumn:
     def num_buckets(self) -> int:
         return len(self.vocabulary_list) + self.num_oov_buckets
 
+    @functools.cached_property
+    def _sorted(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(vocabulary array, the order that sorts it, the sorted vocabulary): built once per column."""
+        vocab = np.asarray(self.vocabulary_list)
+        order = np.argsort(vocab, kind="stable")
+        return vocab, order, vocab[order]
+
     def ids(self, features: Mapping[str, Any]) -> Ids:
         values, lengths = _raw(features, self.key, self.name)
-        vocab = np.asarray(self.vocabulary_list)
+        vocab, order, sorted_vocab = self._sorted
         if vocab.dtype.kind in "iu":
             values = values.astype(np.int64) if values.dtype.kind in "iuf" else values
-        order = np.argsort(vocab, kind="stable")
-        sorted_vocab = vocab[order]
         pos = np.clip(np.searchsorted(sorted_vocab, values), 0, len(vocab) - 1)
         found = sorted_vocab[pos] == values if len(values) else np.zeros(0, dtype=bool)
         ids = np.where(found, order[pos], -1).astype(np.int64)

@@ -308,3 +308,25 @@ def test_an_integer_column_that_arrives_as_float_hashes_like_its_integers() -> N
         _ids(col, {"s": np.array([1.5, 2.0])})
     vocab = est.categorical_column_with_vocabulary_list("v", [1, 2], num_oov_buckets=5)
     assert _ids(vocab, {"v": np.array([12345.0, 2.0])})[0] == _ids(vocab, {"v": np.array([12345, 2])})[0]
+
+
+def test_the_fast_hash_is_the_stable_hash_also_when_fingerprints_collide(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Strings and integers are found by a vectorised fingerprint; a collision of two texts' fingerprints
+    must fall back to hashing text by text, never give one text the other's bucket."""
+    from embtables.estimator import feature_columns as fc
+
+    def expected(values: list[object], buckets: int) -> list[int]:
+        return [fc._digest(str(v)) % buckets for v in values]
+
+    rng = np.random.default_rng(4)
+    for _ in range(30):
+        words = [f"w{rng.integers(0, 50)}" + "é" * int(rng.integers(0, 3)) for _ in range(rng.integers(1, 200))]
+        assert fc.stable_hash(np.array(words), 997).tolist() == expected(words, 997)
+        ints = rng.integers(-(10**12), 10**12, rng.integers(1, 100))
+        assert fc.stable_hash(ints, 31).tolist() == expected(ints.tolist(), 31)
+    monkeypatch.setattr(fc, "_fingerprints", lambda s: np.zeros(len(s), dtype=np.uint64))  # every text collides
+    monkeypatch.setattr(fc, "_KNOWN", (np.zeros(0, np.uint64), np.zeros(0, str), np.zeros(0, np.uint64)))
+    words = ["apple", "pear", "apple", "fig"]
+    assert fc.stable_hash(np.array(words), 1000).tolist() == expected(words, 1000)
+    assert fc.stable_hash(np.array(["kiwi"]), 1000).tolist() == expected(["kiwi"], 1000)
+    assert fc.stable_hash(np.array(["apple", "kiwi"]), 1000).tolist() == expected(["apple", "kiwi"], 1000)

@@ -352,3 +352,53 @@ def test_one_writer_per_model_dir(tmp_path: Path) -> None:
     second.close()
     third.train(_input_fn(features, y), steps=1)
     assert third.global_step == 3
+
+
+# ----------------------------------------------------------------------------- the input pipeline (issue 16)
+def test_prefetched_input_trains_exactly_like_reading_in_place_and_reports_errors_at_their_step(
+    tmp_path: Path,
+) -> None:
+    import threading
+
+    import pytest
+
+    features, y = _data()
+    runs = {}
+    for depth in (0, 1, 3):
+        e = _estimator(tmp_path / f"d{depth}", input_prefetch=depth)
+        e.train(_input_fn(features, y), steps=9)
+        runs[depth] = _state(e)
+        e.close()
+    for depth in (1, 3):
+        for k in runs[0]:
+            assert torch.equal(runs[0][k], runs[depth][k]), (depth, k)
+
+    # A bad batch (the fourth) is refused at its own step, after the three before it were applied; an
+    # exception raised by the input itself surfaces at the step that would have read it.
+    good = [({k: v[s : s + 100] for k, v in features.items()}, y[s : s + 100]) for s in range(0, 400, 100)]
+    bad_batch = ({**good[3][0], "user": np.full(100, USERS + 5)}, good[3][1])
+    reference = _estimator(tmp_path / "ref", input_prefetch=0)
+    reference.train(lambda: iter(good[:3]))
+    for depth in (0, 2):
+        e = _estimator(tmp_path / f"bad{depth}", input_prefetch=depth)
+        with pytest.raises(ValueError, match="outside"):
+            e.train(lambda: iter([*good[:3], bad_batch, good[0]]))
+        assert e.global_step == 3
+        ref, got = _state(reference), _state(e)
+        for k in ref:
+            assert torch.equal(ref[k], got[k]), (depth, k)
+
+        def broken() -> Any:
+            yield from good[:2]
+            raise OSError("the disk went away")
+
+        with pytest.raises(OSError, match="disk went away"):
+            e.train(broken)
+        assert e.global_step == 5
+        e.close()
+    # stopping early (steps=) leaves no input thread behind
+    e = _estimator(tmp_path / "early", input_prefetch=2)
+    e.train(_input_fn(features, y), steps=2)
+    assert not [t for t in threading.enumerate() if t.name.startswith("embtables-input")]
+    with pytest.raises(ValueError, match="input_prefetch"):
+        _estimator(tmp_path / "x", input_prefetch=-1)
