@@ -313,9 +313,13 @@ class SyntheticCTR:
     def _pool(self, table: str, ids: np.ndarray, lengths: np.ndarray) -> np.ndarray:
         """Mean teacher row per sample [B, Dt] of ``ids`` [N] grouped by ``lengths`` [B]."""
         rows = self._teacher.tables[table][ids]
+        if bool((lengths == 1).all()):  # one id per sample: its row is the mean
+            return rows.astype(np.float64, copy=False) / 1.0
         sample = np.repeat(np.arange(lengths.size), lengths)
-        out = np.zeros((lengths.size, self.config.teacher_dim))
-        np.add.at(out, sample, rows)
+        # per column, the rows of each sample summed in order (what np.add.at gives, bit for bit, faster)
+        out = np.stack(
+            [np.bincount(sample, weights=rows[:, d], minlength=lengths.size) for d in range(rows.shape[1])], 1
+        )
         mean: np.ndarray = out / np.maximum(lengths, 1)[:, None]
         return mean
 
