@@ -314,7 +314,8 @@ class SyntheticCTR:
         """Mean teacher row per sample [B, Dt] of ``ids`` [N] grouped by ``lengths`` [B]."""
         rows = self._teacher.tables[table][ids]
         if bool((lengths == 1).all()):  # one id per sample: its row is the mean
-            return rows.astype(np.float64, copy=False) / 1.0
+            single: np.ndarray = rows / 1.0
+            return single
         sample = np.repeat(np.arange(lengths.size), lengths)
         # per column, the rows of each sample summed in order (what np.add.at gives, bit for bit, faster)
         out = np.stack(
