@@ -7,8 +7,11 @@ The model is a factorization machine over embtables tables, trained with the ``E
     rating = mean + sum_f b_f + sum_{f < g} <v_f, v_g>                       -> MSE + L2 on the v_f
 
 Reports RMSE and MAE per fold and their mean over the standard random 5-fold split (seed 0), the
-wall time, and a PNG of the per-fold curves. The target: 5-fold RMSE <= 0.915 in under two minutes
-on 2 cores (Surprise's SVD, the usual baseline, gets 0.935; ``benchmarks/bench_movielens.py``).
+wall time, and a PNG of the per-fold curves. The folds run one after another in one process and one
+thread by default (``--jobs`` / ``--threads`` for more). The target (issue 16): 5-fold RMSE <= 0.900 in
+no more time than Surprise's SVD, the usual baseline (0.937; ``benchmarks/bench_movielens.py`` runs both).
+The hyper-parameters were chosen on validation splits carved out of the training folds (the last 10% of
+a seeded shuffle of fold 1's training rows), never on a test fold; see docs/estimator.md.
 """
 
 from __future__ import annotations
@@ -55,11 +58,12 @@ class Hyper:
     """The model's hyper-parameters (the defaults are the reported configuration)."""
 
     factors: int = 24
-    epochs: int = 12
-    batch_size: int = 512
-    learning_rate: float = 0.08
-    l2: float = 0.04
+    epochs: int = 8
+    batch_size: int = 1024
+    learning_rate: float = 0.05
+    l2: float = 0.1
     init_stddev: float = 0.05
+    initial_accumulator: float = 1e-6
 
 
 def prepare(data: MovieLens) -> dict[str, np.ndarray]:
@@ -142,7 +146,7 @@ def run_fold(
     torch.manual_seed(fold)
     spec = EmbeddingConfigSpec(
         feature_columns=columns(hp),
-        optimization_parameters=AdagradParameters(hp.learning_rate, initial_accumulator=1e-3),
+        optimization_parameters=AdagradParameters(hp.learning_rate, initial_accumulator=hp.initial_accumulator),
     )
     model = FactorizationMachine(float(data.rating[train].mean()), hp.l2)
 
@@ -233,7 +237,7 @@ def plot_curves(results: list[dict[str, Any]], path: Path, title: str) -> bool:
             label=f"fold {r['fold'] + 1}",
         )
     ax.axhline(0.935, color="gray", ls="--", lw=1, label="Surprise SVD (0.935)")
-    ax.axhline(0.915, color="red", ls=":", lw=1, label="target (0.915)")
+    ax.axhline(0.900, color="red", ls=":", lw=1, label="target (0.900)")
     ax.set_xlabel("epoch")
     ax.set_ylabel("test RMSE")
     ax.set_title(title)
@@ -257,7 +261,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help=f"epochs (per fold for movielens-100k; default {Hyper.epochs}, adult 8)",
     )  # fmt: skip
     p.add_argument("--factors", type=int, default=Hyper.factors, help=f"FM factors K (default {Hyper.factors})")
-    p.add_argument("--jobs", type=int, default=None, help="folds trained in parallel processes (default: CPU cores)")
+    p.add_argument("--jobs", type=int, default=None, help="folds trained in parallel processes (default 1)")
     p.add_argument("--max-ratings", type=int, default=None, help="use only the first N ratings (smoke tests)")
 
 
@@ -276,7 +280,9 @@ def run(args: argparse.Namespace) -> int:
     out_dir = Path(args.model_dir)  # checked (or made) by the job runner
     print(f"MovieLens-100k from {data.source}: {len(data)} ratings, {data.user.max()} users, {data.item.max()} movies")
     print(f"model: factorization machine over {len(FIELDS)} embtables tables ({', '.join(FIELDS)}), {hp}")
-    jobs = args.jobs or min(args.folds, max(1, torch.get_num_threads()))
+    jobs = min(args.jobs or 1, args.folds)
+    if args.threads is None:  # the model is small: one thread is faster than two (8.5 s against 10.2 s)
+        torch.set_num_threads(1)
     start = time.perf_counter()
     if jobs == 1 or args.max_ratings:  # in this process (a smoke run on a slice stays here too)
         prepared = prepare(data)

@@ -149,7 +149,7 @@ def _compile() -> ctypes.CDLL | None:
     lib.et_workspace_load.restype = i32
     lib.et_apply_many.argtypes = [i64, p, p, p, p, p, p, p, p, p, p, i32, p, p]
     lib.et_apply_many.restype = None
-    lib.et_stage_inputs_many.argtypes = [i64, p, p, p, p, p, p, i64, p, p]
+    lib.et_stage_inputs_many.argtypes = [i64, p, p, p, p, p, p, i64, p, p, p, p, i64]
     lib.et_stage_inputs_many.restype = i64
     lib.et_workspace_new.argtypes = []
     lib.et_workspace_new.restype = p
@@ -345,53 +345,70 @@ def lookup_many(parts: list[tuple[Tensor, Tensor, Tensor, Tensor | None]]) -> tu
     return outs, int(status)
 
 
-InputPart = tuple[Tensor, Tensor | None, int]  # ids [N] int64, row splits [S+1] int64 | None (dense), V
+InputPart = tuple[Tensor, Tensor | None, int, int]  # ids [N], row splits [S+1] | None (dense), V, combiner code
+COMBINER_CODES = {"sum": 0, "mean": 1, "sqrtn": 2}  # of stage_inputs_many: the coefficients it computes
 
 
-def staged_size(parts: list[InputPart]) -> int:
-    """The int64 elements ``stage_inputs_many`` writes for ``parts``: per feature N ids and its offsets."""
-    return sum(2 * ids.numel() + 1 if splits is None else ids.numel() + splits.numel() for ids, splits, _ in parts)
+def staged_size(parts: list[InputPart]) -> tuple[int, int]:
+    """The int64 and float32 elements ``stage_inputs_many`` writes for ``parts``: per feature its ids and
+    offsets; the coefficients of the row-split features whose combiner is mean or sqrtn."""
+    ints = sum(2 * ids.numel() + 1 if splits is None else ids.numel() + splits.numel() for ids, splits, _, _ in parts)
+    floats = sum(ids.numel() for ids, splits, _, code in parts if code and splits is not None)
+    return ints, floats
 
 
-StagedInput = tuple[Tensor, Tensor, bool]  # ids [N], offsets [S+1] (views of the arena), every bag one id
+# ids [N], offsets [S+1] (views of the arena), every bag one id, coefficients [N] | None (every one 1)
+StagedInput = tuple[Tensor, Tensor, bool, Tensor | None]
 
 
-def stage_inputs_many(parts: list[InputPart], arena: Tensor) -> list[StagedInput | None]:
-    """For each ``(ids [N], row splits [S+1] | None, V)``, copies of the ids and bag offsets ([S+1], or
-    ``0..N`` for dense ids, one per bag) in ``arena`` (int64, at least ``staged_size(parts)`` long),
-    checked there in the same C call: ids in ``[0, V)``, splits that start at 0, never decrease and end at
-    N. None for a feature that breaks a rule; else ``(ids, offsets, single)`` where ``single`` says every
-    bag holds exactly one id. Every buffer is checked first, so C never reads past one."""
+def stage_inputs_many(parts: list[InputPart], arena: Tensor, coef_arena: Tensor) -> list[StagedInput | None]:
+    """For each ``(ids [N], row splits [S+1] | None, V, combiner code)``, copies of the ids and bag offsets
+    ([S+1], or ``0..N`` for dense ids, one per bag) in ``arena`` (int64, at least ``staged_size(parts)[0]``
+    long), checked there in the same C call: ids in ``[0, V)``, splits that start at 0, never decrease and
+    end at N. None for a feature that breaks a rule; else ``(ids, offsets, single, coeffs)``: ``single``
+    says every bag holds exactly one id; ``coeffs`` (a view of ``coef_arena``, float32) are the mean /
+    sqrtn coefficients of its ids, None when every coefficient is 1 (sum, or one id per bag). Every buffer
+    is checked first, so C never reads or writes past one."""
     lib = library()
     assert lib is not None
     n = len(parts)
-    for ids, splits, _ in parts:
+    for ids, splits, _, code in parts:
         _require(ids, "ids", torch.int64, (-1,))
         if _require_opt(splits, "row splits", torch.int64, (-1,)) is not None and splits.numel() < 1:  # type: ignore[union-attr]
             raise NativeBufferError("embtables native kernel: row splits must hold at least one value.")
+        if code not in (0, 1, 2):
+            raise NativeBufferError(f"embtables native kernel: unknown combiner code {code!r}.")
     _require(arena, "staging arena", torch.int64, (-1,))
+    _require(coef_arena, "coefficient arena", torch.float32, (-1,))
     arr, i64s = ctypes.c_void_p * n, ctypes.c_int64 * n
     status, single = (ctypes.c_int32 * n)(), (ctypes.c_int32 * n)()
     written = lib.et_stage_inputs_many(
         n,
-        arr(*[ids.data_ptr() for ids, _, _ in parts]),
-        i64s(*[ids.numel() for ids, _, _ in parts]),
-        arr(*[_ptr(splits) for _, splits, _ in parts]),
-        i64s(*[-1 if splits is None else splits.numel() - 1 for _, splits, _ in parts]),
-        i64s(*[v for _, _, v in parts]),
+        arr(*[ids.data_ptr() for ids, _, _, _ in parts]),
+        i64s(*[ids.numel() for ids, _, _, _ in parts]),
+        arr(*[_ptr(splits) for _, splits, _, _ in parts]),
+        i64s(*[-1 if splits is None else splits.numel() - 1 for _, splits, _, _ in parts]),
+        i64s(*[v for _, _, v, _ in parts]),
         arena.data_ptr(),
         arena.numel(),
         status,
         single,
+        (ctypes.c_int32 * n)(*[code for _, _, _, code in parts]),
+        coef_arena.data_ptr(),
+        coef_arena.numel(),
     )
     if written < 0:
-        raise NativeBufferError("embtables native kernel: the staging arena is too small for the batch.")
+        raise NativeBufferError("embtables native kernel: the staging arenas are too small for the batch.")
     out: list[StagedInput | None] = []
-    at = 0
-    for (ids, splits, _), bad, one in zip(parts, status, single):
+    at = coef_at = 0
+    for (ids, splits, _, code), bad, one in zip(parts, status, single):
         n_ids = ids.numel()
         n_off = n_ids + 1 if splits is None else splits.numel()
-        views = (arena[at : at + n_ids], arena[at + n_ids : at + n_ids + n_off], bool(one))
+        coeffs = None
+        if code and splits is not None:
+            coeffs = None if one else coef_arena[coef_at : coef_at + n_ids]
+            coef_at += n_ids
+        views = (arena[at : at + n_ids], arena[at + n_ids : at + n_ids + n_off], bool(one), coeffs)
         out.append(None if bad else views)
         at += n_ids + n_off
     return out

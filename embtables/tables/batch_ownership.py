@@ -59,19 +59,22 @@ class Staging:
 
     def __init__(self) -> None:
         self.buffers: dict[tuple[int, str], list[Tensor]] = {}
-        self.arenas: list[Tensor] = []  # int64 buffers holding every fast-path feature's ids and offsets
+        # buffers holding every fast-path feature's ids and offsets (int64) and coefficients (float32)
+        self.arenas: list[Tensor] = []
 
-    def arena(self, n: int, busy: set[int]) -> Tensor:
-        """An int64 buffer of at least ``n`` elements that no pointer in ``busy`` points into."""
+    def arena(self, n: int, dtype: torch.dtype, busy: set[int]) -> Tensor:
+        """A ``dtype`` buffer of at least ``n`` elements that no pointer in ``busy`` points into."""
         for i, buf in enumerate(self.arenas):
+            if buf.dtype != dtype:
+                continue
             lo = buf.data_ptr()
             hi = lo + buf.numel() * buf.element_size()
             if any(lo <= p < hi for p in busy):
                 continue
             if buf.numel() < n:
-                buf = self.arenas[i] = torch.empty(max(n, 2 * buf.numel()), dtype=torch.int64)
+                buf = self.arenas[i] = torch.empty(max(n, 2 * buf.numel()), dtype=dtype)
             return buf
-        buf = torch.empty(max(n, 1), dtype=torch.int64)
+        buf = torch.empty(max(n, 1), dtype=dtype)
         self.arenas.append(buf)
         return buf
 
@@ -145,7 +148,9 @@ class InputStager:
         with phase_profile.phase("enqueue: validate inputs"):
             flat_x, flat_w = flatten_inputs(self.feature_config, features, weights, self.flat)
             staging = self.staging
-            converted = convert_many(self.converters, flat_x, flat_w, device, lambda n: staging.arena(n, busy))
+            converted = convert_many(
+                self.converters, flat_x, flat_w, device, lambda n, dtype: staging.arena(n, dtype, busy)
+            )
             return [
                 b  # the fast path's copy, already the engine's own
                 if staging.holds(b.ids)

@@ -493,12 +493,13 @@ def convert_many(
     xs: list[Any],
     ws: list[Any],
     device: torch.device,
-    arena: Callable[[int], Tensor] | None = None,
+    arena: Callable[[int, torch.dtype], Tensor] | None = None,
 ) -> list[FeatureBatch]:
     """Every feature's input converted (``InputConverter.convert`` each), with the common inputs on the
     fast path: int64 CPU ``Ragged`` or dense ids without weights, for non-sequence features without an
-    ``output_shape``. Those are copied into one int64 buffer (``arena(n)`` gives one of at least n
-    elements; a fresh one when None) and their input rules (ids in [0, V), row splits that start at 0,
+    ``output_shape``. Those are copied into one int64 buffer (``arena(n, dtype)`` gives one of at least n
+    elements; fresh ones when None), their mean / sqrtn coefficients written into one float32 buffer, and
+    their input rules (ids in [0, V), row splits that start at 0,
     never decrease and end at len(values)) checked there, for all features in one native call: the
     batch holds the copy that was checked. A feature whose input breaks a rule, or that is not on the
     fast path, goes through ``convert``, which drops what the rules drop and names what is wrong. Both
@@ -520,18 +521,19 @@ def convert_many(
                 fast.append((i, x.reshape(-1), None))
     out: list[FeatureBatch | None] = [None] * len(converters)
     if fast:
-        parts = [(v, s, converters[i].table.vocabulary_size) for i, v, s in fast]
-        need = native.staged_size(parts)
-        buffer = arena(need) if arena is not None else torch.empty(need, dtype=torch.int64)
-        for (i, _, splits), staged in zip(fast, native.stage_inputs_many(parts, buffer)):
+        parts = [
+            (v, s, converters[i].table.vocabulary_size, native.COMBINER_CODES[converters[i].table.config.combiner])
+            for i, v, s in fast
+        ]
+        ints, floats = native.staged_size(parts)
+        make = arena if arena is not None else (lambda n, dtype: torch.empty(n, dtype=dtype))
+        staged_all = native.stage_inputs_many(parts, make(ints, torch.int64), make(floats, torch.float32))
+        for (i, _, splits), staged in zip(fast, staged_all):
             if staged is None:
                 continue
-            ids, offsets, single = staged
+            ids, offsets, _, coeffs = staged  # coeffs None: every coefficient 1 (what _combiner_coeffs gives)
             if splits is None:  # dense: each element is its own lookup
                 out[i] = FeatureBatch(ids=ids, offsets=offsets, coeffs=None, out_shape=tuple(xs[i].shape))
             else:
-                batch = FeatureBatch(ids=ids, offsets=offsets, coeffs=None, out_shape=(offsets.numel() - 1,))
-                # one id per bag: every combiner's coefficient is exactly 1 (what _combiner_coeffs gives)
-                coeffs = None if single else converters[i]._combiner_coeffs(batch, None)
-                out[i] = batch if coeffs is None else dataclasses.replace(batch, coeffs=coeffs)
+                out[i] = FeatureBatch(ids=ids, offsets=offsets, coeffs=coeffs, out_shape=(offsets.numel() - 1,))
     return [b if b is not None else conv.convert(x, w, device) for b, conv, x, w in zip(out, converters, xs, ws)]

@@ -106,28 +106,36 @@ ws = native.Workspace(4)
 (status,) = native.prepare_many([(ws, 10, [(ids, offsets, None, torch.ones(2, 4))])])
 assert status == 3, status
 arena = torch.full((64,), -7, dtype=torch.int64)
+coef = torch.full((16,), -7.0)
 staged = native.stage_inputs_many(
-    [(torch.tensor([1, 2, 3]), torch.tensor([0, 1, 2, 3]), 10),   # ok, one id per bag
-     (torch.tensor([1, 10]), None, 10),                           # an id out of range
-     (torch.tensor([4, 5]), torch.tensor([0, 2, 1]), 10),         # decreasing splits
-     (torch.tensor([4, 5]), torch.tensor([0, 2]), 10),            # ok, a bag of two
-     (torch.tensor([6]), None, 7)],                               # ok, dense
-    arena,
+    [(torch.tensor([1, 2, 3]), torch.tensor([0, 1, 2, 3]), 10, 1),   # ok, one id per bag: no coefficients
+     (torch.tensor([1, 10]), None, 10, 0),                           # an id out of range
+     (torch.tensor([4, 5]), torch.tensor([0, 2, 1]), 10, 0),         # decreasing splits
+     (torch.tensor([4, 5, 6]), torch.tensor([0, 2, 3]), 10, 1),      # ok, mean over bags of two and one
+     (torch.tensor([6]), None, 7, 0),                                # ok, dense
+     (torch.tensor([1, 2, 3, 4]), torch.tensor([0, 3, 3, 4]), 10, 2)],  # ok, sqrtn, an empty bag
+    arena, coef,
 )
 assert staged[1] is None and staged[2] is None, staged
-assert staged[0][2] and not staged[3][2] and staged[4][2]
-assert staged[0][0].tolist() == [1, 2, 3] and staged[3][1].tolist() == [0, 2] and staged[4][1].tolist() == [0, 1]
+assert staged[0][2] and not staged[3][2] and staged[4][2] and staged[0][3] is None
+assert staged[0][0].tolist() == [1, 2, 3] and staged[3][1].tolist() == [0, 2, 3] and staged[4][1].tolist() == [0, 1]
+assert staged[3][3].tolist() == [0.5, 0.5, 1.0]
+third = torch.tensor(3.0).sqrt().reciprocal().item()
+assert staged[5][3].tolist() == [third, third, third, 1.0], staged[5][3]
 small = torch.full((5,), -7, dtype=torch.int64)
+no_coef = torch.zeros(0)
 try:
-    native.stage_inputs_many([(torch.tensor([1, 2, 3]), torch.tensor([0, 3]), 10)], small)   # 3 ids + 2 offsets
+    native.stage_inputs_many([(torch.tensor([1, 2, 3]), torch.tensor([0, 3]), 10, 0)], small, no_coef)  # 3 + 2
 except native.NativeBufferError:
     raise AssertionError("a batch that fits was refused")
-try:
-    native.stage_inputs_many([(torch.tensor([1, 2, 3]), None, 10)], small)   # needs 3 + 4 = 7 > 5
-except native.NativeBufferError:
-    assert torch.equal(small[:5], torch.tensor([1, 2, 3, 0, 3])), small     # the first call's copy, untouched
-else:
-    raise AssertionError("a batch larger than the arena reached C")
+for too_big in ([(torch.tensor([1, 2, 3]), None, 10, 0)],                    # needs 3 + 4 = 7 > 5 ids
+                [(torch.tensor([1, 2]), torch.tensor([0, 2]), 10, 1)]):     # needs 2 coefficients, has 0
+    try:
+        native.stage_inputs_many(too_big, small, no_coef)
+    except native.NativeBufferError:
+        assert torch.equal(small[:5], torch.tensor([1, 2, 3, 0, 3])), small   # the first call's copy, untouched
+    else:
+        raise AssertionError("a batch larger than its arenas reached C")
 assert ws.load(torch.tensor([1, 1]), torch.ones(2, 4), 10) == 3      # repeated row
 assert ws.load(torch.tensor([1, 10]), torch.ones(2, 4), 10) == 3     # row out of range
 for bad_call in (
@@ -136,9 +144,11 @@ for bad_call in (
     lambda: native.lookup_many([(table, torch.tensor([1], dtype=torch.int32), torch.tensor([0, 1]), None)]),
     lambda: native.lookup_many([(table, torch.tensor([1]), torch.tensor([0, 1]), torch.ones(3))]),
     lambda: native.prepare_many([(ws, 10, [(torch.tensor([1]), torch.tensor([0, 1]), None, torch.ones(1, 5))])]),
-    lambda: native.stage_inputs_many([(torch.tensor([1]), None, 10)], torch.zeros(8, dtype=torch.int32)),
-    lambda: native.stage_inputs_many([(torch.tensor([1]), None, 10)], torch.zeros(16, dtype=torch.int64)[::2]),
-    lambda: native.stage_inputs_many([(torch.tensor([[1]]), None, 10)], torch.zeros(8, dtype=torch.int64)),
+    lambda: native.stage_inputs_many([(torch.tensor([1]), None, 10, 0)], torch.zeros(8, dtype=torch.int32), coef),
+    lambda: native.stage_inputs_many([(torch.tensor([1]), None, 10, 0)], torch.zeros(16, dtype=torch.int64)[::2], coef),
+    lambda: native.stage_inputs_many([(torch.tensor([[1]]), None, 10, 0)], torch.zeros(8, dtype=torch.int64), coef),
+    lambda: native.stage_inputs_many([(torch.tensor([1]), None, 10, 0)], torch.zeros(8, dtype=torch.int64), coef.double()),
+    lambda: native.stage_inputs_many([(torch.tensor([1]), None, 10, 3)], torch.zeros(8, dtype=torch.int64), coef),
     lambda: native.apply_sequential(torch.tensor([1]), torch.ones(1, 4), table, (torch.ones(9, 4),),
                                     native.opt_params(et.Adagrad(0.1), 0.1, 0.0, clip_gradients=False)),
 ):

@@ -1069,19 +1069,25 @@ int et_apply_sequential(const int64_t *rows, const float *G, int64_t N, float *W
  * S[f] + 1 copied row splits, or, when S[f] < 0 (dense ids, one id per bag), N[f] + 1 offsets 0..N[f].
  * status[f] = 0 when every id is in [0, V[f]) and the splits start at 0, never decrease and end at N[f];
  * 1 otherwise (that feature's region is then unusable); single[f] = 1 when every bag holds exactly one id.
+ * A row-split feature whose combiner[f] is 1 (mean) or 2 (sqrtn) takes N[f] floats of coef [coef_cap] in
+ * feature order: each id's coefficient, written when the feature is good and not single (0: sum, none).
  * Returns the int64 count written, or -1 (nothing written) when a size is negative or the regions do not
  * fit in cap. */
 int64_t et_stage_inputs_many(int64_t F, const int64_t *const *ids, const int64_t *N, const int64_t *const *splits,
                              const int64_t *S, const int64_t *V, int64_t *dst, int64_t cap, int32_t *status,
-                             int32_t *single) {
-    int64_t need = 0;
+                             int32_t *single, const int32_t *combiner, float *coef, int64_t coef_cap) {
+    int64_t need = 0, coef_need = 0;
     for (int64_t f = 0; f < F; ++f) {
-        if (N[f] < 0 || V[f] < 0 || (S[f] >= 0 && !splits[f])) return -1;
+        if (N[f] < 0 || V[f] < 0 || (S[f] >= 0 && !splits[f]) || combiner[f] < 0 || combiner[f] > 2) return -1;
         const int64_t len = N[f] + 1 + (S[f] >= 0 ? S[f] : N[f]);
         if (len > cap - need) return -1;
         need += len;
+        if (combiner[f] != 0 && S[f] >= 0) {
+            if (N[f] > coef_cap - coef_need) return -1;
+            coef_need += N[f];
+        }
     }
-    int64_t at = 0;
+    int64_t at = 0, coef_at = 0;
     for (int64_t f = 0; f < F; ++f) {
         int64_t *x = dst + at;
         const uint64_t v = (uint64_t)V[f];
@@ -1098,6 +1104,19 @@ int64_t et_stage_inputs_many(int64_t F, const int64_t *const *ids, const int64_t
                 one = one && o[b + 1] - o[b] == 1;
             }
             single[f] = one && !bad;
+            if (combiner[f] != 0) {
+                /* every id of a bag of c ids: 1/c (mean) or 1/sqrt(c) (sqrtn), in float32 exactly as the
+                 * torch path computes them (c as float32, sqrtf, one correctly rounded division) */
+                if (!bad && !one)
+                    for (int64_t b = 0; b < S[f]; ++b) {
+                        const int64_t c = o[b + 1] - o[b];
+                        float den = (float)c;
+                        if (combiner[f] == 2) den = sqrtf(den);
+                        const float scale = den != 0.0f ? 1.0f / den : 0.0f;
+                        for (int64_t k = o[b]; k < o[b + 1]; ++k) coef[coef_at + k] = scale;
+                    }
+                coef_at += N[f];
+            }
             at += N[f] + S[f] + 1;
         } else {
             for (int64_t k = 0; k <= N[f]; ++k) o[k] = k;
