@@ -124,6 +124,7 @@ third = torch.tensor(3.0).sqrt().reciprocal().item()
 assert staged[5][3].tolist() == [third, third, third, 1.0], staged[5][3]
 small = torch.full((5,), -7, dtype=torch.int64)
 no_coef = torch.zeros(0)
+i64 = torch.zeros(8, dtype=torch.int64)
 try:
     native.stage_inputs_many([(torch.tensor([1, 2, 3]), torch.tensor([0, 3]), 10, 0)], small, no_coef)  # 3 + 2
 except native.NativeBufferError:
@@ -144,11 +145,11 @@ for bad_call in (
     lambda: native.lookup_many([(table, torch.tensor([1], dtype=torch.int32), torch.tensor([0, 1]), None)]),
     lambda: native.lookup_many([(table, torch.tensor([1]), torch.tensor([0, 1]), torch.ones(3))]),
     lambda: native.prepare_many([(ws, 10, [(torch.tensor([1]), torch.tensor([0, 1]), None, torch.ones(1, 5))])]),
-    lambda: native.stage_inputs_many([(torch.tensor([1]), None, 10, 0)], torch.zeros(8, dtype=torch.int32), coef),
+    lambda: native.stage_inputs_many([(torch.tensor([1]), None, 10, 0)], i64.int(), coef),
     lambda: native.stage_inputs_many([(torch.tensor([1]), None, 10, 0)], torch.zeros(16, dtype=torch.int64)[::2], coef),
-    lambda: native.stage_inputs_many([(torch.tensor([[1]]), None, 10, 0)], torch.zeros(8, dtype=torch.int64), coef),
-    lambda: native.stage_inputs_many([(torch.tensor([1]), None, 10, 0)], torch.zeros(8, dtype=torch.int64), coef.double()),
-    lambda: native.stage_inputs_many([(torch.tensor([1]), None, 10, 3)], torch.zeros(8, dtype=torch.int64), coef),
+    lambda: native.stage_inputs_many([(torch.tensor([[1]]), None, 10, 0)], i64, coef),
+    lambda: native.stage_inputs_many([(torch.tensor([1]), None, 10, 0)], i64, coef.double()),
+    lambda: native.stage_inputs_many([(torch.tensor([1]), None, 10, 3)], i64, coef),
     lambda: native.apply_sequential(torch.tensor([1]), torch.ones(1, 4), table, (torch.ones(9, 4),),
                                     native.opt_params(et.Adagrad(0.1), 0.1, 0.0, clip_gradients=False)),
 ):
