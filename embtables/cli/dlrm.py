@@ -164,10 +164,10 @@ def plot(history: list[dict[str, float]], evals: list[dict[str, float]], teacher
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--steps", type=int, default=4000, help="training steps (default 4000)")
-    p.add_argument("--batch-size", type=int, default=4096, help="samples per step (default 4096)")
+    p.add_argument("--steps", type=int, default=2200, help="training steps (default 2200)")
+    p.add_argument("--batch-size", type=int, default=8192, help="samples per step (default 8192)")
     p.add_argument("--dim", type=int, default=16, help="embedding width D (default 16)")
-    p.add_argument("--eval-every", type=int, default=500, help="steps between held-out evaluations (default 500)")
+    p.add_argument("--eval-every", type=int, default=550, help="steps between held-out evaluations (default 550)")
     p.add_argument("--eval-size", type=int, default=16384, help="held-out samples (default 16384)")
     p.add_argument("--seed", type=int, default=0, help="seed of the data, tables and MLP (default 0)")
     p.add_argument("--small", action="store_true", help="1000x smaller tables (smoke tests)")
