@@ -30,7 +30,7 @@ _COMMANDS = (
     (
         "bench",
         "the benchmark suite against the peers (embtables bench --help); embtables bench "
-        "latency | sharded | checkpoint | movielens | extra-optimizers | noacc for the others",
+        "latency | estimator | sharded | checkpoint | movielens | extra-optimizers | noacc for the others",
     ),
     ("stats", "print lookup statistics files (profile_data_directory) and draw per-shard load"),
     ("inspect", "what a checkpoint holds (tables, shapes, optimizer, step, size) and its checksum status"),
@@ -81,6 +81,7 @@ def _benchmarks_dir() -> Path | None:
 # ``embtables bench <name>``: the benchmarks beside the standard suite (``embtables bench`` alone).
 _BENCHES = {
     "latency": "bench_latency",
+    "estimator": "bench_estimator",
     "sharded": "bench_sharded",
     "checkpoint": "bench_checkpoint",
     "movielens": "bench_movielens",

@@ -83,3 +83,20 @@ def test_latency_benchmark_reports_every_size_next_to_its_peers(tmp_path: Path) 
         ratio = steps["torch"]["median_ms"] / steps["embtables"]["median_ms"]
         assert abs(s["speedup"]["torch"] - ratio) < 1e-3 * max(1.0, ratio)
     assert table.read_text().count("\n") == 2 + len(summaries)
+
+
+def test_estimator_benchmark_reports_the_overhead_and_where_it_goes(tmp_path: Path) -> None:
+    """``embtables bench estimator``: bare and Estimator ms per step on the same batches, the overhead as
+    their ratio, and the parts (conversion, step, checkpoint) it is made of."""
+    import subprocess
+
+    pytest.importorskip("recbole")  # only for its MovieLens-100k files (never imported by embtables)
+    cmd = [sys.executable, "-m", "embtables", "bench", "estimator", "--batches", "4096", "--repeats", "2"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    (record,) = [json.loads(x) for x in out.stdout.splitlines() if '"estimator_overhead"' in x]
+    assert record["batch"] == 4096 and record["steps_per_epoch"] == 20
+    for way in ("prefetch0", "prefetch1"):
+        ratio = record["estimator_ms_per_step"][way] / record["bare_ms_per_step"] - 1
+        assert abs(record["overhead"][way] - ratio) < 0.01
+    assert record["prepare_ms"] > 0 and record["step_ms"] > 0 and record["save_ms_per_train_call"] > 0
