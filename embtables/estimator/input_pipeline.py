@@ -32,14 +32,14 @@ class Prefetched(Generic[T]):
             concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="embtables-input") if depth > 0 else None
         )
 
-    def next(self, more: bool = True) -> T:
-        """The next result; with ``more`` False, nothing further is fetched ahead (the input has ended)."""
+    def next(self) -> T:
+        """The next result (``depth`` more fetches are then queued behind it)."""
         if self.worker is None:
             return self.fetch()
         if not self.pending:
             self.pending.append(self.worker.submit(self.fetch))
         result = self.pending.popleft().result()
-        while more and len(self.pending) < self.depth:
+        while len(self.pending) < self.depth:
             self.pending.append(self.worker.submit(self.fetch))
         return result
 
