@@ -70,6 +70,7 @@ class Hyper:
     epochs: int = 8
     batch_size: int = 256
     embedding_lr: float = 0.05
+    initial_accumulator: float = 1e-6  # far below the squared per-row gradients: Adagrad then adapts at once
     dense_lr: float = 2e-3
     init_stddev: float = 0.05
 
@@ -140,9 +141,8 @@ def train_and_test(
     """Train on ``train_idx`` rows of ``train`` and evaluate on ``test_idx`` rows of ``test`` after each epoch."""
     torch.manual_seed(0)
     cols = columns(train, hp)
-    spec = EmbeddingConfigSpec(
-        feature_columns=cols, optimization_parameters=AdagradParameters(hp.embedding_lr, initial_accumulator=0.1)
-    )
+    optimizer = AdagradParameters(hp.embedding_lr, initial_accumulator=hp.initial_accumulator)
+    spec = EmbeddingConfigSpec(feature_columns=cols, optimization_parameters=optimizer)
     dense = dense_features(train, train_idx)
     model = WideDeep([c.name for c in cols], hp.dim, hp.hidden, dense.mean(0), dense.std(0) + 1e-6)
     est = Estimator(
