@@ -78,10 +78,10 @@ class Staging:
         self.arenas.append(buf)
         return buf
 
-    def holds(self, t: Tensor) -> bool:
-        """True when ``t`` lives in one of the arenas (a copy the engine already owns)."""
-        ptr = t.untyped_storage().data_ptr()
-        return any(ptr == buf.untyped_storage().data_ptr() for buf in self.arenas)
+    def arena_storages(self) -> set[int]:
+        """The storage pointers of the arenas: a tensor whose storage is one of them is a copy the engine
+        already owns."""
+        return {buf.untyped_storage().data_ptr() for buf in self.arenas}
 
     def copy(self, key: tuple[int, str], t: Tensor, busy: set[int]) -> Tensor:
         """A copy of the 1-D tensor ``t`` in a buffer whose data pointer is not in ``busy``."""
@@ -151,9 +151,10 @@ class InputStager:
             converted = convert_many(
                 self.converters, flat_x, flat_w, device, lambda n, dtype: staging.arena(n, dtype, busy)
             )
+            ours = staging.arena_storages()
             return [
                 b  # the fast path's copy, already the engine's own
-                if staging.holds(b.ids)
+                if b.ids.untyped_storage().data_ptr() in ours
                 else owned(b, storages(x) | storages(w), staging, i, busy)
                 for i, (b, x, w) in enumerate(zip(converted, flat_x, flat_w))
             ]

@@ -138,6 +138,10 @@ class InputConverter:
         self.feature = feature
         self.table = table
         self.who = f"feature {feature.name!r} (table {table.name!r})"
+        cfg = feature.config
+        # for convert_many's fast path: may unweighted ids take it, and (V, combiner code) when they do
+        self.fast_path = not cfg.is_sequence and cfg.output_shape is None
+        self.fast_part = (table.vocabulary_size, native.COMBINER_CODES[table.config.combiner])
 
     def fail(self, rule: str, fix: str, exc: type[Exception] = InputError) -> Exception:
         return exc(f"{self.who}: {rule} {fix}")
@@ -509,8 +513,7 @@ def convert_many(
     splits: Tensor | None
     if device.type == "cpu" and native.library() is not None:
         for i, (conv, x, w) in enumerate(zip(converters, xs, ws)):
-            cfg = conv.feature.config
-            if w is not None or cfg.is_sequence or cfg.output_shape is not None:
+            if w is not None or not conv.fast_path:
                 continue
             if type(x) is Ragged:
                 values, splits = x.values, x.row_splits
@@ -521,10 +524,7 @@ def convert_many(
                 fast.append((i, x.reshape(-1), None))
     out: list[FeatureBatch | None] = [None] * len(converters)
     if fast:
-        parts = [
-            (v, s, converters[i].table.vocabulary_size, native.COMBINER_CODES[converters[i].table.config.combiner])
-            for i, v, s in fast
-        ]
+        parts = [(v, s, *converters[i].fast_part) for i, v, s in fast]
         ints, floats = native.staged_size(parts)
         make = arena if arena is not None else (lambda n, dtype: torch.empty(n, dtype=dtype))
         staged_all = native.stage_inputs_many(parts, make(ints, torch.int64), make(floats, torch.float32))
