@@ -32,7 +32,7 @@ import torch
 from torch import Tensor, nn
 
 from embtables.cli.adult_peers import peer_results
-from embtables.cli.plotting import pyplot
+from embtables.cli.plotting import finish, pyplot
 from embtables.data.adult import CATEGORICAL, Adult, load_adult
 from embtables.estimator import (
     AdagradParameters,
@@ -185,14 +185,7 @@ def plot_curve(curve: list[dict[str, Any]], peers: dict[str, dict[str, Any]], pa
     for (name, r), style in zip(peers.items(), ("--", ":")):
         if "accuracy" in r:
             ax.axhline(r["accuracy"], color="gray", ls=style, lw=1, label=f"{name} ({r['accuracy']:.4f})")
-    ax.set_xlabel("epoch")
-    ax.set_ylabel("test accuracy")
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    finish(plt, fig, ax, "epoch", "test accuracy", title, path)
     return True
 
 

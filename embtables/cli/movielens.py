@@ -35,7 +35,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from embtables.cli.plotting import pyplot
+from embtables.cli.plotting import finish, pyplot
 from embtables.data.movielens import GENRES, MovieLens, kfold, load_movielens_100k
 from embtables.estimator import (
     AdagradParameters,
@@ -73,7 +73,8 @@ def prepare(data: MovieLens) -> dict[str, np.ndarray]:
     rows["age"] = np.minimum(rows["age"] // 10, 7)
     rows["zip_code"] = rows["zip_code"].astype("<U3")
     rows["year"] = np.clip((rows["year"] - 1920) // 5, 0, 16)
-    rows["genres"] = genre_ids(rows["genres"])
+    _, first, inverse = np.unique(rows["item"], return_index=True, return_inverse=True)
+    rows["genres"] = genre_ids(rows["genres"][first])[inverse.reshape(-1)]  # once per movie, not per rating
     return rows
 
 
@@ -238,14 +239,7 @@ def plot_curves(results: list[dict[str, Any]], path: Path, title: str) -> bool:
         )
     ax.axhline(0.935, color="gray", ls="--", lw=1, label="Surprise SVD (0.935)")
     ax.axhline(0.900, color="red", ls=":", lw=1, label="target (0.900)")
-    ax.set_xlabel("epoch")
-    ax.set_ylabel("test RMSE")
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    finish(plt, fig, ax, "epoch", "test RMSE", title, path)
     return True
 
 

@@ -312,10 +312,9 @@ class SyntheticCTR:
 
     def _pool(self, table: str, ids: np.ndarray, lengths: np.ndarray) -> np.ndarray:
         """Mean teacher row per sample [B, Dt] of ``ids`` [N] grouped by ``lengths`` [B]."""
-        rows = self._teacher.tables[table][ids]
-        if bool((lengths == 1).all()):  # one id per sample: its row is the mean
-            single: np.ndarray = rows / 1.0
-            return single
+        rows: np.ndarray = self._teacher.tables[table][ids]
+        if bool((lengths == 1).all()):  # one id per sample: its row (a fresh float64 copy) is the mean
+            return rows
         sample = np.repeat(np.arange(lengths.size), lengths)
         # per column, the rows of each sample summed in order (what np.add.at gives, bit for bit, faster)
         out = np.stack(

@@ -108,9 +108,10 @@ def _known_digests(strings: np.ndarray) -> np.ndarray | None:
             missing = ~same_fp
         else:
             missing = np.ones(len(fp), dtype=bool)
+        unseen = strings[missing]
         new_fp, first = np.unique(fp[missing], return_index=True)
-        new_text = strings[missing][first]
-        if len(np.unique(new_text)) != len(new_fp) or len(new_text) != len(np.unique(strings[missing])):
+        new_text = unseen[first]  # one text per new fingerprint (equal texts have equal fingerprints)
+        if len(new_text) != len(np.unique(unseen)):
             return None  # two new texts with one fingerprint
         new_digest = np.fromiter((_digest(str(t)) for t in new_text), dtype=np.uint64, count=len(new_text))
         if len(known_fp) + len(new_fp) > _MAX_DIGESTS:
