@@ -21,7 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from embtables.checkpoint.persistence import Persistence, Progress
-from embtables.config import Optimizer, ResolvedConfig, nest, resolve
+from embtables.config import Optimizer, ResolvedConfig, TableConfig, nest, resolve
 from embtables.sharding.engine_choice import choose_engine, describe
 from embtables.sharding.pipeline import StepPipeline
 from embtables.sharding.statistics import LookupStatistics
@@ -156,6 +156,24 @@ class DistributedEmbedding(nn.Module):
         full = self._pipeline.full_state()
         slots = {t.name: {s: full[f"{t.name}/{s}"] for s in t.optimizer.slot_names} for t in self._resolved.tables}
         return TableDict(slots, self._names_by_config)
+
+    @_locked
+    def vocabulary(self, table: str | TableConfig) -> tuple[Tensor, Tensor]:
+        """A dynamic table's live keys [L] and their rows [L] (int64, by row; spec §11)."""
+        return self._engine.vocabularies.live(self._dynamic_table(table))
+
+    @_locked
+    def vocabulary_statistics(self) -> dict[str, dict[str, int]]:
+        """Per dynamic table: keys admitted, evicted, expired, rejected (no row to give), untracked (the
+        pending set was full), since construction or the last restore; live rows, pending keys, capacity."""
+        return {name: m.stats() for name, m in self._engine.vocabularies.maps.items()}
+
+    def _dynamic_table(self, table: str | TableConfig) -> str:
+        name = self._names_by_config.get(id(table), "") if isinstance(table, TableConfig) else table
+        if name not in self._engine.vocabularies.maps:
+            dynamic = sorted(self._engine.vocabularies.maps)
+            raise KeyError(f"DistributedEmbedding.vocabulary: {table!r} is not a dynamic table (those are {dynamic}).")
+        return name
 
     def build(self, per_replica_input_shapes: Any = None, per_replica_batch_size: int | None = None) -> None:
         """TF compatibility: tables are created at construction, so this only checks TF's rules

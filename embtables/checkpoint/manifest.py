@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from embtables.checkpoint.file_names import CheckpointError, contained
+from embtables.tables.dynamic_vocabularies import PENDING_FIELDS, ROW_FIELDS, VOCABULARY_FIELDS
 
 FORMAT_VERSION = 2  # 2 nests state blocks under "state"; 1 is still read
 READABLE_VERSIONS = (1, 2)
@@ -106,6 +107,7 @@ class TableBlocks:
     state: dict[str, Block]
     stale_rows: Block | None
     stale: Block | None
+    vocabulary: dict[str, Block] | None = None  # a dynamic table's key map, [N] int64 per field (spec §11)
 
 
 def _table_blocks(tb: dict[str, Any], tname: str, t: dict[str, Any], what: str, where: Path, size: int) -> TableBlocks:
@@ -128,7 +130,20 @@ def _table_blocks(tb: dict[str, Any], tname: str, t: dict[str, Any], what: str, 
         stale = _block(tb.get("stale"), f"{what}.stale", where, size, dim)
         if stale.shape[0] != stale_rows.shape[0]:
             raise CheckpointError(f"{where / MANIFEST}: {what}: stale rows and stale values differ in length.")
-    return TableBlocks(rows, state, stale_rows, stale)
+    vocabulary = None
+    if "vocabulary" in tb:
+        specs = _dict(tb["vocabulary"], f"{what}.vocabulary", where)
+        vocabulary = {}
+        for field in VOCABULARY_FIELDS:
+            vocabulary[field] = _block(specs.get(field), f"{what}.vocabulary.{field}", where, size, None)
+            # row fields hold one value per row, pending fields one per pending key
+            like = rows if field in ROW_FIELDS else vocabulary[PENDING_FIELDS[0]]
+            if vocabulary[field].shape[0] != like.shape[0]:
+                raise CheckpointError(
+                    f"{where / MANIFEST}: {what}.vocabulary.{field} has {vocabulary[field].shape[0]} values, "
+                    f"{'its `rows` block' if field in ROW_FIELDS else PENDING_FIELDS[0]} {like.shape[0]}."
+                )
+    return TableBlocks(rows, state, stale_rows, stale, vocabulary)
 
 
 def _check_files(files: Any, tables: dict[str, dict[str, Any]], where: Path) -> list[dict[str, Any]]:

@@ -19,6 +19,7 @@ from embtables.checkpoint.streaming_restore import TornRestore
 from embtables.config import ResolvedConfig
 from embtables.sharding import comm
 from embtables.sharding.pipeline import StepPipeline
+from embtables.tables.dynamic_vocabularies import VOCABULARY_FIELDS, vocabulary_problem
 from embtables.tables.state_dict_io import strict_of_caller, validate_state_dict
 
 Progress = bool | Callable[[int], None] | None
@@ -62,6 +63,7 @@ class Persistence:
             return save(
                 path, self.resolved, shards, pipeline.training_steps, strategies=strategies, extra=extra,
                 keep_last=keep_last, progress=tick, group=engine.group, stale=stale, settings=self.settings,
+                vocabularies=engine.vocabularies.arrays(),
             )  # fmt: skip
 
     def restore(self, path: str | os.PathLike[str], progress: Progress) -> dict[str, Any]:
@@ -86,12 +88,17 @@ class Persistence:
         else:
             pipeline.replaced()
         pipeline.training_steps = int(manifest["step"])
+        engine.vocabularies.load(manifest.pop("vocabularies"), pipeline.training_steps)  # checked in pass 1
         return manifest
 
     def state_dict_into(self, destination: dict[str, Any], prefix: str, keep_vars: bool) -> None:
-        """``nn.Module._save_to_state_dict``: ``<table>`` and ``<table>/<slot>`` keys, full logical tables."""
+        """``nn.Module._save_to_state_dict``: ``<table>`` and ``<table>/<slot>`` keys, full logical tables,
+        and a dynamic table's vocabulary (``<table>/keys``, ``/counts``, ``/age``, ``/order``; spec §11)."""
         for key, t in self.pipeline.full_state().items():
             destination[prefix + key] = t if keep_vars else t.detach()  # gathered copies when sharded
+        for name, arrays in self.pipeline.engine.vocabularies.arrays().items():
+            for field, values in arrays.items():
+                destination[f"{prefix}{name}/{field}"] = values
 
     def load_state_dict(
         self,
@@ -109,6 +116,8 @@ class Persistence:
         present, errors, missing, unexpected = validate_state_dict(
             state_dict, prefix, engine.logical_shapes(), engine.state_key_owners()
         )
+        vocabularies = self._vocabularies_in(state_dict, prefix, errors, missing)
+        unexpected = [k for k in unexpected if not _is_vocabulary_key(k, prefix, engine.vocabularies.maps)]
         if strict:
             unexpected_keys.extend(unexpected)
         missing_keys.extend(missing)
@@ -123,3 +132,29 @@ class Persistence:
         pipeline.replaced()  # a loaded state replaces any update still held back
         self.torn = None if not missing else self.torn
         engine.load_logical(present)
+        engine.vocabularies.load(vocabularies, pipeline.training_steps)
+
+    def _vocabularies_in(
+        self, state_dict: Mapping[str, Any], prefix: str, errors: list[str], missing: list[str]
+    ) -> dict[str, dict[str, Any]]:
+        """The complete, checked vocabularies of dynamic tables in ``state_dict``; problems go to
+        ``errors``, absent keys to ``missing`` (a table with some of its fields absent keeps its own)."""
+        out = {}
+        for name, key_map in self.pipeline.engine.vocabularies.maps.items():
+            keys = {f: f"{prefix}{name}/{f}" for f in VOCABULARY_FIELDS}
+            absent = [k for k in keys.values() if k not in state_dict]
+            missing.extend(absent)
+            if absent:
+                continue
+            arrays = {f: state_dict[k] for f, k in keys.items()}
+            problem = vocabulary_problem(name, arrays, key_map.capacity)
+            if problem is not None:
+                errors.append(f"{problem} (the state dict is corrupt or from another model)")
+            else:
+                out[name] = arrays
+        return out
+
+
+def _is_vocabulary_key(key: str, prefix: str, maps: Mapping[str, Any]) -> bool:
+    table, _, field = key[len(prefix) :].rpartition("/")
+    return table in maps and field in VOCABULARY_FIELDS

@@ -44,6 +44,7 @@ from embtables.checkpoint.owned_dirs import WriterLock, clean_dead_leftovers, fs
 from embtables.config import ResolvedConfig
 from embtables.sharding import comm
 from embtables.sharding.fingerprint import describe_config
+from embtables.tables.dynamic_vocabularies import PENDING_FIELDS, ROW_FIELDS, vocabulary_problem
 from embtables.tables.state import LocalShard
 
 logger = logging.getLogger("embtables")
@@ -158,9 +159,13 @@ def _caught(fn: Callable[[], Any]) -> tuple[Any, str | None]:
 
 
 def _plan(
-    resolved: ResolvedConfig, shards: dict[str, LocalShard], stale: dict[str, tuple[torch.Tensor, torch.Tensor]] | None
+    resolved: ResolvedConfig,
+    shards: dict[str, LocalShard],
+    stale: dict[str, tuple[torch.Tensor, torch.Tensor]] | None,
+    vocabularies: dict[str, dict[str, torch.Tensor]] | None = None,
 ) -> list[tuple[str, str, str, np.ndarray[Any, Any]]]:
-    """Every block of this rank's file in order: (table, block kind, tensor name, array)."""
+    """Every block of this rank's file in order: (table, block kind, tensor name, array). A dynamic
+    table's vocabulary (``vocabularies[table][field]``, [N] by the shard's rows) is one block per field."""
     plan: list[tuple[str, str, str, np.ndarray[Any, Any]]] = []
     for t in resolved.tables:
         shard = shards[t.name]
@@ -169,6 +174,8 @@ def _plan(
             key = f"{t.name}/{slot}" if slot else t.name
             array = tensor.detach().to("cpu").numpy().reshape(-1, t.dim)
             plan.append((t.name, "state", key, array))
+        for field, values in (vocabularies or {}).get(t.name, {}).items():
+            plan.append((t.name, "vocabulary", f"{t.name}#{field}", values.detach().to("cpu", torch.int64).numpy()))
         if stale and t.name in stale:
             srows, svalues = (x.detach().to("cpu").contiguous().numpy() for x in stale[t.name])
             plan.append((t.name, "stale_rows", f"{t.name}#stale_rows", srows.astype(np.int64)))
@@ -205,6 +212,8 @@ def _write_rank_file(
             spec["crc32"] = _write_block(f, array, tick)
             if kind == "state":
                 blocks[table]["state"][name] = spec
+            elif kind == "vocabulary":
+                blocks[table].setdefault("vocabulary", {})[name.rpartition("#")[2]] = spec
             else:
                 blocks[table][kind] = spec
         f.flush()
@@ -225,6 +234,7 @@ def save(
     group: comm.ProcessGroup | None = None,
     stale: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None,
     settings: dict[str, Any] | None = None,
+    vocabularies: dict[str, dict[str, torch.Tensor]] | None = None,
 ) -> Path:
     """Write a checkpoint of ``shards`` (this rank's rows of every table) and return its directory.
 
@@ -233,7 +243,8 @@ def save(
     directory, rank files, publication) make every rank raise the same ``CheckpointError`` or none.
     ``keep_last=N`` then deletes all but the N newest checkpoints under ``root`` (by manifest step).
     ``stale`` holds, per table, global rows [U] and their values before a pipelined update [U, D] that
-    the next training lookup must still read. ``settings`` (JSON) records module settings."""
+    the next training lookup must still read. ``settings`` (JSON) records module settings.
+    ``vocabularies`` holds each dynamic table's key map by the shard's rows (spec §11)."""
     rank, world = comm.get_rank(group), comm.get_world_size(group)
     base = Path(root)
 
@@ -259,7 +270,7 @@ def save(
     try:
         agree(error, group, f"save of step {step} to {base}")
         tick = progress or (lambda n: None)
-        plan = _plan(resolved, shards, stale)
+        plan = _plan(resolved, shards, stale, vocabularies)
         data = tmp / f"rank-{rank:05d}.safetensors"
         mine, error = _caught(lambda: _write_rank_file(data, resolved, plan, rank, step, tick))
         gathered = comm.all_gather_object((error, mine), group)
@@ -372,6 +383,12 @@ def _check_config(manifest: dict[str, Any], resolved: ResolvedConfig, where: Pat
         for field, mine in (("vocabulary_size", t.vocabulary_size), ("dim", t.dim)):
             if s[field] != mine:
                 problems.append(f"table {t.name!r}: {field} {s[field]} in the checkpoint, {mine} here")
+        if (s.get("dynamic") is None) != (t.config.dynamic is None):
+            kinds = ("dynamic (keyed by any id)", "fixed (ids in [0, V))")
+            problems.append(
+                f"table {t.name!r} is {kinds[s.get('dynamic') is None]} in the checkpoint and "
+                f"{kinds[t.config.dynamic is None]} here"
+            )
         if s["optimizer"]["type"] != type(t.optimizer).__name__ or s["slots"] != list(t.optimizer.slot_names):
             problems.append(
                 f"table {t.name!r}: optimizer {s['optimizer']['type']} (slots {s['slots']}) in the checkpoint, "
@@ -404,6 +421,7 @@ def restore(
         files.update(streaming_restore.open_files(where, manifest))
         plans = streaming_restore.verify(where, manifest, resolved, shards, files, tick)
         manifest["stale"] = _read_stale(where, manifest, maps, resolved, shards)
+        manifest["vocabularies"] = _read_vocabularies(where, manifest, maps, resolved, shards)
         return manifest, plans
 
     try:
@@ -478,6 +496,46 @@ def _read_stale(
             value_parts.append(values[ok])
         if rows_parts:
             out[t.name] = (torch.from_numpy(np.concatenate(rows_parts)), torch.from_numpy(np.concatenate(value_parts)))
+    return out
+
+
+def _read_vocabularies(
+    where: Path,
+    manifest: dict[str, Any],
+    maps: dict[str, np.ndarray[Any, Any]],
+    resolved: ResolvedConfig,
+    shards: dict[str, LocalShard],
+) -> dict[str, dict[str, torch.Tensor]]:
+    """Every dynamic table's vocabulary (``ROW_FIELDS`` -> [V] by this process's rows, ``PENDING_FIELDS``
+    -> [P]), read from
+    every rank file and checked as a whole (a key on two rows, a negative count...) before anything is
+    written."""
+    out = {}
+    for t in resolved.tables:
+        if t.config.dynamic is None:
+            continue
+        mine = shards[t.name].rows.detach().to("cpu", torch.int64).numpy()
+        arrays = {f: np.zeros(mine.size, dtype=np.int64) for f in ROW_FIELDS}
+        pending: dict[str, list[np.ndarray[Any, Any]]] = {f: [] for f in PENDING_FIELDS}
+        for entry in manifest["checked_files"]:
+            blocks = entry["blocks"][t.name]
+            file, mm = where / entry["file"], maps[entry["file"]]
+            if blocks.vocabulary is None:
+                raise CheckpointError(f"{file}: table {t.name!r} is dynamic but the file holds no vocabulary for it.")
+            rows = row_ids(mm, blocks.rows, file, t.name, t.vocabulary_size)
+            pos = np.searchsorted(mine, rows)
+            hit = (pos < mine.size) & (mine[np.minimum(pos, max(mine.size - 1, 0))] == rows)
+            for f in ROW_FIELDS:
+                values = read_block(mm, blocks.vocabulary[f], file, f"{t.name}#{f}")
+                arrays[f][pos[hit]] = values[hit]
+            for f in PENDING_FIELDS:
+                pending[f].append(read_block(mm, blocks.vocabulary[f], file, f"{t.name}#{f}"))
+        tensors = {f: torch.from_numpy(a) for f, a in arrays.items()}
+        tensors.update({f: torch.from_numpy(np.concatenate(parts).astype(np.int64)) for f, parts in pending.items()})
+        problem = vocabulary_problem(t.name, tensors, t.vocabulary_size)
+        if problem is not None:
+            raise CheckpointError(f"{where}: {problem} (the checkpoint is corrupt or was not written by embtables).")
+        out[t.name] = tensors
     return out
 
 

@@ -1,6 +1,7 @@
 """Layer 0: configuration values. Pure Python; never allocates tensors."""
 
 from embtables.config.catalogue import OPTIMIZER_TYPES, Optimizer
+from embtables.config.dynamic_vocabulary import DynamicVocabulary
 from embtables.config.extra_optimizers import (
     Adadelta,
     CenteredRMSProp,
@@ -24,6 +25,7 @@ __all__ = [
     "Adam",
     "CenteredRMSProp",
     "Combiner",
+    "DynamicVocabulary",
     "FeatureConfig",
     "FrequencyEstimator",
     "Momentum",

@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from embtables.config.catalogue import OPTIMIZER_TYPES, Optimizer
+from embtables.config.dynamic_vocabulary import DynamicVocabulary
 from embtables.errors import ConfigError
 
 logger = logging.getLogger("embtables")
@@ -72,6 +73,8 @@ class TableConfig:
       combiner: "mean" (default), "sum" or "sqrtn"; applies to every feature of this table.
       name: the table's name (state_dict key); None becomes ``table_{i}`` in table order.
       quantization_config: optional simulated quantization of looked-up rows.
+      dynamic: a ``DynamicVocabulary`` makes the table keyed by any int64 id, ``vocabulary_size`` being
+        its capacity in rows (spec §12); None (default) is a fixed table with ids in [0, V).
     """
 
     vocabulary_size: int
@@ -81,6 +84,7 @@ class TableConfig:
     combiner: Combiner | str = "mean"
     name: str | None = None
     quantization_config: QuantizationConfig | None = None
+    dynamic: DynamicVocabulary | None = None
 
     def __post_init__(self) -> None:
         who = f"TableConfig {self.name!r}" if self.name is not None else "TableConfig"
@@ -113,6 +117,10 @@ class TableConfig:
             )
         if self.quantization_config is not None and not isinstance(self.quantization_config, QuantizationConfig):
             raise ConfigError(f"{who}: `quantization_config` must be a QuantizationConfig or None.")
+        if self.dynamic is not None and not isinstance(self.dynamic, DynamicVocabulary):
+            raise ConfigError(
+                f"{who}: `dynamic` must be an embtables.DynamicVocabulary or None, got {type(self.dynamic).__name__}."
+            )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -31,7 +31,7 @@ from embtables.kernels.registry import RECORDS, record_of
 
 logger = logging.getLogger("embtables")
 
-_SOURCE = Path(__file__).parent / "csrc" / "embtables_native.c"
+_SOURCES = [Path(__file__).parent / "csrc" / name for name in ("embtables_native.c", "key_map.c")]
 _FLAGS = [
     "-O3",
     "-march=native",
@@ -104,7 +104,7 @@ def _compile() -> ctypes.CDLL | None:
     if cc is None:
         logger.warning("embtables: no C compiler found; using the slower pure-torch kernels (set CC to enable).")
         return None
-    source = _SOURCE.read_bytes()
+    source = b"".join(path.read_bytes() for path in _SOURCES)
     key = hashlib.sha256(source + " ".join(_FLAGS).encode() + _cpu_key().encode() + cc.encode()).hexdigest()[:16]
     cache = Path(os.environ.get("EMBTABLES_CACHE_DIR", Path.home() / ".cache" / "embtables"))
     target = cache / f"embtables_native-{key}.so"
@@ -112,7 +112,7 @@ def _compile() -> ctypes.CDLL | None:
         cache.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=cache) as tmp:
             out = Path(tmp) / target.name
-            cmd = [cc, *_FLAGS, str(_SOURCE), "-o", str(out), "-lm"]
+            cmd = [cc, *_FLAGS, *map(str, _SOURCES), "-o", str(out), "-lm"]
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
             if proc.returncode != 0:
                 logger.warning(
@@ -155,13 +155,32 @@ def _compile() -> ctypes.CDLL | None:
     lib.et_workspace_new.restype = p
     lib.et_workspace_free.argtypes = [p]
     lib.et_workspace_free.restype = None
+    lib.et_km_new.argtypes = [i64, i64, i32, i64]
+    lib.et_km_new.restype = p
+    lib.et_km_free.argtypes = [p]
+    lib.et_km_free.restype = None
+    lib.et_km_train.argtypes = [p, p, i64, i64, i64, p, p]
+    lib.et_km_train.restype = i64
+    lib.et_km_find.argtypes = [p, p, i64, p]
+    lib.et_km_find.restype = None
+    lib.et_km_stats.argtypes = [p, p]
+    lib.et_km_stats.restype = None
+    lib.et_km_export.argtypes = [p, p, p, p, p]
+    lib.et_km_export.restype = None
+    lib.et_km_export_pending.argtypes = [p, p, p, p]
+    lib.et_km_export_pending.restype = None
+    lib.et_km_import.argtypes = [p, p, p, p, p, p, p, p, i64, i64]
+    lib.et_km_import.restype = i32
     return lib
 
 
-def library() -> ctypes.CDLL | None:
-    """The loaded library, compiling it on first call; None when disabled or unavailable."""
+def library(*, required: bool = False) -> ctypes.CDLL | None:
+    """The loaded library, compiling it on first call; None when disabled or unavailable.
+    ``required``: also when the arithmetic kernels are disabled (``EMBTABLES_NATIVE=0`` or
+    ``set_enabled(False)`` select the torch path for those; the key map of a dynamic table has no torch
+    path)."""
     global _lib, _tried
-    if not _enabled:
+    if not _enabled and not required:
         return None
     with _lock:
         if not _tried:

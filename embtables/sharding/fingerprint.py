@@ -45,6 +45,7 @@ def describe_config(resolved: ResolvedConfig, placements: Mapping[str, Placement
             "optimizer": _describe(t.optimizer),
             "quantization_config": _describe(t.config.quantization_config),
             "initializer": _describe(t.config.initializer),
+            "dynamic": _describe(t.config.dynamic),
             "strategy": placements[t.name].strategy if t.name in placements else None,
             "table_rank": placements[t.name].rank if _whole(placements.get(t.name)) else None,
         }

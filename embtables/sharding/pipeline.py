@@ -44,7 +44,7 @@ class Staged:
     training: bool
     step: int  # the training step it looks up for (its phase header's step)
     refused: BaseException | None = None
-    prefetch: concurrent.futures.Future[tuple[list[Tensor], Any]] | None = None
+    prefetch: concurrent.futures.Future[tuple[list[Tensor], Any, list[FeatureBatch]]] | None = None
 
 
 @dataclasses.dataclass(eq=False)
@@ -140,12 +140,11 @@ class StepPipeline:
         if not staged.training:
             self.flush(observer=True)  # pipelining affects training lookups only
         if staged.prefetch is not None:
-            acts, context = staged.prefetch.result()
+            acts, context, batches = staged.prefetch.result()
         else:
-            acts, context = self.run(lambda: self._lookup(staged))
+            acts, context, batches = self.run(lambda: self._lookup(staged))
         if not staged.training:
             return acts
-        assert staged.batches is not None
         if self.last is not None:
             logger.warning(
                 "DistributedEmbedding: a training lookup's gradients were never applied before the next "
@@ -153,9 +152,9 @@ class StepPipeline:
                 "or look up with training=False / module.eval() for inference."
             )
         acts = [a.requires_grad_(True) for a in acts]
-        self.last = Lookup(staged.batches, acts, context)
+        self.last = Lookup(batches, acts, context)
         if self.recorder is not None and self.recorder.should_sample(self.training_steps):
-            b = staged.batches
+            b = batches
             self.recorder.record(
                 [x.ids for x in b], [x.out_shape[0] if x.out_shape else 1 for x in b], [x.dropped for x in b]
             )
@@ -163,11 +162,20 @@ class StepPipeline:
         self.flush()  # the pending update of the previous step lands after this step's lookup
         return acts
 
-    def _lookup(self, staged: Staged) -> tuple[list[Tensor], Any]:
-        """The lookup of a staged batch (on the exchange thread when pipelining is sharded)."""
+    def _lookup(self, staged: Staged) -> tuple[list[Tensor], Any, list[FeatureBatch]]:
+        """The lookup of a staged batch (on the exchange thread when pipelining is sharded): its
+        activations, the engine's context for the backward, and the batches looked up (a dynamic
+        table's keys turned into rows, spec §11; the staged batch keeps its keys, so a lookup done again
+        translates again). A training lookup never evicts a row the held-back update will write."""
+        batches = staged.batches or []
+        if staged.refused is None:
+            pin_from = staged.step - 1 if self.pipelined else staged.step
+            with torch.no_grad():
+                batches = self.engine.translate_keys(batches, staged.training, staged.step, pin_from)
         with torch.no_grad(), self._stale_rows_swapped_in(staged.training), phase_profile.phase("lookup"):
             self.engine.check_phase("lookup" if staged.training else "eval lookup", staged.step)
-            return self.engine.lookup(staged.batches or [], staged.refused)
+            acts, context = self.engine.lookup(batches, staged.refused)
+            return acts, context, batches
 
     def drop_prefetch(self) -> None:
         """Wait for a lookup started early (a staged batch being replaced, or tables about to change)."""

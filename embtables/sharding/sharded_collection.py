@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from embtables.config import ResolvedConfig, ResolvedTable
-from embtables.errors import InputError
+from embtables.errors import ConfigError, InputError
 from embtables.kernels import native
 from embtables.kernels.lookup import occurrence_gradients, pooled_lookup
 from embtables.kernels.segments import dedup_sum
@@ -92,6 +92,13 @@ class ShardedEmbeddingCollection(LocalTables):
         checked = {**(settings or {}), "owner_pooled": sorted(pooled)}
         digest = _check_same_config_everywhere(resolved, placements, group, checked)
         self.tag = int(digest[:15], 16)  # the tables' fingerprint in every phase header (63 bits)
+        dynamic = [t.name for t in resolved.tables if t.config.dynamic is not None]
+        if dynamic:  # every rank holds the same (agreed) config, so every rank raises this together
+            raise ConfigError(
+                f"tables {dynamic}: dynamic vocabularies (TableConfig(dynamic=...)) train in one process for now; "
+                f"this module has {self.world} ranks. Train them in one process, or use fixed tables with "
+                "hashed ids when sharding."
+            )
         self.plans: dict[str, TablePlan] = {}
         local_tables = []
         for t in resolved.tables:

@@ -49,7 +49,7 @@ def storages(x: object) -> set[int]:
     return {t.untyped_storage().data_ptr() for t in tensors if isinstance(t, Tensor) and t.layout == torch.strided}
 
 
-_BATCH_FIELDS = ("ids", "offsets", "coeffs", "seg_")
+_BATCH_FIELDS = ("ids", "offsets", "coeffs", "seg_", "weights")
 
 
 class Staging:
@@ -116,10 +116,16 @@ def owned(batch: FeatureBatch, foreign: set[int], staging: Staging, index: int, 
         else t
         for name in _BATCH_FIELDS
     ]
-    ids, offsets, coeffs, seg = copied
+    ids, offsets, coeffs, seg, weights = copied
     assert isinstance(ids, Tensor) and isinstance(offsets, Tensor)
     return FeatureBatch(
-        ids=ids, offsets=offsets, coeffs=coeffs, out_shape=batch.out_shape, seg_=seg, dropped=batch.dropped
+        ids=ids,
+        offsets=offsets,
+        coeffs=coeffs,
+        out_shape=batch.out_shape,
+        seg_=seg,
+        dropped=batch.dropped,
+        weights=weights,
     )
 
 

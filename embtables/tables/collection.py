@@ -24,9 +24,10 @@ from embtables.kernels.lookup import occurrence_gradients, pooled_lookup
 from embtables.kernels.segments import dedup_sum, occurrence_rounds
 from embtables.kernels.sequential import apply_in_order_, has_vectorised_form
 from embtables.kernels.sparse_update import update_rows
+from embtables.tables.dynamic_vocabularies import Vocabularies
 from embtables.tables.inputs import FeatureBatch
 from embtables.tables.learning_rates import learning_rates
-from embtables.tables.state import TableState, create_table_state
+from embtables.tables.state import TableState, create_table_state, initial_rows
 from embtables.tables.value_bounds import ValueBounds, check_finite_rows, non_finite_gradient, non_finite_update
 
 
@@ -69,6 +70,7 @@ class EmbeddingCollection:
         self._workspaces: dict[str, native.Workspace] = {}
         self._guard = ValueBounds(self.states)
         self._param_blocks: dict[tuple[str, float, float], Any] = {}  # native parameter blocks, see _params
+        self.vocabularies = Vocabularies(resolved)  # the key maps of dynamic tables (spec §11)
 
     @property
     def device(self) -> torch.device:
@@ -82,6 +84,28 @@ class EmbeddingCollection:
         return state
 
     # ------------------------------------------------------------------ forward
+    def translate_keys(
+        self, batches: Sequence[FeatureBatch], training: bool, step: int, pin_from: int
+    ) -> list[FeatureBatch]:
+        """Batches whose dynamic features hold rows instead of keys (spec §11); the rows a training lookup
+        gave to new keys are reset to the table's initial values first. Other batches pass unchanged."""
+        if not self.vocabularies:
+            return list(batches)
+        out, resets = self.vocabularies.translate(batches, training, step, pin_from)
+        for name, rows in resets.items():
+            if rows.numel():
+                self._reset_rows(self.resolved.tables[self.resolved.table_names.index(name)], rows)
+        return out
+
+    def _reset_rows(self, table: ResolvedTable, rows: Tensor) -> None:
+        state = self.states[table.name]
+        weights, slots = initial_rows(table, rows.numel(), self.device)
+        with torch.no_grad():
+            state.weights.index_copy_(0, rows, weights)
+            for name, values in slots.items():
+                state.slots[name].index_copy_(0, rows, values)
+        self._guard.after_reset(table.name, (weights, *(slots[n] for n in state.slots)))
+
     def lookup(self, batches: Sequence[FeatureBatch]) -> list[Tensor]:
         """Activations per feature, [*out_shape, D], in feature order.
 

@@ -17,6 +17,7 @@ from torch import Tensor
 
 from embtables.config import ResolvedConfig, ResolvedTable
 from embtables.tables.collection import EmbeddingCollection, TableGradient
+from embtables.tables.dynamic_vocabularies import Vocabularies
 from embtables.tables.inputs import FeatureBatch
 from embtables.tables.state import LocalShard, TableState
 
@@ -41,7 +42,14 @@ class Engine(Protocol):
     @property
     def states(self) -> dict[str, TableState]: ...
 
+    @property
+    def vocabularies(self) -> Vocabularies: ...
+
     def check_phase(self, phase: str, step: int) -> None: ...
+
+    def translate_keys(
+        self, batches: Sequence[FeatureBatch], training: bool, step: int, pin_from: int
+    ) -> list[FeatureBatch]: ...
 
     def lookup(
         self, batches: Sequence[FeatureBatch], refused: BaseException | None = None
@@ -89,12 +97,23 @@ class LocalTables:
         return self.local.device
 
     @property
+    def vocabularies(self) -> Vocabularies:
+        """The key maps of this process's dynamic tables (spec §11)."""
+        return self.local.vocabularies
+
+    @property
     def states(self) -> dict[str, TableState]:
         """This process's rows of every table (local row ids; see ``local_shards`` for the global ones)."""
         return self.local.states
 
     def check_gradient(self, feature_index: int, batch: FeatureBatch, grad: Any) -> Tensor | None:
         return self.local.check_gradient(feature_index, batch, grad)
+
+    def translate_keys(
+        self, batches: Sequence[FeatureBatch], training: bool, step: int, pin_from: int
+    ) -> list[FeatureBatch]:
+        """Dynamic tables' keys turned into rows (spec §11): the other batches unchanged."""
+        return self.local.translate_keys(batches, training, step, pin_from)
 
     def learning_rates(self) -> dict[str, float]:
         return self.local.learning_rates()

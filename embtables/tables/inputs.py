@@ -40,6 +40,7 @@ class FeatureBatch:
     out_shape: tuple[int, ...]
     seg_: Tensor | None = None
     dropped: int = 0  # ids of the input not looked up: negative, weight <= 0, or past max_sequence_length
+    weights: Tensor | None = None  # [N]: a dynamic table's input weights, to combine over admitted keys (§11)
 
     @property
     def num_segments(self) -> int:
@@ -140,7 +141,8 @@ class InputConverter:
         self.who = f"feature {feature.name!r} (table {table.name!r})"
         cfg = feature.config
         # for convert_many's fast path: may unweighted ids take it, and (V, combiner code) when they do
-        self.fast_path = not cfg.is_sequence and cfg.output_shape is None
+        self.dynamic = table.config.dynamic is not None  # ids are keys: any int64 (spec §11)
+        self.fast_path = not cfg.is_sequence and cfg.output_shape is None and not self.dynamic
         self.fast_part = (table.vocabulary_size, native.COMBINER_CODES[table.config.combiner])
 
     def fail(self, rule: str, fix: str, exc: type[Exception] = InputError) -> Exception:
@@ -354,11 +356,12 @@ class InputConverter:
             # Nothing dropped from a ragged input: its row_splits are the offsets, no segment index needed.
             offsets = j.splits.to(device=device, dtype=torch.int64)
             batch_ = FeatureBatch(ids=values, offsets=offsets, coeffs=None, out_shape=out_shape)
-            return dataclasses.replace(batch_, coeffs=self._combiner_coeffs(batch_, weights))
-        rows = j.rows_cols()[0].to(device)
-        seg = rows if keep is None else rows[keep]
-        batch_ = self._finish(values, seg, batch, out_shape, None)
-        return dataclasses.replace(batch_, coeffs=self._combiner_coeffs(batch_, weights))
+        else:
+            rows = j.rows_cols()[0].to(device)
+            seg = rows if keep is None else rows[keep]
+            batch_ = self._finish(values, seg, batch, out_shape, None)
+        coeffs = combiner_coeffs(self.table.config.combiner, batch_, weights)
+        return dataclasses.replace(batch_, coeffs=coeffs, weights=weights if self.dynamic else None)
 
     def _convert_dense(self, x: Tensor, w: Any, device: torch.device) -> FeatureBatch:
         cfg = self.feature.config
@@ -417,6 +420,11 @@ class InputConverter:
         (None when every id is kept) and the kept weights."""
         vocab = self.table.vocabulary_size
         validate = self.feature.config.validate_weights_and_indices
+        if self.dynamic:  # keys: every int64 is one; only weights <= 0 are dropped
+            if weights is None or not validate or not bool((weights <= 0).any()):
+                return ids, None, weights
+            keep = weights > 0
+            return ids[keep], keep, weights[keep]
         lowest, highest = (int(v) for v in torch.aminmax(ids)) if ids.numel() else (0, -1)
         drop_weights = weights is not None and validate and bool((weights <= 0).any())
         if highest < vocab and lowest >= 0 and not drop_weights:
@@ -443,27 +451,27 @@ class InputConverter:
             keep = keep & (weights > 0)
         return ids[keep], keep, None if weights is None else weights[keep]
 
-    def _combiner_coeffs(self, batch: FeatureBatch, weights: Tensor | None) -> Tensor | None:
-        """``s_b * w_k`` per id (spec §2.1); a zero denominator gives s_b = 0."""
-        combiner = self.table.config.combiner
-        if combiner == Combiner.SUM:
-            return weights
-        if weights is None:  # unweighted: the denominators are the bag sizes, no segment index needed
-            return _unweighted_coeffs(batch.offsets, combiner)
-        seg, num_segments = batch.seg, batch.num_segments
-        w = weights if weights is not None else torch.ones(seg.shape, dtype=torch.float32, device=seg.device)
-        if combiner == Combiner.MEAN:
-            den = segment_sum(w, seg, num_segments)
-        else:
-            den = torch.sqrt(segment_sum(w * w, seg, num_segments))
-        scale = torch.where(den != 0, 1.0 / torch.where(den != 0, den, torch.ones_like(den)), torch.zeros_like(den))
-        return w * scale.index_select(0, seg)
-
     def _finish(
         self, ids: Tensor, seg: Tensor, num_segments: int, out_shape: tuple[int, ...], coeffs: Tensor | None
     ) -> FeatureBatch:
         offsets = offsets_from_segments(seg, num_segments)
         return FeatureBatch(ids=ids, offsets=offsets, coeffs=coeffs, out_shape=out_shape, seg_=seg)
+
+
+def combiner_coeffs(combiner: Combiner | str, batch: FeatureBatch, weights: Tensor | None) -> Tensor | None:
+    """``s_b * w_k`` per id (spec §2.1) for ``batch``'s bags and the ids' ``weights`` [N] (None: 1 each);
+    a zero denominator gives s_b = 0."""
+    if combiner == Combiner.SUM:
+        return weights
+    if weights is None:  # unweighted: the denominators are the bag sizes, no segment index needed
+        return _unweighted_coeffs(batch.offsets, combiner)
+    seg, num_segments = batch.seg, batch.num_segments
+    if combiner == Combiner.MEAN:
+        den = segment_sum(weights, seg, num_segments)
+    else:
+        den = torch.sqrt(segment_sum(weights * weights, seg, num_segments))
+    scale = torch.where(den != 0, 1.0 / torch.where(den != 0, den, torch.ones_like(den)), torch.zeros_like(den))
+    return weights * scale.index_select(0, seg)
 
 
 def _unweighted_coeffs(offsets: Tensor, combiner: str) -> Tensor | None:
@@ -531,7 +539,7 @@ def convert_many(
         for (i, _, splits), staged in zip(fast, staged_all):
             if staged is None:
                 continue
-            ids, offsets, _, coeffs = staged  # coeffs None: every coefficient 1 (what _combiner_coeffs gives)
+            ids, offsets, _, coeffs = staged  # coeffs None: every coefficient 1 (what combiner_coeffs gives)
             if splits is None:  # dense: each element is its own lookup
                 out[i] = FeatureBatch(ids=ids, offsets=offsets, coeffs=None, out_shape=tuple(xs[i].shape))
             else:

@@ -67,8 +67,8 @@ def check_loaded_value(table: ResolvedTable, slot: str, value: Tensor) -> str | 
     return None
 
 
-def _checked(table: ResolvedTable, what: str, t: object) -> Tensor:
-    shape = (table.vocabulary_size, table.dim)
+def _checked(table: ResolvedTable, what: str, t: object, shape: tuple[int, int] | None = None) -> Tensor:
+    shape = shape or (table.vocabulary_size, table.dim)
     if not isinstance(t, Tensor) or tuple(t.shape) != shape or not torch.is_floating_point(t):
         got = f"{type(t).__name__} {tuple(t.shape)} {t.dtype}" if isinstance(t, Tensor) else type(t).__name__
         raise ConfigError(f"table {table.name!r}: {what} must return a float tensor of shape {shape}, got {got}.")
@@ -111,9 +111,23 @@ def create_table_state(table: ResolvedTable, device: torch.device) -> TableState
 
 
 def _create(table: ResolvedTable, shape: tuple[int, int], device: torch.device) -> TableState:
+    weights, slots = _initial_values(table, shape, device)
+    return TableState(weights=weights, slots=slots)
+
+
+def initial_rows(table: ResolvedTable, n: int, device: torch.device) -> tuple[Tensor, dict[str, Tensor]]:
+    """Fresh initial values for ``n`` rows [n, D] of ``table``: its initializer and slot initial values
+    (or ``slot_variable_creation_fn``) called for an [n, D] block, as a dynamic table's reused rows get
+    them (spec §11). A seeded initializer repeats its draw."""
+    return _initial_values(table, (n, table.dim), device)
+
+
+def _initial_values(
+    table: ResolvedTable, shape: tuple[int, int], device: torch.device
+) -> tuple[Tensor, dict[str, Tensor]]:
     init = table.config.initializer or default_initializer(table.dim)
     # An initializer may return an existing tensor (pretrained weights): never train it in place.
-    weights = _owned(_checked(table, "the initializer", init(shape, torch.float32)), device)
+    weights = _owned(_checked(table, "the initializer", init(shape, torch.float32), shape), device)
     opt = table.optimizer
     names = list(opt.slot_names)
     inits = [Constant(v) for v in opt.slot_initial_values()]
@@ -127,7 +141,7 @@ def _create(table: ResolvedTable, shape: tuple[int, int], device: torch.device) 
                 f"table {table.name!r}: slot_variable_creation_fn must return a dict with exactly the keys "
                 f"{names}, got {sorted(made) if isinstance(made, dict) else type(made).__name__}."
             )
-        slots = {n: _checked(table, f"slot_variable_creation_fn[{n!r}]", made[n]) for n in names}
+        slots = {n: _checked(table, f"slot_variable_creation_fn[{n!r}]", made[n], shape) for n in names}
         ptrs = [t.data_ptr() for t in slots.values()] + [weights.data_ptr()]
         if len(set(ptrs)) != len(ptrs):
             raise ConfigError(
@@ -135,4 +149,4 @@ def _create(table: ResolvedTable, shape: tuple[int, int], device: torch.device) 
                 "other or with the table; each slot needs its own storage."
             )
         slots = {n: _owned(t, device) for n, t in slots.items()}
-    return TableState(weights=weights, slots=slots)
+    return weights, slots

@@ -102,6 +102,20 @@ class ValueBounds:
         bounds.lo = [v if i in keeps_min else min(v, 0.0) for i, v in enumerate(bounds.lo)]
         bounds.stamp = _stamp((state.weights, *state.slot_tuple()))
 
+    def after_reset(self, table_name: str, written: Sequence[Tensor]) -> None:
+        """Rows of a table were set to the values ``written`` (weights, *slots blocks; a dynamic table's
+        reused rows): fold their max |value| and min value in, so the table needs no rescan."""
+        bounds = self._bounds.get(table_name)
+        if bounds is None:
+            return
+        for i, t in enumerate(written):
+            if t.numel():
+                mn, mx = (float(v) for v in torch.aminmax(t))
+                bounds.hi[i] = max(bounds.hi[i], abs(mn), abs(mx))
+                bounds.lo[i] = min(bounds.lo[i], mn)
+        state = self.states[table_name]
+        bounds.stamp = _stamp((state.weights, *state.slot_tuple()))
+
     def note_values_kept(self, table_name: str) -> None:
         """Tell the guard that in-place writes to a table put back values it held before (e.g. a
         pipelining snapshot swapped in and out), so its bounds still hold and need no rescan."""

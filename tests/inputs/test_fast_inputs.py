@@ -11,7 +11,7 @@ import torch
 
 import embtables as et
 from embtables.config import resolve
-from embtables.tables.inputs import FeatureBatch, InputConverter, convert_many
+from embtables.tables.inputs import FeatureBatch, InputConverter, combiner_coeffs, convert_many
 
 
 def _converters(combiners: list[str], validate: bool = True) -> list[InputConverter]:
@@ -95,7 +95,8 @@ def test_unweighted_coefficients_from_offsets_equal_the_weighted_path_with_unit_
         batch = FeatureBatch(values, torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(lengths, 0)]), None,
                              (lengths.numel(),))  # fmt: skip
         ones = torch.ones(values.numel(), dtype=torch.float32)
-        fast, weighted = conv._combiner_coeffs(batch, None), conv._combiner_coeffs(batch, ones)
+        c = conv.table.config.combiner
+        fast, weighted = combiner_coeffs(c, batch, None), combiner_coeffs(c, batch, ones)
         assert weighted is not None
         if fast is None:  # every bag holds one id: every coefficient is exactly 1
             assert bool((lengths == 1).all()) and torch.equal(weighted, ones)

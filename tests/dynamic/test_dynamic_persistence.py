@@ -1,0 +1,177 @@
+"""Dynamic tables (spec §11) through everything that keeps state: checkpoints, state dicts, copies;
+evaluation lookups; the input rules for keys; capacity limits; and the sharded refusal."""
+
+from __future__ import annotations
+
+import copy
+import json
+import pickle
+import random
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from mp_world import run_world
+
+import embtables as et
+from embtables.tables.dynamic_vocabularies import VOCABULARY_FIELDS
+
+POOL = [*range(-6, 6), 2**63 - 1, -(2**63), 10**17]
+
+
+def _module(policy: et.DynamicVocabulary | None = None, capacity: int = 6) -> et.DistributedEmbedding:
+    init = et.TruncatedNormal(stddev=0.3, seed=11)  # rows reset alike in every module compared
+    policy = policy or et.DynamicVocabulary(admit_after=2, eviction="lfu", ttl_steps=4)
+    user = et.TableConfig(capacity, 3, name="user", dynamic=policy, initializer=init)
+    item = et.TableConfig(10, 3, name="item")
+    features = {"u": et.FeatureConfig(user), "h": et.FeatureConfig(user), "i": et.FeatureConfig(item)}
+    return et.DistributedEmbedding(features, et.Adam(0.05))
+
+
+def _steps(modules: list[et.DistributedEmbedding], seed: int, n: int) -> None:
+    """The same n training steps on every module (same inputs, same gradients)."""
+    rng = random.Random(seed)
+    for _ in range(n):
+        u = torch.tensor([rng.choice(POOL) for _ in range(4)])
+        h = et.Ragged.from_lists([[rng.choice(POOL) for _ in range(rng.randint(0, 3))] for _ in range(4)])
+        i = torch.tensor([rng.randrange(10) for _ in range(4)])
+        grads = {k: torch.randn(4, 3) for k in ("u", "h", "i")}
+        for m in modules:
+            m({"u": u, "h": h, "i": i})
+            m.apply_gradients(grads)
+
+
+def _assert_same(a: et.DistributedEmbedding, b: et.DistributedEmbedding) -> None:
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys()
+    for k in sa:
+        assert torch.equal(sa[k], sb[k]), k
+    ka, ra = a.vocabulary("user")
+    kb, rb = b.vocabulary("user")
+    assert torch.equal(ka, kb) and torch.equal(ra, rb)
+
+
+def test_save_restore_continues_exactly(tmp_path: Path) -> None:
+    a = _module()
+    _steps([a], 0, 12)
+    path = Path(a.save(tmp_path))
+    b = _module()
+    b.restore(tmp_path)
+    _assert_same(a, b)
+    assert a.vocabulary("user")[0].numel() > 0
+    _steps([a, b], 1, 12)  # admissions, evictions and expiry after the restore match the uninterrupted run
+    _assert_same(a, b)
+    stats = b.vocabulary_statistics()["user"]
+    assert stats["admitted"] > 0 and stats["live"] == a.vocabulary_statistics()["user"]["live"]
+    manifest = json.loads((path / "manifest.json").read_text())
+    assert set(manifest["files"][0]["tables"]["user"]["vocabulary"]) == set(VOCABULARY_FIELDS)
+
+
+def test_state_dict_and_copies_continue_exactly() -> None:
+    a = _module()
+    _steps([a], 2, 10)
+    state = a.state_dict()
+    assert {"user/keys", "user/counts", "user/age", "user/order", "user/pending_keys"} <= state.keys()
+    assert state["user/keys"].dtype == torch.int64 and state["user/keys"].shape == (6,)
+    b = _module()  # a fresh module (step 0): ages count back from its own step, so expiry stays in step
+    b.load_state_dict(state)
+    c, d = copy.deepcopy(a), pickle.loads(pickle.dumps(a))
+    _steps([a, b, c, d], 3, 10)
+    for other in (b, c, d):
+        _assert_same(a, other)
+
+
+def test_evaluation_lookups_change_nothing() -> None:
+    a = _module()
+    _steps([a], 4, 6)
+    before = {k: v.clone() for k, v in a.state_dict().items()}
+    stats = a.vocabulary_statistics()
+    keys, rows = a.vocabulary("user")
+    a.eval()
+    out = a({"u": torch.tensor([int(keys[0]), 123456789]), "h": et.Ragged.from_lists([[int(keys[0])], [99]]),
+             "i": torch.tensor([0, 1])})  # fmt: skip
+    assert torch.equal(out["u"][0], a.embedding_tables["user"][int(rows[0])])
+    assert torch.equal(out["u"][1], torch.zeros(3)) and torch.equal(out["h"][1], torch.zeros(3))
+    assert a.vocabulary_statistics() == stats
+    for k, v in a.state_dict().items():
+        assert torch.equal(v, before[k]), k
+
+
+def test_keys_take_any_int64_and_keep_the_other_input_rules() -> None:
+    user = et.TableConfig(4, 2, name="user", dynamic=et.DynamicVocabulary())
+    strict = et.DistributedEmbedding({"u": et.FeatureConfig(user, validate_weights_and_indices=False)}, et.SGD(0.1))
+    out = strict({"u": torch.tensor([-1, 2**63 - 1, -(2**63), 4])})  # negative and >= capacity: keys like any other
+    assert strict.vocabulary("user")[0].tolist() == [-1, 2**63 - 1, -(2**63), 4]
+    strict.apply_gradients({"u": torch.ones_like(out["u"])})
+    with pytest.raises(TypeError, match="uint64"):
+        strict({"u": torch.tensor([1], dtype=torch.uint64)})
+    with pytest.raises(TypeError, match="integer dtype"):
+        strict({"u": torch.tensor([1.0])})
+    # weights <= 0 are still dropped (validate_weights_and_indices=True): the key is not even counted
+    m = et.DistributedEmbedding({"u": et.FeatureConfig(user)}, et.SGD(0.1))
+    m({"u": et.Ragged.from_lists([[7, 8]])}, {"u": et.Ragged.from_lists([[1.0, -1.0]], dtype=torch.float32)})
+    assert m.vocabulary("user")[0].tolist() == [7]
+    with pytest.raises(KeyError, match="not a dynamic table"):
+        m.vocabulary("nope")
+
+
+def test_full_table_without_eviction_is_counted_never_an_error() -> None:
+    m = _module(et.DynamicVocabulary(eviction=None), capacity=2)
+    acts = m({"u": torch.tensor([1, 2, 3, 4]), "h": et.Ragged.from_lists([[], [], [], []]), "i": torch.zeros(4).long()})
+    assert acts["u"][2:].abs().sum() == 0  # keys 3 and 4 found no row: absent from their bags
+    m.apply_gradients({k: torch.ones(4, 3) for k in ("u", "h", "i")})
+    stats = m.vocabulary_statistics()["user"]
+    assert stats["rejected"] == 2 and stats["live"] == 2 and stats["evicted"] == 0
+
+
+def test_restore_refuses_a_corrupt_vocabulary_and_changes_nothing(tmp_path: Path) -> None:
+    a = _module()
+    _steps([a], 5, 8)
+    path = Path(a.save(tmp_path))
+    manifest_file = path / "manifest.json"
+    manifest = json.loads(manifest_file.read_text())
+    entry = manifest["files"][0]
+    spec = entry["tables"]["user"]["vocabulary"]["keys"]
+    data = bytearray((path / entry["file"]).read_bytes())
+    keys = np.frombuffer(bytes(data[spec["offset"] : spec["offset"] + 8 * spec["count"]]), dtype=np.int64).copy()
+    counts_spec = entry["tables"]["user"]["vocabulary"]["counts"]
+    counts = np.frombuffer(bytes(data[counts_spec["offset"] : counts_spec["offset"] + 8 * 6]), dtype=np.int64)
+    live = np.nonzero(counts > 0)[0]
+    assert live.size >= 2
+    keys[live[1]] = keys[live[0]]  # one key on two rows, with a valid CRC: the reader must still refuse it
+    data[spec["offset"] : spec["offset"] + keys.nbytes] = keys.tobytes()
+    spec["crc32"] = zlib.crc32(keys.tobytes())
+    (path / entry["file"]).write_bytes(bytes(data))
+    manifest_file.write_text(json.dumps(manifest))
+    b = _module()
+    _steps([b], 6, 3)
+    before = {k: v.clone() for k, v in b.state_dict().items()}
+    with pytest.raises(et.CheckpointError, match="a key holds two rows"):
+        b.restore(tmp_path)
+    for k, v in b.state_dict().items():
+        assert torch.equal(v, before[k]), k
+
+
+def test_fixed_and_dynamic_checkpoints_do_not_mix(tmp_path: Path) -> None:
+    fixed = et.DistributedEmbedding({"u": et.FeatureConfig(et.TableConfig(6, 3, name="user"))}, et.Adam(0.05))
+    fixed.save(tmp_path / "fixed")
+    dynamic = et.DistributedEmbedding(
+        {"u": et.FeatureConfig(et.TableConfig(6, 3, name="user", dynamic=et.DynamicVocabulary()))}, et.Adam(0.05)
+    )
+    with pytest.raises(et.CheckpointError, match=r"fixed \(ids in \[0, V\)\) in the checkpoint and dynamic"):
+        dynamic.restore(tmp_path / "fixed")
+    dynamic.save(tmp_path / "dynamic")
+    with pytest.raises(et.CheckpointError, match=r"dynamic \(keyed by any id\) in the checkpoint and fixed"):
+        fixed.restore(tmp_path / "dynamic")
+
+
+def _sharded_refusal(rank: int, world: int) -> None:
+    user = et.TableConfig(8, 2, name="user", dynamic=et.DynamicVocabulary())
+    with pytest.raises(et.ConfigError, match="train in one process for now"):
+        et.DistributedEmbedding({"u": et.FeatureConfig(user)}, et.SGD(0.1), sharding="div")
+
+
+def test_sharded_dynamic_tables_are_refused_on_every_rank() -> None:
+    run_world(_sharded_refusal, 2)
