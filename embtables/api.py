@@ -159,14 +159,18 @@ class DistributedEmbedding(nn.Module):
 
     @_locked
     def vocabulary(self, table: str | TableConfig) -> tuple[Tensor, Tensor]:
-        """A dynamic table's live keys [L] and their rows [L] (int64, by row; spec §11)."""
-        return self._engine.vocabularies.live(self._dynamic_table(table))
+        """A dynamic table's live keys [L] and their rows [L] (int64, by row; spec §11). Collective when
+        sharded (global rows)."""
+        arrays = self._pipeline.exchange("state read", self._engine.vocabulary_state)[self._dynamic_table(table)]
+        rows = torch.nonzero(arrays["counts"] > 0).flatten()
+        return arrays["keys"][rows], rows
 
     @_locked
     def vocabulary_statistics(self) -> dict[str, dict[str, int]]:
         """Per dynamic table: keys admitted, evicted, expired, rejected (no row to give), untracked (the
-        pending set was full), since construction or the last restore; live rows, pending keys, capacity."""
-        return {name: m.stats() for name, m in self._engine.vocabularies.maps.items()}
+        pending set was full), since construction or the last restore; live rows, pending keys, capacity
+        (summed over the ranks when sharded: collective)."""
+        return self._pipeline.exchange("state read", self._engine.vocabulary_statistics)
 
     def _dynamic_table(self, table: str | TableConfig) -> str:
         name = self._names_by_config.get(id(table), "") if isinstance(table, TableConfig) else table

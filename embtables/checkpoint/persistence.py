@@ -8,16 +8,21 @@ restore or a complete ``load_state_dict`` succeeds.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
+
+import torch
+from torch import Tensor
 
 from embtables.checkpoint.progress import progress_bar
 from embtables.checkpoint.store import CheckpointError, restore, save
 from embtables.checkpoint.streaming_restore import TornRestore
 from embtables.config import ResolvedConfig
 from embtables.sharding import comm
+from embtables.sharding.dynamic_keys import key_owners
 from embtables.sharding.pipeline import StepPipeline
 from embtables.tables.dynamic_vocabularies import VOCABULARY_FIELDS, vocabulary_problem
 from embtables.tables.state_dict_io import strict_of_caller, validate_state_dict
@@ -63,7 +68,7 @@ class Persistence:
             return save(
                 path, self.resolved, shards, pipeline.training_steps, strategies=strategies, extra=extra,
                 keep_last=keep_last, progress=tick, group=engine.group, stale=stale, settings=self.settings,
-                vocabularies=engine.vocabularies.arrays(),
+                vocabularies=engine.vocabulary_shards(),
             )  # fmt: skip
 
     def restore(self, path: str | os.PathLike[str], progress: Progress) -> dict[str, Any]:
@@ -75,7 +80,9 @@ class Persistence:
         pipeline.exchange("restore", lambda: None)
         with progress_bar(progress, comm.get_rank(engine.group), "restore") as tick:
             try:
-                manifest = restore(path, self.resolved, shards, progress=tick, group=engine.group)
+                manifest = restore(
+                    path, self.resolved, shards, progress=tick, group=engine.group, dynamic=self._key_owners()
+                )
             except TornRestore as exc:
                 self.torn = str(exc)
                 raise
@@ -88,7 +95,7 @@ class Persistence:
         else:
             pipeline.replaced()
         pipeline.training_steps = int(manifest["step"])
-        engine.vocabularies.load(manifest.pop("vocabularies"), pipeline.training_steps)  # checked in pass 1
+        engine.vocabularies.load(manifest.pop("dynamic"), pipeline.training_steps)  # checked in pass 1
         return manifest
 
     def state_dict_into(self, destination: dict[str, Any], prefix: str, keep_vars: bool) -> None:
@@ -96,7 +103,7 @@ class Persistence:
         and a dynamic table's vocabulary (``<table>/keys``, ``/counts``, ``/age``, ``/order``; spec §11)."""
         for key, t in self.pipeline.full_state().items():
             destination[prefix + key] = t if keep_vars else t.detach()  # gathered copies when sharded
-        for name, arrays in self.pipeline.engine.vocabularies.arrays().items():
+        for name, arrays in self.pipeline.engine.vocabulary_state().items():
             for field, values in arrays.items():
                 destination[f"{prefix}{name}/{field}"] = values
 
@@ -132,7 +139,20 @@ class Persistence:
         pipeline.replaced()  # a loaded state replaces any update still held back
         self.torn = None if not missing else self.torn
         engine.load_logical(present)
-        engine.vocabularies.load(vocabularies, pipeline.training_steps)
+        engine.load_vocabulary_state(vocabularies, pipeline.training_steps)
+
+    def _key_owners(self) -> dict[str, tuple[int, Callable[[Tensor], Tensor], str]]:
+        """Per dynamic table: this process's key map capacity, which keys it owns, its strategy."""
+        engine = self.pipeline.engine
+        out = {}
+        for name, key_map in engine.vocabularies.maps.items():
+            plan = engine.plans[name]
+            if engine.world == 1:
+                owns: Callable[[Tensor], Tensor] = lambda keys: torch.ones(keys.numel(), dtype=torch.bool)  # noqa: E731
+            else:
+                owns = functools.partial(_owned_by, plan=plan, rank=engine.rank)
+            out[name] = (key_map.capacity, owns, plan.strategy)
+        return out
 
     def _vocabularies_in(
         self, state_dict: Mapping[str, Any], prefix: str, errors: list[str], missing: list[str]
@@ -140,19 +160,24 @@ class Persistence:
         """The complete, checked vocabularies of dynamic tables in ``state_dict``; problems go to
         ``errors``, absent keys to ``missing`` (a table with some of its fields absent keeps its own)."""
         out = {}
-        for name, key_map in self.pipeline.engine.vocabularies.maps.items():
+        for name in self.pipeline.engine.vocabularies.maps:
             keys = {f: f"{prefix}{name}/{f}" for f in VOCABULARY_FIELDS}
             absent = [k for k in keys.values() if k not in state_dict]
             missing.extend(absent)
             if absent:
                 continue
             arrays = {f: state_dict[k] for f, k in keys.items()}
-            problem = vocabulary_problem(name, arrays, key_map.capacity)
+            capacity = self.resolved.tables[self.resolved.table_names.index(name)].vocabulary_size
+            problem = vocabulary_problem(name, arrays, capacity)
             if problem is not None:
                 errors.append(f"{problem} (the state dict is corrupt or from another model)")
             else:
                 out[name] = arrays
         return out
+
+
+def _owned_by(keys: Tensor, plan: Any, rank: int) -> Tensor:
+    return key_owners(keys, plan) == rank
 
 
 def _is_vocabulary_key(key: str, prefix: str, maps: Mapping[str, Any]) -> bool:

@@ -23,6 +23,7 @@ save on that host once their writer is dead. Checkpoints are ordered by the step
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -36,15 +37,14 @@ from typing import Any
 import numpy as np
 import torch
 
+from embtables.checkpoint import dynamic_restore, streaming_restore
 from embtables.checkpoint import manifest as manifest_io
-from embtables.checkpoint import streaming_restore
 from embtables.checkpoint.file_names import CheckpointError as CheckpointError
 from embtables.checkpoint.manifest import Block
 from embtables.checkpoint.owned_dirs import WriterLock, clean_dead_leftovers, fsync_dir, publish, temp_name
 from embtables.config import ResolvedConfig
 from embtables.sharding import comm
 from embtables.sharding.fingerprint import describe_config
-from embtables.tables.dynamic_vocabularies import PENDING_FIELDS, ROW_FIELDS, vocabulary_problem
 from embtables.tables.state import LocalShard
 
 logger = logging.getLogger("embtables")
@@ -381,6 +381,8 @@ def _check_config(manifest: dict[str, Any], resolved: ResolvedConfig, where: Pat
             problems.append(f"table {t.name!r} is not in the checkpoint (it has {sorted(saved)})")
             continue
         for field, mine in (("vocabulary_size", t.vocabulary_size), ("dim", t.dim)):
+            if field == "vocabulary_size" and t.config.dynamic is not None:
+                continue  # a dynamic table's keys move to any capacity that holds them (dynamic_restore)
             if s[field] != mine:
                 problems.append(f"table {t.name!r}: {field} {s[field]} in the checkpoint, {mine} here")
         if (s.get("dynamic") is None) != (t.config.dynamic is None):
@@ -405,12 +407,15 @@ def restore(
     *,
     progress: Callable[[int], None] | None = None,
     group: comm.ProcessGroup | None = None,
+    dynamic: dict[str, tuple[int, Callable[[torch.Tensor], torch.Tensor], str]] | None = None,
 ) -> dict[str, Any]:
     """Fill ``shards`` (this rank's rows, live storage) from a checkpoint written by any number of
-    ranks with any strategy; returns the manifest. Every manifest value and every block read is
-    checked (size, range of row ids, CRC-32) before anything is written, and every rank agrees: on
-    any error every rank raises ``CheckpointError`` naming the rank, file and table, and no shard
-    changes anywhere."""
+    ranks with any strategy; returns the manifest, with ``"dynamic"``: per dynamic table, the
+    vocabulary arrays of its key map (``dynamic_restore``). ``dynamic`` gives, per dynamic table, its
+    key map's capacity, which keys this rank owns (``owns(keys) -> bool mask``) and its strategy. Every
+    manifest value and every block read is checked (size, range of row ids, CRC-32) before anything
+    is written, and every rank agrees: on any error every rank raises ``CheckpointError`` naming the
+    rank, file and table, and no shard changes anywhere."""
     tick = progress or (lambda n: None)
     files: dict[str, Any] = {}
 
@@ -419,9 +424,27 @@ def restore(
         _check_config(manifest, resolved, where)
         maps = open_rank_files(where, manifest)
         files.update(streaming_restore.open_files(where, manifest))
-        plans = streaming_restore.verify(where, manifest, resolved, shards, files, tick)
-        manifest["stale"] = _read_stale(where, manifest, maps, resolved, shards)
-        manifest["vocabularies"] = _read_vocabularies(where, manifest, maps, resolved, shards)
+        by_row = tuple(t for t in resolved.tables if t.config.dynamic is None)
+        fixed = dataclasses.replace(resolved, tables=by_row)
+        plans = streaming_restore.verify(where, manifest, fixed, shards, files, tick)
+        restores = {}
+        for t in resolved.tables:
+            if t.config.dynamic is None:
+                continue
+            capacity, owns, strategy = (dynamic or {})[t.name]
+            saved = manifest["config"]["tables"][t.name]
+            same = (
+                manifest["world_size"] == comm.get_world_size(group)
+                and saved["vocabulary_size"] == t.vocabulary_size
+                and manifest["strategies"].get(t.name) == strategy
+            )
+            restores[t.name] = dynamic_restore.read(
+                where, manifest, maps, t, shards[t.name], capacity, owns, same, read_block, row_ids
+            )
+            if same:
+                by_row += (t,)  # its rows are the writer's: a pending pipelined update's old values still apply
+        manifest["stale"] = _read_stale(where, manifest, maps, dataclasses.replace(resolved, tables=by_row), shards)
+        manifest["dynamic"] = restores
         return manifest, plans
 
     try:
@@ -430,14 +453,20 @@ def restore(
         _, error = _caught(lambda: streaming_restore.unchanged(files))
         agree(error, group, f"restore from {path}")
         manifest, plans = verified
-        _, error = _caught(lambda: streaming_restore.write(plans, shards, tick))  # pass 2: into place
+        def write() -> None:  # pass 2: into place
+            streaming_restore.write(plans, shards, tick)
+            dynamic_restore.write(manifest["dynamic"], shards)
+
+        _, error = _caught(write)
         errors = comm.all_gather_object(error, group)
         if any(e is not None for e in errors):  # a file changed under pass 2: every rank's tables are suspect
             message = "; ".join(f"rank {r}: {e}" for r, e in enumerate(errors) if e is not None)
             raise streaming_restore.TornRestore(f"restore from {path} was interrupted, on every rank: {message}")
     finally:
         streaming_restore.close(files)
-    return dict(manifest)
+    out = dict(manifest)
+    out["dynamic"] = {name: r.arrays for name, r in manifest["dynamic"].items()}
+    return out
 
 
 def open_rank_files(where: Path, manifest: dict[str, Any]) -> dict[str, np.ndarray[Any, Any]]:
@@ -496,46 +525,6 @@ def _read_stale(
             value_parts.append(values[ok])
         if rows_parts:
             out[t.name] = (torch.from_numpy(np.concatenate(rows_parts)), torch.from_numpy(np.concatenate(value_parts)))
-    return out
-
-
-def _read_vocabularies(
-    where: Path,
-    manifest: dict[str, Any],
-    maps: dict[str, np.ndarray[Any, Any]],
-    resolved: ResolvedConfig,
-    shards: dict[str, LocalShard],
-) -> dict[str, dict[str, torch.Tensor]]:
-    """Every dynamic table's vocabulary (``ROW_FIELDS`` -> [V] by this process's rows, ``PENDING_FIELDS``
-    -> [P]), read from
-    every rank file and checked as a whole (a key on two rows, a negative count...) before anything is
-    written."""
-    out = {}
-    for t in resolved.tables:
-        if t.config.dynamic is None:
-            continue
-        mine = shards[t.name].rows.detach().to("cpu", torch.int64).numpy()
-        arrays = {f: np.zeros(mine.size, dtype=np.int64) for f in ROW_FIELDS}
-        pending: dict[str, list[np.ndarray[Any, Any]]] = {f: [] for f in PENDING_FIELDS}
-        for entry in manifest["checked_files"]:
-            blocks = entry["blocks"][t.name]
-            file, mm = where / entry["file"], maps[entry["file"]]
-            if blocks.vocabulary is None:
-                raise CheckpointError(f"{file}: table {t.name!r} is dynamic but the file holds no vocabulary for it.")
-            rows = row_ids(mm, blocks.rows, file, t.name, t.vocabulary_size)
-            pos = np.searchsorted(mine, rows)
-            hit = (pos < mine.size) & (mine[np.minimum(pos, max(mine.size - 1, 0))] == rows)
-            for f in ROW_FIELDS:
-                values = read_block(mm, blocks.vocabulary[f], file, f"{t.name}#{f}")
-                arrays[f][pos[hit]] = values[hit]
-            for f in PENDING_FIELDS:
-                pending[f].append(read_block(mm, blocks.vocabulary[f], file, f"{t.name}#{f}"))
-        tensors = {f: torch.from_numpy(a) for f, a in arrays.items()}
-        tensors.update({f: torch.from_numpy(np.concatenate(parts).astype(np.int64)) for f, parts in pending.items()})
-        problem = vocabulary_problem(t.name, tensors, t.vocabulary_size)
-        if problem is not None:
-            raise CheckpointError(f"{where}: {problem} (the checkpoint is corrupt or was not written by embtables).")
-        out[t.name] = tensors
     return out
 
 

@@ -167,13 +167,12 @@ class StepPipeline:
         activations, the engine's context for the backward, and the batches looked up (a dynamic
         table's keys turned into rows, spec §11; the staged batch keeps its keys, so a lookup done again
         translates again). A training lookup never evicts a row the held-back update will write."""
-        batches = staged.batches or []
-        if staged.refused is None:
-            pin_from = staged.step - 1 if self.pipelined else staged.step
-            with torch.no_grad():
-                batches = self.engine.translate_keys(batches, staged.training, staged.step, pin_from)
+        pin_from = staged.step - 1 if self.pipelined else staged.step
         with torch.no_grad(), self._stale_rows_swapped_in(staged.training), phase_profile.phase("lookup"):
             self.engine.check_phase("lookup" if staged.training else "eval lookup", staged.step)
+            batches = self.engine.translate_keys(
+                staged.batches or [], staged.training, staged.step, pin_from, staged.refused
+            )
             acts, context = self.engine.lookup(batches, staged.refused)
             return acts, context, batches
 

@@ -35,7 +35,7 @@ from embtables.errors import ConfigError, InputError
 from embtables.kernels import native
 from embtables.kernels.lookup import occurrence_gradients, pooled_lookup
 from embtables.kernels.segments import dedup_sum
-from embtables.sharding import comm, owner_pooling, routing
+from embtables.sharding import comm, dynamic_keys, owner_pooling, routing
 from embtables.sharding.fingerprint import describe_config, differences, fingerprint
 from embtables.sharding.plan import Placement, TablePlan
 from embtables.tables import phase_profile
@@ -92,19 +92,24 @@ class ShardedEmbeddingCollection(LocalTables):
         checked = {**(settings or {}), "owner_pooled": sorted(pooled)}
         digest = _check_same_config_everywhere(resolved, placements, group, checked)
         self.tag = int(digest[:15], 16)  # the tables' fingerprint in every phase header (63 bits)
-        dynamic = [t.name for t in resolved.tables if t.config.dynamic is not None]
-        if dynamic:  # every rank holds the same (agreed) config, so every rank raises this together
-            raise ConfigError(
-                f"tables {dynamic}: dynamic vocabularies (TableConfig(dynamic=...)) train in one process for now; "
-                f"this module has {self.world} ranks. Train them in one process, or use fixed tables with "
-                "hashed ids when sharding."
-            )
+        for t in resolved.tables:  # every rank holds the same (agreed) config, so every rank raises together
+            by_row = placements[t.name].strategy != "table"
+            if t.config.dynamic is not None and by_row and t.vocabulary_size < self.world:
+                raise ConfigError(
+                    f"table {t.name!r}: a dynamic table sharded by row gives every rank rows for the keys it owns, so "
+                    f"its capacity (vocabulary_size={t.vocabulary_size}) must be at least the {self.world} ranks. "
+                    "Raise vocabulary_size, or place the table whole on one rank."
+                )
         self.plans: dict[str, TablePlan] = {}
         local_tables = []
         for t in resolved.tables:
             plan = TablePlan.of(placements[t.name], t.vocabulary_size, self.world)
             self.plans[t.name] = plan
             rows = plan.global_rows(self.rank)
+            if t.config.dynamic is not None:  # rows get their initial values when given to a key (spec §11)
+                config = dataclasses.replace(t.config, vocabulary_size=max(1, int(rows.numel())))
+                local_tables.append(dataclasses.replace(t, config=config))
+                continue
             init = t.config.initializer or default_initializer(t.dim)
             full = init((t.vocabulary_size, t.dim), torch.float32)
             # A rank with no rows of a table keeps one dummy row (never looked up, never gathered).
@@ -127,6 +132,48 @@ class ShardedEmbeddingCollection(LocalTables):
         operation's first exchange; ranks out of step raise ``CollectiveError`` on every rank."""
         with phase_profile.phase("phase header"):
             comm.check_phase(phase, step, self.tag, self.group)
+
+    # ------------------------------------------------------------------ dynamic tables (spec §11.4)
+    def translate_keys(
+        self,
+        batches: Sequence[FeatureBatch],
+        training: bool,
+        step: int,
+        pin_from: int,
+        refused: BaseException | None = None,
+    ) -> list[FeatureBatch]:
+        """Dynamic features' keys turned into global rows by their owners' key maps (collective; every
+        rank raises when any rank refused its batch, before any map changes)."""
+        out, refusing = dynamic_keys.translate_sharded(
+            self.resolved, self.plans, self.local.vocabularies, self.local.reset_rows, batches, training, step,
+            pin_from, refused is not None, self.group,
+        )  # fmt: skip
+        if refusing:
+            self._raise_refused(refused, refusing, "batch")
+        return out
+
+    def vocabulary_state(self) -> dict[str, dict[str, Tensor]]:
+        """Every dynamic table's logical vocabulary, gathered on every rank (collective)."""
+        return dynamic_keys.gather_vocabularies(
+            self.resolved, self.plans, self.local.vocabularies, self._owned_rows, self.group
+        )
+
+    def load_vocabulary_state(self, values: dict[str, dict[str, Tensor]], step: int) -> None:
+        """Keep this rank's part of logical vocabularies (already validated as a whole)."""
+        self.local.vocabularies.load(
+            dynamic_keys.local_vocabularies(values, self.plans, self.local.vocabularies, self.rank), step
+        )
+
+    def vocabulary_statistics(self) -> dict[str, dict[str, int]]:
+        """Per dynamic table, every counter summed over the ranks (collective); ``capacity`` is V."""
+        mine = {name: m.stats() for name, m in self.local.vocabularies.maps.items()}
+        everyone = comm.all_gather_object(mine, self.group)
+        out = {}
+        for t in self.resolved.tables:
+            if t.config.dynamic is not None:
+                summed = {k: sum(r[t.name][k] for r in everyone) for k in mine[t.name]}
+                out[t.name] = {**summed, "capacity": t.vocabulary_size}
+        return out
 
     # ------------------------------------------------------------------ forward
     def lookup(

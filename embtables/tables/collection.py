@@ -94,10 +94,14 @@ class EmbeddingCollection:
         out, resets = self.vocabularies.translate(batches, training, step, pin_from)
         for name, rows in resets.items():
             if rows.numel():
-                self._reset_rows(self.resolved.tables[self.resolved.table_names.index(name)], rows)
+                self.reset_rows(name, rows)
         return out
 
-    def _reset_rows(self, table: ResolvedTable, rows: Tensor) -> None:
+    def reset_rows(self, name: str, rows: Tensor) -> None:
+        """Give rows [R] of table ``name`` fresh initial values (weights and slots): a dynamic table's rows
+        handed to new keys."""
+        table = self.resolved.tables[self.resolved.table_names.index(name)]
+        rows = rows.to(self.device)
         state = self.states[table.name]
         weights, slots = initial_rows(table, rows.numel(), self.device)
         with torch.no_grad():

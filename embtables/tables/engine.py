@@ -17,7 +17,7 @@ from torch import Tensor
 
 from embtables.config import ResolvedConfig, ResolvedTable
 from embtables.tables.collection import EmbeddingCollection, TableGradient
-from embtables.tables.dynamic_vocabularies import Vocabularies
+from embtables.tables.dynamic_vocabularies import ROW_FIELDS, Vocabularies
 from embtables.tables.inputs import FeatureBatch
 from embtables.tables.state import LocalShard, TableState
 
@@ -48,8 +48,21 @@ class Engine(Protocol):
     def check_phase(self, phase: str, step: int) -> None: ...
 
     def translate_keys(
-        self, batches: Sequence[FeatureBatch], training: bool, step: int, pin_from: int
+        self,
+        batches: Sequence[FeatureBatch],
+        training: bool,
+        step: int,
+        pin_from: int,
+        refused: BaseException | None = None,
     ) -> list[FeatureBatch]: ...
+
+    def vocabulary_state(self) -> dict[str, dict[str, Tensor]]: ...
+
+    def load_vocabulary_state(self, values: dict[str, dict[str, Tensor]], step: int) -> None: ...
+
+    def vocabulary_statistics(self) -> dict[str, dict[str, int]]: ...
+
+    def vocabulary_shards(self) -> dict[str, dict[str, Tensor]]: ...
 
     def lookup(
         self, batches: Sequence[FeatureBatch], refused: BaseException | None = None
@@ -109,17 +122,23 @@ class LocalTables:
     def check_gradient(self, feature_index: int, batch: FeatureBatch, grad: Any) -> Tensor | None:
         return self.local.check_gradient(feature_index, batch, grad)
 
-    def translate_keys(
-        self, batches: Sequence[FeatureBatch], training: bool, step: int, pin_from: int
-    ) -> list[FeatureBatch]:
-        """Dynamic tables' keys turned into rows (spec §11): the other batches unchanged."""
-        return self.local.translate_keys(batches, training, step, pin_from)
+    def vocabulary_shards(self) -> dict[str, dict[str, Tensor]]:
+        """Per dynamic table, this process's vocabulary arrays by its rows (``local_shards``' rows), for
+        checkpoints: row fields cut to the rows it owns, its pending keys."""
+        owned = {name: int(shard.rows.numel()) for name, shard in self.local_shards().items()}
+        out = {}
+        for name, arrays in self.local.vocabularies.arrays().items():
+            out[name] = {f: (v[: owned[name]] if f in ROW_FIELDS else v) for f, v in arrays.items()}
+        return out
 
     def learning_rates(self) -> dict[str, float]:
         return self.local.learning_rates()
 
     def map_tensors(self, fn: Callable[[Tensor], Tensor]) -> None:
         self.local.map_tensors(fn)
+
+    def local_shards(self) -> dict[str, LocalShard]:
+        raise NotImplementedError  # each engine says which global rows its local rows are
 
     def note_values_kept(self, table_name: str) -> None:
         self.local.note_values_kept(table_name)
@@ -148,6 +167,29 @@ class OneProcessEngine(LocalTables):
 
     def check_phase(self, phase: str, step: int) -> None:
         """Nothing to agree on with no other rank."""
+
+    def translate_keys(
+        self,
+        batches: Sequence[FeatureBatch],
+        training: bool,
+        step: int,
+        pin_from: int,
+        refused: BaseException | None = None,
+    ) -> list[FeatureBatch]:
+        """Dynamic tables' keys turned into rows (spec §11): the other batches unchanged."""
+        if refused is not None:
+            raise refused
+        return self.local.translate_keys(batches, training, step, pin_from)
+
+    def vocabulary_state(self) -> dict[str, dict[str, Tensor]]:
+        """``{table: {field: tensor}}``: every dynamic table's vocabulary (``VOCABULARY_FIELDS``)."""
+        return self.local.vocabularies.arrays()
+
+    def load_vocabulary_state(self, values: dict[str, dict[str, Tensor]], step: int) -> None:
+        self.local.vocabularies.load(values, step)
+
+    def vocabulary_statistics(self) -> dict[str, dict[str, int]]:
+        return {name: m.stats() for name, m in self.local.vocabularies.maps.items()}
 
     def lookup(
         self, batches: Sequence[FeatureBatch], refused: BaseException | None = None

@@ -13,7 +13,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from mp_world import run_world
 
 import embtables as et
 from embtables.tables.dynamic_vocabularies import VOCABULARY_FIELDS
@@ -165,13 +164,3 @@ def test_fixed_and_dynamic_checkpoints_do_not_mix(tmp_path: Path) -> None:
     dynamic.save(tmp_path / "dynamic")
     with pytest.raises(et.CheckpointError, match=r"dynamic \(keyed by any id\) in the checkpoint and fixed"):
         fixed.restore(tmp_path / "dynamic")
-
-
-def _sharded_refusal(rank: int, world: int) -> None:
-    user = et.TableConfig(8, 2, name="user", dynamic=et.DynamicVocabulary())
-    with pytest.raises(et.ConfigError, match="train in one process for now"):
-        et.DistributedEmbedding({"u": et.FeatureConfig(user)}, et.SGD(0.1), sharding="div")
-
-
-def test_sharded_dynamic_tables_are_refused_on_every_rank() -> None:
-    run_world(_sharded_refusal, 2)
