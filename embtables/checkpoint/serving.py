@@ -31,10 +31,11 @@ from torch import Tensor, nn
 from embtables.checkpoint.file_names import CheckpointError, contained, table_file_stem
 from embtables.checkpoint.owned_dirs import clean_dead_leftovers, fsync_dir, publish, temp_name
 from embtables.checkpoint.store import open_rank_files, read_block, read_manifest, row_ids
-from embtables.config import Combiner, FeatureConfig, QuantizationConfig, TableConfig, nest, resolve
+from embtables.config import Combiner, DynamicVocabulary, FeatureConfig, QuantizationConfig, TableConfig, nest, resolve
 from embtables.config.optimizers import SGD
 from embtables.kernels import native
 from embtables.kernels.lookup import pooled_lookup
+from embtables.tables.dynamic_vocabularies import with_rows
 from embtables.tables.input_nest import flatten_inputs
 from embtables.tables.inputs import InputConverter
 
@@ -112,6 +113,9 @@ def export(checkpoint: str | os.PathLike[str], out: str | os.PathLike[str], dtyp
         for index, (name, t) in enumerate(config["tables"].items()):
             stem = table_file_stem(index, name)
             files[name] = {"data": f"{stem}.npy", "scales": f"{stem}.scale.npy"}
+            if t.get("dynamic") is not None:  # a dynamic table's live keys and their rows (spec §11)
+                files[name]["keys"] = f"{stem}.keys.npy"
+                _export_keys(where, manifest, maps, name, int(t["vocabulary_size"]), tmp / files[name]["keys"])
             errors[name], relative[name], nonfinite[name] = _export_table(
                 where, manifest, maps, name, t, tmp, files[name], dtype
             )
@@ -184,6 +188,27 @@ def _export_table(
     return worst, (worst / biggest if biggest else 0.0), bad
 
 
+def _export_keys(
+    where: Path, manifest: dict[str, Any], maps: dict[str, np.ndarray[Any, Any]], name: str, v: int, out: Path
+) -> None:
+    """A dynamic table's live keys with their rows, ``[L, 2]`` int64 sorted by key, from every rank file."""
+    parts = []
+    for entry in manifest["checked_files"]:
+        file, mm = where / entry["file"], maps[entry["file"]]
+        blocks = entry["blocks"][name]
+        if blocks.vocabulary is None:
+            raise CheckpointError(f"{file}: table {name!r} is dynamic but the file holds no vocabulary for it.")
+        rows = row_ids(mm, blocks.rows, file, name, v)
+        keys = read_block(mm, blocks.vocabulary["keys"], file, f"{name}#keys")
+        live = read_block(mm, blocks.vocabulary["counts"], file, f"{name}#counts") > 0
+        parts.append(np.stack([keys[live], rows[live]], axis=1))
+    pairs = np.concatenate(parts) if parts else np.zeros((0, 2), dtype=np.int64)
+    pairs = pairs[np.argsort(pairs[:, 0], kind="stable")]
+    if pairs.shape[0] > 1 and not bool((np.diff(pairs[:, 0]) > 0).all()):
+        raise CheckpointError(f"{where}: table {name!r}: a key holds two rows (the checkpoint is corrupt).")
+    np.save(out, pairs.astype(np.int64))
+
+
 def _encode(
     w: np.ndarray[Any, Any], dtype: str, table: str, rows: np.ndarray[Any, Any]
 ) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any], np.ndarray[Any, Any] | None, np.ndarray[Any, Any]]:
@@ -249,9 +274,10 @@ def _table_configs(doc: dict[str, Any]) -> dict[str, TableConfig]:
         if q is not None and (not isinstance(q, list) or len(q) != 3):
             raise ValueError(f"table {name!r}: quantization must be [num_buckets, lower, upper], got {q!r:.80}")
         quant = None if q is None else QuantizationConfig(q[0], float(q[1]), float(q[2]))
+        dynamic = None if t.get("dynamic") is None else DynamicVocabulary()  # serving only reads its keys
         tables[name] = TableConfig(
             t["vocabulary_size"], t["dim"], combiner=Combiner(t["combiner_value"]), name=name,
-            optimizer=SGD(0.1), quantization_config=quant,
+            optimizer=SGD(0.1), quantization_config=quant, dynamic=dynamic,
         )  # fmt: skip
     return tables
 
@@ -283,8 +309,31 @@ def _file_names(doc: dict[str, Any], root: Path) -> dict[str, dict[str, Path]]:
             pair = doc["files"][name]
             if not isinstance(pair, dict):
                 raise ValueError(f"files[{name!r}] must be an object, got {pair!r:.80}")
-        out[name] = {k: contained(root, pair[k], f"serving.json's files[{name!r}][{k!r}]") for k in ("data", "scales")}
+        kinds = ("data", "scales", "keys") if doc["tables"][name].get("dynamic") is not None else ("data", "scales")
+        out[name] = {k: contained(root, pair[k], f"serving.json's files[{name!r}][{k!r}]") for k in kinds}
     return out
+
+
+def _load_keys(path: Path, vocabulary_size: int) -> tuple[Tensor, Tensor]:
+    """A dynamic table's keys file: its keys [L] (strictly increasing) and their rows [L] (in [0, V))."""
+    with open(path, "rb") as f:
+        version = np.lib.format.read_magic(f)
+        if version not in ((1, 0), (2, 0)):
+            raise ValueError(f"{path.name}: .npy format version {version} is not one export writes")
+        read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+        try:
+            shape, _, _ = read_header(f)
+        except (SyntaxError, tokenize.TokenError, TypeError, RecursionError) as exc:
+            raise ValueError(f"{path.name}: its .npy header is not readable ({type(exc).__name__})") from None
+    if len(shape) != 2 or shape[1] != 2 or not 0 <= shape[0] <= vocabulary_size:
+        raise ValueError(f"{path.name} holds {tuple(shape)}, not [L <= {vocabulary_size}, 2] keys and rows")
+    pairs = _load_array(path, np.int64, (int(shape[0]), 2), mmap=False)
+    keys, rows = pairs[:, 0], pairs[:, 1]
+    if (keys.size > 1 and not bool((np.diff(keys) > 0).all())) or (
+        rows.size and (int(rows.min()) < 0 or int(rows.max()) >= vocabulary_size)
+    ):
+        raise ValueError(f"{path.name}: keys are not increasing, or a row is outside [0, {vocabulary_size})")
+    return torch.from_numpy(keys.copy()), torch.from_numpy(rows.copy())
 
 
 def _load_array(path: Path, dtype: Any, shape: tuple[int, int], mmap: bool) -> np.ndarray[Any, Any]:
@@ -341,6 +390,7 @@ class ServingEmbedding(nn.Module):
         self._converters = [InputConverter(f, self.resolved.tables[f.table_index]) for f in self.resolved.features]
         self._data: dict[str, Tensor] = {}
         self._scales: dict[str, Tensor] = {}
+        self._keys: dict[str, tuple[Tensor, Tensor]] = {}  # dynamic tables: sorted keys [L], their rows [L]
         store = np.uint16 if self.dtype == "bfloat16" else DTYPES[self.dtype]
         with warnings.catch_warnings():  # read-only memory maps: torch warns that it cannot write them
             warnings.simplefilter("ignore", UserWarning)
@@ -353,6 +403,8 @@ class ServingEmbedding(nn.Module):
                     if self.dtype == "int8":
                         scales = _load_array(paths["scales"], np.float32, (t.vocabulary_size, 2), mmap)
                         self._scales[t.name] = torch.from_numpy(scales)
+                    if "keys" in paths:
+                        self._keys[t.name] = _load_keys(paths["keys"], t.vocabulary_size)
                 except (OSError, ValueError, EOFError) as exc:
                     raise CheckpointError(
                         f"ServingEmbedding.load: {root}: table {t.name!r}: {exc}. Export the checkpoint again."
@@ -394,6 +446,12 @@ class ServingEmbedding(nn.Module):
         for conv, x, w in zip(self._converters, flat_x, flat_w):
             b = conv.convert(x, w, torch.device("cpu"))
             t = self.resolved.tables[conv.feature.table_index]
+            if t.name in self._keys:  # keys to rows; unknown keys are absent from their bags (spec §11)
+                known, rows = self._keys[t.name]
+                pos = torch.searchsorted(known, b.ids).clamp(max=max(known.numel() - 1, 0))
+                hit = known[pos] == b.ids if known.numel() else torch.zeros_like(b.ids, dtype=torch.bool)
+                found = rows[pos] if known.numel() else b.ids
+                b = with_rows(b, torch.where(hit, found, torch.full_like(b.ids, -1)), t)
             q = t.config.quantization_config
             if self.dtype == "float32" and q is None and native.usable(self._data[t.name], b.ids, b.offsets, b.coeffs):
                 (acts,), status = native.lookup_many([(self._data[t.name], b.ids, b.offsets, b.coeffs)])

@@ -101,6 +101,13 @@ def write_tf_checkpoint(prefix: str | os.PathLike[str], state: Mapping[str, Tens
     reads. Returns ``prefix``."""
     if not state:
         raise ValueError("write_tf_checkpoint: the state is empty.")
+    keyed = sorted(n for n, t in state.items() if not torch.is_floating_point(t))
+    if keyed:  # a float32 bundle would round 64-bit keys: refuse rather than corrupt them
+        raise ValueError(
+            f"write_tf_checkpoint: {keyed[:4]} are not floating point (a dynamic table's key map, spec §11), and "
+            "TF's TPUEmbedding has no such state. Write the weights and slots only: "
+            "{k: v for k, v in state.items() if v.is_floating_point()}."
+        )
     names = sorted(state)
     tensors = {
         f"{object_name}/{_escape(n)}{_SUFFIX}": state[n].detach().to("cpu", torch.float32).numpy() for n in names

@@ -164,3 +164,32 @@ def test_fixed_and_dynamic_checkpoints_do_not_mix(tmp_path: Path) -> None:
     dynamic.save(tmp_path / "dynamic")
     with pytest.raises(et.CheckpointError, match=r"dynamic \(keyed by any id\) in the checkpoint and fixed"):
         fixed.restore(tmp_path / "dynamic")
+
+
+def test_export_and_serving_look_keys_up(tmp_path: Path) -> None:
+    a = _module()
+    _steps([a], 7, 8)
+    a.save(tmp_path / "ckpt")
+    et.export(tmp_path / "ckpt", tmp_path / "serving")
+    serving = et.ServingEmbedding.load(tmp_path / "serving")
+    keys = a.vocabulary("user")[0].tolist()
+    x = {
+        "u": torch.tensor([keys[0], 424242, keys[-1], -(2**63)]),
+        "h": et.Ragged.from_lists([[keys[0], 99999, keys[1]], [], [424242], keys[:3]]),
+        "i": torch.tensor([0, 1, 2, 3]),
+    }
+    a.eval()
+    want = a(x)
+    got = serving(x)
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
+    assert torch.equal(got["u"][1], torch.zeros(3))  # an unknown key is absent
+
+
+def test_tf_bundles_refuse_key_maps_instead_of_rounding_them(tmp_path: Path) -> None:
+    a = _module()
+    _steps([a], 8, 2)
+    with pytest.raises(ValueError, match="not floating point"):
+        et.checkpoint.write_tf_checkpoint(tmp_path / "tf" / "ckpt", a.state_dict())
+    floats = {k: v for k, v in a.state_dict().items() if v.is_floating_point()}
+    et.checkpoint.write_tf_checkpoint(tmp_path / "tf" / "ckpt", floats)
