@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from embtables.config import DynamicVocabulary
 from embtables.errors import ConfigError, InputError
 from embtables.estimator.raw_inputs import flatten_values
 
@@ -44,9 +45,10 @@ def _key_text(value: Any, column: str) -> str:
     return str(value)
 
 
-def stable_hash(values: np.ndarray, buckets: int, column: str = "?") -> np.ndarray:
+def stable_hash(values: np.ndarray, buckets: int | None, column: str = "?") -> np.ndarray:
     """The documented stable hash of each value into ``[0, buckets)`` (int64 [N]); one blake2b per distinct
-    value. An integral float hashes like its integer; a non-integral or non-finite float is refused."""
+    value. An integral float hashes like its integer; a non-integral or non-finite float is refused.
+    ``buckets=None``: the whole 64-bit digest, as int64 (two's complement)."""
     if len(values) == 0:
         return np.zeros(0, dtype=np.int64)
     texts: Sequence[str]
@@ -54,6 +56,9 @@ def stable_hash(values: np.ndarray, buckets: int, column: str = "?") -> np.ndarr
         strings = values.astype(str).reshape(-1)  # integers hash as their decimal digits
         digests = _known_digests(strings)
         if digests is not None:
+            if buckets is None:
+                keys: np.ndarray = digests.view(np.int64)
+                return keys
             ids: np.ndarray = (digests % np.uint64(buckets)).astype(np.int64)
             return ids
         uniq, inverse = np.unique(strings, return_inverse=True)  # a fingerprint collision: one by one
@@ -65,6 +70,9 @@ def stable_hash(values: np.ndarray, buckets: int, column: str = "?") -> np.ndarr
         keys = np.array([_key_text(v, column) for v in values.reshape(-1)], dtype=str)
         uniq, inverse = np.unique(keys, return_inverse=True)
         texts = list(uniq)
+    if buckets is None:
+        full = np.fromiter((_digest(u) for u in texts), dtype=np.uint64, count=len(texts)).view(np.int64)
+        return full[inverse.reshape(-1)]
     hashed = np.fromiter((_digest(u) % buckets for u in texts), dtype=np.int64, count=len(texts))
     return hashed[inverse.reshape(-1)]
 
@@ -212,22 +220,24 @@ class SequenceIdentityCategoricalColumn(IdentityCategoricalColumn):
 
 @dataclasses.dataclass(frozen=True)
 class HashedCategoricalColumn:
-    """Any values (strings or ints) hashed into ``hash_bucket_size`` buckets with ``stable_hash``."""
+    """Any values (strings or ints) hashed into ``hash_bucket_size`` buckets with ``stable_hash``; with
+    ``hash_bucket_size=None`` the whole 64-bit digest is the id, a key for a dynamic table (spec §11)."""
 
     key: str
-    hash_bucket_size: int
+    hash_bucket_size: int | None
 
     def __post_init__(self) -> None:
         who = f"categorical_column_with_hash_bucket({self.key!r})"
         _check_key(who, self.key)
-        _check_positive_int(who, "hash_bucket_size", self.hash_bucket_size)
+        if self.hash_bucket_size is not None:
+            _check_positive_int(who, "hash_bucket_size", self.hash_bucket_size)
 
     @property
     def name(self) -> str:
         return self.key
 
     @property
-    def num_buckets(self) -> int:
+    def num_buckets(self) -> int | None:
         return self.hash_bucket_size
 
     def ids(self, features: Mapping[str, Any]) -> Ids:
@@ -392,7 +402,7 @@ class WeightedCategoricalColumn:
         return f"{self.categorical_column.name}_weighted_by_{self.weight_feature_key}"
 
     @property
-    def num_buckets(self) -> int:
+    def num_buckets(self) -> int | None:
         return self.categorical_column.num_buckets
 
     def ids(self, features: Mapping[str, Any]) -> Ids:
@@ -425,8 +435,9 @@ def sequence_categorical_column_with_identity(
     return SequenceIdentityCategoricalColumn(key, num_buckets, default_value)
 
 
-def categorical_column_with_hash_bucket(key: str, hash_bucket_size: int) -> HashedCategoricalColumn:
-    """Values hashed into ``hash_bucket_size`` ids with the module's stable hash."""
+def categorical_column_with_hash_bucket(key: str, hash_bucket_size: int | None) -> HashedCategoricalColumn:
+    """Values hashed into ``hash_bucket_size`` ids with the module's stable hash; ``None`` keeps the whole
+    64-bit digest (int64 keys for a dynamic table: ``embedding_column(..., dynamic=..., capacity=...)``)."""
     return HashedCategoricalColumn(key, hash_bucket_size)
 
 
@@ -480,6 +491,8 @@ class EmbeddingColumn:
     initializer: Callable[..., Any] | None = None
     max_sequence_length: int = 0
     learning_rate_fn: Callable[[int], float] | None = None
+    dynamic: DynamicVocabulary | None = None
+    capacity: int | None = None
 
     def __post_init__(self) -> None:
         who = "embedding_column"
@@ -496,6 +509,25 @@ class EmbeddingColumn:
             )
         if self.learning_rate_fn is not None and not callable(self.learning_rate_fn):
             raise ConfigError(f"{who}: `learning_rate_fn` must be a callable global_step -> float or None.")
+        if self.dynamic is not None and not isinstance(self.dynamic, DynamicVocabulary):
+            raise ConfigError(f"{who}: `dynamic` must be an embtables.DynamicVocabulary or None.")
+        if self.capacity is not None:
+            _check_positive_int(who, "capacity", self.capacity)
+            if self.dynamic is None:
+                raise ConfigError(f"{who}: `capacity` is the row count of a dynamic table; pass `dynamic=` too.")
+        if self.categorical_column.num_buckets is None and (self.dynamic is None or self.capacity is None):
+            raise ConfigError(
+                f"{who}({self.categorical_column.name!r}): the column has no bucket count (hash_bucket_size=None: "
+                "64-bit keys), so it needs a dynamic table: pass dynamic=embtables.DynamicVocabulary(...) and "
+                "capacity=<rows>."
+            )
+
+    @property
+    def vocabulary_size(self) -> int:
+        """The table's rows: ``capacity`` when given, else the column's bucket count."""
+        size = self.capacity if self.capacity is not None else self.categorical_column.num_buckets
+        assert size is not None  # checked at construction
+        return size
 
     @property
     def name(self) -> str:
@@ -529,12 +561,19 @@ def embedding_column(
     initializer: Callable[..., Any] | None = None,
     max_sequence_length: int = 0,
     learning_rate_fn: Callable[[int], float] | None = None,
+    *,
+    dynamic: DynamicVocabulary | None = None,
+    capacity: int | None = None,
 ) -> EmbeddingColumn:
     """An embedding of ``categorical_column``: a table of ``num_buckets`` x ``dimension``. A sequence
     column (``max_sequence_length > 0``) gives ``[B, max_sequence_length, dimension]``, else
     ``[B, dimension]`` combined with ``combiner``. ``learning_rate_fn(global_step)`` overrides the
-    optimizer's learning rate for this table."""
-    return EmbeddingColumn(categorical_column, dimension, combiner, initializer, max_sequence_length, learning_rate_fn)
+    optimizer's learning rate for this table. ``dynamic`` makes the table keyed by the column's ids
+    (spec §11), with ``capacity`` rows (default: the column's bucket count; required for
+    ``categorical_column_with_hash_bucket(key, None)``)."""
+    return EmbeddingColumn(
+        categorical_column, dimension, combiner, initializer, max_sequence_length, learning_rate_fn, dynamic, capacity
+    )
 
 
 def shared_embedding_columns(
@@ -568,7 +607,7 @@ def shared_embedding_columns(
         )
     name = shared_embedding_collection_name or "_".join(sorted(c.name for c in columns)) + "_shared_embedding"
     return [
-        SharedEmbeddingColumn(c, dimension, combiner, initializer, m, learning_rate_fn, name)
+        SharedEmbeddingColumn(c, dimension, combiner, initializer, m, learning_rate_fn, None, None, name)
         for c, m in zip(columns, lengths)
     ]
 

@@ -167,15 +167,16 @@ class EmbeddingConfigSpec:
                     fn = c.learning_rate_fn
                     opt = dataclasses.replace(base, learning_rate=_StepLearningRate(fn, global_step))
                 table = TableConfig(
-                    c.categorical_column.num_buckets,
+                    c.vocabulary_size,
                     c.dimension,
                     initializer=c.initializer,
                     optimizer=opt,
                     combiner=c.combiner,
                     name=c.table_name,
+                    dynamic=c.dynamic,
                 )
                 tables[c.table_name] = table
-            elif table.dim != c.dimension or table.vocabulary_size != c.categorical_column.num_buckets:
+            elif table.dim != c.dimension or table.vocabulary_size != c.vocabulary_size:
                 raise ConfigError(f"EmbeddingConfigSpec: shared table {c.table_name!r} is used with different sizes.")
             out[c.name] = FeatureConfig(table, max_sequence_length=c.max_sequence_length, name=c.name)
         return out
