@@ -30,7 +30,7 @@ _COMMANDS = (
     (
         "bench",
         "the benchmark suite against the peers (embtables bench --help); embtables bench "
-        "latency | estimator | sharded | checkpoint | movielens | extra-optimizers | noacc for the others",
+        "latency | estimator | sharded | checkpoint | movielens | extra-optimizers | noacc | dynamic for the others",
     ),
     ("stats", "print lookup statistics files (profile_data_directory) and draw per-shard load"),
     ("inspect", "what a checkpoint holds (tables, shapes, optimizer, step, size) and its checksum status"),
@@ -87,6 +87,7 @@ _BENCHES = {
     "movielens": "bench_movielens",
     "extra-optimizers": "bench_extra_optimizers",
     "noacc": "bench_noacc",
+    "dynamic": "bench_dynamic",
 }
 
 

@@ -79,8 +79,24 @@ def table_optimizers(step: Any) -> dict[str, Any]:
 INIT_STDDEV = 0.01  # rows start near 0: a row its id never trained adds almost nothing to the logit
 
 
-def spec_for(data: SyntheticCTR, dim: int, step: Any, profile_dir: str | None) -> EmbeddingConfigSpec:
-    """The ``EmbeddingConfigSpec`` (dicts form: per-table optimizers) of the job."""
+def user_keys(ids: Tensor) -> Tensor:
+    """User ids [N] in [0, V) as 64-bit keys spread over the whole int64 range (a bijection), what a
+    dynamic user table sees (``--dynamic-user``)."""
+    with np.errstate(over="ignore"):
+        z = (ids.numpy().astype(np.uint64) + np.uint64(0x5DEECE66D)) * np.uint64(0x9E3779B97F4A7C15)
+    return torch.from_numpy(z.view(np.int64))
+
+
+def _with_user_keys(features: dict[str, Ragged]) -> dict[str, Ragged]:
+    user = features["user"]
+    return {**features, "user": Ragged(user_keys(user.values), user.row_splits)}
+
+
+def spec_for(
+    data: SyntheticCTR, dim: int, step: Any, profile_dir: str | None, dynamic_user: int | None = None
+) -> EmbeddingConfigSpec:
+    """The ``EmbeddingConfigSpec`` (dicts form: per-table optimizers) of the job; ``dynamic_user`` makes the
+    user table dynamic with that many rows (admitted at a key's second lookup, LRU eviction)."""
     features = data.feature_configs(dim=dim)
     optimizers = table_optimizers(step)
     tables = {}
@@ -89,8 +105,12 @@ def spec_for(data: SyntheticCTR, dim: int, step: Any, profile_dir: str | None) -
         assert t.name is not None
         assert isinstance(t.initializer, TruncatedNormal)
         init = TruncatedNormal(stddev=INIT_STDDEV, seed=t.initializer.seed)  # the data set's seed per table
+        dynamic = None
+        rows = t.vocabulary_size
+        if t.name == "user" and dynamic_user is not None:
+            dynamic, rows = embtables.DynamicVocabulary(admit_after=2, eviction="lru"), dynamic_user
         tables[t.name] = embtables.TableConfig(
-            t.vocabulary_size, t.dim, initializer=init, optimizer=optimizers[t.name], name=t.name
+            rows, t.dim, initializer=init, optimizer=optimizers[t.name], name=t.name, dynamic=dynamic
         )
     feature_dict = {
         name: embtables.FeatureConfig(
@@ -172,6 +192,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eval-size", type=int, default=16384, help="held-out samples (default 16384)")
     p.add_argument("--seed", type=int, default=0, help="seed of the data, tables and MLP (default 0)")
     p.add_argument("--small", action="store_true", help="1000x smaller tables (smoke tests)")
+    p.add_argument(
+        "--dynamic-user", type=int, metavar="ROWS", default=None,
+        help="make the user table dynamic (docs/dynamic_vocabularies.md): users as 64-bit keys, ROWS rows, a key "
+        "admitted at its second lookup, LRU eviction; the summary reports admissions and evictions",
+    )  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:
@@ -186,7 +211,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         say = print if rank == 0 else (lambda *a, **k: None)
         _announce(say, args, estimator, model_dir, world)
-        held_out = _HeldOut(data, args.eval_size, rank, world)
+        held_out = _HeldOut(data, args.eval_size, rank, world, keyed=args.dynamic_user is not None)
         start = time.perf_counter()
         first = estimator.restore()  # an earlier run's checkpoint in model_dir: continue from it (--steps is a total)
         if first:
@@ -227,7 +252,7 @@ def _estimator(args: argparse.Namespace, data: SyntheticCTR, model_dir: Path) ->
     def step() -> int:
         return estimator.global_step if estimator is not None else 0
 
-    spec = spec_for(data, args.dim, step, str(model_dir / "lookup_stats"))
+    spec = spec_for(data, args.dim, step, str(model_dir / "lookup_stats"), args.dynamic_user)
     estimator = Estimator(
         DLRM(sorted(f.name for f in data.config.features), args.dim),
         spec,
@@ -260,10 +285,12 @@ class _HeldOut:
     """The held-out set: the same batches for the teacher and the model, split evenly over the ranks,
     and the teacher's AUC and log-loss on it (the best achievable)."""
 
-    def __init__(self, data: SyntheticCTR, eval_size: int, rank: int, world: int) -> None:
+    def __init__(self, data: SyntheticCTR, eval_size: int, rank: int, world: int, keyed: bool = False) -> None:
         n_eval = world * max(1, math.ceil(eval_size / (4096 * world)))
         self.batches = [data.batch(max(1, eval_size // n_eval), i, split="eval") for i in range(n_eval)]
         logits = np.concatenate([data.teacher_logits(f).numpy() for f, _ in self.batches])
+        if keyed:  # the model sees users as keys (the teacher above saw their ids)
+            self.batches = [(_with_user_keys(f), y) for f, y in self.batches]
         labels = np.concatenate([y.numpy() for _, y in self.batches])
         self.teacher = {"auc": auc(logits, labels), "log_loss": log_loss(1 / (1 + np.exp(-logits)), labels)}
         self.rank, self.world = rank, world
@@ -286,7 +313,8 @@ def _train(
 
     def train_fn(start: int, count: int) -> Iterator[tuple[dict[str, Ragged], Tensor]]:
         for step in range(start, start + count):  # rank r reads batches r, r + W, ...: a global batch of W x B
-            yield data.batch(args.batch_size, step * world + rank)
+            features, labels = data.batch(args.batch_size, step * world + rank)
+            yield (_with_user_keys(features) if args.dynamic_user is not None else features), labels
 
     start = time.perf_counter()
     teacher = held_out.teacher
@@ -336,5 +364,7 @@ def _report(
         "seconds": seconds,
         "processes": world,
     }
+    if args.dynamic_user is not None:
+        summary["vocabulary"] = estimator.embedding.vocabulary_statistics()
     (model_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     print(json.dumps(summary))

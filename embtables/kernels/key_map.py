@@ -6,6 +6,7 @@ a copy or a pickle carries it as its row arrays (``export``), never as native me
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 from typing import Any
 
@@ -93,6 +94,34 @@ class KeyMap:
         if got == -2:
             raise MemoryError("embtables: out of memory while admitting keys to a dynamic table.")
         return rows, reset[:got]
+
+    @staticmethod
+    def train_many(maps: list[KeyMap], keys: list[Tensor], step: int, pin_from: int) -> list[tuple[Tensor, Tensor]]:
+        """``train`` of several maps (each its own keys [N_t]) in one native call, in parallel over the maps."""
+        if len(maps) == 1:
+            return [maps[0].train(keys[0], step, pin_from)]
+        checked = [_keys(k) for k in keys]
+        rows = [torch.empty(k.numel(), dtype=torch.int64) for k in checked]
+        resets = [torch.empty(k.numel(), dtype=torch.int64) for k in checked]
+        t = len(maps)
+        out = torch.empty(t, dtype=torch.int64)
+        arr, i64s = ctypes.c_void_p * t, ctypes.c_int64 * t
+        _library().et_km_train_many(
+            t, arr(*[m.handle for m in maps]), arr(*[k.data_ptr() for k in checked]),
+            i64s(*[k.numel() for k in checked]), step, pin_from, arr(*[r.data_ptr() for r in rows]),
+            arr(*[r.data_ptr() for r in resets]), out.data_ptr(), max(1, torch.get_num_threads()),
+        )  # fmt: skip
+        result = []
+        for m, got, r, reset in zip(maps, out.tolist(), rows, resets):
+            if got == -1:
+                raise RuntimeError(
+                    f"embtables: a dynamic table's training lookup at step {step} comes after step {m.step} "
+                    "(steps never go back); this is an embtables bug."
+                )
+            if got == -2:
+                raise MemoryError("embtables: out of memory while admitting keys to a dynamic table.")
+            result.append((r, reset[:got]))
+        return result
 
     def find(self, keys: Tensor) -> Tensor:
         """The rows [N] of ``keys`` [N] (-1 for keys without one); changes nothing (evaluation)."""

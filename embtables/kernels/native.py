@@ -161,6 +161,8 @@ def _compile() -> ctypes.CDLL | None:
     lib.et_km_free.restype = None
     lib.et_km_train.argtypes = [p, p, i64, i64, i64, p, p]
     lib.et_km_train.restype = i64
+    lib.et_km_train_many.argtypes = [i64, p, p, p, i64, i64, p, p, p, i32]
+    lib.et_km_train_many.restype = None
     lib.et_km_find.argtypes = [p, p, i64, p]
     lib.et_km_find.restype = None
     lib.et_km_stats.argtypes = [p, p]

@@ -38,6 +38,12 @@ def with_rows(batch: FeatureBatch, rows: Tensor, table: ResolvedTable) -> Featur
     return dataclasses.replace(kept, coeffs=combiner_coeffs(table.config.combiner, kept, weights))
 
 
+def _cat_keys(batches: Sequence[FeatureBatch]) -> Tensor:
+    """The keys of one table's features, concatenated [N], as a contiguous CPU int64 tensor."""
+    keys = batches[0].ids if len(batches) == 1 else torch.cat([b.ids for b in batches])
+    return keys.to("cpu", torch.int64).contiguous()
+
+
 def occurrence_order(batches: Sequence[FeatureBatch]) -> Tensor | None:
     """The permutation [N] putting the concatenated ids of one table's features in sample-major order
     (then feature order, then position), or None when concatenation already is (one feature)."""
@@ -69,28 +75,25 @@ class Vocabularies:
         looked up at a step >= ``pin_from``); an evaluation lookup changes nothing."""
         out = list(batches)
         resets: dict[str, Tensor] = {}
-        for table in self.resolved.tables:
-            key_map = self.maps.get(table.name)
-            if key_map is None:
-                continue
-            parts = [batches[f] for f in table.feature_indices]
-            device = parts[0].ids.device
-            keys = torch.cat([b.ids for b in parts]).to("cpu", torch.int64).contiguous()
-            if training:
-                order = occurrence_order(parts)
-                if order is None:
-                    rows, reset = key_map.train(keys, step, pin_from)
-                else:
-                    ordered, reset = key_map.train(keys[order].contiguous(), step, pin_from)
-                    rows = torch.empty_like(ordered).index_copy_(0, order, ordered)
-                resets[table.name] = reset.to(device)
-            else:
-                rows = key_map.find(keys)
-            rows = rows.to(device)
+        tables = [t for t in self.resolved.tables if t.name in self.maps]
+        parts = [[batches[f] for f in t.feature_indices] for t in tables]
+        keys = [_cat_keys(p) for p in parts]
+        if training:  # every table's map in one native call, in parallel over the tables
+            orders = [occurrence_order(p) for p in parts]
+            ordered = [k if o is None else k[o].contiguous() for k, o in zip(keys, orders)]
+            trained = KeyMap.train_many([self.maps[t.name] for t in tables], ordered, step, pin_from)
+            found = []
+            for t, p, o, (rows, reset) in zip(tables, parts, orders, trained):
+                resets[t.name] = reset.to(p[0].ids.device)
+                found.append(rows if o is None else torch.empty_like(rows).index_copy_(0, o, rows))
+        else:
+            found = [self.maps[t.name].find(k) for t, k in zip(tables, keys)]
+        for t, p, rows in zip(tables, parts, found):
+            rows = rows.to(p[0].ids.device)
             start = 0
-            for f, b in zip(table.feature_indices, parts):
+            for f, b in zip(t.feature_indices, p):
                 n = b.ids.numel()
-                out[f] = with_rows(b, rows[start : start + n], table)
+                out[f] = with_rows(b, rows[start : start + n], t)
                 start += n
         return out, resets
 

@@ -18,13 +18,18 @@ BATCH, DIM, CAPACITY = 6, 3, 60
 POOL = [*range(-12, 12), 2**63 - 1, -(2**63), 10**15, 2**40]  # 28 keys: no rank's rows ever fill up
 
 
-def _module(sharding: str = "div", capacity: int = CAPACITY) -> et.DistributedEmbedding:
+def _module(sharding: str = "div", capacity: int = CAPACITY, pipelined: bool = False) -> et.DistributedEmbedding:
     policy = et.DynamicVocabulary(admit_after=2, eviction="lru", ttl_steps=5)
     user = et.TableConfig(capacity, DIM, name="user", initializer=et.Constant(0.05), dynamic=policy)
     item = et.TableConfig(16, DIM, name="item", initializer=et.Constant(0.02))
     features = {"u": et.FeatureConfig(user), "h": et.FeatureConfig(user), "i": et.FeatureConfig(item)}
     # without gradient accumulation every occurrence applies in one process's order: bit-identical throughout
-    return et.DistributedEmbedding(features, et.Adagrad(0.2, use_gradient_accumulation=False), sharding=sharding)
+    return et.DistributedEmbedding(
+        features,
+        et.Adagrad(0.2, use_gradient_accumulation=False),
+        sharding=sharding,
+        pipeline_execution_with_tensor_core=pipelined,
+    )
 
 
 def _global_batches(
@@ -65,19 +70,19 @@ def _assert_same_keys(a: dict, b: dict) -> None:
         assert torch.equal(a[k][0], b[k][0]) and torch.equal(a[k][1], b[k][1]), k
 
 
-def _reference(path: Path) -> None:
+def _reference(path: Path, pipelined: bool) -> None:
     """The one-process run (in the pytest process: inside a world every module is sharded)."""
-    single = _module()
+    single = _module(pipelined=pipelined)
     acts = _train(single, _global_batches(10, seed=1), 0, BATCH)
     stats = single.vocabulary_statistics()["user"]
     torch.save({"acts": acts, "per_key": _per_key(single), "stats": stats}, path)
 
 
-def _equivalence(rank: int, world: int, sharding: str, ref_path: str) -> None:
+def _equivalence(rank: int, world: int, sharding: str, pipelined: bool, ref_path: str) -> None:
     batches = _global_batches(10, seed=1)
     ref = torch.load(ref_path)
     single_acts = ref["acts"]
-    sharded = _module(sharding)
+    sharded = _module(sharding, pipelined=pipelined)
     per = BATCH // world
     acts = _train(sharded, batches, rank * per, (rank + 1) * per)
     for step, (mine, want_acts) in enumerate(zip(acts, single_acts)):
@@ -96,10 +101,12 @@ def _equivalence(rank: int, world: int, sharding: str, ref_path: str) -> None:
     assert sharded.vocabulary_statistics() == before
 
 
-@pytest.mark.parametrize("world,sharding", [(2, "div"), (3, "mod"), (2, "table")])
-def test_sharded_dynamic_tables_equal_one_process(world: int, sharding: str, tmp_path: Path) -> None:
-    _reference(tmp_path / "reference.pt")
-    run_world(_equivalence, world, sharding, str(tmp_path / "reference.pt"))
+@pytest.mark.parametrize(
+    "world,sharding,pipelined", [(2, "div", False), (3, "mod", False), (2, "table", False), (2, "div", True)]
+)
+def test_sharded_dynamic_tables_equal_one_process(world: int, sharding: str, pipelined: bool, tmp_path: Path) -> None:
+    _reference(tmp_path / "reference.pt", pipelined)
+    run_world(_equivalence, world, sharding, pipelined, str(tmp_path / "reference.pt"))
 
 
 def _save_w2(rank: int, world: int, root: str) -> None:

@@ -116,3 +116,16 @@ def test_bad_buffers_never_reach_c() -> None:
         m.train(torch.tensor([1.0, 2.0]), 1, 1)
     with pytest.raises(RuntimeError, match=r"contiguous CPU torch\.int64"):
         m.find(torch.arange(10)[::2])
+
+
+def test_train_many_equals_one_map_at_a_time() -> None:
+    rng = random.Random(5)
+    policies = [et.DynamicVocabulary(), et.DynamicVocabulary(admit_after=2, eviction="lfu", ttl_steps=3)]
+    together = [KeyMap(4, p) for p in policies]
+    alone = [KeyMap(4, p) for p in policies]
+    for step in range(1, 30):
+        keys = [torch.tensor([rng.choice(_POOL) for _ in range(rng.randint(0, 8))], dtype=torch.int64) for _ in policies]
+        got = KeyMap.train_many(together, keys, step, step)
+        for m, k, (rows, reset) in zip(alone, keys, got):
+            want_rows, want_reset = m.train(k, step, step)
+            assert torch.equal(rows, want_rows) and torch.equal(reset, want_reset)

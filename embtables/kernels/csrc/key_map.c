@@ -20,6 +20,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 #define KM_EMPTY INT64_MIN
 
@@ -506,4 +509,14 @@ int et_km_import(void *handle, const int64_t *key, const int64_t *count, const i
         if (m->eviction == 2) km_heap_push(m, (km_entry){m->count[r], m->order[r], r});
     }
     return 0;
+}
+
+/* et_km_train for T maps at once, in parallel over the maps (each map is touched by one thread only):
+ * out[t] gets map t's return value. */
+void et_km_train_many(int64_t T, void *const *handles, const int64_t *const *keys, const int64_t *n, int64_t s,
+                      int64_t pin_from, int64_t *const *rows, int64_t *const *reset, int64_t *out, int nthreads) {
+#ifdef _OPENMP
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads) if (T > 1 && nthreads > 1)
+#endif
+    for (int64_t t = 0; t < T; ++t) out[t] = et_km_train(handles[t], keys[t], n[t], s, pin_from, rows[t], reset[t]);
 }
