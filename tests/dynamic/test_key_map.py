@@ -124,7 +124,9 @@ def test_train_many_equals_one_map_at_a_time() -> None:
     together = [KeyMap(4, p) for p in policies]
     alone = [KeyMap(4, p) for p in policies]
     for step in range(1, 30):
-        keys = [torch.tensor([rng.choice(_POOL) for _ in range(rng.randint(0, 8))], dtype=torch.int64) for _ in policies]
+        keys = [
+            torch.tensor([rng.choice(_POOL) for _ in range(rng.randint(0, 8))], dtype=torch.int64) for _ in policies
+        ]
         got = KeyMap.train_many(together, keys, step, step)
         for m, k, (rows, reset) in zip(alone, keys, got):
             want_rows, want_reset = m.train(k, step, step)
