@@ -202,8 +202,11 @@ def write_stats(
     resolved: ResolvedConfig,
     strategies: dict[str, str],
     world_size: int,
+    vocabulary: dict[str, dict[str, int]] | None = None,
 ) -> list[Path]:
-    """Write (merging with what is there) one JSON file per table, atomically; returns the paths."""
+    """Write (merging with what is there) one JSON file per table, atomically; returns the paths. A
+    dynamic table's file also holds its ``vocabulary`` statistics now (admitted, evicted, rejected, live
+    rows...: cumulative, so the latest replaces the file's); its ids are rows, not keys."""
     root = Path(directory)
     root.mkdir(parents=True, exist_ok=True)
     paths = []
@@ -223,6 +226,8 @@ def write_stats(
             "summary": summary(acc),
             "counts": acc,
         }
+        if vocabulary and t.name in vocabulary:
+            doc["vocabulary"] = vocabulary[t.name]
         _atomic_write(path, json.dumps(doc, indent=1, sort_keys=True))
         paths.append(path)
     return paths

@@ -39,14 +39,16 @@ class LookupStatistics:
         per table, merged with what is there, atomically) and start counting afresh. Returns the
         paths written (on rank 0). Collective when sharded; rank 0's error is raised on every rank."""
         stats, directory, engine = self.recorder, self.directory, pipeline.engine
-        parts = pipeline.exchange("flush", lambda: comm.all_gather_object(stats.state(), engine.group))
+        parts, vocabulary = pipeline.exchange(
+            "flush", lambda: (comm.all_gather_object(stats.state(), engine.group), engine.vocabulary_statistics())
+        )
         strategies = {n: p.strategy for n, p in engine.plans.items()}
         stats.reset()
         paths: list[Path] = []
         error: str | None = None
         if engine.rank == 0:
             try:
-                paths = write_stats(directory, merge(parts), self.resolved, strategies, engine.world)
+                paths = write_stats(directory, merge(parts), self.resolved, strategies, engine.world, vocabulary)
             except (OSError, ValueError) as exc:
                 error = f"{type(exc).__name__}: {exc}"
         error = pipeline.run(lambda: comm.broadcast_object(error, 0, engine.group))

@@ -193,3 +193,16 @@ def test_tf_bundles_refuse_key_maps_instead_of_rounding_them(tmp_path: Path) -> 
         et.checkpoint.write_tf_checkpoint(tmp_path / "tf" / "ckpt", a.state_dict())
     floats = {k: v for k, v in a.state_dict().items() if v.is_floating_point()}
     et.checkpoint.write_tf_checkpoint(tmp_path / "tf" / "ckpt", floats)
+
+
+def test_lookup_statistics_files_report_the_vocabulary(tmp_path: Path) -> None:
+    user = et.TableConfig(4, 2, name="user", dynamic=et.DynamicVocabulary(eviction=None))
+    m = et.DistributedEmbedding(
+        {"u": et.FeatureConfig(user)}, et.SGD(0.1), profile_data_directory=tmp_path, profile_sample_rate=1.0
+    )
+    for keys in ([1, 2, 3], [4, 5, 6]):
+        out = m({"u": torch.tensor(keys)})
+        m.apply_gradients({"u": torch.ones_like(out["u"])})
+    (path,) = m.flush()
+    doc = json.loads(Path(path).read_text())
+    assert doc["vocabulary"]["admitted"] == 4 and doc["vocabulary"]["rejected"] == 2 and doc["vocabulary"]["live"] == 4
