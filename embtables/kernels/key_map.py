@@ -59,8 +59,8 @@ class KeyMap:
         handle = lib.et_km_new(capacity, policy.admit_after, policy.eviction_code, ttl)
         if not handle:
             raise MemoryError(
-                f"embtables: could not allocate the key map of a dynamic table with {capacity} rows "
-                f"(about {capacity * 80 / 2**20:.0f} MiB)."
+                f"embtables: could not allocate the key map of a dynamic table with {capacity} rows (about "
+                f"{capacity * 200 / 2**20:.0f} MiB: up to 200 bytes per row). Reduce vocabulary_size (the capacity)."
             )
         self._handle: int | None = handle
         self.capacity = capacity
