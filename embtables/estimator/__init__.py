@@ -11,9 +11,9 @@ from embtables.estimator.feature_columns import (
     numeric_column,
     sequence_categorical_column_with_identity,
     shared_embedding_columns,
-    stable_hash,
     weighted_categorical_column,
 )
+from embtables.estimator.hashing import stable_hash
 from embtables.estimator.metrics import accuracy, auc, log_loss, mae, rmse
 from embtables.estimator.parameters import (
     AdadeltaParameters,

@@ -313,7 +313,7 @@ def test_an_integer_column_that_arrives_as_float_hashes_like_its_integers() -> N
 def test_the_fast_hash_is_the_stable_hash_also_when_fingerprints_collide(monkeypatch: pytest.MonkeyPatch) -> None:
     """Strings and integers are found by a vectorised fingerprint; a collision of two texts' fingerprints
     must fall back to hashing text by text, never give one text the other's bucket."""
-    from embtables.estimator import feature_columns as fc
+    from embtables.estimator import hashing as fc
 
     def expected(values: list[object], buckets: int) -> list[int]:
         return [fc._digest(str(v)) % buckets for v in values]
