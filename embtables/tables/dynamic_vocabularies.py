@@ -118,6 +118,7 @@ class Vocabularies:
 # since its last lookup) and its touch order (0..L-1 over the L live rows: ties of age, oldest first); then
 # the keys seen but not admitted yet, [P] each: key, count of lookups, age.
 ROW_FIELDS = ("keys", "counts", "age", "order")
+_LIMIT = 1 << 62  # the largest count, age and touch order a loaded state may hold (no step arithmetic overflows)
 PENDING_FIELDS = ("pending_keys", "pending_counts", "pending_age")
 VOCABULARY_FIELDS = ROW_FIELDS + PENDING_FIELDS
 
@@ -156,19 +157,23 @@ def vocabulary_problem(table: str, arrays: dict[str, Any], capacity: int) -> str
     if num_pending > capacity:
         return f"table {table!r}: {num_pending} pending keys, more than its {capacity} rows"
     counts, age, order, keys = (arrays[f].cpu() for f in ("counts", "age", "order", "keys"))
-    if bool((counts < 0).any()):
-        return f"table {table!r}: a lookup count is negative ({int(counts.min())})"
+    if bool((counts < 0).any()) or bool((counts > _LIMIT).any()):
+        return f"table {table!r}: a lookup count is negative or above 2**62"
     live = counts > 0
-    if bool((age[live] < 0).any()):
-        return f"table {table!r}: a live row's age is negative ({int(age[live].min())})"
+    if bool((age[live] < 0).any()) or bool((age[live] > _LIMIT).any()):
+        return f"table {table!r}: a live row's age is negative or above 2**62"
+    if bool((order[live] > _LIMIT).any()):
+        return f"table {table!r}: a touch order is above 2**62"
     live_keys, live_order = keys[live], order[live]
     if torch.unique(live_keys).numel() != live_keys.numel():
         return f"table {table!r}: a key holds two rows"
     if torch.unique(live_order).numel() != live_order.numel() or bool((live_order < 0).any()):
         return f"table {table!r}: two live rows share a touch order, or one is negative"
     pkeys, pcounts, page = (arrays[f].cpu() for f in PENDING_FIELDS)
-    if bool((pcounts < 1).any()) or bool((page < 0).any()):
-        return f"table {table!r}: a pending key's count is below 1 or its age negative"
+    if bool((pcounts < 1).any()) or bool((page < 0).any()) or bool((pcounts > _LIMIT).any()) or bool(
+        (page > _LIMIT).any()
+    ):
+        return f"table {table!r}: a pending key's count is below 1 or its age negative (or one is above 2**62)"
     if torch.unique(torch.cat([live_keys, pkeys])).numel() != live_keys.numel() + pkeys.numel():
         return f"table {table!r}: a key is both live and pending, or pending twice"
     return None

@@ -9,6 +9,7 @@ import random
 import pytest
 import torch
 from oracle.py_key_map import PyKeyMap
+from subproc import run_python
 
 import embtables as et
 from embtables.kernels.key_map import KeyMap, KeyMapState
@@ -131,3 +132,40 @@ def test_train_many_equals_one_map_at_a_time() -> None:
         for m, k, (rows, reset) in zip(alone, keys, got):
             want_rows, want_reset = m.train(k, step, step)
             assert torch.equal(rows, want_rows) and torch.equal(reset, want_reset)
+
+
+def test_hostile_states_are_refused_or_loaded_never_a_crash() -> None:
+    """Random and extreme states (as a corrupt checkpoint could hold them) go through the native import in
+    a child process: each is refused with ValueError or loads, and the map then trains without a crash."""
+    out = run_python(
+        """
+        import random, torch
+        import embtables as et
+        from embtables.kernels.key_map import KeyMap, KeyMapState
+        rng = random.Random(0)
+        extremes = [0, 1, -1, 2**62, 2**62 + 1, 2**63 - 1, -(2**63), 7]
+        loaded = refused = 0
+        for trial in range(400):
+            v = rng.choice([1, 3, 8])
+            policy = et.DynamicVocabulary(
+                admit_after=rng.choice([1, 2]), eviction=rng.choice(["lru", "lfu", None]), ttl_steps=rng.choice([None, 2])
+            )
+            m = KeyMap(v, policy)
+            pick = lambda: rng.choice(extremes) if rng.random() < 0.5 else rng.randrange(-5, 10)
+            col = lambda n: torch.tensor([pick() for _ in range(n)], dtype=torch.int64)
+            p = rng.choice([0, 1, 3, v, v + 1])
+            step = rng.choice([0, 5, 2**62, 2**63 - 1])
+            state = KeyMapState(col(v), col(v), col(v), col(v), step, col(p), col(p), col(p))
+            try:
+                m.load(state)
+                loaded += 1
+            except ValueError:
+                refused += 1
+            step = max(m.step, 0)
+            if step < 2**62:
+                m.train(torch.tensor([pick() for _ in range(6)], dtype=torch.int64), step + 1, step + 1)
+        print(loaded, refused)
+        """
+    )
+    loaded, refused = (int(x) for x in out.split())
+    assert loaded > 0 and refused > 0

@@ -25,6 +25,7 @@
 #endif
 
 #define KM_EMPTY INT64_MIN
+#define KM_LIMIT ((int64_t)1 << 62) /* the largest count, order and age a loaded state may hold */
 
 typedef struct { int64_t key, val; } km_slot; /* val: row >= 0, -(p + 1) for pending pool entry p, KM_EMPTY */
 typedef struct { int64_t count, order, row; } km_entry;
@@ -465,14 +466,17 @@ int et_km_import(void *handle, const int64_t *key, const int64_t *count, const i
     et_keymap *m = (et_keymap *)handle;
     int64_t V = m->V;
     km_clear(m, s);
-    int bad = np < 0 || np > m->pending_limit;
+    int bad = np < 0 || np > m->pending_limit || s < 0 || s > KM_LIMIT;
     int64_t nlive = 0;
     for (int64_t r = 0; r < V && !bad; ++r) {
         m->key[r] = key[r];
         m->count[r] = count[r];
         m->last[r] = last[r];
         m->order[r] = order[r];
-        if (count[r] < 0 || (count[r] > 0 && (last[r] > s || order[r] < 0))) bad = 1;
+        /* bounded so that no later step arithmetic (s - last, order + 1, count + 1) can overflow */
+        if (count[r] < 0 || count[r] > KM_LIMIT ||
+            (count[r] > 0 && (last[r] > s || last[r] < s - KM_LIMIT || order[r] < 0 || order[r] > KM_LIMIT)))
+            bad = 1;
         if (count[r] <= 0) { m->count[r] = 0; km_free_push(m, r); continue; }
         int64_t i = km_slot_of(m, key[r]);
         if (m->slots[i].val != KM_EMPTY) bad = 1;
@@ -483,7 +487,8 @@ int et_km_import(void *handle, const int64_t *key, const int64_t *count, const i
     }
     for (int64_t j = 0; j < np && !bad; ++j) {
         int64_t i = km_slot_of(m, pkey[j]);
-        if (m->slots[i].val != KM_EMPTY || pcount[j] < 1 || plast[j] > s) { bad = 1; break; }
+        if (m->slots[i].val != KM_EMPTY || pcount[j] < 1 || pcount[j] > KM_LIMIT || plast[j] > s ||
+            plast[j] < s - KM_LIMIT) { bad = 1; break; }
         int64_t p = m->pfree[--m->npfree];
         m->pcount[p] = pcount[j];
         m->plast[p] = plast[j];
