@@ -148,7 +148,9 @@ def test_hostile_states_are_refused_or_loaded_never_a_crash() -> None:
         for trial in range(400):
             v = rng.choice([1, 3, 8])
             policy = et.DynamicVocabulary(
-                admit_after=rng.choice([1, 2]), eviction=rng.choice(["lru", "lfu", None]), ttl_steps=rng.choice([None, 2])
+                admit_after=rng.choice([1, 2]),
+                eviction=rng.choice(["lru", "lfu", None]),
+                ttl_steps=rng.choice([None, 2]),
             )
             m = KeyMap(v, policy)
             pick = lambda: rng.choice(extremes) if rng.random() < 0.5 else rng.randrange(-5, 10)
