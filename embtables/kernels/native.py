@@ -385,11 +385,11 @@ StagedInput = tuple[Tensor, Tensor, bool, Tensor | None]
 def stage_inputs_many(parts: list[InputPart], arena: Tensor, coef_arena: Tensor) -> list[StagedInput | None]:
     """For each ``(ids [N], row splits [S+1] | None, V, combiner code)``, copies of the ids and bag offsets
     ([S+1], or ``0..N`` for dense ids, one per bag) in ``arena`` (int64, at least ``staged_size(parts)[0]``
-    long), checked there in the same C call: ids in ``[0, V)``, splits that start at 0, never decrease and
-    end at N. None for a feature that breaks a rule; else ``(ids, offsets, single, coeffs)``: ``single``
-    says every bag holds exactly one id; ``coeffs`` (a view of ``coef_arena``, float32) are the mean /
-    sqrtn coefficients of its ids, None when every coefficient is 1 (sum, or one id per bag). Every buffer
-    is checked first, so C never reads or writes past one."""
+    long), checked there in the same C call: ids in ``[0, V)`` (V = 0: keys of a dynamic table, any int64),
+    splits that start at 0, never decrease and end at N. None for a feature that breaks a rule; else
+    ``(ids, offsets, single, coeffs)``: ``single`` says every bag holds exactly one id; ``coeffs`` (a view of
+    ``coef_arena``, float32) are the mean / sqrtn coefficients of its ids, None when every coefficient is 1
+    (sum, or one id per bag). Every buffer is checked first, so C never reads or writes past one."""
     lib = library()
     assert lib is not None
     n = len(parts)

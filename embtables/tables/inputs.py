@@ -142,8 +142,9 @@ class InputConverter:
         cfg = feature.config
         # for convert_many's fast path: may unweighted ids take it, and (V, combiner code) when they do
         self.dynamic = table.config.dynamic is not None  # ids are keys: any int64 (spec §11)
-        self.fast_path = not cfg.is_sequence and cfg.output_shape is None and not self.dynamic
-        self.fast_part = (table.vocabulary_size, native.COMBINER_CODES[table.config.combiner])
+        self.fast_path = not cfg.is_sequence and cfg.output_shape is None
+        # (V, combiner code) for the native staging; V = 0 checks no range (a dynamic table's keys)
+        self.fast_part = (0 if self.dynamic else table.vocabulary_size, native.COMBINER_CODES[table.config.combiner])
 
     def fail(self, rule: str, fix: str, exc: type[Exception] = InputError) -> Exception:
         return exc(f"{self.who}: {rule} {fix}")

@@ -14,10 +14,11 @@ from embtables.config import resolve
 from embtables.tables.inputs import FeatureBatch, InputConverter, combiner_coeffs, convert_many
 
 
-def _converters(combiners: list[str], validate: bool = True) -> list[InputConverter]:
+def _converters(combiners: list[str], validate: bool = True, dynamic: bool = False) -> list[InputConverter]:
+    policy = et.DynamicVocabulary() if dynamic else None
     features = {
         f"f{i}": et.FeatureConfig(
-            et.TableConfig(7, 2, name=f"t{i}", combiner=c), validate_weights_and_indices=validate
+            et.TableConfig(7, 2, name=f"t{i}", combiner=c, dynamic=policy), validate_weights_and_indices=validate
         )
         for i, c in enumerate(combiners)
     }
@@ -56,10 +57,11 @@ def _random_input(rng: random.Random) -> object:
     return torch.tensor(ids or [1], dtype=torch.int32)  # another dtype: the general path
 
 
+@pytest.mark.parametrize("dynamic", [False, True], ids=["fixed", "dynamic"])
 @pytest.mark.parametrize("validate", [True, False])
-def test_the_fast_path_gives_the_general_paths_batches_or_its_error(validate: bool) -> None:
+def test_the_fast_path_gives_the_general_paths_batches_or_its_error(validate: bool, dynamic: bool) -> None:
     rng = random.Random(11)
-    convs = _converters(["sum", "mean", "sqrtn"], validate)
+    convs = _converters(["sum", "mean", "sqrtn"], validate, dynamic)  # dynamic: every int64 is a key
     device = torch.device("cpu")
     fast_used = 0
     for _ in range(600):

@@ -1093,7 +1093,8 @@ int64_t et_stage_inputs_many(int64_t F, const int64_t *const *ids, const int64_t
         const uint64_t v = (uint64_t)V[f];
         if (N[f] > 0) memcpy(x, ids[f], (size_t)N[f] * sizeof(int64_t));
         int bad = 0;
-        for (int64_t k = 0; k < N[f]; ++k) bad |= (uint64_t)x[k] >= v; /* negative ids wrap above V */
+        if (v) /* V = 0: a dynamic table's keys, every int64 is one */
+            for (int64_t k = 0; k < N[f]; ++k) bad |= (uint64_t)x[k] >= v; /* negative ids wrap above V */
         int64_t *o = x + N[f];
         if (S[f] >= 0) {
             memcpy(o, splits[f], (size_t)(S[f] + 1) * sizeof(int64_t));
