@@ -103,7 +103,10 @@ class Persistence:
         and a dynamic table's vocabulary (``<table>/keys``, ``/counts``, ``/age``, ``/order``; spec §11)."""
         for key, t in self.pipeline.full_state().items():
             destination[prefix + key] = t if keep_vars else t.detach()  # gathered copies when sharded
-        for name, arrays in self.pipeline.engine.vocabulary_state().items():
+        if not self.pipeline.engine.vocabularies.maps:  # the same config on every rank: all skip, or none
+            return
+        # gathered when sharded: a collective, so on the exchange thread like every other one
+        for name, arrays in self.pipeline.exchange("state read", self.pipeline.engine.vocabulary_state).items():
             for field, values in arrays.items():
                 destination[f"{prefix}{name}/{field}"] = values
 
