@@ -85,7 +85,6 @@ def test_the_fast_path_gives_the_general_paths_batches_or_its_error(validate: bo
     assert fast_used > 500
 
 
-
 @pytest.mark.parametrize("combiner", ["mean", "sqrtn"])
 def test_unweighted_coefficients_from_offsets_equal_the_weighted_path_with_unit_weights(combiner: str) -> None:
     (conv,) = _converters([combiner])
