@@ -453,6 +453,7 @@ def restore(
         _, error = _caught(lambda: streaming_restore.unchanged(files))
         agree(error, group, f"restore from {path}")
         manifest, plans = verified
+
         def write() -> None:  # pass 2: into place
             streaming_restore.write(plans, shards, tick)
             dynamic_restore.write(manifest["dynamic"], shards)

@@ -170,8 +170,11 @@ def vocabulary_problem(table: str, arrays: dict[str, Any], capacity: int) -> str
     if torch.unique(live_order).numel() != live_order.numel() or bool((live_order < 0).any()):
         return f"table {table!r}: two live rows share a touch order, or one is negative"
     pkeys, pcounts, page = (arrays[f].cpu() for f in PENDING_FIELDS)
-    if bool((pcounts < 1).any()) or bool((page < 0).any()) or bool((pcounts > _LIMIT).any()) or bool(
-        (page > _LIMIT).any()
+    if (
+        bool((pcounts < 1).any())
+        or bool((page < 0).any())
+        or bool((pcounts > _LIMIT).any())
+        or bool((page > _LIMIT).any())
     ):
         return f"table {table!r}: a pending key's count is below 1 or its age negative (or one is above 2**62)"
     if torch.unique(torch.cat([live_keys, pkeys])).numel() != live_keys.numel() + pkeys.numel():
