@@ -243,6 +243,14 @@ def emit(record: dict[str, Any]) -> None:
     print(json.dumps(record, sort_keys=False), flush=True)
 
 
+def emit_table(table: str, out: str | None) -> None:
+    """A benchmark's Markdown summary table on stderr, and into ``out`` when given (``--out``)."""
+    print(table, file=sys.stderr)
+    if out:
+        with open(out, "w") as f:
+            f.write(table + "\n")
+
+
 def emit_skip(bench: str, impl: str, reason: str, **fields: Any) -> None:
     print(f"[skip] {impl}: {reason}", file=sys.stderr, flush=True)
     emit({"bench": bench, "impl": impl, **fields, "skipped": reason})

@@ -36,7 +36,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import embtables as et
-from benchmarks._harness import OPTIMIZERS, Factory, Impl, OptimizerSpec, Skip, bench_impl, emit, env_record
+from benchmarks._harness import OPTIMIZERS, Factory, Impl, OptimizerSpec, Skip, bench_impl, emit, emit_table, env_record
 from benchmarks.impl_embtables import make_optimizer
 from benchmarks.peers import IMPLS
 from benchmarks.workload import Batch, Workload, activation_grad, make_batches, variation
@@ -189,11 +189,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "vocabulary": _STATS,
     }  # fmt: skip
     emit(summary)
-    table = summary_table(summary)
-    print(table, file=sys.stderr)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(table + "\n")
+    emit_table(summary_table(summary), args.out)
     return 0
 
 

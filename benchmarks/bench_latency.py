@@ -24,7 +24,7 @@ import torch
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks._harness import OPTIMIZERS, bench_impl, emit, emit_skip, env_record
+from benchmarks._harness import OPTIMIZERS, bench_impl, emit, emit_skip, emit_table, env_record
 from benchmarks.peers import IMPLS
 from benchmarks.workload import make_batches, variation
 
@@ -99,11 +99,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             }
             emit(summary)
             summaries.append(summary)
-    table = summary_table(summaries, impls)
-    print(table, file=sys.stderr)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(table + "\n")
+    emit_table(summary_table(summaries, impls), args.out)
     return 0
 
 

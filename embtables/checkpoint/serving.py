@@ -316,18 +316,7 @@ def _file_names(doc: dict[str, Any], root: Path) -> dict[str, dict[str, Path]]:
 
 def _load_keys(path: Path, vocabulary_size: int) -> tuple[Tensor, Tensor]:
     """A dynamic table's keys file: its keys [L] (strictly increasing) and their rows [L] (in [0, V))."""
-    with open(path, "rb") as f:
-        version = np.lib.format.read_magic(f)
-        if version not in ((1, 0), (2, 0)):
-            raise ValueError(f"{path.name}: .npy format version {version} is not one export writes")
-        read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
-        try:
-            shape, _, _ = read_header(f)
-        except (SyntaxError, tokenize.TokenError, TypeError, RecursionError) as exc:
-            raise ValueError(f"{path.name}: its .npy header is not readable ({type(exc).__name__})") from None
-    if len(shape) != 2 or shape[1] != 2 or not 0 <= shape[0] <= vocabulary_size:
-        raise ValueError(f"{path.name} holds {tuple(shape)}, not [L <= {vocabulary_size}, 2] keys and rows")
-    pairs = _load_array(path, np.int64, (int(shape[0]), 2), mmap=False)
+    pairs = _load_array(path, np.int64, (-1, 2), mmap=False, max_rows=vocabulary_size)
     keys, rows = pairs[:, 0], pairs[:, 1]
     if (keys.size > 1 and not bool((np.diff(keys) > 0).all())) or (
         rows.size and (int(rows.min()) < 0 or int(rows.max()) >= vocabulary_size)
@@ -336,9 +325,12 @@ def _load_keys(path: Path, vocabulary_size: int) -> tuple[Tensor, Tensor]:
     return torch.from_numpy(keys.copy()), torch.from_numpy(rows.copy())
 
 
-def _load_array(path: Path, dtype: Any, shape: tuple[int, int], mmap: bool) -> np.ndarray[Any, Any]:
+def _load_array(
+    path: Path, dtype: Any, shape: tuple[int, int], mmap: bool, max_rows: int | None = None
+) -> np.ndarray[Any, Any]:
     """A ``.npy`` file of exactly ``dtype`` and ``shape`` whose size matches its header (checked
-    before a byte of data is read or any memory is allocated)."""
+    before a byte of data is read or any memory is allocated). ``shape[0] = -1``: any row count up to
+    ``max_rows``."""
     fmt = np.lib.format
     with open(path, "rb") as f:
         version = fmt.read_magic(f)
@@ -350,9 +342,12 @@ def _load_array(path: Path, dtype: Any, shape: tuple[int, int], mmap: bool) -> n
         except (SyntaxError, tokenize.TokenError, TypeError, RecursionError) as exc:
             raise ValueError(f"{path.name}: its .npy header is not readable ({type(exc).__name__})") from None
         start, size = f.tell(), os.fstat(f.fileno()).st_size
+    if shape[0] == -1 and len(got_shape) == 2 and 0 <= got_shape[0] <= (max_rows or 0):
+        shape = (int(got_shape[0]), shape[1])
     if tuple(got_shape) != shape or np.dtype(got_dtype) != np.dtype(dtype) or fortran:
+        wanted = shape if shape[0] != -1 else f"[at most {max_rows}, {shape[1]}]"
         raise ValueError(
-            f"{path.name} holds {got_dtype} {tuple(got_shape)}, serving.json says {np.dtype(dtype)} {shape}"
+            f"{path.name} holds {got_dtype} {tuple(got_shape)}, serving.json says {np.dtype(dtype)} {wanted}"
         )
     if size != start + shape[0] * shape[1] * np.dtype(dtype).itemsize:
         raise ValueError(

@@ -86,14 +86,18 @@ class KeyMap:
         reset = torch.empty(n, dtype=torch.int64)
         got = int(_library().et_km_train(self.handle, keys.data_ptr(), n, step, pin_from, rows.data_ptr(),
                                          reset.data_ptr()))  # fmt: skip
-        if got == -1:
+        return rows, reset[: self._reset_count(got, step)]
+
+    def _reset_count(self, status: int, step: int) -> int:
+        """The number of reset rows ``et_km_train`` returned, or its error raised."""
+        if status == -1:
             raise RuntimeError(
                 f"embtables: a dynamic table's training lookup at step {step} comes after step {self.step} "
                 "(steps never go back); this is an embtables bug."
             )
-        if got == -2:
+        if status == -2:
             raise MemoryError("embtables: out of memory while admitting keys to a dynamic table.")
-        return rows, reset[:got]
+        return status
 
     @staticmethod
     def train_many(maps: list[KeyMap], keys: list[Tensor], step: int, pin_from: int) -> list[tuple[Tensor, Tensor]]:
@@ -111,17 +115,7 @@ class KeyMap:
             i64s(*[k.numel() for k in checked]), step, pin_from, arr(*[r.data_ptr() for r in rows]),
             arr(*[r.data_ptr() for r in resets]), out.data_ptr(), max(1, torch.get_num_threads()),
         )  # fmt: skip
-        result = []
-        for m, got, r, reset in zip(maps, out.tolist(), rows, resets):
-            if got == -1:
-                raise RuntimeError(
-                    f"embtables: a dynamic table's training lookup at step {step} comes after step {m.step} "
-                    "(steps never go back); this is an embtables bug."
-                )
-            if got == -2:
-                raise MemoryError("embtables: out of memory while admitting keys to a dynamic table.")
-            result.append((r, reset[:got]))
-        return result
+        return [(r, reset[: m._reset_count(got, step)]) for m, got, r, reset in zip(maps, out.tolist(), rows, resets)]
 
     def find(self, keys: Tensor) -> Tensor:
         """The rows [N] of ``keys`` [N] (-1 for keys without one); changes nothing (evaluation)."""

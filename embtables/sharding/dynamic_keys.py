@@ -160,12 +160,14 @@ def gather_vocabularies(
             continue
         plan, n = plans[t.name], owned_rows[t.name]
         local = vocabulary_arrays(vocabularies.maps[t.name].export())
-        full = {f: torch.zeros(t.vocabulary_size, dtype=torch.int64) for f in ROW_FIELDS}
+        rows = torch.zeros((t.vocabulary_size, len(ROW_FIELDS)), dtype=torch.int64)
         rank_of_row = torch.zeros(t.vocabulary_size, dtype=torch.int64)
-        for f in ROW_FIELDS:
-            for r, part in enumerate(comm.all_gather_v(local[f][:n].contiguous(), group)):
-                full[f][plan.global_rows(r)] = part.to("cpu")
-                rank_of_row[plan.global_rows(r)] = r
+        mine = torch.stack([local[f][:n] for f in ROW_FIELDS], dim=1)  # [n, 4]: one message for the 4 fields
+        for r, part in enumerate(comm.all_gather_v(mine.contiguous(), group)):
+            where = plan.global_rows(r)
+            rows[where] = part.to("cpu")
+            rank_of_row[where] = r
+        full = {f: rows[:, i].contiguous() for i, f in enumerate(ROW_FIELDS)}
         live = torch.nonzero(full["counts"] > 0).flatten()
         keys = (full["order"][live], -full["age"][live], rank_of_row[live])
         oldest_first = live[torch.from_numpy(np.lexsort(tuple(k.numpy() for k in keys)))]

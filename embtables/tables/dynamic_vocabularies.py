@@ -106,11 +106,6 @@ class Vocabularies:
         for name, arrays in values.items():
             self.maps[name].load(key_map_state(arrays, step))
 
-    def live(self, name: str) -> tuple[Tensor, Tensor]:
-        """The live keys [L] of table ``name`` and their rows [L], by row."""
-        state = self.maps[name].export()
-        rows = torch.nonzero(state.counts > 0).flatten()
-        return state.keys[rows], rows
 
 
 # The state of a dynamic table beside its weights and slots (state dict keys "<table>/<field>", checkpoint

@@ -206,3 +206,18 @@ def test_lookup_statistics_files_report_the_vocabulary(tmp_path: Path) -> None:
     (path,) = m.flush()
     doc = json.loads(Path(path).read_text())
     assert doc["vocabulary"]["admitted"] == 4 and doc["vocabulary"]["rejected"] == 2 and doc["vocabulary"]["live"] == 4
+
+
+def test_serving_refuses_a_keys_file_that_breaks_its_rules(tmp_path: Path) -> None:
+    a = _module()
+    _steps([a], 9, 4)
+    a.save(tmp_path / "ckpt")
+    et.export(tmp_path / "ckpt", tmp_path / "serving")
+    (keys_file,) = (tmp_path / "serving").glob("*.keys.npy")
+    good = np.load(keys_file)
+    for bad in (np.zeros((7, 2), np.int64), good[::-1].copy(), good.astype(np.int32), np.zeros((3, 3), np.int64)):
+        np.save(keys_file, bad)  # more keys than rows, keys not increasing, another dtype, another shape
+        with pytest.raises(et.CheckpointError, match="keys"):
+            et.ServingEmbedding.load(tmp_path / "serving")
+    np.save(keys_file, good)
+    et.ServingEmbedding.load(tmp_path / "serving")
