@@ -6,8 +6,9 @@ plain PyTorch in the same run, one thread by default (a serving or small-model t
     python -m embtables bench latency --threads 2 --batches 64,512 --pooling 1 --impls embtables,fbgemm
 
 Each measurement is a ``train_step`` JSON line as ``embtables bench`` prints them; then one
-``latency_summary`` line per size with every peer's median and its ratio to embtables' (> 1: embtables
-is faster), and a Markdown table on stderr (``--out FILE`` writes it too).
+``latency_summary`` line per size with every median and each peer's ratio to embtables' (``ours``: the
+concatenated impl when measured; > 1: embtables is faster), and a Markdown table on stderr (``--out FILE``
+writes it too).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import torch
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks._harness import OPTIMIZERS, bench_impl, emit, emit_skip, emit_table, env_record
+from benchmarks._harness import OPTIMIZERS, bench_impl, emit, emit_skip, emit_table, env_record, keep_freed_memory
 from benchmarks.peers import IMPLS
 from benchmarks.workload import make_batches, variation
 
@@ -37,13 +38,26 @@ def _names(s: str) -> list[str]:
     return [x for x in s.split(",") if x]
 
 
+def ours_of(impls: Sequence[str]) -> str:
+    """The embtables impl the peers are compared with: the concatenated one when measured (the same output
+    as FBGEMM's TBE: one [B, tables x D] tensor), else the nest of per-feature activations."""
+    for name in ("embtables-concat", "embtables"):
+        if name in impls:
+            return name
+    return "embtables"
+
+
 def summary_table(summaries: list[dict[str, Any]], impls: Sequence[str]) -> str:
-    """The Markdown table of the ``latency_summary`` records: median ms per impl, ratios to embtables."""
-    peers = [i for i in impls if i != "embtables"]
-    head = "| batch | ids per bag | embtables ms | " + " | ".join(f"{p} ms (embtables speed-up)" for p in peers) + " |"
-    lines = [head, "|" + " --- |" * (3 + len(peers))]
+    """The Markdown table of the ``latency_summary`` records: median ms per impl, peers' ratios to ours."""
+    ours = [i for i in impls if i.startswith("embtables")]
+    peers = [i for i in impls if not i.startswith("embtables")]
+    best = ours_of(impls)
+    head = "| batch | ids per bag | " + " | ".join(f"{o} ms" for o in ours)
+    head += "".join(f" | {p} ms ({best} speed-up)" for p in peers) + " |"
+    lines = [head, "|" + " --- |" * (2 + len(ours) + len(peers))]
     for s in summaries:
-        cells = [str(s["batch"]), str(s["pooling"]), f"{s['median_ms'].get('embtables', float('nan')):.3f}"]
+        cells = [str(s["batch"]), str(s["pooling"])]
+        cells += [f"{s['median_ms'].get(o, float('nan')):.3f}" for o in ours]
         for p in peers:
             ms = s["median_ms"].get(p)
             ratio = s["speedup"].get(p)
@@ -56,7 +70,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         prog="embtables bench latency", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("--impls", default="embtables,fbgemm,torch", help=f"comma list of {', '.join(IMPLS)}")
+    ap.add_argument(
+        "--impls", default="embtables,embtables-concat,fbgemm,torch", help=f"comma list of {', '.join(IMPLS)}"
+    )
     ap.add_argument("--batches", default="64,512,2048")
     ap.add_argument("--pooling", default="1,5,20", help="ids per bag")
     ap.add_argument("--optimizer", default="adagrad", choices=sorted(OPTIMIZERS))
@@ -65,8 +81,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=400)
     ap.add_argument("--warmup", type=int, default=50)
     ap.add_argument("--out", help="also write the Markdown table here")
+    ap.add_argument(
+        "--malloc",
+        default="keep",
+        choices=["keep", "default"],
+        help="keep: glibc keeps freed memory (mallopt, every impl alike; see _harness.keep_freed_memory)",
+    )
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
+    if args.malloc == "keep":
+        keep_freed_memory()
     emit(env_record())
     impls = _names(args.impls)
     opt = OPTIMIZERS[args.optimizer]
@@ -84,7 +108,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 if rec is not None:
                     medians[name] = float(rec["median_ms"])
                 gc.collect()
-            ours = medians.get("embtables")
+            best = ours_of(impls)
+            ours = medians.get(best)
             summary = {
                 "bench": "latency_summary",
                 "batch": batch,
@@ -95,7 +120,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "optimizer": args.optimizer,
                 "threads": args.threads,
                 "median_ms": medians,
-                "speedup": {k: round(v / ours, 3) for k, v in medians.items() if ours and k != "embtables"},
+                "ours": best,
+                "speedup": {
+                    k: round(v / ours, 3) for k, v in medians.items() if ours and not k.startswith("embtables")
+                },
             }
             emit(summary)
             summaries.append(summary)

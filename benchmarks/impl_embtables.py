@@ -8,6 +8,8 @@ Impls:
   Lookup-only runs the module in eval mode under ``no_grad``.
 * ``embtables-noacc``: the same with ``use_gradient_accumulation=False`` (occurrences applied one at a
   time in order, spec §10.2). No peer has this mode.
+* ``embtables-concat``: the same with ``concat_activations=True``: one activation [B, tables x D] and one
+  gradient back, as FBGEMM's TBE gives (the harness step is ``(acts * grad).sum().backward()`` on it).
 * ``embtables-seq``: sequence features (``max_sequence_length = pooling``): activations ``[B, M, D]``,
   one row per position, no combining. No peer has this mode.
 
@@ -61,7 +63,7 @@ def _factory(variant: str) -> Factory:
             f"f{t}": et.FeatureConfig(tables[t], max_sequence_length=wl.pooling if seq else 0) for t in range(wl.tables)
         }
         optimizer = make_optimizer(opt if mode == "train" else OptimizerSpec("sgd"), accumulate=variant != "noacc")
-        emb = et.DistributedEmbedding(features, optimizer)
+        emb = et.DistributedEmbedding(features, optimizer, concat_activations=variant == "concat")
         lengths = torch.full((wl.batch,), wl.pooling, dtype=torch.int64)
         inputs = [
             {f"f{t}": et.Ragged.from_lengths(torch.from_numpy(b.ids[t]), lengths) for t in range(wl.tables)}
@@ -73,6 +75,7 @@ def _factory(variant: str) -> Factory:
         notes = f"embtables.DistributedEmbedding({type(optimizer).__name__}"
         notes += ", use_gradient_accumulation=False" if variant == "noacc" else ""
         notes += f", max_sequence_length={wl.pooling}" if seq else ""
+        notes += ", concat_activations=True" if variant == "concat" else ""
         notes += ") native CPU kernels"
         if mode == "lookup":
             emb.eval()
@@ -97,6 +100,15 @@ def _factory(variant: str) -> Factory:
             loss.backward()
             emb.apply_gradients()
 
+        # the features' columns come in sorted-name order (f0, f1, f10, ...): the same gradient per feature
+        columns = emb.activation_columns
+        full_cat = torch.cat([grads[int(name[1:])] for name in columns], dim=1) if columns else full
+
+        def concat_step(i: int) -> None:
+            acts = emb(inputs[i % nb])  # [B, tables x D]
+            (acts * full_cat).sum().backward()
+            emb.apply_gradients()
+
         def read() -> list[np.ndarray]:
             return [emb.embedding_tables[f"t{t}"].numpy().copy() for t in range(wl.tables)]
 
@@ -107,7 +119,7 @@ def _factory(variant: str) -> Factory:
         return Impl(
             f"embtables{'' if variant == 'plain' else '-' + variant}",
             label,
-            step,
+            concat_step if variant == "concat" else step,
             slot_bytes_per_row=slots * wl.dim * 4,
             notes=notes,
             read_weights=read,
@@ -128,5 +140,6 @@ def _factory(variant: str) -> Factory:
 EMBTABLES_IMPLS: dict[str, Factory] = {
     "embtables": _factory("plain"),
     "embtables-noacc": _factory("noacc"),
+    "embtables-concat": _factory("concat"),
     "embtables-seq": _factory("seq"),
 }

@@ -324,6 +324,7 @@ IMPLS: dict[str, Factory] = {
     "tensorflow": tensorflow_peer,
     "embtables-noacc": _embtables("embtables-noacc"),
     "embtables-seq": _embtables("embtables-seq"),
+    "embtables-concat": _embtables("embtables-concat"),
 }
 
 

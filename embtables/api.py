@@ -26,6 +26,7 @@ from embtables.sharding.engine_choice import choose_engine, describe
 from embtables.sharding.pipeline import StepPipeline
 from embtables.sharding.statistics import LookupStatistics
 from embtables.tables.batch_ownership import InputStager
+from embtables.tables.concatenated import ConcatLayout
 from embtables.tables.state import LocalShard
 from embtables.tables.state_dict_io import TableDict
 
@@ -70,6 +71,10 @@ class DistributedEmbedding(nn.Module):
       profile_data_directory: where lookup statistics are written (one JSON file per table, at
         ``flush()``) and read back at construction to place "table"/"auto" tables (spec §5).
       profile_sample_rate, profile_seed: the share of training steps sampled (about 3%) and its seed.
+      concat_activations: when True, the activations come back as one tensor [B, sum(D)]: every feature's
+        pooled [B, D] side by side in flattened feature order (``activation_columns`` says where), and
+        ``apply_gradients`` takes one gradient of that shape. Every feature must pool to [B, D] (no
+        sequence features, one-dimensional ``output_shape``). For models that concatenate anyway.
 
     Sharded, every rank passes its own local batch and calls the same methods in the same order;
     ``state_dict()``, ``embedding_tables`` and ``slot_variables`` gather the full logical tables
@@ -88,6 +93,7 @@ class DistributedEmbedding(nn.Module):
         profile_data_directory: str | os.PathLike[str] | None = None,
         profile_sample_rate: float = 0.03,
         profile_seed: int = 0,
+        concat_activations: bool = False,
     ) -> None:
         super().__init__()
         if not isinstance(pipeline_execution_with_tensor_core, bool):
@@ -95,7 +101,10 @@ class DistributedEmbedding(nn.Module):
                 "DistributedEmbedding: `pipeline_execution_with_tensor_core` must be a bool, got "
                 f"{pipeline_execution_with_tensor_core!r}."
             )
+        if not isinstance(concat_activations, bool):
+            raise TypeError(f"DistributedEmbedding: `concat_activations` must be a bool, got {concat_activations!r}.")
         self._resolved: ResolvedConfig = resolve(feature_config, optimizer)
+        self._concat = ConcatLayout(self._resolved) if concat_activations else None
         self._feature_config = feature_config
         dev = torch.device(device) if device is not None else torch.device("cpu")
         # Module settings that change results, beyond the config: in the rank fingerprint and manifests.
@@ -139,6 +148,12 @@ class DistributedEmbedding(nn.Module):
     @property
     def device(self) -> torch.device:
         return self._engine.device
+
+    @property
+    def activation_columns(self) -> dict[str, tuple[int, int]]:
+        """``{feature name: (start, stop)}``: the columns of each feature in the concatenated activation
+        (``concat_activations=True``; empty otherwise)."""
+        return dict(self._concat.columns) if self._concat is not None else {}
 
     @property
     @_locked
@@ -204,6 +219,8 @@ class DistributedEmbedding(nn.Module):
             self._persistence.refuse_if_torn("enqueue")
         try:
             batches = self._inputs.stage(features, weights, self.device, self._pipeline.busy_pointers())
+            if self._concat is not None:
+                self._concat.check_batches(batches)
         except (ValueError, TypeError) as exc:
             if self._engine.world == 1:
                 raise  # a bad enqueue changes nothing
@@ -218,7 +235,9 @@ class DistributedEmbedding(nn.Module):
         In training mode each activation is a leaf tensor that requires grad, so ``loss.backward()``
         leaves d(loss)/d(activation) in its ``.grad`` for ``apply_gradients()``.
         """
-        acts = self._pipeline.dequeue()
+        acts = self._pipeline.dequeue(self._concat.concat if self._concat is not None else None)
+        if self._concat is not None:
+            return acts[0]
         flat = self._inputs.flat
         return flat.pack(acts) if flat is not None else nest.pack_sequence_as(self._feature_config, acts)
 
@@ -235,14 +254,26 @@ class DistributedEmbedding(nn.Module):
         Args:
           gradients: None to use the activations' ``.grad`` left by ``loss.backward()``, or a nest
             (same structure as ``feature_config``) of d(loss)/d(activation) tensors shaped like the
-            activations; a ``None`` entry is a zero gradient (its rows are still "touched").
+            activations; a ``None`` entry is a zero gradient (its rows are still "touched"). With
+            ``concat_activations=True``: one tensor shaped like the concatenated activation, or None.
 
         Raises ``ValueError``/``TypeError`` for a bad gradient (wrong shape, dtype, NaN/Inf reaching
         a table) and ``RuntimeError`` when there is no training lookup to apply to; in every case no
         table or slot changes.
         """
         self._persistence.refuse_if_torn("apply_gradients")
-        flat_g = self._inputs.flat_gradients(gradients, self._pipeline.training_lookup().activations)
+        activations = self._pipeline.training_lookup().activations
+        if self._concat is not None:
+            grad = activations[0].grad if gradients is None else gradients
+            try:
+                flat_g: list[Any] = self._concat.split_gradient(grad, activations[0], gradients is not None)
+            except (ValueError, TypeError) as exc:
+                if self._engine.world == 1:
+                    raise
+                self._pipeline.apply_gradients([None] * len(self._resolved.features), refused=exc)
+                return  # not reached: every rank raises the refusal together
+        else:
+            flat_g = self._inputs.flat_gradients(gradients, activations)
         self._pipeline.apply_gradients(flat_g)
 
     # ------------------------------------------------------------------ statistics and persistence

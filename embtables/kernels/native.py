@@ -131,7 +131,7 @@ def _compile() -> ctypes.CDLL | None:
     lib.et_split_by_owner.restype = i32
     lib.et_lookup_many.argtypes = [i64, p, p, p, p, p, p, p, p, p, i32]
     lib.et_lookup_many.restype = i32
-    lib.et_prepare_many.argtypes = [i64, p, p, p, p, p, p, p, p, p, i32, p, p]
+    lib.et_prepare_many.argtypes = [i64, p, p, p, p, p, p, p, p, p, p, i32, p, p]
     lib.et_prepare_many.restype = None
     lib.et_prepared_size.argtypes = [p]
     lib.et_prepared_size.restype = i64
@@ -147,7 +147,7 @@ def _compile() -> ctypes.CDLL | None:
     lib.et_apply_sequential.restype = i32
     lib.et_workspace_load.argtypes = [p, p, p, i64, i64, i64]
     lib.et_workspace_load.restype = i32
-    lib.et_apply_many.argtypes = [i64, p, p, p, p, p, p, p, p, p, p, i32, p, p]
+    lib.et_apply_many.argtypes = [i64, p, p, p, p, p, p, p, p, p, p, p, i32, p, p, p]
     lib.et_apply_many.restype = None
     lib.et_stage_inputs_many.argtypes = [i64, p, p, p, p, p, p, i64, p, p, p, p, i64]
     lib.et_stage_inputs_many.restype = i64
@@ -184,6 +184,8 @@ def library(*, required: bool = False) -> ctypes.CDLL | None:
     global _lib, _tried
     if not _enabled and not required:
         return None
+    if _tried:  # loaded (or failed) once: no lock needed to read the result
+        return _lib
     with _lock:
         if not _tried:
             _tried = True
@@ -208,6 +210,9 @@ def usable(*tensors: Tensor | None) -> bool:
     return True
 
 
+_ANY_1D = (-1,)
+
+
 class NativeBufferError(RuntimeError):
     """A buffer handed to a native kernel is not what the kernel reads (an embtables bug, never user input)."""
 
@@ -216,6 +221,13 @@ def _require(t: object, what: str, dtype: torch.dtype, shape: tuple[int, ...]) -
     """``t`` as a contiguous CPU tensor of ``dtype`` and exactly ``shape`` (-1 = any), else raise.
 
     Every buffer is checked here, in the call that hands it to C, so C never reads past an allocation."""
+    # the common case first, in one expression (this runs for every buffer of every native call)
+    if type(t) is Tensor and t.dtype is dtype and t.is_cpu and t.is_contiguous():
+        if shape == _ANY_1D:
+            if t.dim() == 1:
+                return t
+        elif t.dim() == len(shape) and all(w == -1 or w == n for w, n in zip(shape, t.shape)):
+            return t
     ok = isinstance(t, Tensor) and t.dtype == dtype and t.is_cpu and t.is_contiguous() and t.dim() == len(shape)
     if ok:
         assert isinstance(t, Tensor)
@@ -435,23 +447,26 @@ def stage_inputs_many(parts: list[InputPart], arena: Tensor, coef_arena: Tensor)
     return out
 
 
-# One table's phase 2 for ``apply_many``: (workspace, weights, slots, params, dense, measure).
-ApplyItem = tuple["Workspace", Tensor, tuple[Tensor, ...], _OptParams, bool, bool]
+# One table's phase 2 for ``apply_many``: (workspace, weights, slots, params, dense, measure, check).
+ApplyItem = tuple["Workspace", Tensor, tuple[Tensor, ...], _OptParams, bool, bool, bool]
 
 
-def apply_many(items: list[ApplyItem]) -> list[tuple[float, ...] | None]:
-    """``Workspace.apply`` for several tables in one native call (same checks, same results): per
-    table, the largest |value| written into the weights and each slot when ``measure``, else None."""
+def apply_many(items: list[ApplyItem]) -> tuple[list[tuple[float, ...] | None], list[int]]:
+    """``Workspace.apply`` for several tables in one native call, all or nothing: tables whose ``check``
+    is set get the exact dry run (``Workspace.check``) first, and when any would write a non-finite
+    value no table is written. Returns, per table, the largest |value| written into the weights and each
+    slot when ``measure`` (else None), and the row whose update is not finite (-1: none; when any is not
+    -1, nothing was written)."""
     lib = library()
     assert lib is not None
     n = len(items)
     checked = []
-    for ws, weights, slots, _, _, _ in items:
+    for ws, weights, slots, _, _, _, _ in items:
         _require(weights, "weights", torch.float32, (-1, ws.dim))
         checked.append(_slots(weights, slots))
     arr, i64s, i32s = ctypes.c_void_p * n, ctypes.c_int64 * n, ctypes.c_int32 * n
     maxabs = (ctypes.c_float * (4 * n))()
-    status = i32s()
+    status, bad = i32s(), i64s()
     params = (ctypes.POINTER(_OptParams) * n)(*[ctypes.pointer(item[3]) for item in items])
     lib.et_apply_many(
         n,
@@ -465,18 +480,23 @@ def apply_many(items: list[ApplyItem]) -> list[tuple[float, ...] | None]:
         params,
         i32s(*[int(item[4]) for item in items]),
         i32s(*[int(item[5]) for item in items]),
+        i32s(*[int(item[6]) for item in items]),
         _threads(),
         maxabs,
         status,
+        bad,
     )
     if any(s == -4 for s in status):
         raise NativeBufferError("embtables native kernel: unknown optimizer kind (no table was written).")
-    if any(status):
+    if any(s == -3 for s in status):
+        raise MemoryError("embtables: out of memory while checking the sparse update (no table was written).")
+    if any(s not in (0, 1) for s in status):
         raise NativeBufferError("embtables native kernel: a prepared update does not fit its table.")
-    return [
+    written = [
         tuple(float(m) for m in maxabs[4 * t : 4 * t + 1 + len(item[2])]) if item[5] else None
         for t, item in enumerate(items)
     ]
+    return written, list(bad)
 
 
 def _slots(weights: Tensor, slots: tuple[Tensor, ...]) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
@@ -589,7 +609,7 @@ class Workspace:
     ) -> tuple[float, ...] | None:
         """Phase 2: the fused per-row update of ``weights`` [V, D] and ``slots`` (in place). With
         ``measure``, returns the largest |value| written into the weights and each slot."""
-        return apply_many([(self, weights, slots, params, dense, measure)])[0]
+        return apply_many([(self, weights, slots, params, dense, measure, False)])[0][0]
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Workspace:
         return Workspace(self.dim)  # scratch memory: a copy gets its own, never the same handle
@@ -606,37 +626,60 @@ class Workspace:
 FeaturePart = tuple[Tensor, Tensor, Tensor | None, Tensor | None]
 
 
+def gradient_rows(grad: Tensor, dim: int) -> int | None:
+    """The row stride of a CPU float32 gradient [S, D] the native phase 1 reads: D when contiguous, the
+    wider row of a column block (a feature's columns of the concatenated activations' gradient) when its
+    rows are ``stride(0) >= D`` floats apart with unit column stride; None otherwise."""
+    if grad.is_contiguous():
+        return dim
+    if grad.dim() == 2 and grad.stride(1) == 1 and grad.stride(0) >= dim:
+        return int(grad.stride(0))
+    return None
+
+
 def prepare_many(tables: list[tuple[Workspace, int, list[FeaturePart]]]) -> list[int]:
     """Phase 1 for several tables in one call: for each ``(workspace, V, parts)``, where every part is a
     feature's ``(ids [N], offsets [S+1], coeffs [N] | None, grad [S, D] | None)``, dedup the ids and
-    sum the gradients into the workspace. Every buffer is checked first and C re-checks every offset
-    and id against V. Returns a status per table: 0 ok, 1 non-finite gradient, 2 out of memory, 3 an id
-    outside [0, V) or bad offsets."""
+    sum the gradients into the workspace. A gradient is contiguous or a column block of a wider one (rows
+    ``stride(0)`` apart, see ``gradient_rows``). Every buffer is checked first and C re-checks every
+    offset and id against V. Returns a status per table: 0 ok, 1 non-finite gradient, 2 out of memory,
+    3 an id outside [0, V) or bad offsets."""
     lib = library()
     assert lib is not None
+    strides: list[int] = []
     for ws, _, table_parts in tables:
         for ids, offsets, coeffs, grad in table_parts:
             _require(ids, "ids", torch.int64, (-1,))
             if _require(offsets, "offsets", torch.int64, (-1,)).numel() < 1:
                 raise NativeBufferError("embtables native kernel: offsets must hold at least one value.")
-            _require_opt(coeffs, "coeffs", torch.float32, (ids.numel(),))
-            _require_opt(grad, "gradient", torch.float32, (offsets.numel() - 1, ws.dim))
+            if coeffs is not None:
+                _require(coeffs, "coeffs", torch.float32, (ids.numel(),))
+            if grad is None:
+                strides.append(ws.dim)
+                continue
+            ld = gradient_rows(grad, ws.dim) if type(grad) is Tensor and grad.is_cpu else None
+            if ld is None or grad.dtype is not torch.float32 or tuple(grad.shape) != (offsets.numel() - 1, ws.dim):
+                _require(grad, "gradient", torch.float32, (offsets.numel() - 1, ws.dim))  # raises, naming it
+                raise NativeBufferError("embtables native kernel: the gradient's rows are not laid out as [S, D].")
+            strides.append(ld)
     parts = [part for _, _, table_parts in tables for part in table_parts]
     n, t = len(parts), len(tables)
     first = [0]
     for _, _, table_parts in tables:
         first.append(first[-1] + len(table_parts))
     arr = ctypes.c_void_p * n
+    i64n = ctypes.c_int64 * n
     statuses = (ctypes.c_int * t)()
     lib.et_prepare_many(
         t,
         (ctypes.c_int64 * (t + 1))(*first),
         arr(*[part[0].data_ptr() for part in parts]),
-        (ctypes.c_int64 * n)(*[part[0].numel() for part in parts]),
+        i64n(*[part[0].numel() for part in parts]),
         arr(*[part[1].data_ptr() for part in parts]),
-        (ctypes.c_int64 * n)(*[part[1].numel() - 1 for part in parts]),
+        i64n(*[part[1].numel() - 1 for part in parts]),
         arr(*[_ptr(part[2]) for part in parts]),
         arr(*[_ptr(part[3]) for part in parts]),
+        i64n(*strides),
         (ctypes.c_int64 * t)(*[ws.dim for ws, _, _ in tables]),
         (ctypes.c_int64 * t)(*[v for _, v, _ in tables]),
         _threads(),

@@ -131,9 +131,10 @@ class StepPipeline:
             staged.prefetch = self.worker.submit(self._lookup, staged)
         self.enqueued = staged
 
-    def dequeue(self) -> list[Tensor]:
+    def dequeue(self, combine: Callable[[list[Tensor]], Tensor] | None = None) -> list[Tensor]:
         """The F activations of the staged batch; a training lookup's require grad and are kept for
-        ``apply_gradients``."""
+        ``apply_gradients``. ``combine``: the activations come back as ``[combine(activations)]`` (one
+        tensor: the concatenated activations), which is what requires grad."""
         if self.enqueued is None:
             raise RuntimeError("DistributedEmbedding.dequeue: nothing was enqueued. Call enqueue(features) first.")
         staged, self.enqueued = self.enqueued, None
@@ -143,6 +144,8 @@ class StepPipeline:
             acts, context, batches = staged.prefetch.result()
         else:
             acts, context, batches = self.run(lambda: self._lookup(staged))
+        if combine is not None:
+            acts = [combine(acts)]
         if not staged.training:
             return acts
         if self.last is not None:
@@ -193,13 +196,15 @@ class StepPipeline:
             )
         return self.last
 
-    def apply_gradients(self, flat_g: Sequence[Any]) -> None:
+    def apply_gradients(self, flat_g: Sequence[Any], refused: BaseException | None = None) -> None:
         """Update the tables for the last training lookup with its F gradients (None: zero): now, or,
         pipelined, checked now and held back until after the next lookup. On any error nothing
-        changes and the lookup stays, to retry with another gradient."""
+        changes and the lookup stays, to retry with another gradient. ``refused``: this rank's error
+        with the gradient, found before (sharded: raised on every rank together)."""
         last, engine = self.training_lookup(), self.engine
-        refused: BaseException | None = None
         try:
+            if refused is not None:
+                raise refused
             with phase_profile.phase("backward: check gradients"):
                 checked = [engine.check_gradient(i, b, g) for i, (b, g) in enumerate(zip(last.batches, flat_g))]
         except (ValueError, TypeError) as exc:

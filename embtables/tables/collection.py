@@ -70,6 +70,7 @@ class EmbeddingCollection:
         self._workspaces: dict[str, native.Workspace] = {}
         self._guard = ValueBounds(self.states)
         self._param_blocks: dict[tuple[str, float, float], Any] = {}  # native parameter blocks, see _params
+        self._unguarded: set[str] = set()  # tables whose small updates are checked exactly (_small_update)
         self.vocabularies = Vocabularies(resolved)  # the key maps of dynamic tables (spec §11)
 
     @property
@@ -82,6 +83,10 @@ class EmbeddingCollection:
         state["_workspaces"] = {}
         state["_param_blocks"] = {}  # ctypes structures: rebuilt on demand
         return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.__dict__.setdefault("_unguarded", set())  # pickled before small updates were checked in C
 
     # ------------------------------------------------------------------ forward
     def translate_keys(
@@ -172,12 +177,28 @@ class EmbeddingCollection:
         return result
 
     # ------------------------------------------------------------------ backward, phase 1
-    def check_gradient(self, feature_index: int, batch: FeatureBatch, grad: Any) -> Tensor | None:
-        """Validate one activation gradient (None is allowed); returns it as [S, D] float32."""
-        feature = self.resolved.features[feature_index]
-        table = self.resolved.tables[feature.table_index]
+    def check_gradient(
+        self, feature_index: int, batch: FeatureBatch, grad: Any, *, column_block: bool = False
+    ) -> Tensor | None:
+        """Validate one activation gradient (None is allowed); returns it as [S, D] float32, contiguous,
+        or with ``column_block`` also a column block of a wider gradient (rows further apart, unit column
+        stride: a feature's columns of the concatenated activations' gradient, which phase 1 reads in
+        place)."""
         if grad is None:
             return None
+        feature = self.resolved.features[feature_index]
+        table = self.resolved.tables[feature.table_index]
+        if (  # the common case: already what phase 1 reads
+            type(grad) is Tensor
+            and grad.dtype is torch.float32
+            and len(batch.out_shape) == 1
+            and grad.device == self.device
+            and grad.layout is torch.strided
+            and grad.shape == (batch.out_shape[0], table.dim)
+            and not grad.requires_grad
+            and (grad.is_contiguous() or (column_block and native.gradient_rows(grad, table.dim) is not None))
+        ):
+            return grad
         expected = (*batch.out_shape, table.dim)
         if not isinstance(grad, Tensor):
             raise TypeError(
@@ -243,7 +264,10 @@ class EmbeddingCollection:
             if not table.optimizer.use_gradient_accumulation:
                 continue
             parts = [(batches[f].ids, batches[f].offsets, batches[f].coeffs, grads[f]) for f in table.feature_indices]
-            if native.usable(self.states[table.name].weights, *(t for part in parts for t in part)):
+            if native.usable(self.states[table.name].weights, *(t for part in parts for t in part[:3])) and all(
+                g is None or (g.is_cpu and g.dtype is torch.float32 and native.gradient_rows(g, table.dim) is not None)
+                for _, _, _, g in parts
+            ):
                 eligible.append((table, parts))
         if not eligible:
             return {}
@@ -286,13 +310,15 @@ class EmbeddingCollection:
         Each table's update is first checked to write only finite rows and slots (a dry run that
         writes nothing; tables updated occurrence by occurrence are applied with a backup of their
         touched rows instead). A non-finite result raises ``InputError`` naming the table and row,
-        and every table and slot is left exactly as it was.
+        and every table and slot is left exactly as it was. When every table was prepared natively,
+        the dry runs happen in the same native call that writes (checked for all tables first).
         """
+        in_one_call = all(tg.prepared is not None for tg in table_grads)
         writes: list[Callable[[], None]] = []
         natives: list[_NativeWrite] = []  # written together, in one native call
         for tg in table_grads:
             if tg.accumulated:
-                write = self._checked_update(tg, lrs[tg.table.name])
+                write = self._checked_update(tg, lrs[tg.table.name], check_in_write=in_one_call)
                 if isinstance(write, _NativeWrite):
                     natives.append(write)
                 else:
@@ -309,8 +335,15 @@ class EmbeddingCollection:
         for write in writes:
             write()
         if natives:
-            written = native.apply_many([(n.ws, n.weights, n.slots, n.params, n.dense, n.measure) for n in natives])
+            items = [(n.ws, n.weights, n.slots, n.params, n.dense, n.measure, n.check) for n in natives]
+            written, bad_rows = native.apply_many(items)
+            for n, bad in zip(natives, bad_rows):
+                if bad >= 0:  # found by a dry run in the writing call: nothing was written
+                    raise non_finite_update(n.table, bad, lrs[n.table.name])
             for n, maxabs in zip(natives, written):
+                if n.unguarded:  # checked exactly; bounds measured meanwhile (a pipelined check) are stale now
+                    self._guard.forget(n.table.name)
+                    continue
                 if maxabs is not None:
                     self._guard.after_write(n.table, maxabs, measured=True)
                 else:
@@ -326,8 +359,12 @@ class EmbeddingCollection:
             else:
                 self._apply_sequential_or_restore(tg, lrs[tg.table.name])()
 
-    def _checked_update(self, tg: TableGradient, lr: float) -> Callable[[], None] | _NativeWrite:
-        """Check one accumulated table update (writes nothing); returns the function that writes it."""
+    def _checked_update(
+        self, tg: TableGradient, lr: float, *, check_in_write: bool = False
+    ) -> Callable[[], None] | _NativeWrite:
+        """Check one accumulated table update (writes nothing); returns the function that writes it.
+        ``check_in_write``: a native update that needs the exact dry run gets it in the native call that
+        writes (``native.apply_many``, all tables checked before any is written) instead of here."""
         state = self.states[tg.table.name]
         opt = tg.table.optimizer
         slots = state.slot_tuple()
@@ -344,14 +381,20 @@ class EmbeddingCollection:
         decay = effective_weight_decay(opt.weight_decay_factor, opt.weight_decay_multiplied_by_lr, lr)
         if ws is not None:
             params = self._params(tg.table, lr, decay)
+            if check_in_write and self._small_update(tg.table, ws, dense):
+                # A dry run of a few rows costs less than the proof: check exactly, keep no bounds.
+                return _NativeWrite(tg.table, ws, state.weights, slots, params, dense, False, None, True, True)
             new_bounds = self._guard.proven(tg.table, lr, decay, ws.gradient_max_abs)
-            if new_bounds is None:  # not proven: the exact dry run, a second pass over every touched row
+            check = new_bounds is None  # not proven: the exact dry run, a second pass over every touched row
+            if check and not check_in_write:
                 bad = ws.check(state.weights, slots, params, dense=dense)
                 if bad >= 0:
                     raise non_finite_update(tg.table, bad, lr)
             # Carry the proven bounds forward (free) unless they compound over steps: then measure.
             measure = new_bounds is None or bounds_compound(opt)
-            return _NativeWrite(tg.table, ws, state.weights, slots, params, dense, measure, new_bounds)
+            return _NativeWrite(
+                tg.table, ws, state.weights, slots, params, dense, measure, new_bounds, check and check_in_write
+            )
         assert tg.rows is not None and tg.grads is not None
         rows, grads = tg.rows, tg.grads
         if dense:
@@ -391,6 +434,22 @@ class EmbeddingCollection:
                 self._param_blocks.clear()
             params = self._param_blocks[key] = native.opt_params(table.optimizer, lr, decay, clip_gradients=True)
         return params
+
+    def _small_update(self, table: ResolvedTable, ws: native.Workspace, dense: bool) -> bool:
+        """Whether this update is small enough that the exact dry run (in C) is cheaper than the proof
+        (Python, about 10 us a table). Sticky with hysteresis: a table leaves the unguarded mode only for
+        an update 4x over the limit, whose proof then measures its bounds once (a full pass)."""
+        rows = table.vocabulary_size if dense else ws.num_rows
+        elements = rows * table.dim
+        if table.name in self._unguarded:
+            if elements <= 4 * _SMALL_UPDATE_ELEMENTS:
+                return True
+            self._unguarded.discard(table.name)
+            return False
+        if elements <= _SMALL_UPDATE_ELEMENTS:
+            self._unguarded.add(table.name)
+            return True
+        return False
 
     def _dense_update(
         self, table: ResolvedTable, rows: Tensor, grads: Tensor, lr: float, *, write: bool
@@ -508,6 +567,11 @@ class _NativeWrite:
     dense: bool
     measure: bool
     bounds: tuple[float, ...] | None  # the proven bounds, folded in when not measured
+    check: bool = False  # the exact dry run runs in the writing call
+    unguarded: bool = False  # small update: checked exactly, no bounds kept for the table
 
 
+# Updates of at most this many rows x D (about 170 rows of 24) are checked by the exact dry run in C rather
+# than proven finite in Python: at that size both cost about the same (10 us a table, measured).
+_SMALL_UPDATE_ELEMENTS = 1 << 12
 _DENSE_CHUNK_ELEMENTS = 1 << 22  # rows x D per chunk of the torch-path non-lazy update (16 MiB of float32)

@@ -107,7 +107,6 @@ class Vocabularies:
             self.maps[name].load(key_map_state(arrays, step))
 
 
-
 # The state of a dynamic table beside its weights and slots (state dict keys "<table>/<field>", checkpoint
 # blocks), each [V] int64 by row: the row's key, its lookup count (0 = a free row), its age (training steps
 # since its last lookup) and its touch order (0..L-1 over the L live rows: ties of age, oldest first); then

@@ -168,6 +168,10 @@ class OneProcessEngine(LocalTables):
     def check_phase(self, phase: str, step: int) -> None:
         """Nothing to agree on with no other rank."""
 
+    def check_gradient(self, feature_index: int, batch: FeatureBatch, grad: Any) -> Tensor | None:
+        # one process: phase 1 reads a feature's columns of a concatenated gradient in place
+        return self.local.check_gradient(feature_index, batch, grad, column_block=True)
+
     def translate_keys(
         self,
         batches: Sequence[FeatureBatch],

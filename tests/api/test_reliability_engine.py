@@ -446,8 +446,19 @@ NON_FINITE_CASES = {
 }
 
 
+@pytest.fixture(params=["dry-run", "proof"])
+def finiteness_check(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Small native updates are checked by the exact dry run inside the writing call; larger ones are proven
+    finite first (``collection._SMALL_UPDATE_ELEMENTS``): run a test both ways."""
+    if request.param == "proof":
+        monkeypatch.setattr(collection, "_SMALL_UPDATE_ELEMENTS", -1)
+    return str(request.param)
+
+
 @pytest.mark.parametrize("case", sorted(NON_FINITE_CASES))
-def test_an_update_that_would_overflow_raises_and_changes_nothing(case: str, kernel_path: str) -> None:
+def test_an_update_that_would_overflow_raises_and_changes_nothing(
+    case: str, kernel_path: str, finiteness_check: str
+) -> None:
     opt_b, scale = NON_FINITE_CASES[case]
     m = _two_tables(et.Adagrad(0.1), opt_b)
     before = snapshot(m)
@@ -470,6 +481,29 @@ def test_an_overflowing_lookup_raises_naming_the_feature(kernel_path: str) -> No
     with pytest.raises(ValueError, match=r"feature 'b'.*overflow"):
         m({"a": torch.tensor([[1]]), "b": et.Ragged.from_lists([[1, 2]])})
     assert_same(snapshot(m), before)
+
+
+def test_small_updates_leave_no_stale_bounds_for_a_later_proof() -> None:
+    """Small updates are checked exactly in C and keep no value bounds (C writes do not move torch's version
+    counter, so bounds measured before them would look current); the next large update measures the table
+    again and proves from what it really holds."""
+    t = et.TableConfig(6000, 4, name="t", initializer=et.Constant(0.5), optimizer=et.SGD(1.0), combiner="sum")
+    m = et.DistributedEmbedding({"f": et.FeatureConfig(t)})
+    local = m._engine.local  # the white box: the guard's bookkeeping has no public view
+    big = torch.arange(5000)  # 5000 rows x 4 > 4x the small-update limit: the proof path measures bounds
+
+    def large_step(value: float) -> None:
+        m({"f": big})
+        m.apply_gradients({"f": torch.full((5000, 4), value)})
+
+    large_step(-1.0)
+    assert local._guard._bounds["t"].hi[0] == pytest.approx(1.5, rel=1e-3)
+    for _ in range(2):  # small updates: row 0 grows to 2e29, far past the bounds measured above
+        m({"f": torch.tensor([0])})
+        m.apply_gradients({"f": torch.full((1, 4), -1e29)})
+        assert "t" not in local._guard._bounds
+    large_step(0.0)
+    assert local._guard._bounds["t"].hi[0] >= 2e29  # measured again, not carried from before
 
 
 def test_huge_but_finite_values_take_the_exact_check_and_still_train(kernel_path: str) -> None:

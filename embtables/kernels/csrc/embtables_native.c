@@ -698,7 +698,7 @@ static int et_dedup(et_workspace *h, int64_t nfeat, const int64_t *const *ids, c
  * occurrences any one row has. */
 static int64_t et_group_occurrences(et_workspace *h, int64_t nfeat, const int64_t *const *offsets,
                                     const int64_t *nbags, const float *const *coeffs, const float *const *grads,
-                                    int64_t D, int64_t N) {
+                                    const int64_t *ld, int64_t N) {
     const int64_t U = h->U;
     const int32_t *inv = h->inv;
     int64_t *start = h->start, *occ = h->occ;
@@ -715,7 +715,7 @@ static int64_t et_group_occurrences(et_workspace *h, int64_t nfeat, const int64_
     for (int64_t f = 0; f < nfeat; ++f) {
         const int64_t *off = offsets[f];
         for (int64_t s = 0; s < nbags[f]; ++s) {
-            const float *grow = grads[f] ? grads[f] + s * D : NULL;
+            const float *grow = grads[f] ? grads[f] + s * ld[f] : NULL;
             for (int64_t k = off[s]; k < off[s + 1]; ++k, ++kg) {
                 const int64_t pos = occ[inv[kg]]++;
                 h->occ_g[pos] = grow;
@@ -730,10 +730,15 @@ static int64_t et_group_occurrences(et_workspace *h, int64_t nfeat, const int64_
  * gradients (and N coefficients) instead of scanning the U x D sums afterwards (INFINITY when an
  * input is not finite). */
 static double et_sum_bound(int64_t nfeat, const int64_t *const *offsets, const int64_t *nbags,
-                           const float *const *coeffs, const float *const *grads, int64_t D, int64_t maxcount) {
+                           const float *const *coeffs, const float *const *grads, const int64_t *ld, int64_t D,
+                           int64_t maxcount) {
     uint32_t in_bits = 0, c_bits = 0x3f800000u; /* |1.0f|: absent coefficients are 1 */
     for (int64_t f = 0; f < nfeat; ++f) {
-        if (grads[f]) in_bits = et_maxbits(grads[f], nbags[f] * D, in_bits);
+        if (grads[f] && ld[f] == D) {
+            in_bits = et_maxbits(grads[f], nbags[f] * D, in_bits);
+        } else if (grads[f]) { /* rows ld[f] apart (columns of a wider gradient): row by row */
+            for (int64_t s = 0; s < nbags[f]; ++s) in_bits = et_maxbits(grads[f] + s * ld[f], D, in_bits);
+        }
         if (coeffs[f]) c_bits = et_maxbits(coeffs[f] + offsets[f][0], offsets[f][nbags[f]] - offsets[f][0], c_bits);
     }
     if (in_bits >= ET_INF_BITS || c_bits >= ET_INF_BITS) return INFINITY;
@@ -777,7 +782,8 @@ static uint32_t et_sum_rows(et_workspace *h, int64_t D, int scan, int nthreads) 
  * 1 a sum is not finite, 2 out of memory, 3 bad offsets or an id outside [0, V). */
 static void et_prepare_one(et_workspace *h, int64_t nfeat, const int64_t *const *ids, const int64_t *nids,
                            const int64_t *const *offsets, const int64_t *nbags, const float *const *coeffs,
-                           const float *const *grads, int64_t D, int64_t V, int nthreads, int *status) {
+                           const float *const *grads, const int64_t *ld, int64_t D, int64_t V, int nthreads,
+                           int *status) {
     int64_t N = 0, U = 0;
     h->U = 0;
     h->D = D;
@@ -795,8 +801,8 @@ static void et_prepare_one(et_workspace *h, int64_t nfeat, const int64_t *const 
     et_shrink((void **)&h->G, &h->cap_g, (U ? U : 1) * D, sizeof(float));
     if (!et_reserve((void **)&h->G, &h->cap_g, (U ? U : 1) * D, sizeof(float))) return;
     h->U = U;
-    const int64_t maxcount = et_group_occurrences(h, nfeat, offsets, nbags, coeffs, grads, D, N);
-    const double bound = et_sum_bound(nfeat, offsets, nbags, coeffs, grads, D, maxcount);
+    const int64_t maxcount = et_group_occurrences(h, nfeat, offsets, nbags, coeffs, grads, ld, N);
+    const double bound = et_sum_bound(nfeat, offsets, nbags, coeffs, grads, ld, D, maxcount);
     /* Below 1e37 no sum of maxcount float32 terms can overflow (float32 max is 3.4e38), so the sums need no
      * scan; above it each row is scanned exactly. */
     const int scan = !(bound < 1e37);
@@ -809,24 +815,25 @@ static void et_prepare_one(et_workspace *h, int64_t nfeat, const int64_t *const 
 
 /* Phase 1 for T tables at once. With at least as many tables as threads, tables run in parallel,
  * each on one thread (the dedup is serial, so this is where the second core pays); otherwise each
- * table uses every thread. Table t [V[t], dims[t]] has features features[first[t] .. first[t+1]). */
+ * table uses every thread. Table t [V[t], dims[t]] has features features[first[t] .. first[t+1]); the
+ * gradient rows of feature f are ld[f] >= dims[t] floats apart (a column block of a wider gradient). */
 void et_prepare_many(int64_t T, const int64_t *first, const int64_t *const *ids, const int64_t *nids,
                      const int64_t *const *offsets, const int64_t *nbags, const float *const *coeffs,
-                     const float *const *grads, const int64_t *dims, const int64_t *V, int nthreads,
-                     void **workspaces, int *statuses) {
+                     const float *const *grads, const int64_t *ld, const int64_t *dims, const int64_t *V,
+                     int nthreads, void **workspaces, int *statuses) {
     if (T >= nthreads && nthreads > 1) {
 #pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1)
         for (int64_t t = 0; t < T; ++t) {
             const int64_t f0 = first[t], nf = first[t + 1] - first[t];
             et_prepare_one((et_workspace *)workspaces[t], nf, ids + f0, nids + f0, offsets + f0, nbags + f0,
-                           coeffs + f0, grads + f0, dims[t], V[t], 1, statuses + t);
+                           coeffs + f0, grads + f0, ld + f0, dims[t], V[t], 1, statuses + t);
         }
         return;
     }
     for (int64_t t = 0; t < T; ++t) {
         const int64_t f0 = first[t], nf = first[t + 1] - first[t];
         et_prepare_one((et_workspace *)workspaces[t], nf, ids + f0, nids + f0, offsets + f0, nbags + f0, coeffs + f0,
-                       grads + f0, dims[t], V[t], nthreads, statuses + t);
+                       grads + f0, ld + f0, dims[t], V[t], nthreads, statuses + t);
     }
 }
 
@@ -1131,12 +1138,31 @@ int64_t et_stage_inputs_many(int64_t F, const int64_t *const *ids, const int64_t
 
 /* et_apply for T tables in one call (the same per-table semantics and checks). maxabs [T][4] is written
  * for the tables whose measure[t] is set; status[t] as et_apply returns it. */
+/* Phase 2 for T tables, all or nothing: every table's workspace is checked to fit it, and each table with
+ * check[t] set gets the exact dry run (et_check) first; only when every check passes is any table written.
+ * status[t]: 0 written, -4 unknown optimizer kind, -2 a workspace that does not fit its table, -3 out of
+ * memory in the dry run, 1 the update would write a non-finite value (bad[t] = one such row); any
+ * non-zero status means nothing was written. maxabs as in et_apply (4 floats per table, when measure[t]). */
 void et_apply_many(int64_t T, void *const *handles, float *const *W, float *const *S0, float *const *S1,
                    float *const *S2, const int64_t *V, const int64_t *D, const et_opt *const *p, const int32_t *dense,
-                   const int32_t *measure, int nthreads, float *maxabs, int32_t *status) {
+                   const int32_t *measure, const int32_t *check, int nthreads, float *maxabs, int32_t *status,
+                   int64_t *bad) {
     int ok = 1; /* every table is checked before any is written */
     for (int64_t t = 0; t < T; ++t) {
         status[t] = !et_row_function(p[t]->kind) ? -4 : !et_prepared_ok(handles[t], V[t], D[t]) ? -2 : 0;
+        bad[t] = -1;
+        ok = ok && status[t] == 0;
+    }
+    if (!ok) return;
+    for (int64_t t = 0; t < T; ++t) {
+        if (!check[t]) continue;
+        const int64_t r = et_check(handles[t], W[t], S0[t], S1[t], S2[t], V[t], D[t], p[t], dense[t], nthreads);
+        if (r >= 0) {
+            status[t] = 1;
+            bad[t] = r;
+        } else if (r != -1) {
+            status[t] = (int32_t)r;
+        }
         ok = ok && status[t] == 0;
     }
     if (!ok) return;

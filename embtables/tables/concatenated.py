@@ -1,0 +1,87 @@
+"""Concatenated activations: every feature's pooled activation side by side in one [B, sum(D)] tensor.
+
+A model that concatenates its embeddings anyway (DLRM, wide-and-deep, the Estimator's input layer) gets
+them as one tensor, in the flattened feature order (``tf.nest`` order: dict keys sorted), with one
+gradient back instead of F. That is what TorchRec's ``KeyedTensor`` and FBGEMM's table-batched output
+give; at small batches it also saves autograd most of its per-step work (one leaf instead of F).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from embtables.config import ResolvedConfig
+from embtables.errors import ConfigError, InputError
+from embtables.tables.inputs import FeatureBatch
+
+logger = logging.getLogger("embtables")
+
+
+class ConcatLayout:
+    """Where each feature's D columns sit in the concatenated activation [B, sum(D)] (flattened feature
+    order). Built for a resolved config whose features all pool to one row per example."""
+
+    def __init__(self, resolved: ResolvedConfig) -> None:
+        for f in resolved.features:
+            cfg = f.config
+            if cfg.max_sequence_length:
+                raise ConfigError(
+                    f"feature {f.name!r}: concat_activations=True needs every activation to be [B, D], but this is a "
+                    f"sequence feature (max_sequence_length={cfg.max_sequence_length}, activations [B, M, D]). Use "
+                    "the nest of activations (concat_activations=False) for sequence features."
+                )
+            if cfg.output_shape is not None and len(cfg.output_shape) != 1:
+                raise ConfigError(
+                    f"feature {f.name!r}: concat_activations=True needs every activation to be [B, D], but its "
+                    f"output_shape is {list(cfg.output_shape)}. Give it a one-dimensional output_shape (or none)."
+                )
+        self.names = [f.name for f in resolved.features]
+        self.dims = [resolved.tables[f.table_index].dim for f in resolved.features]
+        self.columns: dict[str, tuple[int, int]] = {}
+        at = 0
+        for name, dim in zip(self.names, self.dims):
+            self.columns[name] = (at, at + dim)
+            at += dim
+        self.width = at
+
+    def check_batches(self, batches: Sequence[FeatureBatch]) -> None:
+        """Raise ``InputError`` unless every feature's batch pools to the same B rows (one per example)."""
+        first = batches[0].out_shape if batches else ()
+        for name, b in zip(self.names, batches):
+            if len(b.out_shape) != 1 or b.out_shape != first:
+                raise InputError(
+                    f"feature {name!r}: concat_activations=True needs every feature to give the same batch of "
+                    f"[B] bags, but feature {self.names[0]!r} gives {list(first)} and this one {list(b.out_shape)} "
+                    "(a dense input of more than one dimension looks up every element on its own, or a different "
+                    "batch size). Pass each feature the same B examples: dense ids [B] (one id each), or a Ragged "
+                    "or sparse input of B rows (several ids per example, combined)."
+                )
+
+    def concat(self, activations: Sequence[Tensor]) -> Tensor:
+        """[B, sum(D)] from the F activations [B, D_f] (a new tensor, no autograd history)."""
+        with torch.no_grad():
+            return torch.cat(list(activations), dim=1)
+
+    def split_gradient(self, gradient: object, activation: Tensor, explicit: bool) -> list[Tensor | None]:
+        """The F per-feature gradients [B, D_f] (column views) of a gradient of the concatenated
+        activation: ``gradient`` passed to ``apply_gradients`` (``explicit``) or its ``.grad``. None (no
+        gradient reached it) is a zero gradient for every feature, logged."""
+        if gradient is None:
+            why = "gradient is None" if explicit else "no gradient reached the concatenated activation"
+            logger.warning("features %s: %s; applying a zero gradient.", ", ".join(map(repr, self.names)), why)
+            return [None] * len(self.names)
+        if not isinstance(gradient, Tensor):
+            raise TypeError(
+                "apply_gradients: with concat_activations=True the gradient must be one Tensor shaped like the "
+                f"concatenated activation [B, {self.width}] (or None), got {type(gradient).__name__}."
+            )
+        if tuple(gradient.shape) != tuple(activation.shape):
+            raise InputError(
+                f"apply_gradients: gradient shape {list(gradient.shape)} does not match the concatenated activation "
+                f"shape {list(activation.shape)} ([B, sum of the features' dims]). Pass d(loss)/d(activation)."
+            )
+        return list(torch.split_with_sizes(gradient, self.dims, dim=1))
