@@ -117,7 +117,8 @@ class DistributedEmbedding(nn.Module):
             self._stats = LookupStatistics(self._resolved, plans, profile_data_directory, *sampling)
         recorder = None if self._stats is None else self._stats.recorder
         self._engine = engine
-        self._pipeline = StepPipeline(engine, pipeline_execution_with_tensor_core, recorder)
+        pipelined = pipeline_execution_with_tensor_core
+        self._pipeline = StepPipeline(engine, pipelined, recorder, concat=concat_activations)
         self._persistence = Persistence(self._resolved, self._pipeline, settings)
         self._inputs = InputStager(feature_config, self._resolved)
         self._names_by_config = {id(t.config): t.name for t in self._resolved.tables}
@@ -235,7 +236,7 @@ class DistributedEmbedding(nn.Module):
         In training mode each activation is a leaf tensor that requires grad, so ``loss.backward()``
         leaves d(loss)/d(activation) in its ``.grad`` for ``apply_gradients()``.
         """
-        acts = self._pipeline.dequeue(self._concat.concat if self._concat is not None else None)
+        acts = self._pipeline.dequeue()
         if self._concat is not None:
             return acts[0]
         flat = self._inputs.flat

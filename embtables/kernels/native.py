@@ -129,7 +129,7 @@ def _compile() -> ctypes.CDLL | None:
     lib.et_all_finite.restype = i32
     lib.et_split_by_owner.argtypes = [i64, p, p, p, p, p, p, p, i64, p, p, p, p]
     lib.et_split_by_owner.restype = i32
-    lib.et_lookup_many.argtypes = [i64, p, p, p, p, p, p, p, p, p, i32]
+    lib.et_lookup_many.argtypes = [i64, p, p, p, p, p, p, p, p, p, p, i32]
     lib.et_lookup_many.restype = i32
     lib.et_prepare_many.argtypes = [i64, p, p, p, p, p, p, p, p, p, p, i32, p, p]
     lib.et_prepare_many.restype = None
@@ -345,34 +345,68 @@ def split_by_owner(parts: list[tuple[Tensor, Tensor, Tensor | None, str, int]], 
     return [(i, c, o, k.tolist()) for i, c, o, k in zip(out_ids, out_coeffs, out_offsets, out_counts)]
 
 
-def lookup_many(parts: list[tuple[Tensor, Tensor, Tensor, Tensor | None]]) -> tuple[list[Tensor], int]:
+def lookup_many(
+    parts: list[tuple[Tensor, Tensor, Tensor, Tensor | None]], into: tuple[Tensor, list[int]] | None = None
+) -> tuple[list[Tensor], int]:
     """Several lookups in one parallel region: for each ``(table [V, D], ids [N], offsets [S+1],
-    coeffs [N] | None)`` the pooled ``[S, D]`` activations. Every buffer is checked first; C re-checks
-    every offset and id against V in the same call. Returns the outputs and a status: 0 ok, 1 an id
-    outside [0, V) or bad offsets (outputs unusable), 2 a non-finite activation."""
+    coeffs [N] | None)`` the pooled ``[S, D]`` activations. ``into = (out [S, W], starts)`` writes them as
+    column blocks ``out[:, starts[f] : starts[f] + D]`` of one float32 buffer (every part has S bags) and
+    returns ``[out]``; else each gets its own tensor. Every buffer is checked first; C re-checks every
+    offset and id against V in the same call. Returns the outputs and a status: 0 ok, 1 an id outside
+    [0, V) or bad offsets (outputs unusable), 2 a non-finite activation."""
     lib = library()
     assert lib is not None
     n = len(parts)
+    f32, i64 = torch.float32, torch.int64
+    w_ptr, dims, vocab, id_ptr, n_ids, off_ptr, n_bags, c_ptr = [], [], [], [], [], [], [], []
+    checked: set[int] = set()  # tables already checked in this call (features sharing a table)
     for table, ids, offsets, coeffs in parts:
-        _require(table, "table", torch.float32, (-1, -1))
-        _require(ids, "ids", torch.int64, (-1,))
-        if _require(offsets, "offsets", torch.int64, (-1,)).numel() < 1:
+        if id(table) not in checked:
+            _require(table, "table", f32, (-1, -1))
+            checked.add(id(table))
+        _require(ids, "ids", i64, (-1,))
+        _require(offsets, "offsets", i64, (-1,))
+        bags = offsets.numel() - 1
+        if bags < 0:
             raise NativeBufferError("embtables native kernel: offsets must hold at least one value.")
-        _require_opt(coeffs, "coeffs", torch.float32, (ids.numel(),))
-    outs = [torch.empty((p[2].numel() - 1, p[0].shape[1]), dtype=torch.float32) for p in parts]
+        if coeffs is not None:
+            _require(coeffs, "coeffs", f32, (ids.numel(),))
+        vocab_size, dim = table.shape
+        w_ptr.append(table.data_ptr())
+        dims.append(dim)
+        vocab.append(vocab_size)
+        id_ptr.append(ids.data_ptr())
+        n_ids.append(ids.numel())
+        off_ptr.append(offsets.data_ptr())
+        n_bags.append(bags)
+        c_ptr.append(None if coeffs is None else coeffs.data_ptr())
+    if into is None:
+        outs = [torch.empty((bags, dim), dtype=f32) for bags, dim in zip(n_bags, dims)]
+        out_ptr, ld = [o.data_ptr() for o in outs], dims
+    else:
+        buf, starts = into
+        _require(buf, "output", f32, (-1, -1))
+        rows, width = buf.shape
+        if len(starts) != n or any(
+            bags != rows or st < 0 or st + dim > width for bags, dim, st in zip(n_bags, dims, starts)
+        ):
+            raise NativeBufferError("embtables native kernel: the output columns do not fit the shared buffer.")
+        base = buf.data_ptr()
+        outs, out_ptr, ld = [buf], [base + 4 * st for st in starts], [width] * n
     arr = ctypes.c_void_p * n
     i64s = ctypes.c_int64 * n
     status = lib.et_lookup_many(
         n,
-        arr(*[p[0].data_ptr() for p in parts]),
-        i64s(*[p[0].shape[1] for p in parts]),
-        i64s(*[p[0].shape[0] for p in parts]),
-        arr(*[p[1].data_ptr() for p in parts]),
-        i64s(*[p[1].numel() for p in parts]),
-        arr(*[p[2].data_ptr() for p in parts]),
-        i64s(*[p[2].numel() - 1 for p in parts]),
-        arr(*[_ptr(p[3]) for p in parts]),
-        arr(*[o.data_ptr() for o in outs]),
+        arr(*w_ptr),
+        i64s(*dims),
+        i64s(*vocab),
+        arr(*id_ptr),
+        i64s(*n_ids),
+        arr(*off_ptr),
+        i64s(*n_bags),
+        arr(*c_ptr),
+        arr(*out_ptr),
+        i64s(*ld),
         _threads(),
     )
     return outs, int(status)
@@ -405,45 +439,62 @@ def stage_inputs_many(parts: list[InputPart], arena: Tensor, coef_arena: Tensor)
     lib = library()
     assert lib is not None
     n = len(parts)
-    for ids, splits, _, code in parts:
-        _require(ids, "ids", torch.int64, (-1,))
-        if _require_opt(splits, "row splits", torch.int64, (-1,)) is not None and splits.numel() < 1:  # type: ignore[union-attr]
-            raise NativeBufferError("embtables native kernel: row splits must hold at least one value.")
+    i64 = torch.int64
+    id_ptr: list[int] = []
+    split_ptr: list[int | None] = []
+    n_ids, n_bags, vocab, codes, sizes = [], [], [], [], []  # type: list[int], list[int], list[int], list[int], list[int]
+    for ids, splits, v, code in parts:
+        _require(ids, "ids", i64, (-1,))
+        count = ids.numel()
+        if splits is None:
+            split_ptr.append(None)
+            n_bags.append(-1)
+            sizes += (count, count + 1)
+        else:
+            _require(splits, "row splits", i64, (-1,))
+            if splits.numel() < 1:
+                raise NativeBufferError("embtables native kernel: row splits must hold at least one value.")
+            split_ptr.append(splits.data_ptr())
+            n_bags.append(splits.numel() - 1)
+            sizes += (count, splits.numel())
         if code not in (0, 1, 2):
             raise NativeBufferError(f"embtables native kernel: unknown combiner code {code!r}.")
-    _require(arena, "staging arena", torch.int64, (-1,))
+        id_ptr.append(ids.data_ptr())
+        n_ids.append(count)
+        vocab.append(v)
+        codes.append(code)
+    _require(arena, "staging arena", i64, (-1,))
     _require(coef_arena, "coefficient arena", torch.float32, (-1,))
     arr, i64s = ctypes.c_void_p * n, ctypes.c_int64 * n
     status, single = (ctypes.c_int32 * n)(), (ctypes.c_int32 * n)()
     written = lib.et_stage_inputs_many(
         n,
-        arr(*[ids.data_ptr() for ids, _, _, _ in parts]),
-        i64s(*[ids.numel() for ids, _, _, _ in parts]),
-        arr(*[_ptr(splits) for _, splits, _, _ in parts]),
-        i64s(*[-1 if splits is None else splits.numel() - 1 for _, splits, _, _ in parts]),
-        i64s(*[v for _, _, v, _ in parts]),
+        arr(*id_ptr),
+        i64s(*n_ids),
+        arr(*split_ptr),
+        i64s(*n_bags),
+        i64s(*vocab),
         arena.data_ptr(),
         arena.numel(),
         status,
         single,
-        (ctypes.c_int32 * n)(*[code for _, _, _, code in parts]),
+        (ctypes.c_int32 * n)(*codes),
         coef_arena.data_ptr(),
         coef_arena.numel(),
     )
     if written < 0:
         raise NativeBufferError("embtables native kernel: the staging arenas are too small for the batch.")
+    used = sum(sizes)
+    views = torch.split_with_sizes(arena, [*sizes, arena.numel() - used]) if used else (arena[:0],) * (2 * n)
     out: list[StagedInput | None] = []
-    at = coef_at = 0
-    for (ids, splits, _, code), bad, one in zip(parts, status, single):
-        n_ids = ids.numel()
-        n_off = n_ids + 1 if splits is None else splits.numel()
+    coef_at = 0
+    for f, (bad, one) in enumerate(zip(status, single)):
         coeffs = None
-        if code and splits is not None:
-            coeffs = None if one else coef_arena[coef_at : coef_at + n_ids]
-            coef_at += n_ids
-        views = (arena[at : at + n_ids], arena[at + n_ids : at + n_ids + n_off], bool(one), coeffs)
-        out.append(None if bad else views)
-        at += n_ids + n_off
+        if codes[f] and split_ptr[f] is not None:
+            count = n_ids[f]
+            coeffs = None if one else coef_arena[coef_at : coef_at + count]
+            coef_at += count
+        out.append(None if bad else (views[2 * f], views[2 * f + 1], bool(one), coeffs))
     return out
 
 
@@ -460,27 +511,49 @@ def apply_many(items: list[ApplyItem]) -> tuple[list[tuple[float, ...] | None], 
     lib = library()
     assert lib is not None
     n = len(items)
-    checked = []
-    for ws, weights, slots, _, _, _, _ in items:
-        _require(weights, "weights", torch.float32, (-1, ws.dim))
-        checked.append(_slots(weights, slots))
+    f32 = torch.float32
+    handles, w_ptr, vocab, dims, params = [], [], [], [], []  # type: list[int], list[int], list[int], list[int], list[Any]
+    s_ptr: tuple[list[int | None], list[int | None], list[int | None]] = ([], [], [])
+    flags: tuple[list[int], list[int], list[int]] = ([], [], [])
+    for ws, weights, slots, p, dense, measure, check in items:
+        _require(weights, "weights", f32, (-1, ws.dim))
+        if len(slots) > 3:
+            raise NativeBufferError(f"embtables native kernel: at most 3 slots, got {len(slots)}.")
+        shape = weights.shape
+        for i in range(3):
+            if i < len(slots):
+                slot = slots[i]
+                if not (type(slot) is Tensor and slot.dtype is f32 and slot.is_cpu and slot.is_contiguous()) or (
+                    slot.shape != shape
+                ):
+                    _require(slot, f"slot {i}", f32, tuple(shape))  # raises, naming what is wrong
+                s_ptr[i].append(slot.data_ptr())
+            else:
+                s_ptr[i].append(None)
+        handles.append(ws.handle)
+        w_ptr.append(weights.data_ptr())
+        vocab.append(shape[0])
+        dims.append(ws.dim)
+        params.append(ctypes.pointer(p))
+        flags[0].append(int(dense))
+        flags[1].append(int(measure))
+        flags[2].append(int(check))
     arr, i64s, i32s = ctypes.c_void_p * n, ctypes.c_int64 * n, ctypes.c_int32 * n
     maxabs = (ctypes.c_float * (4 * n))()
     status, bad = i32s(), i64s()
-    params = (ctypes.POINTER(_OptParams) * n)(*[ctypes.pointer(item[3]) for item in items])
     lib.et_apply_many(
         n,
-        arr(*[ws.handle for ws, *_ in items]),
-        arr(*[w.data_ptr() for _, w, *_ in items]),
-        arr(*[_ptr(s[0]) for s in checked]),
-        arr(*[_ptr(s[1]) for s in checked]),
-        arr(*[_ptr(s[2]) for s in checked]),
-        i64s(*[w.shape[0] for _, w, *_ in items]),
-        i64s(*[ws.dim for ws, *_ in items]),
-        params,
-        i32s(*[int(item[4]) for item in items]),
-        i32s(*[int(item[5]) for item in items]),
-        i32s(*[int(item[6]) for item in items]),
+        arr(*handles),
+        arr(*w_ptr),
+        arr(*s_ptr[0]),
+        arr(*s_ptr[1]),
+        arr(*s_ptr[2]),
+        i64s(*vocab),
+        i64s(*dims),
+        (ctypes.POINTER(_OptParams) * n)(*params),
+        i32s(*flags[0]),
+        i32s(*flags[1]),
+        i32s(*flags[2]),
         _threads(),
         maxabs,
         status,
@@ -646,39 +719,48 @@ def prepare_many(tables: list[tuple[Workspace, int, list[FeaturePart]]]) -> list
     3 an id outside [0, V) or bad offsets."""
     lib = library()
     assert lib is not None
-    strides: list[int] = []
+    f32, i64 = torch.float32, torch.int64
+    first = [0]
+    id_ptr, n_ids, off_ptr, n_bags, c_ptr, g_ptr, strides = [], [], [], [], [], [], []
     for ws, _, table_parts in tables:
+        dim = ws.dim
         for ids, offsets, coeffs, grad in table_parts:
-            _require(ids, "ids", torch.int64, (-1,))
-            if _require(offsets, "offsets", torch.int64, (-1,)).numel() < 1:
+            _require(ids, "ids", i64, (-1,))
+            _require(offsets, "offsets", i64, (-1,))
+            bags = offsets.numel() - 1
+            if bags < 0:
                 raise NativeBufferError("embtables native kernel: offsets must hold at least one value.")
             if coeffs is not None:
-                _require(coeffs, "coeffs", torch.float32, (ids.numel(),))
-            if grad is None:
-                strides.append(ws.dim)
-                continue
-            ld = gradient_rows(grad, ws.dim) if type(grad) is Tensor and grad.is_cpu else None
-            if ld is None or grad.dtype is not torch.float32 or tuple(grad.shape) != (offsets.numel() - 1, ws.dim):
-                _require(grad, "gradient", torch.float32, (offsets.numel() - 1, ws.dim))  # raises, naming it
-                raise NativeBufferError("embtables native kernel: the gradient's rows are not laid out as [S, D].")
+                _require(coeffs, "coeffs", f32, (ids.numel(),))
+            ld = dim
+            if grad is not None:
+                fits = type(grad) is Tensor and grad.dtype is f32 and grad.is_cpu and grad.shape == (bags, dim)
+                row = gradient_rows(grad, dim) if fits else None
+                if row is None:
+                    _require(grad, "gradient", f32, (bags, dim))  # raises, naming what is wrong
+                    raise NativeBufferError("embtables native kernel: the gradient's rows are not laid out as [S, D].")
+                ld = row
+            id_ptr.append(ids.data_ptr())
+            n_ids.append(ids.numel())
+            off_ptr.append(offsets.data_ptr())
+            n_bags.append(bags)
+            c_ptr.append(None if coeffs is None else coeffs.data_ptr())
+            g_ptr.append(None if grad is None else grad.data_ptr())
             strides.append(ld)
-    parts = [part for _, _, table_parts in tables for part in table_parts]
-    n, t = len(parts), len(tables)
-    first = [0]
-    for _, _, table_parts in tables:
-        first.append(first[-1] + len(table_parts))
+        first.append(len(id_ptr))
+    n, t = len(id_ptr), len(tables)
     arr = ctypes.c_void_p * n
     i64n = ctypes.c_int64 * n
     statuses = (ctypes.c_int * t)()
     lib.et_prepare_many(
         t,
         (ctypes.c_int64 * (t + 1))(*first),
-        arr(*[part[0].data_ptr() for part in parts]),
-        i64n(*[part[0].numel() for part in parts]),
-        arr(*[part[1].data_ptr() for part in parts]),
-        i64n(*[part[1].numel() - 1 for part in parts]),
-        arr(*[_ptr(part[2]) for part in parts]),
-        arr(*[_ptr(part[3]) for part in parts]),
+        arr(*id_ptr),
+        i64n(*n_ids),
+        arr(*off_ptr),
+        i64n(*n_bags),
+        arr(*c_ptr),
+        arr(*g_ptr),
         i64n(*strides),
         (ctypes.c_int64 * t)(*[ws.dim for ws, _, _ in tables]),
         (ctypes.c_int64 * t)(*[v for _, v, _ in tables]),

@@ -76,11 +76,15 @@ class StepPipeline:
       pipelined: ``pipeline_execution_with_tensor_core``: the lookup of step t+1 reads the tables
         before the update of step t lands.
       recorder: lookup statistics sampled at training lookups, or None.
+      concat: every lookup gives one tensor, the F activations side by side ([B, sum(D)]).
     """
 
-    def __init__(self, engine: Engine, pipelined: bool, recorder: LookupStatsRecorder | None = None) -> None:
+    def __init__(
+        self, engine: Engine, pipelined: bool, recorder: LookupStatsRecorder | None = None, concat: bool = False
+    ) -> None:
         self.engine = engine
         self.pipelined = pipelined
+        self.concat = concat  # lookups give one [B, sum(D)] tensor (concat_activations=True)
         self.recorder = recorder
         self.worker: concurrent.futures.ThreadPoolExecutor | None = None
         if pipelined and engine.world > 1:  # collectives run on one thread, in program order
@@ -131,10 +135,9 @@ class StepPipeline:
             staged.prefetch = self.worker.submit(self._lookup, staged)
         self.enqueued = staged
 
-    def dequeue(self, combine: Callable[[list[Tensor]], Tensor] | None = None) -> list[Tensor]:
-        """The F activations of the staged batch; a training lookup's require grad and are kept for
-        ``apply_gradients``. ``combine``: the activations come back as ``[combine(activations)]`` (one
-        tensor: the concatenated activations), which is what requires grad."""
+    def dequeue(self) -> list[Tensor]:
+        """The F activations of the staged batch (``concat``: one tensor); a training lookup's require
+        grad and are kept for ``apply_gradients``."""
         if self.enqueued is None:
             raise RuntimeError("DistributedEmbedding.dequeue: nothing was enqueued. Call enqueue(features) first.")
         staged, self.enqueued = self.enqueued, None
@@ -144,8 +147,6 @@ class StepPipeline:
             acts, context, batches = staged.prefetch.result()
         else:
             acts, context, batches = self.run(lambda: self._lookup(staged))
-        if combine is not None:
-            acts = [combine(acts)]
         if not staged.training:
             return acts
         if self.last is not None:
@@ -176,7 +177,7 @@ class StepPipeline:
             batches = self.engine.translate_keys(
                 staged.batches or [], staged.training, staged.step, pin_from, staged.refused
             )
-            acts, context = self.engine.lookup(batches, staged.refused)
+            acts, context = self.engine.lookup(batches, staged.refused, self.concat)
             return acts, context, batches
 
     def drop_prefetch(self) -> None:

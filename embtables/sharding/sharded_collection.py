@@ -177,9 +177,10 @@ class ShardedEmbeddingCollection(LocalTables):
 
     # ------------------------------------------------------------------ forward
     def lookup(
-        self, batches: Sequence[FeatureBatch], refused: BaseException | None = None
+        self, batches: Sequence[FeatureBatch], refused: BaseException | None = None, concat: bool = False
     ) -> tuple[list[Tensor], LookupContext]:
-        """Activations per feature [*out_shape, D] of this rank's batch, and the routes for its update.
+        """Activations per feature [*out_shape, D] of this rank's batch (``concat``: one [B, sum(D)]
+        tensor), and the routes for its update.
 
         ``refused`` is this rank's validation error for its batch (its ids then take no part): every
         rank raises when any rank's batch was refused, so all stay in step."""
@@ -215,6 +216,8 @@ class ShardedEmbeddingCollection(LocalTables):
         result = [a for a in out if a is not None]
         with phase_profile.phase("lookup: finite check"):
             self._check_activations(result)
+        if concat:
+            result = [torch.cat(result, dim=1)]
         return result, LookupContext(routes, pooled)
 
     def _routes(self, batches: Sequence[FeatureBatch], refused: BaseException | None) -> list[routing.TableRoute]:

@@ -115,46 +115,55 @@ class EmbeddingCollection:
                 state.slots[name].index_copy_(0, rows, values)
         self._guard.after_reset(table.name, (weights, *(slots[n] for n in state.slots)))
 
-    def lookup(self, batches: Sequence[FeatureBatch]) -> list[Tensor]:
-        """Activations per feature, [*out_shape, D], in feature order.
+    def lookup(self, batches: Sequence[FeatureBatch], concat: bool = False) -> list[Tensor]:
+        """Activations per feature, [*out_shape, D], in feature order; ``concat``: one tensor [B, sum(D)],
+        the features' activations side by side (every batch must pool to the same B bags).
 
-        Features the native kernel serves are looked up together in one parallel region."""
+        Features the native kernel serves are looked up together in one parallel region; with
+        ``concat`` and every feature native, straight into the one output tensor."""
+        features, tables, states = self.resolved.features, self.resolved.tables, self.states
         out: list[Tensor | None] = [None] * len(batches)
         fast: list[int] = []
-        status_nonfinite = False
-        for i, (feature, batch) in enumerate(zip(self.resolved.features, batches)):
-            table = self.resolved.tables[feature.table_index]
-            weights = self.states[table.name].weights
+        parts = []
+        for i, (feature, batch) in enumerate(zip(features, batches)):
+            table = tables[feature.table_index]
+            weights = states[table.name].weights
             if table.config.quantization_config is None and native.usable(
                 weights, batch.ids, batch.offsets, batch.coeffs
             ):
                 fast.append(i)
+                parts.append((weights, batch.ids, batch.offsets, batch.coeffs))
+        status_nonfinite = False
         if fast:
-            parts = []
-            for i in fast:
-                table = self.resolved.tables[self.resolved.features[i].table_index]
-                b = batches[i]
-                parts.append((self.states[table.name].weights, b.ids, b.offsets, b.coeffs))
-            acts_list, status = native.lookup_many(parts)
+            into = None
+            if concat and len(fast) == len(batches):
+                starts, width = self._columns()
+                into = (torch.empty((batches[0].out_shape[0], width), dtype=torch.float32), starts)
+            acts_list, status = native.lookup_many(parts, into)
             status_nonfinite = status == 2
             if status == 1:
-                names = ", ".join(repr(self.resolved.features[i].name) for i in fast)
+                names = ", ".join(repr(features[i].name) for i in fast)
                 raise InputError(
                     f"features {names}: ids or offsets changed after they were validated (an input buffer was "
                     "written while the batch was staged); nothing was looked up or changed. Do not modify input "
                     "tensors between enqueue() and dequeue()."
                 )
+            if into is not None:
+                if status_nonfinite:
+                    starts, _ = self._columns()
+                    self._check_finite(
+                        [acts_list[0][:, a : a + tables[f.table_index].dim] for f, a in zip(features, starts)]
+                    )
+                return acts_list
             for i, acts in zip(fast, acts_list):
-                dim = self.resolved.tables[self.resolved.features[i].table_index].dim
-                out[i] = acts.reshape(*batches[i].out_shape, dim)
-        for i, (feature, batch) in enumerate(zip(self.resolved.features, batches)):
+                out[i] = acts.reshape(*batches[i].out_shape, tables[features[i].table_index].dim)
+        for i, (feature, batch) in enumerate(zip(features, batches)):
             if out[i] is not None:
                 continue
-            table = self.resolved.tables[feature.table_index]
+            table = tables[feature.table_index]
             q = table.config.quantization_config
-            weights = self.states[table.name].weights
             acts = pooled_lookup(
-                weights,
+                states[table.name].weights,
                 batch.ids,
                 batch.seg,
                 batch.offsets,
@@ -164,17 +173,30 @@ class EmbeddingCollection:
             out[i] = acts.reshape(*batch.out_shape, table.dim)
         result = [a for a in out if a is not None]
         # The native lookup checked its outputs in C (status 2); check the others, or find the culprit.
-        suspects = range(len(result)) if status_nonfinite else [i for i in range(len(result)) if i not in fast]
-        for i in suspects:
-            feature, acts = self.resolved.features[i], result[i]
+        self._check_finite(result, None if status_nonfinite else set(fast))
+        return [torch.cat(result, dim=1)] if concat else result
+
+    def _columns(self) -> tuple[list[int], int]:
+        """Each feature's first column in the concatenated activations, and their width (sum of D)."""
+        starts, at = [], 0
+        for f in self.resolved.features:
+            starts.append(at)
+            at += self.resolved.tables[f.table_index].dim
+        return starts, at
+
+    def _check_finite(self, activations: Sequence[Tensor], checked: set[int] | None = None) -> None:
+        """Raise naming the first feature whose activations are not all finite (skipping those ``checked``)."""
+        for i, acts in enumerate(activations):
+            if checked is not None and i in checked:
+                continue
             if not bool(torch.isfinite(acts).all()):
+                feature = self.resolved.features[i]
                 table = self.resolved.tables[feature.table_index]
                 raise InputError(
                     f"feature {feature.name!r} (table {table.name!r}): the looked-up activations overflow float32 "
                     "(a sum of large rows or weights is not finite); no table or slot was changed. Check the "
                     "weights of this feature and the table's values."
                 )
-        return result
 
     # ------------------------------------------------------------------ backward, phase 1
     def check_gradient(
@@ -264,10 +286,9 @@ class EmbeddingCollection:
             if not table.optimizer.use_gradient_accumulation:
                 continue
             parts = [(batches[f].ids, batches[f].offsets, batches[f].coeffs, grads[f]) for f in table.feature_indices]
-            if native.usable(self.states[table.name].weights, *(t for part in parts for t in part[:3])) and all(
-                g is None or (g.is_cpu and g.dtype is torch.float32 and native.gradient_rows(g, table.dim) is not None)
-                for _, _, _, g in parts
-            ):
+            # check_gradient gave float32 gradients on this device, contiguous or column blocks (which phase 1
+            # reads in place): on the CPU they are native buffers; prepare_many checks them all again
+            if native.usable(self.states[table.name].weights, *(t for part in parts for t in part[:3])):
                 eligible.append((table, parts))
         if not eligible:
             return {}

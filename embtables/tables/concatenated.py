@@ -61,11 +61,6 @@ class ConcatLayout:
                     "or sparse input of B rows (several ids per example, combined)."
                 )
 
-    def concat(self, activations: Sequence[Tensor]) -> Tensor:
-        """[B, sum(D)] from the F activations [B, D_f] (a new tensor, no autograd history)."""
-        with torch.no_grad():
-            return torch.cat(list(activations), dim=1)
-
     def split_gradient(self, gradient: object, activation: Tensor, explicit: bool) -> list[Tensor | None]:
         """The F per-feature gradients [B, D_f] (column views) of a gradient of the concatenated
         activation: ``gradient`` passed to ``apply_gradients`` (``explicit``) or its ``.grad``. None (no

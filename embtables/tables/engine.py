@@ -65,7 +65,7 @@ class Engine(Protocol):
     def vocabulary_shards(self) -> dict[str, dict[str, Tensor]]: ...
 
     def lookup(
-        self, batches: Sequence[FeatureBatch], refused: BaseException | None = None
+        self, batches: Sequence[FeatureBatch], refused: BaseException | None = None, concat: bool = False
     ) -> tuple[list[Tensor], Any]: ...
 
     def check_gradient(self, feature_index: int, batch: FeatureBatch, grad: Any) -> Tensor | None: ...
@@ -196,11 +196,11 @@ class OneProcessEngine(LocalTables):
         return {name: m.stats() for name, m in self.local.vocabularies.maps.items()}
 
     def lookup(
-        self, batches: Sequence[FeatureBatch], refused: BaseException | None = None
+        self, batches: Sequence[FeatureBatch], refused: BaseException | None = None, concat: bool = False
     ) -> tuple[list[Tensor], None]:
         if refused is not None:  # one process raises a bad batch at enqueue; kept for the interface
             raise refused
-        return self.local.lookup(batches), None
+        return self.local.lookup(batches, concat), None
 
     def table_gradients(
         self,

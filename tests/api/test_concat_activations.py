@@ -176,3 +176,13 @@ def _sharded_concat(rank: int, world: int, strategy: str) -> None:
 @pytest.mark.parametrize("strategy", ["div", "table"])
 def test_sharded_concat_equals_the_nest_on_two_processes(strategy: str) -> None:
     run_world(_sharded_concat, 2, strategy)
+
+
+def test_an_overflowing_lookup_names_its_feature(kernel_path: str) -> None:
+    emb = _make(True).eval()
+    state = emb.state_dict()
+    state["t1"] = torch.full((30, 8), 3e38)
+    emb.load_state_dict(state)
+    features, weights = _batch(4)
+    with pytest.raises(ValueError, match=r"feature 'b' \(table 't1'\).*overflow"):
+        emb(features, weights)

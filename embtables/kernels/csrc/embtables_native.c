@@ -125,8 +125,8 @@ static inline void et_bag_block64(const float *W, int64_t D, int64_t V, const in
 
 /* One bag; returns 0 when every output value is finite. */
 static inline int et_bag(const float *W, int64_t D, int64_t V, const int64_t *ids, const int64_t *offsets, int64_t s,
-                         int64_t total, const float *coeffs, float *out, int *bad) {
-    float *restrict o = out + s * D;
+                         int64_t total, const float *coeffs, float *out, int64_t ld, int *bad) {
+    float *restrict o = out + s * ld;
     const int64_t k0 = offsets[s], k1 = offsets[s + 1];
     int64_t d0 = 0;
     for (; d0 + 64 <= D; d0 += 64)
@@ -233,12 +233,13 @@ int et_split_by_owner(int64_t F, const int64_t *const *ids, const int64_t *N, co
 }
 
 /* The lookups of F features in one parallel region: feature f reads table W[f] [V[f], D[f]] through
- * ids[f] [N[f]] and writes out[f] [S[f], D[f]]. Bags of all features form one index space split over
+ * ids[f] [N[f]] and writes out[f] [S[f], D[f]], rows ld[f] >= D[f] floats apart (ld[f] > D[f]: a column
+ * block of one wider output, the concatenated activations). Bags of all features form one index space split over
  * the threads. Returns 0 ok, 1 bad offsets or an id outside [0, V) (outputs are then garbage and must
  * be discarded), 2 a non-finite activation. */
 int et_lookup_many(int64_t F, const float *const *W, const int64_t *D, const int64_t *V, const int64_t *const *ids,
                    const int64_t *N, const int64_t *const *offsets, const int64_t *S, const float *const *coeffs,
-                   float *const *out, int nthreads) {
+                   float *const *out, const int64_t *ld, int nthreads) {
     int64_t first[F + 1];
     first[0] = 0;
     for (int64_t f = 0; f < F; ++f) {
@@ -255,7 +256,7 @@ int et_lookup_many(int64_t F, const float *const *W, const int64_t *D, const int
             while (i >= first[f + 1]) ++f;
             while (i < first[f]) --f;
             nonfinite |= et_bag(W[f], D[f], V[f], ids[f], offsets[f], i - first[f], offsets[f][S[f]], coeffs[f],
-                                out[f], &bad);
+                                out[f], ld[f], &bad);
         }
     }
     return bad ? 1 : (nonfinite ? 2 : 0);
