@@ -226,6 +226,11 @@ def _require(t: object, what: str, dtype: torch.dtype, shape: tuple[int, ...]) -
         if shape == _ANY_1D:
             if t.dim() == 1:
                 return t
+        elif len(shape) == 2:
+            if t.dim() == 2:
+                rows, cols = t.shape
+                if (shape[0] == -1 or shape[0] == rows) and (shape[1] == -1 or shape[1] == cols):
+                    return t
         elif t.dim() == len(shape) and all(w == -1 or w == n for w, n in zip(shape, t.shape)):
             return t
     ok = isinstance(t, Tensor) and t.dtype == dtype and t.is_cpu and t.is_contiguous() and t.dim() == len(shape)
