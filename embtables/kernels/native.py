@@ -708,11 +708,11 @@ def gradient_rows(grad: Tensor, dim: int) -> int | None:
     """The row stride of a CPU float32 gradient [S, D] the native phase 1 reads: D when contiguous, the
     wider row of a column block (a feature's columns of the concatenated activations' gradient) when its
     rows are ``stride(0) >= D`` floats apart with unit column stride; None otherwise."""
-    if grad.is_contiguous():
-        return dim
-    if grad.dim() == 2 and grad.stride(1) == 1 and grad.stride(0) >= dim:
-        return int(grad.stride(0))
-    return None
+    if grad.dim() == 2:
+        rows, cols = grad.stride()
+        if cols == 1 and rows >= dim:  # contiguous (rows == D) or a column block
+            return int(rows)
+    return dim if grad.is_contiguous() else None  # a size-1 dimension may carry any stride
 
 
 def prepare_many(tables: list[tuple[Workspace, int, list[FeaturePart]]]) -> list[int]:

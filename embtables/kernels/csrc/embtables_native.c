@@ -85,6 +85,24 @@ static inline uint32_t et_maxbits(const float *x, int64_t D, uint32_t m) {
     return m;
 }
 
+/* The same over ``rows`` rows of D floats, ld floats apart: the running maxima stay in 8 lanes across
+ * rows (one horizontal reduction at the end, not one per row). */
+static inline uint32_t et_maxbits_rows(const float *x, int64_t rows, int64_t D, int64_t ld, uint32_t m) {
+    uint32_t lane[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    const int64_t D8 = D & ~(int64_t)7;
+    for (int64_t r = 0; r < rows; ++r) {
+        const float *row = x + r * ld;
+        for (int64_t d = 0; d < D8; d += 8)
+            for (int j = 0; j < 8; ++j) {
+                const uint32_t a = et_absbits(row[d + j]);
+                lane[j] = a > lane[j] ? a : lane[j];
+            }
+        m = et_maxbits(row + D8, D - D8, m);
+    }
+    for (int j = 0; j < 8; ++j) m = lane[j] > m ? lane[j] : m;
+    return m;
+}
+
 static inline void et_prefetch_row(const float *row, int64_t D, int rw);
 static inline void et_prefetch_head(const float *row, int64_t D);
 #define ET_PF 8 /* rows of look-ahead: enough misses in flight to cover DRAM latency */
@@ -131,7 +149,18 @@ static inline int et_bag(const float *W, int64_t D, int64_t V, const int64_t *id
     int64_t d0 = 0;
     for (; d0 + 64 <= D; d0 += 64)
         et_bag_block64(W + d0, D, V, ids, k0, k1, coeffs, o + d0, d0 == 0 ? total : 0, bad);
-    if (d0 < D) {
+    if (d0 < D && k1 - k0 == 1) { /* one id (the common case of single-valued columns): no read of o */
+        if (d0 == 0 && k0 + ET_LOOKUP_PF < total) et_prefetch_head(W + ids[k0 + ET_LOOKUP_PF] * D, D);
+        const int64_t id = ids[k0];
+        if ((uint64_t)id >= (uint64_t)V) {
+            *bad = 1;
+            for (int64_t d = d0; d < D; ++d) o[d] = 0.0f;
+        } else {
+            const float *restrict row = W + id * D;
+            const float c = coeffs ? coeffs[k0] : 1.0f;
+            for (int64_t d = d0; d < D; ++d) o[d] = 0.0f + c * row[d]; /* the same sum as below: 0 + c * row */
+        }
+    } else if (d0 < D) {
         for (int64_t d = d0; d < D; ++d) o[d] = 0.0f;
         for (int64_t k = k0; k < k1; ++k) {
             if (d0 == 0 && k + ET_LOOKUP_PF < total) et_prefetch_head(W + ids[k + ET_LOOKUP_PF] * D, D);
@@ -737,8 +766,8 @@ static double et_sum_bound(int64_t nfeat, const int64_t *const *offsets, const i
     for (int64_t f = 0; f < nfeat; ++f) {
         if (grads[f] && ld[f] == D) {
             in_bits = et_maxbits(grads[f], nbags[f] * D, in_bits);
-        } else if (grads[f]) { /* rows ld[f] apart (columns of a wider gradient): row by row */
-            for (int64_t s = 0; s < nbags[f]; ++s) in_bits = et_maxbits(grads[f] + s * ld[f], D, in_bits);
+        } else if (grads[f]) { /* rows ld[f] apart (columns of a wider gradient) */
+            in_bits = et_maxbits_rows(grads[f], nbags[f], D, ld[f], in_bits);
         }
         if (coeffs[f]) c_bits = et_maxbits(coeffs[f] + offsets[f][0], offsets[f][nbags[f]] - offsets[f][0], c_bits);
     }
@@ -1139,25 +1168,81 @@ int64_t et_stage_inputs_many(int64_t F, const int64_t *const *ids, const int64_t
 
 /* et_apply for T tables in one call (the same per-table semantics and checks). maxabs [T][4] is written
  * for the tables whose measure[t] is set; status[t] as et_apply returns it. */
+/* Rows x D values at most for which a checked update is computed once, in scratch (see et_apply_many). */
+#define ET_STAGED_MAX (1 << 16)
+
+/* A small lazy update computed once: each prepared row's weights and slots are copied into scratch (4 x U x D
+ * floats) and updated there. Returns -1 when every value is finite (then *scratch holds the new rows), a row id
+ * whose update is not finite, or -3 out of memory. */
+static int64_t et_stage_update(const et_workspace *h, const float *W, const float *S0, const float *S1,
+                               const float *S2, int64_t D, et_row_fn fn, const et_opt *p, float **scratch) {
+    const int64_t U = h->U;
+    float *buf = (float *)malloc(sizeof(float) * (size_t)(4 * (U ? U : 1) * D));
+    *scratch = buf;
+    if (!buf) return -3;
+    for (int64_t u = 0; u < U; ++u) {
+        const int64_t r = h->rows[u] * D;
+        float *cw = buf + 4 * u * D, *c0 = cw + D, *c1 = cw + 2 * D, *c2 = cw + 3 * D;
+        memcpy(cw, W + r, sizeof(float) * (size_t)D);
+        if (S0) memcpy(c0, S0 + r, sizeof(float) * (size_t)D);
+        if (S1) memcpy(c1, S1 + r, sizeof(float) * (size_t)D);
+        if (S2) memcpy(c2, S2 + r, sizeof(float) * (size_t)D);
+        fn(p, cw, S0 ? c0 : NULL, S1 ? c1 : NULL, S2 ? c2 : NULL, h->G + u * D, D);
+        uint32_t m = et_maxbits(cw, D, 0);
+        if (S0) m = et_maxbits(c0, D, m);
+        if (S1) m = et_maxbits(c1, D, m);
+        if (S2) m = et_maxbits(c2, D, m);
+        if (m >= ET_INF_BITS) return h->rows[u];
+    }
+    return -1;
+}
+
+/* Write the rows et_stage_update computed; with maxabs, the largest |value| written per tensor. */
+static void et_commit_update(const et_workspace *h, float *W, float *S0, float *S1, float *S2, int64_t D,
+                             const float *buf, float *maxabs) {
+    uint32_t m[4] = {0, 0, 0, 0};
+    float *dst[4] = {W, S0, S1, S2};
+    for (int64_t u = 0; u < h->U; ++u) {
+        const int64_t r = h->rows[u] * D;
+        for (int i = 0; i < 4; ++i) {
+            if (!dst[i]) continue;
+            const float *src = buf + (4 * u + i) * D;
+            memcpy(dst[i] + r, src, sizeof(float) * (size_t)D);
+            if (maxabs) m[i] = et_maxbits(src, D, m[i]);
+        }
+    }
+    if (maxabs)
+        for (int i = 0; i < 4; ++i) maxabs[i] = m[i] >= ET_INF_BITS ? INFINITY : et_bits_float(m[i]);
+}
+
 /* Phase 2 for T tables, all or nothing: every table's workspace is checked to fit it, and each table with
- * check[t] set gets the exact dry run (et_check) first; only when every check passes is any table written.
+ * check[t] set is checked exactly first: a small lazy update (at most ET_STAGED_MAX values) is computed once
+ * into scratch and verified there, any other gets the dry run (et_check). Only when every check passes is any
+ * table written (a staged table by copying its computed rows: the same values the fused pass writes).
  * status[t]: 0 written, -4 unknown optimizer kind, -2 a workspace that does not fit its table, -3 out of
- * memory in the dry run, 1 the update would write a non-finite value (bad[t] = one such row); any
- * non-zero status means nothing was written. maxabs as in et_apply (4 floats per table, when measure[t]). */
+ * memory in a check, 1 the update would write a non-finite value (bad[t] = one such row); any non-zero
+ * status means nothing was written. maxabs as in et_apply (4 floats per table, when measure[t]). */
 void et_apply_many(int64_t T, void *const *handles, float *const *W, float *const *S0, float *const *S1,
                    float *const *S2, const int64_t *V, const int64_t *D, const et_opt *const *p, const int32_t *dense,
                    const int32_t *measure, const int32_t *check, int nthreads, float *maxabs, int32_t *status,
                    int64_t *bad) {
     int ok = 1; /* every table is checked before any is written */
+    float *staged[T > 0 ? T : 1];
     for (int64_t t = 0; t < T; ++t) {
         status[t] = !et_row_function(p[t]->kind) ? -4 : !et_prepared_ok(handles[t], V[t], D[t]) ? -2 : 0;
         bad[t] = -1;
+        staged[t] = NULL;
         ok = ok && status[t] == 0;
     }
     if (!ok) return;
     for (int64_t t = 0; t < T; ++t) {
         if (!check[t]) continue;
-        const int64_t r = et_check(handles[t], W[t], S0[t], S1[t], S2[t], V[t], D[t], p[t], dense[t], nthreads);
+        const et_workspace *h = (const et_workspace *)handles[t];
+        int64_t r;
+        if (!dense[t] && h->U * D[t] <= ET_STAGED_MAX)
+            r = et_stage_update(h, W[t], S0[t], S1[t], S2[t], D[t], et_row_function(p[t]->kind), p[t], &staged[t]);
+        else
+            r = et_check(handles[t], W[t], S0[t], S1[t], S2[t], V[t], D[t], p[t], dense[t], nthreads);
         if (r >= 0) {
             status[t] = 1;
             bad[t] = r;
@@ -1166,8 +1251,12 @@ void et_apply_many(int64_t T, void *const *handles, float *const *W, float *cons
         }
         ok = ok && status[t] == 0;
     }
-    if (!ok) return;
-    for (int64_t t = 0; t < T; ++t)
-        status[t] = et_apply(handles[t], W[t], S0[t], S1[t], S2[t], V[t], D[t], p[t], dense[t], nthreads,
-                             measure[t] ? maxabs + 4 * t : NULL);
+    for (int64_t t = 0; t < T; ++t) {
+        if (ok && staged[t])
+            et_commit_update(handles[t], W[t], S0[t], S1[t], S2[t], D[t], staged[t], measure[t] ? maxabs + 4 * t : NULL);
+        else if (ok)
+            status[t] = et_apply(handles[t], W[t], S0[t], S1[t], S2[t], V[t], D[t], p[t], dense[t], nthreads,
+                                 measure[t] ? maxabs + 4 * t : NULL);
+        free(staged[t]);
+    }
 }
