@@ -49,3 +49,38 @@ def test_c_refuses_an_unknown_kind_and_writes_nothing() -> None:
     with pytest.raises(native.NativeBufferError, match="unknown optimizer kind"):
         native.apply_sequential(torch.tensor([1]), torch.ones(1, 3), weights, (acc,), params)
     assert torch.equal(weights, before[0]) and torch.equal(acc, before[1])
+
+
+@pytest.mark.skipif(native.library() is None, reason="needs the native kernels (a C compiler)")
+@pytest.mark.parametrize("combiner", ["sum", "mean", "sqrtn"])
+def test_phase_1_on_one_thread_and_on_several_gives_the_same_bits(combiner: str) -> None:
+    """On one thread phase 1 scatters the occurrences in order; on several it groups them by row and sums
+    each row in parallel. Both add the same float32 terms in the same order: the same tables, and the same
+    as the torch reference path."""
+
+    def train(threads: int, native_on: bool) -> dict[str, torch.Tensor]:
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        native.set_enabled(native_on)
+        try:
+            table = et.TableConfig(50, 6, name="t", initializer=et.TruncatedNormal(seed=5), combiner=combiner)
+            emb = et.DistributedEmbedding(
+                {"a": et.FeatureConfig(table)}, et.Adagrad(0.3)
+            )  # one table: threads split rows
+            gen = torch.Generator().manual_seed(7)
+            for step in range(4):
+                lengths = torch.randint(0, 30, (40,), generator=gen)
+                ids = torch.randint(0, 50, (int(lengths.sum()),), generator=gen)
+                weights = torch.rand(ids.numel(), generator=gen) * 3
+                acts = emb({"a": et.Ragged.from_lengths(ids, lengths)}, {"a": et.Ragged.from_lengths(weights, lengths)})
+                grad = torch.randn(acts["a"].shape, generator=gen) * (10.0 ** (step - 2))
+                emb.apply_gradients({"a": grad if step != 1 else None})  # step 1: a zero gradient
+            return {k: v.clone() for k, v in emb.state_dict().items()}
+        finally:
+            native.set_enabled(True)
+            torch.set_num_threads(before)
+
+    one, several, reference = train(1, True), train(2, True), train(1, False)
+    for key in reference:
+        assert torch.equal(one[key], several[key]), key
+        assert torch.equal(one[key], reference[key]), key

@@ -808,6 +808,38 @@ static uint32_t et_sum_rows(et_workspace *h, int64_t D, int scan, int nthreads) 
     return gbits;
 }
 
+/* Phase 1, steps 3-4 on one thread: G [U, D] summed by scattering the occurrences in occurrence order
+ * (the gradient rows are read in order, no grouping pass). Each row gets the same float32 additions in the
+ * same order as et_sum_rows gives it (from +0, zero gradients adding +0): the same bits. Returns the largest
+ * |sum| as float bits. */
+static uint32_t et_scatter_sums(et_workspace *h, int64_t nfeat, const int64_t *const *offsets, const int64_t *nbags,
+                                const float *const *coeffs, const float *const *grads, const int64_t *ld, int64_t D) {
+    float *G = h->G;
+    const int32_t *inv = h->inv;
+    memset(G, 0, sizeof(float) * (size_t)(h->U * D)); /* all-zero bits: +0.0f */
+    int64_t kg = 0;
+    for (int64_t f = 0; f < nfeat; ++f) {
+        const int64_t *off = offsets[f];
+        for (int64_t s = 0; s < nbags[f]; ++s) {
+            const float *restrict grow = grads[f] ? grads[f] + s * ld[f] : NULL;
+            for (int64_t k = off[s]; k < off[s + 1]; ++k, ++kg) {
+                float *restrict acc = G + (int64_t)inv[kg] * D;
+                if (!grow) {
+                    for (int64_t d = 0; d < D; ++d) acc[d] += 0.0f;
+                    continue;
+                }
+                const float cf = coeffs[f] ? coeffs[f][k] : 1.0f;
+                if (cf == 1.0f) {
+                    for (int64_t d = 0; d < D; ++d) acc[d] += grow[d];
+                } else {
+                    for (int64_t d = 0; d < D; ++d) acc[d] += grow[d] * cf;
+                }
+            }
+        }
+    }
+    return et_maxbits(G, h->U * D, 0);
+}
+
 /* Phase 1 for one table: check the offsets, size the workspace, dedup, group, sum. ``status``: 0 done,
  * 1 a sum is not finite, 2 out of memory, 3 bad offsets or an id outside [0, V). */
 static void et_prepare_one(et_workspace *h, int64_t nfeat, const int64_t *const *ids, const int64_t *nids,
@@ -831,6 +863,13 @@ static void et_prepare_one(et_workspace *h, int64_t nfeat, const int64_t *const 
     et_shrink((void **)&h->G, &h->cap_g, (U ? U : 1) * D, sizeof(float));
     if (!et_reserve((void **)&h->G, &h->cap_g, (U ? U : 1) * D, sizeof(float))) return;
     h->U = U;
+    if (nthreads <= 1) { /* one thread: scatter in occurrence order, then scan the sums */
+        const uint32_t bits = et_scatter_sums(h, nfeat, offsets, nbags, coeffs, grads, ld, D);
+        h->finite = bits < ET_INF_BITS;
+        h->gmax = h->finite ? et_bits_float(bits) : INFINITY;
+        *status = h->finite ? 0 : 1;
+        return;
+    }
     const int64_t maxcount = et_group_occurrences(h, nfeat, offsets, nbags, coeffs, grads, ld, N);
     const double bound = et_sum_bound(nfeat, offsets, nbags, coeffs, grads, ld, D, maxcount);
     /* Below 1e37 no sum of maxcount float32 terms can overflow (float32 max is 3.4e38), so the sums need no
