@@ -186,3 +186,29 @@ def test_an_overflowing_lookup_names_its_feature(kernel_path: str) -> None:
     features, weights = _batch(4)
     with pytest.raises(ValueError, match=r"feature 'b' \(table 't1'\).*overflow"):
         emb(features, weights)
+
+
+def test_dynamic_tables_concatenate_like_fixed_ones() -> None:
+    """A dynamic table's keys (any int64) pooled beside a fixed table's ids: the same as the nest."""
+
+    def make(concat: bool) -> et.DistributedEmbedding:
+        dynamic = et.DynamicVocabulary(admit_after=1, eviction="lru")
+        keyed = et.TableConfig(20, 4, name="d", dynamic=dynamic, initializer=et.Constant(0.1))
+        fixed = et.TableConfig(10, 3, name="u", initializer=et.Constant(0.2))
+        features = {"k": et.FeatureConfig(keyed), "x": et.FeatureConfig(fixed)}
+        return et.DistributedEmbedding(features, et.Adagrad(0.1), concat_activations=concat)
+
+    nest, cat = make(False), make(True)
+    for step in range(5):
+        gen = torch.Generator().manual_seed(step)
+        features = {
+            "k": torch.randint(-(2**62), 2**62, (6,), generator=gen),
+            "x": torch.randint(0, 10, (6,), generator=gen),
+        }
+        acts, joined = nest(features), cat(features)
+        assert torch.equal(torch.cat([acts["k"], acts["x"]], dim=1), joined)
+        grad = torch.randn(6, 7, generator=gen)
+        nest.apply_gradients({"k": grad[:, :4].contiguous(), "x": grad[:, 4:].contiguous()})
+        cat.apply_gradients(grad)
+    assert_same(snapshot(cat), snapshot(nest))
+    assert torch.equal(cat.vocabulary("d")[0], nest.vocabulary("d")[0])
