@@ -362,7 +362,7 @@ def apply_many(items: list[ApplyItem]) -> tuple[list[tuple[float, ...] | None], 
         w_ptr.append(weights.data_ptr())
         vocab.append(shape[0])
         dims.append(ws.dim)
-        params.append(ctypes.pointer(p))
+        params.append(ctypes.addressof(p))  # kept alive by ``items`` for the call
         flags[0].append(int(dense))
         flags[1].append(int(measure))
         flags[2].append(int(check))
@@ -378,7 +378,7 @@ def apply_many(items: list[ApplyItem]) -> tuple[list[tuple[float, ...] | None], 
         arr(*s_ptr[2]),
         i64s(*vocab),
         i64s(*dims),
-        (ctypes.POINTER(_OptParams) * n)(*params),
+        arr(*params),
         i32s(*flags[0]),
         i32s(*flags[1]),
         i32s(*flags[2]),
@@ -387,11 +387,12 @@ def apply_many(items: list[ApplyItem]) -> tuple[list[tuple[float, ...] | None], 
         status,
         bad,
     )
-    if any(s == -4 for s in status):
-        raise NativeBufferError("embtables native kernel: unknown optimizer kind (no table was written).")
-    if any(s == -3 for s in status):
-        raise MemoryError("embtables: out of memory while checking the sparse update (no table was written).")
-    if any(s not in (0, 1) for s in status):
+    codes = set(status)
+    if codes - {0, 1}:
+        if -4 in codes:
+            raise NativeBufferError("embtables native kernel: unknown optimizer kind (no table was written).")
+        if -3 in codes:
+            raise MemoryError("embtables: out of memory while checking the sparse update (no table was written).")
         raise NativeBufferError("embtables native kernel: a prepared update does not fit its table.")
     written = [
         tuple(float(m) for m in maxabs[4 * t : 4 * t + 1 + len(item[2])]) if item[5] else None

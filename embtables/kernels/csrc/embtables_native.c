@@ -1220,6 +1220,13 @@ static int64_t et_stage_update(const et_workspace *h, const float *W, const floa
     *scratch = buf;
     if (!buf) return -3;
     for (int64_t u = 0; u < U; ++u) {
+        if (u + ET_PF < U) { /* the rows are random: keep several in flight, as the fused pass does */
+            const int64_t q = h->rows[u + ET_PF] * D;
+            et_prefetch_row(W + q, D, 0);
+            if (S0) et_prefetch_row(S0 + q, D, 0);
+            if (S1) et_prefetch_row(S1 + q, D, 0);
+            if (S2) et_prefetch_row(S2 + q, D, 0);
+        }
         const int64_t r = h->rows[u] * D;
         float *cw = buf + 4 * u * D, *c0 = cw + D, *c1 = cw + 2 * D, *c2 = cw + 3 * D;
         memcpy(cw, W + r, sizeof(float) * (size_t)D);
@@ -1227,12 +1234,17 @@ static int64_t et_stage_update(const et_workspace *h, const float *W, const floa
         if (S1) memcpy(c1, S1 + r, sizeof(float) * (size_t)D);
         if (S2) memcpy(c2, S2 + r, sizeof(float) * (size_t)D);
         fn(p, cw, S0 ? c0 : NULL, S1 ? c1 : NULL, S2 ? c2 : NULL, h->G + u * D, D);
-        uint32_t m = et_maxbits(cw, D, 0);
-        if (S0) m = et_maxbits(c0, D, m);
-        if (S1) m = et_maxbits(c1, D, m);
-        if (S2) m = et_maxbits(c2, D, m);
-        if (m >= ET_INF_BITS) return h->rows[u];
     }
+    /* each row's values are its first (1 + last slot present) x D floats; an absent slot before a present one
+     * (never passed by the wrappers, which fill S0, S1, S2 in order) is zeroed so nothing unwritten is read */
+    const int64_t width = (S2 ? 4 : S1 ? 3 : S0 ? 2 : 1) * D;
+    for (int64_t u = 0; u < U && ((!S0 && (S1 || S2)) || (!S1 && S2)); ++u) {
+        if (!S0) memset(buf + (4 * u + 1) * D, 0, sizeof(float) * (size_t)D);
+        if (!S1) memset(buf + (4 * u + 2) * D, 0, sizeof(float) * (size_t)D);
+    }
+    if (et_maxbits_rows(buf, U, width, 4 * D, 0) < ET_INF_BITS) return -1; /* one reduction for the table */
+    for (int64_t u = 0; u < U; ++u)
+        if (et_maxbits(buf + 4 * u * D, width, 0) >= ET_INF_BITS) return h->rows[u];
     return -1;
 }
 
