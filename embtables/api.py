@@ -345,5 +345,9 @@ class DistributedEmbedding(nn.Module):
         args = (state_dict, prefix, strict, missing_keys, unexpected_keys, error_msgs)
         self._persistence.load_state_dict(*args)
 
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        state.setdefault("_concat", None)  # pickled before concat_activations existed
+        super().__setstate__(state)  # type: ignore[no-untyped-call]
+
     def extra_repr(self) -> str:
         return describe(self._engine)

@@ -337,5 +337,6 @@ class StepPipeline:
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
+        state.setdefault("concat", False)  # pickled before concat_activations existed
         self.__dict__.update(state)
         self.lock = threading.RLock()

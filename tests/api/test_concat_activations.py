@@ -212,3 +212,16 @@ def test_dynamic_tables_concatenate_like_fixed_ones() -> None:
         cat.apply_gradients(grad)
     assert_same(snapshot(cat), snapshot(nest))
     assert torch.equal(cat.vocabulary("d")[0], nest.vocabulary("d")[0])
+
+
+def test_a_module_pickled_before_concat_activations_existed_still_loads_and_trains() -> None:
+    import pickle
+
+    emb = _make(False)
+    older = pickle.loads(pickle.dumps(emb))
+    del older.__dict__["_concat"], older._pipeline.__dict__["concat"]  # what an earlier version pickled
+    revived = pickle.loads(pickle.dumps(older))
+    assert revived.activation_columns == {}
+    features, weights = _batch(5)
+    acts = revived(features, weights)
+    revived.apply_gradients({k: torch.ones_like(v) for k, v in acts.items()})
