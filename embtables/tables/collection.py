@@ -216,6 +216,7 @@ class EmbeddingCollection:
             and len(batch.out_shape) == 1
             and grad.device == self.device
             and grad.layout is torch.strided
+            and not grad.is_nested  # a strided nested tensor has no shape to compare
             and grad.shape == (batch.out_shape[0], table.dim)
             and not grad.requires_grad
             and (grad.is_contiguous() or (column_block and native.gradient_rows(grad, table.dim) is not None))

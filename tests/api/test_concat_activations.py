@@ -225,3 +225,18 @@ def test_a_module_pickled_before_concat_activations_existed_still_loads_and_trai
     features, weights = _batch(5)
     acts = revived(features, weights)
     revived.apply_gradients({k: torch.ones_like(v) for k, v in acts.items()})
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
+def test_a_nested_tensor_gradient_is_refused_naming_the_feature() -> None:
+    """The gradient checks' fast path must not reach a nested tensor's (missing) shape: the refusal names the
+    feature and the fix, and nothing changes."""
+    emb = _make(False)
+    features, weights = _batch(6)
+    acts = emb(features, weights)
+    before = snapshot(emb)
+    grads: dict[str, Any] = {k: torch.ones_like(v) for k, v in acts.items()}
+    grads["b"] = torch.nested.nested_tensor([torch.ones(8)] * 6)
+    with pytest.raises(TypeError, match=r"feature 'b'.*dense \(strided\) tensor.*nested"):
+        emb.apply_gradients(grads)
+    assert_same(snapshot(emb), before)
