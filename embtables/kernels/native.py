@@ -345,22 +345,13 @@ def apply_many(items: list[ApplyItem]) -> tuple[list[tuple[float, ...] | None], 
     flags: tuple[list[int], list[int], list[int]] = ([], [], [])
     for ws, weights, slots, p, dense, measure, check in items:
         _require(weights, "weights", f32, (-1, ws.dim))
-        if len(slots) > 3:
-            raise NativeBufferError(f"embtables native kernel: at most 3 slots, got {len(slots)}.")
-        shape = weights.shape
-        for i in range(3):
-            if i < len(slots):
-                slot = slots[i]
-                if not (type(slot) is Tensor and slot.dtype is f32 and slot.is_cpu and slot.is_contiguous()) or (
-                    slot.shape != shape
-                ):
-                    _require(slot, f"slot {i}", f32, tuple(shape))  # raises, naming what is wrong
-                s_ptr[i].append(slot.data_ptr())
-            else:
-                s_ptr[i].append(None)
+        s0, s1, s2 = _slots(weights, slots)
+        s_ptr[0].append(None if s0 is None else s0.data_ptr())
+        s_ptr[1].append(None if s1 is None else s1.data_ptr())
+        s_ptr[2].append(None if s2 is None else s2.data_ptr())
         handles.append(ws.handle)
         w_ptr.append(weights.data_ptr())
-        vocab.append(shape[0])
+        vocab.append(weights.shape[0])
         dims.append(ws.dim)
         params.append(ctypes.addressof(p))  # kept alive by ``items`` for the call
         flags[0].append(int(dense))
@@ -405,10 +396,20 @@ def _slots(weights: Tensor, slots: tuple[Tensor, ...]) -> tuple[Tensor | None, T
     """The (at most three) slots of a [V, D] table, each checked to be [V, D] float32 like it."""
     if len(slots) > 3:
         raise NativeBufferError(f"embtables native kernel: at most 3 slots, got {len(slots)}.")
-    shape = tuple(weights.shape)
-    checked: list[Tensor | None] = [_require(s, f"slot {i}", torch.float32, shape) for i, s in enumerate(slots)]
-    checked += [None] * (3 - len(checked))
-    return (checked[0], checked[1], checked[2])
+    shape = weights.shape
+    checked: list[Tensor | None] = [None, None, None]
+    for i, slot in enumerate(slots):
+        # the common case in one expression (every native update checks every slot)
+        if not (
+            type(slot) is Tensor
+            and slot.dtype is torch.float32
+            and slot.is_cpu
+            and slot.is_contiguous()
+            and slot.shape == shape
+        ):
+            _require(slot, f"slot {i}", torch.float32, tuple(shape))  # raises, naming what is wrong
+        checked[i] = slot
+    return checked[0], checked[1], checked[2]
 
 
 class Workspace:

@@ -9,6 +9,7 @@ changes nothing.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -24,6 +25,7 @@ from embtables.kernels.lookup import occurrence_gradients, pooled_lookup
 from embtables.kernels.segments import dedup_sum, occurrence_rounds
 from embtables.kernels.sequential import apply_in_order_, has_vectorised_form
 from embtables.kernels.sparse_update import update_rows
+from embtables.tables.concatenated import column_starts
 from embtables.tables.dynamic_vocabularies import Vocabularies
 from embtables.tables.inputs import FeatureBatch
 from embtables.tables.learning_rates import learning_rates
@@ -137,7 +139,7 @@ class EmbeddingCollection:
         if fast:
             into = None
             if concat and len(fast) == len(batches):
-                starts, width = self._columns()
+                starts, width = self._columns
                 into = (torch.empty((batches[0].out_shape[0], width), dtype=torch.float32), starts)
             acts_list, status = native.lookup_many(parts, into)
             status_nonfinite = status == 2
@@ -150,7 +152,7 @@ class EmbeddingCollection:
                 )
             if into is not None:
                 if status_nonfinite:
-                    starts, _ = self._columns()
+                    starts, _ = self._columns
                     self._check_finite(
                         [acts_list[0][:, a : a + tables[f.table_index].dim] for f, a in zip(features, starts)]
                     )
@@ -176,13 +178,10 @@ class EmbeddingCollection:
         self._check_finite(result, None if status_nonfinite else set(fast))
         return [torch.cat(result, dim=1)] if concat else result
 
+    @functools.cached_property
     def _columns(self) -> tuple[list[int], int]:
-        """Each feature's first column in the concatenated activations, and their width (sum of D)."""
-        starts, at = [], 0
-        for f in self.resolved.features:
-            starts.append(at)
-            at += self.resolved.tables[f.table_index].dim
-        return starts, at
+        """``column_starts`` of the config (fixed: computed once, not per lookup)."""
+        return column_starts(self.resolved)
 
     def _check_finite(self, activations: Sequence[Tensor], checked: set[int] | None = None) -> None:
         """Raise naming the first feature whose activations are not all finite (skipping those ``checked``)."""

@@ -21,6 +21,16 @@ from embtables.tables.inputs import FeatureBatch
 logger = logging.getLogger("embtables")
 
 
+def column_starts(resolved: ResolvedConfig) -> tuple[list[int], int]:
+    """Each feature's first column in the concatenated activations [B, sum(D)] (flattened feature order), and
+    their width sum(D)."""
+    starts, at = [], 0
+    for f in resolved.features:
+        starts.append(at)
+        at += resolved.tables[f.table_index].dim
+    return starts, at
+
+
 class ConcatLayout:
     """Where each feature's D columns sit in the concatenated activation [B, sum(D)] (flattened feature
     order). Built for a resolved config whose features all pool to one row per example."""
@@ -41,12 +51,8 @@ class ConcatLayout:
                 )
         self.names = [f.name for f in resolved.features]
         self.dims = [resolved.tables[f.table_index].dim for f in resolved.features]
-        self.columns: dict[str, tuple[int, int]] = {}
-        at = 0
-        for name, dim in zip(self.names, self.dims):
-            self.columns[name] = (at, at + dim)
-            at += dim
-        self.width = at
+        starts, self.width = column_starts(resolved)
+        self.columns = {name: (a, a + dim) for name, a, dim in zip(self.names, starts, self.dims)}
 
     def check_batches(self, batches: Sequence[FeatureBatch]) -> None:
         """Raise ``InputError`` unless every feature's batch pools to the same B rows (one per example)."""

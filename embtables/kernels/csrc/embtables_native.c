@@ -926,14 +926,37 @@ void et_prepared_copy(const void *handle, int64_t *rows, float *G) {
 
 /* The row function applied to copies of a row and its slots; returns 1 when every new value is finite.
  * buf holds 4 * D floats. Nothing in W/S changes. */
-static inline int et_row_finite(et_row_fn fn, const et_opt *p, const float *w, const float *s0, const float *s1,
-                                const float *s2, const float *g, int64_t D, float *buf) {
+/* maxabs[i] from the largest |value| bits m[i] written into the weights and slots 0-2 (a NaN written, bits
+ * above inf, reads back as inf: the engine's bound then forces the exact check). */
+static inline void et_store_maxabs(float *maxabs, const uint32_t *m) {
+    for (int i = 0; i < 4; ++i) maxabs[i] = m[i] >= ET_INF_BITS ? INFINITY : et_bits_float(m[i]);
+}
+
+/* Prefetch row q / D of the weights and each slot present (rw: for writing). */
+static inline void et_prefetch_state(const float *W, const float *S0, const float *S1, const float *S2, int64_t q,
+                                     int64_t D, int rw) {
+    et_prefetch_row(W + q, D, rw);
+    if (S0) et_prefetch_row(S0 + q, D, rw);
+    if (S1) et_prefetch_row(S1 + q, D, rw);
+    if (S2) et_prefetch_row(S2 + q, D, rw);
+}
+
+/* One row's update on a copy: the weights and slots present are copied to buf (4 blocks of D floats: weights,
+ * then slots 0, 1, 2) and updated there; the table is not touched. */
+static inline void et_row_on_copy(et_row_fn fn, const et_opt *p, const float *w, const float *s0, const float *s1,
+                                  const float *s2, const float *g, int64_t D, float *buf) {
     float *cw = buf, *c0 = buf + D, *c1 = buf + 2 * D, *c2 = buf + 3 * D;
     memcpy(cw, w, sizeof(float) * (size_t)D);
     if (s0) memcpy(c0, s0, sizeof(float) * (size_t)D);
     if (s1) memcpy(c1, s1, sizeof(float) * (size_t)D);
     if (s2) memcpy(c2, s2, sizeof(float) * (size_t)D);
     fn(p, cw, s0 ? c0 : NULL, s1 ? c1 : NULL, s2 ? c2 : NULL, g, D);
+}
+
+static inline int et_row_finite(et_row_fn fn, const et_opt *p, const float *w, const float *s0, const float *s1,
+                                const float *s2, const float *g, int64_t D, float *buf) {
+    et_row_on_copy(fn, p, w, s0, s1, s2, g, D, buf);
+    const float *cw = buf, *c0 = buf + D, *c1 = buf + 2 * D, *c2 = buf + 3 * D;
     uint32_t m = et_maxbits(cw, D, 0);
     if (s0) m = et_maxbits(c0, D, m);
     if (s1) m = et_maxbits(c1, D, m);
@@ -978,13 +1001,7 @@ int64_t et_check(const void *handle, const float *W, const float *S0, const floa
                 } else {
                     r = h->rows[i];
                     u = i;
-                    if (i + ET_PF < n) {
-                        const int64_t q = h->rows[i + ET_PF] * D;
-                        et_prefetch_row(W + q, D, 0);
-                        if (S0) et_prefetch_row(S0 + q, D, 0);
-                        if (S1) et_prefetch_row(S1 + q, D, 0);
-                        if (S2) et_prefetch_row(S2 + q, D, 0);
-                    }
+                    if (i + ET_PF < n) et_prefetch_state(W, S0, S1, S2, h->rows[i + ET_PF] * D, D, 0);
                 }
                 const int64_t o = r * D;
                 if (!et_row_finite(fn, p, W + o, S0 ? S0 + o : NULL, S1 ? S1 + o : NULL, S2 ? S2 + o : NULL,
@@ -1014,26 +1031,14 @@ int et_apply(const void *handle, float *W, float *S0, float *S1, float *S2, int6
     if (!dense && !measure) { /* the hot path: exactly the plain fused pass */
 #pragma omp parallel for num_threads(nthreads) schedule(static, 256)
         for (int64_t u = 0; u < U; ++u) {
-            if (u + ET_PF < U) {
-                const int64_t q = h->rows[u + ET_PF] * D;
-                et_prefetch_row(W + q, D, 1);
-                if (S0) et_prefetch_row(S0 + q, D, 1);
-                if (S1) et_prefetch_row(S1 + q, D, 1);
-                if (S2) et_prefetch_row(S2 + q, D, 1);
-            }
+            if (u + ET_PF < U) et_prefetch_state(W, S0, S1, S2, h->rows[u + ET_PF] * D, D, 1);
             const int64_t r = h->rows[u] * D;
             fn(p, W + r, S0 ? S0 + r : NULL, S1 ? S1 + r : NULL, S2 ? S2 + r : NULL, h->G + u * D, D);
         }
     } else if (!dense) {
 #pragma omp parallel for num_threads(nthreads) schedule(static, 256) reduction(max : mw, m0, m1, m2)
         for (int64_t u = 0; u < U; ++u) {
-            if (u + ET_PF < U) {
-                const int64_t q = h->rows[u + ET_PF] * D;
-                et_prefetch_row(W + q, D, 1);
-                if (S0) et_prefetch_row(S0 + q, D, 1);
-                if (S1) et_prefetch_row(S1 + q, D, 1);
-                if (S2) et_prefetch_row(S2 + q, D, 1);
-            }
+            if (u + ET_PF < U) et_prefetch_state(W, S0, S1, S2, h->rows[u + ET_PF] * D, D, 1);
             const int64_t r = h->rows[u] * D;
             fn(p, W + r, S0 ? S0 + r : NULL, S1 ? S1 + r : NULL, S2 ? S2 + r : NULL, h->G + u * D, D);
             if (measure) {
@@ -1059,11 +1064,8 @@ int et_apply(const void *handle, float *W, float *S0, float *S1, float *S2, int6
         }
     }
     if (measure) {
-        /* a NaN written (bits above inf) reads back as inf: the engine's bound then forces the exact check */
-        maxabs[0] = mw >= ET_INF_BITS ? INFINITY : et_bits_float(mw);
-        maxabs[1] = m0 >= ET_INF_BITS ? INFINITY : et_bits_float(m0);
-        maxabs[2] = m1 >= ET_INF_BITS ? INFINITY : et_bits_float(m1);
-        maxabs[3] = m2 >= ET_INF_BITS ? INFINITY : et_bits_float(m2);
+        const uint32_t m[4] = {mw, m0, m1, m2};
+        et_store_maxabs(maxabs, m);
     }
     return 0;
 }
@@ -1205,8 +1207,6 @@ int64_t et_stage_inputs_many(int64_t F, const int64_t *const *ids, const int64_t
     return at;
 }
 
-/* et_apply for T tables in one call (the same per-table semantics and checks). maxabs [T][4] is written
- * for the tables whose measure[t] is set; status[t] as et_apply returns it. */
 /* Rows x D values at most for which a checked update is computed once, in scratch (see et_apply_many). */
 #define ET_STAGED_MAX (1 << 16)
 
@@ -1220,20 +1220,11 @@ static int64_t et_stage_update(const et_workspace *h, const float *W, const floa
     *scratch = buf;
     if (!buf) return -3;
     for (int64_t u = 0; u < U; ++u) {
-        if (u + ET_PF < U) { /* the rows are random: keep several in flight, as the fused pass does */
-            const int64_t q = h->rows[u + ET_PF] * D;
-            et_prefetch_row(W + q, D, 0);
-            if (S0) et_prefetch_row(S0 + q, D, 0);
-            if (S1) et_prefetch_row(S1 + q, D, 0);
-            if (S2) et_prefetch_row(S2 + q, D, 0);
-        }
+        /* the rows are random: keep several in flight, as the fused pass does */
+        if (u + ET_PF < U) et_prefetch_state(W, S0, S1, S2, h->rows[u + ET_PF] * D, D, 0);
         const int64_t r = h->rows[u] * D;
-        float *cw = buf + 4 * u * D, *c0 = cw + D, *c1 = cw + 2 * D, *c2 = cw + 3 * D;
-        memcpy(cw, W + r, sizeof(float) * (size_t)D);
-        if (S0) memcpy(c0, S0 + r, sizeof(float) * (size_t)D);
-        if (S1) memcpy(c1, S1 + r, sizeof(float) * (size_t)D);
-        if (S2) memcpy(c2, S2 + r, sizeof(float) * (size_t)D);
-        fn(p, cw, S0 ? c0 : NULL, S1 ? c1 : NULL, S2 ? c2 : NULL, h->G + u * D, D);
+        et_row_on_copy(fn, p, W + r, S0 ? S0 + r : NULL, S1 ? S1 + r : NULL, S2 ? S2 + r : NULL, h->G + u * D, D,
+                       buf + 4 * u * D);
     }
     /* each row's values are its first (1 + last slot present) x D floats; an absent slot before a present one
      * (never passed by the wrappers, which fill S0, S1, S2 in order) is zeroed so nothing unwritten is read */
@@ -1262,8 +1253,7 @@ static void et_commit_update(const et_workspace *h, float *W, float *S0, float *
             if (maxabs) m[i] = et_maxbits(src, D, m[i]);
         }
     }
-    if (maxabs)
-        for (int i = 0; i < 4; ++i) maxabs[i] = m[i] >= ET_INF_BITS ? INFINITY : et_bits_float(m[i]);
+    if (maxabs) et_store_maxabs(maxabs, m);
 }
 
 /* Phase 2 for T tables, all or nothing: every table's workspace is checked to fit it, and each table with
