@@ -88,6 +88,7 @@ _BENCHES = {
     "extra-optimizers": "bench_extra_optimizers",
     "noacc": "bench_noacc",
     "dynamic": "bench_dynamic",
+    "gpu": "bench_gpu",
 }
 
 
@@ -102,6 +103,8 @@ def _run_script(name: str, rest: list[str]) -> int:
     (link_dir / "benchmarks").symlink_to(where, target_is_directory=True)
     sys.path.insert(0, str(link_dir))
     sys.modules.pop("benchmarks", None)
+    if rest[:2] == ["--device", "cuda"] or any(a == "--device=cuda" for a in rest[:1]):
+        rest = ["gpu", *rest]  # `embtables bench --device cuda`: the GPU benchmark
     try:
         if rest and rest[0] in _BENCHES:
             module = importlib.import_module(f"benchmarks.{_BENCHES[rest[0]]}")

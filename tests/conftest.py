@@ -25,6 +25,39 @@ TOL: dict[str, dict[str, float]] = {
 }
 
 
+# The device of the tables in the numerics suite: EMBTABLES_TEST_DEVICE=cuda runs it on the GPU (with the
+# fused GPU kernels and with the torch kernels); every test skips when that device is missing.
+TEST_DEVICE = torch.device(os.environ.get("EMBTABLES_TEST_DEVICE", "cpu"))
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if TEST_DEVICE.type == "cuda" and not torch.cuda.is_available():
+        skip = pytest.mark.skip(reason="EMBTABLES_TEST_DEVICE=cuda, but this machine has no CUDA device")
+        for item in items:
+            item.add_marker(skip)
+
+
+def _patch_triton_interpreter() -> None:
+    """Triton's CPU interpreter (tests only) turns a scalar into an index with ``int(array)``, which NumPy 2
+    refuses for its one-element arrays; loop bounds loaded from memory then fail. Use ``.item()``."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return
+    try:
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    original = interpreter._patch_lang_tensor
+
+    def patched(tensor: object, scope: object) -> None:
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))  # type: ignore[attr-defined]
+
+    interpreter._patch_lang_tensor = patched
+
+
+_patch_triton_interpreter()
+
+
 def tol_for(optimizer_name: str) -> dict[str, float]:
     return TOL.get(optimizer_name, TOL["default"])
 
@@ -34,15 +67,28 @@ def _seed() -> None:
     torch.manual_seed(0)
 
 
-@pytest.fixture(params=["native", "torch"])
+@pytest.fixture(params=["native", "torch", "gpu"])
 def kernel_path(request: pytest.FixtureRequest) -> Iterator[str]:
-    """Run a test on the native C kernels and on the pure-torch reference kernels."""
-    from embtables.kernels import native
+    """Run a test on the native C kernels (CPU tables), the pure-torch reference kernels and the fused GPU
+    kernels (CUDA tables; CPU tables through Triton's interpreter with TRITON_INTERPRET=1)."""
+    from embtables.kernels import gpu, native
 
-    if request.param == "native":
+    path = str(request.param)
+    on_cuda = TEST_DEVICE.type == "cuda"
+    if path == "native":
+        if on_cuda:
+            pytest.skip("the native kernels serve CPU tables only")
         assert native.library() is not None, "the native kernels must build on this machine (gcc is required)"
-    native.set_enabled(request.param == "native")
+    if path == "gpu" and not on_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the fused GPU kernels: no CUDA device (TRITON_INTERPRET=1 runs them through Triton's interpreter)")
+    native.set_enabled(path == "native")
+    gpu.set_enabled(path == "gpu", on_cpu=path == "gpu" and not on_cuda)
+    if path == "gpu" and not gpu.usable(TEST_DEVICE):
+        native.set_enabled(True)
+        gpu.set_enabled(True)
+        pytest.skip("the fused GPU kernels need Triton")
     try:
-        yield str(request.param)
+        yield path
     finally:
         native.set_enabled(True)
+        gpu.set_enabled(True)

@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from conftest import TEST_DEVICE
 from hypothesis import strategies as st
 
 import embtables as et
@@ -144,7 +145,7 @@ def build_engine(sc: Scenario, optimizer: et.config.Optimizer) -> et.Distributed
         )
         for i, f in enumerate(sc.features)
     }
-    return et.DistributedEmbedding(feats, optimizer)
+    return et.DistributedEmbedding(feats, optimizer, device=TEST_DEVICE)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

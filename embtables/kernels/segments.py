@@ -14,10 +14,13 @@ def offsets_from_segments(seg: Tensor, num_segments: int) -> Tensor:
     return out
 
 
-def segments_from_offsets(offsets: Tensor) -> Tensor:
-    """The segment index [N] of every element, from offsets [S+1] (inverse of ``offsets_from_segments``)."""
+def segments_from_offsets(offsets: Tensor, num_elements: int | None = None) -> Tensor:
+    """The segment index [N] of every element, from offsets [S+1] (inverse of ``offsets_from_segments``).
+    ``num_elements`` (N, when the caller knows it) spares a CUDA device a sync to size the result."""
     counts = offsets[1:] - offsets[:-1]
-    return torch.repeat_interleave(torch.arange(counts.numel(), device=offsets.device), counts)
+    return torch.repeat_interleave(
+        torch.arange(counts.numel(), device=offsets.device), counts, output_size=num_elements
+    )
 
 
 def segment_sum(values: Tensor, seg: Tensor, num_segments: int) -> Tensor:

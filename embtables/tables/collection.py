@@ -18,13 +18,14 @@ from torch import Tensor
 
 from embtables.config import ResolvedConfig, ResolvedTable
 from embtables.errors import InputError
-from embtables.kernels import native, sparse_update_
+from embtables.kernels import gpu, native, sparse_update_
 from embtables.kernels.clip_decay import effective_weight_decay
 from embtables.kernels.finite_guard import bounds_compound
 from embtables.kernels.lookup import occurrence_gradients, pooled_lookup
 from embtables.kernels.segments import dedup_sum, occurrence_rounds
 from embtables.kernels.sequential import apply_in_order_, has_vectorised_form
 from embtables.kernels.sparse_update import update_rows
+from embtables.tables import gpu_step
 from embtables.tables.concatenated import column_starts
 from embtables.tables.dynamic_vocabularies import Vocabularies
 from embtables.tables.inputs import FeatureBatch
@@ -47,6 +48,7 @@ class TableGradient:
     grads: Tensor | None
     accumulated: bool
     prepared: native.Workspace | None = None
+    gradient_max_abs: float | None = None  # max |grads|, when phase 1 measured it (the GPU step does)
 
     def materialized(self) -> TableGradient:
         """The same gradient with rows [U] and sums [U, D] as tensors (copied out of C memory)."""
@@ -123,6 +125,8 @@ class EmbeddingCollection:
 
         Features the native kernel serves are looked up together in one parallel region; with
         ``concat`` and every feature native, straight into the one output tensor."""
+        if gpu.usable(self.device):
+            return gpu_step.lookup(self, batches, concat)
         features, tables, states = self.resolved.features, self.resolved.tables, self.states
         out: list[Tensor | None] = [None] * len(batches)
         fast: list[int] = []
@@ -139,7 +143,7 @@ class EmbeddingCollection:
         if fast:
             into = None
             if concat and len(fast) == len(batches):
-                starts, width = self._columns
+                starts, width = self.columns
                 into = (torch.empty((batches[0].out_shape[0], width), dtype=torch.float32), starts)
             acts_list, status = native.lookup_many(parts, into)
             status_nonfinite = status == 2
@@ -152,38 +156,43 @@ class EmbeddingCollection:
                 )
             if into is not None:
                 if status_nonfinite:
-                    starts, _ = self._columns
-                    self._check_finite(
+                    starts, _ = self.columns
+                    self.check_finite(
                         [acts_list[0][:, a : a + tables[f.table_index].dim] for f, a in zip(features, starts)]
                     )
                 return acts_list
             for i, acts in zip(fast, acts_list):
                 out[i] = acts.reshape(*batches[i].out_shape, tables[features[i].table_index].dim)
-        for i, (feature, batch) in enumerate(zip(features, batches)):
-            if out[i] is not None:
-                continue
-            table = tables[feature.table_index]
-            q = table.config.quantization_config
-            acts = pooled_lookup(
-                states[table.name].weights,
-                batch.ids,
-                batch.seg,
-                batch.offsets,
-                batch.coeffs,
-                quantization=None if q is None else (q.num_buckets, float(q.lower), float(q.upper)),
-            )
-            out[i] = acts.reshape(*batch.out_shape, table.dim)
-        result = [a for a in out if a is not None]
+        result = [self.torch_lookup(i, batch) if a is None else a for i, (a, batch) in enumerate(zip(out, batches))]
         # The native lookup checked its outputs in C (status 2); check the others, or find the culprit.
-        self._check_finite(result, None if status_nonfinite else set(fast))
+        self.check_finite(result, None if status_nonfinite else set(fast))
         return [torch.cat(result, dim=1)] if concat else result
 
+    def torch_lookup(self, i: int, batch: FeatureBatch) -> Tensor:
+        """Feature ``i``'s activations [*out_shape, D] on the torch kernels (unchecked)."""
+        table = self.resolved.tables[self.resolved.features[i].table_index]
+        q = table.config.quantization_config
+        acts = pooled_lookup(
+            self.states[table.name].weights,
+            batch.ids,
+            batch.seg,
+            batch.offsets,
+            batch.coeffs,
+            quantization=None if q is None else (q.num_buckets, float(q.lower), float(q.upper)),
+        )
+        return acts.reshape(*batch.out_shape, table.dim)
+
     @functools.cached_property
-    def _columns(self) -> tuple[list[int], int]:
+    def columns(self) -> tuple[list[int], int]:
         """``column_starts`` of the config (fixed: computed once, not per lookup)."""
         return column_starts(self.resolved)
 
-    def _check_finite(self, activations: Sequence[Tensor], checked: set[int] | None = None) -> None:
+    @property
+    def guard(self) -> ValueBounds:
+        """The finiteness guard's bounds on every table's values."""
+        return self._guard
+
+    def check_finite(self, activations: Sequence[Tensor], checked: set[int] | None = None) -> None:
         """Raise naming the first feature whose activations are not all finite (skipping those ``checked``)."""
         for i, acts in enumerate(activations):
             if checked is not None and i in checked:
@@ -245,7 +254,10 @@ class EmbeddingCollection:
     def table_gradients(self, batches: Sequence[FeatureBatch], grads: Sequence[Tensor | None]) -> list[TableGradient]:
         """Per-table gradients from per-feature activation gradients [S, D] (None = zero)."""
         out = []
-        fast = self._native_table_gradients(batches, grads)
+        if gpu.usable(self.device):
+            fast = gpu_step.table_gradients(self, batches, grads)
+        else:
+            fast = self._native_table_gradients(batches, grads)
         for table in self.resolved.tables:
             if table.name in fast:
                 out.append(fast[table.name])
@@ -417,6 +429,8 @@ class EmbeddingCollection:
                 tg.table, ws, state.weights, slots, params, dense, measure, new_bounds, check and check_in_write
             )
         assert tg.rows is not None and tg.grads is not None
+        if gpu.usable(self.device):
+            return gpu_step.checked_update(self, tg, lr, decay)
         rows, grads = tg.rows, tg.grads
         if dense:
             gmax = float(grads.abs().max()) if grads.numel() else 0.0

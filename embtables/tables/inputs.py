@@ -51,7 +51,7 @@ class FeatureBatch:
         """The segment index of every id [N], derived from ``offsets`` on first use (the native
         kernels need only the offsets, so the common path never builds it)."""
         if self.seg_ is None:
-            object.__setattr__(self, "seg_", segments_from_offsets(self.offsets))
+            object.__setattr__(self, "seg_", segments_from_offsets(self.offsets, self.ids.numel()))
         assert self.seg_ is not None
         return self.seg_
 

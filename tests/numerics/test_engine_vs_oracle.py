@@ -135,8 +135,8 @@ def run_against_oracle(sc: Scenario, optimizer: Any) -> dict[str, float]:
         acts = emb(feats, weights)
         expected_acts = oracle.lookup(inputs)
         for i, exp in enumerate(expected_acts):
-            got = acts[f"f{i}"]
-            torch.testing.assert_close(got.detach(), torch.from_numpy(exp).float(), **tol)
+            got = acts[f"f{i}"].detach().cpu()
+            torch.testing.assert_close(got, torch.from_numpy(exp).float(), **tol)
             errors["activations"] = max(errors["activations"], float(np.abs(got.detach().numpy() - exp).max(initial=0)))
         step_lr = _f32(lr.values[step % len(lr.values)]) if isinstance(lr, Schedule) else _f32(lr)
         emb.apply_gradients({f"f{i}": None if g is None else torch.from_numpy(g) for i, g in enumerate(grads)})
@@ -148,9 +148,11 @@ def run_against_oracle(sc: Scenario, optimizer: Any) -> dict[str, float]:
             {name: step_lr for name in oracle.tables},
         )
         for name, table in emb.embedding_tables.items():
+            table = table.cpu()
             torch.testing.assert_close(table, torch.from_numpy(oracle.tables[name]).float(), **tol)
             errors["tables"] = max(errors["tables"], float(np.abs(table.numpy() - oracle.tables[name]).max()))
             for slot, value in emb.slot_variables[name].items():
+                value = value.cpu()
                 exp = oracle.slots[name][slot]
                 torch.testing.assert_close(value, torch.from_numpy(exp).float(), **tol)
                 errors["slots"] = max(errors["slots"], float(np.abs(value.numpy() - exp).max()))
@@ -187,7 +189,11 @@ def test_autograd_path_equals_explicit_gradients(name: str, sc: Scenario, kernel
     for step, (inputs, grads) in enumerate(sc.steps):
         feats, weights = torch_inputs(sc, inputs, seed=step)
         acts_a = a(feats, weights)
-        loss = sum((acts_a[f"f{i}"] * torch.from_numpy(g)).sum() for i, g in enumerate(grads) if g is not None)
+        loss = sum(
+            (acts_a[f"f{i}"] * torch.from_numpy(g).to(acts_a[f"f{i}"].device)).sum()
+            for i, g in enumerate(grads)
+            if g is not None
+        )
         if isinstance(loss, torch.Tensor):
             loss.backward()
         a.apply_gradients()

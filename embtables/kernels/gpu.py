@@ -1,0 +1,334 @@
+"""The checked entry points of the fused GPU kernels (``kernels/triton_kernels.py``, Triton).
+
+Triton is optional and imported on first use: without it (or with ``EMBTABLES_GPU_KERNELS=0``) CUDA
+tables take the torch kernels, which stay the reference. Every buffer a kernel reads is checked here
+(dtype, device, contiguity, shape) in the call that launches it; what only the data can tell (ids
+inside the table, offsets inside the ids) the kernels check themselves, flag in a status tensor and
+never dereference. Reading a status is the caller's one host sync per phase.
+
+Tests run the same kernels on CPU tensors through Triton's interpreter (``TRITON_INTERPRET=1`` and
+``set_enabled(True, on_cpu=True)``).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from types import ModuleType
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from embtables.config.catalogue import Optimizer
+from embtables.kernels import ftrl
+from embtables.kernels.record import KernelRecord
+from embtables.kernels.registry import record_of
+
+_state: dict[str, Any] = {"module": None, "failed": False, "enabled": True, "on_cpu": False}
+F32_INF_BITS = 0x7F800000
+
+
+class GpuBufferError(RuntimeError):
+    """A buffer handed to a GPU kernel is not what the kernel reads (an embtables bug, never user input)."""
+
+
+def _module() -> ModuleType | None:
+    if _state["module"] is None and not _state["failed"]:
+        try:
+            from embtables.kernels import triton_kernels
+        except Exception:  # no Triton, or one too old for these kernels: the torch kernels serve
+            _state["failed"] = True
+            return None
+        _state["module"] = triton_kernels
+    module: ModuleType | None = _state["module"]
+    return module
+
+
+def set_enabled(enabled: bool, *, on_cpu: bool = False) -> None:
+    """Turn the fused GPU kernels on or off (tests compare them with the torch kernels). ``on_cpu``: also
+    for CPU tables, through Triton's interpreter (only with ``TRITON_INTERPRET=1``; tests only)."""
+    _state["enabled"] = bool(enabled)
+    _state["on_cpu"] = bool(on_cpu)
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def usable(device: torch.device) -> bool:
+    """True when tables on ``device`` take the fused GPU kernels."""
+    if not _state["enabled"] or os.environ.get("EMBTABLES_GPU_KERNELS") == "0":
+        return False
+    if device.type == "cuda":
+        return not _interpreting() and _module() is not None
+    return device.type == "cpu" and _state["on_cpu"] and _interpreting() and _module() is not None
+
+
+def _kernels() -> ModuleType:
+    module = _module()
+    if module is None:
+        raise GpuBufferError("embtables GPU kernel: Triton is not available.")
+    return module
+
+
+def _pow2(n: int, lo: int = 1) -> int:
+    p = lo
+    while p < n:
+        p *= 2
+    return p
+
+
+def _check(t: object, what: str, dtype: torch.dtype, device: torch.device, ndim: int) -> Tensor:
+    if not (
+        isinstance(t, Tensor)
+        and t.dtype == dtype
+        and t.device == device
+        and t.dim() == ndim
+        and t.layout == torch.strided
+        and not t.is_nested
+    ):
+        raise GpuBufferError(f"embtables GPU kernel: {what} must be a {ndim}-D {dtype} tensor on {device}.")
+    return t
+
+
+def _checked_contiguous(t: object, what: str, dtype: torch.dtype, device: torch.device, ndim: int) -> Tensor:
+    t = _check(t, what, dtype, device, ndim)
+    if not t.is_contiguous():
+        raise GpuBufferError(f"embtables GPU kernel: {what} must be contiguous.")
+    return t
+
+
+def _addresses(values: Sequence[int], device: torch.device) -> Tensor:
+    return torch.tensor(list(values), dtype=torch.int64).to(device, non_blocking=True)
+
+
+def _check_coefficients(coeffs: Tensor | None, ids: Tensor, device: torch.device) -> None:
+    if coeffs is not None and _checked_contiguous(coeffs, "coefficients", torch.float32, device, 1).shape != ids.shape:
+        raise GpuBufferError("embtables GPU kernel: coefficients must match the ids.")
+
+
+LookupPart = tuple[Tensor, Tensor, Tensor, "Tensor | None"]  # (table [V, D], ids [N], offsets [S+1], coeffs [N])
+
+
+def lookup_many(parts: Sequence[LookupPart], outs: Sequence[Tensor]) -> Tensor:
+    """Pool every feature in one launch: feature f reads ``parts[f]`` and writes ``outs[f]`` [S_f, D_f]
+    (rows any stride apart, unit column stride). Returns the status [F] int32 (1: an id outside the table
+    or broken offsets, 2: a non-finite activation) without reading it (no sync)."""
+    k = _kernels()
+    device = outs[0].device
+    n = len(parts)
+    firsts, meta = [0], []
+    block_d, pool = 1, 1
+    for (table, ids, offsets, coeffs), out in zip(parts, outs):
+        _checked_contiguous(table, "a table", torch.float32, device, 2)
+        _checked_contiguous(ids, "ids", torch.int64, device, 1)
+        _checked_contiguous(offsets, "offsets", torch.int64, device, 1)
+        s, dim = offsets.numel() - 1, table.shape[1]
+        _check_coefficients(coeffs, ids, device)
+        _check(out, "an output", torch.float32, device, 2)
+        if s < 0 or tuple(out.shape) != (s, dim) or (s > 1 and out.stride(0) < dim) or (dim > 1 and out.stride(1) != 1):
+            raise GpuBufferError(f"embtables GPU kernel: an output must be [{s}, {dim}] with unit column stride.")
+        firsts.append(firsts[-1] + s)
+        meta.append((table, ids, offsets, coeffs, out))
+        block_d = max(block_d, dim)
+        pool = max(pool, -(-ids.numel() // max(s, 1)))
+    status = torch.zeros(n, dtype=torch.int32, device=device)
+    if firsts[-1] == 0:
+        return status
+    columns = [
+        firsts,
+        [t.data_ptr() for t, *_ in meta],
+        [t.shape[1] for t, *_ in meta],
+        [t.shape[0] for t, *_ in meta],
+        [i.data_ptr() for _, i, *_ in meta],
+        [i.numel() for _, i, *_ in meta],
+        [o.data_ptr() for _, _, o, *_ in meta],
+        [0 if c is None else c.data_ptr() for *_, c, _ in meta],
+        [o.data_ptr() for *_, o in meta],
+        [o.stride(0) for *_, o in meta],
+    ]
+    flat = _addresses([v for col in columns for v in col], device)
+    views, at = [], 0
+    for col in columns:
+        views.append(flat[at : at + len(col)])
+        at += len(col)
+    k.lookup_kernel[(firsts[-1],)](
+        *views,
+        status,
+        F=n,
+        FP=_pow2(n),
+        BLOCK_N=min(_pow2(pool, 2), 32),
+        BLOCK_D=_pow2(block_d, 16),
+        enable_fp_fusion=False,
+    )
+    return status
+
+
+GradPart = tuple[Tensor, Tensor, "Tensor | None", Tensor]  # (ids [N_f], seg [N_f], coeffs [N_f], grad [S_f, D])
+
+
+class RowSums:
+    """One table's distinct rows and summed gradients on the device, before their one sync: ``rows`` [N]
+    and ``sums`` [N, D] hold ``count`` (a device scalar) valid rows; ``status`` [2] int32 (see the kernel)."""
+
+    def __init__(self, rows: Tensor, sums: Tensor, count: Tensor, status: Tensor) -> None:
+        self.rows, self.sums, self.count, self.status = rows, sums, count, status
+
+
+def row_sums(parts: Sequence[GradPart], vocabulary_size: int, dim: int) -> RowSums:
+    """Dedup the occurrences of one table's features (``parts``) and sum each distinct row's gradients
+    (occurrence order within a row), all on the device: no sync."""
+    k = _kernels()
+    device = parts[0][3].device
+    for ids, seg, coeffs, grad in parts:
+        _checked_contiguous(ids, "ids", torch.int64, device, 1)
+        if _checked_contiguous(seg, "segments", torch.int64, device, 1).shape != ids.shape:
+            raise GpuBufferError("embtables GPU kernel: segments must match the ids.")
+        _check_coefficients(coeffs, ids, device)
+        _check(grad, "a gradient", torch.float32, device, 2)
+        if grad.shape[1] != dim or (dim > 1 and grad.stride(1) != 1) or (grad.shape[0] > 1 and grad.stride(0) < dim):
+            raise GpuBufferError(f"embtables GPU kernel: a gradient must be [S, {dim}] with unit column stride.")
+    multi = len(parts) > 1
+    ids = torch.cat([p[0] for p in parts]) if multi else parts[0][0]
+    n = ids.numel()
+    rows = torch.empty(n, dtype=torch.int64, device=device)
+    sums = torch.empty((n, dim), dtype=torch.float32, device=device)
+    status = torch.zeros(2, dtype=torch.int32, device=device)
+    if n == 0:
+        return RowSums(rows, sums, torch.zeros((), dtype=torch.int64, device=device), status)
+    segs = torch.cat([p[1] for p in parts]) if multi else parts[0][1]
+    has_coeffs = any(p[2] is not None for p in parts)
+    coeffs = (
+        torch.cat([p[2] if p[2] is not None else torch.ones_like(p[1], dtype=torch.float32) for p in parts])
+        if has_coeffs
+        else segs
+    )
+    feats = torch.cat([torch.full_like(p[0], i) for i, p in enumerate(parts)]) if multi else segs  # unused unless multi
+    sorted_ids, perm = torch.sort(ids, stable=True)
+    is_start = torch.ones(n, dtype=torch.bool, device=device)
+    torch.ne(sorted_ids[1:], sorted_ids[:-1], out=is_start[1:])
+    run = torch.cumsum(is_start, 0) - 1
+    starts = torch.full((n + 2,), n, dtype=torch.int64, device=device)
+    # distinct row r starts at the r-th start; other positions write to the spare slot n + 1
+    starts.scatter_(0, torch.where(is_start, run, n + 1), torch.arange(n, device=device))
+    starts[n + 1] = n
+    grads = [p[3] for p in parts]
+    meta = _addresses(
+        [g.data_ptr() for g in grads] + [g.stride(0) for g in grads] + [g.shape[0] for g in grads], device
+    )
+    nf = len(parts)
+    pool = n // max(1, min(n, grads[0].shape[0] * nf))
+    k.row_sums_kernel[(n,)](
+        sorted_ids,
+        perm,
+        starts,
+        segs,
+        coeffs,
+        feats,
+        meta[:nf],
+        meta[nf : 2 * nf],
+        meta[2 * nf :],
+        rows,
+        sums,
+        status,
+        n,
+        dim,
+        vocabulary_size,
+        HAS_COEFFS=has_coeffs,
+        MULTI=multi,
+        BLOCK_N=min(_pow2(max(pool, 1), 2), 16),
+        BLOCK_D=_pow2(dim, 16),
+        enable_fp_fusion=False,
+    )
+    return RowSums(rows, sums, run[-1] + 1, status)
+
+
+def update_parameters(opt: Optimizer, lr: float, decay: float) -> dict[str, Any]:
+    """The scalar arguments and flags of ``update_kernel`` for ``opt`` at ``lr`` and effective ``decay``:
+    the kernel record's float32 constants and flags, as the native C kernels get them."""
+    record: KernelRecord = record_of(opt)
+    inf = float("inf")
+    glo, ghi = opt.gradient_clip_bounds
+    wlo, whi = opt.clip_weight_min, opt.clip_weight_max
+    constants = list(record.native_constants(opt, lr).values())
+    if len(constants) > 6:
+        raise GpuBufferError(f"embtables GPU kernel: {type(opt).__name__} has more than 6 constants.")
+    constants += [0.0] * (6 - len(constants))
+    flags = [bool(v) for v in record.native_flags(opt).values()] + [False, False]
+    pow_is_sqrt = record.native_kind == ftrl.RECORD.native_kind and constants[0] == 0.5
+    return {
+        "scalars": (
+            float(lr),
+            float(decay),
+            -inf if glo is None else float(glo),
+            inf if ghi is None else float(ghi),
+            -inf if wlo is None else float(wlo),
+            inf if whi is None else float(whi),
+            *constants,
+        ),
+        "KIND": record.native_kind,
+        "NSLOTS": len(type(opt).SLOT_NAMES),
+        "FLAG0": flags[0],
+        "FLAG1": flags[1],
+        "POW_IS_SQRT": pow_is_sqrt,
+    }
+
+
+def update(
+    rows: Tensor,
+    sums: Tensor,
+    weights: Tensor,
+    slots: Sequence[Tensor],
+    params: dict[str, Any],
+    *,
+    write: bool,
+    measure: bool,
+) -> tuple[Tensor, Tensor]:
+    """The fused update of distinct ``rows`` [U] with ``sums`` [U, D] (``write=False``: the dry run).
+    Returns (bad_row [1] int64: the smallest row whose new values are not finite, V when none; maxabs [4]
+    int32 bits of max |new value| of (weights, *slots) when ``measure``), unread (no sync)."""
+    k = _kernels()
+    device = weights.device
+    _checked_contiguous(weights, "a table", torch.float32, device, 2)
+    v, dim = weights.shape
+    for s in slots:
+        if _checked_contiguous(s, "a slot", torch.float32, device, 2).shape != weights.shape:
+            raise GpuBufferError("embtables GPU kernel: every slot must have the table's shape.")
+    if len(slots) != params["NSLOTS"]:
+        raise GpuBufferError("embtables GPU kernel: the slots do not match the optimizer.")
+    u = _checked_contiguous(rows, "rows", torch.int64, device, 1).numel()
+    if _checked_contiguous(sums, "gradient sums", torch.float32, device, 2).shape != (u, dim):
+        raise GpuBufferError(f"embtables GPU kernel: gradient sums must be [{u}, {dim}].")
+    bad_row = torch.full((1,), v, dtype=torch.int64, device=device)
+    maxabs = torch.zeros(4, dtype=torch.int32, device=device)
+    if u == 0 or dim == 0:
+        return bad_row, maxabs
+    spare = [*slots, weights, weights, weights][:3]  # slots the optimizer lacks: never read
+    k.update_kernel[(u,)](
+        rows,
+        sums,
+        weights,
+        *spare,
+        bad_row,
+        maxabs,
+        dim,
+        v,
+        *params["scalars"],
+        KIND=params["KIND"],
+        NSLOTS=params["NSLOTS"],
+        FLAG0=params["FLAG0"],
+        FLAG1=params["FLAG1"],
+        POW_IS_SQRT=params["POW_IS_SQRT"],
+        LIBDEVICE=not _interpreting(),
+        WRITE=write,
+        MEASURE=measure,
+        BLOCK_D=_pow2(dim, 16),
+        enable_fp_fusion=False,
+    )
+    return bad_row, maxabs
+
+
+def bits_to_float(bits: Sequence[int]) -> tuple[float, ...]:
+    """int32 bit patterns of non-negative floats (the kernels' maxima) as floats."""
+    return tuple(torch.tensor(list(bits), dtype=torch.int32).view(torch.float32).tolist())

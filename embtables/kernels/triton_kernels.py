@@ -1,0 +1,369 @@
+# ruff: noqa: SIM108  (Triton compiles if/else on constexpr flags; it gets no conditional expressions)
+"""The fused GPU kernels (Triton): the pooled lookup of every feature in one launch, the per-row gradient
+sums of one table, and the fused sparse update of one table for every optimizer.
+
+Imported only through ``kernels/gpu.py``, which imports it when a CUDA table first needs it (Triton is
+optional). The row math follows the native C kernels (``csrc/embtables_native.c``) line by line: the
+same float32 constants (from each optimizer's kernel record), IEEE division and square roots
+(``div_rn`` / ``sqrt_rn``; Triton's plain ``/`` is an approximate division) and no fused multiply-adds
+(every launch passes ``enable_fp_fusion=False``), so a GPU table differs from a CPU one only where the
+order of a sum differs or ``powf`` rounds differently. Dims: B bags, F features, N ids, U distinct rows,
+D columns (padded to ``BLOCK_D``, a power of two).
+
+Every kernel reads only what its masks allow: ids outside a table are never dereferenced (the lookup
+flags them instead), and a program past the last distinct row does nothing.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+from embtables.kernels import (
+    adadelta,
+    adagrad,
+    adagrad_momentum,
+    adam,
+    frequency_estimator,
+    ftrl,
+    momentum,
+    proximal_adagrad,
+    proximal_yogi,
+    rmsprop,
+    sgd,
+)
+
+# The optimizer kinds, as the kernel records number them (the same numbers as the C kernels).
+K_SGD = tl.constexpr(sgd.RECORD.native_kind)
+K_ADAGRAD = tl.constexpr(adagrad.RECORD.native_kind)
+K_ADAGRAD_MOMENTUM = tl.constexpr(adagrad_momentum.RECORD.native_kind)
+K_ADAM = tl.constexpr(adam.RECORD.native_kind)
+K_FTRL = tl.constexpr(ftrl.RECORD.native_kind)
+K_PROXIMAL_ADAGRAD = tl.constexpr(proximal_adagrad.RECORD.native_kind)
+K_MOMENTUM = tl.constexpr(momentum.RECORD.native_kind)
+K_RMSPROP = tl.constexpr(rmsprop.RECORD.native_kind)
+K_CENTERED_RMSPROP = tl.constexpr(rmsprop.CENTERED_RECORD.native_kind)
+K_ADADELTA = tl.constexpr(adadelta.RECORD.native_kind)
+K_PROXIMAL_YOGI = tl.constexpr(proximal_yogi.RECORD.native_kind)
+K_FREQUENCY_ESTIMATOR = tl.constexpr(frequency_estimator.RECORD.native_kind)
+
+F32_INF_BITS = tl.constexpr(0x7F800000)
+SIGN_BIT = tl.constexpr(-2147483648)  # 0x80000000 as an int32
+
+
+@triton.jit
+def _abs_bits(x):
+    """|x| as int32 bits: ordered like |x| for every float, NaN above +inf (>= F32_INF_BITS: not finite)."""
+    return x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+
+
+@triton.jit
+def _pow(x, e, LIBDEVICE: tl.constexpr):
+    """``powf(x, e)`` for x >= 0: libdevice on the GPU; in Triton's CPU interpreter (tests), which has no
+    libdevice, exp(e log x) in float64, rounded once."""
+    if LIBDEVICE:
+        return libdevice.pow(x, e + tl.zeros_like(x))
+    else:
+        return tl.exp(tl.log(x.to(tl.float64)) * e).to(tl.float32)
+
+
+@triton.jit
+def _proximal(prox, lr_t, l1, l2):
+    """sign(prox) max(|prox| - lr_t l1, 0) / (1 + lr_t l2), with C's copysignf."""
+    sh = tl.maximum(tl.abs(prox) - lr_t * l1, 0.0)
+    signed = (sh.to(tl.int32, bitcast=True) | (prox.to(tl.int32, bitcast=True) & SIGN_BIT)).to(tl.float32, bitcast=True)
+    return tl.div_rn(signed, 1.0 + lr_t * l2)
+
+
+@triton.jit
+def lookup_kernel(
+    firsts,  # int64 [F + 1]: the first global bag of each feature
+    table_ptrs,  # int64 [F]: address of each feature's table [V, D] (float32, rows D apart)
+    dims,  # int64 [F]
+    vocabs,  # int64 [F]
+    id_ptrs,  # int64 [F]: address of each feature's ids [N_f] (int64)
+    id_counts,  # int64 [F]: N_f (offsets outside [0, N_f] are flagged, never followed)
+    offset_ptrs,  # int64 [F]: address of each feature's offsets [S_f + 1] (int64)
+    coeff_ptrs,  # int64 [F]: address of each feature's coefficients [N_f] (float32), 0 for none
+    out_ptrs,  # int64 [F]: address of each feature's first output element
+    out_lds,  # int64 [F]: elements between output rows
+    status,  # int32 [F]: |= 1 an id outside the table, |= 2 a non-finite activation
+    F: tl.constexpr,
+    FP: tl.constexpr,  # F rounded up to a power of two
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """One program per bag of every feature: ``out[b] = sum_k coeffs[k] * table[ids[k]]``; empty bags give 0."""
+    i = tl.program_id(0).to(tl.int64)
+    fo = tl.arange(0, FP)
+    ends = tl.load(firsts + 1 + fo, mask=fo < F, other=9223372036854775807)
+    f = tl.sum((ends <= i).to(tl.int32), axis=0)
+    s = i - tl.load(firsts + f)
+    table = tl.load(table_ptrs + f).to(tl.pointer_type(tl.float32))
+    dim = tl.load(dims + f)
+    vocab = tl.load(vocabs + f)
+    ids = tl.load(id_ptrs + f).to(tl.pointer_type(tl.int64))
+    offsets = tl.load(offset_ptrs + f).to(tl.pointer_type(tl.int64))
+    coeff_addr = tl.load(coeff_ptrs + f)
+    coeffs = coeff_addr.to(tl.pointer_type(tl.float32))
+    has_coeffs = coeff_addr != 0
+    out = tl.load(out_ptrs + f).to(tl.pointer_type(tl.float32))
+    ld = tl.load(out_lds + f)
+    start = tl.load(offsets + s)
+    end = tl.load(offsets + s + 1)
+    n_ids = tl.load(id_counts + f)
+    bad = tl.where((start < 0) | (end > n_ids) | (start > end), 1, 0)
+    end = tl.where(bad > 0, start, end)  # a broken bag reads nothing
+    d = tl.arange(0, BLOCK_D)
+    dm = d < dim
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for k0 in range(start, end, BLOCK_N):
+        k = k0 + tl.arange(0, BLOCK_N)
+        km = k < end
+        row = tl.load(ids + k, mask=km, other=0)
+        ok = km & (row >= 0) & (row < vocab)
+        bad += tl.sum((km & (~ok)).to(tl.int32), axis=0)
+        c = tl.load(coeffs + k, mask=ok & has_coeffs, other=1.0)
+        vals = tl.load(table + row[:, None] * dim + d[None, :], mask=ok[:, None] & dm[None, :], other=0.0)
+        acc += tl.sum(vals * c[:, None], axis=0)
+    tl.store(out + s * ld + d, acc, mask=dm)
+    nonfinite = tl.max(tl.where(dm, _abs_bits(acc), 0), axis=0) >= F32_INF_BITS
+    flag = tl.where(bad > 0, 1, 0) | tl.where(nonfinite, 2, 0)
+    if flag != 0:
+        tl.atomic_or(status + f, flag)
+
+
+@triton.jit
+def row_sums_kernel(
+    sorted_ids,  # int64 [N]: the table's ids, sorted (stable)
+    perm,  # int64 [N]: position of each sorted id in the concatenated occurrences
+    starts,  # int64 [N + 2]: first sorted position of each distinct row; N past the last one
+    segs,  # int64 [N]: the bag of each occurrence, in its feature's gradient
+    coeffs,  # float32 [N]: each occurrence's coefficient (read when HAS_COEFFS)
+    feats,  # int64 [N]: each occurrence's feature among the table's (read when MULTI)
+    grad_ptrs,  # int64 [F_t]: address of each feature's gradient (float32 rows, ld apart)
+    grad_lds,  # int64 [F_t]
+    grad_rows,  # int64 [F_t]: rows of each feature's gradient (a bag outside them is flagged, not read)
+    rows_out,  # int64 [N]: distinct row u (U valid)
+    sums,  # float32 [N, D]: summed gradient of distinct row u (U rows valid)
+    status,  # int32 [2]: [0] max over |sums| as bits (>= F32_INF_BITS: not finite); [1] 1 when an id or bag
+    # was outside the table or the gradient (changed since the lookup validated it)
+    N,
+    D,
+    V,
+    HAS_COEFFS: tl.constexpr,
+    MULTI: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """One program per distinct row: the sum of its occurrences' (coefficient-scaled) gradients, in
+    sorted (= occurrence) order, BLOCK_N occurrences at a time."""
+    u = tl.program_id(0).to(tl.int64)
+    start = tl.load(starts + u)
+    if start < N:
+        end = tl.load(starts + u + 1)
+        d = tl.arange(0, BLOCK_D)
+        dm = d < D
+        acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+        row = tl.load(sorted_ids + start)
+        bad = tl.where((row < 0) | (row >= V), 1, 0)
+        for k0 in range(start, end, BLOCK_N):
+            k = k0 + tl.arange(0, BLOCK_N)
+            km = k < end
+            p = tl.load(perm + k, mask=km, other=0)
+            seg = tl.load(segs + p, mask=km, other=0)
+            if MULTI:
+                f = tl.load(feats + p, mask=km, other=0)
+            else:
+                f = tl.zeros([BLOCK_N], dtype=tl.int64)
+            grad = tl.load(grad_ptrs + f, mask=km, other=0).to(tl.pointer_type(tl.float32))
+            ld = tl.load(grad_lds + f, mask=km, other=0)
+            n_bags = tl.load(grad_rows + f, mask=km, other=0)
+            ok = km & (seg >= 0) & (seg < n_bags)
+            bad += tl.sum((km & (~ok)).to(tl.int32), axis=0)
+            g = tl.load(grad[:, None] + (seg * ld)[:, None] + d[None, :], mask=ok[:, None] & dm[None, :], other=0.0)
+            if HAS_COEFFS:
+                c = tl.load(coeffs + p, mask=km, other=0.0)
+                g = g * c[:, None]
+            acc += tl.sum(g, axis=0)
+        tl.store(rows_out + u, row)
+        tl.store(sums + u * D + d, acc, mask=dm)
+        tl.atomic_max(status, tl.max(tl.where(dm, _abs_bits(acc), 0), axis=0))
+        if bad > 0:
+            tl.atomic_or(status + 1, 1)
+
+
+@triton.jit
+def update_kernel(
+    rows,  # int64 [U]: distinct rows
+    sums,  # float32 [U, D]: their summed gradients
+    weights,  # float32 [V, D]
+    s0,  # float32 [V, D] slots, in the optimizer's slot order (unused ones: any float32 buffer)
+    s1,
+    s2,
+    bad_row,  # int64 [1]: min over rows whose new values are not finite (V when none)
+    maxabs,  # int32 [4]: max |new value| bits of (weights, *slots) when MEASURE
+    D,
+    V,
+    lr,
+    decay,
+    glo,
+    ghi,
+    wlo,
+    whi,
+    c0,
+    c1,
+    c2,
+    c3,
+    c4,
+    c5,
+    KIND: tl.constexpr,
+    NSLOTS: tl.constexpr,
+    FLAG0: tl.constexpr,
+    FLAG1: tl.constexpr,
+    POW_IS_SQRT: tl.constexpr,
+    LIBDEVICE: tl.constexpr,
+    WRITE: tl.constexpr,
+    MEASURE: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """One program per distinct row: gradient clip -> decay -> optimizer -> weight clip (the C kernels'
+    ``et_row_*``), constants ``c0..c5`` and flags in each kernel record's order. WRITE=False is the dry
+    run: it only finds the first row that would not be finite."""
+    u = tl.program_id(0).to(tl.int64)
+    row = tl.load(rows + u)
+    d = tl.arange(0, BLOCK_D)
+    dm = (d < D) & (row >= 0) & (row < V)  # rows come from row_sums_kernel, which checked them: a guard only
+    at = row * D + d
+    g = tl.load(sums + u * D + d, mask=dm, other=0.0)
+    g = tl.where(g < glo, glo, g)
+    g = tl.where(g > ghi, ghi, g)
+    x = tl.load(weights + at, mask=dm, other=0.0)
+    x = x - decay * x
+    a = tl.zeros([BLOCK_D], dtype=tl.float32)
+    b = tl.zeros([BLOCK_D], dtype=tl.float32)
+    c = tl.zeros([BLOCK_D], dtype=tl.float32)
+    if NSLOTS >= 1:
+        a = tl.load(s0 + at, mask=dm, other=0.0)
+    if NSLOTS >= 2:
+        b = tl.load(s1 + at, mask=dm, other=0.0)
+    if NSLOTS >= 3:
+        c = tl.load(s2 + at, mask=dm, other=0.0)
+    if KIND == K_SGD:
+        x = x - lr * g
+    elif KIND == K_ADAGRAD:
+        a = a + g * g
+        x = x - tl.div_rn(lr * g, tl.sqrt_rn(a))
+    elif KIND == K_ADAGRAD_MOMENTUM:  # c0 momentum, c1 -1/exponent, c2 beta2, c3 1 - beta2, c4 epsilon
+        if FLAG1:  # beta2 == 1: a plain sum
+            a = a + g * g
+        else:
+            a = c2 * a + c3 * (g * g)
+        scaled = _pow(a + c4, c1, LIBDEVICE) * g
+        b = c0 * b + scaled
+        if FLAG0:  # Nesterov
+            x = x - lr * (c0 * b + scaled)
+        else:
+            x = x - lr * b
+    elif KIND == K_ADAM:  # c0 beta_1, c1 1 - beta_1, c2 beta_2, c3 1 - beta_2, c4 epsilon^2, c5 epsilon
+        a = c0 * a + c1 * g
+        b = c2 * b + c3 * (g * g)
+        if FLAG0:  # sum_inside_sqrt
+            den = tl.sqrt_rn(b + c4)
+        else:
+            den = tl.sqrt_rn(b) + c5
+        x = x - tl.div_rn(lr * a, den)
+    elif KIND == K_FTRL:  # c0 power, c1 l1 (lr * l1), c2 beta, c3 2 * l2 (times lr); FLAG0 multiply_linear
+        nn = a + g * g
+        if POW_IS_SQRT:
+            pw_new = tl.sqrt_rn(nn)
+            pw_old = tl.sqrt_rn(a)
+        else:
+            pw_new = _pow(nn, c0, LIBDEVICE)
+            pw_old = _pow(a, c0, LIBDEVICE)
+        if FLAG1:  # allow_zero_accumulator
+            pw_new = tl.where(nn == 0.0, 0.0, pw_new)
+            pw_old = tl.where(a == 0.0, 0.0, pw_old)
+        delta = pw_new - pw_old
+        if FLAG0:
+            b = b + lr * g - delta * x
+            den = pw_new + c3 + c2
+        else:
+            b = b + g - tl.div_rn(delta, lr + tl.zeros_like(delta)) * x
+            den = tl.div_rn(pw_new + c2, lr + tl.zeros_like(pw_new)) + c3
+        numer = tl.where(b < -c1, -c1, tl.where(b > c1, c1, b)) - b
+        a = nn
+        x = tl.div_rn(numer, den)
+        if FLAG1:
+            x = tl.where(numer == 0.0, 0.0, x)
+    elif KIND == K_PROXIMAL_ADAGRAD:  # c0 l1, c1 l2
+        a = a + g * g
+        lr_t = tl.div_rn(lr + tl.zeros_like(a), tl.sqrt_rn(a))
+        x = _proximal(x - lr_t * g, lr_t, c0, c1)
+    elif KIND == K_MOMENTUM:  # c0 momentum
+        a = c0 * a + g
+        if FLAG0:
+            x = x - lr * (g + c0 * a)
+        else:
+            x = x - lr * a
+    elif KIND == K_RMSPROP:  # c0 rho, c1 1 - rho, c2 momentum, c3 epsilon
+        a = c0 * a + c1 * (g * g)
+        b = c2 * b + tl.div_rn(lr * g, tl.sqrt_rn(a + c3))
+        x = x - b
+    elif KIND == K_CENTERED_RMSPROP:  # slots ms, mom, mg
+        a = c0 * a + c1 * (g * g)
+        c = c0 * c + c1 * g
+        b = c2 * b + tl.div_rn(lr * g, tl.sqrt_rn(a - c * c + c3))
+        x = x - b
+    elif KIND == K_ADADELTA:  # c0 rho, c1 1 - rho, c2 epsilon
+        a = c0 * a + c1 * (g * g)
+        step = tl.div_rn(tl.sqrt_rn(b + c2), tl.sqrt_rn(a + c2)) * g
+        b = c0 * b + c1 * (step * step)
+        x = x - lr * step
+    elif KIND == K_PROXIMAL_YOGI:  # slots v, m; c0 beta_1, c1 1 - beta_1, c2 1 - beta_2, c3 epsilon, c4 l1, c5 l2
+        g2 = g * g
+        b = c0 * b + c1 * g
+        diff = a - g2
+        step = c2 * g2
+        a = tl.where(diff > 0.0, a - step, tl.where(diff < 0.0, a + step, a - 0.0 * g2))
+        lr_t = tl.div_rn(lr + tl.zeros_like(a), tl.sqrt_rn(a) + c3)
+        x = _proximal(x - lr_t * b, lr_t, c4, c5)
+    else:  # K_FREQUENCY_ESTIMATOR: lr is the global step; c0 max_delta, c1 outlier, c2 1 - tau, c3 tau
+        delta = lr - a
+        dc = tl.where(delta > c0, c0, delta)
+        smoothed = x * c2 + dc * c3
+        threshold = c1 * x
+        x = tl.where(delta >= threshold, dc, smoothed)
+        a = lr + tl.zeros_like(a)
+    x = tl.where(x < wlo, wlo, x)
+    x = tl.where(x > whi, whi, x)
+    bits = tl.max(tl.where(dm, _abs_bits(x), 0), axis=0)
+    bits_a = tl.max(tl.where(dm, _abs_bits(a), 0), axis=0)
+    bits_b = tl.max(tl.where(dm, _abs_bits(b), 0), axis=0)
+    bits_c = tl.max(tl.where(dm, _abs_bits(c), 0), axis=0)
+    worst = bits
+    if NSLOTS >= 1:
+        worst = tl.maximum(worst, bits_a)
+    if NSLOTS >= 2:
+        worst = tl.maximum(worst, bits_b)
+    if NSLOTS >= 3:
+        worst = tl.maximum(worst, bits_c)
+    if worst >= F32_INF_BITS:
+        tl.atomic_min(bad_row, row)
+    if WRITE:
+        tl.store(weights + at, x, mask=dm)
+        if NSLOTS >= 1:
+            tl.store(s0 + at, a, mask=dm)
+        if NSLOTS >= 2:
+            tl.store(s1 + at, b, mask=dm)
+        if NSLOTS >= 3:
+            tl.store(s2 + at, c, mask=dm)
+    if MEASURE:
+        tl.atomic_max(maxabs, bits)
+        if NSLOTS >= 1:
+            tl.atomic_max(maxabs + 1, bits_a)
+        if NSLOTS >= 2:
+            tl.atomic_max(maxabs + 2, bits_b)
+        if NSLOTS >= 3:
+            tl.atomic_max(maxabs + 3, bits_c)

@@ -1,0 +1,143 @@
+"""The training step of CUDA tables on the fused GPU kernels (``kernels/gpu.py``): the lookup of every
+feature in one launch, phase 1 (dedup and per-row sums) in one launch per table, phase 2 (the fused
+update) in one launch per table. Same contract as the CPU step (``tables/collection.py``): every error
+is raised before any table or slot is written, with the same messages.
+
+Host syncs: the lookup reads its status once (ids outside a table, non-finite activations); phase 1
+reads every table's row count, largest |summed gradient| and input check in one transfer, which is
+also all the finiteness proof needs. Only an update the proof cannot show finite adds a sync (its dry
+run), and so does an update whose bounds compound (FTRL: its written maxima are read back).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+from embtables.errors import InputError
+from embtables.kernels import gpu
+from embtables.kernels.finite_guard import bounds_compound
+from embtables.tables.inputs import FeatureBatch
+from embtables.tables.value_bounds import non_finite_gradient, non_finite_update
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from embtables.tables.collection import EmbeddingCollection, TableGradient
+
+
+def lookup(coll: EmbeddingCollection, batches: Sequence[FeatureBatch], concat: bool) -> list[Tensor]:
+    """``EmbeddingCollection.lookup`` on the GPU: every feature of a table without quantization in one
+    launch (straight into the concatenated activations with ``concat``), the others on the torch path."""
+    features, tables, states = coll.resolved.features, coll.resolved.tables, coll.states
+    device = coll.device
+    fast = [i for i, f in enumerate(features) if tables[f.table_index].config.quantization_config is None]
+    dims = [tables[f.table_index].dim for f in features]
+    wide = None
+    if concat and len(fast) == len(batches):
+        starts, width = coll.columns
+        wide = torch.empty((batches[0].out_shape[0], width), dtype=torch.float32, device=device)
+        outs = [wide[:, a : a + d] for a, d in zip(starts, dims)]
+    else:
+        outs = [torch.empty((batches[i].num_segments, dims[i]), dtype=torch.float32, device=device) for i in fast]
+    parts = [
+        (states[tables[features[i].table_index].name].weights, batches[i].ids, batches[i].offsets, batches[i].coeffs)
+        for i in fast
+    ]
+    flags = gpu.lookup_many(parts, outs).tolist() if fast else []  # the lookup's one sync
+    for i, flag in zip(fast, flags):
+        if flag & 1:
+            raise InputError(
+                f"feature {features[i].name!r}: an id is outside its table or the offsets are broken (an input "
+                "buffer was written after it was validated); nothing was looked up or changed. Do not modify "
+                "input tensors between enqueue() and dequeue()."
+            )
+    out: list[Tensor] = []
+    fast_outs = dict(zip(fast, outs))
+    for i, batch in enumerate(batches):
+        acts = fast_outs.get(i)
+        out.append(coll.torch_lookup(i, batch) if acts is None else acts.view(*batch.out_shape, dims[i]))
+    # the kernel checked its activations (flag 2 marks a feature with a non-finite one); check the others
+    coll.check_finite(out, {i for i, flag in zip(fast, flags) if not flag & 2})
+    if wide is not None:
+        return [wide]
+    return [torch.cat(out, dim=1)] if concat else out
+
+
+def table_gradients(
+    coll: EmbeddingCollection, batches: Sequence[FeatureBatch], grads: Sequence[Tensor | None]
+) -> dict[str, TableGradient]:
+    """Phase 1 on the GPU for every table with gradient accumulation: distinct rows, their summed
+    gradients and the largest |sum| per table, read back in one sync. Raises before anything is written."""
+    from embtables.tables.collection import TableGradient
+
+    pending: list[tuple[Any, gpu.RowSums]] = []
+    for table in coll.resolved.tables:
+        if not table.optimizer.use_gradient_accumulation:
+            continue
+        parts = []
+        for f in table.feature_indices:
+            batch, g = batches[f], grads[f]
+            if g is None:
+                g = torch.zeros((batch.num_segments, table.dim), dtype=torch.float32, device=coll.device)
+            parts.append((batch.ids, batch.seg, batch.coeffs, g))
+        pending.append((table, gpu.row_sums(parts, table.vocabulary_size, table.dim)))
+    if not pending:
+        return {}
+    stats = torch.stack([torch.cat([rs.count.view(1), rs.status.to(torch.int64)]) for _, rs in pending]).tolist()
+    out = {}
+    for (table, rs), (count, maxbits, bad) in zip(pending, stats):
+        if bad:
+            raise InputError(
+                f"table {table.name!r}: ids or offsets changed after they were validated (an input buffer was "
+                "written between the lookup and apply_gradients()); no table or slot was changed."
+            )
+        if maxbits >= gpu.F32_INF_BITS:
+            raise non_finite_gradient(table)
+        out[table.name] = TableGradient(
+            table,
+            rs.rows[:count],
+            rs.sums[:count],
+            accumulated=True,
+            gradient_max_abs=gpu.bits_to_float([maxbits])[0] if count else 0.0,
+        )
+    return out
+
+
+def checked_update(coll: EmbeddingCollection, tg: TableGradient, lr: float, decay: float) -> Callable[[], None]:
+    """Check one accumulated table update on the GPU (writes nothing) and return the function that writes
+    it: proven finite from bounds (no sync), else a dry run of the fused kernel (one sync)."""
+    assert tg.rows is not None and tg.grads is not None
+    table, state = tg.table, coll.states[tg.table.name]
+    opt = table.optimizer
+    slots = state.slot_tuple()
+    rows, grads = tg.rows, tg.grads
+    if not opt.lazy:  # non-lazy Adam: every row, a zero gradient where the batch has none
+        full = torch.zeros((table.vocabulary_size, table.dim), dtype=torch.float32, device=grads.device)
+        grads = full.index_copy_(0, rows, grads)
+        rows = torch.arange(table.vocabulary_size, device=grads.device)
+    gmax = tg.gradient_max_abs
+    if gmax is None:
+        gmax = float(grads.abs().max()) if grads.numel() else 0.0
+    params = gpu.update_parameters(opt, lr, decay)
+    new_bounds = coll.guard.proven(table, lr, decay, gmax)
+    if new_bounds is None:
+        bad, _ = gpu.update(rows, grads, state.weights, slots, params, write=False, measure=False)
+        row = int(bad.item())
+        if row < table.vocabulary_size:
+            raise non_finite_update(table, row, lr)
+    measure = new_bounds is None or bounds_compound(opt)
+
+    def write() -> None:
+        _, maxabs = gpu.update(rows, grads, state.weights, slots, params, write=True, measure=measure)
+        if measure:
+            written = gpu.bits_to_float(maxabs.tolist()[: 1 + len(slots)])
+            coll.guard.after_write(table, written, measured=True)
+        else:
+            assert new_bounds is not None
+            coll.guard.after_write(table, new_bounds, measured=False)
+
+    return write

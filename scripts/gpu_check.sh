@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# The GPU checks in one run (for a machine with CUDA and Triton, e.g. the device tool's):
+#   bash scripts/gpu_check.sh [tests|bench|all] [bench args...]
+# Writes logs to $OUT (or ./gpu_out): the numerics suite on CUDA, then the GPU benchmark.
+set -u
+OUT=${OUT:-gpu_out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+what=${1:-all}
+shift || true
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv | tee "$OUT/env.txt"
+python3 -c "import torch, triton, sys; print(sys.version.split()[0], torch.__version__, torch.version.cuda, triton.__version__, torch.cuda.get_device_name())" | tee -a "$OUT/env.txt"
+if [ "$what" = tests ] || [ "$what" = all ]; then
+  EMBTABLES_TEST_DEVICE=cuda timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -o addopts="" -p no:warnings -p no:cacheprovider -q -ra \
+    tests/numerics/test_gpu_kernels.py tests/numerics/test_gpu_engine.py tests/numerics/test_engine_vs_oracle.py \
+    ${TESTS_EXTRA:-} > "$OUT/tests.log" 2>&1
+  echo "tests rc=$?"; tail -25 "$OUT/tests.log"
+fi
+if [ "$what" = bench ] || [ "$what" = all ]; then
+  timeout "${BENCH_TIMEOUT:-240}" python3 -m embtables bench --device cuda "$@" > "$OUT/bench.jsonl" 2> "$OUT/bench.err"
+  echo "bench rc=$?"; grep -v '^{' "$OUT/bench.err" | tail -40
+fi

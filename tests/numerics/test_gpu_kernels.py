@@ -1,0 +1,193 @@
+"""The fused GPU kernels (Triton) against the torch kernels, kernel by kernel.
+
+On a machine with CUDA and Triton they run on the GPU; without CUDA they run on CPU tensors through
+Triton's interpreter when Triton is installed and ``TRITON_INTERPRET=1`` (set before Triton is
+imported: ``TRITON_INTERPRET=1 python -m pytest tests/numerics/test_gpu_kernels.py``); otherwise they skip.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+import torch
+
+import embtables as et
+from embtables.kernels import gpu
+from embtables.kernels.clip_decay import effective_weight_decay
+from embtables.kernels.lookup import occurrence_gradients, pooled_lookup
+from embtables.kernels.segments import dedup_sum, segments_from_offsets
+from embtables.kernels.sparse_update import update_rows
+
+if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+    DEVICE = torch.device("cuda")
+elif os.environ.get("TRITON_INTERPRET") == "1":
+    DEVICE = torch.device("cpu")
+else:
+    DEVICE = None
+
+
+@pytest.fixture(autouse=True)
+def _gpu_kernels() -> Any:
+    if DEVICE is None:
+        pytest.skip("no CUDA device, and Triton's interpreter is off (TRITON_INTERPRET=1 runs these on the CPU)")
+    gpu.set_enabled(True, on_cpu=DEVICE.type == "cpu")
+    if not gpu.usable(DEVICE):
+        pytest.skip("Triton is not installed")
+    yield
+    gpu.set_enabled(True)
+
+
+def _bags(gen: torch.Generator, vocab: int, bags: int, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    lengths = torch.randint(0, max_len + 1, (bags,), generator=gen)
+    offsets = torch.zeros(bags + 1, dtype=torch.int64)
+    offsets[1:] = torch.cumsum(lengths, 0)
+    ids = torch.randint(0, vocab, (int(offsets[-1]),), generator=gen)
+    return ids.to(DEVICE), offsets.to(DEVICE)
+
+
+def test_lookup_of_every_feature_in_one_launch_matches_torch() -> None:
+    gen = torch.Generator().manual_seed(0)
+    tables = [torch.randn(v, d, generator=gen).to(DEVICE) for v, d in ((50, 8), (7, 3), (30, 16))]
+    parts, expected = [], []
+    for i, (table, bags) in enumerate(zip([*tables, tables[0]], (5, 9, 4, 6))):
+        ids, offsets = _bags(gen, table.shape[0], bags, 4 if i != 1 else 1)
+        coeffs = torch.rand(ids.numel(), generator=gen).to(DEVICE) if i % 2 == 0 else None
+        parts.append((table, ids, offsets, coeffs))
+        expected.append(pooled_lookup(table, ids, segments_from_offsets(offsets), offsets, coeffs))
+    width = sum(t.shape[1] for t, *_ in parts)
+    wide = torch.full((parts[0][2].numel() - 1, width), float("nan"), device=DEVICE)
+    outs = [torch.full(e.shape, float("nan"), device=DEVICE) for e in expected]
+    outs[0] = wide[:, : parts[0][0].shape[1]]  # a column block of a wider output
+    status = gpu.lookup_many(parts, outs)
+    assert status.tolist() == [0, 0, 0, 0]
+    for got, exp in zip(outs, expected):
+        torch.testing.assert_close(got, exp, rtol=1e-6, atol=1e-6)
+
+
+def test_lookup_flags_ids_outside_the_table_and_broken_offsets_without_reading_them() -> None:
+    table = torch.randn(5, 4).to(DEVICE)
+    ids = torch.tensor([0, 5, 2, -1], device=DEVICE)
+    good = torch.tensor([0, 2, 4], device=DEVICE)
+    out = torch.zeros((2, 4), device=DEVICE)
+    assert gpu.lookup_many([(table, ids, good, None)], [out]).tolist() == [1]
+    broken = torch.tensor([0, 3, 99], device=DEVICE)  # past the 4 ids
+    assert gpu.lookup_many([(table, ids[:3].clamp(0, 4), broken, None)], [out]).tolist() == [1]
+    big = torch.full((3, 4), 3e38, device=DEVICE)
+    flags = gpu.lookup_many([(big, torch.tensor([0, 1], device=DEVICE), good[:2].clone(), None)], [out[:1]])
+    assert flags.tolist() == [2]
+
+
+def test_lookup_refuses_buffers_the_kernel_cannot_read() -> None:
+    table = torch.randn(5, 4).to(DEVICE)
+    ids, offsets = torch.tensor([0, 1], device=DEVICE), torch.tensor([0, 2], device=DEVICE)
+    with pytest.raises(gpu.GpuBufferError, match="ids"):
+        gpu.lookup_many([(table, ids.to(torch.int32), offsets, None)], [torch.zeros((1, 4), device=DEVICE)])
+    with pytest.raises(gpu.GpuBufferError, match="output"):
+        gpu.lookup_many([(table, ids, offsets, None)], [torch.zeros((2, 4), device=DEVICE)])
+
+
+@pytest.mark.parametrize("multi", [False, True])
+def test_row_sums_match_dedup_sum(multi: bool) -> None:
+    gen = torch.Generator().manual_seed(1)
+    vocab, dim = 40, 5
+    parts, all_ids, all_grads = [], [], []
+    for f in range(2 if multi else 1):
+        ids, offsets = _bags(gen, vocab, 12, 6)
+        seg = segments_from_offsets(offsets)
+        coeffs = torch.rand(ids.numel(), generator=gen).to(DEVICE) if f == 0 else None
+        grad = torch.randn(12, dim, generator=gen).to(DEVICE)
+        parts.append((ids, seg, coeffs, grad))
+        all_ids.append(ids)
+        all_grads.append(occurrence_gradients(grad, seg, coeffs))
+    rows, sums = dedup_sum(torch.cat(all_ids), torch.cat(all_grads))
+    got = gpu.row_sums(parts, vocab, dim)
+    u = int(got.count)
+    assert u == rows.numel() and got.status.tolist()[1] == 0
+    assert torch.equal(got.rows[:u], rows)
+    torch.testing.assert_close(got.sums[:u], sums, rtol=1e-6, atol=1e-6)
+    assert gpu.bits_to_float([got.status.tolist()[0]])[0] == float(sums.abs().max())
+
+
+def test_row_sums_flag_rows_outside_the_table() -> None:
+    ids = torch.tensor([3, 9], device=DEVICE)
+    got = gpu.row_sums([(ids, torch.tensor([0, 1], device=DEVICE), None, torch.ones((2, 2), device=DEVICE))], 5, 2)
+    assert got.status.tolist()[1] == 1
+
+
+OPTIMIZERS: dict[str, Any] = {
+    "sgd": lambda: et.SGD(0.1, weight_decay_factor=0.05, clip_weight_min=-0.6, clipvalue=0.4),
+    "adagrad": lambda: et.Adagrad(0.2, initial_accumulator_value=0.05, clip_weight_max=0.5),
+    "adagrad_momentum": lambda: et.AdagradMomentum(0.05, momentum=0.5, use_nesterov=True, exponent=3, beta2=0.9),
+    "adagrad_momentum_sum": lambda: et.AdagradMomentum(0.1, momentum=0.9),
+    "adam": lambda: et.Adam(0.05, beta_1=0.8, beta_2=0.95),
+    "adam_outside": lambda: et.Adam(0.05, sum_inside_sqrt=False, epsilon=1e-3, weight_decay_factor=0.1),
+    "ftrl": lambda: et.FTRL(0.1),
+    "ftrl_power": lambda: et.FTRL(
+        0.2, learning_rate_power=-0.7, l1_regularization_strength=0.01, l2_regularization_strength=0.02, beta=0.5
+    ),
+    "ftrl_multiply": lambda: et.FTRL(
+        0.2, multiply_linear_by_learning_rate=True, l1_regularization_strength=0.01, beta=0.1
+    ),
+    "proximal_adagrad": lambda: et.ProximalAdagrad(
+        0.2, l1_regularization_strength=0.01, l2_regularization_strength=0.1
+    ),
+    "momentum": lambda: et.Momentum(0.1, momentum=0.9, use_nesterov=True),
+    "rmsprop": lambda: et.RMSProp(0.05, rho=0.8, momentum=0.5, epsilon=1e-3),
+    "centered_rmsprop": lambda: et.CenteredRMSProp(0.05, rho=0.9, momentum=0.3, epsilon=1e-2),
+    "adadelta": lambda: et.Adadelta(1.0, rho=0.9, epsilon=1e-4),
+    "proximal_yogi": lambda: et.ProximalYogi(0.05, l1_regularization_strength=0.01, initial_accumulator_value=0.01),
+    "frequency_estimator": lambda: et.FrequencyEstimator(7.0, tau=0.25, max_delta=20.0, outlier_threshold=2.0),
+}
+
+
+def _state(opt: Any, gen: torch.Generator, vocab: int, dim: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    weights = torch.randn(vocab, dim, generator=gen)
+    # positive slots, the third (centered RMSProp's mean gradient) small enough that ms - mg^2 > 0
+    slots = [
+        (torch.rand(vocab, dim, generator=gen) + 0.1) * (0.1 if i == 2 else 1.0) for i in range(len(opt.SLOT_NAMES))
+    ]
+    return weights.to(DEVICE), [s.to(DEVICE) for s in slots]
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_fused_update_matches_the_torch_row_math(name: str) -> None:
+    opt = OPTIMIZERS[name]()
+    gen = torch.Generator().manual_seed(2)
+    vocab, dim = 20, 6
+    weights, slots = _state(opt, gen, vocab, dim)
+    rows = torch.tensor([0, 3, 4, 11, 19], device=DEVICE)
+    sums = torch.randn(5, dim, generator=gen).to(DEVICE)
+    lr = float(opt.learning_rate)
+    decay = effective_weight_decay(opt.weight_decay_factor, opt.weight_decay_multiplied_by_lr, lr)
+    w_exp, s_exp = update_rows(weights[rows], tuple(s[rows] for s in slots), sums, opt=opt, lr=lr, clip_gradients=True)
+    params = gpu.update_parameters(opt, lr, decay)
+    before = weights.clone(), [s.clone() for s in slots]
+    bad, _ = gpu.update(rows, sums, weights, slots, params, write=False, measure=False)
+    assert bad.tolist() == [vocab]
+    assert torch.equal(weights, before[0]) and all(torch.equal(a, b) for a, b in zip(slots, before[1]))
+    bad, maxabs = gpu.update(rows, sums, weights, slots, params, write=True, measure=True)
+    assert bad.tolist() == [vocab]
+    rtol = 1e-6 if name not in ("adagrad_momentum", "ftrl_power") else 2e-6  # powf
+    torch.testing.assert_close(weights[rows], w_exp, rtol=rtol, atol=1e-7)
+    for got, exp in zip(slots, s_exp):
+        torch.testing.assert_close(got[rows], exp, rtol=rtol, atol=1e-7)
+    untouched = torch.ones(vocab, dtype=torch.bool, device=DEVICE)
+    untouched[rows] = False
+    assert torch.equal(weights[untouched], before[0][untouched])
+    measured = gpu.bits_to_float(maxabs.tolist())
+    assert measured[0] == float(weights[rows].abs().max())
+    for i, s in enumerate(slots):
+        assert measured[1 + i] == float(s[rows].abs().max())
+
+
+def test_fused_update_finds_the_first_row_that_would_overflow() -> None:
+    opt = et.SGD(1e38)
+    weights = torch.full((6, 2), -3e38, device=DEVICE)
+    rows = torch.tensor([1, 4, 5], device=DEVICE)
+    sums = torch.tensor([[0.0, 0.0], [1.0, 0.0], [2.0, 0.0]], device=DEVICE)
+    params = gpu.update_parameters(opt, 1e38, 0.0)
+    bad, _ = gpu.update(rows, sums, weights, [], params, write=False, measure=False)
+    assert bad.tolist() == [4]
+    assert torch.equal(weights, torch.full((6, 2), -3e38, device=DEVICE))
