@@ -187,6 +187,21 @@ def time_step(step: Callable[[], None], steps: int, warmup: int, device: torch.d
     return sorted(times)[len(times) // 2]
 
 
+def profile(step: Callable[[], None], title: str) -> None:
+    """Two steps under torch.profiler: the top operators by device time and by host time, on stderr."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(2):
+            step()
+        torch.cuda.synchronize()
+    table = prof.key_averages()
+    print(f"## profile: {title} (2 steps)", file=sys.stderr)
+    print(table.table(sort_by="self_cuda_time_total", row_limit=12, max_name_column_width=48), file=sys.stderr)
+    print(table.table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=48), file=sys.stderr)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="embtables bench --device cuda", description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda")
@@ -196,6 +211,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--modes", default="forward,train")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--profile", action="store_true", help="print torch.profiler's table of each embtables step")
     args = p.parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -230,6 +246,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         emit({"skipped": impl, "workload": wname, "optimizer": opt, "mode": mode, "why": str(exc)})
                         continue
                     seconds = time_step(step, args.steps, args.warmup, device)
+                    if args.profile and impl == "embtables":
+                        profile(step, f"{wname} {opt} {mode}")
                     del step
                     if on_cuda:
                         torch.cuda.empty_cache()

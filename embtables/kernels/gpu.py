@@ -99,6 +99,16 @@ def _checked_contiguous(t: object, what: str, dtype: torch.dtype, device: torch.
     return t
 
 
+def _warps(dim: int) -> int:
+    """Warps for a program that works on one row of ``dim`` floats (about four floats a thread)."""
+    return max(1, min(8, _pow2(dim) // 128))
+
+
+def _aligned(t: Tensor, row_stride: int) -> bool:
+    """``t`` starts 16 bytes aligned and its rows (``row_stride`` floats apart) do too."""
+    return t.data_ptr() % 16 == 0 and row_stride % 4 == 0
+
+
 def _addresses(values: Sequence[int], device: torch.device) -> Tensor:
     return torch.tensor(list(values), dtype=torch.int64).to(device, non_blocking=True)
 
@@ -153,11 +163,15 @@ def lookup_many(parts: Sequence[LookupPart], outs: Sequence[Tensor]) -> Tensor:
     for col in columns:
         views.append(flat[at : at + len(col)])
         at += len(col)
+    dims = {t.shape[1] for t, *_ in meta}
+    aligned = all(_aligned(t, 0) and _aligned(o, o.stride(0)) for t, *_, o in meta)
     k.lookup_kernel[(firsts[-1],)](
         *views,
         status,
         F=n,
         FP=_pow2(n),
+        DIM=dims.pop() if len(dims) == 1 else 0,
+        ALIGNED=aligned and all(t.shape[1] % 4 == 0 for t, *_ in meta),
         BLOCK_N=min(_pow2(pool, 2), 32),
         BLOCK_D=_pow2(block_d, 16),
         enable_fp_fusion=False,
@@ -205,9 +219,12 @@ def row_sums(parts: Sequence[GradPart], vocabulary_size: int, dim: int) -> RowSu
         else segs
     )
     feats = torch.cat([torch.full_like(p[0], i) for i, p in enumerate(parts)]) if multi else segs  # unused unless multi
-    sorted_ids, perm = torch.sort(ids, stable=True)
+    # int32 keys sort in half the radix passes; the sort is stable, so equal ids keep occurrence order
+    keys = ids.to(torch.int32) if vocabulary_size <= 2**31 - 1 else ids
+    sorted_keys, perm = torch.sort(keys, stable=True)
+    sorted_ids = sorted_keys.to(torch.int64) if keys is not ids else sorted_keys
     is_start = torch.ones(n, dtype=torch.bool, device=device)
-    torch.ne(sorted_ids[1:], sorted_ids[:-1], out=is_start[1:])
+    torch.ne(sorted_keys[1:], sorted_keys[:-1], out=is_start[1:])
     run = torch.cumsum(is_start, 0) - 1
     starts = torch.full((n + 2,), n, dtype=torch.int64, device=device)
     # distinct row r starts at the r-th start; other positions write to the spare slot n + 1
@@ -237,8 +254,10 @@ def row_sums(parts: Sequence[GradPart], vocabulary_size: int, dim: int) -> RowSu
         vocabulary_size,
         HAS_COEFFS=has_coeffs,
         MULTI=multi,
-        BLOCK_N=min(_pow2(max(pool, 1), 2), 16),
+        ALIGNED=dim % 4 == 0 and all(_aligned(g, g.stride(0)) for g in grads),
+        BLOCK_N=min(_pow2(max(pool, 1), 2), 8),
         BLOCK_D=_pow2(dim, 16),
+        num_warps=_warps(dim),
         enable_fp_fusion=False,
     )
     return RowSums(rows, sums, run[-1] + 1, status)
@@ -324,6 +343,7 @@ def update(
         WRITE=write,
         MEASURE=measure,
         BLOCK_D=_pow2(dim, 16),
+        num_warps=_warps(dim),
         enable_fp_fusion=False,
     )
     return bad_row, maxabs
@@ -332,3 +352,38 @@ def update(
 def bits_to_float(bits: Sequence[int]) -> tuple[float, ...]:
     """int32 bit patterns of non-negative floats (the kernels' maxima) as floats."""
     return tuple(torch.tensor(list(bits), dtype=torch.int32).view(torch.float32).tolist())
+
+
+ValidatePart = tuple[Tensor, "Tensor | None", int]  # (ids [N], row splits [B+1] or None (dense), V)
+
+
+def validate_inputs(parts: Sequence[ValidatePart]) -> Tensor:
+    """The input rules of every feature in one launch: ids in [0, V), row splits that start at 0, never
+    decrease and end at N. Returns flags [F] int32 (0: every rule holds), unread (no sync)."""
+    k = _kernels()
+    device = parts[0][0].device
+    flags = torch.zeros(len(parts), dtype=torch.int32, device=device)
+    longest = 0
+    for ids, splits, vocab in parts:
+        _checked_contiguous(ids, "ids", torch.int64, device, 1)
+        if splits is not None:
+            _checked_contiguous(splits, "row splits", torch.int64, device, 1)
+        if vocab <= 0:
+            raise GpuBufferError("embtables GPU kernel: a table needs a positive vocabulary size.")
+        longest = max(longest, ids.numel(), 0 if splits is None else splits.numel())
+    if longest == 0:
+        return flags
+    columns = [
+        [i.data_ptr() for i, _, _ in parts],
+        [i.numel() for i, _, _ in parts],
+        [v for _, _, v in parts],
+        [0 if s is None else s.data_ptr() for _, s, _ in parts],
+        [0 if s is None else s.numel() for _, s, _ in parts],
+    ]
+    meta = _addresses([v for col in columns for v in col], device)
+    n = len(parts)
+    block = 1024
+    k.validate_kernel[(-(-longest // block), n)](
+        *(meta[i * n : (i + 1) * n] for i in range(len(columns))), flags, BLOCK=block
+    )
+    return flags

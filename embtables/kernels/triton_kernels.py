@@ -91,6 +91,8 @@ def lookup_kernel(
     status,  # int32 [F]: |= 1 an id outside the table, |= 2 a non-finite activation
     F: tl.constexpr,
     FP: tl.constexpr,  # F rounded up to a power of two
+    DIM: tl.constexpr,  # every table's dim when they share one (0: read ``dims``)
+    ALIGNED: tl.constexpr,  # every table and output row starts 16 bytes aligned: 16-byte loads and stores
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
@@ -101,7 +103,10 @@ def lookup_kernel(
     f = tl.sum((ends <= i).to(tl.int32), axis=0)
     s = i - tl.load(firsts + f)
     table = tl.load(table_ptrs + f).to(tl.pointer_type(tl.float32))
-    dim = tl.load(dims + f)
+    if DIM > 0:
+        dim = DIM
+    else:
+        dim = tl.load(dims + f)
     vocab = tl.load(vocabs + f)
     ids = tl.load(id_ptrs + f).to(tl.pointer_type(tl.int64))
     offsets = tl.load(offset_ptrs + f).to(tl.pointer_type(tl.int64))
@@ -110,6 +115,9 @@ def lookup_kernel(
     has_coeffs = coeff_addr != 0
     out = tl.load(out_ptrs + f).to(tl.pointer_type(tl.float32))
     ld = tl.load(out_lds + f)
+    if ALIGNED:
+        table = tl.multiple_of(table, 16)
+        out = tl.multiple_of(out, 16)
     start = tl.load(offsets + s)
     end = tl.load(offsets + s + 1)
     n_ids = tl.load(id_counts + f)
@@ -125,9 +133,15 @@ def lookup_kernel(
         ok = km & (row >= 0) & (row < vocab)
         bad += tl.sum((km & (~ok)).to(tl.int32), axis=0)
         c = tl.load(coeffs + k, mask=ok & has_coeffs, other=1.0)
-        vals = tl.load(table + row[:, None] * dim + d[None, :], mask=ok[:, None] & dm[None, :], other=0.0)
+        at = row * dim
+        if ALIGNED:
+            at = tl.multiple_of(at, 4)
+        vals = tl.load(table + at[:, None] + d[None, :], mask=ok[:, None] & dm[None, :], other=0.0)
         acc += tl.sum(vals * c[:, None], axis=0)
-    tl.store(out + s * ld + d, acc, mask=dm)
+    out_at = s * ld
+    if ALIGNED:
+        out_at = tl.multiple_of(out_at, 4)
+    tl.store(out + out_at + d, acc, mask=dm)
     nonfinite = tl.max(tl.where(dm, _abs_bits(acc), 0), axis=0) >= F32_INF_BITS
     flag = tl.where(bad > 0, 1, 0) | tl.where(nonfinite, 2, 0)
     if flag != 0:
@@ -154,11 +168,12 @@ def row_sums_kernel(
     V,
     HAS_COEFFS: tl.constexpr,
     MULTI: tl.constexpr,
+    ALIGNED: tl.constexpr,  # every gradient and gradient row starts 16 bytes aligned
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
     """One program per distinct row: the sum of its occurrences' (coefficient-scaled) gradients, in
-    sorted (= occurrence) order, BLOCK_N occurrences at a time."""
+    sorted (= occurrence) order."""
     u = tl.program_id(0).to(tl.int64)
     start = tl.load(starts + u)
     if start < N:
@@ -169,24 +184,29 @@ def row_sums_kernel(
         row = tl.load(sorted_ids + start)
         bad = tl.where((row < 0) | (row >= V), 1, 0)
         for k0 in range(start, end, BLOCK_N):
-            k = k0 + tl.arange(0, BLOCK_N)
-            km = k < end
-            p = tl.load(perm + k, mask=km, other=0)
-            seg = tl.load(segs + p, mask=km, other=0)
-            if MULTI:
-                f = tl.load(feats + p, mask=km, other=0)
-            else:
-                f = tl.zeros([BLOCK_N], dtype=tl.int64)
-            grad = tl.load(grad_ptrs + f, mask=km, other=0).to(tl.pointer_type(tl.float32))
-            ld = tl.load(grad_lds + f, mask=km, other=0)
-            n_bags = tl.load(grad_rows + f, mask=km, other=0)
-            ok = km & (seg >= 0) & (seg < n_bags)
-            bad += tl.sum((km & (~ok)).to(tl.int32), axis=0)
-            g = tl.load(grad[:, None] + (seg * ld)[:, None] + d[None, :], mask=ok[:, None] & dm[None, :], other=0.0)
-            if HAS_COEFFS:
-                c = tl.load(coeffs + p, mask=km, other=0.0)
-                g = g * c[:, None]
-            acc += tl.sum(g, axis=0)
+            # one occurrence at a time, in occurrence order: the float32 additions of the C kernel (phase 1
+            # on one thread), so a row's sum has the CPU's bits; unrolled, so the loads are all in flight
+            for j in tl.static_range(BLOCK_N):
+                k = k0 + j
+                km = k < end
+                p = tl.load(perm + k, mask=km, other=0)
+                seg = tl.load(segs + p, mask=km, other=0)
+                if MULTI:
+                    f = tl.load(feats + p, mask=km, other=0)
+                else:
+                    f = 0
+                grad = tl.load(grad_ptrs + f).to(tl.pointer_type(tl.float32))
+                ld = tl.load(grad_lds + f)
+                ok = km & (seg >= 0) & (seg < tl.load(grad_rows + f))
+                bad += tl.where(km & (~ok), 1, 0)
+                at = seg * ld
+                if ALIGNED:
+                    grad = tl.multiple_of(grad, 16)
+                    at = tl.multiple_of(at, 4)
+                g = tl.load(grad + at + d, mask=ok & dm, other=0.0)
+                if HAS_COEFFS:
+                    g = g * tl.load(coeffs + p, mask=km, other=1.0)
+                acc += g  # a masked-off occurrence adds +0.0: exact
         tl.store(rows_out + u, row)
         tl.store(sums + u * D + d, acc, mask=dm)
         tl.atomic_max(status, tl.max(tl.where(dm, _abs_bits(acc), 0), axis=0))
@@ -367,3 +387,37 @@ def update_kernel(
             tl.atomic_max(maxabs + 2, bits_b)
         if NSLOTS >= 3:
             tl.atomic_max(maxabs + 3, bits_c)
+
+
+@triton.jit
+def validate_kernel(
+    id_ptrs,  # int64 [F]: address of each feature's ids [N_f] (int64)
+    id_counts,  # int64 [F]
+    vocabs,  # int64 [F]
+    split_ptrs,  # int64 [F]: address of each feature's row splits [B_f + 1] (int64); unread when split_counts is 0
+    split_counts,  # int64 [F]: B_f + 1, or 0 for a dense input (no splits)
+    flags,  # int32 [F]: |= 1 an id outside [0, V); |= 2 row splits that decrease, or do not start at 0 and end at N_f
+    BLOCK: tl.constexpr,
+):
+    """The input rules of every feature in one launch: program (b, f) checks block b of feature f."""
+    b = tl.program_id(0).to(tl.int64)
+    f = tl.program_id(1)
+    n = tl.load(id_counts + f)
+    vocab = tl.load(vocabs + f)
+    ids = tl.load(id_ptrs + f).to(tl.pointer_type(tl.int64))
+    o = b * BLOCK + tl.arange(0, BLOCK)
+    m = o < n
+    x = tl.load(ids + o, mask=m, other=0)
+    flag = tl.where(tl.max(tl.where(m & ((x < 0) | (x >= vocab)), 1, 0), axis=0) > 0, 1, 0)
+    ns = tl.load(split_counts + f)
+    splits = tl.load(split_ptrs + f).to(tl.pointer_type(tl.int64))
+    ms = o + 1 < ns
+    lo = tl.load(splits + o, mask=ms, other=0)
+    hi = tl.load(splits + o + 1, mask=ms, other=0)
+    flag |= tl.where(tl.max(tl.where(ms & (hi < lo), 1, 0), axis=0) > 0, 2, 0)
+    if b == 0 and ns > 0:
+        first = tl.load(splits)
+        last = tl.load(splits + ns - 1)
+        flag |= tl.where((first != 0) | (last != n), 2, 0)
+    if flag != 0:
+        tl.atomic_or(flags + f, flag)

@@ -20,7 +20,7 @@ from torch import Tensor
 
 from embtables.config import Combiner, ResolvedFeature, ResolvedTable
 from embtables.errors import InputError
-from embtables.kernels import native
+from embtables.kernels import gpu, native
 from embtables.kernels.segments import offsets_from_segments, segment_sum, segments_from_offsets
 from embtables.tables.ragged import Ragged
 
@@ -517,6 +517,8 @@ def convert_many(
     batch holds the copy that was checked. A feature whose input breaks a rule, or that is not on the
     fast path, goes through ``convert``, which drops what the rules drop and names what is wrong. Both
     paths give the same batches."""
+    if gpu.usable(device):
+        return _convert_many_on_gpu(converters, xs, ws, device)
     fast: list[tuple[int, Tensor, Tensor | None]] = []
     values: Tensor
     splits: Tensor | None
@@ -546,3 +548,58 @@ def convert_many(
             else:
                 out[i] = FeatureBatch(ids=ids, offsets=offsets, coeffs=coeffs, out_shape=(offsets.numel() - 1,))
     return [b if b is not None else conv.convert(x, w, device) for b, conv, x, w in zip(out, converters, xs, ws)]
+
+
+def _device_int64(t: object, device: torch.device) -> Tensor | None:
+    """``t`` as a contiguous 1-D int64 tensor on ``device`` (copied there if needed), or None when it is not
+    a plain int64 tensor."""
+    if not (isinstance(t, Tensor) and t.dtype == torch.int64 and t.layout == torch.strided and not t.is_nested):
+        return None
+    return t.reshape(-1).to(device, non_blocking=True).contiguous()
+
+
+def _convert_many_on_gpu(
+    converters: list[InputConverter], xs: list[Any], ws: list[Any], device: torch.device
+) -> list[FeatureBatch]:
+    """``convert_many`` for tables on a GPU: the common inputs (int64 ``Ragged`` or dense ids without
+    weights, for non-sequence features of fixed tables without an ``output_shape``) are checked by one
+    kernel for every feature and read back in one sync; a feature that breaks a rule, and every other
+    input, goes through ``convert``, which drops what the rules drop and names what is wrong."""
+    fast: list[tuple[int, Tensor, Tensor | None]] = []
+    for i, (conv, x, w) in enumerate(zip(converters, xs, ws)):
+        if w is not None or not conv.fast_path or conv.fast_part[0] == 0:
+            continue
+        if type(x) is Ragged:
+            if x.values.dim() == 1 and x.row_splits.dim() == 1 and x.row_splits.numel() >= 1:
+                values, splits = _device_int64(x.values, device), _device_int64(x.row_splits, device)
+                if values is not None and splits is not None:
+                    fast.append((i, values, splits))
+        elif isinstance(x, Tensor) and x.dim() >= 1:
+            values = _device_int64(x, device)
+            if values is not None:
+                fast.append((i, values, None))
+    out: list[FeatureBatch | None] = [None] * len(converters)
+    if fast:
+        flags = gpu.validate_inputs([(v, s, converters[i].fast_part[0]) for i, v, s in fast]).tolist()  # one sync
+        for (i, ids, splits), flag in zip(fast, flags):
+            if flag:
+                continue  # convert() finds the rule and names it
+            if splits is None:  # dense: each element is its own lookup
+                offsets = torch.arange(ids.numel() + 1, device=device)
+                out[i] = FeatureBatch(ids=ids, offsets=offsets, coeffs=None, out_shape=tuple(xs[i].shape))
+                continue
+            combiner = converters[i].table.config.combiner
+            coeffs = None if combiner == Combiner.SUM else _unit_coeffs(splits, combiner, ids.numel())
+            out[i] = FeatureBatch(ids=ids, offsets=splits, coeffs=coeffs, out_shape=(splits.numel() - 1,))
+    return [b if b is not None else conv.convert(x, w, device) for b, conv, x, w in zip(out, converters, xs, ws)]
+
+
+def _unit_coeffs(offsets: Tensor, combiner: str, num_ids: int) -> Tensor:
+    """``_unweighted_coeffs`` without its host sync (every coefficient, even where all are 1): the same
+    float32 operations, so the same bits."""
+    counts = offsets[1:] - offsets[:-1]
+    den = counts.to(torch.float32)
+    if combiner != Combiner.MEAN:
+        den = torch.sqrt(den)
+    scale = torch.where(den != 0, 1.0 / torch.where(den != 0, den, torch.ones_like(den)), torch.zeros_like(den))
+    return torch.repeat_interleave(scale, counts, output_size=num_ids)

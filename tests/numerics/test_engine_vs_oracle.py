@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from conftest import tol_for
+from conftest import TEST_DEVICE, tol_for
 from hypothesis import HealthCheck, given, settings
 from scenarios import Scenario, build_engine, build_oracle, scenarios, torch_inputs
 
@@ -199,10 +199,17 @@ def test_autograd_path_equals_explicit_gradients(name: str, sc: Scenario, kernel
         a.apply_gradients()
         b(feats, weights)
         b.apply_gradients({f"f{i}": None if g is None else torch.from_numpy(g) for i, g in enumerate(grads)})
+    # torch's index_add_ on CUDA adds in no fixed order (atomics): there the torch kernels agree to rounding
+    same = torch.equal if TEST_DEVICE.type == "cpu" or kernel_path != "torch" else _close
     for name_ in a.embedding_tables:
-        assert torch.equal(a.embedding_tables[name_], b.embedding_tables[name_])
+        assert same(a.embedding_tables[name_], b.embedding_tables[name_])
         for slot in a.slot_variables[name_]:
-            assert torch.equal(a.slot_variables[name_][slot], b.slot_variables[name_][slot])
+            assert same(a.slot_variables[name_][slot], b.slot_variables[name_][slot])
+
+
+def _close(x: torch.Tensor, y: torch.Tensor) -> bool:
+    torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
+    return True
 
 
 def test_allow_zero_accumulator_with_zero_initial_slots(kernel_path: str) -> None:

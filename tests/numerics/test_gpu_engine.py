@@ -56,7 +56,10 @@ def _batch(step: int, batch: int = 6) -> tuple[dict[str, Any], dict[str, Any]]:
     gen = torch.Generator().manual_seed(100 + step)
     feats, weights = {}, {}
     for name, vocab in (("x", 30), ("y", 30), ("z", 12)):
-        lists = [torch.randint(0, vocab, (int(n),), generator=gen).tolist() for n in torch.randint(0, 4, (batch,), generator=gen)]
+        lists = [
+            torch.randint(0, vocab, (int(n),), generator=gen).tolist()
+            for n in torch.randint(0, 4, (batch,), generator=gen)
+        ]
         feats[name] = et.Ragged.from_lists(lists)
         weights[name] = (
             None

@@ -101,13 +101,30 @@ def test_row_sums_match_dedup_sum(multi: bool) -> None:
         parts.append((ids, seg, coeffs, grad))
         all_ids.append(ids)
         all_grads.append(occurrence_gradients(grad, seg, coeffs))
-    rows, sums = dedup_sum(torch.cat(all_ids), torch.cat(all_grads))
+    # the CPU reference adds each row's occurrences one by one in occurrence order, as the kernel does
+    rows, sums = dedup_sum(torch.cat(all_ids).cpu(), torch.cat(all_grads).cpu())
     got = gpu.row_sums(parts, vocab, dim)
     u = int(got.count)
     assert u == rows.numel() and got.status.tolist()[1] == 0
-    assert torch.equal(got.rows[:u], rows)
-    torch.testing.assert_close(got.sums[:u], sums, rtol=1e-6, atol=1e-6)
+    assert torch.equal(got.rows[:u].cpu(), rows)
+    assert torch.equal(got.sums[:u].cpu(), sums), "the same float32 additions in the same order: the same bits"
     assert gpu.bits_to_float([got.status.tolist()[0]])[0] == float(sums.abs().max())
+
+
+def test_validate_inputs_flags_each_broken_rule_per_feature() -> None:
+    ids = torch.tensor([0, 4, 2, 3], device=DEVICE)
+    good = torch.tensor([0, 1, 4], device=DEVICE)
+    parts = [
+        (ids, good, 5),  # fine
+        (ids, None, 5),  # dense, fine
+        (ids, good, 4),  # id 4 outside a table of 4
+        (ids, torch.tensor([0, 3, 2, 4], device=DEVICE), 5),  # decreasing splits
+        (ids, torch.tensor([1, 4], device=DEVICE), 5),  # does not start at 0
+        (ids, torch.tensor([0, 3], device=DEVICE), 5),  # does not end at N
+        (torch.tensor([-1], device=DEVICE), None, 5),  # negative id
+        (torch.zeros(0, dtype=torch.int64, device=DEVICE), torch.zeros(1, dtype=torch.int64, device=DEVICE), 5),
+    ]
+    assert gpu.validate_inputs(parts).tolist() == [0, 0, 1, 2, 2, 2, 1, 0]
 
 
 def test_row_sums_flag_rows_outside_the_table() -> None:
