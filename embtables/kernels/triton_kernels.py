@@ -415,7 +415,7 @@ def validate_kernel(
     lo = tl.load(splits + o, mask=ms, other=0)
     hi = tl.load(splits + o + 1, mask=ms, other=0)
     flag |= tl.where(tl.max(tl.where(ms & (hi < lo), 1, 0), axis=0) > 0, 2, 0)
-    if b == 0 and ns > 0:
+    if (b == 0) & (ns > 0):
         first = tl.load(splits)
         last = tl.load(splits + ns - 1)
         flag |= tl.where((first != 0) | (last != n), 2, 0)
