@@ -38,7 +38,11 @@ def choose_engine(
     if timeout is not None and not (isinstance(timeout, (int, float)) and 0 < timeout < float("inf")):
         raise ValueError(f"DistributedEmbedding: `timeout` must be a positive number of seconds, got {timeout!r}.")
     loads = read_loads(profile_data_directory, resolved)
-    if not (comm.is_distributed(process_group) and comm.get_world_size(process_group) > 1):
+    # EMBTABLES_SHARD_ONE_RANK=1: a process group of one rank still takes the sharded engine (its
+    # collectives, e.g. NCCL's on a machine with one GPU); otherwise one rank needs no sharding.
+    one_rank_sharded = os.environ.get("EMBTABLES_SHARD_ONE_RANK") == "1"
+    distributed = comm.is_distributed(process_group)
+    if not (distributed and (comm.get_world_size(process_group) > 1 or one_rank_sharded)):
         plans = {t.name: TablePlan("div", t.vocabulary_size, 1, 0) for t in resolved.tables}
         return OneProcessEngine(resolved, device, process_group), plans
     comm.clean_exit()  # the program may never call destroy_process_group(): leave cleanly at exit

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import copy
 import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -193,33 +191,9 @@ def test_checkpoints_from_cuda_restore_on_the_cpu_and_back(tmp_path: Path) -> No
     _train(moved, 1)
 
 
-_NCCL_W1 = """
-import datetime, os, sys, torch, torch.distributed as dist
-sys.path.insert(0, {tests!r})
-import embtables as et
-dist.init_process_group("nccl", init_method="tcp://127.0.0.1:{port}", rank=0, world_size=1,
-                        timeout=datetime.timedelta(seconds=60))
-torch.cuda.set_device(0)
-table = et.TableConfig(50, 8, initializer=et.Constant(0.1), combiner="sum", name="t")
-feats = {{"f": et.FeatureConfig(table)}}
-sharded = et.DistributedEmbedding(feats, et.Adagrad(0.1), device="cuda", process_group=dist.group.WORLD)
-alone = et.DistributedEmbedding(feats, et.Adagrad(0.1), device="cuda", process_group=None)
-for module in (sharded, alone):
-    for step in range(3):
-        acts = module({{"f": et.Ragged.from_lists([[1, 2], [2], [49, 1, 1]])}})
-        (acts["f"] * (step + 1)).sum().backward()
-        module.apply_gradients()
-assert torch.equal(sharded.embedding_tables["t"].cpu(), alone.embedding_tables["t"].cpu())
-print("engine", type(sharded._engine).__name__)
-dist.destroy_process_group()
-"""
-
-
 @pytest.mark.skipif(not ON_CUDA, reason="NCCL needs CUDA")
 def test_the_process_group_path_runs_over_nccl() -> None:
-    from mp_world import free_port
+    """One GPU: a world of one rank over NCCL, through the sharded engine (EMBTABLES_SHARD_ONE_RANK=1)."""
+    from one_rank_world import run_one_rank_world
 
-    code = _NCCL_W1.format(tests=str(Path(__file__).parent.parent), port=free_port())
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "engine" in out.stdout
+    assert run_one_rank_world("nccl", "cuda") == "ShardedEmbeddingCollection"
