@@ -30,7 +30,8 @@ _COMMANDS = (
     (
         "bench",
         "the benchmark suite against the peers (embtables bench --help); embtables bench "
-        "latency | estimator | sharded | checkpoint | movielens | extra-optimizers | noacc | dynamic for the others",
+        "latency | estimator | sharded | checkpoint | movielens | extra-optimizers | noacc | dynamic for the others; "
+        "embtables bench --device cuda on a GPU",
     ),
     ("stats", "print lookup statistics files (profile_data_directory) and draw per-shard load"),
     ("inspect", "what a checkpoint holds (tables, shapes, optimizer, step, size) and its checksum status"),
