@@ -34,8 +34,9 @@ from embtables.kernels.segments import dedup_sum, segments_from_offsets
 from embtables.sharding import comm
 from embtables.sharding.plan import TablePlan
 from embtables.tables import phase_profile
-from embtables.tables.collection import EmbeddingCollection, TableGradient
+from embtables.tables.collection import EmbeddingCollection
 from embtables.tables.inputs import FeatureBatch
+from embtables.tables.table_gradient import TableGradient
 
 
 def owner_pooled(table: ResolvedTable, resolved: ResolvedConfig) -> bool:

@@ -25,10 +25,10 @@ from torch import Tensor
 from embtables.sharding.lookup_stats import LookupStatsRecorder
 from embtables.tables import phase_profile
 from embtables.tables.batch_ownership import batch_pointers, detached
-from embtables.tables.collection import TableGradient
 from embtables.tables.engine import Engine
 from embtables.tables.inputs import FeatureBatch
 from embtables.tables.state import LocalShard
+from embtables.tables.table_gradient import TableGradient
 
 logger = logging.getLogger("embtables")
 

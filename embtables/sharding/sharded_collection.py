@@ -39,11 +39,12 @@ from embtables.sharding import comm, dynamic_keys, owner_pooling, routing
 from embtables.sharding.fingerprint import describe_config, differences, fingerprint
 from embtables.sharding.plan import Placement, TablePlan
 from embtables.tables import phase_profile
-from embtables.tables.collection import EmbeddingCollection, TableGradient
+from embtables.tables.collection import EmbeddingCollection
 from embtables.tables.engine import LocalTables
 from embtables.tables.initializers import default_initializer
 from embtables.tables.inputs import FeatureBatch
 from embtables.tables.state import LocalShard
+from embtables.tables.table_gradient import TableGradient
 
 
 @dataclasses.dataclass(frozen=True)

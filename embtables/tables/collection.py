@@ -31,37 +31,8 @@ from embtables.tables.dynamic_vocabularies import Vocabularies
 from embtables.tables.inputs import FeatureBatch
 from embtables.tables.learning_rates import learning_rates
 from embtables.tables.state import TableState, create_table_state, initial_rows
+from embtables.tables.table_gradient import TableGradient
 from embtables.tables.value_bounds import ValueBounds, check_finite_rows, non_finite_gradient, non_finite_update
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class TableGradient:
-    """One table's validated gradient for one step.
-
-    With accumulation, ``rows`` [U] are distinct and ``grads`` [U, D] are their summed gradients;
-    without it, ``rows`` [N] / ``grads`` [N, D] are single occurrences in the order they apply.
-    On the native path the accumulated rows and sums stay in C memory (``prepared``).
-    """
-
-    table: ResolvedTable
-    rows: Tensor | None
-    grads: Tensor | None
-    accumulated: bool
-    prepared: native.Workspace | None = None
-    gradient_max_abs: float | None = None  # max |grads|, when phase 1 measured it (the GPU step does)
-
-    def materialized(self) -> TableGradient:
-        """The same gradient with rows [U] and sums [U, D] as tensors (copied out of C memory)."""
-        if self.prepared is None:
-            return self
-        rows, grads = self.prepared.rows_and_grads()
-        return TableGradient(self.table, rows, grads, accumulated=True)
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        # A copy or a pickle (of a module with a pipelined update pending) carries the gradient itself,
-        # never the native scratch memory it was prepared in, so it applies anywhere, native or not.
-        m = self.materialized()
-        return (TableGradient, (m.table, m.rows, m.grads, m.accumulated))
 
 
 class EmbeddingCollection:

@@ -16,10 +16,11 @@ import torch
 from torch import Tensor
 
 from embtables.config import ResolvedConfig, ResolvedTable
-from embtables.tables.collection import EmbeddingCollection, TableGradient
+from embtables.tables.collection import EmbeddingCollection
 from embtables.tables.dynamic_vocabularies import ROW_FIELDS, Vocabularies
 from embtables.tables.inputs import FeatureBatch
 from embtables.tables.state import LocalShard, TableState
+from embtables.tables.table_gradient import TableGradient
 
 
 class Engine(Protocol):

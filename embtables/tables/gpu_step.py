@@ -21,12 +21,13 @@ from embtables.errors import InputError
 from embtables.kernels import gpu
 from embtables.kernels.finite_guard import bounds_compound
 from embtables.tables.inputs import FeatureBatch
+from embtables.tables.table_gradient import TableGradient
 from embtables.tables.value_bounds import non_finite_gradient, non_finite_update
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from embtables.tables.collection import EmbeddingCollection, TableGradient
+    from embtables.tables.collection import EmbeddingCollection
 
 
 def lookup(coll: EmbeddingCollection, batches: Sequence[FeatureBatch], concat: bool) -> list[Tensor]:
@@ -72,8 +73,6 @@ def table_gradients(
 ) -> dict[str, TableGradient]:
     """Phase 1 on the GPU for every table with gradient accumulation: distinct rows, their summed
     gradients and the largest |sum| per table, read back in one sync. Raises before anything is written."""
-    from embtables.tables.collection import TableGradient
-
     pending: list[tuple[Any, gpu.RowSums]] = []
     for table in coll.resolved.tables:
         if not table.optimizer.use_gradient_accumulation:

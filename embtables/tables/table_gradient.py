@@ -1,0 +1,42 @@
+"""``TableGradient``: one table's validated gradient for one step, between phase 1 and phase 2 of an
+``apply`` (``tables/collection.py``; the GPU step in ``tables/gpu_step.py``)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from torch import Tensor
+
+from embtables.config import ResolvedTable
+from embtables.kernels import native
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class TableGradient:
+    """One table's validated gradient for one step.
+
+    With accumulation, ``rows`` [U] are distinct and ``grads`` [U, D] are their summed gradients;
+    without it, ``rows`` [N] / ``grads`` [N, D] are single occurrences in the order they apply.
+    On the native path the accumulated rows and sums stay in C memory (``prepared``).
+    """
+
+    table: ResolvedTable
+    rows: Tensor | None
+    grads: Tensor | None
+    accumulated: bool
+    prepared: native.Workspace | None = None
+    gradient_max_abs: float | None = None  # max |grads|, when phase 1 measured it (the GPU step does)
+
+    def materialized(self) -> TableGradient:
+        """The same gradient with rows [U] and sums [U, D] as tensors (copied out of C memory)."""
+        if self.prepared is None:
+            return self
+        rows, grads = self.prepared.rows_and_grads()
+        return TableGradient(self.table, rows, grads, accumulated=True)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # A copy or a pickle (of a module with a pipelined update pending) carries the gradient itself,
+        # never the native scratch memory it was prepared in, so it applies anywhere, native or not.
+        m = self.materialized()
+        return (TableGradient, (m.table, m.rows, m.grads, m.accumulated))
