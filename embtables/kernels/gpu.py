@@ -27,6 +27,7 @@ from embtables.kernels.registry import record_of
 
 _state: dict[str, Any] = {"module": None, "failed": False, "enabled": True, "on_cpu": False}
 F32_INF_BITS = 0x7F800000
+_MAX_GRID_Y = 65535
 
 
 class GpuBufferError(RuntimeError):
@@ -383,7 +384,9 @@ def validate_inputs(parts: Sequence[ValidatePart]) -> Tensor:
     meta = _addresses([v for col in columns for v in col], device)
     n = len(parts)
     block = 1024
-    k.validate_kernel[(-(-longest // block), n)](
-        *(meta[i * n : (i + 1) * n] for i in range(len(columns))), flags, BLOCK=block
-    )
+    for lo in range(0, n, _MAX_GRID_Y):  # a grid's second dimension holds at most 65535 programs
+        hi = min(n, lo + _MAX_GRID_Y)
+        k.validate_kernel[(-(-longest // block), hi - lo)](
+            *(meta[i * n + lo : i * n + hi] for i in range(len(columns))), flags[lo:hi], BLOCK=block
+        )
     return flags
