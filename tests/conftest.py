@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 from collections.abc import Iterator
@@ -28,6 +29,12 @@ TOL: dict[str, dict[str, float]] = {
 # The device of the tables in the numerics suite: EMBTABLES_TEST_DEVICE=cuda runs it on the GPU (with the
 # fused GPU kernels and with the torch kernels); every test skips when that device is missing.
 TEST_DEVICE = torch.device(os.environ.get("EMBTABLES_TEST_DEVICE", "cpu"))
+
+
+# Without CUDA, the GPU kernels' own tests (tests/numerics/test_gpu_*.py) run on CPU tensors through
+# Triton's interpreter when Triton is installed; it must be chosen before Triton is imported.
+if not torch.cuda.is_available() and importlib.util.find_spec("triton") is not None:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -79,8 +86,15 @@ def kernel_path(request: pytest.FixtureRequest) -> Iterator[str]:
         if on_cuda:
             pytest.skip("the native kernels serve CPU tables only")
         assert native.library() is not None, "the native kernels must build on this machine (gcc is required)"
-    if path == "gpu" and not on_cuda and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("the fused GPU kernels: no CUDA device (TRITON_INTERPRET=1 runs them through Triton's interpreter)")
+    if (
+        path == "gpu"
+        and not on_cuda
+        and not (os.environ.get("TRITON_INTERPRET") == "1" and os.environ.get("EMBTABLES_TEST_GPU_PATH") == "1")
+    ):
+        pytest.skip(
+            "the fused GPU kernels: no CUDA device (EMBTABLES_TEST_GPU_PATH=1 runs them here through Triton's "
+            "interpreter, slowly)"
+        )
     native.set_enabled(path == "native")
     gpu.set_enabled(path == "gpu", on_cpu=path == "gpu" and not on_cuda)
     if path == "gpu" and not gpu.usable(TEST_DEVICE):

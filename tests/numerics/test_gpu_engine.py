@@ -2,7 +2,8 @@
 errors that change nothing, checkpoints from CUDA into CPU and back, and the NCCL process-group path.
 
 On CUDA (``EMBTABLES_TEST_DEVICE=cuda``) everything runs on the GPU. Without CUDA, the tests that need only
-the kernels run on CPU tables through Triton's interpreter (``TRITON_INTERPRET=1``); the others skip.
+the kernels run on CPU tables through Triton's interpreter (``TRITON_INTERPRET=1``, set by
+``tests/conftest.py`` when Triton is installed); the others skip.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """The fused GPU kernels (Triton) against the torch kernels, kernel by kernel.
 
 On a machine with CUDA and Triton they run on the GPU; without CUDA they run on CPU tensors through
-Triton's interpreter when Triton is installed and ``TRITON_INTERPRET=1`` (set before Triton is
-imported: ``TRITON_INTERPRET=1 python -m pytest tests/numerics/test_gpu_kernels.py``); otherwise they skip.
+Triton's interpreter when Triton is installed (``tests/conftest.py`` then sets ``TRITON_INTERPRET=1``
+before Triton is imported); otherwise they skip.
 """
 
 from __future__ import annotations
