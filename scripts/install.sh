@@ -39,6 +39,6 @@ fi
 if "$PY" -c "import importlib.util, sys; sys.exit(0 if importlib.util.find_spec('triton') else 1)" 2>/dev/null; then
   echo "install: Triton already installed"
 else
-  "$PY" -m pip install -q --no-deps "triton>=3.2" \
+  "$PY" -m pip install -q --no-deps "triton==3.6.0" \
     || echo "install: Triton could not be installed; the GPU kernels' tests will skip on this machine"
 fi
