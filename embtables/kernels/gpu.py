@@ -59,6 +59,8 @@ def _interpreting() -> bool:
 
 def usable(device: torch.device) -> bool:
     """True when tables on ``device`` take the fused GPU kernels."""
+    if device.type != "cuda" and not _state["on_cpu"]:  # CPU tables: the first test (this runs every step)
+        return False
     if not _state["enabled"] or os.environ.get("EMBTABLES_GPU_KERNELS") == "0":
         return False
     if device.type == "cuda":
