@@ -68,6 +68,13 @@ def usable(device: torch.device) -> bool:
     return device.type == "cpu" and _state["on_cpu"] and _interpreting() and _module() is not None
 
 
+def usable_for(table: Tensor) -> bool:
+    """``usable(table.device)``, answered for a CPU table without building a device object (every step)."""
+    if not table.is_cuda and not _state["on_cpu"]:
+        return False
+    return usable(table.device)
+
+
 def _kernels() -> ModuleType:
     module = _module()
     if module is None:

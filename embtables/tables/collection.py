@@ -52,6 +52,11 @@ class EmbeddingCollection:
     def device(self) -> torch.device:
         return next(iter(self.states.values())).weights.device
 
+    @property
+    def on_gpu_kernels(self) -> bool:
+        """Whether the tables take the fused GPU kernels (``kernels/gpu.py``)."""
+        return gpu.usable_for(next(iter(self.states.values())).weights)
+
     def __getstate__(self) -> dict[str, Any]:
         # Workspaces are per-process scratch (C memory): a copy or a pickle starts with none.
         state = self.__dict__.copy()
@@ -96,7 +101,7 @@ class EmbeddingCollection:
 
         Features the native kernel serves are looked up together in one parallel region; with
         ``concat`` and every feature native, straight into the one output tensor."""
-        if gpu.usable(self.device):
+        if self.on_gpu_kernels:
             return gpu_step.lookup(self, batches, concat)
         features, tables, states = self.resolved.features, self.resolved.tables, self.states
         out: list[Tensor | None] = [None] * len(batches)
@@ -225,7 +230,7 @@ class EmbeddingCollection:
     def table_gradients(self, batches: Sequence[FeatureBatch], grads: Sequence[Tensor | None]) -> list[TableGradient]:
         """Per-table gradients from per-feature activation gradients [S, D] (None = zero)."""
         out = []
-        if gpu.usable(self.device):
+        if self.on_gpu_kernels:
             fast = gpu_step.table_gradients(self, batches, grads)
         else:
             fast = self._native_table_gradients(batches, grads)
@@ -400,7 +405,7 @@ class EmbeddingCollection:
                 tg.table, ws, state.weights, slots, params, dense, measure, new_bounds, check and check_in_write
             )
         assert tg.rows is not None and tg.grads is not None
-        if gpu.usable(self.device):
+        if self.on_gpu_kernels:
             return gpu_step.checked_update(self, tg, lr, decay)
         rows, grads = tg.rows, tg.grads
         if dense:
