@@ -32,16 +32,17 @@ TEST_DEVICE = torch.device(os.environ.get("EMBTABLES_TEST_DEVICE", "cpu"))
 
 
 def _triton_interpreter_tested() -> bool:
-    """Triton 3.6 (scripts/install.sh's, and CUDA torch 2.11's) is the interpreter these tests were written
-    against; 3.9's refuses some of the kernels' masks ("mask has unsupported dtype"), so others skip."""
+    """The GPU kernels' tests run through the interpreters of Triton 3.6 (scripts/install.sh's, and CUDA
+    torch 2.11's) and 3.9; older ones are not tried."""
     try:
-        return importlib.metadata.version("triton").startswith("3.6.")
-    except importlib.metadata.PackageNotFoundError:
+        major, minor = (int(p) for p in importlib.metadata.version("triton").split(".")[:2])
+    except (importlib.metadata.PackageNotFoundError, ValueError):
         return False
+    return (major, minor) >= (3, 6)
 
 
 # Without CUDA, the GPU kernels' own tests (tests/numerics/test_gpu_*.py) run on CPU tensors through
-# Triton's interpreter when Triton 3.6 is installed; it must be chosen before Triton is imported.
+# Triton's interpreter when Triton (3.6 or later) is installed; it must be chosen before Triton is imported.
 if not torch.cuda.is_available() and _triton_interpreter_tested():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 

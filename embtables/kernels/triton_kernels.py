@@ -112,7 +112,6 @@ def lookup_kernel(
     offsets = tl.load(offset_ptrs + f).to(tl.pointer_type(tl.int64))
     coeff_addr = tl.load(coeff_ptrs + f)
     coeffs = coeff_addr.to(tl.pointer_type(tl.float32))
-    has_coeffs = coeff_addr != 0
     out = tl.load(out_ptrs + f).to(tl.pointer_type(tl.float32))
     ld = tl.load(out_lds + f)
     if ALIGNED:
@@ -132,7 +131,7 @@ def lookup_kernel(
         row = tl.load(ids + k, mask=km, other=0)
         ok = km & (row >= 0) & (row < vocab)
         bad += tl.sum((km & (~ok)).to(tl.int32), axis=0)
-        c = tl.load(coeffs + k, mask=ok & has_coeffs, other=1.0)
+        c = tl.load(coeffs + k, mask=ok & (k * 0 + coeff_addr != 0), other=1.0)
         at = row * dim
         if ALIGNED:
             at = tl.multiple_of(at, 4)
@@ -197,13 +196,14 @@ def row_sums_kernel(
                     f = 0
                 grad = tl.load(grad_ptrs + f).to(tl.pointer_type(tl.float32))
                 ld = tl.load(grad_lds + f)
-                ok = km & (seg >= 0) & (seg < tl.load(grad_rows + f))
+                ok = km & (seg >= 0) & (seg < tl.load(grad_rows + f))  # scalars
                 bad += tl.where(km & (~ok), 1, 0)
                 at = seg * ld
                 if ALIGNED:
                     grad = tl.multiple_of(grad, 16)
                     at = tl.multiple_of(at, 4)
-                g = tl.load(grad + at + d, mask=ok & dm, other=0.0)
+                ok_d = (d * 0 + ok.to(tl.int32)) != 0  # blocks only in masks (Triton 3.9's interpreter)
+                g = tl.load(grad + at + d, mask=dm & ok_d, other=0.0)
                 if HAS_COEFFS:
                     g = g * tl.load(coeffs + p, mask=km, other=1.0)
                 acc += g  # a masked-off occurrence adds +0.0: exact
@@ -254,7 +254,8 @@ def update_kernel(
     u = tl.program_id(0).to(tl.int64)
     row = tl.load(rows + u)
     d = tl.arange(0, BLOCK_D)
-    dm = (d < D) & (row >= 0) & (row < V)  # rows come from row_sums_kernel, which checked them: a guard only
+    row_d = d * 0 + row  # blocks only in masks (Triton 3.9's interpreter mis-types scalar & block)
+    dm = (d < D) & (row_d >= 0) & (row_d < V)  # rows come from row_sums_kernel, which checked them: a guard
     at = row * D + d
     g = tl.load(sums + u * D + d, mask=dm, other=0.0)
     g = tl.where(g < glo, glo, g)
