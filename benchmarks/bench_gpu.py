@@ -3,11 +3,13 @@
     python -m embtables bench --device cuda                 # standard + large workloads, 4 optimizers
     python -m embtables bench gpu --workloads large-uniform --optimizers adagrad --steps 10
 
-Impls: ``embtables`` (the fused Triton kernels), ``embtables-torch`` (the same module on the torch
-kernels, ``EMBTABLES_GPU_KERNELS=0``'s path) and ``torch`` (``nn.EmbeddingBag(mode="sum", sparse=True)``
-per table + ``torch.optim`` Adagrad / SparseAdam / SGD; no sparse FTRL in torch). Every step feeds the
-same ids: ``[B, L]`` per table, uniform or Zipf(1.05) over the rows. Modes: ``forward`` (the lookup
-alone, no autograd) and ``train`` (lookup, ``(acts * grad).sum().backward()``, the sparse update).
+Impls: ``embtables`` (the fused Triton kernels), ``embtables-chunked`` (the same with the chunked per-row
+sums, ``EMBTABLES_GPU_ROW_SUMS=chunked``: the variant to measure against the default), ``embtables-torch``
+(the same module on the torch kernels, ``EMBTABLES_GPU_KERNELS=0``'s path) and ``torch``
+(``nn.EmbeddingBag(mode="sum", sparse=True)`` per table + ``torch.optim`` Adagrad / SparseAdam / SGD; no
+sparse FTRL in torch). Every step feeds the same ids: ``[B, L]`` per table, uniform or Zipf(1.05) over the
+rows. Modes: ``forward`` (the lookup alone, no autograd) and ``train`` (lookup,
+``(acts * grad).sum().backward()``, the sparse update).
 
 Useful bytes (each input read once, each output written once): forward = ids + looked-up rows + the
 activations; train = forward + the activation gradient + every distinct row's weights and slots read and
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -230,7 +233,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             "gpu_kernels": gpu.usable(device),
         }
     )
-    makers = {"embtables": embtables_step, "embtables-torch": embtables_step, "torch": torch_step}
+    makers = {
+        "embtables": embtables_step,
+        "embtables-chunked": embtables_step,
+        "embtables-torch": embtables_step,
+        "torch": torch_step,
+    }
     for wname in args.workloads.split(","):
         wl = WORKLOADS[wname]
         ids = make_ids(wl, device, seed=0)
@@ -240,6 +248,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 base = None
                 for impl in args.impls.split(","):
                     gpu.set_enabled(impl != "embtables-torch")
+                    if impl == "embtables-chunked":  # the chunked per-row sums (docs/gpu.md)
+                        os.environ["EMBTABLES_GPU_ROW_SUMS"] = "chunked"
+                    else:
+                        os.environ.pop("EMBTABLES_GPU_ROW_SUMS", None)
                     try:
                         step = makers[impl](wl, opt, ids, mode, device)
                     except LookupError as exc:

@@ -28,6 +28,7 @@ from embtables.kernels.registry import record_of
 _state: dict[str, Any] = {"module": None, "failed": False, "enabled": True, "on_cpu": False}
 F32_INF_BITS = 0x7F800000
 _MAX_GRID_Y = 65535
+_CHUNK = 32  # sorted positions per program of the chunked per-row sums
 
 
 class GpuBufferError(RuntimeError):
@@ -245,6 +246,21 @@ def row_sums(parts: Sequence[GradPart], vocabulary_size: int, dim: int) -> RowSu
         [g.data_ptr() for g in grads] + [g.stride(0) for g in grads] + [g.shape[0] for g in grads], device
     )
     nf = len(parts)
+    if os.environ.get("EMBTABLES_GPU_ROW_SUMS") == "chunked":  # the variant under measurement (docs/gpu.md)
+        chunks = -(-n // _CHUNK)
+        heads = torch.empty((chunks, dim), dtype=torch.float32, device=device)
+        tails = torch.empty((chunks, dim), dtype=torch.float32, device=device)
+        grad_meta = (meta[:nf], meta[nf : 2 * nf], meta[2 * nf :])
+        k.chunk_sums_kernel[(chunks,)](
+            sorted_ids, perm, run, starts, segs, coeffs, feats, *grad_meta, rows, sums, heads, tails, status,
+            n, dim, vocabulary_size, HAS_COEFFS=has_coeffs, MULTI=multi, CHUNK=_CHUNK, BLOCK_D=_pow2(dim, 16),
+            num_warps=_warps(dim), enable_fp_fusion=False,
+        )  # fmt: skip
+        k.chunk_join_kernel[(n,)](
+            sorted_ids, starts, rows, sums, heads, tails, status, n, dim, vocabulary_size, CHUNK=_CHUNK,
+            BLOCK_D=_pow2(dim, 16), num_warps=_warps(dim), enable_fp_fusion=False,
+        )  # fmt: skip
+        return RowSums(rows, sums, run[-1] + 1, status)
     pool = n // max(1, min(n, grads[0].shape[0] * nf))
     k.row_sums_kernel[(n,)](
         sorted_ids,

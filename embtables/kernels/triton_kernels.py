@@ -422,3 +422,124 @@ def validate_kernel(
         flag |= tl.where((first != 0) | (last != n), 2, 0)
     if flag != 0:
         tl.atomic_or(flags + f, flag)
+
+
+@triton.jit
+def chunk_sums_kernel(
+    sorted_ids,  # int64 [N]
+    perm,  # int64 [N]
+    runs,  # int64 [N]: the distinct row (run) of each sorted position
+    starts,  # int64 [N + 2]: first sorted position of each run; N past the last one
+    segs,  # int64 [N]
+    coeffs,  # float32 [N] (read when HAS_COEFFS)
+    feats,  # int64 [N] (read when MULTI)
+    grad_ptrs,  # int64 [F_t]
+    grad_lds,  # int64 [F_t]
+    grad_rows,  # int64 [F_t]
+    rows_out,  # int64 [N]
+    sums,  # float32 [N, D]: runs inside one chunk are written here
+    heads,  # float32 [C, D]: chunk c's part of a run that began in an earlier chunk
+    tails,  # float32 [C, D]: chunk c's part of a run that began in it and goes on past it
+    status,  # int32 [2], as row_sums_kernel's
+    N,
+    D,
+    V,
+    HAS_COEFFS: tl.constexpr,
+    MULTI: tl.constexpr,
+    CHUNK: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """The chunked per-row sums, pass 1 (``EMBTABLES_GPU_ROW_SUMS=chunked``): program c adds the occurrences
+    of sorted positions [c CHUNK, (c + 1) CHUNK) one at a time, in occurrence order, and writes each run's
+    part: a run inside the chunk is complete (the CPU's bits); a run crossing a chunk edge leaves its part
+    in ``tails`` (where it begins) or ``heads`` (the chunks it continues in), for ``chunk_join_kernel``."""
+    c = tl.program_id(0).to(tl.int64)
+    base = c * CHUNK
+    d = tl.arange(0, BLOCK_D)
+    dm = d < D
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    cur = tl.load(runs + base)
+    bad = tl.zeros([], dtype=tl.int32)
+    for j in tl.static_range(CHUNK):
+        k = base + j
+        valid = k < N
+        r = tl.load(runs + k, mask=valid, other=-1)
+        if valid & (r != cur):  # the run changes: its part in this chunk is done
+            bad += _flush_run(cur, acc, c, sorted_ids, starts, rows_out, sums, heads, tails, status, D, V, CHUNK, d, dm)
+            acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+            cur = r
+        p = tl.load(perm + k, mask=valid, other=0)
+        seg = tl.load(segs + p, mask=valid, other=0)
+        if MULTI:
+            f = tl.load(feats + p, mask=valid, other=0)
+        else:
+            f = 0
+        grad = tl.load(grad_ptrs + f).to(tl.pointer_type(tl.float32))
+        ok = valid & (seg >= 0) & (seg < tl.load(grad_rows + f))  # scalars
+        bad += tl.where(valid & (~ok), 1, 0)
+        ok_d = (d * 0 + ok.to(tl.int32)) != 0  # blocks only in masks (Triton 3.9's interpreter)
+        g = tl.load(grad + seg * tl.load(grad_lds + f) + d, mask=dm & ok_d, other=0.0)
+        if HAS_COEFFS:
+            g = g * tl.load(coeffs + p, mask=valid, other=1.0)
+        acc += g  # an occurrence masked off adds +0.0: exact
+    bad += _flush_run(cur, acc, c, sorted_ids, starts, rows_out, sums, heads, tails, status, D, V, CHUNK, d, dm)
+    if bad > 0:
+        tl.atomic_or(status + 1, 1)
+
+
+@triton.jit
+def _flush_run(run, acc, c, sorted_ids, starts, rows_out, sums, heads, tails, status, D, V, CHUNK, d, dm):
+    """Write chunk c's part ``acc`` of ``run``; returns 1 when the run's row is outside the table."""
+    first = tl.load(starts + run)
+    last = tl.load(starts + run + 1) - 1
+    c0 = first // CHUNK
+    c1 = last // CHUNK
+    bad = tl.zeros([], dtype=tl.int32)
+    if c0 == c1:  # the whole run is in this chunk
+        row = tl.load(sorted_ids + first)
+        bad = tl.where((row < 0) | (row >= V), 1, 0)
+        tl.store(rows_out + run, row)
+        tl.store(sums + run * D + d, acc, mask=dm)
+        tl.atomic_max(status, tl.max(tl.where(dm, _abs_bits(acc), 0), axis=0))
+    elif c == c0:
+        tl.store(tails + c * D + d, acc, mask=dm)
+    else:
+        tl.store(heads + c * D + d, acc, mask=dm)
+    return bad
+
+
+@triton.jit
+def chunk_join_kernel(
+    sorted_ids,
+    starts,
+    rows_out,
+    sums,
+    heads,
+    tails,
+    status,
+    N,
+    D,
+    V,
+    CHUNK: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """Pass 2: a run that crosses chunk edges is its first chunk's tail plus the heads of the chunks it goes
+    on in, added in chunk order (within float32 rounding of the CPU's one-by-one order)."""
+    u = tl.program_id(0).to(tl.int64)
+    first = tl.load(starts + u)
+    if first < N:
+        last = tl.load(starts + u + 1) - 1
+        c0 = first // CHUNK
+        c1 = last // CHUNK
+        if c0 != c1:
+            d = tl.arange(0, BLOCK_D)
+            dm = d < D
+            acc = tl.load(tails + c0 * D + d, mask=dm, other=0.0)
+            for c in range(c0 + 1, c1 + 1):
+                acc += tl.load(heads + c * D + d, mask=dm, other=0.0)
+            row = tl.load(sorted_ids + first)
+            tl.store(rows_out + u, row)
+            tl.store(sums + u * D + d, acc, mask=dm)
+            tl.atomic_max(status, tl.max(tl.where(dm, _abs_bits(acc), 0), axis=0))
+            if (row < 0) | (row >= V):
+                tl.atomic_or(status + 1, 1)

@@ -88,8 +88,16 @@ def test_lookup_refuses_buffers_the_kernel_cannot_read() -> None:
         gpu.lookup_many([(table, ids, offsets, None)], [torch.zeros((2, 4), device=DEVICE)])
 
 
+@pytest.fixture(params=["rows", "chunked"])
+def row_sums_variant(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Both per-row sum kernels: one program per distinct row (the default) and the chunked variant."""
+    if request.param == "chunked":
+        monkeypatch.setenv("EMBTABLES_GPU_ROW_SUMS", "chunked")
+    return str(request.param)
+
+
 @pytest.mark.parametrize("multi", [False, True])
-def test_row_sums_match_dedup_sum(multi: bool) -> None:
+def test_row_sums_match_dedup_sum(multi: bool, row_sums_variant: str) -> None:
     gen = torch.Generator().manual_seed(1)
     vocab, dim = 40, 5
     parts, all_ids, all_grads = [], [], []
@@ -107,7 +115,10 @@ def test_row_sums_match_dedup_sum(multi: bool) -> None:
     u = int(got.count)
     assert u == rows.numel() and got.status.tolist()[1] == 0
     assert torch.equal(got.rows[:u].cpu(), rows)
-    assert torch.equal(got.sums[:u].cpu(), sums), "the same float32 additions in the same order: the same bits"
+    if row_sums_variant == "rows":
+        assert torch.equal(got.sums[:u].cpu(), sums), "the same float32 additions in the same order: the same bits"
+    else:  # a run crossing a chunk edge is added chunk by chunk
+        torch.testing.assert_close(got.sums[:u].cpu(), sums, rtol=1e-6, atol=1e-6)
     assert gpu.bits_to_float([got.status.tolist()[0]])[0] == float(sums.abs().max())
 
 
@@ -127,7 +138,30 @@ def test_validate_inputs_flags_each_broken_rule_per_feature() -> None:
     assert gpu.validate_inputs(parts).tolist() == [0, 0, 1, 2, 2, 2, 1, 0]
 
 
-def test_row_sums_flag_rows_outside_the_table() -> None:
+def test_chunked_row_sums_join_a_hot_row_across_chunks(row_sums_variant: str) -> None:
+    """A row with 200 occurrences spans seven chunks of 32: its chunks' parts are joined in chunk order
+    (within float32 rounding of the one-by-one sum); rows inside one chunk keep the CPU's bits."""
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.cat([torch.full((200,), 7), torch.randint(0, 50, (90,), generator=gen)])
+    ids = ids[torch.randperm(ids.numel(), generator=gen)].to(DEVICE)
+    seg = torch.arange(ids.numel(), device=DEVICE)
+    grad = torch.randn(ids.numel(), 6, generator=gen).to(DEVICE)
+    got = gpu.row_sums([(ids, seg, None, grad)], 50, 6)
+    rows, sums = dedup_sum(ids.cpu(), grad.cpu())
+    u = int(got.count)
+    assert torch.equal(got.rows[:u].cpu(), rows) and got.status.tolist()[1] == 0
+    exact64 = torch.zeros(50, 6, dtype=torch.float64).index_add_(0, ids.cpu(), grad.cpu().double())[rows]
+    torch.testing.assert_close(got.sums[:u].cpu().double(), exact64, rtol=1e-5, atol=1e-5)
+    hot = int((rows == 7).nonzero())
+    others = torch.arange(u) != hot
+    if row_sums_variant == "rows":
+        assert torch.equal(got.sums[:u].cpu(), sums)
+    else:  # the rows that fit in one chunk; a few short ones that cross an edge may differ in the last bit
+        same = (got.sums[:u].cpu() == sums).all(dim=1)
+        assert same[others].float().mean() > 0.8
+
+
+def test_row_sums_flag_rows_outside_the_table(row_sums_variant: str) -> None:
     ids = torch.tensor([3, 9], device=DEVICE)
     got = gpu.row_sums([(ids, torch.tensor([0, 1], device=DEVICE), None, torch.ones((2, 2), device=DEVICE))], 5, 2)
     assert got.status.tolist()[1] == 1
