@@ -20,33 +20,22 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from embtables.kernels import (
-    adadelta,
-    adagrad,
-    adagrad_momentum,
-    adam,
-    frequency_estimator,
-    ftrl,
-    momentum,
-    proximal_adagrad,
-    proximal_yogi,
-    rmsprop,
-    sgd,
-)
+from embtables.kernels.registry import RECORDS
 
 # The optimizer kinds, as the kernel records number them (the same numbers as the C kernels).
-K_SGD = tl.constexpr(sgd.RECORD.native_kind)
-K_ADAGRAD = tl.constexpr(adagrad.RECORD.native_kind)
-K_ADAGRAD_MOMENTUM = tl.constexpr(adagrad_momentum.RECORD.native_kind)
-K_ADAM = tl.constexpr(adam.RECORD.native_kind)
-K_FTRL = tl.constexpr(ftrl.RECORD.native_kind)
-K_PROXIMAL_ADAGRAD = tl.constexpr(proximal_adagrad.RECORD.native_kind)
-K_MOMENTUM = tl.constexpr(momentum.RECORD.native_kind)
-K_RMSPROP = tl.constexpr(rmsprop.RECORD.native_kind)
-K_CENTERED_RMSPROP = tl.constexpr(rmsprop.CENTERED_RECORD.native_kind)
-K_ADADELTA = tl.constexpr(adadelta.RECORD.native_kind)
-K_PROXIMAL_YOGI = tl.constexpr(proximal_yogi.RECORD.native_kind)
-K_FREQUENCY_ESTIMATOR = tl.constexpr(frequency_estimator.RECORD.native_kind)
+_KINDS = {r.config.__name__: r.native_kind for r in RECORDS}
+K_SGD = tl.constexpr(_KINDS["SGD"])
+K_ADAGRAD = tl.constexpr(_KINDS["Adagrad"])
+K_ADAGRAD_MOMENTUM = tl.constexpr(_KINDS["AdagradMomentum"])
+K_ADAM = tl.constexpr(_KINDS["Adam"])
+K_FTRL = tl.constexpr(_KINDS["FTRL"])
+K_PROXIMAL_ADAGRAD = tl.constexpr(_KINDS["ProximalAdagrad"])
+K_MOMENTUM = tl.constexpr(_KINDS["Momentum"])
+K_RMSPROP = tl.constexpr(_KINDS["RMSProp"])
+K_CENTERED_RMSPROP = tl.constexpr(_KINDS["CenteredRMSProp"])
+K_ADADELTA = tl.constexpr(_KINDS["Adadelta"])
+K_PROXIMAL_YOGI = tl.constexpr(_KINDS["ProximalYogi"])
+K_FREQUENCY_ESTIMATOR = tl.constexpr(_KINDS["FrequencyEstimator"])
 
 F32_INF_BITS = tl.constexpr(0x7F800000)
 SIGN_BIT = tl.constexpr(-2147483648)  # 0x80000000 as an int32
@@ -148,6 +137,44 @@ def lookup_kernel(
 
 
 @triton.jit
+def _occurrence_gradient(
+    k,
+    valid,
+    perm,
+    segs,
+    coeffs,
+    feats,
+    grad_ptrs,
+    grad_lds,
+    grad_rows,
+    d,
+    dm,
+    HAS_COEFFS: tl.constexpr,
+    MULTI: tl.constexpr,
+    ALIGNED: tl.constexpr,
+):
+    """The (coefficient-scaled) gradient [BLOCK_D] of sorted occurrence ``k`` (zeros when not ``valid``),
+    and 1 when its bag is outside its feature's gradient (then not read), else 0."""
+    p = tl.load(perm + k, mask=valid, other=0)
+    seg = tl.load(segs + p, mask=valid, other=0)
+    if MULTI:
+        f = tl.load(feats + p, mask=valid, other=0)
+    else:
+        f = 0
+    grad = tl.load(grad_ptrs + f).to(tl.pointer_type(tl.float32))
+    ok = valid & (seg >= 0) & (seg < tl.load(grad_rows + f))  # scalars
+    at = seg * tl.load(grad_lds + f)
+    if ALIGNED:
+        grad = tl.multiple_of(grad, 16)
+        at = tl.multiple_of(at, 4)
+    ok_d = (d * 0 + ok.to(tl.int32)) != 0  # blocks only in masks (Triton 3.9's interpreter)
+    g = tl.load(grad + at + d, mask=dm & ok_d, other=0.0)
+    if HAS_COEFFS:
+        g = g * tl.load(coeffs + p, mask=valid, other=1.0)
+    return g, tl.where(valid & (~ok), 1, 0)
+
+
+@triton.jit
 def row_sums_kernel(
     sorted_ids,  # int64 [N]: the table's ids, sorted (stable)
     perm,  # int64 [N]: position of each sorted id in the concatenated occurrences
@@ -187,25 +214,11 @@ def row_sums_kernel(
             # on one thread), so a row's sum has the CPU's bits; unrolled, so the loads are all in flight
             for j in tl.static_range(BLOCK_N):
                 k = k0 + j
-                km = k < end
-                p = tl.load(perm + k, mask=km, other=0)
-                seg = tl.load(segs + p, mask=km, other=0)
-                if MULTI:
-                    f = tl.load(feats + p, mask=km, other=0)
-                else:
-                    f = 0
-                grad = tl.load(grad_ptrs + f).to(tl.pointer_type(tl.float32))
-                ld = tl.load(grad_lds + f)
-                ok = km & (seg >= 0) & (seg < tl.load(grad_rows + f))  # scalars
-                bad += tl.where(km & (~ok), 1, 0)
-                at = seg * ld
-                if ALIGNED:
-                    grad = tl.multiple_of(grad, 16)
-                    at = tl.multiple_of(at, 4)
-                ok_d = (d * 0 + ok.to(tl.int32)) != 0  # blocks only in masks (Triton 3.9's interpreter)
-                g = tl.load(grad + at + d, mask=dm & ok_d, other=0.0)
-                if HAS_COEFFS:
-                    g = g * tl.load(coeffs + p, mask=km, other=1.0)
+                g, outside = _occurrence_gradient(
+                    k, k < end, perm, segs, coeffs, feats, grad_ptrs, grad_lds, grad_rows, d, dm,
+                    HAS_COEFFS, MULTI, ALIGNED,
+                )  # fmt: skip
+                bad += outside
                 acc += g  # a masked-off occurrence adds +0.0: exact
         tl.store(rows_out + u, row)
         tl.store(sums + u * D + d, acc, mask=dm)
@@ -468,19 +481,10 @@ def chunk_sums_kernel(
             bad += _flush_run(cur, acc, c, sorted_ids, starts, rows_out, sums, heads, tails, status, D, V, CHUNK, d, dm)
             acc = tl.zeros([BLOCK_D], dtype=tl.float32)
             cur = r
-        p = tl.load(perm + k, mask=valid, other=0)
-        seg = tl.load(segs + p, mask=valid, other=0)
-        if MULTI:
-            f = tl.load(feats + p, mask=valid, other=0)
-        else:
-            f = 0
-        grad = tl.load(grad_ptrs + f).to(tl.pointer_type(tl.float32))
-        ok = valid & (seg >= 0) & (seg < tl.load(grad_rows + f))  # scalars
-        bad += tl.where(valid & (~ok), 1, 0)
-        ok_d = (d * 0 + ok.to(tl.int32)) != 0  # blocks only in masks (Triton 3.9's interpreter)
-        g = tl.load(grad + seg * tl.load(grad_lds + f) + d, mask=dm & ok_d, other=0.0)
-        if HAS_COEFFS:
-            g = g * tl.load(coeffs + p, mask=valid, other=1.0)
+        g, outside = _occurrence_gradient(
+            k, valid, perm, segs, coeffs, feats, grad_ptrs, grad_lds, grad_rows, d, dm, HAS_COEFFS, MULTI, False
+        )
+        bad += outside
         acc += g  # an occurrence masked off adds +0.0: exact
     bad += _flush_run(cur, acc, c, sorted_ids, starts, rows_out, sums, heads, tails, status, D, V, CHUNK, d, dm)
     if bad > 0:
