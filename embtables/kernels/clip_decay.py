@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from embtables.config.catalogue import Optimizer
 from embtables.kernels.float32 import as_float32, times
 
 
@@ -27,6 +28,20 @@ def clip_weights(w: Tensor, lower: float | None, upper: float | None) -> Tensor:
     if lower is None and upper is None:
         return w
     return torch.clamp(w, min=lower, max=upper)
+
+
+def clip_limits(opt: Optimizer, *, clip_gradients: bool = True) -> tuple[float, float, float, float]:
+    """(gradient min, gradient max, weight min, weight max) of ``opt`` as the fused kernels take them: an
+    open side is -inf / +inf (a clamp to it changes nothing)."""
+    inf = float("inf")
+    glo, ghi = opt.gradient_clip_bounds if clip_gradients else (None, None)
+    wlo, whi = opt.clip_weight_min, opt.clip_weight_max
+    return (
+        -inf if glo is None else float(glo),
+        inf if ghi is None else float(ghi),
+        -inf if wlo is None else float(wlo),
+        inf if whi is None else float(whi),
+    )
 
 
 def effective_weight_decay(factor: float | None, multiply_by_lr: bool, lr: float) -> float:

@@ -22,6 +22,7 @@ from torch import Tensor
 
 from embtables.config.catalogue import Optimizer
 from embtables.kernels import ftrl
+from embtables.kernels.clip_decay import clip_limits
 from embtables.kernels.record import KernelRecord
 from embtables.kernels.registry import record_of
 
@@ -293,9 +294,6 @@ def update_parameters(opt: Optimizer, lr: float, decay: float) -> dict[str, Any]
     """The scalar arguments and flags of ``update_kernel`` for ``opt`` at ``lr`` and effective ``decay``:
     the kernel record's float32 constants and flags, as the native C kernels get them."""
     record: KernelRecord = record_of(opt)
-    inf = float("inf")
-    glo, ghi = opt.gradient_clip_bounds
-    wlo, whi = opt.clip_weight_min, opt.clip_weight_max
     constants = list(record.native_constants(opt, lr).values())
     if len(constants) > 6:
         raise GpuBufferError(f"embtables GPU kernel: {type(opt).__name__} has more than 6 constants.")
@@ -306,10 +304,7 @@ def update_parameters(opt: Optimizer, lr: float, decay: float) -> dict[str, Any]
         "scalars": (
             float(lr),
             float(decay),
-            -inf if glo is None else float(glo),
-            inf if ghi is None else float(ghi),
-            -inf if wlo is None else float(wlo),
-            inf if whi is None else float(whi),
+            *clip_limits(opt),
             *constants,
         ),
         "KIND": record.native_kind,

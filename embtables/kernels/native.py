@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from embtables.config.catalogue import Optimizer
+from embtables.kernels.clip_decay import clip_limits
 from embtables.kernels.native_library import OptParams as _OptParams
 from embtables.kernels.native_library import library as library
 from embtables.kernels.native_library import loaded
@@ -96,11 +97,7 @@ def opt_params(opt: Optimizer, lr: float, decay: float, *, clip_gradients: bool)
         raise NativeBufferError(f"embtables native kernel: no native kernel for {type(opt).__name__}.") from exc
     p = _OptParams()
     p.kind = record.native_kind
-    inf = float("inf")
-    glo, ghi = opt.gradient_clip_bounds if clip_gradients else (None, None)
-    p.glo, p.ghi = -inf if glo is None else float(glo), inf if ghi is None else float(ghi)
-    wlo, whi = opt.clip_weight_min, opt.clip_weight_max
-    p.wlo, p.whi = -inf if wlo is None else float(wlo), inf if whi is None else float(whi)
+    p.glo, p.ghi, p.wlo, p.whi = clip_limits(opt, clip_gradients=clip_gradients)
     p.lr, p.decay = lr, decay
     flags, constants = record.native_flags(opt), record.native_constants(opt, lr)
     if flags:

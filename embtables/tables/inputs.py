@@ -483,11 +483,7 @@ def _unweighted_coeffs(offsets: Tensor, combiner: str) -> Tensor | None:
     counts = offsets[1:] - offsets[:-1]
     if bool((counts == 1).all()):
         return None
-    den = counts.to(torch.float32)
-    if combiner != Combiner.MEAN:
-        den = torch.sqrt(den)
-    scale = torch.where(den != 0, 1.0 / torch.where(den != 0, den, torch.ones_like(den)), torch.zeros_like(den))
-    return torch.repeat_interleave(scale, counts)
+    return _unit_coeffs(counts, combiner, None)
 
 
 def _plain_int64(t: object) -> bool:
@@ -589,15 +585,15 @@ def _convert_many_on_gpu(
                 out[i] = FeatureBatch(ids=ids, offsets=offsets, coeffs=None, out_shape=tuple(xs[i].shape))
                 continue
             combiner = converters[i].table.config.combiner
-            coeffs = None if combiner == Combiner.SUM else _unit_coeffs(splits, combiner, ids.numel())
+            # every coefficient, even where all are 1 (1/1 is exact): checking would cost a sync
+            coeffs = None if combiner == Combiner.SUM else _unit_coeffs(splits[1:] - splits[:-1], combiner, ids.numel())
             out[i] = FeatureBatch(ids=ids, offsets=splits, coeffs=coeffs, out_shape=(splits.numel() - 1,))
     return [b if b is not None else conv.convert(x, w, device) for b, conv, x, w in zip(out, converters, xs, ws)]
 
 
-def _unit_coeffs(offsets: Tensor, combiner: str, num_ids: int) -> Tensor:
-    """``_unweighted_coeffs`` without its host sync (every coefficient, even where all are 1): the same
-    float32 operations, so the same bits."""
-    counts = offsets[1:] - offsets[:-1]
+def _unit_coeffs(counts: Tensor, combiner: str, num_ids: int | None) -> Tensor:
+    """1/c or 1/sqrt(c) for every id of a bag of c ids (``counts`` [S]), every one even where all are 1;
+    ``num_ids`` (N, when known) spares a CUDA device the sync that sizes the result."""
     den = counts.to(torch.float32)
     if combiner != Combiner.MEAN:
         den = torch.sqrt(den)
