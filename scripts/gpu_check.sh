@@ -17,6 +17,7 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
   echo "tests rc=$?"; tail -25 "$OUT/tests.log"
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
-  timeout "${BENCH_TIMEOUT:-240}" python3 -m embtables bench --device cuda "$@" > "$OUT/bench.jsonl" 2> "$OUT/bench.err"
-  echo "bench rc=$?"; grep -v '^{' "$OUT/bench.err" | tail -40
+  name=${BENCH_NAME:-bench}  # several benchmark runs in one call: one pair of files each
+  timeout "${BENCH_TIMEOUT:-240}" python3 -m embtables bench --device cuda "$@" > "$OUT/$name.jsonl" 2> "$OUT/$name.err"
+  echo "$name rc=$?"; grep -i "of copy bw\|error\|traceback" "$OUT/$name.err" | tail -40  # the profile: in the file
 fi

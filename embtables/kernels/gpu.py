@@ -30,6 +30,7 @@ _state: dict[str, Any] = {"module": None, "failed": False, "enabled": True, "on_
 F32_INF_BITS = 0x7F800000
 _MAX_GRID_Y = 65535
 _CHUNK = 32  # sorted positions per program of the chunked per-row sums
+_PIECE = 128  # occurrences of a run summed by one lane; longer runs are cut into pieces and joined
 
 
 class GpuBufferError(RuntimeError):
@@ -114,6 +115,16 @@ def _checked_contiguous(t: object, what: str, dtype: torch.dtype, device: torch.
 def _warps(dim: int) -> int:
     """Warps for a program that works on one row of ``dim`` floats (about four floats a thread)."""
     return max(1, min(8, _pow2(dim) // 128))
+
+
+def _tile(dim: int) -> tuple[int, int, int]:
+    """(ROWS, BLOCK_D, num_warps) of a kernel that works on a [ROWS, BLOCK_D] tile of rows: about 2048
+    floats a program, four warps (``EMBTABLES_GPU_TILE=0``: one row a program, the first kernels' shape)."""
+    block_d = _pow2(dim, 16)
+    if os.environ.get("EMBTABLES_GPU_TILE") == "0":
+        return 1, block_d, _warps(dim)
+    rows = max(1, min(32, 2048 // block_d))
+    return rows, block_d, max(1, min(8, rows * block_d // 512))
 
 
 def _aligned(t: Tensor, row_stride: int) -> bool:
@@ -247,7 +258,25 @@ def row_sums(parts: Sequence[GradPart], vocabulary_size: int, dim: int) -> RowSu
         [g.data_ptr() for g in grads] + [g.stride(0) for g in grads] + [g.shape[0] for g in grads], device
     )
     nf = len(parts)
-    if os.environ.get("EMBTABLES_GPU_ROW_SUMS") == "chunked":  # the variant under measurement (docs/gpu.md)
+    variant = os.environ.get("EMBTABLES_GPU_ROW_SUMS", "pieces")
+    if variant not in ("rows", "chunked"):  # the default: tiles of pieces (docs/gpu.md)
+        tile_rows, block_d, warps = _tile(dim)
+        pieces = torch.empty((2 * -(-n // _PIECE), dim), dtype=torch.float32, device=device)
+        sorted_segs = segs.index_select(0, perm)
+        sorted_coeffs = coeffs.index_select(0, perm) if has_coeffs else sorted_segs
+        sorted_feats = feats.index_select(0, perm) if multi else sorted_segs
+        k.piece_sums_kernel[(-(-n // tile_rows),)](
+            sorted_ids, run, starts, sorted_segs, sorted_coeffs, sorted_feats, meta[:nf], meta[nf : 2 * nf],
+            meta[2 * nf :], rows, sums, pieces, status, n, dim, vocabulary_size, HAS_COEFFS=has_coeffs,
+            MULTI=multi, ALIGNED=dim % 4 == 0 and all(_aligned(g, g.stride(0)) for g in grads), PIECE=_PIECE,
+            UNROLL=4, ROWS=tile_rows, BLOCK_D=block_d, num_warps=warps, enable_fp_fusion=False,
+        )  # fmt: skip
+        k.piece_join_kernel[(-(-n // tile_rows),)](
+            sorted_ids, starts, rows, sums, pieces, status, n, dim, vocabulary_size, PIECE=_PIECE, UNROLL=8,
+            ROWS=tile_rows, BLOCK_D=block_d, num_warps=warps, enable_fp_fusion=False,
+        )  # fmt: skip
+        return RowSums(rows, sums, run[-1] + 1, status)
+    if variant == "chunked":  # the variant under measurement (docs/gpu.md)
         chunks = -(-n // _CHUNK)
         heads = torch.empty((chunks, dim), dtype=torch.float32, device=device)
         tails = torch.empty((chunks, dim), dtype=torch.float32, device=device)
@@ -345,13 +374,15 @@ def update(
     if u == 0 or dim == 0:
         return bad_row, maxabs
     spare = [*slots, weights, weights, weights][:3]  # slots the optimizer lacks: never read
-    k.update_kernel[(u,)](
+    tile_rows, block_d, warps = _tile(dim)
+    k.update_kernel[(-(-u // tile_rows),)](
         rows,
         sums,
         weights,
         *spare,
         bad_row,
         maxabs,
+        u,
         dim,
         v,
         *params["scalars"],
@@ -363,8 +394,9 @@ def update(
         LIBDEVICE=not _interpreting(),
         WRITE=write,
         MEASURE=measure,
-        BLOCK_D=_pow2(dim, 16),
-        num_warps=_warps(dim),
+        ROWS=tile_rows,
+        BLOCK_D=block_d,
+        num_warps=warps,
         enable_fp_fusion=False,
     )
     return bad_row, maxabs

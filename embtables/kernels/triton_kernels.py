@@ -228,6 +228,153 @@ def row_sums_kernel(
 
 
 @triton.jit
+def _piece_gradients(
+    k,
+    valid,
+    segs,
+    coeffs,
+    feats,
+    grad_ptrs,
+    grad_lds,
+    grad_rows,
+    d,
+    dm,
+    HAS_COEFFS: tl.constexpr,
+    MULTI: tl.constexpr,
+    ALIGNED: tl.constexpr,
+):
+    """The (coefficient-scaled) gradients [ROWS, BLOCK_D] of sorted occurrences ``k`` [ROWS] (zeros where
+    not ``valid``), and [ROWS] 1 where a bag is outside its feature's gradient (then not read), else 0.
+    ``segs``, ``coeffs``, ``feats``: per occurrence, in sorted order."""
+    seg = tl.load(segs + k, mask=valid, other=0)
+    if MULTI:
+        f = tl.load(feats + k, mask=valid, other=0)
+    else:
+        f = 0
+    grad = tl.load(grad_ptrs + f).to(tl.pointer_type(tl.float32))
+    ok = valid & (seg >= 0) & (seg < tl.load(grad_rows + f))
+    at = seg * tl.load(grad_lds + f)
+    if ALIGNED:
+        at = tl.multiple_of(at, 4)
+        if not MULTI:
+            grad = tl.multiple_of(grad, 16)
+    g = tl.load((grad + at)[:, None] + d[None, :], mask=ok[:, None] & dm[None, :], other=0.0)
+    if HAS_COEFFS:
+        g = g * tl.load(coeffs + k, mask=valid, other=1.0)[:, None]
+    return g, tl.where(valid & (~ok), 1, 0)
+
+
+@triton.jit
+def piece_sums_kernel(
+    sorted_ids,  # int64 [N]: the table's ids, sorted (stable: equal ids keep occurrence order)
+    runs,  # int64 [N]: the distinct row (run) of each sorted position
+    starts,  # int64 [N + 2]: first sorted position of each run; N past the last one
+    segs,  # int64 [N]: the bag of each sorted occurrence, in its feature's gradient
+    coeffs,  # float32 [N]: each sorted occurrence's coefficient (read when HAS_COEFFS)
+    feats,  # int64 [N]: each sorted occurrence's feature among the table's (read when MULTI)
+    grad_ptrs,  # int64 [F_t]: address of each feature's gradient (float32 rows, ld apart)
+    grad_lds,  # int64 [F_t]
+    grad_rows,  # int64 [F_t]: rows of each feature's gradient (a bag outside them is flagged, not read)
+    rows_out,  # int64 [N]: distinct row u (U valid)
+    sums,  # float32 [N, D]: summed gradient of distinct row u (U rows valid)
+    pieces,  # float32 [2 ceil(N / PIECE), D]: the pieces of runs longer than PIECE, for piece_join_kernel
+    status,  # int32 [2]: [0] max over |sums| as bits (>= F32_INF_BITS: not finite); [1] 1 when an id or bag
+    # was outside the table or the gradient (changed since the lookup validated it)
+    N,
+    D,
+    V,
+    HAS_COEFFS: tl.constexpr,
+    MULTI: tl.constexpr,
+    ALIGNED: tl.constexpr,  # every gradient and gradient row starts 16 bytes aligned
+    PIECE: tl.constexpr,
+    UNROLL: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """The per-row gradient sums, pass 1. A run of equal sorted ids is cut into pieces of PIECE occurrences
+    from its start; lane k of a [ROWS, BLOCK_D] tile sums the piece that begins at sorted position k (if
+    one does), one occurrence at a time in occurrence order. A run of at most PIECE occurrences is one
+    piece, written as its distinct row's sum (the C kernel's additions: the CPU's bits); the pieces of a
+    longer run go to ``pieces`` (slot 2 (k // PIECE) + (a whole piece), unique: two pieces that begin in
+    the same PIECE positions are a run's short last one and the next run's whole first one)."""
+    k = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    km = k < N
+    run = tl.load(runs + k, mask=km, other=0)
+    first = tl.load(starts + run, mask=km, other=0)
+    end = tl.load(starts + run + 1, mask=km, other=0)
+    lead = km & ((k - first) % PIECE == 0)  # lane k begins a piece
+    length = tl.where(lead, tl.minimum(end - k, PIECE), 0)
+    longest = tl.max(length, axis=0)
+    if longest > 0:
+        d = tl.arange(0, BLOCK_D)
+        dm = d < D
+        acc = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
+        row = tl.load(sorted_ids + k, mask=lead, other=0)
+        bad = tl.where(lead & ((row < 0) | (row >= V)), 1, 0)
+        for j0 in range(0, longest, UNROLL):
+            for jj in tl.static_range(UNROLL):  # unrolled: the loads of UNROLL occurrences are in flight
+                j = j0 + jj
+                g, outside = _piece_gradients(
+                    k + j, j < length, segs, coeffs, feats, grad_ptrs, grad_lds, grad_rows, d, dm,
+                    HAS_COEFFS, MULTI, ALIGNED,
+                )  # fmt: skip
+                bad += outside
+                acc += g  # a masked-off occurrence adds +0.0: exact
+        whole = lead & (end - first <= PIECE)  # the run is this one piece
+        tl.store(rows_out + run, row, mask=whole)
+        m2 = whole[:, None] & dm[None, :]
+        tl.store(sums + run[:, None] * D + d[None, :], acc, mask=m2)
+        part = lead & (end - first > PIECE)
+        slot = (k // PIECE) * 2 + tl.where(length == PIECE, 1, 0)
+        tl.store(pieces + slot[:, None] * D + d[None, :], acc, mask=part[:, None] & dm[None, :])
+        tl.atomic_max(status, tl.max(tl.max(tl.where(m2, _abs_bits(acc), 0), axis=1), axis=0))
+        if tl.sum(bad, axis=0) > 0:
+            tl.atomic_or(status + 1, 1)
+
+
+@triton.jit
+def piece_join_kernel(
+    sorted_ids,  # int64 [N]
+    starts,  # int64 [N + 2]
+    rows_out,  # int64 [N]
+    sums,  # float32 [N, D]
+    pieces,  # float32 [2 ceil(N / PIECE), D]: piece_sums_kernel's pieces
+    status,  # int32 [2]
+    N,
+    D,
+    V,
+    PIECE: tl.constexpr,
+    UNROLL: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """Pass 2: lane u of a tile adds the pieces of run u, if it is longer than PIECE, in order (within
+    float32 rounding of the CPU's one-occurrence-at-a-time order)."""
+    u = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    first = tl.load(starts + u, mask=u < N, other=N)
+    end = tl.load(starts + u + 1, mask=first < N, other=N)
+    joined = end - first > PIECE
+    count = tl.where(joined, (end - first + PIECE - 1) // PIECE, 0)
+    most = tl.max(count, axis=0)
+    if most > 0:
+        d = tl.arange(0, BLOCK_D)
+        dm = d < D
+        acc = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
+        for i0 in range(0, most, UNROLL):
+            for ii in tl.static_range(UNROLL):
+                i = i0 + ii
+                at = first + i * PIECE
+                slot = (at // PIECE) * 2 + tl.where(end - at >= PIECE, 1, 0)
+                valid = i < count
+                acc += tl.load(pieces + slot[:, None] * D + d[None, :], mask=valid[:, None] & dm[None, :], other=0.0)
+        row = tl.load(sorted_ids + first, mask=joined, other=0)
+        tl.store(rows_out + u, row, mask=joined)
+        m2 = joined[:, None] & dm[None, :]
+        tl.store(sums + u[:, None] * D + d[None, :], acc, mask=m2)
+        tl.atomic_max(status, tl.max(tl.max(tl.where(m2, _abs_bits(acc), 0), axis=1), axis=0))
+
+
+@triton.jit
 def update_kernel(
     rows,  # int64 [U]: distinct rows
     sums,  # float32 [U, D]: their summed gradients
@@ -237,6 +384,7 @@ def update_kernel(
     s2,
     bad_row,  # int64 [1]: min over rows whose new values are not finite (V when none)
     maxabs,  # int32 [4]: max |new value| bits of (weights, *slots) when MEASURE
+    U,
     D,
     V,
     lr,
@@ -259,25 +407,27 @@ def update_kernel(
     LIBDEVICE: tl.constexpr,
     WRITE: tl.constexpr,
     MEASURE: tl.constexpr,
+    ROWS: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    """One program per distinct row: gradient clip -> decay -> optimizer -> weight clip (the C kernels'
-    ``et_row_*``), constants ``c0..c5`` and flags in each kernel record's order. WRITE=False is the dry
-    run: it only finds the first row that would not be finite."""
-    u = tl.program_id(0).to(tl.int64)
-    row = tl.load(rows + u)
+    """ROWS distinct rows per program, as a [ROWS, BLOCK_D] tile: gradient clip -> decay -> optimizer ->
+    weight clip (the C kernels' ``et_row_*``, element by element), constants ``c0..c5`` and flags in each
+    kernel record's order. WRITE=False is the dry run: it only finds the first row that would not be finite."""
+    u = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    um = u < U
+    row = tl.load(rows + u, mask=um, other=-1)
     d = tl.arange(0, BLOCK_D)
-    row_d = d * 0 + row  # blocks only in masks (Triton 3.9's interpreter mis-types scalar & block)
-    dm = (d < D) & (row_d >= 0) & (row_d < V)  # rows come from row_sums_kernel, which checked them: a guard
-    at = row * D + d
-    g = tl.load(sums + u * D + d, mask=dm, other=0.0)
+    # rows come from the per-row sums, which checked them: a guard
+    dm = (um & (row >= 0) & (row < V))[:, None] & (d < D)[None, :]
+    at = row[:, None] * D + d[None, :]
+    g = tl.load(sums + u[:, None] * D + d[None, :], mask=dm, other=0.0)
     g = tl.where(g < glo, glo, g)
     g = tl.where(g > ghi, ghi, g)
     x = tl.load(weights + at, mask=dm, other=0.0)
     x = x - decay * x
-    a = tl.zeros([BLOCK_D], dtype=tl.float32)
-    b = tl.zeros([BLOCK_D], dtype=tl.float32)
-    c = tl.zeros([BLOCK_D], dtype=tl.float32)
+    a = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
+    b = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
+    c = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
     if NSLOTS >= 1:
         a = tl.load(s0 + at, mask=dm, other=0.0)
     if NSLOTS >= 2:
@@ -372,10 +522,10 @@ def update_kernel(
         a = lr + tl.zeros_like(a)
     x = tl.where(x < wlo, wlo, x)
     x = tl.where(x > whi, whi, x)
-    bits = tl.max(tl.where(dm, _abs_bits(x), 0), axis=0)
-    bits_a = tl.max(tl.where(dm, _abs_bits(a), 0), axis=0)
-    bits_b = tl.max(tl.where(dm, _abs_bits(b), 0), axis=0)
-    bits_c = tl.max(tl.where(dm, _abs_bits(c), 0), axis=0)
+    bits = tl.max(tl.where(dm, _abs_bits(x), 0), axis=1)  # [ROWS]: each row's largest |value|, as bits
+    bits_a = tl.max(tl.where(dm, _abs_bits(a), 0), axis=1)
+    bits_b = tl.max(tl.where(dm, _abs_bits(b), 0), axis=1)
+    bits_c = tl.max(tl.where(dm, _abs_bits(c), 0), axis=1)
     worst = bits
     if NSLOTS >= 1:
         worst = tl.maximum(worst, bits_a)
@@ -383,8 +533,9 @@ def update_kernel(
         worst = tl.maximum(worst, bits_b)
     if NSLOTS >= 3:
         worst = tl.maximum(worst, bits_c)
-    if worst >= F32_INF_BITS:
-        tl.atomic_min(bad_row, row)
+    first_bad = tl.min(tl.where(worst >= F32_INF_BITS, row, V), axis=0)
+    if first_bad < V:
+        tl.atomic_min(bad_row, first_bad)
     if WRITE:
         tl.store(weights + at, x, mask=dm)
         if NSLOTS >= 1:
@@ -394,13 +545,13 @@ def update_kernel(
         if NSLOTS >= 3:
             tl.store(s2 + at, c, mask=dm)
     if MEASURE:
-        tl.atomic_max(maxabs, bits)
+        tl.atomic_max(maxabs, tl.max(bits, axis=0))
         if NSLOTS >= 1:
-            tl.atomic_max(maxabs + 1, bits_a)
+            tl.atomic_max(maxabs + 1, tl.max(bits_a, axis=0))
         if NSLOTS >= 2:
-            tl.atomic_max(maxabs + 2, bits_b)
+            tl.atomic_max(maxabs + 2, tl.max(bits_b, axis=0))
         if NSLOTS >= 3:
-            tl.atomic_max(maxabs + 3, bits_c)
+            tl.atomic_max(maxabs + 3, tl.max(bits_c, axis=0))
 
 
 @triton.jit

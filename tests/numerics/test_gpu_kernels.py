@@ -88,16 +88,24 @@ def test_lookup_refuses_buffers_the_kernel_cannot_read() -> None:
         gpu.lookup_many([(table, ids, offsets, None)], [torch.zeros((2, 4), device=DEVICE)])
 
 
-@pytest.fixture(params=["rows", "chunked"])
+@pytest.fixture(params=["pieces", "rows", "chunked"])
 def row_sums_variant(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Both per-row sum kernels: one program per distinct row (the default) and the chunked variant."""
-    if request.param == "chunked":
-        monkeypatch.setenv("EMBTABLES_GPU_ROW_SUMS", "chunked")
+    """The per-row sum kernels: tiles of pieces (the default), one program per distinct row, chunks."""
+    if request.param != "pieces":
+        monkeypatch.setenv("EMBTABLES_GPU_ROW_SUMS", str(request.param))
+    return str(request.param)
+
+
+@pytest.fixture(params=["tiles", "one-row"])
+def tile_shape(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The kernels' tiles of rows (the default) and one row per program (``EMBTABLES_GPU_TILE=0``)."""
+    if request.param == "one-row":
+        monkeypatch.setenv("EMBTABLES_GPU_TILE", "0")
     return str(request.param)
 
 
 @pytest.mark.parametrize("multi", [False, True])
-def test_row_sums_match_dedup_sum(multi: bool, row_sums_variant: str) -> None:
+def test_row_sums_match_dedup_sum(multi: bool, row_sums_variant: str, tile_shape: str) -> None:
     gen = torch.Generator().manual_seed(1)
     vocab, dim = 40, 5
     parts, all_ids, all_grads = [], [], []
@@ -115,7 +123,7 @@ def test_row_sums_match_dedup_sum(multi: bool, row_sums_variant: str) -> None:
     u = int(got.count)
     assert u == rows.numel() and got.status.tolist()[1] == 0
     assert torch.equal(got.rows[:u].cpu(), rows)
-    if row_sums_variant == "rows":
+    if row_sums_variant != "chunked":
         assert torch.equal(got.sums[:u].cpu(), sums), "the same float32 additions in the same order: the same bits"
     else:  # a run crossing a chunk edge is added chunk by chunk
         torch.testing.assert_close(got.sums[:u].cpu(), sums, rtol=1e-6, atol=1e-6)
@@ -156,9 +164,38 @@ def test_chunked_row_sums_join_a_hot_row_across_chunks(row_sums_variant: str) ->
     others = torch.arange(u) != hot
     if row_sums_variant == "rows":
         assert torch.equal(got.sums[:u].cpu(), sums)
+    elif row_sums_variant == "pieces":  # pieces of 128 occurrences: only the hot row is joined
+        same = (got.sums[:u].cpu() == sums).all(dim=1)
+        assert bool(same[others].all())
     else:  # the rows that fit in one chunk; a few short ones that cross an edge may differ in the last bit
         same = (got.sums[:u].cpu() == sums).all(dim=1)
         assert same[others].float().mean() > 0.8
+
+
+@pytest.mark.parametrize("dim", [3, 8, 64])
+def test_row_sums_pieces_of_long_runs_meet_in_order(row_sums_variant: str, tile_shape: str, dim: int) -> None:
+    """Long runs side by side (129, 128, 256, 300, 1 and 127 occurrences), so that a run's short last piece
+    and the next run's whole first piece begin in the same 128 positions: every run's sum is right, runs
+    of at most 128 occurrences keep the CPU's bits."""
+    gen = torch.Generator().manual_seed(11)
+    lengths = {5: 129, 6: 128, 9: 256, 11: 300, 12: 1, 20: 127, 21: 131}
+    ids = torch.cat([torch.full((n,), r) for r, n in lengths.items()] + [torch.randint(30, 60, (200,), generator=gen)])
+    ids = ids[torch.randperm(ids.numel(), generator=gen)].to(DEVICE)
+    seg = torch.randint(0, 64, (ids.numel(),), generator=gen).to(DEVICE)
+    coeffs = torch.rand(ids.numel(), generator=gen).to(DEVICE)
+    grad = torch.randn(64, dim, generator=gen).to(DEVICE)
+    got = gpu.row_sums([(ids, seg, coeffs, grad)], 60, dim)
+    rows, sums = dedup_sum(ids.cpu(), occurrence_gradients(grad, seg, coeffs).cpu())
+    u = int(got.count)
+    assert torch.equal(got.rows[:u].cpu(), rows) and got.status.tolist()[1] == 0
+    occ64 = grad.cpu().double()[seg.cpu()] * coeffs.cpu().double()[:, None]
+    exact64 = torch.zeros(60, dim, dtype=torch.float64).index_add_(0, ids.cpu(), occ64)[rows]
+    torch.testing.assert_close(got.sums[:u].cpu().double(), exact64, rtol=1e-5, atol=1e-4)
+    if row_sums_variant != "chunked":
+        counts = torch.bincount(ids.cpu(), minlength=60)[rows]
+        same = (got.sums[:u].cpu() == sums).all(dim=1)
+        assert bool(same[counts <= 128].all())
+    assert gpu.bits_to_float([got.status.tolist()[0]])[0] == float(got.sums[:u].abs().max())
 
 
 def test_row_sums_flag_rows_outside_the_table(row_sums_variant: str) -> None:
@@ -203,13 +240,13 @@ def _state(opt: Any, gen: torch.Generator, vocab: int, dim: int) -> tuple[torch.
 
 
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
-def test_fused_update_matches_the_torch_row_math(name: str) -> None:
+def test_fused_update_matches_the_torch_row_math(name: str, tile_shape: str) -> None:
     opt = OPTIMIZERS[name]()
     gen = torch.Generator().manual_seed(2)
-    vocab, dim = 20, 6
+    vocab, dim = 200, 6
     weights, slots = _state(opt, gen, vocab, dim)
-    rows = torch.tensor([0, 3, 4, 11, 19], device=DEVICE)
-    sums = torch.randn(5, dim, generator=gen).to(DEVICE)
+    rows = torch.randperm(vocab, generator=gen)[:70].to(DEVICE)  # 70 rows: three tiles of 32, the last partial
+    sums = torch.randn(70, dim, generator=gen).to(DEVICE)
     lr = float(opt.learning_rate)
     decay = effective_weight_decay(opt.weight_decay_factor, opt.weight_decay_multiplied_by_lr, lr)
     w_exp, s_exp = update_rows(weights[rows], tuple(s[rows] for s in slots), sums, opt=opt, lr=lr, clip_gradients=True)
@@ -233,7 +270,7 @@ def test_fused_update_matches_the_torch_row_math(name: str) -> None:
         assert measured[1 + i] == float(s[rows].abs().max())
 
 
-def test_fused_update_finds_the_first_row_that_would_overflow() -> None:
+def test_fused_update_finds_the_first_row_that_would_overflow(tile_shape: str) -> None:
     opt = et.SGD(1e38)
     weights = torch.full((6, 2), -3e38, device=DEVICE)
     rows = torch.tensor([1, 4, 5], device=DEVICE)
