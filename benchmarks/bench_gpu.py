@@ -3,9 +3,7 @@
     python -m embtables bench --device cuda                 # standard + large workloads, 4 optimizers
     python -m embtables bench gpu --workloads large-uniform --optimizers adagrad --steps 10
 
-Impls: ``embtables`` (the fused Triton kernels), ``embtables-rows`` and ``embtables-chunked`` (the same
-with the variants of docs/gpu.md: the first kernels' one program per row, ``EMBTABLES_GPU_ROW_SUMS=rows``
-and ``EMBTABLES_GPU_TILE=0``; the chunked per-row sums, ``EMBTABLES_GPU_ROW_SUMS=chunked``), ``embtables-torch``
+Impls: ``embtables`` (the fused Triton kernels), ``embtables-torch``
 (the same module on the torch kernels, ``EMBTABLES_GPU_KERNELS=0``'s path) and ``torch``
 (``nn.EmbeddingBag(mode="sum", sparse=True)`` per table + ``torch.optim`` Adagrad / SparseAdam / SGD; no
 sparse FTRL in torch). Every step feeds the same ids: ``[B, L]`` per table, uniform or Zipf(1.05) over the
@@ -22,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import time
@@ -206,12 +203,6 @@ def profile(step: Callable[[], None], title: str) -> None:
     print(table.table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=48), file=sys.stderr)
 
 
-VARIANTS = {
-    "embtables-rows": {"EMBTABLES_GPU_ROW_SUMS": "rows", "EMBTABLES_GPU_TILE": "0"},
-    "embtables-chunked": {"EMBTABLES_GPU_ROW_SUMS": "chunked"},
-}
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="embtables bench --device cuda", description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda")
@@ -242,8 +233,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     makers = {
         "embtables": embtables_step,
-        "embtables-rows": embtables_step,
-        "embtables-chunked": embtables_step,
         "embtables-torch": embtables_step,
         "torch": torch_step,
     }
@@ -256,8 +245,6 @@ def main(argv: Sequence[str] | None = None) -> int:
                 base = None
                 for impl in args.impls.split(","):
                     gpu.set_enabled(impl != "embtables-torch")
-                    for name, value in VARIANTS.get(impl, {}).items():  # the kernel variants (docs/gpu.md)
-                        os.environ[name] = value
                     try:
                         step = makers[impl](wl, opt, ids, mode, device)
                     except LookupError as exc:
@@ -267,8 +254,6 @@ def main(argv: Sequence[str] | None = None) -> int:
                     if args.profile and impl == "embtables":
                         profile(step, f"{wname} {opt} {mode}")
                     del step
-                    for name in VARIANTS.get(impl, {}):
-                        os.environ.pop(name, None)
                     if on_cuda:
                         torch.cuda.empty_cache()
                     rec = {

@@ -29,7 +29,6 @@ from embtables.kernels.registry import record_of
 _state: dict[str, Any] = {"module": None, "failed": False, "enabled": True, "on_cpu": False}
 F32_INF_BITS = 0x7F800000
 _MAX_GRID_Y = 65535
-_CHUNK = 32  # sorted positions per program of the chunked per-row sums
 _PIECE = 128  # occurrences of a run summed by one lane; longer runs are cut into pieces and joined
 
 
@@ -112,17 +111,10 @@ def _checked_contiguous(t: object, what: str, dtype: torch.dtype, device: torch.
     return t
 
 
-def _warps(dim: int) -> int:
-    """Warps for a program that works on one row of ``dim`` floats (about four floats a thread)."""
-    return max(1, min(8, _pow2(dim) // 128))
-
-
 def _tile(dim: int) -> tuple[int, int, int]:
     """(ROWS, BLOCK_D, num_warps) of a kernel that works on a [ROWS, BLOCK_D] tile of rows: about 2048
-    floats a program, four warps (``EMBTABLES_GPU_TILE=0``: one row a program, the first kernels' shape)."""
+    floats a program, in four warps."""
     block_d = _pow2(dim, 16)
-    if os.environ.get("EMBTABLES_GPU_TILE") == "0":
-        return 1, block_d, _warps(dim)
     rows = max(1, min(32, 2048 // block_d))
     return rows, block_d, max(1, min(8, rows * block_d // 512))
 
@@ -207,15 +199,18 @@ GradPart = tuple[Tensor, Tensor, "Tensor | None", Tensor]  # (ids [N_f], seg [N_
 
 class RowSums:
     """One table's distinct rows and summed gradients on the device, before their one sync: ``rows`` [N]
-    and ``sums`` [N, D] hold ``count`` (a device scalar) valid rows; ``status`` [2] int32 (see the kernel)."""
+    and ``sums`` [N, D] hold ``stats[0]`` valid rows; ``stats`` int64 [4]: the number of distinct rows
+    U, the largest |sum| as float32 bits (>= ``F32_INF_BITS``: not finite), 1 when an id or a bag was
+    outside the table or its gradient, 1 when a row had more than ``_PIECE`` occurrences."""
 
-    def __init__(self, rows: Tensor, sums: Tensor, count: Tensor, status: Tensor) -> None:
-        self.rows, self.sums, self.count, self.status = rows, sums, count, status
+    def __init__(self, rows: Tensor, sums: Tensor, stats: Tensor) -> None:
+        self.rows, self.sums, self.stats = rows, sums, stats
 
 
-def row_sums(parts: Sequence[GradPart], vocabulary_size: int, dim: int) -> RowSums:
+def row_sums(parts: Sequence[GradPart], vocabulary_size: int, dim: int, stats: Tensor | None = None) -> RowSums:
     """Dedup the occurrences of one table's features (``parts``) and sum each distinct row's gradients
-    (occurrence order within a row), all on the device: no sync."""
+    (occurrence order within a row), all on the device: no sync. ``stats``: a zeroed int64 [4] to fill
+    (one row of a [T, 4] that the caller reads for every table at once), else one is made."""
     k = _kernels()
     device = parts[0][3].device
     for ids, seg, coeffs, grad in parts:
@@ -226,14 +221,17 @@ def row_sums(parts: Sequence[GradPart], vocabulary_size: int, dim: int) -> RowSu
         _check(grad, "a gradient", torch.float32, device, 2)
         if grad.shape[1] != dim or (dim > 1 and grad.stride(1) != 1) or (grad.shape[0] > 1 and grad.stride(0) < dim):
             raise GpuBufferError(f"embtables GPU kernel: a gradient must be [S, {dim}] with unit column stride.")
+    if stats is None:
+        stats = torch.zeros(4, dtype=torch.int64, device=device)
+    elif _checked_contiguous(stats, "stats", torch.int64, device, 1).shape != (4,):
+        raise GpuBufferError("embtables GPU kernel: stats must be [4].")
     multi = len(parts) > 1
     ids = torch.cat([p[0] for p in parts]) if multi else parts[0][0]
     n = ids.numel()
     rows = torch.empty(n, dtype=torch.int64, device=device)
     sums = torch.empty((n, dim), dtype=torch.float32, device=device)
-    status = torch.zeros(2, dtype=torch.int32, device=device)
     if n == 0:
-        return RowSums(rows, sums, torch.zeros((), dtype=torch.int64, device=device), status)
+        return RowSums(rows, sums, stats)
     segs = torch.cat([p[1] for p in parts]) if multi else parts[0][1]
     has_coeffs = any(p[2] is not None for p in parts)
     coeffs = (
@@ -245,78 +243,41 @@ def row_sums(parts: Sequence[GradPart], vocabulary_size: int, dim: int) -> RowSu
     # int32 keys sort in half the radix passes; the sort is stable, so equal ids keep occurrence order
     keys = ids.to(torch.int32) if vocabulary_size <= 2**31 - 1 else ids
     sorted_keys, perm = torch.sort(keys, stable=True)
-    sorted_ids = sorted_keys.to(torch.int64) if keys is not ids else sorted_keys
-    is_start = torch.ones(n, dtype=torch.bool, device=device)
-    torch.ne(sorted_keys[1:], sorted_keys[:-1], out=is_start[1:])
-    run = torch.cumsum(is_start, 0) - 1
-    starts = torch.full((n + 2,), n, dtype=torch.int64, device=device)
-    # distinct row r starts at the r-th start; other positions write to the spare slot n + 1
-    starts.scatter_(0, torch.where(is_start, run, n + 1), torch.arange(n, device=device))
-    starts[n + 1] = n
+    sorted_ids = torch.empty(n, dtype=torch.int64, device=device)
+    is_start = torch.empty(n, dtype=torch.int64, device=device)
+    sorted_segs = torch.empty(n, dtype=torch.int64, device=device)
+    sorted_coeffs = torch.empty(n, dtype=torch.float32, device=device) if has_coeffs else sums
+    sorted_feats = torch.empty(n, dtype=torch.int64, device=device) if multi else sorted_segs
+    block = 1024
+    k.sort_marks_kernel[(-(-n // block),)](
+        sorted_keys, perm, segs, coeffs, feats, sorted_ids, is_start, sorted_segs, sorted_coeffs, sorted_feats,
+        n, HAS_COEFFS=has_coeffs, MULTI=multi, BLOCK=block,
+    )  # fmt: skip
+    runs1 = torch.cumsum(is_start, 0)
+    starts = torch.empty(n + 2, dtype=torch.int64, device=device)
+    k.run_starts_kernel[(-(-(n + 2) // block),)](is_start, runs1, starts, stats, n, BLOCK=block)
     grads = [p[3] for p in parts]
-    meta = _addresses(
-        [g.data_ptr() for g in grads] + [g.stride(0) for g in grads] + [g.shape[0] for g in grads], device
-    )
-    nf = len(parts)
-    variant = os.environ.get("EMBTABLES_GPU_ROW_SUMS", "pieces")
-    if variant not in ("rows", "chunked"):  # the default: tiles of pieces (docs/gpu.md)
-        tile_rows, block_d, warps = _tile(dim)
-        pieces = torch.empty((2 * -(-n // _PIECE), dim), dtype=torch.float32, device=device)
-        sorted_segs = segs.index_select(0, perm)
-        sorted_coeffs = coeffs.index_select(0, perm) if has_coeffs else sorted_segs
-        sorted_feats = feats.index_select(0, perm) if multi else sorted_segs
-        k.piece_sums_kernel[(-(-n // tile_rows),)](
-            sorted_ids, run, starts, sorted_segs, sorted_coeffs, sorted_feats, meta[:nf], meta[nf : 2 * nf],
-            meta[2 * nf :], rows, sums, pieces, status, n, dim, vocabulary_size, HAS_COEFFS=has_coeffs,
-            MULTI=multi, ALIGNED=dim % 4 == 0 and all(_aligned(g, g.stride(0)) for g in grads), PIECE=_PIECE,
-            UNROLL=4, ROWS=tile_rows, BLOCK_D=block_d, num_warps=warps, enable_fp_fusion=False,
-        )  # fmt: skip
-        k.piece_join_kernel[(-(-n // tile_rows),)](
-            sorted_ids, starts, rows, sums, pieces, status, n, dim, vocabulary_size, PIECE=_PIECE, UNROLL=8,
-            ROWS=tile_rows, BLOCK_D=block_d, num_warps=warps, enable_fp_fusion=False,
-        )  # fmt: skip
-        return RowSums(rows, sums, run[-1] + 1, status)
-    if variant == "chunked":  # the variant under measurement (docs/gpu.md)
-        chunks = -(-n // _CHUNK)
-        heads = torch.empty((chunks, dim), dtype=torch.float32, device=device)
-        tails = torch.empty((chunks, dim), dtype=torch.float32, device=device)
-        grad_meta = (meta[:nf], meta[nf : 2 * nf], meta[2 * nf :])
-        k.chunk_sums_kernel[(chunks,)](
-            sorted_ids, perm, run, starts, segs, coeffs, feats, *grad_meta, rows, sums, heads, tails, status,
-            n, dim, vocabulary_size, HAS_COEFFS=has_coeffs, MULTI=multi, CHUNK=_CHUNK, BLOCK_D=_pow2(dim, 16),
-            num_warps=_warps(dim), enable_fp_fusion=False,
-        )  # fmt: skip
-        k.chunk_join_kernel[(n,)](
-            sorted_ids, starts, rows, sums, heads, tails, status, n, dim, vocabulary_size, CHUNK=_CHUNK,
-            BLOCK_D=_pow2(dim, 16), num_warps=_warps(dim), enable_fp_fusion=False,
-        )  # fmt: skip
-        return RowSums(rows, sums, run[-1] + 1, status)
-    pool = n // max(1, min(n, grads[0].shape[0] * nf))
-    k.row_sums_kernel[(n,)](
-        sorted_ids,
-        perm,
-        starts,
-        segs,
-        coeffs,
-        feats,
-        meta[:nf],
-        meta[nf : 2 * nf],
-        meta[2 * nf :],
-        rows,
-        sums,
-        status,
-        n,
-        dim,
-        vocabulary_size,
-        HAS_COEFFS=has_coeffs,
-        MULTI=multi,
-        ALIGNED=dim % 4 == 0 and all(_aligned(g, g.stride(0)) for g in grads),
-        BLOCK_N=min(_pow2(max(pool, 1), 2), 8),
-        BLOCK_D=_pow2(dim, 16),
-        num_warps=_warps(dim),
-        enable_fp_fusion=False,
-    )
-    return RowSums(rows, sums, run[-1] + 1, status)
+    if multi:
+        meta = _addresses(
+            [g.data_ptr() for g in grads] + [g.stride(0) for g in grads] + [g.shape[0] for g in grads], device
+        )
+        nf = len(parts)
+        grad_args = (sums, 0, 0, meta[:nf], meta[nf : 2 * nf], meta[2 * nf :])
+    else:  # one feature: its gradient itself, no addresses to copy to the device
+        grad_args = (grads[0], grads[0].stride(0), grads[0].shape[0], segs, segs, segs)
+    tile_rows, block_d, warps = _tile(dim)
+    pieces = torch.empty((2 * -(-n // _PIECE), dim), dtype=torch.float32, device=device)
+    k.piece_sums_kernel[(-(-n // tile_rows),)](
+        sorted_ids, runs1, starts, sorted_segs, sorted_coeffs, sorted_feats, *grad_args, rows, sums, pieces,
+        stats, n, dim, vocabulary_size, HAS_COEFFS=has_coeffs, MULTI=multi,
+        ALIGNED=dim % 4 == 0 and all(_aligned(g, g.stride(0)) for g in grads), PIECE=_PIECE, UNROLL=4,
+        ROWS=tile_rows, BLOCK_D=block_d, num_warps=warps, enable_fp_fusion=False,
+    )  # fmt: skip
+    k.piece_join_kernel[(-(-n // tile_rows),)](
+        sorted_ids, starts, rows, sums, pieces, stats, n, dim, PIECE=_PIECE, UNROLL=8, ROWS=tile_rows,
+        BLOCK_D=block_d, num_warps=warps, enable_fp_fusion=False,
+    )  # fmt: skip
+    return RowSums(rows, sums, stats)
 
 
 def update_parameters(opt: Optimizer, lr: float, decay: float) -> dict[str, Any]:
@@ -353,10 +314,11 @@ def update(
     *,
     write: bool,
     measure: bool,
-) -> tuple[Tensor, Tensor]:
+) -> tuple[Tensor | None, Tensor | None]:
     """The fused update of distinct ``rows`` [U] with ``sums`` [U, D] (``write=False``: the dry run).
-    Returns (bad_row [1] int64: the smallest row whose new values are not finite, V when none; maxabs [4]
-    int32 bits of max |new value| of (weights, *slots) when ``measure``), unread (no sync)."""
+    Returns (bad_row [1] int64, the dry run's: the smallest row whose new values are not finite, V when
+    none; maxabs [4] int32 bits of max |new value| of (weights, *slots) when ``measure``), unread (no
+    sync); None for what was not asked (a proven write allocates nothing)."""
     k = _kernels()
     device = weights.device
     _checked_contiguous(weights, "a table", torch.float32, device, 2)
@@ -369,8 +331,8 @@ def update(
     u = _checked_contiguous(rows, "rows", torch.int64, device, 1).numel()
     if _checked_contiguous(sums, "gradient sums", torch.float32, device, 2).shape != (u, dim):
         raise GpuBufferError(f"embtables GPU kernel: gradient sums must be [{u}, {dim}].")
-    bad_row = torch.full((1,), v, dtype=torch.int64, device=device)
-    maxabs = torch.zeros(4, dtype=torch.int32, device=device)
+    bad_row = None if write else torch.full((1,), v, dtype=torch.int64, device=device)
+    maxabs = torch.zeros(4, dtype=torch.int32, device=device) if measure else None
     if u == 0 or dim == 0:
         return bad_row, maxabs
     spare = [*slots, weights, weights, weights][:3]  # slots the optimizer lacks: never read
@@ -380,8 +342,8 @@ def update(
         sums,
         weights,
         *spare,
-        bad_row,
-        maxabs,
+        rows if bad_row is None else bad_row,  # not written unless asked for
+        sums if maxabs is None else maxabs,
         u,
         dim,
         v,

@@ -137,94 +137,56 @@ def lookup_kernel(
 
 
 @triton.jit
-def _occurrence_gradient(
-    k,
-    valid,
-    perm,
-    segs,
-    coeffs,
-    feats,
-    grad_ptrs,
-    grad_lds,
-    grad_rows,
-    d,
-    dm,
+def sort_marks_kernel(
+    sorted_keys,  # int32 or int64 [N]: the table's ids, sorted (stable: equal ids keep occurrence order)
+    perm,  # int64 [N]: the occurrence of each sorted position
+    segs,  # int64 [N]: the bag of each occurrence (in occurrence order)
+    coeffs,  # float32 [N] (read when HAS_COEFFS)
+    feats,  # int64 [N] (read when MULTI)
+    sorted_ids,  # int64 [N] out: the sorted ids
+    is_start,  # int64 [N] out: 1 where a run of equal ids begins
+    sorted_segs,  # int64 [N] out: segs in sorted order
+    sorted_coeffs,  # float32 [N] out (written when HAS_COEFFS)
+    sorted_feats,  # int64 [N] out (written when MULTI)
+    N,
     HAS_COEFFS: tl.constexpr,
     MULTI: tl.constexpr,
-    ALIGNED: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
-    """The (coefficient-scaled) gradient [BLOCK_D] of sorted occurrence ``k`` (zeros when not ``valid``),
-    and 1 when its bag is outside its feature's gradient (then not read), else 0."""
-    p = tl.load(perm + k, mask=valid, other=0)
-    seg = tl.load(segs + p, mask=valid, other=0)
-    if MULTI:
-        f = tl.load(feats + p, mask=valid, other=0)
-    else:
-        f = 0
-    grad = tl.load(grad_ptrs + f).to(tl.pointer_type(tl.float32))
-    ok = valid & (seg >= 0) & (seg < tl.load(grad_rows + f))  # scalars
-    at = seg * tl.load(grad_lds + f)
-    if ALIGNED:
-        grad = tl.multiple_of(grad, 16)
-        at = tl.multiple_of(at, 4)
-    ok_d = (d * 0 + ok.to(tl.int32)) != 0  # blocks only in masks (Triton 3.9's interpreter)
-    g = tl.load(grad + at + d, mask=dm & ok_d, other=0.0)
+    """Per sorted position: the id as int64, where runs begin, and the occurrence's bag (coefficient,
+    feature) gathered into sorted order, so that the sums read them without following ``perm``."""
+    k = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    km = k < N
+    key = tl.load(sorted_keys + k, mask=km, other=0)
+    prev = tl.load(sorted_keys + k - 1, mask=km & (k > 0), other=0)
+    tl.store(sorted_ids + k, key.to(tl.int64), mask=km)
+    tl.store(is_start + k, tl.where((k == 0) | (key != prev), 1, 0).to(tl.int64), mask=km)
+    p = tl.load(perm + k, mask=km, other=0)
+    tl.store(sorted_segs + k, tl.load(segs + p, mask=km, other=0), mask=km)
     if HAS_COEFFS:
-        g = g * tl.load(coeffs + p, mask=valid, other=1.0)
-    return g, tl.where(valid & (~ok), 1, 0)
+        tl.store(sorted_coeffs + k, tl.load(coeffs + p, mask=km, other=0.0), mask=km)
+    if MULTI:
+        tl.store(sorted_feats + k, tl.load(feats + p, mask=km, other=0), mask=km)
 
 
 @triton.jit
-def row_sums_kernel(
-    sorted_ids,  # int64 [N]: the table's ids, sorted (stable)
-    perm,  # int64 [N]: position of each sorted id in the concatenated occurrences
-    starts,  # int64 [N + 2]: first sorted position of each distinct row; N past the last one
-    segs,  # int64 [N]: the bag of each occurrence, in its feature's gradient
-    coeffs,  # float32 [N]: each occurrence's coefficient (read when HAS_COEFFS)
-    feats,  # int64 [N]: each occurrence's feature among the table's (read when MULTI)
-    grad_ptrs,  # int64 [F_t]: address of each feature's gradient (float32 rows, ld apart)
-    grad_lds,  # int64 [F_t]
-    grad_rows,  # int64 [F_t]: rows of each feature's gradient (a bag outside them is flagged, not read)
-    rows_out,  # int64 [N]: distinct row u (U valid)
-    sums,  # float32 [N, D]: summed gradient of distinct row u (U rows valid)
-    status,  # int32 [2]: [0] max over |sums| as bits (>= F32_INF_BITS: not finite); [1] 1 when an id or bag
-    # was outside the table or the gradient (changed since the lookup validated it)
+def run_starts_kernel(
+    is_start,  # int64 [N]
+    runs1,  # int64 [N]: the inclusive cumulative sum of is_start (1 + the run of each sorted position)
+    starts,  # int64 [N + 2] out: the first sorted position of each run; N from the U-th entry on
+    stats,  # int64 [4]: [0] := U, the number of runs (distinct rows)
     N,
-    D,
-    V,
-    HAS_COEFFS: tl.constexpr,
-    MULTI: tl.constexpr,
-    ALIGNED: tl.constexpr,  # every gradient and gradient row starts 16 bytes aligned
-    BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
-    """One program per distinct row: the sum of its occurrences' (coefficient-scaled) gradients, in
-    sorted (= occurrence) order."""
-    u = tl.program_id(0).to(tl.int64)
-    start = tl.load(starts + u)
-    if start < N:
-        end = tl.load(starts + u + 1)
-        d = tl.arange(0, BLOCK_D)
-        dm = d < D
-        acc = tl.zeros([BLOCK_D], dtype=tl.float32)
-        row = tl.load(sorted_ids + start)
-        bad = tl.where((row < 0) | (row >= V), 1, 0)
-        for k0 in range(start, end, BLOCK_N):
-            # one occurrence at a time, in occurrence order: the float32 additions of the C kernel (phase 1
-            # on one thread), so a row's sum has the CPU's bits; unrolled, so the loads are all in flight
-            for j in tl.static_range(BLOCK_N):
-                k = k0 + j
-                g, outside = _occurrence_gradient(
-                    k, k < end, perm, segs, coeffs, feats, grad_ptrs, grad_lds, grad_rows, d, dm,
-                    HAS_COEFFS, MULTI, ALIGNED,
-                )  # fmt: skip
-                bad += outside
-                acc += g  # a masked-off occurrence adds +0.0: exact
-        tl.store(rows_out + u, row)
-        tl.store(sums + u * D + d, acc, mask=dm)
-        tl.atomic_max(status, tl.max(tl.where(dm, _abs_bits(acc), 0), axis=0))
-        if bad > 0:
-            tl.atomic_or(status + 1, 1)
+    """Where each run begins (run r at ``starts[r]``, ``starts[U:] = N``) and the number of runs."""
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    u = tl.load(runs1 + N - 1)
+    begins = (i < N) & (tl.load(is_start + i, mask=i < N, other=0) != 0)
+    r = tl.load(runs1 + i, mask=begins, other=1) - 1
+    tl.store(starts + r, i, mask=begins)
+    tl.store(starts + i, i * 0 + N, mask=(i >= u) & (i < N + 2))
+    if tl.program_id(0) == 0:
+        tl.store(stats, u)
 
 
 @triton.jit
@@ -234,6 +196,9 @@ def _piece_gradients(
     segs,
     coeffs,
     feats,
+    grad0,
+    grad_ld,
+    grad_nrows,
     grad_ptrs,
     grad_lds,
     grad_rows,
@@ -245,15 +210,20 @@ def _piece_gradients(
 ):
     """The (coefficient-scaled) gradients [ROWS, BLOCK_D] of sorted occurrences ``k`` [ROWS] (zeros where
     not ``valid``), and [ROWS] 1 where a bag is outside its feature's gradient (then not read), else 0.
-    ``segs``, ``coeffs``, ``feats``: per occurrence, in sorted order."""
+    ``segs``, ``coeffs``, ``feats``: per occurrence, in sorted order. One feature: its gradient ``grad0``
+    (``grad_nrows`` rows, ``grad_ld`` apart); several (MULTI): their addresses, strides and rows."""
     seg = tl.load(segs + k, mask=valid, other=0)
     if MULTI:
         f = tl.load(feats + k, mask=valid, other=0)
+        grad = tl.load(grad_ptrs + f).to(tl.pointer_type(tl.float32))
+        ld = tl.load(grad_lds + f)
+        nrows = tl.load(grad_rows + f)
     else:
-        f = 0
-    grad = tl.load(grad_ptrs + f).to(tl.pointer_type(tl.float32))
-    ok = valid & (seg >= 0) & (seg < tl.load(grad_rows + f))
-    at = seg * tl.load(grad_lds + f)
+        grad = grad0
+        ld = grad_ld
+        nrows = grad_nrows
+    ok = valid & (seg >= 0) & (seg < nrows)
+    at = seg * ld
     if ALIGNED:
         at = tl.multiple_of(at, 4)
         if not MULTI:
@@ -267,19 +237,23 @@ def _piece_gradients(
 @triton.jit
 def piece_sums_kernel(
     sorted_ids,  # int64 [N]: the table's ids, sorted (stable: equal ids keep occurrence order)
-    runs,  # int64 [N]: the distinct row (run) of each sorted position
+    runs1,  # int64 [N]: 1 + the run (distinct row) of each sorted position
     starts,  # int64 [N + 2]: first sorted position of each run; N past the last one
     segs,  # int64 [N]: the bag of each sorted occurrence, in its feature's gradient
     coeffs,  # float32 [N]: each sorted occurrence's coefficient (read when HAS_COEFFS)
     feats,  # int64 [N]: each sorted occurrence's feature among the table's (read when MULTI)
-    grad_ptrs,  # int64 [F_t]: address of each feature's gradient (float32 rows, ld apart)
+    grad0,  # float32: the gradient of a table's one feature (not MULTI)
+    grad_ld,
+    grad_nrows,
+    grad_ptrs,  # int64 [F_t] (MULTI): address of each feature's gradient (float32 rows, ld apart)
     grad_lds,  # int64 [F_t]
     grad_rows,  # int64 [F_t]: rows of each feature's gradient (a bag outside them is flagged, not read)
     rows_out,  # int64 [N]: distinct row u (U valid)
     sums,  # float32 [N, D]: summed gradient of distinct row u (U rows valid)
     pieces,  # float32 [2 ceil(N / PIECE), D]: the pieces of runs longer than PIECE, for piece_join_kernel
-    status,  # int32 [2]: [0] max over |sums| as bits (>= F32_INF_BITS: not finite); [1] 1 when an id or bag
-    # was outside the table or the gradient (changed since the lookup validated it)
+    stats,  # int64 [4]: [1] max over |sums| as bits (>= F32_INF_BITS: not finite); [2] 1 when an id or bag
+    # was outside the table or the gradient (changed since the lookup validated it); [3] 1 when a run is
+    # longer than PIECE
     N,
     D,
     V,
@@ -299,7 +273,7 @@ def piece_sums_kernel(
     the same PIECE positions are a run's short last one and the next run's whole first one)."""
     k = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     km = k < N
-    run = tl.load(runs + k, mask=km, other=0)
+    run = tl.load(runs1 + k, mask=km, other=1) - 1
     first = tl.load(starts + run, mask=km, other=0)
     end = tl.load(starts + run + 1, mask=km, other=0)
     lead = km & ((k - first) % PIECE == 0)  # lane k begins a piece
@@ -315,8 +289,8 @@ def piece_sums_kernel(
             for jj in tl.static_range(UNROLL):  # unrolled: the loads of UNROLL occurrences are in flight
                 j = j0 + jj
                 g, outside = _piece_gradients(
-                    k + j, j < length, segs, coeffs, feats, grad_ptrs, grad_lds, grad_rows, d, dm,
-                    HAS_COEFFS, MULTI, ALIGNED,
+                    k + j, j < length, segs, coeffs, feats, grad0, grad_ld, grad_nrows, grad_ptrs, grad_lds,
+                    grad_rows, d, dm, HAS_COEFFS, MULTI, ALIGNED,
                 )  # fmt: skip
                 bad += outside
                 acc += g  # a masked-off occurrence adds +0.0: exact
@@ -327,9 +301,11 @@ def piece_sums_kernel(
         part = lead & (end - first > PIECE)
         slot = (k // PIECE) * 2 + tl.where(length == PIECE, 1, 0)
         tl.store(pieces + slot[:, None] * D + d[None, :], acc, mask=part[:, None] & dm[None, :])
-        tl.atomic_max(status, tl.max(tl.max(tl.where(m2, _abs_bits(acc), 0), axis=1), axis=0))
+        tl.atomic_max(stats + 1, tl.max(tl.max(tl.where(m2, _abs_bits(acc), 0), axis=1), axis=0).to(tl.int64))
         if tl.sum(bad, axis=0) > 0:
-            tl.atomic_or(status + 1, 1)
+            tl.atomic_max(stats + 2, 1)
+        if tl.sum(part.to(tl.int32), axis=0) > 0:
+            tl.atomic_max(stats + 3, 1)
 
 
 @triton.jit
@@ -339,10 +315,9 @@ def piece_join_kernel(
     rows_out,  # int64 [N]
     sums,  # float32 [N, D]
     pieces,  # float32 [2 ceil(N / PIECE), D]: piece_sums_kernel's pieces
-    status,  # int32 [2]
+    stats,  # int64 [4]: [1] max |sum| bits; [3] read: 0 when no run is longer than PIECE (nothing to do)
     N,
     D,
-    V,
     PIECE: tl.constexpr,
     UNROLL: tl.constexpr,
     ROWS: tl.constexpr,
@@ -350,28 +325,29 @@ def piece_join_kernel(
 ):
     """Pass 2: lane u of a tile adds the pieces of run u, if it is longer than PIECE, in order (within
     float32 rounding of the CPU's one-occurrence-at-a-time order)."""
-    u = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-    first = tl.load(starts + u, mask=u < N, other=N)
-    end = tl.load(starts + u + 1, mask=first < N, other=N)
-    joined = end - first > PIECE
-    count = tl.where(joined, (end - first + PIECE - 1) // PIECE, 0)
-    most = tl.max(count, axis=0)
-    if most > 0:
-        d = tl.arange(0, BLOCK_D)
-        dm = d < D
-        acc = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
-        for i0 in range(0, most, UNROLL):
-            for ii in tl.static_range(UNROLL):
-                i = i0 + ii
-                at = first + i * PIECE
-                slot = (at // PIECE) * 2 + tl.where(end - at >= PIECE, 1, 0)
-                valid = i < count
-                acc += tl.load(pieces + slot[:, None] * D + d[None, :], mask=valid[:, None] & dm[None, :], other=0.0)
-        row = tl.load(sorted_ids + first, mask=joined, other=0)
-        tl.store(rows_out + u, row, mask=joined)
-        m2 = joined[:, None] & dm[None, :]
-        tl.store(sums + u[:, None] * D + d[None, :], acc, mask=m2)
-        tl.atomic_max(status, tl.max(tl.max(tl.where(m2, _abs_bits(acc), 0), axis=1), axis=0))
+    if tl.load(stats + 3) != 0:
+        u = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+        first = tl.load(starts + u, mask=u < N, other=N)
+        end = tl.load(starts + u + 1, mask=first < N, other=N)
+        joined = end - first > PIECE
+        count = tl.where(joined, (end - first + PIECE - 1) // PIECE, 0)
+        most = tl.max(count, axis=0)
+        if most > 0:
+            d = tl.arange(0, BLOCK_D)
+            dm = d < D
+            acc = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
+            for i0 in range(0, most, UNROLL):
+                for ii in tl.static_range(UNROLL):
+                    i = i0 + ii
+                    at = first + i * PIECE
+                    slot = (at // PIECE) * 2 + tl.where(end - at >= PIECE, 1, 0)
+                    m = (i < count)[:, None] & dm[None, :]
+                    acc += tl.load(pieces + slot[:, None] * D + d[None, :], mask=m, other=0.0)
+            row = tl.load(sorted_ids + first, mask=joined, other=0)
+            tl.store(rows_out + u, row, mask=joined)
+            m2 = joined[:, None] & dm[None, :]
+            tl.store(sums + u[:, None] * D + d[None, :], acc, mask=m2)
+            tl.atomic_max(stats + 1, tl.max(tl.max(tl.where(m2, _abs_bits(acc), 0), axis=1), axis=0).to(tl.int64))
 
 
 @triton.jit
@@ -382,7 +358,7 @@ def update_kernel(
     s0,  # float32 [V, D] slots, in the optimizer's slot order (unused ones: any float32 buffer)
     s1,
     s2,
-    bad_row,  # int64 [1]: min over rows whose new values are not finite (V when none)
+    bad_row,  # int64 [1]: min over rows whose new values are not finite (V when none; the dry run only)
     maxabs,  # int32 [4]: max |new value| bits of (weights, *slots) when MEASURE
     U,
     D,
@@ -533,10 +509,11 @@ def update_kernel(
         worst = tl.maximum(worst, bits_b)
     if NSLOTS >= 3:
         worst = tl.maximum(worst, bits_c)
-    first_bad = tl.min(tl.where(worst >= F32_INF_BITS, row, V), axis=0)
-    if first_bad < V:
-        tl.atomic_min(bad_row, first_bad)
-    if WRITE:
+    if not WRITE:  # the dry run: the first row that would not be finite
+        first_bad = tl.min(tl.where(worst >= F32_INF_BITS, row, V), axis=0)
+        if first_bad < V:
+            tl.atomic_min(bad_row, first_bad)
+    else:
         tl.store(weights + at, x, mask=dm)
         if NSLOTS >= 1:
             tl.store(s0 + at, a, mask=dm)
@@ -586,115 +563,3 @@ def validate_kernel(
         flag |= tl.where((first != 0) | (last != n), 2, 0)
     if flag != 0:
         tl.atomic_or(flags + f, flag)
-
-
-@triton.jit
-def chunk_sums_kernel(
-    sorted_ids,  # int64 [N]
-    perm,  # int64 [N]
-    runs,  # int64 [N]: the distinct row (run) of each sorted position
-    starts,  # int64 [N + 2]: first sorted position of each run; N past the last one
-    segs,  # int64 [N]
-    coeffs,  # float32 [N] (read when HAS_COEFFS)
-    feats,  # int64 [N] (read when MULTI)
-    grad_ptrs,  # int64 [F_t]
-    grad_lds,  # int64 [F_t]
-    grad_rows,  # int64 [F_t]
-    rows_out,  # int64 [N]
-    sums,  # float32 [N, D]: runs inside one chunk are written here
-    heads,  # float32 [C, D]: chunk c's part of a run that began in an earlier chunk
-    tails,  # float32 [C, D]: chunk c's part of a run that began in it and goes on past it
-    status,  # int32 [2], as row_sums_kernel's
-    N,
-    D,
-    V,
-    HAS_COEFFS: tl.constexpr,
-    MULTI: tl.constexpr,
-    CHUNK: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
-    """The chunked per-row sums, pass 1 (``EMBTABLES_GPU_ROW_SUMS=chunked``): program c adds the occurrences
-    of sorted positions [c CHUNK, (c + 1) CHUNK) one at a time, in occurrence order, and writes each run's
-    part: a run inside the chunk is complete (the CPU's bits); a run crossing a chunk edge leaves its part
-    in ``tails`` (where it begins) or ``heads`` (the chunks it continues in), for ``chunk_join_kernel``."""
-    c = tl.program_id(0).to(tl.int64)
-    base = c * CHUNK
-    d = tl.arange(0, BLOCK_D)
-    dm = d < D
-    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
-    cur = tl.load(runs + base)
-    bad = tl.zeros([], dtype=tl.int32)
-    for j in tl.static_range(CHUNK):
-        k = base + j
-        valid = k < N
-        r = tl.load(runs + k, mask=valid, other=-1)
-        if valid & (r != cur):  # the run changes: its part in this chunk is done
-            bad += _flush_run(cur, acc, c, sorted_ids, starts, rows_out, sums, heads, tails, status, D, V, CHUNK, d, dm)
-            acc = tl.zeros([BLOCK_D], dtype=tl.float32)
-            cur = r
-        g, outside = _occurrence_gradient(
-            k, valid, perm, segs, coeffs, feats, grad_ptrs, grad_lds, grad_rows, d, dm, HAS_COEFFS, MULTI, False
-        )
-        bad += outside
-        acc += g  # an occurrence masked off adds +0.0: exact
-    bad += _flush_run(cur, acc, c, sorted_ids, starts, rows_out, sums, heads, tails, status, D, V, CHUNK, d, dm)
-    if bad > 0:
-        tl.atomic_or(status + 1, 1)
-
-
-@triton.jit
-def _flush_run(run, acc, c, sorted_ids, starts, rows_out, sums, heads, tails, status, D, V, CHUNK, d, dm):
-    """Write chunk c's part ``acc`` of ``run``; returns 1 when the run's row is outside the table."""
-    first = tl.load(starts + run)
-    last = tl.load(starts + run + 1) - 1
-    c0 = first // CHUNK
-    c1 = last // CHUNK
-    bad = tl.zeros([], dtype=tl.int32)
-    if c0 == c1:  # the whole run is in this chunk
-        row = tl.load(sorted_ids + first)
-        bad = tl.where((row < 0) | (row >= V), 1, 0)
-        tl.store(rows_out + run, row)
-        tl.store(sums + run * D + d, acc, mask=dm)
-        tl.atomic_max(status, tl.max(tl.where(dm, _abs_bits(acc), 0), axis=0))
-    elif c == c0:
-        tl.store(tails + c * D + d, acc, mask=dm)
-    else:
-        tl.store(heads + c * D + d, acc, mask=dm)
-    return bad
-
-
-@triton.jit
-def chunk_join_kernel(
-    sorted_ids,
-    starts,
-    rows_out,
-    sums,
-    heads,
-    tails,
-    status,
-    N,
-    D,
-    V,
-    CHUNK: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
-    """Pass 2: a run that crosses chunk edges is its first chunk's tail plus the heads of the chunks it goes
-    on in, added in chunk order (within float32 rounding of the CPU's one-by-one order)."""
-    u = tl.program_id(0).to(tl.int64)
-    first = tl.load(starts + u)
-    if first < N:
-        last = tl.load(starts + u + 1) - 1
-        c0 = first // CHUNK
-        c1 = last // CHUNK
-        if c0 != c1:
-            d = tl.arange(0, BLOCK_D)
-            dm = d < D
-            acc = tl.load(tails + c0 * D + d, mask=dm, other=0.0)
-            for c in range(c0 + 1, c1 + 1):
-                acc += tl.load(heads + c * D + d, mask=dm, other=0.0)
-            row = tl.load(sorted_ids + first)
-            tl.store(rows_out + u, row)
-            tl.store(sums + u * D + d, acc, mask=dm)
-            tl.atomic_max(status, tl.max(tl.where(dm, _abs_bits(acc), 0), axis=0))
-            if (row < 0) | (row >= V):
-                tl.atomic_or(status + 1, 1)

@@ -1,7 +1,8 @@
 """The training step of CUDA tables on the fused GPU kernels (``kernels/gpu.py``): the lookup of every
-feature in one launch, phase 1 (dedup and per-row sums) in one launch per table, phase 2 (the fused
-update) in one launch per table. Same contract as the CPU step (``tables/collection.py``): every error
-is raised before any table or slot is written, with the same messages.
+feature in one launch, phase 1 (dedup and per-row sums) per table in one sort, one cumulative sum and
+four small kernels, phase 2 (the fused update) in one launch per table. Same contract as the CPU step
+(``tables/collection.py``): every error is raised before any table or slot is written, with the same
+messages.
 
 Host syncs: the lookup reads its status once (ids outside a table, non-finite activations); phase 1
 reads every table's row count, largest |summed gradient| and input check in one transfer, which is
@@ -73,22 +74,21 @@ def table_gradients(
 ) -> dict[str, TableGradient]:
     """Phase 1 on the GPU for every table with gradient accumulation: distinct rows, their summed
     gradients and the largest |sum| per table, read back in one sync. Raises before anything is written."""
+    accumulated = [t for t in coll.resolved.tables if t.optimizer.use_gradient_accumulation]
+    if not accumulated:
+        return {}
+    stats = torch.zeros((len(accumulated), 4), dtype=torch.int64, device=coll.device)  # every table's, one sync
     pending: list[tuple[Any, gpu.RowSums]] = []
-    for table in coll.resolved.tables:
-        if not table.optimizer.use_gradient_accumulation:
-            continue
+    for i, table in enumerate(accumulated):
         parts = []
         for f in table.feature_indices:
             batch, g = batches[f], grads[f]
             if g is None:
                 g = torch.zeros((batch.num_segments, table.dim), dtype=torch.float32, device=coll.device)
             parts.append((batch.ids, batch.seg, batch.coeffs, g))
-        pending.append((table, gpu.row_sums(parts, table.vocabulary_size, table.dim)))
-    if not pending:
-        return {}
-    stats = torch.stack([torch.cat([rs.count.view(1), rs.status.to(torch.int64)]) for _, rs in pending]).tolist()
+        pending.append((table, gpu.row_sums(parts, table.vocabulary_size, table.dim, stats[i])))
     out = {}
-    for (table, rs), (count, maxbits, bad) in zip(pending, stats):
+    for (table, rs), (count, maxbits, bad, _) in zip(pending, stats.tolist()):
         if bad:
             raise InputError(
                 f"table {table.name!r}: ids or offsets changed after they were validated (an input buffer was "
@@ -125,14 +125,14 @@ def checked_update(coll: EmbeddingCollection, tg: TableGradient, lr: float, deca
     new_bounds = coll.guard.proven(table, lr, decay, gmax)
     if new_bounds is None:
         bad, _ = gpu.update(rows, grads, state.weights, slots, params, write=False, measure=False)
-        row = int(bad.item())
+        row = table.vocabulary_size if bad is None else int(bad.item())
         if row < table.vocabulary_size:
             raise non_finite_update(table, row, lr)
     measure = new_bounds is None or bounds_compound(opt)
 
     def write() -> None:
         _, maxabs = gpu.update(rows, grads, state.weights, slots, params, write=True, measure=measure)
-        if measure:
+        if maxabs is not None:
             written = gpu.bits_to_float(maxabs.tolist()[: 1 + len(slots)])
             coll.guard.after_write(table, written, measured=True)
         else:

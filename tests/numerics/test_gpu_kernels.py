@@ -88,24 +88,8 @@ def test_lookup_refuses_buffers_the_kernel_cannot_read() -> None:
         gpu.lookup_many([(table, ids, offsets, None)], [torch.zeros((2, 4), device=DEVICE)])
 
 
-@pytest.fixture(params=["pieces", "rows", "chunked"])
-def row_sums_variant(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """The per-row sum kernels: tiles of pieces (the default), one program per distinct row, chunks."""
-    if request.param != "pieces":
-        monkeypatch.setenv("EMBTABLES_GPU_ROW_SUMS", str(request.param))
-    return str(request.param)
-
-
-@pytest.fixture(params=["tiles", "one-row"])
-def tile_shape(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """The kernels' tiles of rows (the default) and one row per program (``EMBTABLES_GPU_TILE=0``)."""
-    if request.param == "one-row":
-        monkeypatch.setenv("EMBTABLES_GPU_TILE", "0")
-    return str(request.param)
-
-
 @pytest.mark.parametrize("multi", [False, True])
-def test_row_sums_match_dedup_sum(multi: bool, row_sums_variant: str, tile_shape: str) -> None:
+def test_row_sums_match_dedup_sum(multi: bool) -> None:
     gen = torch.Generator().manual_seed(1)
     vocab, dim = 40, 5
     parts, all_ids, all_grads = [], [], []
@@ -120,14 +104,11 @@ def test_row_sums_match_dedup_sum(multi: bool, row_sums_variant: str, tile_shape
     # the CPU reference adds each row's occurrences one by one in occurrence order, as the kernel does
     rows, sums = dedup_sum(torch.cat(all_ids).cpu(), torch.cat(all_grads).cpu())
     got = gpu.row_sums(parts, vocab, dim)
-    u = int(got.count)
-    assert u == rows.numel() and got.status.tolist()[1] == 0
+    u, maxbits, bad, long_runs = got.stats.tolist()
+    assert u == rows.numel() and bad == 0 and long_runs == 0
     assert torch.equal(got.rows[:u].cpu(), rows)
-    if row_sums_variant != "chunked":
-        assert torch.equal(got.sums[:u].cpu(), sums), "the same float32 additions in the same order: the same bits"
-    else:  # a run crossing a chunk edge is added chunk by chunk
-        torch.testing.assert_close(got.sums[:u].cpu(), sums, rtol=1e-6, atol=1e-6)
-    assert gpu.bits_to_float([got.status.tolist()[0]])[0] == float(sums.abs().max())
+    assert torch.equal(got.sums[:u].cpu(), sums), "the same float32 additions in the same order: the same bits"
+    assert gpu.bits_to_float([maxbits])[0] == float(sums.abs().max())
 
 
 def test_validate_inputs_flags_each_broken_rule_per_feature() -> None:
@@ -146,9 +127,9 @@ def test_validate_inputs_flags_each_broken_rule_per_feature() -> None:
     assert gpu.validate_inputs(parts).tolist() == [0, 0, 1, 2, 2, 2, 1, 0]
 
 
-def test_chunked_row_sums_join_a_hot_row_across_chunks(row_sums_variant: str) -> None:
-    """A row with 200 occurrences spans seven chunks of 32: its chunks' parts are joined in chunk order
-    (within float32 rounding of the one-by-one sum); rows inside one chunk keep the CPU's bits."""
+def test_row_sums_join_a_hot_row_from_pieces() -> None:
+    """A row with 200 occurrences is two pieces (128 + 72), joined in order (within float32 rounding of the
+    one-by-one sum); every other row keeps the CPU's bits."""
     gen = torch.Generator().manual_seed(3)
     ids = torch.cat([torch.full((200,), 7), torch.randint(0, 50, (90,), generator=gen)])
     ids = ids[torch.randperm(ids.numel(), generator=gen)].to(DEVICE)
@@ -156,24 +137,17 @@ def test_chunked_row_sums_join_a_hot_row_across_chunks(row_sums_variant: str) ->
     grad = torch.randn(ids.numel(), 6, generator=gen).to(DEVICE)
     got = gpu.row_sums([(ids, seg, None, grad)], 50, 6)
     rows, sums = dedup_sum(ids.cpu(), grad.cpu())
-    u = int(got.count)
-    assert torch.equal(got.rows[:u].cpu(), rows) and got.status.tolist()[1] == 0
+    u, _, bad, long_runs = got.stats.tolist()
+    assert torch.equal(got.rows[:u].cpu(), rows) and bad == 0 and long_runs == 1
     exact64 = torch.zeros(50, 6, dtype=torch.float64).index_add_(0, ids.cpu(), grad.cpu().double())[rows]
     torch.testing.assert_close(got.sums[:u].cpu().double(), exact64, rtol=1e-5, atol=1e-5)
     hot = int((rows == 7).nonzero())
     others = torch.arange(u) != hot
-    if row_sums_variant == "rows":
-        assert torch.equal(got.sums[:u].cpu(), sums)
-    elif row_sums_variant == "pieces":  # pieces of 128 occurrences: only the hot row is joined
-        same = (got.sums[:u].cpu() == sums).all(dim=1)
-        assert bool(same[others].all())
-    else:  # the rows that fit in one chunk; a few short ones that cross an edge may differ in the last bit
-        same = (got.sums[:u].cpu() == sums).all(dim=1)
-        assert same[others].float().mean() > 0.8
+    assert torch.equal(got.sums[:u][others].cpu(), sums[others])
 
 
 @pytest.mark.parametrize("dim", [3, 8, 64])
-def test_row_sums_pieces_of_long_runs_meet_in_order(row_sums_variant: str, tile_shape: str, dim: int) -> None:
+def test_row_sums_pieces_of_long_runs_meet_in_order(dim: int) -> None:
     """Long runs side by side (129, 128, 256, 300, 1 and 127 occurrences), so that a run's short last piece
     and the next run's whole first piece begin in the same 128 positions: every run's sum is right, runs
     of at most 128 occurrences keep the CPU's bits."""
@@ -186,22 +160,28 @@ def test_row_sums_pieces_of_long_runs_meet_in_order(row_sums_variant: str, tile_
     grad = torch.randn(64, dim, generator=gen).to(DEVICE)
     got = gpu.row_sums([(ids, seg, coeffs, grad)], 60, dim)
     rows, sums = dedup_sum(ids.cpu(), occurrence_gradients(grad, seg, coeffs).cpu())
-    u = int(got.count)
-    assert torch.equal(got.rows[:u].cpu(), rows) and got.status.tolist()[1] == 0
+    u, maxbits, bad, _ = got.stats.tolist()
+    assert torch.equal(got.rows[:u].cpu(), rows) and bad == 0
     occ64 = grad.cpu().double()[seg.cpu()] * coeffs.cpu().double()[:, None]
     exact64 = torch.zeros(60, dim, dtype=torch.float64).index_add_(0, ids.cpu(), occ64)[rows]
     torch.testing.assert_close(got.sums[:u].cpu().double(), exact64, rtol=1e-5, atol=1e-4)
-    if row_sums_variant != "chunked":
-        counts = torch.bincount(ids.cpu(), minlength=60)[rows]
-        same = (got.sums[:u].cpu() == sums).all(dim=1)
-        assert bool(same[counts <= 128].all())
-    assert gpu.bits_to_float([got.status.tolist()[0]])[0] == float(got.sums[:u].abs().max())
+    counts = torch.bincount(ids.cpu(), minlength=60)[rows]
+    same = (got.sums[:u].cpu() == sums).all(dim=1)
+    assert bool(same[counts <= 128].all())
+    assert gpu.bits_to_float([maxbits])[0] == float(got.sums[:u].abs().max())
 
 
-def test_row_sums_flag_rows_outside_the_table(row_sums_variant: str) -> None:
+def test_row_sums_flag_rows_outside_the_table() -> None:
     ids = torch.tensor([3, 9], device=DEVICE)
     got = gpu.row_sums([(ids, torch.tensor([0, 1], device=DEVICE), None, torch.ones((2, 2), device=DEVICE))], 5, 2)
-    assert got.status.tolist()[1] == 1
+    assert got.stats.tolist()[2] == 1
+
+
+def test_row_sums_flag_bags_outside_the_gradient() -> None:
+    ids = torch.tensor([3, 1], device=DEVICE)
+    got = gpu.row_sums([(ids, torch.tensor([0, 2], device=DEVICE), None, torch.ones((2, 2), device=DEVICE))], 5, 2)
+    assert got.stats.tolist()[2] == 1
+    assert torch.equal(got.sums[: got.stats.tolist()[0]].cpu(), torch.tensor([[0.0, 0.0], [1.0, 1.0]]))
 
 
 OPTIMIZERS: dict[str, Any] = {
@@ -240,7 +220,7 @@ def _state(opt: Any, gen: torch.Generator, vocab: int, dim: int) -> tuple[torch.
 
 
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
-def test_fused_update_matches_the_torch_row_math(name: str, tile_shape: str) -> None:
+def test_fused_update_matches_the_torch_row_math(name: str) -> None:
     opt = OPTIMIZERS[name]()
     gen = torch.Generator().manual_seed(2)
     vocab, dim = 200, 6
@@ -256,11 +236,12 @@ def test_fused_update_matches_the_torch_row_math(name: str, tile_shape: str) -> 
     assert bad.tolist() == [vocab]
     assert torch.equal(weights, before[0]) and all(torch.equal(a, b) for a, b in zip(slots, before[1]))
     bad, maxabs = gpu.update(rows, sums, weights, slots, params, write=True, measure=True)
-    assert bad.tolist() == [vocab]
-    rtol = 1e-6 if name not in ("adagrad_momentum", "ftrl_power") else 2e-6  # powf
-    torch.testing.assert_close(weights[rows], w_exp, rtol=rtol, atol=1e-7)
+    assert bad is None and maxabs is not None  # a write finds no bad rows (the dry run or the proof did)
+    # powf: libdevice against torch's pow differ by an ulp or two, and FTRL subtracts two nearby powers
+    tol = {"adagrad_momentum": 2e-6, "ftrl_power": 2e-5}.get(name, 1e-6)
+    torch.testing.assert_close(weights[rows], w_exp, rtol=tol, atol=1e-7 if tol < 1e-5 else tol)
     for got, exp in zip(slots, s_exp):
-        torch.testing.assert_close(got[rows], exp, rtol=rtol, atol=1e-7)
+        torch.testing.assert_close(got[rows], exp, rtol=tol, atol=1e-7 if tol < 1e-5 else tol)
     untouched = torch.ones(vocab, dtype=torch.bool, device=DEVICE)
     untouched[rows] = False
     assert torch.equal(weights[untouched], before[0][untouched])
@@ -270,7 +251,7 @@ def test_fused_update_matches_the_torch_row_math(name: str, tile_shape: str) -> 
         assert measured[1 + i] == float(s[rows].abs().max())
 
 
-def test_fused_update_finds_the_first_row_that_would_overflow(tile_shape: str) -> None:
+def test_fused_update_finds_the_first_row_that_would_overflow() -> None:
     opt = et.SGD(1e38)
     weights = torch.full((6, 2), -3e38, device=DEVICE)
     rows = torch.tensor([1, 4, 5], device=DEVICE)
