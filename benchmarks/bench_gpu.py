@@ -212,6 +212,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--modes", default="forward,train")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--tiles", default="", help="also time the fused kernels with these FLOATSxUNROLL tiles")
     p.add_argument("--profile", action="store_true", help="print torch.profiler's table of each embtables step")
     args = p.parse_args(argv)
     device = torch.device(args.device)
@@ -236,6 +237,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         "embtables-torch": embtables_step,
         "torch": torch_step,
     }
+    # --tiles 2048x4,1024x2: the fused kernels once per (floats per tile, unroll of the per-row sums),
+    # as impls "embtables[2048x4]" ... (the default stays "embtables")
+    default_tile, default_unroll = gpu._TILE_FLOATS, gpu._SUMS_UNROLL
+    tile_configs: dict[str, tuple[int, int]] = {}
+    for spec in filter(None, args.tiles.split(",")):
+        floats, unroll = (int(v) for v in spec.split("x"))
+        tile_configs[f"embtables[{spec}]"] = (floats, unroll)
+    impls = args.impls.split(",")
+    if "embtables" in impls:
+        at = impls.index("embtables") + 1
+        impls[at:at] = list(tile_configs)
     for wname in args.workloads.split(","):
         wl = WORKLOADS[wname]
         ids = make_ids(wl, device, seed=0)
@@ -243,10 +255,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             for mode in args.modes.split(","):
                 nbytes = useful_bytes(wl, ids, SLOTS[opt], mode)
                 base = None
-                for impl in args.impls.split(","):
+                for impl in impls:
                     gpu.set_enabled(impl != "embtables-torch")
+                    floats, unroll = tile_configs.get(impl, (default_tile, default_unroll))
+                    gpu._TILE_FLOATS, gpu._SUMS_UNROLL = floats, unroll  # read at each launch
                     try:
-                        step = makers[impl](wl, opt, ids, mode, device)
+                        step = makers[impl.split("[")[0]](wl, opt, ids, mode, device)
                     except LookupError as exc:
                         emit({"skipped": impl, "workload": wname, "optimizer": opt, "mode": mode, "why": str(exc)})
                         continue
@@ -277,6 +291,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         flush=True,
                     )
     gpu.set_enabled(True)
+    gpu._TILE_FLOATS, gpu._SUMS_UNROLL = default_tile, default_unroll
     return 0
 
 

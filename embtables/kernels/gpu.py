@@ -30,6 +30,8 @@ _state: dict[str, Any] = {"module": None, "failed": False, "enabled": True, "on_
 F32_INF_BITS = 0x7F800000
 _MAX_GRID_Y = 65535
 _PIECE = 128  # occurrences of a run summed by one lane; longer runs are cut into pieces and joined
+_SUMS_UNROLL = 4  # occurrences whose loads a lane of the per-row sums has in flight
+_TILE_FLOATS = 2048  # floats in a tile of rows (ROWS x BLOCK_D)
 
 
 class GpuBufferError(RuntimeError):
@@ -115,7 +117,7 @@ def _tile(dim: int) -> tuple[int, int, int]:
     """(ROWS, BLOCK_D, num_warps) of a kernel that works on a [ROWS, BLOCK_D] tile of rows: about 2048
     floats a program, in four warps."""
     block_d = _pow2(dim, 16)
-    rows = max(1, min(32, 2048 // block_d))
+    rows = max(1, min(32, _TILE_FLOATS // block_d))
     return rows, block_d, max(1, min(8, rows * block_d // 512))
 
 
@@ -267,12 +269,14 @@ def row_sums(parts: Sequence[GradPart], vocabulary_size: int, dim: int, stats: T
         grad_args = (grads[0], grads[0].stride(0), grads[0].shape[0], segs, segs, segs)
     tile_rows, block_d, warps = _tile(dim)
     pieces = torch.empty((2 * -(-n // _PIECE), dim), dtype=torch.float32, device=device)
-    k.piece_sums_kernel[(-(-n // tile_rows),)](
-        sorted_ids, runs1, starts, sorted_segs, sorted_coeffs, sorted_feats, *grad_args, rows, sums, pieces,
-        stats, n, dim, vocabulary_size, HAS_COEFFS=has_coeffs, MULTI=multi,
-        ALIGNED=dim % 4 == 0 and all(_aligned(g, g.stride(0)) for g in grads), PIECE=_PIECE, UNROLL=4,
-        ROWS=tile_rows, BLOCK_D=block_d, num_warps=warps, enable_fp_fusion=False,
-    )  # fmt: skip
+    aligned = dim % 4 == 0 and all(_aligned(g, g.stride(0)) for g in grads)
+    for first_pieces in (True, False):  # the later pieces' launch returns at once unless a run is long
+        k.piece_sums_kernel[(-(-n // tile_rows),)](
+            sorted_ids, runs1, starts, sorted_segs, sorted_coeffs, sorted_feats, *grad_args, rows, sums,
+            pieces, stats, n, dim, vocabulary_size, HAS_COEFFS=has_coeffs, MULTI=multi, ALIGNED=aligned,
+            FIRST=first_pieces, PIECE=_PIECE, UNROLL=_SUMS_UNROLL, ROWS=tile_rows, BLOCK_D=block_d,
+            num_warps=warps, enable_fp_fusion=False,
+        )  # fmt: skip
     k.piece_join_kernel[(-(-n // tile_rows),)](
         sorted_ids, starts, rows, sums, pieces, stats, n, dim, PIECE=_PIECE, UNROLL=8, ROWS=tile_rows,
         BLOCK_D=block_d, num_warps=warps, enable_fp_fusion=False,

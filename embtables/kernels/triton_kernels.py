@@ -260,23 +260,35 @@ def piece_sums_kernel(
     HAS_COEFFS: tl.constexpr,
     MULTI: tl.constexpr,
     ALIGNED: tl.constexpr,  # every gradient and gradient row starts 16 bytes aligned
+    FIRST: tl.constexpr,  # the first pieces (lanes are runs), else the later ones (lanes are positions)
     PIECE: tl.constexpr,
     UNROLL: tl.constexpr,
     ROWS: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
     """The per-row gradient sums, pass 1. A run of equal sorted ids is cut into pieces of PIECE occurrences
-    from its start; lane k of a [ROWS, BLOCK_D] tile sums the piece that begins at sorted position k (if
-    one does), one occurrence at a time in occurrence order. A run of at most PIECE occurrences is one
-    piece, written as its distinct row's sum (the C kernel's additions: the CPU's bits); the pieces of a
-    longer run go to ``pieces`` (slot 2 (k // PIECE) + (a whole piece), unique: two pieces that begin in
-    the same PIECE positions are a run's short last one and the next run's whole first one)."""
-    k = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-    km = k < N
-    run = tl.load(runs1 + k, mask=km, other=1) - 1
-    first = tl.load(starts + run, mask=km, other=0)
-    end = tl.load(starts + run + 1, mask=km, other=0)
-    lead = km & ((k - first) % PIECE == 0)  # lane k begins a piece
+    from its start, each summed by one lane of a [ROWS, BLOCK_D] tile one occurrence at a time, in
+    occurrence order. FIRST: lane u sums the first piece of run u (two contiguous loads find it); else,
+    only when a run is longer than PIECE (``stats[3]``), lane k sums the later piece that begins at
+    sorted position k, if one does. A run of at most PIECE occurrences is one piece, written as its
+    distinct row's sum (the C kernel's additions: the CPU's bits); the pieces of a longer run go to
+    ``pieces`` (slot 2 (k // PIECE) + (a whole piece), unique: two pieces that begin in the same PIECE
+    positions are a run's short last one and the next run's whole first one)."""
+    lane = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    if FIRST:
+        run = lane
+        first = tl.load(starts + run, mask=lane < N, other=N)
+        end = tl.load(starts + run + 1, mask=first < N, other=N)
+        k = first
+        lead = first < N
+    else:
+        todo = tl.load(stats + 3)
+        km = (lane < N) & ((lane * 0 + todo) != 0)  # blocks only in masks (Triton 3.9's interpreter)
+        run = tl.load(runs1 + lane, mask=km, other=1) - 1
+        first = tl.load(starts + run, mask=km, other=0)
+        end = tl.load(starts + run + 1, mask=km, other=0)
+        k = lane
+        lead = km & (k > first) & ((k - first) % PIECE == 0)  # lane k begins a later piece
     length = tl.where(lead, tl.minimum(end - k, PIECE), 0)
     longest = tl.max(length, axis=0)
     if longest > 0:
