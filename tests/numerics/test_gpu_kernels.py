@@ -146,11 +146,12 @@ def test_row_sums_join_a_hot_row_from_pieces() -> None:
     assert torch.equal(got.sums[:u][others].cpu(), sums[others])
 
 
-@pytest.mark.parametrize("dim", [3, 8, 64])
-def test_row_sums_pieces_of_long_runs_meet_in_order(dim: int) -> None:
+@pytest.mark.parametrize(("dim", "multi"), [(3, False), (8, True), (64, False)])
+def test_row_sums_pieces_of_long_runs_meet_in_order(dim: int, multi: bool) -> None:
     """Long runs side by side (129, 128, 256, 300, 1 and 127 occurrences), so that a run's short last piece
     and the next run's whole first piece begin in the same 128 positions: every run's sum is right, runs
-    of at most 128 occurrences keep the CPU's bits."""
+    of at most 128 occurrences keep the CPU's bits. ``multi``: the occurrences split over two features of
+    the table (their gradients apart, the second without coefficients)."""
     gen = torch.Generator().manual_seed(11)
     lengths = {5: 129, 6: 128, 9: 256, 11: 300, 12: 1, 20: 127, 21: 131}
     ids = torch.cat([torch.full((n,), r) for r, n in lengths.items()] + [torch.randint(30, 60, (200,), generator=gen)])
@@ -158,11 +159,21 @@ def test_row_sums_pieces_of_long_runs_meet_in_order(dim: int) -> None:
     seg = torch.randint(0, 64, (ids.numel(),), generator=gen).to(DEVICE)
     coeffs = torch.rand(ids.numel(), generator=gen).to(DEVICE)
     grad = torch.randn(64, dim, generator=gen).to(DEVICE)
-    got = gpu.row_sums([(ids, seg, coeffs, grad)], 60, dim)
-    rows, sums = dedup_sum(ids.cpu(), occurrence_gradients(grad, seg, coeffs).cpu())
-    u, maxbits, bad, _ = got.stats.tolist()
-    assert torch.equal(got.rows[:u].cpu(), rows) and bad == 0
-    occ64 = grad.cpu().double()[seg.cpu()] * coeffs.cpu().double()[:, None]
+    if multi:
+        half = ids.numel() // 2
+        grad2 = torch.randn(64, dim, generator=gen).to(DEVICE)
+        parts = [(ids[:half], seg[:half], coeffs[:half], grad), (ids[half:], seg[half:], None, grad2)]
+        occ = torch.cat([occurrence_gradients(grad, seg[:half], coeffs[:half]), grad2[seg[half:]]])
+        occ64 = torch.cat([grad.cpu().double()[seg[:half].cpu()] * coeffs[:half].cpu().double()[:, None],
+                           grad2.cpu().double()[seg[half:].cpu()]])  # fmt: skip
+    else:
+        parts = [(ids, seg, coeffs, grad)]
+        occ = occurrence_gradients(grad, seg, coeffs)
+        occ64 = grad.cpu().double()[seg.cpu()] * coeffs.cpu().double()[:, None]
+    got = gpu.row_sums(parts, 60, dim)
+    rows, sums = dedup_sum(ids.cpu(), occ.cpu())
+    u, maxbits, bad, long_runs = got.stats.tolist()
+    assert torch.equal(got.rows[:u].cpu(), rows) and bad == 0 and long_runs == 1
     exact64 = torch.zeros(60, dim, dtype=torch.float64).index_add_(0, ids.cpu(), occ64)[rows]
     torch.testing.assert_close(got.sums[:u].cpu().double(), exact64, rtol=1e-5, atol=1e-4)
     counts = torch.bincount(ids.cpu(), minlength=60)[rows]
