@@ -50,11 +50,13 @@ def _abs_bits(x):
 @triton.jit
 def _pow(x, e, LIBDEVICE: tl.constexpr):
     """``powf(x, e)`` for x >= 0: libdevice on the GPU; in Triton's CPU interpreter (tests), which has no
-    libdevice, exp(e log x) in float64, rounded once."""
+    libdevice, exp(e log x) in float64, rounded once, and 1 where e is 0 (C's powf(0, 0), where the
+    logarithm would give -inf * 0)."""
     if LIBDEVICE:
         return libdevice.pow(x, e + tl.zeros_like(x))
     else:
-        return tl.exp(tl.log(x.to(tl.float64)) * e).to(tl.float32)
+        e_x = e + tl.zeros_like(x)  # a block: the interpreter's where takes blocks
+        return tl.where(e_x == 0.0, 1.0, tl.exp(tl.log(x.to(tl.float64)) * e).to(tl.float32))
 
 
 @triton.jit
