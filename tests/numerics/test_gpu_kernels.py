@@ -182,6 +182,37 @@ def test_row_sums_pieces_of_long_runs_meet_in_order(dim: int, multi: bool) -> No
     assert gpu.bits_to_float([maxbits])[0] == float(got.sums[:u].abs().max())
 
 
+@pytest.mark.parametrize(("dim", "n"), [(300, 40), (2500, 9), (4, 1)])
+def test_row_sums_and_update_for_wide_rows_and_tiny_batches(dim: int, n: int) -> None:
+    """Tiles of fewer rows for wide tables (300 floats: 4 rows of 512; 2500: one row a program) and a
+    batch of one id: the same sums and the same update as the torch kernels."""
+    gen = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, 7, (n,), generator=gen).to(DEVICE)
+    seg = torch.arange(n, device=DEVICE)
+    grad = torch.randn(n, dim, generator=gen).to(DEVICE)
+    got = gpu.row_sums([(ids, seg, None, grad)], 7, dim)
+    rows, sums = dedup_sum(ids.cpu(), grad.cpu())
+    u = got.stats.tolist()[0]
+    assert torch.equal(got.rows[:u].cpu(), rows) and torch.equal(got.sums[:u].cpu(), sums)
+    opt = et.Adagrad(0.1)
+    weights, slots = _state(opt, gen, 7, dim)
+    w_exp, s_exp = update_rows(weights[got.rows[:u]], (slots[0][got.rows[:u]],), got.sums[:u], opt=opt, lr=0.1,
+                               clip_gradients=True)  # fmt: skip
+    params = gpu.update_parameters(opt, 0.1, 0.0)
+    bad, _ = gpu.update(got.rows[:u], got.sums[:u], weights, slots, params, write=False, measure=False)
+    assert bad is not None and bad.tolist() == [7]
+    gpu.update(got.rows[:u], got.sums[:u], weights, slots, params, write=True, measure=False)
+    torch.testing.assert_close(weights[got.rows[:u]], w_exp, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(slots[0][got.rows[:u]], s_exp[0], rtol=1e-6, atol=1e-7)
+
+
+def test_row_sums_of_no_ids() -> None:
+    got = gpu.row_sums(
+        [(torch.zeros(0, dtype=torch.int64, device=DEVICE),) * 2 + (None, torch.zeros((0, 3), device=DEVICE))], 5, 3
+    )
+    assert got.stats.tolist() == [0, 0, 0, 0]
+
+
 def test_row_sums_flag_rows_outside_the_table() -> None:
     ids = torch.tensor([3, 9], device=DEVICE)
     got = gpu.row_sums([(ids, torch.tensor([0, 1], device=DEVICE), None, torch.ones((2, 2), device=DEVICE))], 5, 2)
