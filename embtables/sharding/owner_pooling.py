@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from embtables.config import ResolvedConfig, ResolvedTable
-from embtables.kernels import native
+from embtables.kernels import native, native_inputs
 from embtables.kernels.lookup import occurrence_gradients, pooled_lookup
 from embtables.kernels.segments import dedup_sum, segments_from_offsets
 from embtables.sharding import comm
@@ -138,7 +138,7 @@ def _split_by_owner(
         whole = b.offsets.numel() > 0 and int(b.offsets[0]) == 0 and int(b.offsets[-1]) == b.ids.numel()
         if plan.strategy in ("div", "mod") and whole and native.usable(b.ids, b.offsets, b.coeffs):
             fast.append((f, (b.ids, b.offsets, b.coeffs, plan.strategy, plan.vocabulary_size)))
-    done = native.split_by_owner([p for _, p in fast], world) if fast else None
+    done = native_inputs.split_by_owner([p for _, p in fast], world) if fast else None
     native_parts = dict(zip((f for f, _ in fast), done)) if done is not None else {}
     for k, f in enumerate(features):
         b = batches[f]

@@ -20,7 +20,7 @@ from torch import Tensor
 
 from embtables.config import Combiner, ResolvedFeature, ResolvedTable
 from embtables.errors import InputError
-from embtables.kernels import gpu, native
+from embtables.kernels import gpu, native, native_inputs
 from embtables.kernels.segments import offsets_from_segments, segment_sum, segments_from_offsets
 from embtables.tables.ragged import Ragged
 
@@ -144,7 +144,8 @@ class InputConverter:
         self.dynamic = table.config.dynamic is not None  # ids are keys: any int64 (spec §11)
         self.fast_path = not cfg.is_sequence and cfg.output_shape is None
         # (V, combiner code) for the native staging; V = 0 checks no range (a dynamic table's keys)
-        self.fast_part = (0 if self.dynamic else table.vocabulary_size, native.COMBINER_CODES[table.config.combiner])
+        code = native_inputs.COMBINER_CODES[table.config.combiner]
+        self.fast_part = (0 if self.dynamic else table.vocabulary_size, code)
 
     def fail(self, rule: str, fix: str, exc: type[Exception] = InputError) -> Exception:
         return exc(f"{self.who}: {rule} {fix}")
@@ -532,9 +533,9 @@ def convert_many(
     out: list[FeatureBatch | None] = [None] * len(converters)
     if fast:
         parts = [(v, s, *converters[i].fast_part) for i, v, s in fast]
-        ints, floats = native.staged_size(parts)
+        ints, floats = native_inputs.staged_size(parts)
         make = arena if arena is not None else (lambda n, dtype: torch.empty(n, dtype=dtype))
-        staged_all = native.stage_inputs_many(parts, make(ints, torch.int64), make(floats, torch.float32))
+        staged_all = native_inputs.stage_inputs_many(parts, make(ints, torch.int64), make(floats, torch.float32))
         for (i, _, splits), staged in zip(fast, staged_all):
             if staged is None:
                 continue

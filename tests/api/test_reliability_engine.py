@@ -91,7 +91,7 @@ def test_input_buffers_written_after_validation_never_reach_the_kernels(path: st
 NATIVE_CHECKS_CHILD = """
 import torch
 import embtables as et
-from embtables.kernels import native
+from embtables.kernels import native, native_inputs
 assert native.library() is not None
 table = torch.zeros(10, 4)
 ids = torch.tensor([1, 2, 10**9, -3])
@@ -107,7 +107,7 @@ ws = native.Workspace(4)
 assert status == 3, status
 arena = torch.full((64,), -7, dtype=torch.int64)
 coef = torch.full((16,), -7.0)
-staged = native.stage_inputs_many(
+staged = native_inputs.stage_inputs_many(
     [(torch.tensor([1, 2, 3]), torch.tensor([0, 1, 2, 3]), 10, 1),   # ok, one id per bag: no coefficients
      (torch.tensor([1, 10]), None, 10, 0),                           # an id out of range
      (torch.tensor([4, 5]), torch.tensor([0, 2, 1]), 10, 0),         # decreasing splits
@@ -126,13 +126,13 @@ small = torch.full((5,), -7, dtype=torch.int64)
 no_coef = torch.zeros(0)
 i64 = torch.zeros(8, dtype=torch.int64)
 try:
-    native.stage_inputs_many([(torch.tensor([1, 2, 3]), torch.tensor([0, 3]), 10, 0)], small, no_coef)  # 3 + 2
+    native_inputs.stage_inputs_many([(torch.tensor([1, 2, 3]), torch.tensor([0, 3]), 10, 0)], small, no_coef)  # 3 + 2
 except native.NativeBufferError:
     raise AssertionError("a batch that fits was refused")
 for too_big in ([(torch.tensor([1, 2, 3]), None, 10, 0)],                    # needs 3 + 4 = 7 > 5 ids
                 [(torch.tensor([1, 2]), torch.tensor([0, 2]), 10, 1)]):     # needs 2 coefficients, has 0
     try:
-        native.stage_inputs_many(too_big, small, no_coef)
+        native_inputs.stage_inputs_many(too_big, small, no_coef)
     except native.NativeBufferError:
         assert torch.equal(small[:5], torch.tensor([1, 2, 3, 0, 3])), small   # the first call's copy, untouched
     else:
@@ -145,11 +145,13 @@ for bad_call in (
     lambda: native.lookup_many([(table, torch.tensor([1], dtype=torch.int32), torch.tensor([0, 1]), None)]),
     lambda: native.lookup_many([(table, torch.tensor([1]), torch.tensor([0, 1]), torch.ones(3))]),
     lambda: native.prepare_many([(ws, 10, [(torch.tensor([1]), torch.tensor([0, 1]), None, torch.ones(1, 5))])]),
-    lambda: native.stage_inputs_many([(torch.tensor([1]), None, 10, 0)], i64.int(), coef),
-    lambda: native.stage_inputs_many([(torch.tensor([1]), None, 10, 0)], torch.zeros(16, dtype=torch.int64)[::2], coef),
-    lambda: native.stage_inputs_many([(torch.tensor([[1]]), None, 10, 0)], i64, coef),
-    lambda: native.stage_inputs_many([(torch.tensor([1]), None, 10, 0)], i64, coef.double()),
-    lambda: native.stage_inputs_many([(torch.tensor([1]), None, 10, 3)], i64, coef),
+    lambda: native_inputs.stage_inputs_many([(torch.tensor([1]), None, 10, 0)], i64.int(), coef),
+    lambda: native_inputs.stage_inputs_many(
+        [(torch.tensor([1]), None, 10, 0)], torch.zeros(16, dtype=torch.int64)[::2], coef
+    ),
+    lambda: native_inputs.stage_inputs_many([(torch.tensor([[1]]), None, 10, 0)], i64, coef),
+    lambda: native_inputs.stage_inputs_many([(torch.tensor([1]), None, 10, 0)], i64, coef.double()),
+    lambda: native_inputs.stage_inputs_many([(torch.tensor([1]), None, 10, 3)], i64, coef),
     lambda: native.apply_sequential(torch.tensor([1]), torch.ones(1, 4), table, (torch.ones(9, 4),),
                                     native.opt_params(et.Adagrad(0.1), 0.1, 0.0, clip_gradients=False)),
 ):

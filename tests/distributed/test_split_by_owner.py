@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from embtables.kernels import native
+from embtables.kernels import native, native_inputs
 from embtables.sharding.owner_pooling import _split_in_torch
 from embtables.sharding.plan import TablePlan
 from embtables.tables.inputs import FeatureBatch
@@ -29,7 +29,7 @@ def test_native_split_equals_the_torch_split(strategy: str, vocab: int, world: i
     batches = [_batch(vocab, 50, gen, weighted) for _ in range(3)]
     plan = TablePlan(strategy, vocab, world, 0)
     parts = [(b.ids, b.offsets, b.coeffs, strategy, vocab) for b in batches]
-    got = native.split_by_owner(parts, world)
+    got = native_inputs.split_by_owner(parts, world)
     assert got is not None
     for b, (local, coeffs, offsets, counts) in zip(batches, got):
         expected, n_per = _split_in_torch(b, plan, torch.device("cpu"), world)
@@ -45,11 +45,11 @@ def test_native_split_equals_the_torch_split(strategy: str, vocab: int, world: i
 def test_an_id_outside_the_table_or_bad_offsets_is_refused_in_c() -> None:
     offsets = torch.tensor([0, 2], dtype=torch.int64)
     with pytest.raises(native.NativeBufferError, match="outside"):
-        native.split_by_owner([(torch.tensor([0, 10]), offsets, None, "div", 10)], 2)
+        native_inputs.split_by_owner([(torch.tensor([0, 10]), offsets, None, "div", 10)], 2)
     with pytest.raises(native.NativeBufferError, match="bad offsets"):
-        native.split_by_owner([(torch.tensor([0, 1]), torch.tensor([0, 3]), None, "div", 10)], 2)
+        native_inputs.split_by_owner([(torch.tensor([0, 1]), torch.tensor([0, 3]), None, "div", 10)], 2)
     with pytest.raises(native.NativeBufferError):
-        native.split_by_owner([(torch.tensor([0, 1], dtype=torch.int32), offsets, None, "div", 10)], 2)
+        native_inputs.split_by_owner([(torch.tensor([0, 1], dtype=torch.int32), offsets, None, "div", 10)], 2)
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
