@@ -488,12 +488,13 @@ def _unweighted_coeffs(offsets: Tensor, combiner: str) -> Tensor | None:
 
 
 def _plain_int64(t: object) -> bool:
+    # identity tests and is_cpu (no device object): this runs twice per feature per step
     return (
         isinstance(t, Tensor)
-        and t.dtype == torch.int64
-        and t.layout == torch.strided
+        and t.dtype is torch.int64
+        and t.layout is torch.strided
         and not t.is_nested
-        and t.device.type == "cpu"
+        and t.is_cpu
         and t.is_contiguous()
     )
 
