@@ -48,6 +48,12 @@ def _abs_bits(x):
 
 
 @triton.jit
+def _row_max_bits(x, mask):
+    """Each row's largest |x| where ``mask`` holds, as int32 bits ([ROWS] of a [ROWS, BLOCK_D] tile)."""
+    return tl.max(tl.where(mask, _abs_bits(x), 0), axis=1)
+
+
+@triton.jit
 def _pow(x, e, LIBDEVICE: tl.constexpr):
     """``powf(x, e)`` for x >= 0: libdevice on the GPU; in Triton's CPU interpreter (tests), which has no
     libdevice, exp(e log x) in float64, rounded once, and 1 where e is 0 (C's powf(0, 0), where the
@@ -315,7 +321,7 @@ def piece_sums_kernel(
         part = lead & (end - first > PIECE)
         slot = (k // PIECE) * 2 + tl.where(length == PIECE, 1, 0)
         tl.store(pieces + slot[:, None] * D + d[None, :], acc, mask=part[:, None] & dm[None, :])
-        tl.atomic_max(stats + 1, tl.max(tl.max(tl.where(m2, _abs_bits(acc), 0), axis=1), axis=0).to(tl.int64))
+        tl.atomic_max(stats + 1, tl.max(_row_max_bits(acc, m2), axis=0).to(tl.int64))
         if tl.sum(bad, axis=0) > 0:
             tl.atomic_max(stats + 2, 1)
         if tl.sum(part.to(tl.int32), axis=0) > 0:
@@ -361,7 +367,7 @@ def piece_join_kernel(
             tl.store(rows_out + u, row, mask=joined)
             m2 = joined[:, None] & dm[None, :]
             tl.store(sums + u[:, None] * D + d[None, :], acc, mask=m2)
-            tl.atomic_max(stats + 1, tl.max(tl.max(tl.where(m2, _abs_bits(acc), 0), axis=1), axis=0).to(tl.int64))
+            tl.atomic_max(stats + 1, tl.max(_row_max_bits(acc, m2), axis=0).to(tl.int64))
 
 
 @triton.jit
@@ -512,10 +518,10 @@ def update_kernel(
         a = lr + tl.zeros_like(a)
     x = tl.where(x < wlo, wlo, x)
     x = tl.where(x > whi, whi, x)
-    bits = tl.max(tl.where(dm, _abs_bits(x), 0), axis=1)  # [ROWS]: each row's largest |value|, as bits
-    bits_a = tl.max(tl.where(dm, _abs_bits(a), 0), axis=1)
-    bits_b = tl.max(tl.where(dm, _abs_bits(b), 0), axis=1)
-    bits_c = tl.max(tl.where(dm, _abs_bits(c), 0), axis=1)
+    bits = _row_max_bits(x, dm)  # [ROWS]: each row's largest |value|, as bits
+    bits_a = _row_max_bits(a, dm)
+    bits_b = _row_max_bits(b, dm)
+    bits_c = _row_max_bits(c, dm)
     worst = bits
     if NSLOTS >= 1:
         worst = tl.maximum(worst, bits_a)
