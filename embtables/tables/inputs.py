@@ -13,7 +13,7 @@ import dataclasses
 import logging
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 from torch import Tensor
@@ -487,16 +487,15 @@ def _unweighted_coeffs(offsets: Tensor, combiner: str) -> Tensor | None:
     return _unit_coeffs(counts, combiner, None)
 
 
-def _plain_int64(t: object) -> bool:
-    # identity tests and is_cpu (no device object): this runs twice per feature per step
-    return (
-        isinstance(t, Tensor)
-        and t.dtype is torch.int64
-        and t.layout is torch.strided
-        and not t.is_nested
-        and t.is_cpu
-        and t.is_contiguous()
-    )
+def _strided_int64(t: object) -> TypeGuard[Tensor]:
+    """``t`` is a plain (strided, not nested) int64 tensor, on any device."""
+    # identity tests: this runs twice per feature per step
+    return isinstance(t, Tensor) and t.dtype is torch.int64 and t.layout is torch.strided and not t.is_nested
+
+
+def _plain_int64(t: object) -> TypeGuard[Tensor]:
+    """``t`` is a contiguous int64 CPU tensor (``is_cpu``: no device object)."""
+    return _strided_int64(t) and t.is_cpu and t.is_contiguous()
 
 
 def convert_many(
@@ -551,7 +550,7 @@ def convert_many(
 def _device_int64(t: object, device: torch.device) -> Tensor | None:
     """``t`` as a contiguous 1-D int64 tensor on ``device`` (copied there if needed), or None when it is not
     a plain int64 tensor."""
-    if not (isinstance(t, Tensor) and t.dtype == torch.int64 and t.layout == torch.strided and not t.is_nested):
+    if not _strided_int64(t):
         return None
     return t.reshape(-1).to(device, non_blocking=True).contiguous()
 
