@@ -19,7 +19,7 @@ bandwidth measured in the same run (``torch.clone`` of 2 GiB, bytes read + writt
 from __future__ import annotations
 
 import argparse
-import json
+import os
 import subprocess
 import sys
 import time
@@ -28,7 +28,11 @@ from typing import Any
 
 import torch
 
+if __package__ in (None, ""):
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 import embtables as et
+from benchmarks._harness import emit
 from embtables.kernels import gpu
 
 WORKLOADS: dict[str, dict[str, Any]] = {
@@ -38,10 +42,6 @@ WORKLOADS: dict[str, dict[str, Any]] = {
     "large-zipf": {"tables": 32, "rows": 1_000_000, "dim": 64, "batch": 65536, "pool": 20, "ids": "zipf"},
 }
 SLOTS = {"sgd": 0, "adagrad": 1, "adam": 2, "ftrl": 2}
-
-
-def emit(record: dict[str, Any]) -> None:
-    print(json.dumps(record), flush=True)
 
 
 def sync(device: torch.device) -> None:
