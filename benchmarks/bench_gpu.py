@@ -212,7 +212,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--modes", default="forward,train")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--tiles", default="", help="also time the fused kernels with these FLOATSxUNROLL tiles")
+    p.add_argument("--tiles", default="", help="also time the fused kernels with these FLOATSxUNROLL[xWARPS] tiles")
+    p.add_argument("--lookups", default="", help="also time the lookup with these FLOATSxWARPS[xBLOCK_N] shapes")
     p.add_argument("--profile", action="store_true", help="print torch.profiler's table of each embtables step")
     args = p.parse_args(argv)
     device = torch.device(args.device)
@@ -237,17 +238,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         "embtables-torch": embtables_step,
         "torch": torch_step,
     }
-    # --tiles 2048x4,1024x2: the fused kernels once per (floats per tile, unroll of the per-row sums),
-    # as impls "embtables[2048x4]" ... (the default stays "embtables")
-    default_tile, default_unroll = gpu._TILE_FLOATS, gpu._SUMS_UNROLL
-    tile_configs: dict[str, tuple[int, int]] = {}
-    for spec in filter(None, args.tiles.split(",")):
-        floats, unroll = (int(v) for v in spec.split("x"))
-        tile_configs[f"embtables[{spec}]"] = (floats, unroll)
+    # --tiles 2048x4,1024x2x2 / --lookups 4096x2,2048x1x16: the fused kernels once per variant, as impls
+    # "embtables[tiles 2048x4]" ... (the default stays "embtables"); each sets knobs of kernels/gpu.py
+    knobs = {
+        "tiles": ("_TILE_FLOATS", "_SUMS_UNROLL", "_TILE_WARPS"),
+        "lookup": ("_LOOKUP_FLOATS", "_LOOKUP_WARPS", "_LOOKUP_BLOCK_N"),
+    }
+    defaults = {name: getattr(gpu, name) for names in knobs.values() for name in names}
+    variants: dict[str, dict[str, int]] = {}
+    for kind, specs in (("tiles", args.tiles), ("lookup", args.lookups)):
+        for spec in filter(None, specs.split(",")):
+            values = [int(v) for v in spec.split("x")]
+            variants[f"embtables[{kind} {spec}]"] = dict(zip(knobs[kind], values))
     impls = args.impls.split(",")
     if "embtables" in impls:
         at = impls.index("embtables") + 1
-        impls[at:at] = list(tile_configs)
+        impls[at:at] = list(variants)
     for wname in args.workloads.split(","):
         wl = WORKLOADS[wname]
         ids = make_ids(wl, device, seed=0)
@@ -257,8 +263,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 base = None
                 for impl in impls:
                     gpu.set_enabled(impl != "embtables-torch")
-                    floats, unroll = tile_configs.get(impl, (default_tile, default_unroll))
-                    gpu._TILE_FLOATS, gpu._SUMS_UNROLL = floats, unroll  # read at each launch
+                    for name, value in {**defaults, **variants.get(impl, {})}.items():
+                        setattr(gpu, name, value)  # read at each launch
                     try:
                         step = makers[impl.split("[")[0]](wl, opt, ids, mode, device)
                     except LookupError as exc:
@@ -291,7 +297,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         flush=True,
                     )
     gpu.set_enabled(True)
-    gpu._TILE_FLOATS, gpu._SUMS_UNROLL = default_tile, default_unroll
+    for name, value in defaults.items():
+        setattr(gpu, name, value)
     return 0
 
 

@@ -32,6 +32,10 @@ _MAX_GRID_Y = 65535
 _PIECE = 128  # occurrences of a run summed by one lane; longer runs are cut into pieces and joined
 _SUMS_UNROLL = 4  # occurrences whose loads a lane of the per-row sums has in flight
 _TILE_FLOATS = 2048  # floats in a tile of rows (ROWS x BLOCK_D)
+_TILE_WARPS = 0  # warps of a tile's program (0: one per 512 floats of the tile)
+_LOOKUP_FLOATS = 2048  # floats of table rows a lookup program loads at once (BAGS x BLOCK_N x BLOCK_D)
+_LOOKUP_WARPS = 4  # warps of a lookup program
+_LOOKUP_BLOCK_N = 32  # most ids of a bag a lookup program loads at once
 
 
 class GpuBufferError(RuntimeError):
@@ -118,7 +122,17 @@ def _tile(dim: int) -> tuple[int, int, int]:
     floats a program, in four warps."""
     block_d = _pow2(dim, 16)
     rows = max(1, min(32, _TILE_FLOATS // block_d))
-    return rows, block_d, max(1, min(8, rows * block_d // 512))
+    return rows, block_d, _TILE_WARPS or max(1, min(8, rows * block_d // 512))
+
+
+def _lookup_shape(pool: int, dim: int, features: int) -> tuple[int, int, int]:
+    """(BAGS, BLOCK_N, BLOCK_D) of the lookup for bags of up to about ``pool`` ids of ``dim`` columns:
+    a [BAGS, BLOCK_N, BLOCK_D] tile of about ``_LOOKUP_FLOATS`` floats (a program pools several short bags
+    at once), its [BAGS, features] search for each bag's feature kept small."""
+    block_d = _pow2(dim, 16)
+    block_n = max(2, min(_pow2(pool, 2), _LOOKUP_BLOCK_N, _LOOKUP_FLOATS // block_d))
+    bags = max(1, min(_LOOKUP_FLOATS // (block_n * block_d), 8192 // _pow2(features)))
+    return 1 << (bags.bit_length() - 1), block_n, block_d  # a power of two
 
 
 def _aligned(t: Tensor, row_stride: int) -> bool:
@@ -182,15 +196,18 @@ def lookup_many(parts: Sequence[LookupPart], outs: Sequence[Tensor]) -> Tensor:
         at += len(col)
     dims = {t.shape[1] for t, *_ in meta}
     aligned = all(_aligned(t, 0) and _aligned(o, o.stride(0)) for t, *_, o in meta)
-    k.lookup_kernel[(firsts[-1],)](
+    bags, block_n, block_d = _lookup_shape(pool, block_d, n)
+    k.lookup_kernel[(-(-firsts[-1] // bags),)](
         *views,
         status,
         F=n,
         FP=_pow2(n),
         DIM=dims.pop() if len(dims) == 1 else 0,
         ALIGNED=aligned and all(t.shape[1] % 4 == 0 for t, *_ in meta),
-        BLOCK_N=min(_pow2(pool, 2), 32),
-        BLOCK_D=_pow2(block_d, 16),
+        BAGS=bags,
+        BLOCK_N=block_n,
+        BLOCK_D=block_d,
+        num_warps=_LOOKUP_WARPS,
         enable_fp_fusion=False,
     )
     return status

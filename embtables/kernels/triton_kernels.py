@@ -90,20 +90,19 @@ def lookup_kernel(
     FP: tl.constexpr,  # F rounded up to a power of two
     DIM: tl.constexpr,  # every table's dim when they share one (0: read ``dims``)
     ALIGNED: tl.constexpr,  # every table and output row starts 16 bytes aligned: 16-byte loads and stores
+    BAGS: tl.constexpr,  # bags a program pools (a power of two), of any features
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    """One program per bag of every feature: ``out[b] = sum_k coeffs[k] * table[ids[k]]``; empty bags give 0."""
-    i = tl.program_id(0).to(tl.int64)
+    """BAGS consecutive bags of every feature per program, as a [BAGS, BLOCK_N, BLOCK_D] tile of rows:
+    ``out[b] = sum_k coeffs[k] * table[ids[k]]``; empty bags give 0."""
+    i = tl.program_id(0).to(tl.int64) * BAGS + tl.arange(0, BAGS)  # [BAGS] global bags
+    live = i < tl.load(firsts + F)
     fo = tl.arange(0, FP)
     ends = tl.load(firsts + 1 + fo, mask=fo < F, other=9223372036854775807)
-    f = tl.sum((ends <= i).to(tl.int32), axis=0)
+    f = tl.where(live, tl.sum((ends[None, :] <= i[:, None]).to(tl.int32), axis=1), 0)  # [BAGS] features
     s = i - tl.load(firsts + f)
     table = tl.load(table_ptrs + f).to(tl.pointer_type(tl.float32))
-    if DIM > 0:
-        dim = DIM
-    else:
-        dim = tl.load(dims + f)
     vocab = tl.load(vocabs + f)
     ids = tl.load(id_ptrs + f).to(tl.pointer_type(tl.int64))
     offsets = tl.load(offset_ptrs + f).to(tl.pointer_type(tl.int64))
@@ -111,37 +110,45 @@ def lookup_kernel(
     coeffs = coeff_addr.to(tl.pointer_type(tl.float32))
     out = tl.load(out_ptrs + f).to(tl.pointer_type(tl.float32))
     ld = tl.load(out_lds + f)
+    d = tl.arange(0, BLOCK_D)
+    if DIM > 0:
+        dim = DIM
+        dm = live[:, None] & (d < DIM)[None, :]  # [BAGS, BLOCK_D]
+    else:
+        dim = tl.load(dims + f)[:, None]
+        dm = live[:, None] & (d[None, :] < dim)
     if ALIGNED:
         table = tl.multiple_of(table, 16)
         out = tl.multiple_of(out, 16)
-    start = tl.load(offsets + s)
-    end = tl.load(offsets + s + 1)
+    start = tl.load(offsets + s, mask=live, other=0)
+    end = tl.load(offsets + s + 1, mask=live, other=0)
     n_ids = tl.load(id_counts + f)
-    bad = tl.where((start < 0) | (end > n_ids) | (start > end), 1, 0)
+    bad = tl.where(live & ((start < 0) | (end > n_ids) | (start > end)), 1, 0)
     end = tl.where(bad > 0, start, end)  # a broken bag reads nothing
-    d = tl.arange(0, BLOCK_D)
-    dm = d < dim
-    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
-    for k0 in range(start, end, BLOCK_N):
-        k = k0 + tl.arange(0, BLOCK_N)
-        km = k < end
-        row = tl.load(ids + k, mask=km, other=0)
-        ok = km & (row >= 0) & (row < vocab)
-        bad += tl.sum((km & (~ok)).to(tl.int32), axis=0)
-        c = tl.load(coeffs + k, mask=ok & (k * 0 + coeff_addr != 0), other=1.0)
+    longest = tl.max(end - start, axis=0)
+    n = tl.arange(0, BLOCK_N)
+    acc = tl.zeros([BAGS, BLOCK_D], dtype=tl.float32)
+    for k0 in range(0, longest, BLOCK_N):
+        k = start[:, None] + k0 + n[None, :]  # [BAGS, BLOCK_N]
+        km = k < end[:, None]
+        row = tl.load(ids[:, None] + k, mask=km, other=0)
+        ok = km & (row >= 0) & (row < vocab[:, None])
+        bad += tl.sum((km & (~ok)).to(tl.int32), axis=1)
+        c = tl.load(coeffs[:, None] + k, mask=ok & (coeff_addr != 0)[:, None], other=1.0)
         at = row * dim
         if ALIGNED:
-            at = tl.multiple_of(at, 4)
-        vals = tl.load(table + at[:, None] + d[None, :], mask=ok[:, None] & dm[None, :], other=0.0)
-        acc += tl.sum(vals * c[:, None], axis=0)
+            at = tl.multiple_of(at, [4, 4])
+        vals = tl.load(
+            table[:, None, None] + at[:, :, None] + d[None, None, :], mask=ok[:, :, None] & dm[:, None, :], other=0.0
+        )
+        acc += tl.sum(vals * c[:, :, None], axis=1)
     out_at = s * ld
     if ALIGNED:
         out_at = tl.multiple_of(out_at, 4)
-    tl.store(out + out_at + d, acc, mask=dm)
-    nonfinite = tl.max(tl.where(dm, _abs_bits(acc), 0), axis=0) >= F32_INF_BITS
+    tl.store(out[:, None] + out_at[:, None] + d[None, :], acc, mask=dm)
+    nonfinite = _row_max_bits(acc, dm) >= F32_INF_BITS
     flag = tl.where(bad > 0, 1, 0) | tl.where(nonfinite, 2, 0)
-    if flag != 0:
-        tl.atomic_or(status + f, flag)
+    tl.atomic_or(status + f, flag, mask=flag != 0)
 
 
 @triton.jit
