@@ -1,0 +1,121 @@
+"""The GPU lookup (Triton): every feature's pooled bags in one launch, and the input rules of every feature
+in one launch (``kernels/gpu.py`` checks the buffers and launches them)."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from embtables.kernels.triton_common import F32_INF_BITS, row_max_bits
+
+
+@triton.jit
+def lookup_kernel(
+    firsts,  # int64 [F + 1]: the first global bag of each feature
+    table_ptrs,  # int64 [F]: address of each feature's table [V, D] (float32, rows D apart)
+    dims,  # int64 [F]
+    vocabs,  # int64 [F]
+    id_ptrs,  # int64 [F]: address of each feature's ids [N_f] (int64)
+    id_counts,  # int64 [F]: N_f (offsets outside [0, N_f] are flagged, never followed)
+    offset_ptrs,  # int64 [F]: address of each feature's offsets [S_f + 1] (int64)
+    coeff_ptrs,  # int64 [F]: address of each feature's coefficients [N_f] (float32), 0 for none
+    out_ptrs,  # int64 [F]: address of each feature's first output element
+    out_lds,  # int64 [F]: elements between output rows
+    status,  # int32 [F]: |= 1 an id outside the table, |= 2 a non-finite activation
+    F: tl.constexpr,
+    FP: tl.constexpr,  # F rounded up to a power of two
+    DIM: tl.constexpr,  # every table's dim when they share one (0: read ``dims``)
+    ALIGNED: tl.constexpr,  # every table and output row starts 16 bytes aligned: 16-byte loads and stores
+    BAGS: tl.constexpr,  # bags a program pools (a power of two), of any features
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """BAGS consecutive bags of every feature per program, as a [BAGS, BLOCK_N, BLOCK_D] tile of rows:
+    ``out[b] = sum_k coeffs[k] * table[ids[k]]``; empty bags give 0."""
+    i = tl.program_id(0).to(tl.int64) * BAGS + tl.arange(0, BAGS)  # [BAGS] global bags
+    live = i < tl.load(firsts + F)
+    fo = tl.arange(0, FP)
+    ends = tl.load(firsts + 1 + fo, mask=fo < F, other=9223372036854775807)
+    f = tl.where(live, tl.sum((ends[None, :] <= i[:, None]).to(tl.int32), axis=1), 0)  # [BAGS] features
+    s = i - tl.load(firsts + f)
+    table = tl.load(table_ptrs + f).to(tl.pointer_type(tl.float32))
+    vocab = tl.load(vocabs + f)
+    ids = tl.load(id_ptrs + f).to(tl.pointer_type(tl.int64))
+    offsets = tl.load(offset_ptrs + f).to(tl.pointer_type(tl.int64))
+    coeff_addr = tl.load(coeff_ptrs + f)
+    coeffs = coeff_addr.to(tl.pointer_type(tl.float32))
+    out = tl.load(out_ptrs + f).to(tl.pointer_type(tl.float32))
+    ld = tl.load(out_lds + f)
+    d = tl.arange(0, BLOCK_D)
+    if DIM > 0:
+        dim = DIM
+        dm = live[:, None] & (d < DIM)[None, :]  # [BAGS, BLOCK_D]
+    else:
+        dim = tl.load(dims + f)[:, None]
+        dm = live[:, None] & (d[None, :] < dim)
+    if ALIGNED:
+        table = tl.multiple_of(table, 16)
+        out = tl.multiple_of(out, 16)
+    start = tl.load(offsets + s, mask=live, other=0)
+    end = tl.load(offsets + s + 1, mask=live, other=0)
+    n_ids = tl.load(id_counts + f)
+    bad = tl.where(live & ((start < 0) | (end > n_ids) | (start > end)), 1, 0)
+    end = tl.where(bad > 0, start, end)  # a broken bag reads nothing
+    longest = tl.max(end - start, axis=0)
+    n = tl.arange(0, BLOCK_N)
+    acc = tl.zeros([BAGS, BLOCK_D], dtype=tl.float32)
+    for k0 in range(0, longest, BLOCK_N):
+        k = start[:, None] + k0 + n[None, :]  # [BAGS, BLOCK_N]
+        km = k < end[:, None]
+        row = tl.load(ids[:, None] + k, mask=km, other=0)
+        ok = km & (row >= 0) & (row < vocab[:, None])
+        bad += tl.sum((km & (~ok)).to(tl.int32), axis=1)
+        c = tl.load(coeffs[:, None] + k, mask=ok & (coeff_addr != 0)[:, None], other=1.0)
+        at = row * dim
+        if ALIGNED:
+            at = tl.multiple_of(at, [4, 4])
+        vals = tl.load(
+            table[:, None, None] + at[:, :, None] + d[None, None, :], mask=ok[:, :, None] & dm[:, None, :], other=0.0
+        )
+        acc += tl.sum(vals * c[:, :, None], axis=1)
+    out_at = s * ld
+    if ALIGNED:
+        out_at = tl.multiple_of(out_at, 4)
+    tl.store(out[:, None] + out_at[:, None] + d[None, :], acc, mask=dm)
+    nonfinite = row_max_bits(acc, dm) >= F32_INF_BITS
+    flag = tl.where(bad > 0, 1, 0) | tl.where(nonfinite, 2, 0)
+    tl.atomic_or(status + f, flag, mask=flag != 0)
+
+
+@triton.jit
+def validate_kernel(
+    id_ptrs,  # int64 [F]: address of each feature's ids [N_f] (int64)
+    id_counts,  # int64 [F]
+    vocabs,  # int64 [F]
+    split_ptrs,  # int64 [F]: address of each feature's row splits [B_f + 1] (int64); unread when split_counts is 0
+    split_counts,  # int64 [F]: B_f + 1, or 0 for a dense input (no splits)
+    flags,  # int32 [F]: |= 1 an id outside [0, V); |= 2 row splits that decrease, or do not start at 0 and end at N_f
+    BLOCK: tl.constexpr,
+):
+    """The input rules of every feature in one launch: program (b, f) checks block b of feature f."""
+    b = tl.program_id(0).to(tl.int64)
+    f = tl.program_id(1)
+    n = tl.load(id_counts + f)
+    vocab = tl.load(vocabs + f)
+    ids = tl.load(id_ptrs + f).to(tl.pointer_type(tl.int64))
+    o = b * BLOCK + tl.arange(0, BLOCK)
+    m = o < n
+    x = tl.load(ids + o, mask=m, other=0)
+    flag = tl.where(tl.max(tl.where(m & ((x < 0) | (x >= vocab)), 1, 0), axis=0) > 0, 1, 0)
+    ns = tl.load(split_counts + f)
+    splits = tl.load(split_ptrs + f).to(tl.pointer_type(tl.int64))
+    ms = o + 1 < ns
+    lo = tl.load(splits + o, mask=ms, other=0)
+    hi = tl.load(splits + o + 1, mask=ms, other=0)
+    flag |= tl.where(tl.max(tl.where(ms & (hi < lo), 1, 0), axis=0) > 0, 2, 0)
+    if (b == 0) & (ns > 0):
+        first = tl.load(splits)
+        last = tl.load(splits + ns - 1)
+        flag |= tl.where((first != 0) | (last != n), 2, 0)
+    if flag != 0:
+        tl.atomic_or(flags + f, flag)

@@ -1,0 +1,235 @@
+"""The GPU per-row gradient sums of one table (Triton): the sorted occurrences marked and gathered, the runs
+of equal ids found, each run summed in occurrence order in pieces, long runs joined."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from embtables.kernels.triton_common import row_max_bits
+
+
+@triton.jit
+def sort_marks_kernel(
+    sorted_keys,  # int32 or int64 [N]: the table's ids, sorted (stable: equal ids keep occurrence order)
+    perm,  # int64 [N]: the occurrence of each sorted position
+    segs,  # int64 [N]: the bag of each occurrence (in occurrence order)
+    coeffs,  # float32 [N] (read when HAS_COEFFS)
+    feats,  # int64 [N] (read when MULTI)
+    sorted_ids,  # int64 [N] out: the sorted ids
+    is_start,  # int64 [N] out: 1 where a run of equal ids begins
+    sorted_segs,  # int64 [N] out: segs in sorted order
+    sorted_coeffs,  # float32 [N] out (written when HAS_COEFFS)
+    sorted_feats,  # int64 [N] out (written when MULTI)
+    N,
+    HAS_COEFFS: tl.constexpr,
+    MULTI: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """Per sorted position: the id as int64, where runs begin, and the occurrence's bag (coefficient,
+    feature) gathered into sorted order, so that the sums read them without following ``perm``."""
+    k = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    km = k < N
+    key = tl.load(sorted_keys + k, mask=km, other=0)
+    prev = tl.load(sorted_keys + k - 1, mask=km & (k > 0), other=0)
+    tl.store(sorted_ids + k, key.to(tl.int64), mask=km)
+    tl.store(is_start + k, tl.where((k == 0) | (key != prev), 1, 0).to(tl.int64), mask=km)
+    p = tl.load(perm + k, mask=km, other=0)
+    tl.store(sorted_segs + k, tl.load(segs + p, mask=km, other=0), mask=km)
+    if HAS_COEFFS:
+        tl.store(sorted_coeffs + k, tl.load(coeffs + p, mask=km, other=0.0), mask=km)
+    if MULTI:
+        tl.store(sorted_feats + k, tl.load(feats + p, mask=km, other=0), mask=km)
+
+
+@triton.jit
+def run_starts_kernel(
+    is_start,  # int64 [N]
+    runs1,  # int64 [N]: the inclusive cumulative sum of is_start (1 + the run of each sorted position)
+    starts,  # int64 [N + 2] out: the first sorted position of each run; N from the U-th entry on
+    stats,  # int64 [4]: [0] := U, the number of runs (distinct rows)
+    N,
+    BLOCK: tl.constexpr,
+):
+    """Where each run begins (run r at ``starts[r]``, ``starts[U:] = N``) and the number of runs."""
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    u = tl.load(runs1 + N - 1)
+    begins = (i < N) & (tl.load(is_start + i, mask=i < N, other=0) != 0)
+    r = tl.load(runs1 + i, mask=begins, other=1) - 1
+    tl.store(starts + r, i, mask=begins)
+    tl.store(starts + i, i * 0 + N, mask=(i >= u) & (i < N + 2))
+    if tl.program_id(0) == 0:
+        tl.store(stats, u)
+
+
+@triton.jit
+def _piece_gradients(
+    k,
+    valid,
+    segs,
+    coeffs,
+    feats,
+    grad0,
+    grad_ld,
+    grad_nrows,
+    grad_ptrs,
+    grad_lds,
+    grad_rows,
+    d,
+    dm,
+    HAS_COEFFS: tl.constexpr,
+    MULTI: tl.constexpr,
+    ALIGNED: tl.constexpr,
+):
+    """The (coefficient-scaled) gradients [ROWS, BLOCK_D] of sorted occurrences ``k`` [ROWS] (zeros where
+    not ``valid``), and [ROWS] 1 where a bag is outside its feature's gradient (then not read), else 0.
+    ``segs``, ``coeffs``, ``feats``: per occurrence, in sorted order. One feature: its gradient ``grad0``
+    (``grad_nrows`` rows, ``grad_ld`` apart); several (MULTI): their addresses, strides and rows."""
+    seg = tl.load(segs + k, mask=valid, other=0)
+    if MULTI:
+        f = tl.load(feats + k, mask=valid, other=0)
+        grad = tl.load(grad_ptrs + f).to(tl.pointer_type(tl.float32))
+        ld = tl.load(grad_lds + f)
+        nrows = tl.load(grad_rows + f)
+    else:
+        grad = grad0
+        ld = grad_ld
+        nrows = grad_nrows
+    ok = valid & (seg >= 0) & (seg < nrows)
+    at = seg * ld
+    if ALIGNED:
+        at = tl.multiple_of(at, 4)
+        if not MULTI:
+            grad = tl.multiple_of(grad, 16)
+    g = tl.load((grad + at)[:, None] + d[None, :], mask=ok[:, None] & dm[None, :], other=0.0)
+    if HAS_COEFFS:
+        g = g * tl.load(coeffs + k, mask=valid, other=1.0)[:, None]
+    return g, tl.where(valid & (~ok), 1, 0)
+
+
+@triton.jit
+def piece_sums_kernel(
+    sorted_ids,  # int64 [N]: the table's ids, sorted (stable: equal ids keep occurrence order)
+    runs1,  # int64 [N]: 1 + the run (distinct row) of each sorted position
+    starts,  # int64 [N + 2]: first sorted position of each run; N past the last one
+    segs,  # int64 [N]: the bag of each sorted occurrence, in its feature's gradient
+    coeffs,  # float32 [N]: each sorted occurrence's coefficient (read when HAS_COEFFS)
+    feats,  # int64 [N]: each sorted occurrence's feature among the table's (read when MULTI)
+    grad0,  # float32: the gradient of a table's one feature (not MULTI)
+    grad_ld,
+    grad_nrows,
+    grad_ptrs,  # int64 [F_t] (MULTI): address of each feature's gradient (float32 rows, ld apart)
+    grad_lds,  # int64 [F_t]
+    grad_rows,  # int64 [F_t]: rows of each feature's gradient (a bag outside them is flagged, not read)
+    rows_out,  # int64 [N]: distinct row u (U valid)
+    sums,  # float32 [N, D]: summed gradient of distinct row u (U rows valid)
+    pieces,  # float32 [2 ceil(N / PIECE), D]: the pieces of runs longer than PIECE, for piece_join_kernel
+    stats,  # int64 [4]: [1] max over |sums| as bits (>= F32_INF_BITS: not finite); [2] 1 when an id or bag
+    # was outside the table or the gradient (changed since the lookup validated it); [3] 1 when a run is
+    # longer than PIECE
+    N,
+    D,
+    V,
+    HAS_COEFFS: tl.constexpr,
+    MULTI: tl.constexpr,
+    ALIGNED: tl.constexpr,  # every gradient and gradient row starts 16 bytes aligned
+    FIRST: tl.constexpr,  # the first pieces (lanes are runs), else the later ones (lanes are positions)
+    PIECE: tl.constexpr,
+    UNROLL: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """The per-row gradient sums, pass 1. A run of equal sorted ids is cut into pieces of PIECE occurrences
+    from its start, each summed by one lane of a [ROWS, BLOCK_D] tile one occurrence at a time, in
+    occurrence order. FIRST: lane u sums the first piece of run u (two contiguous loads find it); else,
+    only when a run is longer than PIECE (``stats[3]``), lane k sums the later piece that begins at
+    sorted position k, if one does. A run of at most PIECE occurrences is one piece, written as its
+    distinct row's sum (the C kernel's additions: the CPU's bits); the pieces of a longer run go to
+    ``pieces`` (slot 2 (k // PIECE) + (a whole piece), unique: two pieces that begin in the same PIECE
+    positions are a run's short last one and the next run's whole first one)."""
+    lane = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    if FIRST:
+        run = lane
+        first = tl.load(starts + run, mask=lane < N, other=N)
+        end = tl.load(starts + run + 1, mask=first < N, other=N)
+        k = first
+        lead = first < N
+    else:
+        todo = tl.load(stats + 3)
+        km = (lane < N) & ((lane * 0 + todo) != 0)  # blocks only in masks (Triton 3.9's interpreter)
+        run = tl.load(runs1 + lane, mask=km, other=1) - 1
+        first = tl.load(starts + run, mask=km, other=0)
+        end = tl.load(starts + run + 1, mask=km, other=0)
+        k = lane
+        lead = km & (k > first) & ((k - first) % PIECE == 0)  # lane k begins a later piece
+    length = tl.where(lead, tl.minimum(end - k, PIECE), 0)
+    longest = tl.max(length, axis=0)
+    if longest > 0:
+        d = tl.arange(0, BLOCK_D)
+        dm = d < D
+        acc = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
+        row = tl.load(sorted_ids + k, mask=lead, other=0)
+        bad = tl.where(lead & ((row < 0) | (row >= V)), 1, 0)
+        for j0 in range(0, longest, UNROLL):
+            for jj in tl.static_range(UNROLL):  # unrolled: the loads of UNROLL occurrences are in flight
+                j = j0 + jj
+                g, outside = _piece_gradients(
+                    k + j, j < length, segs, coeffs, feats, grad0, grad_ld, grad_nrows, grad_ptrs, grad_lds,
+                    grad_rows, d, dm, HAS_COEFFS, MULTI, ALIGNED,
+                )  # fmt: skip
+                bad += outside
+                acc += g  # a masked-off occurrence adds +0.0: exact
+        whole = lead & (end - first <= PIECE)  # the run is this one piece
+        tl.store(rows_out + run, row, mask=whole)
+        m2 = whole[:, None] & dm[None, :]
+        tl.store(sums + run[:, None] * D + d[None, :], acc, mask=m2)
+        part = lead & (end - first > PIECE)
+        slot = (k // PIECE) * 2 + tl.where(length == PIECE, 1, 0)
+        tl.store(pieces + slot[:, None] * D + d[None, :], acc, mask=part[:, None] & dm[None, :])
+        tl.atomic_max(stats + 1, tl.max(row_max_bits(acc, m2), axis=0).to(tl.int64))
+        if tl.sum(bad, axis=0) > 0:
+            tl.atomic_max(stats + 2, 1)
+        if tl.sum(part.to(tl.int32), axis=0) > 0:
+            tl.atomic_max(stats + 3, 1)
+
+
+@triton.jit
+def piece_join_kernel(
+    sorted_ids,  # int64 [N]
+    starts,  # int64 [N + 2]
+    rows_out,  # int64 [N]
+    sums,  # float32 [N, D]
+    pieces,  # float32 [2 ceil(N / PIECE), D]: piece_sums_kernel's pieces
+    stats,  # int64 [4]: [1] max |sum| bits; [3] read: 0 when no run is longer than PIECE (nothing to do)
+    N,
+    D,
+    PIECE: tl.constexpr,
+    UNROLL: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """Pass 2: lane u of a tile adds the pieces of run u, if it is longer than PIECE, in order (within
+    float32 rounding of the CPU's one-occurrence-at-a-time order)."""
+    if tl.load(stats + 3) != 0:
+        u = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+        first = tl.load(starts + u, mask=u < N, other=N)
+        end = tl.load(starts + u + 1, mask=first < N, other=N)
+        joined = end - first > PIECE
+        count = tl.where(joined, (end - first + PIECE - 1) // PIECE, 0)
+        most = tl.max(count, axis=0)
+        if most > 0:
+            d = tl.arange(0, BLOCK_D)
+            dm = d < D
+            acc = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
+            for i0 in range(0, most, UNROLL):
+                for ii in tl.static_range(UNROLL):
+                    i = i0 + ii
+                    at = first + i * PIECE
+                    slot = (at // PIECE) * 2 + tl.where(end - at >= PIECE, 1, 0)
+                    m = (i < count)[:, None] & dm[None, :]
+                    acc += tl.load(pieces + slot[:, None] * D + d[None, :], mask=m, other=0.0)
+            row = tl.load(sorted_ids + first, mask=joined, other=0)
+            tl.store(rows_out + u, row, mask=joined)
+            m2 = joined[:, None] & dm[None, :]
+            tl.store(sums + u[:, None] * D + d[None, :], acc, mask=m2)
+            tl.atomic_max(stats + 1, tl.max(row_max_bits(acc, m2), axis=0).to(tl.int64))

@@ -1,0 +1,207 @@
+# ruff: noqa: SIM108  (Triton compiles if/else on constexpr flags; it gets no conditional expressions)
+"""The fused sparse update of one table on the GPU (Triton), every optimizer: the C kernels' row math
+element by element on [ROWS, BLOCK_D] tiles of distinct rows."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from embtables.kernels.triton_common import (
+    F32_INF_BITS,
+    K_ADADELTA,
+    K_ADAGRAD,
+    K_ADAGRAD_MOMENTUM,
+    K_ADAM,
+    K_CENTERED_RMSPROP,
+    K_FTRL,
+    K_MOMENTUM,
+    K_PROXIMAL_ADAGRAD,
+    K_PROXIMAL_YOGI,
+    K_RMSPROP,
+    K_SGD,
+    powf,
+    proximal,
+    row_max_bits,
+)
+
+
+@triton.jit
+def update_kernel(
+    rows,  # int64 [U]: distinct rows
+    sums,  # float32 [U, D]: their summed gradients
+    weights,  # float32 [V, D]
+    s0,  # float32 [V, D] slots, in the optimizer's slot order (unused ones: any float32 buffer)
+    s1,
+    s2,
+    bad_row,  # int64 [1]: min over rows whose new values are not finite (V when none; the dry run only)
+    maxabs,  # int32 [4]: max |new value| bits of (weights, *slots) when MEASURE
+    U,
+    D,
+    V,
+    lr,
+    decay,
+    glo,
+    ghi,
+    wlo,
+    whi,
+    c0,
+    c1,
+    c2,
+    c3,
+    c4,
+    c5,
+    KIND: tl.constexpr,
+    NSLOTS: tl.constexpr,
+    FLAG0: tl.constexpr,
+    FLAG1: tl.constexpr,
+    POW_IS_SQRT: tl.constexpr,
+    LIBDEVICE: tl.constexpr,
+    WRITE: tl.constexpr,
+    MEASURE: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """ROWS distinct rows per program, as a [ROWS, BLOCK_D] tile: gradient clip -> decay -> optimizer ->
+    weight clip (the C kernels' ``et_row_*``, element by element), constants ``c0..c5`` and flags in each
+    kernel record's order. WRITE=False is the dry run: it only finds the first row that would not be finite."""
+    u = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    um = u < U
+    row = tl.load(rows + u, mask=um, other=-1)
+    d = tl.arange(0, BLOCK_D)
+    # rows come from the per-row sums, which checked them: a guard
+    dm = (um & (row >= 0) & (row < V))[:, None] & (d < D)[None, :]
+    at = row[:, None] * D + d[None, :]
+    g = tl.load(sums + u[:, None] * D + d[None, :], mask=dm, other=0.0)
+    g = tl.where(g < glo, glo, g)
+    g = tl.where(g > ghi, ghi, g)
+    x = tl.load(weights + at, mask=dm, other=0.0)
+    x = x - decay * x
+    a = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
+    b = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
+    c = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
+    if NSLOTS >= 1:
+        a = tl.load(s0 + at, mask=dm, other=0.0)
+    if NSLOTS >= 2:
+        b = tl.load(s1 + at, mask=dm, other=0.0)
+    if NSLOTS >= 3:
+        c = tl.load(s2 + at, mask=dm, other=0.0)
+    if KIND == K_SGD:
+        x = x - lr * g
+    elif KIND == K_ADAGRAD:
+        a = a + g * g
+        x = x - tl.div_rn(lr * g, tl.sqrt_rn(a))
+    elif KIND == K_ADAGRAD_MOMENTUM:  # c0 momentum, c1 -1/exponent, c2 beta2, c3 1 - beta2, c4 epsilon
+        if FLAG1:  # beta2 == 1: a plain sum
+            a = a + g * g
+        else:
+            a = c2 * a + c3 * (g * g)
+        scaled = powf(a + c4, c1, LIBDEVICE) * g
+        b = c0 * b + scaled
+        if FLAG0:  # Nesterov
+            x = x - lr * (c0 * b + scaled)
+        else:
+            x = x - lr * b
+    elif KIND == K_ADAM:  # c0 beta_1, c1 1 - beta_1, c2 beta_2, c3 1 - beta_2, c4 epsilon^2, c5 epsilon
+        a = c0 * a + c1 * g
+        b = c2 * b + c3 * (g * g)
+        if FLAG0:  # sum_inside_sqrt
+            den = tl.sqrt_rn(b + c4)
+        else:
+            den = tl.sqrt_rn(b) + c5
+        x = x - tl.div_rn(lr * a, den)
+    elif KIND == K_FTRL:  # c0 power, c1 l1 (lr * l1), c2 beta, c3 2 * l2 (times lr); FLAG0 multiply_linear
+        nn = a + g * g
+        if POW_IS_SQRT:
+            pw_new = tl.sqrt_rn(nn)
+            pw_old = tl.sqrt_rn(a)
+        else:
+            pw_new = powf(nn, c0, LIBDEVICE)
+            pw_old = powf(a, c0, LIBDEVICE)
+        if FLAG1:  # allow_zero_accumulator
+            pw_new = tl.where(nn == 0.0, 0.0, pw_new)
+            pw_old = tl.where(a == 0.0, 0.0, pw_old)
+        delta = pw_new - pw_old
+        if FLAG0:
+            b = b + lr * g - delta * x
+            den = pw_new + c3 + c2
+        else:
+            b = b + g - tl.div_rn(delta, lr + tl.zeros_like(delta)) * x
+            den = tl.div_rn(pw_new + c2, lr + tl.zeros_like(pw_new)) + c3
+        numer = tl.where(b < -c1, -c1, tl.where(b > c1, c1, b)) - b
+        a = nn
+        x = tl.div_rn(numer, den)
+        if FLAG1:
+            x = tl.where(numer == 0.0, 0.0, x)
+    elif KIND == K_PROXIMAL_ADAGRAD:  # c0 l1, c1 l2
+        a = a + g * g
+        lr_t = tl.div_rn(lr + tl.zeros_like(a), tl.sqrt_rn(a))
+        x = proximal(x - lr_t * g, lr_t, c0, c1)
+    elif KIND == K_MOMENTUM:  # c0 momentum
+        a = c0 * a + g
+        if FLAG0:
+            x = x - lr * (g + c0 * a)
+        else:
+            x = x - lr * a
+    elif KIND == K_RMSPROP:  # c0 rho, c1 1 - rho, c2 momentum, c3 epsilon
+        a = c0 * a + c1 * (g * g)
+        b = c2 * b + tl.div_rn(lr * g, tl.sqrt_rn(a + c3))
+        x = x - b
+    elif KIND == K_CENTERED_RMSPROP:  # slots ms, mom, mg
+        a = c0 * a + c1 * (g * g)
+        c = c0 * c + c1 * g
+        b = c2 * b + tl.div_rn(lr * g, tl.sqrt_rn(a - c * c + c3))
+        x = x - b
+    elif KIND == K_ADADELTA:  # c0 rho, c1 1 - rho, c2 epsilon
+        a = c0 * a + c1 * (g * g)
+        step = tl.div_rn(tl.sqrt_rn(b + c2), tl.sqrt_rn(a + c2)) * g
+        b = c0 * b + c1 * (step * step)
+        x = x - lr * step
+    elif KIND == K_PROXIMAL_YOGI:  # slots v, m; c0 beta_1, c1 1 - beta_1, c2 1 - beta_2, c3 epsilon, c4 l1, c5 l2
+        g2 = g * g
+        b = c0 * b + c1 * g
+        diff = a - g2
+        step = c2 * g2
+        a = tl.where(diff > 0.0, a - step, tl.where(diff < 0.0, a + step, a - 0.0 * g2))
+        lr_t = tl.div_rn(lr + tl.zeros_like(a), tl.sqrt_rn(a) + c3)
+        x = proximal(x - lr_t * b, lr_t, c4, c5)
+    else:  # K_FREQUENCY_ESTIMATOR: lr is the global step; c0 max_delta, c1 outlier, c2 1 - tau, c3 tau
+        delta = lr - a
+        dc = tl.where(delta > c0, c0, delta)
+        smoothed = x * c2 + dc * c3
+        threshold = c1 * x
+        x = tl.where(delta >= threshold, dc, smoothed)
+        a = lr + tl.zeros_like(a)
+    x = tl.where(x < wlo, wlo, x)
+    x = tl.where(x > whi, whi, x)
+    bits = row_max_bits(x, dm)  # [ROWS]: each row's largest |value|, as bits
+    bits_a = row_max_bits(a, dm)
+    bits_b = row_max_bits(b, dm)
+    bits_c = row_max_bits(c, dm)
+    worst = bits
+    if NSLOTS >= 1:
+        worst = tl.maximum(worst, bits_a)
+    if NSLOTS >= 2:
+        worst = tl.maximum(worst, bits_b)
+    if NSLOTS >= 3:
+        worst = tl.maximum(worst, bits_c)
+    if not WRITE:  # the dry run: the first row that would not be finite
+        first_bad = tl.min(tl.where(worst >= F32_INF_BITS, row, V), axis=0)
+        if first_bad < V:
+            tl.atomic_min(bad_row, first_bad)
+    else:
+        tl.store(weights + at, x, mask=dm)
+        if NSLOTS >= 1:
+            tl.store(s0 + at, a, mask=dm)
+        if NSLOTS >= 2:
+            tl.store(s1 + at, b, mask=dm)
+        if NSLOTS >= 3:
+            tl.store(s2 + at, c, mask=dm)
+    if MEASURE:
+        tl.atomic_max(maxabs, tl.max(bits, axis=0))
+        if NSLOTS >= 1:
+            tl.atomic_max(maxabs + 1, tl.max(bits_a, axis=0))
+        if NSLOTS >= 2:
+            tl.atomic_max(maxabs + 2, tl.max(bits_b, axis=0))
+        if NSLOTS >= 3:
+            tl.atomic_max(maxabs + 3, tl.max(bits_c, axis=0))
