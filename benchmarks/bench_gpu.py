@@ -214,6 +214,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--tiles", default="", help="also time the fused kernels with these FLOATSxUNROLL[xWARPS] tiles")
     p.add_argument("--lookups", default="", help="also time the lookup with these FLOATSxWARPS[xBLOCK_N] shapes")
+    p.add_argument("--defer", default="", help="also time the fused kernels with DEFER_SUMS=0 (sums in phase 1)")
     p.add_argument("--profile", action="store_true", help="print torch.profiler's table of each embtables step")
     args = p.parse_args(argv)
     device = torch.device(args.device)
@@ -243,10 +244,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     knobs = {
         "tiles": ("_TILE_FLOATS", "_SUMS_UNROLL", "_TILE_WARPS"),
         "lookup": ("_LOOKUP_FLOATS", "_LOOKUP_WARPS", "_LOOKUP_BLOCK_N"),
+        "defer": ("DEFER_SUMS",),
     }
     defaults = {name: getattr(gpu, name) for names in knobs.values() for name in names}
     variants: dict[str, dict[str, int]] = {}
-    for kind, specs in (("tiles", args.tiles), ("lookup", args.lookups)):
+    for kind, specs in (("tiles", args.tiles), ("lookup", args.lookups), ("defer", args.defer)):
         for spec in filter(None, specs.split(",")):
             values = [int(v) for v in spec.split("x")]
             variants[f"embtables[{kind} {spec}]"] = dict(zip(knobs[kind], values))

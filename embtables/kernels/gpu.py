@@ -36,6 +36,7 @@ _TILE_WARPS = 0  # warps of a tile's program (0: one per 512 floats of the tile)
 _LOOKUP_FLOATS = 2048  # floats of table rows a lookup program loads at once (BAGS x BLOCK_N x BLOCK_D)
 _LOOKUP_WARPS = 4  # warps of a lookup program
 _LOOKUP_BLOCK_N = 32  # most ids of a bag a lookup program loads at once
+DEFER_SUMS = 1  # 1: a lazy table's per-row sums are made by its update (``row_sums(defer=True)``) when proven finite
 
 
 class GpuBufferError(RuntimeError):
@@ -216,20 +217,42 @@ def lookup_many(parts: Sequence[LookupPart], outs: Sequence[Tensor]) -> Tensor:
 GradPart = tuple[Tensor, Tensor, "Tensor | None", Tensor]  # (ids [N_f], seg [N_f], coeffs [N_f], grad [S_f, D])
 
 
+STATS = 6  # a table's phase-1 statistics (``RowSums.stats``)
+
+
 class RowSums:
-    """One table's distinct rows and summed gradients on the device, before their one sync: ``rows`` [N]
-    and ``sums`` [N, D] hold ``stats[0]`` valid rows; ``stats`` int64 [4]: the number of distinct rows
-    U, the largest |sum| as float32 bits (>= ``F32_INF_BITS``: not finite), 1 when an id or a bag was
-    outside the table or its gradient, 1 when a row had more than ``_PIECE`` occurrences."""
+    """One table's distinct rows and (summed or, deferred, summable) gradients on the device, before their
+    one sync. ``rows`` [N] holds ``stats[0]`` valid rows; ``sums`` [N, D] their summed gradients, or None
+    when deferred (the update sums them: ``update(..., inline=)``; ``materialize`` sums them here).
+    ``stats`` int64 [STATS]: the number of distinct rows U; the largest |sum| as float32 bits (>=
+    ``F32_INF_BITS``: not finite; deferred: of the runs longer than ``_PIECE`` only); 1 when an id or a
+    bag was outside the table or its gradient; the longest run (occurrences of one row); deferred: the
+    largest |gradient| and |coefficient| as float32 bits (0 without coefficients)."""
 
-    def __init__(self, rows: Tensor, sums: Tensor, stats: Tensor) -> None:
+    def __init__(self, rows: Tensor, sums: Tensor | None, stats: Tensor, sorted_: dict[str, Any]) -> None:
         self.rows, self.sums, self.stats = rows, sums, stats
+        self.sorted = sorted_  # what the sums read: sorted occurrences, gradients, pieces, flags
+
+    def sum_bound(self, stats: Sequence[int]) -> float:
+        """Deferred: a bound on every |sum| from this table's ``stats`` (read back): the longest short run
+        times the largest |gradient| and |coefficient| (a float32 sum of n terms of at most m in size is at
+        most n m (1 + 2^-24)^n), and the long runs' exact largest |sum|; inf when not finite."""
+        longest, gbits, cbits = stats[3], stats[4], stats[5]
+        has_coeffs = self.sorted["has_coeffs"]
+        if gbits >= F32_INF_BITS or (has_coeffs and cbits >= F32_INF_BITS) or stats[1] >= F32_INF_BITS:
+            return float("inf")
+        g, c, joined = bits_to_float([gbits, cbits if has_coeffs else 0x3F800000, stats[1]])
+        return max(min(longest, _PIECE) * g * c * (1.0 + 2.0**-16), joined)
 
 
-def row_sums(parts: Sequence[GradPart], vocabulary_size: int, dim: int, stats: Tensor | None = None) -> RowSums:
+def row_sums(
+    parts: Sequence[GradPart], vocabulary_size: int, dim: int, stats: Tensor | None = None, *, defer: bool = False
+) -> RowSums:
     """Dedup the occurrences of one table's features (``parts``) and sum each distinct row's gradients
-    (occurrence order within a row), all on the device: no sync. ``stats``: a zeroed int64 [4] to fill
-    (one row of a [T, 4] that the caller reads for every table at once), else one is made."""
+    (occurrence order within a row), all on the device: no sync. ``stats``: a zeroed int64 [STATS] to
+    fill (one row of a [T, STATS] that the caller reads for every table at once), else one is made.
+    ``defer``: sum only the runs longer than ``_PIECE`` here (their pieces joined in place) and measure
+    the largest |gradient| instead; the update sums the others as it applies them."""
     k = _kernels()
     device = parts[0][3].device
     for ids, seg, coeffs, grad in parts:
@@ -241,16 +264,16 @@ def row_sums(parts: Sequence[GradPart], vocabulary_size: int, dim: int, stats: T
         if grad.shape[1] != dim or (dim > 1 and grad.stride(1) != 1) or (grad.shape[0] > 1 and grad.stride(0) < dim):
             raise GpuBufferError(f"embtables GPU kernel: a gradient must be [S, {dim}] with unit column stride.")
     if stats is None:
-        stats = torch.zeros(4, dtype=torch.int64, device=device)
-    elif _checked_contiguous(stats, "stats", torch.int64, device, 1).shape != (4,):
-        raise GpuBufferError("embtables GPU kernel: stats must be [4].")
+        stats = torch.zeros(STATS, dtype=torch.int64, device=device)
+    elif _checked_contiguous(stats, "stats", torch.int64, device, 1).shape != (STATS,):
+        raise GpuBufferError(f"embtables GPU kernel: stats must be [{STATS}].")
     multi = len(parts) > 1
     ids = torch.cat([p[0] for p in parts]) if multi else parts[0][0]
     n = ids.numel()
     rows = torch.empty(n, dtype=torch.int64, device=device)
-    sums = torch.empty((n, dim), dtype=torch.float32, device=device)
     if n == 0:
-        return RowSums(rows, sums, stats)
+        empty = {"n": 0, "dim": dim, "has_coeffs": False}
+        return RowSums(rows, None if defer else torch.empty((0, dim), device=device), stats, empty)
     segs = torch.cat([p[1] for p in parts]) if multi else parts[0][1]
     has_coeffs = any(p[2] is not None for p in parts)
     coeffs = (
@@ -259,46 +282,107 @@ def row_sums(parts: Sequence[GradPart], vocabulary_size: int, dim: int, stats: T
         else segs
     )
     feats = torch.cat([torch.full_like(p[0], i) for i, p in enumerate(parts)]) if multi else segs  # unused unless multi
+    grads = [p[3] for p in parts]
+    pieces = torch.empty((2 * -(-n // _PIECE), dim), dtype=torch.float32, device=device)
+    grad_args = _gradient_arguments(grads, pieces, segs)
     # int32 keys sort in half the radix passes; the sort is stable, so equal ids keep occurrence order
     keys = ids.to(torch.int32) if vocabulary_size <= 2**31 - 1 else ids
     sorted_keys, perm = torch.sort(keys, stable=True)
     sorted_ids = torch.empty(n, dtype=torch.int64, device=device)
     is_start = torch.empty(n, dtype=torch.int64, device=device)
     sorted_segs = torch.empty(n, dtype=torch.int64, device=device)
-    sorted_coeffs = torch.empty(n, dtype=torch.float32, device=device) if has_coeffs else sums
+    sorted_coeffs = torch.empty(n, dtype=torch.float32, device=device) if has_coeffs else sorted_segs
     sorted_feats = torch.empty(n, dtype=torch.int64, device=device) if multi else sorted_segs
     block = 1024
     k.sort_marks_kernel[(-(-n // block),)](
         sorted_keys, perm, segs, coeffs, feats, sorted_ids, is_start, sorted_segs, sorted_coeffs, sorted_feats,
-        n, HAS_COEFFS=has_coeffs, MULTI=multi, BLOCK=block,
+        grad_args[2], grad_args[5], stats, n, vocabulary_size, HAS_COEFFS=has_coeffs, MULTI=multi, BLOCK=block,
     )  # fmt: skip
     runs1 = torch.cumsum(is_start, 0)
     starts = torch.empty(n + 2, dtype=torch.int64, device=device)
-    k.run_starts_kernel[(-(-(n + 2) // block),)](is_start, runs1, starts, stats, n, BLOCK=block)
-    grads = [p[3] for p in parts]
-    if multi:
-        meta = _addresses(
-            [g.data_ptr() for g in grads] + [g.stride(0) for g in grads] + [g.shape[0] for g in grads], device
-        )
-        nf = len(parts)
-        grad_args = (sums, 0, 0, meta[:nf], meta[nf : 2 * nf], meta[2 * nf :])
-    else:  # one feature: its gradient itself, no addresses to copy to the device
-        grad_args = (grads[0], grads[0].stride(0), grads[0].shape[0], segs, segs, segs)
+    k.run_starts_kernel[(-(-(n + 2) // block),)](is_start, runs1, sorted_ids, starts, rows, stats, n, BLOCK=block)
+    sorted_: dict[str, Any] = {
+        "n": n,
+        "dim": dim,
+        "runs1": runs1,
+        "starts": starts,
+        "occurrences": (sorted_segs, sorted_coeffs, sorted_feats, *grad_args),
+        "grads": grads,  # kept alive: the kernels may hold only their addresses
+        "pieces": pieces,
+        "has_coeffs": has_coeffs,
+        "multi": multi,
+        "aligned": dim % 4 == 0 and all(_aligned(g, g.stride(0)) for g in grads),
+    }
+    rs = RowSums(rows, None, stats, sorted_)
+    if defer:
+        _sum_runs(rs, long_only=True)
+        tile_rows, block_d, warps = _tile(dim)
+        for g in (g for g in grads if g.shape[0] > 0):
+            k.max_abs_kernel[(-(-g.shape[0] // tile_rows),)](
+                g, g.stride(0), g.shape[0], dim, stats[4:5], ROWS=tile_rows, BLOCK_D=block_d, num_warps=warps
+            )
+    else:
+        rs.sums = _sum_runs(rs, long_only=False)
+    return rs
+
+
+def _gradient_arguments(grads: Sequence[Tensor], dummy: Tensor, segs: Tensor) -> tuple[Any, ...]:
+    """The gradient arguments of the per-row sums (``grad0, grad_ld, grad_nrows, grad_ptrs, grad_lds,
+    grad_rows``): one feature's gradient itself (no addresses to copy to the device), or several features'
+    addresses, row strides and rows (``dummy`` and ``segs``: float32 and int64 buffers never read)."""
+    if len(grads) == 1:
+        g = grads[0]
+        return (g, g.stride(0), g.shape[0], segs, segs, segs)
+    columns = [g.data_ptr() for g in grads] + [g.stride(0) for g in grads] + [g.shape[0] for g in grads]
+    meta, nf = _addresses(columns, dummy.device), len(grads)
+    return (dummy, 0, 0, meta[:nf], meta[nf : 2 * nf], meta[2 * nf :])
+
+
+def own_gradients(rs: RowSums) -> None:
+    """Deferred ``rs`` reads copies of its gradients from now on, so that a caller may write into the
+    gradients it passed (an update held back by pipelining lands after the next step's backward)."""
+    s = rs.sorted
+    if rs.sums is not None or s["n"] == 0:
+        return
+    grads = [g.clone() for g in s["grads"]]
+    segs = s["occurrences"][0]
+    s["grads"] = grads
+    s["occurrences"] = (*s["occurrences"][:3], *_gradient_arguments(grads, s["pieces"], segs))
+
+
+def _sum_runs(rs: RowSums, *, long_only: bool) -> Tensor | None:
+    """Launch the per-row sums of ``rs`` (no sync): every run's into a new [N, D] (returned), or with
+    ``long_only`` the runs longer than ``_PIECE`` only, joined in place in their pieces (None)."""
+    k = _kernels()
+    s = rs.sorted
+    n, dim = s["n"], s["dim"]
+    sums = None if long_only else torch.empty((n, dim), dtype=torch.float32, device=rs.rows.device)
     tile_rows, block_d, warps = _tile(dim)
-    pieces = torch.empty((2 * -(-n // _PIECE), dim), dtype=torch.float32, device=device)
-    aligned = dim % 4 == 0 and all(_aligned(g, g.stride(0)) for g in grads)
+    out = s["pieces"] if sums is None else sums  # LONG_ONLY writes no sums
     for first_pieces in (True, False):  # the later pieces' launch returns at once unless a run is long
         k.piece_sums_kernel[(-(-n // tile_rows),)](
-            sorted_ids, runs1, starts, sorted_segs, sorted_coeffs, sorted_feats, *grad_args, rows, sums,
-            pieces, stats, n, dim, vocabulary_size, HAS_COEFFS=has_coeffs, MULTI=multi, ALIGNED=aligned,
-            FIRST=first_pieces, PIECE=_PIECE, UNROLL=_SUMS_UNROLL, ROWS=tile_rows, BLOCK_D=block_d,
+            s["runs1"], s["starts"], *s["occurrences"], out, s["pieces"], rs.stats, n, dim,
+            HAS_COEFFS=s["has_coeffs"], MULTI=s["multi"], ALIGNED=s["aligned"], FIRST=first_pieces,
+            LONG_ONLY=long_only, PIECE=_PIECE, UNROLL=_SUMS_UNROLL, ROWS=tile_rows, BLOCK_D=block_d,
             num_warps=warps, enable_fp_fusion=False,
         )  # fmt: skip
     k.piece_join_kernel[(-(-n // tile_rows),)](
-        sorted_ids, starts, rows, sums, pieces, stats, n, dim, PIECE=_PIECE, UNROLL=8, ROWS=tile_rows,
-        BLOCK_D=block_d, num_warps=warps, enable_fp_fusion=False,
+        s["starts"], out, s["pieces"], rs.stats, n, dim, IN_PLACE=long_only, PIECE=_PIECE, UNROLL=8,
+        ROWS=tile_rows, BLOCK_D=block_d, num_warps=warps, enable_fp_fusion=False,
     )  # fmt: skip
-    return RowSums(rows, sums, stats)
+    return sums
+
+
+def materialize(rs: RowSums) -> Tensor:
+    """The summed gradients [N, D] of deferred ``rs`` (launched here, no sync; ``rs.stats[1]`` then holds
+    the exact largest |sum|); the sums themselves when they were not deferred."""
+    if rs.sums is None:
+        if rs.sorted["n"] == 0:
+            rs.sums = torch.empty((0, rs.sorted["dim"]), device=rs.rows.device)
+        else:
+            rs.sums = _sum_runs(rs, long_only=False)
+    assert rs.sums is not None
+    return rs.sums
 
 
 def update_parameters(opt: Optimizer, lr: float, decay: float) -> dict[str, Any]:
@@ -328,15 +412,18 @@ def update_parameters(opt: Optimizer, lr: float, decay: float) -> dict[str, Any]
 
 def update(
     rows: Tensor,
-    sums: Tensor,
+    sums: Tensor | None,
     weights: Tensor,
     slots: Sequence[Tensor],
     params: dict[str, Any],
     *,
     write: bool,
     measure: bool,
+    inline: RowSums | None = None,
 ) -> tuple[Tensor | None, Tensor | None]:
-    """The fused update of distinct ``rows`` [U] with ``sums`` [U, D] (``write=False``: the dry run).
+    """The fused update of distinct ``rows`` [U] with ``sums`` [U, D] (``write=False``: the dry run), or
+    with ``inline`` (a deferred ``row_sums``, whose first U rows are ``rows``; ``sums`` None) summing
+    each row's gradients as it applies them.
     Returns (bad_row [1] int64, the dry run's: the smallest row whose new values are not finite, V when
     none; maxabs [4] int32 bits of max |new value| of (weights, *slots) when ``measure``), unread (no
     sync); None for what was not asked (a proven write allocates nothing)."""
@@ -350,21 +437,37 @@ def update(
     if len(slots) != params["NSLOTS"]:
         raise GpuBufferError("embtables GPU kernel: the slots do not match the optimizer.")
     u = _checked_contiguous(rows, "rows", torch.int64, device, 1).numel()
-    if _checked_contiguous(sums, "gradient sums", torch.float32, device, 2).shape != (u, dim):
-        raise GpuBufferError(f"embtables GPU kernel: gradient sums must be [{u}, {dim}].")
+    if inline is None:
+        if _checked_contiguous(sums, "gradient sums", torch.float32, device, 2).shape != (u, dim):
+            raise GpuBufferError(f"embtables GPU kernel: gradient sums must be [{u}, {dim}].")
+    elif (
+        sums is not None
+        or inline.sorted["dim"] != dim
+        or u > inline.sorted["n"]
+        or rows.data_ptr() != inline.rows.data_ptr()
+    ):
+        raise GpuBufferError("embtables GPU kernel: an inline update takes its row sums' rows and no sums.")
     bad_row = None if write else torch.full((1,), v, dtype=torch.int64, device=device)
     maxabs = torch.zeros(4, dtype=torch.int32, device=device) if measure else None
     if u == 0 or dim == 0:
         return bad_row, maxabs
+    if inline is None:
+        occurrences: tuple[Any, ...] = (weights,) * 11  # not read
+        flags = {"INLINE": False, "HAS_COEFFS": False, "MULTI": False, "ALIGNED": False}
+    else:
+        srt = inline.sorted
+        occurrences = (srt["starts"], *srt["occurrences"], srt["pieces"])
+        flags = {"INLINE": True, "HAS_COEFFS": srt["has_coeffs"], "MULTI": srt["multi"], "ALIGNED": srt["aligned"]}
     spare = [*slots, weights, weights, weights][:3]  # slots the optimizer lacks: never read
     tile_rows, block_d, warps = _tile(dim)
     k.update_kernel[(-(-u // tile_rows),)](
         rows,
-        sums,
+        weights if sums is None else sums,  # INLINE: not read
+        *occurrences,
         weights,
         *spare,
         rows if bad_row is None else bad_row,  # not written unless asked for
-        sums if maxabs is None else maxabs,
+        weights if maxabs is None else maxabs,
         u,
         dim,
         v,
@@ -377,6 +480,9 @@ def update(
         LIBDEVICE=not _interpreting(),
         WRITE=write,
         MEASURE=measure,
+        **flags,
+        PIECE=_PIECE,
+        UNROLL=_SUMS_UNROLL,
         ROWS=tile_rows,
         BLOCK_D=block_d,
         num_warps=warps,

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from embtables.kernels.triton_lookup import lookup_kernel, validate_kernel
 from embtables.kernels.triton_row_sums import (
+    max_abs_kernel,
     piece_join_kernel,
     piece_sums_kernel,
     run_starts_kernel,
@@ -26,6 +27,7 @@ from embtables.kernels.triton_update import update_kernel
 
 __all__ = [
     "lookup_kernel",
+    "max_abs_kernel",
     "piece_join_kernel",
     "piece_sums_kernel",
     "run_starts_kernel",

@@ -6,7 +6,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from embtables.kernels.triton_common import row_max_bits
+from embtables.kernels.triton_common import abs_bits, row_max_bits
 
 
 @triton.jit
@@ -21,42 +21,62 @@ def sort_marks_kernel(
     sorted_segs,  # int64 [N] out: segs in sorted order
     sorted_coeffs,  # float32 [N] out (written when HAS_COEFFS)
     sorted_feats,  # int64 [N] out (written when MULTI)
+    grad_nrows,  # rows of the one feature's gradient (not MULTI)
+    grad_rows,  # int64 [F_t] (MULTI): rows of each feature's gradient
+    stats,  # int64 [6]: [2] := 1 when an id is outside [0, V) or a bag outside its gradient; [5] max |coeff| bits
     N,
+    V,
     HAS_COEFFS: tl.constexpr,
     MULTI: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     """Per sorted position: the id as int64, where runs begin, and the occurrence's bag (coefficient,
-    feature) gathered into sorted order, so that the sums read them without following ``perm``."""
+    feature) gathered into sorted order, so that the sums read them without following ``perm``. Ids and
+    bags are checked here (they changed since the lookup validated them only if a buffer was written in
+    between), before any sum or update reads them."""
     k = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     km = k < N
     key = tl.load(sorted_keys + k, mask=km, other=0)
     prev = tl.load(sorted_keys + k - 1, mask=km & (k > 0), other=0)
-    tl.store(sorted_ids + k, key.to(tl.int64), mask=km)
+    row = key.to(tl.int64)
+    tl.store(sorted_ids + k, row, mask=km)
     tl.store(is_start + k, tl.where((k == 0) | (key != prev), 1, 0).to(tl.int64), mask=km)
     p = tl.load(perm + k, mask=km, other=0)
-    tl.store(sorted_segs + k, tl.load(segs + p, mask=km, other=0), mask=km)
-    if HAS_COEFFS:
-        tl.store(sorted_coeffs + k, tl.load(coeffs + p, mask=km, other=0.0), mask=km)
+    seg = tl.load(segs + p, mask=km, other=0)
+    tl.store(sorted_segs + k, seg, mask=km)
     if MULTI:
-        tl.store(sorted_feats + k, tl.load(feats + p, mask=km, other=0), mask=km)
+        f = tl.load(feats + p, mask=km, other=0)
+        tl.store(sorted_feats + k, f, mask=km)
+        nrows = tl.load(grad_rows + f, mask=km, other=0)
+    else:
+        nrows = grad_nrows
+    bad = km & ((row < 0) | (row >= V) | (seg < 0) | (seg >= nrows))
+    if tl.max(bad.to(tl.int32), axis=0) > 0:
+        tl.atomic_max(stats + 2, 1)
+    if HAS_COEFFS:
+        c = tl.load(coeffs + p, mask=km, other=0.0)
+        tl.store(sorted_coeffs + k, c, mask=km)
+        tl.atomic_max(stats + 5, tl.max(tl.where(km, abs_bits(c), 0), axis=0).to(tl.int64))
 
 
 @triton.jit
 def run_starts_kernel(
     is_start,  # int64 [N]
     runs1,  # int64 [N]: the inclusive cumulative sum of is_start (1 + the run of each sorted position)
+    sorted_ids,  # int64 [N]
     starts,  # int64 [N + 2] out: the first sorted position of each run; N from the U-th entry on
-    stats,  # int64 [4]: [0] := U, the number of runs (distinct rows)
+    rows_out,  # int64 [N] out: the row of run r (U valid)
+    stats,  # int64 [6]: [0] := U, the number of runs (distinct rows)
     N,
     BLOCK: tl.constexpr,
 ):
-    """Where each run begins (run r at ``starts[r]``, ``starts[U:] = N``) and the number of runs."""
+    """Where each run begins (run r at ``starts[r]``, ``starts[U:] = N``), its row, and the number of runs."""
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     u = tl.load(runs1 + N - 1)
     begins = (i < N) & (tl.load(is_start + i, mask=i < N, other=0) != 0)
     r = tl.load(runs1 + i, mask=begins, other=1) - 1
     tl.store(starts + r, i, mask=begins)
+    tl.store(rows_out + r, tl.load(sorted_ids + i, mask=begins, other=0), mask=begins)
     tl.store(starts + i, i * 0 + N, mask=(i >= u) & (i < N + 2))
     if tl.program_id(0) == 0:
         tl.store(stats, u)
@@ -108,8 +128,47 @@ def _piece_gradients(
 
 
 @triton.jit
+def run_sums(
+    k,
+    length,
+    segs,
+    coeffs,
+    feats,
+    grad0,
+    grad_ld,
+    grad_nrows,
+    grad_ptrs,
+    grad_lds,
+    grad_rows,
+    d,
+    dm,
+    HAS_COEFFS: tl.constexpr,
+    MULTI: tl.constexpr,
+    ALIGNED: tl.constexpr,
+    UNROLL: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """Lane r of a [ROWS, BLOCK_D] tile sums the gradients of sorted occurrences ``k[r]`` ..
+    ``k[r] + length[r] - 1`` one at a time, in order (the C kernel's additions: the CPU's bits); returns
+    the sums and [ROWS] counts of bags outside their gradient (not read)."""
+    acc = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
+    bad = tl.zeros([ROWS], dtype=tl.int32)
+    longest = tl.max(length, axis=0)
+    for j0 in range(0, longest, UNROLL):
+        for jj in tl.static_range(UNROLL):  # unrolled: the loads of UNROLL occurrences are in flight
+            j = j0 + jj
+            g, outside = _piece_gradients(
+                k + j, j < length, segs, coeffs, feats, grad0, grad_ld, grad_nrows, grad_ptrs, grad_lds,
+                grad_rows, d, dm, HAS_COEFFS, MULTI, ALIGNED,
+            )  # fmt: skip
+            bad += outside
+            acc += g  # a masked-off occurrence adds +0.0: exact
+    return acc, bad
+
+
+@triton.jit
 def piece_sums_kernel(
-    sorted_ids,  # int64 [N]: the table's ids, sorted (stable: equal ids keep occurrence order)
     runs1,  # int64 [N]: 1 + the run (distinct row) of each sorted position
     starts,  # int64 [N + 2]: first sorted position of each run; N past the last one
     segs,  # int64 [N]: the bag of each sorted occurrence, in its feature's gradient
@@ -121,19 +180,17 @@ def piece_sums_kernel(
     grad_ptrs,  # int64 [F_t] (MULTI): address of each feature's gradient (float32 rows, ld apart)
     grad_lds,  # int64 [F_t]
     grad_rows,  # int64 [F_t]: rows of each feature's gradient (a bag outside them is flagged, not read)
-    rows_out,  # int64 [N]: distinct row u (U valid)
-    sums,  # float32 [N, D]: summed gradient of distinct row u (U rows valid)
+    sums,  # float32 [N, D]: summed gradient of distinct row u (U rows valid; not written when LONG_ONLY)
     pieces,  # float32 [2 ceil(N / PIECE), D]: the pieces of runs longer than PIECE, for piece_join_kernel
-    stats,  # int64 [4]: [1] max over |sums| as bits (>= F32_INF_BITS: not finite); [2] 1 when an id or bag
-    # was outside the table or the gradient (changed since the lookup validated it); [3] 1 when a run is
-    # longer than PIECE
+    stats,  # int64 [6]: [1] max over |sums| as bits (>= F32_INF_BITS: not finite); [2] 1 when a bag was
+    # outside its gradient (changed since the lookup validated it); [3] the longest run (FIRST)
     N,
     D,
-    V,
     HAS_COEFFS: tl.constexpr,
     MULTI: tl.constexpr,
     ALIGNED: tl.constexpr,  # every gradient and gradient row starts 16 bytes aligned
     FIRST: tl.constexpr,  # the first pieces (lanes are runs), else the later ones (lanes are positions)
+    LONG_ONLY: tl.constexpr,  # FIRST: sum only runs longer than PIECE (the others are summed in the update)
     PIECE: tl.constexpr,
     UNROLL: tl.constexpr,
     ROWS: tl.constexpr,
@@ -141,12 +198,12 @@ def piece_sums_kernel(
 ):
     """The per-row gradient sums, pass 1. A run of equal sorted ids is cut into pieces of PIECE occurrences
     from its start, each summed by one lane of a [ROWS, BLOCK_D] tile one occurrence at a time, in
-    occurrence order. FIRST: lane u sums the first piece of run u (two contiguous loads find it); else,
-    only when a run is longer than PIECE (``stats[3]``), lane k sums the later piece that begins at
-    sorted position k, if one does. A run of at most PIECE occurrences is one piece, written as its
-    distinct row's sum (the C kernel's additions: the CPU's bits); the pieces of a longer run go to
-    ``pieces`` (slot 2 (k // PIECE) + (a whole piece), unique: two pieces that begin in the same PIECE
-    positions are a run's short last one and the next run's whole first one)."""
+    occurrence order. FIRST: lane u sums the first piece of run u (two contiguous loads find it) and the
+    longest run goes to ``stats[3]``; else, only when a run is longer than PIECE, lane k sums the later
+    piece that begins at sorted position k, if one does. A run of at most PIECE occurrences is one piece,
+    written as its distinct row's sum (the C kernel's additions: the CPU's bits); the pieces of a longer
+    run go to ``pieces`` (slot 2 (k // PIECE) + (a whole piece), unique: two pieces that begin in the same
+    PIECE positions are a run's short last one and the next run's whole first one)."""
     lane = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     if FIRST:
         run = lane
@@ -154,33 +211,26 @@ def piece_sums_kernel(
         end = tl.load(starts + run + 1, mask=first < N, other=N)
         k = first
         lead = first < N
+        tl.atomic_max(stats + 3, tl.max(tl.where(lead, end - first, 0), axis=0))
+        if LONG_ONLY:
+            lead = lead & (end - first > PIECE)
     else:
         todo = tl.load(stats + 3)
-        km = (lane < N) & ((lane * 0 + todo) != 0)  # blocks only in masks (Triton 3.9's interpreter)
+        km = (lane < N) & ((lane * 0 + todo) > PIECE)  # blocks only in masks (Triton 3.9's interpreter)
         run = tl.load(runs1 + lane, mask=km, other=1) - 1
         first = tl.load(starts + run, mask=km, other=0)
         end = tl.load(starts + run + 1, mask=km, other=0)
         k = lane
         lead = km & (k > first) & ((k - first) % PIECE == 0)  # lane k begins a later piece
     length = tl.where(lead, tl.minimum(end - k, PIECE), 0)
-    longest = tl.max(length, axis=0)
-    if longest > 0:
+    if tl.max(length, axis=0) > 0:
         d = tl.arange(0, BLOCK_D)
         dm = d < D
-        acc = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
-        row = tl.load(sorted_ids + k, mask=lead, other=0)
-        bad = tl.where(lead & ((row < 0) | (row >= V)), 1, 0)
-        for j0 in range(0, longest, UNROLL):
-            for jj in tl.static_range(UNROLL):  # unrolled: the loads of UNROLL occurrences are in flight
-                j = j0 + jj
-                g, outside = _piece_gradients(
-                    k + j, j < length, segs, coeffs, feats, grad0, grad_ld, grad_nrows, grad_ptrs, grad_lds,
-                    grad_rows, d, dm, HAS_COEFFS, MULTI, ALIGNED,
-                )  # fmt: skip
-                bad += outside
-                acc += g  # a masked-off occurrence adds +0.0: exact
+        acc, bad = run_sums(
+            k, length, segs, coeffs, feats, grad0, grad_ld, grad_nrows, grad_ptrs, grad_lds, grad_rows, d, dm,
+            HAS_COEFFS, MULTI, ALIGNED, UNROLL, ROWS, BLOCK_D,
+        )  # fmt: skip
         whole = lead & (end - first <= PIECE)  # the run is this one piece
-        tl.store(rows_out + run, row, mask=whole)
         m2 = whole[:, None] & dm[None, :]
         tl.store(sums + run[:, None] * D + d[None, :], acc, mask=m2)
         part = lead & (end - first > PIECE)
@@ -189,20 +239,17 @@ def piece_sums_kernel(
         tl.atomic_max(stats + 1, tl.max(row_max_bits(acc, m2), axis=0).to(tl.int64))
         if tl.sum(bad, axis=0) > 0:
             tl.atomic_max(stats + 2, 1)
-        if tl.sum(part.to(tl.int32), axis=0) > 0:
-            tl.atomic_max(stats + 3, 1)
 
 
 @triton.jit
 def piece_join_kernel(
-    sorted_ids,  # int64 [N]
     starts,  # int64 [N + 2]
-    rows_out,  # int64 [N]
-    sums,  # float32 [N, D]
+    sums,  # float32 [N, D] (not IN_PLACE)
     pieces,  # float32 [2 ceil(N / PIECE), D]: piece_sums_kernel's pieces
-    stats,  # int64 [4]: [1] max |sum| bits; [3] read: 0 when no run is longer than PIECE (nothing to do)
+    stats,  # int64 [6]: [1] max |sum| bits; [3] read: the longest run (nothing to do unless > PIECE)
     N,
     D,
+    IN_PLACE: tl.constexpr,  # a long run's sum replaces its first piece (slot 2 (first // PIECE) + 1)
     PIECE: tl.constexpr,
     UNROLL: tl.constexpr,
     ROWS: tl.constexpr,
@@ -210,7 +257,7 @@ def piece_join_kernel(
 ):
     """Pass 2: lane u of a tile adds the pieces of run u, if it is longer than PIECE, in order (within
     float32 rounding of the CPU's one-occurrence-at-a-time order)."""
-    if tl.load(stats + 3) != 0:
+    if tl.load(stats + 3) > PIECE:
         u = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
         first = tl.load(starts + u, mask=u < N, other=N)
         end = tl.load(starts + u + 1, mask=first < N, other=N)
@@ -228,8 +275,27 @@ def piece_join_kernel(
                     slot = (at // PIECE) * 2 + tl.where(end - at >= PIECE, 1, 0)
                     m = (i < count)[:, None] & dm[None, :]
                     acc += tl.load(pieces + slot[:, None] * D + d[None, :], mask=m, other=0.0)
-            row = tl.load(sorted_ids + first, mask=joined, other=0)
-            tl.store(rows_out + u, row, mask=joined)
             m2 = joined[:, None] & dm[None, :]
-            tl.store(sums + u[:, None] * D + d[None, :], acc, mask=m2)
+            if IN_PLACE:  # the lane read its first piece's slot above; no other lane reads or writes it
+                tl.store(pieces + ((first // PIECE) * 2 + 1)[:, None] * D + d[None, :], acc, mask=m2)
+            else:
+                tl.store(sums + u[:, None] * D + d[None, :], acc, mask=m2)
             tl.atomic_max(stats + 1, tl.max(row_max_bits(acc, m2), axis=0).to(tl.int64))
+
+
+@triton.jit
+def max_abs_kernel(
+    grad,  # float32 [S, D], rows ``ld`` apart
+    ld,
+    S,
+    D,
+    out,  # int64 [1]: := max(out, max |grad| as bits) (>= F32_INF_BITS: not finite)
+    ROWS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """The largest |value| of a gradient, as float32 bits (a bound on the per-row sums without summing)."""
+    r = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    d = tl.arange(0, BLOCK_D)
+    m = (r < S)[:, None] & (d < D)[None, :]
+    g = tl.load(grad + r[:, None] * ld + d[None, :], mask=m, other=0.0)
+    tl.atomic_max(out, tl.max(row_max_bits(g, m), axis=0).to(tl.int64))

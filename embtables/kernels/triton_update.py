@@ -24,12 +24,24 @@ from embtables.kernels.triton_common import (
     proximal,
     row_max_bits,
 )
+from embtables.kernels.triton_row_sums import run_sums
 
 
 @triton.jit
 def update_kernel(
     rows,  # int64 [U]: distinct rows
-    sums,  # float32 [U, D]: their summed gradients
+    sums,  # float32 [U, D]: their summed gradients (not INLINE)
+    starts,  # INLINE: int64 [N + 2], the first sorted occurrence of each distinct row (run); N past the last
+    segs,  # INLINE: the per-row sums' sorted occurrences (``run_sums``), their gradients and pieces
+    coeffs,
+    feats,
+    grad0,
+    grad_ld,
+    grad_nrows,
+    grad_ptrs,
+    grad_lds,
+    grad_rows,
+    pieces,  # INLINE: float32, a run longer than PIECE: its joined sum in slot 2 (first // PIECE) + 1
     weights,  # float32 [V, D]
     s0,  # float32 [V, D] slots, in the optimizer's slot order (unused ones: any float32 buffer)
     s1,
@@ -59,12 +71,20 @@ def update_kernel(
     LIBDEVICE: tl.constexpr,
     WRITE: tl.constexpr,
     MEASURE: tl.constexpr,
+    INLINE: tl.constexpr,  # sum each row's gradients here (runs of at most PIECE occurrences) instead of reading sums
+    HAS_COEFFS: tl.constexpr,
+    MULTI: tl.constexpr,
+    ALIGNED: tl.constexpr,
+    PIECE: tl.constexpr,
+    UNROLL: tl.constexpr,
     ROWS: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
     """ROWS distinct rows per program, as a [ROWS, BLOCK_D] tile: gradient clip -> decay -> optimizer ->
     weight clip (the C kernels' ``et_row_*``, element by element), constants ``c0..c5`` and flags in each
-    kernel record's order. WRITE=False is the dry run: it only finds the first row that would not be finite."""
+    kernel record's order. WRITE=False is the dry run: it only finds the first row that would not be finite.
+    INLINE: row u's gradient is summed here, in the order and with the additions of ``piece_sums_kernel``
+    (the same bits), or read from its joined pieces when its run is longer than PIECE."""
     u = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     um = u < U
     row = tl.load(rows + u, mask=um, other=-1)
@@ -72,7 +92,22 @@ def update_kernel(
     # rows come from the per-row sums, which checked them: a guard
     dm = (um & (row >= 0) & (row < V))[:, None] & (d < D)[None, :]
     at = row[:, None] * D + d[None, :]
-    g = tl.load(sums + u[:, None] * D + d[None, :], mask=dm, other=0.0)
+    if INLINE:
+        first = tl.load(starts + u, mask=um, other=0)
+        end = tl.load(starts + u + 1, mask=um, other=0)
+        short = um & (end - first <= PIECE)
+        g, _ = run_sums(
+            first, tl.where(short, end - first, 0), segs, coeffs, feats, grad0, grad_ld, grad_nrows, grad_ptrs,
+            grad_lds, grad_rows, d, d < D, HAS_COEFFS, MULTI, ALIGNED, UNROLL, ROWS, BLOCK_D,
+        )  # fmt: skip
+        long = um & (end - first > PIECE)
+        if tl.max(long.to(tl.int32), axis=0) > 0:
+            joined = tl.load(
+                pieces + ((first // PIECE) * 2 + 1)[:, None] * D + d[None, :], mask=long[:, None] & dm, other=0.0
+            )
+            g = tl.where(long[:, None], joined, g)
+    else:
+        g = tl.load(sums + u[:, None] * D + d[None, :], mask=dm, other=0.0)
     g = tl.where(g < glo, glo, g)
     g = tl.where(g > ghi, ghi, g)
     x = tl.load(weights + at, mask=dm, other=0.0)

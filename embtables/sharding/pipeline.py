@@ -222,7 +222,7 @@ class StepPipeline:
             # Nothing changes the tables before this update lands, so check it now: a non-finite
             # update raises here, like in a synchronous run, instead of at the next lookup.
             self.run(lambda: engine.check(update.table_grads, update.lrs))
-            self.pending = update
+            self.pending = PendingUpdate([tg.owned() for tg in table_grads], update.lrs)
         else:
             with phase_profile.phase("update"):
                 self.run(lambda: engine.apply(update.table_grads, update.lrs))
@@ -246,7 +246,7 @@ class StepPipeline:
                 if not tg.table.optimizer.lazy:  # non-lazy Adam touches every row
                     rows = torch.arange(weights.shape[0], device=weights.device)
                 else:
-                    touched = tg.materialized().rows
+                    touched = tg.rows if tg.rows is not None else tg.materialized().rows
                     assert touched is not None
                     rows = torch.unique(touched).to(weights.device)
                 stale[tg.table.name] = (rows, weights.index_select(0, rows))

@@ -379,8 +379,12 @@ class EmbeddingCollection:
         slots = state.slot_tuple()
         dense = not opt.lazy
         ws = tg.prepared
-        if ws is None and tg.rows is not None and native.usable(state.weights, *slots, tg.rows, tg.grads):
-            assert tg.grads is not None
+        if (
+            ws is None
+            and tg.rows is not None
+            and tg.grads is not None
+            and native.usable(state.weights, *slots, tg.rows, tg.grads)
+        ):
             ws = self._workspace(tg.table)
             status = ws.load(tg.rows, tg.grads.contiguous(), tg.table.vocabulary_size)
             if status == 2:
@@ -404,9 +408,9 @@ class EmbeddingCollection:
             return _NativeWrite(
                 tg.table, ws, state.weights, slots, params, dense, measure, new_bounds, check and check_in_write
             )
-        assert tg.rows is not None and tg.grads is not None
         if self.on_gpu_kernels:
             return gpu_step.checked_update(self, tg, lr, decay)
+        assert tg.rows is not None and tg.grads is not None
         rows, grads = tg.rows, tg.grads
         if dense:
             gmax = float(grads.abs().max()) if grads.numel() else 0.0

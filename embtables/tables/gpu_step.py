@@ -25,6 +25,8 @@ from embtables.tables.inputs import FeatureBatch
 from embtables.tables.table_gradient import TableGradient
 from embtables.tables.value_bounds import non_finite_gradient, non_finite_update
 
+_F32_MAX = 3.4028234663852886e38
+
 if TYPE_CHECKING:
     from collections.abc import Callable
 
@@ -72,12 +74,15 @@ def lookup(coll: EmbeddingCollection, batches: Sequence[FeatureBatch], concat: b
 def table_gradients(
     coll: EmbeddingCollection, batches: Sequence[FeatureBatch], grads: Sequence[Tensor | None]
 ) -> dict[str, TableGradient]:
-    """Phase 1 on the GPU for every table with gradient accumulation: distinct rows, their summed
-    gradients and the largest |sum| per table, read back in one sync. Raises before anything is written."""
+    """Phase 1 on the GPU for every table with gradient accumulation: distinct rows and what bounds their
+    summed gradients, read back for every table in one sync. A lazy table's sums are deferred to its
+    update (which sums each row as it applies it) when the bound proves them finite; the others, and a
+    deferred table the bound does not clear, are summed here (one more sync for those). Raises before
+    anything is written."""
     accumulated = [t for t in coll.resolved.tables if t.optimizer.use_gradient_accumulation]
     if not accumulated:
         return {}
-    stats = torch.zeros((len(accumulated), 4), dtype=torch.int64, device=coll.device)  # every table's, one sync
+    stats = torch.zeros((len(accumulated), gpu.STATS), dtype=torch.int64, device=coll.device)  # one sync
     pending: list[tuple[Any, gpu.RowSums]] = []
     for i, table in enumerate(accumulated):
         parts = []
@@ -86,16 +91,37 @@ def table_gradients(
             if g is None:
                 g = torch.zeros((batch.num_segments, table.dim), dtype=torch.float32, device=coll.device)
             parts.append((batch.ids, batch.seg, batch.coeffs, g))
-        pending.append((table, gpu.row_sums(parts, table.vocabulary_size, table.dim, stats[i])))
+        rs = gpu.row_sums(parts, table.vocabulary_size, table.dim, stats[i], defer=table.optimizer.lazy and bool(gpu.DEFER_SUMS))
+        pending.append((table, rs))
+    values = stats.tolist()
+    bounds: dict[str, float] = {}
+    summed_here = False
+    for (table, rs), row in zip(pending, values):
+        if rs.sums is not None or row[2]:
+            continue
+        bound = rs.sum_bound(row)
+        if bound < _F32_MAX:
+            bounds[table.name] = bound
+        else:  # a gradient too large (or not finite) for the bound to prove anything: the exact sums
+            gpu.materialize(rs)
+            summed_here = True
+    if summed_here:
+        values = stats.tolist()
     out = {}
-    for (table, rs), (count, maxbits, bad, _) in zip(pending, stats.tolist()):
+    for (table, rs), (count, maxbits, bad, *_) in zip(pending, values):
         if bad:
             raise InputError(
                 f"table {table.name!r}: ids or offsets changed after they were validated (an input buffer was "
                 "written between the lookup and apply_gradients()); no table or slot was changed."
             )
+        if table.name in bounds:
+            out[table.name] = TableGradient(
+                table, rs.rows[:count], None, accumulated=True, gradient_max_abs=bounds[table.name], deferred=rs
+            )
+            continue
         if maxbits >= gpu.F32_INF_BITS:
             raise non_finite_gradient(table)
+        assert rs.sums is not None
         out[table.name] = TableGradient(
             table,
             rs.rows[:count],
@@ -109,29 +135,35 @@ def table_gradients(
 def checked_update(coll: EmbeddingCollection, tg: TableGradient, lr: float, decay: float) -> Callable[[], None]:
     """Check one accumulated table update on the GPU (writes nothing) and return the function that writes
     it: proven finite from bounds (no sync), else a dry run of the fused kernel (one sync)."""
-    assert tg.rows is not None and tg.grads is not None
     table, state = tg.table, coll.states[tg.table.name]
     opt = table.optimizer
     slots = state.slot_tuple()
+    deferred = tg.deferred if tg.grads is None else None
+    inline = deferred if deferred is not None and deferred.sums is None and opt.lazy else None
+    if inline is None:  # summed already (pickled, or an observer's flush), or not lazy: the sums
+        tg = tg.materialized()
+    assert tg.rows is not None
     rows, grads = tg.rows, tg.grads
-    if not opt.lazy:  # non-lazy Adam: every row, a zero gradient where the batch has none
+    if not opt.lazy:
+        assert grads is not None  # non-lazy Adam: every row, a zero gradient where the batch has none
         full = torch.zeros((table.vocabulary_size, table.dim), dtype=torch.float32, device=grads.device)
         grads = full.index_copy_(0, rows, grads)
         rows = torch.arange(table.vocabulary_size, device=grads.device)
     gmax = tg.gradient_max_abs
     if gmax is None:
+        assert grads is not None
         gmax = float(grads.abs().max()) if grads.numel() else 0.0
     params = gpu.update_parameters(opt, lr, decay)
     new_bounds = coll.guard.proven(table, lr, decay, gmax)
     if new_bounds is None:
-        bad, _ = gpu.update(rows, grads, state.weights, slots, params, write=False, measure=False)
+        bad, _ = gpu.update(rows, grads, state.weights, slots, params, write=False, measure=False, inline=inline)
         row = table.vocabulary_size if bad is None else int(bad.item())
         if row < table.vocabulary_size:
             raise non_finite_update(table, row, lr)
     measure = new_bounds is None or bounds_compound(opt)
 
     def write() -> None:
-        _, maxabs = gpu.update(rows, grads, state.weights, slots, params, write=True, measure=measure)
+        _, maxabs = gpu.update(rows, grads, state.weights, slots, params, write=True, measure=measure, inline=inline)
         if maxabs is not None:
             written = gpu.bits_to_float(maxabs.tolist()[: 1 + len(slots)])
             coll.guard.after_write(table, written, measured=True)

@@ -9,7 +9,7 @@ from typing import Any
 from torch import Tensor
 
 from embtables.config import ResolvedTable
-from embtables.kernels import native
+from embtables.kernels import gpu, native
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -26,14 +26,27 @@ class TableGradient:
     grads: Tensor | None
     accumulated: bool
     prepared: native.Workspace | None = None
-    gradient_max_abs: float | None = None  # max |grads|, when phase 1 measured it (the GPU step does)
+    gradient_max_abs: float | None = None  # max |grads| (or a bound on it), when phase 1 measured it (GPU)
+    deferred: gpu.RowSums | None = None  # GPU: the sums not yet made (``grads`` None; the update sums them)
 
     def materialized(self) -> TableGradient:
-        """The same gradient with rows [U] and sums [U, D] as tensors (copied out of C memory)."""
+        """The same gradient with rows [U] and sums [U, D] as tensors (copied out of C memory, or summed
+        on the GPU)."""
+        if self.deferred is not None and self.grads is None:
+            assert self.rows is not None
+            sums = gpu.materialize(self.deferred)[: self.rows.numel()]
+            return TableGradient(self.table, self.rows, sums, accumulated=True)
         if self.prepared is None:
             return self
         rows, grads = self.prepared.rows_and_grads()
         return TableGradient(self.table, rows, grads, accumulated=True)
+
+    def owned(self) -> TableGradient:
+        """This gradient, reading only memory the engine owns: a deferred GPU gradient copies the activation
+        gradients it would read at its update (the caller may reuse them before a held-back update lands)."""
+        if self.deferred is not None and self.grads is None:
+            gpu.own_gradients(self.deferred)
+        return self
 
     def __reduce__(self) -> tuple[Any, ...]:
         # A copy or a pickle (of a module with a pipelined update pending) carries the gradient itself,

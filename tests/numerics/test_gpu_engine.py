@@ -198,3 +198,24 @@ def test_the_process_group_path_runs_over_nccl() -> None:
     from one_rank_world import run_one_rank_world
 
     assert run_one_rank_world("nccl", "cuda") == "ShardedEmbeddingCollection"
+
+
+@pytest.mark.parametrize(("second", "finite"), [(-3e38, True), (3e38, False)])
+def test_gradients_too_large_for_the_bound_are_summed_exactly(second: float, finite: bool) -> None:
+    """Row 4 of table 'b' gets 3e38 from one bag and ``second`` from another: the deferred sums' bound
+    (2 x 3e38) proves nothing, so phase 1 sums exactly: 0 updates nothing; inf is refused, nothing changed."""
+    emb = _module(et.SGD(0.1))
+    before = _snapshot(emb)
+    feats = {name: et.Ragged.from_lists([[1], [2]]) for name in ("x", "y")}
+    feats["z"] = et.Ragged.from_lists([[4], [4]])
+    acts = emb(feats)
+    grads = {k: torch.zeros_like(v) for k, v in acts.items()}
+    grads["z"][0] = 3e38
+    grads["z"][1] = second
+    if finite:
+        emb.apply_gradients(grads)
+        _unchanged(emb, before)
+    else:
+        with pytest.raises(InputError, match=r"table 'b'.*NaN or Inf"):
+            emb.apply_gradients(grads)
+        _unchanged(emb, before)

@@ -104,8 +104,8 @@ def test_row_sums_match_dedup_sum(multi: bool) -> None:
     # the CPU reference adds each row's occurrences one by one in occurrence order, as the kernel does
     rows, sums = dedup_sum(torch.cat(all_ids).cpu(), torch.cat(all_grads).cpu())
     got = gpu.row_sums(parts, vocab, dim)
-    u, maxbits, bad, long_runs = got.stats.tolist()
-    assert u == rows.numel() and bad == 0 and long_runs == 0
+    u, maxbits, bad, longest, *_ = got.stats.tolist()
+    assert u == rows.numel() and bad == 0 and longest == int(torch.bincount(torch.cat(all_ids).cpu()).max())
     assert torch.equal(got.rows[:u].cpu(), rows)
     assert torch.equal(got.sums[:u].cpu(), sums), "the same float32 additions in the same order: the same bits"
     assert gpu.bits_to_float([maxbits])[0] == float(sums.abs().max())
@@ -137,8 +137,8 @@ def test_row_sums_join_a_hot_row_from_pieces() -> None:
     grad = torch.randn(ids.numel(), 6, generator=gen).to(DEVICE)
     got = gpu.row_sums([(ids, seg, None, grad)], 50, 6)
     rows, sums = dedup_sum(ids.cpu(), grad.cpu())
-    u, _, bad, long_runs = got.stats.tolist()
-    assert torch.equal(got.rows[:u].cpu(), rows) and bad == 0 and long_runs == 1
+    u, _, bad, longest, *_ = got.stats.tolist()
+    assert torch.equal(got.rows[:u].cpu(), rows) and bad == 0 and longest == int(torch.bincount(ids.cpu()).max())
     exact64 = torch.zeros(50, 6, dtype=torch.float64).index_add_(0, ids.cpu(), grad.cpu().double())[rows]
     torch.testing.assert_close(got.sums[:u].cpu().double(), exact64, rtol=1e-5, atol=1e-5)
     hot = int((rows == 7).nonzero())
@@ -172,8 +172,8 @@ def test_row_sums_pieces_of_long_runs_meet_in_order(dim: int, multi: bool) -> No
         occ64 = grad.cpu().double()[seg.cpu()] * coeffs.cpu().double()[:, None]
     got = gpu.row_sums(parts, 60, dim)
     rows, sums = dedup_sum(ids.cpu(), occ.cpu())
-    u, maxbits, bad, long_runs = got.stats.tolist()
-    assert torch.equal(got.rows[:u].cpu(), rows) and bad == 0 and long_runs == 1
+    u, maxbits, bad, longest, *_ = got.stats.tolist()
+    assert torch.equal(got.rows[:u].cpu(), rows) and bad == 0 and longest == 300
     exact64 = torch.zeros(60, dim, dtype=torch.float64).index_add_(0, ids.cpu(), occ64)[rows]
     torch.testing.assert_close(got.sums[:u].cpu().double(), exact64, rtol=1e-5, atol=1e-4)
     counts = torch.bincount(ids.cpu(), minlength=60)[rows]
@@ -210,7 +210,7 @@ def test_row_sums_of_no_ids() -> None:
     got = gpu.row_sums(
         [(torch.zeros(0, dtype=torch.int64, device=DEVICE),) * 2 + (None, torch.zeros((0, 3), device=DEVICE))], 5, 3
     )
-    assert got.stats.tolist() == [0, 0, 0, 0]
+    assert got.stats.tolist() == [0] * gpu.STATS
 
 
 def test_row_sums_flag_rows_outside_the_table() -> None:
@@ -302,3 +302,88 @@ def test_fused_update_finds_the_first_row_that_would_overflow() -> None:
     bad, _ = gpu.update(rows, sums, weights, [], params, write=False, measure=False)
     assert bad.tolist() == [4]
     assert torch.equal(weights, torch.full((6, 2), -3e38, device=DEVICE))
+
+
+def _long_and_short_runs(dim: int, multi: bool) -> tuple[list[Any], int]:
+    """Occurrences of one table: runs of 129, 300 and 128 occurrences beside short ones, with coefficients;
+    ``multi``: split over two features (the second without coefficients)."""
+    gen = torch.Generator().manual_seed(17)
+    vocab = 60
+    ids = torch.cat([torch.full((129,), 5), torch.full((300,), 9), torch.full((128,), 11)])
+    ids = torch.cat([ids, torch.randint(20, vocab, (150,), generator=gen)])
+    ids = ids[torch.randperm(ids.numel(), generator=gen)].to(DEVICE)
+    seg = torch.randint(0, 32, (ids.numel(),), generator=gen).to(DEVICE)
+    coeffs = (torch.rand(ids.numel(), generator=gen) * 2 - 1).to(DEVICE)
+    grad = torch.randn(32, dim, generator=gen).to(DEVICE)
+    if not multi:
+        return [(ids, seg, coeffs, grad)], vocab
+    half = ids.numel() // 2
+    grad2 = torch.randn(32, dim, generator=gen).to(DEVICE)
+    return [(ids[:half], seg[:half], coeffs[:half], grad), (ids[half:], seg[half:], None, grad2)], vocab
+
+
+@pytest.mark.parametrize("multi", [False, True])
+@pytest.mark.parametrize("name", ["sgd", "adagrad", "adam", "ftrl_power", "centered_rmsprop"])
+def test_deferred_sums_update_like_summed_ones_bit_for_bit(name: str, multi: bool) -> None:
+    """The update that sums each row's gradients itself (runs of at most 128 occurrences; longer ones
+    joined in place beforehand) writes exactly what the update of the summed gradients writes, dry run
+    included."""
+    opt, dim = OPTIMIZERS[name](), 8
+    parts, vocab = _long_and_short_runs(dim, multi)
+    summed = gpu.row_sums(parts, vocab, dim)
+    deferred = gpu.row_sums(parts, vocab, dim, defer=True)
+    assert deferred.sums is None
+    u = summed.stats.tolist()[0]
+    assert deferred.stats.tolist()[0] == u and torch.equal(deferred.rows[:u], summed.rows[:u])
+    gen = torch.Generator().manual_seed(4)
+    weights, slots = _state(opt, gen, vocab, dim)
+    weights2, slots2 = weights.clone(), [s.clone() for s in slots]
+    lr = float(opt.learning_rate)
+    params = gpu.update_parameters(opt, lr, 0.0)
+    bad, _ = gpu.update(deferred.rows[:u], None, weights2, slots2, params, write=False, measure=False, inline=deferred)
+    assert bad is not None and bad.tolist() == [vocab] and torch.equal(weights2, weights)
+    _, maxabs = gpu.update(summed.rows[:u], summed.sums[:u], weights, slots, params, write=True, measure=True)
+    _, maxabs2 = gpu.update(
+        deferred.rows[:u], None, weights2, slots2, params, write=True, measure=True, inline=deferred
+    )
+    assert torch.equal(weights2, weights)
+    assert all(torch.equal(a, b) for a, b in zip(slots2, slots))
+    assert maxabs is not None and maxabs2 is not None and maxabs2.tolist() == maxabs.tolist()
+    with pytest.raises(gpu.GpuBufferError, match="inline"):
+        gpu.update(summed.rows[:u], summed.sums[:u], weights, slots, params, write=True, measure=False, inline=deferred)
+
+
+def test_deferred_sums_bound_every_sum_and_materialize_exactly() -> None:
+    """Deferred phase 1 measures the longest run, the largest |gradient| and |coefficient| and the long runs'
+    exact largest |sum|; the bound it gives covers every row's sum, and materializing gives the summed path's
+    bits."""
+    parts, vocab = _long_and_short_runs(5, multi=True)
+    summed = gpu.row_sums(parts, vocab, 5)
+    deferred = gpu.row_sums(parts, vocab, 5, defer=True)
+    u, _, bad, longest, gbits, cbits = deferred.stats.tolist()
+    assert bad == 0 and longest == 300
+    g, c = gpu.bits_to_float([gbits, cbits])
+    assert g == max(float(p[3].abs().max()) for p in parts)
+    assert c == 1.0  # the second feature has none: every coefficient 1
+    assert deferred.sum_bound(deferred.stats.tolist()) >= float(summed.sums[:u].abs().max())
+    sums = gpu.materialize(deferred)
+    assert torch.equal(sums[:u], summed.sums[:u])
+    assert deferred.stats.tolist()[1] == summed.stats.tolist()[1]  # the exact largest |sum| now
+
+
+def test_deferred_sums_read_their_own_gradients_once_owned() -> None:
+    """An update held back (pipelining) owns its gradients: the caller may write into the ones it passed."""
+    opt, dim = et.Adagrad(0.1), 4
+    parts, vocab = _long_and_short_runs(dim, multi=True)
+    summed = gpu.row_sums(parts, vocab, dim)
+    deferred = gpu.row_sums(parts, vocab, dim, defer=True)
+    gpu.own_gradients(deferred)
+    for p in parts:
+        p[3].fill_(1e30)
+    u = summed.stats.tolist()[0]
+    weights, slots = _state(opt, torch.Generator().manual_seed(1), vocab, dim)
+    weights2, slots2 = weights.clone(), [s.clone() for s in slots]
+    params = gpu.update_parameters(opt, 0.1, 0.0)
+    gpu.update(summed.rows[:u], summed.sums[:u], weights, slots, params, write=True, measure=False)
+    gpu.update(deferred.rows[:u], None, weights2, slots2, params, write=True, measure=False, inline=deferred)
+    assert torch.equal(weights2, weights) and torch.equal(slots2[0], slots[0])
