@@ -33,8 +33,8 @@ _PIECE = 128  # occurrences of a run summed by one lane; longer runs are cut int
 _SUMS_UNROLL = 4  # occurrences whose loads a lane of the per-row sums has in flight
 _TILE_FLOATS = 2048  # floats in a tile of rows (ROWS x BLOCK_D)
 _TILE_WARPS = 0  # warps of a tile's program (0: one per 512 floats of the tile)
-_LOOKUP_FLOATS = 2048  # floats of table rows a lookup program loads at once (BAGS x BLOCK_N x BLOCK_D)
-_LOOKUP_WARPS = 4  # warps of a lookup program
+_LOOKUP_FLOATS = 1024  # floats of table rows a lookup program loads at once (BAGS x BLOCK_N x BLOCK_D)
+_LOOKUP_WARPS = 1  # warps of a lookup program
 _LOOKUP_BLOCK_N = 32  # most ids of a bag a lookup program loads at once
 DEFER_SUMS = 1  # 1: a lazy table's per-row sums are made by its update (``row_sums(defer=True)``) when proven finite
 

@@ -168,6 +168,34 @@ def run_sums(
 
 
 @triton.jit
+def _sum_pieces(
+    run, first, end, k, lead, segs, coeffs, feats, grad0, grad_ld, grad_nrows, grad_ptrs, grad_lds, grad_rows,
+    sums, pieces, stats, D,
+    HAS_COEFFS: tl.constexpr, MULTI: tl.constexpr, ALIGNED: tl.constexpr, PIECE: tl.constexpr,
+    UNROLL: tl.constexpr, ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """Lane r sums the piece of run ``run[r]`` (``first`` .. ``end``) that begins at sorted position ``k[r]``
+    where ``lead[r]``: the run's sum when it is this one piece, else into ``pieces``."""
+    length = tl.where(lead, tl.minimum(end - k, PIECE), 0)
+    if tl.max(length, axis=0) > 0:
+        d = tl.arange(0, BLOCK_D)
+        dm = d < D
+        acc, bad = run_sums(
+            k, length, segs, coeffs, feats, grad0, grad_ld, grad_nrows, grad_ptrs, grad_lds, grad_rows, d, dm,
+            HAS_COEFFS, MULTI, ALIGNED, UNROLL, ROWS, BLOCK_D,
+        )  # fmt: skip
+        whole = lead & (end - first <= PIECE)  # the run is this one piece
+        m2 = whole[:, None] & dm[None, :]
+        tl.store(sums + run[:, None] * D + d[None, :], acc, mask=m2)
+        part = lead & (end - first > PIECE)
+        slot = (k // PIECE) * 2 + tl.where(length == PIECE, 1, 0)
+        tl.store(pieces + slot[:, None] * D + d[None, :], acc, mask=part[:, None] & dm[None, :])
+        tl.atomic_max(stats + 1, tl.max(row_max_bits(acc, m2), axis=0).to(tl.int64))
+        if tl.sum(bad, axis=0) > 0:
+            tl.atomic_max(stats + 2, 1)
+
+
+@triton.jit
 def piece_sums_kernel(
     runs1,  # int64 [N]: 1 + the run (distinct row) of each sorted position
     starts,  # int64 [N + 2]: first sorted position of each run; N past the last one
@@ -190,7 +218,7 @@ def piece_sums_kernel(
     MULTI: tl.constexpr,
     ALIGNED: tl.constexpr,  # every gradient and gradient row starts 16 bytes aligned
     FIRST: tl.constexpr,  # the first pieces (lanes are runs), else the later ones (lanes are positions)
-    LONG_ONLY: tl.constexpr,  # FIRST: sum only runs longer than PIECE (the others are summed in the update)
+    LONG_ONLY: tl.constexpr,  # only runs longer than PIECE: FIRST measures, the other pass sums all their pieces
     PIECE: tl.constexpr,
     UNROLL: tl.constexpr,
     ROWS: tl.constexpr,
@@ -198,47 +226,38 @@ def piece_sums_kernel(
 ):
     """The per-row gradient sums, pass 1. A run of equal sorted ids is cut into pieces of PIECE occurrences
     from its start, each summed by one lane of a [ROWS, BLOCK_D] tile one occurrence at a time, in
-    occurrence order. FIRST: lane u sums the first piece of run u (two contiguous loads find it) and the
-    longest run goes to ``stats[3]``; else, only when a run is longer than PIECE, lane k sums the later
-    piece that begins at sorted position k, if one does. A run of at most PIECE occurrences is one piece,
-    written as its distinct row's sum (the C kernel's additions: the CPU's bits); the pieces of a longer
-    run go to ``pieces`` (slot 2 (k // PIECE) + (a whole piece), unique: two pieces that begin in the same
-    PIECE positions are a run's short last one and the next run's whole first one)."""
+    occurrence order. FIRST: the longest run goes to ``stats[3]`` and (unless LONG_ONLY) lane u sums the
+    first piece of run u (two contiguous loads find it); else, only when a run is longer than PIECE, lane
+    k sums the piece that begins at sorted position k, if one does and it is not a first piece (LONG_ONLY:
+    first pieces too). A run of at most PIECE occurrences is one piece, written as its distinct row's sum
+    (the C kernel's additions: the CPU's bits); the pieces of a longer run go to ``pieces`` (slot
+    2 (k // PIECE) + (a whole piece), unique: two pieces that begin in the same PIECE positions are a run's
+    short last one and the next run's whole first one)."""
     lane = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     if FIRST:
-        run = lane
-        first = tl.load(starts + run, mask=lane < N, other=N)
-        end = tl.load(starts + run + 1, mask=first < N, other=N)
-        k = first
-        lead = first < N
-        tl.atomic_max(stats + 3, tl.max(tl.where(lead, end - first, 0), axis=0))
-        if LONG_ONLY:
-            lead = lead & (end - first > PIECE)
+        first = tl.load(starts + lane, mask=lane < N, other=N)
+        end = tl.load(starts + lane + 1, mask=first < N, other=N)
+        tl.atomic_max(stats + 3, tl.max(tl.where(first < N, end - first, 0), axis=0))
+        if not LONG_ONLY:
+            _sum_pieces(
+                lane, first, end, first, first < N, segs, coeffs, feats, grad0, grad_ld, grad_nrows, grad_ptrs,
+                grad_lds, grad_rows, sums, pieces, stats, D, HAS_COEFFS, MULTI, ALIGNED, PIECE, UNROLL, ROWS,
+                BLOCK_D,
+            )  # fmt: skip
     else:
         todo = tl.load(stats + 3)
         km = (lane < N) & ((lane * 0 + todo) > PIECE)  # blocks only in masks (Triton 3.9's interpreter)
         run = tl.load(runs1 + lane, mask=km, other=1) - 1
         first = tl.load(starts + run, mask=km, other=0)
         end = tl.load(starts + run + 1, mask=km, other=0)
-        k = lane
-        lead = km & (k > first) & ((k - first) % PIECE == 0)  # lane k begins a later piece
-    length = tl.where(lead, tl.minimum(end - k, PIECE), 0)
-    if tl.max(length, axis=0) > 0:
-        d = tl.arange(0, BLOCK_D)
-        dm = d < D
-        acc, bad = run_sums(
-            k, length, segs, coeffs, feats, grad0, grad_ld, grad_nrows, grad_ptrs, grad_lds, grad_rows, d, dm,
-            HAS_COEFFS, MULTI, ALIGNED, UNROLL, ROWS, BLOCK_D,
+        if LONG_ONLY:  # every piece of a long run, its first included
+            lead = km & (end - first > PIECE) & ((lane - first) % PIECE == 0)
+        else:  # the pieces after the first
+            lead = km & (lane > first) & ((lane - first) % PIECE == 0)
+        _sum_pieces(
+            run, first, end, lane, lead, segs, coeffs, feats, grad0, grad_ld, grad_nrows, grad_ptrs, grad_lds,
+            grad_rows, sums, pieces, stats, D, HAS_COEFFS, MULTI, ALIGNED, PIECE, UNROLL, ROWS, BLOCK_D,
         )  # fmt: skip
-        whole = lead & (end - first <= PIECE)  # the run is this one piece
-        m2 = whole[:, None] & dm[None, :]
-        tl.store(sums + run[:, None] * D + d[None, :], acc, mask=m2)
-        part = lead & (end - first > PIECE)
-        slot = (k // PIECE) * 2 + tl.where(length == PIECE, 1, 0)
-        tl.store(pieces + slot[:, None] * D + d[None, :], acc, mask=part[:, None] & dm[None, :])
-        tl.atomic_max(stats + 1, tl.max(row_max_bits(acc, m2), axis=0).to(tl.int64))
-        if tl.sum(bad, axis=0) > 0:
-            tl.atomic_max(stats + 2, 1)
 
 
 @triton.jit

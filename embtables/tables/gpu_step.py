@@ -91,7 +91,8 @@ def table_gradients(
             if g is None:
                 g = torch.zeros((batch.num_segments, table.dim), dtype=torch.float32, device=coll.device)
             parts.append((batch.ids, batch.seg, batch.coeffs, g))
-        rs = gpu.row_sums(parts, table.vocabulary_size, table.dim, stats[i], defer=table.optimizer.lazy and bool(gpu.DEFER_SUMS))
+        defer = table.optimizer.lazy and bool(gpu.DEFER_SUMS)
+        rs = gpu.row_sums(parts, table.vocabulary_size, table.dim, stats[i], defer=defer)
         pending.append((table, rs))
     values = stats.tolist()
     bounds: dict[str, float] = {}
