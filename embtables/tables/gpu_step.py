@@ -1,13 +1,14 @@
 """The training step of CUDA tables on the fused GPU kernels (``kernels/gpu.py``): the lookup of every
-feature in one launch, phase 1 (dedup and per-row sums) per table in one sort, one cumulative sum and
-four small kernels, phase 2 (the fused update) in one launch per table. Same contract as the CPU step
-(``tables/collection.py``): every error is raised before any table or slot is written, with the same
-messages.
+feature in one launch, phase 1 (dedup, and the per-row sums or a bound on them) per table in one sort,
+one cumulative sum and a few small kernels, phase 2 (the fused update, which sums a lazy table's rows
+itself) in one launch per table. Same contract as the CPU step (``tables/collection.py``): every error is
+raised before any table or slot is written, with the same messages.
 
 Host syncs: the lookup reads its status once (ids outside a table, non-finite activations); phase 1
-reads every table's row count, largest |summed gradient| and input check in one transfer, which is
-also all the finiteness proof needs. Only an update the proof cannot show finite adds a sync (its dry
-run), and so does an update whose bounds compound (FTRL: its written maxima are read back).
+reads every table's row count, sum bound (or largest |summed gradient|) and input check in one transfer,
+which is also all the finiteness proof needs. Only a table whose bound proves nothing (its sums are then
+made exactly: one more sync), an update the proof cannot show finite (its dry run) and an update whose
+bounds compound (FTRL: its written maxima are read back) add a sync.
 """
 
 from __future__ import annotations
