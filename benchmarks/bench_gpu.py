@@ -19,6 +19,7 @@ bandwidth measured in the same run (``torch.clone`` of 2 GiB, bytes read + writt
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import subprocess
 import sys
@@ -63,6 +64,19 @@ def copy_bandwidth(device: torch.device, elements: int) -> float:
             times.append(time.perf_counter() - t0)
     del x, y
     return 2 * 4 * elements / sorted(times)[len(times) // 2]
+
+
+def warm_up(device: torch.device, seconds: float) -> None:
+    """Keep the device busy for ``seconds`` (copies), so that the first timing does not run while its clocks
+    ramp up (an idle H200 reads 405 MHz on its SMs)."""
+    x = torch.empty(1 << 28, dtype=torch.float32, device=device)
+    y = torch.empty_like(x)
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        for _ in range(10):
+            y.copy_(x)
+        sync(device)
+    del x, y
 
 
 def driver_version() -> str | None:
@@ -212,6 +226,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--modes", default="forward,train")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--warm-seconds", type=float, default=3.0, help="busy the GPU this long before timing")
     p.add_argument("--tiles", default="", help="also time the fused kernels with these FLOATSxUNROLL[xWARPS] tiles")
     p.add_argument("--lookups", default="", help="also time the lookup with these FLOATSxWARPS[xBLOCK_N] shapes")
     p.add_argument("--defer", default="", help="also time the fused kernels with DEFER_SUMS=0 (sums in phase 1)")
@@ -222,6 +237,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("embtables bench --device cuda: no CUDA device on this machine", file=sys.stderr)
         return 2
     on_cuda = device.type == "cuda"
+    if on_cuda:
+        warm_up(device, args.warm_seconds)
     bandwidth = copy_bandwidth(device, (1 << 29) if on_cuda else (1 << 24))
     emit(
         {
@@ -276,6 +293,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     if args.profile and impl == "embtables":
                         profile(step, f"{wname} {opt} {mode}")
                     del step
+                    gc.collect()  # the module's tables (GBs) go now, not when a cycle collector gets to them
                     if on_cuda:
                         torch.cuda.empty_cache()
                     rec = {
