@@ -20,6 +20,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from embtables.kernels import gpu
 from embtables.kernels import triton_kernels as k
 from embtables.kernels.registry import RECORDS
 
@@ -52,8 +53,15 @@ def variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any], int]]:
     lookup_types = {n: P for n in ("firsts", "table_ptrs", "dims", "vocabs", "id_ptrs", "id_counts",
                                    "offset_ptrs", "coeff_ptrs", "out_ptrs", "out_lds")}  # fmt: skip
     lookup_types["status"] = "*i32"
-    for dim, bags, block_n, warps in itertools.product((64, 0), (1, 2, 16), (2, 16, 32), (1, 2, 4)):
-        consts = dict(F=32, FP=32, DIM=dim, ALIGNED=dim > 0, BAGS=bags, BLOCK_N=block_n, BLOCK_D=64)
+    # the shapes gpu.lookup_many picks for bags of about ``pool`` ids of ``dim`` columns, F features
+    for (pool, dim, features), mixed in itertools.product(
+        ((20, 64, 32), (1, 64, 26), (1, 16, 8), (3, 512, 4), (100, 8, 2000), (20, 4096, 5), (4, 2500, 3)),
+        (False, True),
+    ):
+        bags, block_n, block_d, warps = gpu._lookup_shape(pool, dim, features)
+        fp = gpu._pow2(features)
+        consts = dict(F=features, FP=fp, DIM=0 if mixed else dim, ALIGNED=not mixed and dim % 4 == 0, BAGS=bags,
+                      BLOCK_N=block_n, BLOCK_D=block_d)  # fmt: skip
         out.append(("lookup", k.lookup_kernel, lookup_types, consts, warps))
     grads = {"grad0": F, "grad_ld": "i64", "grad_nrows": "i64", "grad_ptrs": P, "grad_lds": P, "grad_rows": P}
     sums_types = {"runs1": P, "starts": P, "segs": P, "coeffs": F, "feats": P, **grads, "sums": F, "pieces": F,

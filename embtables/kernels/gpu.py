@@ -126,14 +126,17 @@ def _tile(dim: int) -> tuple[int, int, int]:
     return rows, block_d, _TILE_WARPS or max(1, min(8, rows * block_d // 512))
 
 
-def _lookup_shape(pool: int, dim: int, features: int) -> tuple[int, int, int]:
-    """(BAGS, BLOCK_N, BLOCK_D) of the lookup for bags of up to about ``pool`` ids of ``dim`` columns:
+def _lookup_shape(pool: int, dim: int, features: int) -> tuple[int, int, int, int]:
+    """(BAGS, BLOCK_N, BLOCK_D, warps) of the lookup for bags of up to about ``pool`` ids of ``dim`` columns:
     a [BAGS, BLOCK_N, BLOCK_D] tile of about ``_LOOKUP_FLOATS`` floats (a program pools several short bags
-    at once), its [BAGS, features] search for each bag's feature kept small."""
+    at once), its [BAGS, features] search for each bag's feature kept small; more warps only for a tile
+    that one row already makes larger (wide tables: at most 32 floats a thread)."""
     block_d = _pow2(dim, 16)
     block_n = max(2, min(_pow2(pool, 2), _LOOKUP_BLOCK_N, _LOOKUP_FLOATS // block_d))
     bags = max(1, min(_LOOKUP_FLOATS // (block_n * block_d), 8192 // _pow2(features)))
-    return 1 << (bags.bit_length() - 1), block_n, block_d  # a power of two
+    bags = 1 << (bags.bit_length() - 1)  # a power of two
+    floats = bags * block_n * block_d
+    return bags, block_n, block_d, max(_LOOKUP_WARPS, min(8, floats // 1024))
 
 
 def _aligned(t: Tensor, row_stride: int) -> bool:
@@ -197,7 +200,7 @@ def lookup_many(parts: Sequence[LookupPart], outs: Sequence[Tensor]) -> Tensor:
         at += len(col)
     dims = {t.shape[1] for t, *_ in meta}
     aligned = all(_aligned(t, 0) and _aligned(o, o.stride(0)) for t, *_, o in meta)
-    bags, block_n, block_d = _lookup_shape(pool, block_d, n)
+    bags, block_n, block_d, warps = _lookup_shape(pool, block_d, n)
     k.lookup_kernel[(-(-firsts[-1] // bags),)](
         *views,
         status,
@@ -208,7 +211,7 @@ def lookup_many(parts: Sequence[LookupPart], outs: Sequence[Tensor]) -> Tensor:
         BAGS=bags,
         BLOCK_N=block_n,
         BLOCK_D=block_d,
-        num_warps=_LOOKUP_WARPS,
+        num_warps=warps,
         enable_fp_fusion=False,
     )
     return status

@@ -70,7 +70,9 @@ def lookup_kernel(
         row = tl.load(ids[:, None] + k, mask=km, other=0)
         ok = km & (row >= 0) & (row < vocab[:, None])
         bad += tl.sum((km & (~ok)).to(tl.int32), axis=1)
-        c = tl.load(coeffs[:, None] + k, mask=ok & (coeff_addr != 0)[:, None], other=1.0)
+        # every k < end is inside the bag's coefficients; a row outside the table loads no values, so its
+        # coefficient is harmless (masking it by ``ok`` too miscompiles in Triton 3.6 at some tile shapes)
+        c = tl.load(coeffs[:, None] + k, mask=km & ((coeff_addr[:, None] + k * 0) != 0), other=1.0)
         at = row * dim
         if ALIGNED:
             at = tl.multiple_of(at, [4, 4])
