@@ -260,25 +260,13 @@ _MALLOC_SETTING = "default"
 
 
 def keep_freed_memory() -> str:
-    """Ask glibc's malloc to keep freed memory in the process (``mallopt``: no mmap below 64 MiB, no trim
-    below 256 MiB), as jemalloc or tcmalloc do. By default glibc hands blocks of a few hundred KB back to
-    the kernel at every free, so a step that allocates [512, 192] float32 tensors (any impl's activations
-    and their gradients) pays fresh page faults every time: about 0.5 ms per step at batch 512 on this
-    machine, more than the embedding work. Applied to every impl of the run alike and recorded in the
-    ``env`` record; returns "kept" or why not. The same effect from the shell:
-    ``MALLOC_MMAP_THRESHOLD_=67108864 MALLOC_TRIM_THRESHOLD_=268435456``."""
+    """``embtables.cli.malloc.keep_freed_memory`` (glibc keeps freed memory: no fresh page faults for a
+    step's [B, D] tensors), applied to every impl of the run alike and recorded in the ``env`` record;
+    returns "kept" or why not."""
     global _MALLOC_SETTING
-    import ctypes
-    import ctypes.util
+    from embtables.cli.malloc import keep_freed_memory as keep
 
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name or "libc.so.6")
-        ok = libc.mallopt(-3, 64 << 20) == 1 and libc.mallopt(-1, 256 << 20) == 1  # M_MMAP_ / M_TRIM_THRESHOLD
-    except (OSError, AttributeError) as exc:
-        _MALLOC_SETTING = f"default (mallopt unavailable: {exc})"
-        return _MALLOC_SETTING
-    _MALLOC_SETTING = "kept" if ok else "default (mallopt refused)"
+    _MALLOC_SETTING = keep()
     return _MALLOC_SETTING
 
 

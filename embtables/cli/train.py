@@ -27,6 +27,7 @@ import torch
 
 from embtables.cli import adult, dlrm, movielens, user_data
 from embtables.cli.job_runner import Parser, check_model_dir, run_job
+from embtables.cli.malloc import keep_freed_memory
 from embtables.sharding import comm
 
 DATASETS = ("synthetic", "movielens-100k", "adult")
@@ -48,6 +49,11 @@ def parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     p.add_argument("--keep", action="store_true", help="keep the default temporary --model-dir at exit")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument(
+        "--malloc", choices=("keep", "default"), default="keep",
+        help="keep: glibc keeps freed memory, no fresh page faults for every step's tensors (default); "
+        "default: glibc's own thresholds",
+    )  # fmt: skip
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
     p.add_argument("-v", "--verbose", action="store_true", help="log every metrics line")
     p.add_argument("--debug", action="store_true", help="show tracebacks (also EMBTABLES_DEBUG=1)")
@@ -94,6 +100,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
     if args.threads is not None:
         torch.set_num_threads(args.threads)
+    if args.malloc == "keep":
+        keep_freed_memory()
     distributed = comm.init_from_environment()  # under torchrun: shard the tables over the processes
     try:
         if distributed and (args.data is not None or args.dataset != "synthetic"):
