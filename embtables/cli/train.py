@@ -1,7 +1,7 @@
 """``embtables train``: the main job.
 
     embtables train                              # DLRM on synthetic CTR data vs its teacher (~2 min)
-    embtables train --dataset movielens-100k     # 5-fold RMSE/MAE on MovieLens-100k (~1.5 min)
+    embtables train --dataset movielens-100k     # 5-fold RMSE/MAE on MovieLens-100k (~10 s)
     embtables train --dataset adult              # income > 50K on UCI Adult, wide and deep (~20 s)
     embtables train --data clicks.parquet --schema schema.json   # your own data
     embtables quickstart                         # the 10-second version of the first one

@@ -5,6 +5,11 @@ trains, ``depth`` batches ahead, in order.
 Results come back in the iterator's order with their errors in place: a batch that fails to convert
 is reported at its own step, after every earlier step was applied, exactly as without prefetching;
 an exception raised by the iterator itself is raised at the step that would have read it.
+
+Both threads run Python and share the GIL: with CPython's default switch interval (5 ms) the training
+thread, back from a torch or native call that released the GIL, may wait up to 5 ms for the converting
+thread to hand it back. While a pipeline prefetches, the interval is at most ``SWITCH_INTERVAL_S``
+(1 ms; restored on exit): the MovieLens job's folds take 10% less time (1.07-1.20 s -> 0.96-1.07 s).
 """
 
 from __future__ import annotations
@@ -12,10 +17,12 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import contextlib
+import sys
 from collections.abc import Callable, Iterator
 from typing import Generic, TypeVar
 
 T = TypeVar("T")
+SWITCH_INTERVAL_S = 0.001
 
 
 class Prefetched(Generic[T]):
@@ -58,7 +65,13 @@ class Prefetched(Generic[T]):
 def prefetched(fetch: Callable[[], T], depth: int) -> Iterator[Prefetched[T]]:
     """A ``Prefetched`` that is closed on exit (also when the consumer stops early or raises)."""
     pipeline = Prefetched(fetch, depth)
+    before = sys.getswitchinterval()
+    shorter = depth > 0 and before > SWITCH_INTERVAL_S
+    if shorter:
+        sys.setswitchinterval(SWITCH_INTERVAL_S)
     try:
         yield pipeline
     finally:
         pipeline.close()
+        if shorter and sys.getswitchinterval() == SWITCH_INTERVAL_S:  # unless someone else changed it since
+            sys.setswitchinterval(before)

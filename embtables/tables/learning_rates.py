@@ -30,18 +30,37 @@ def learning_rates(resolved: ResolvedConfig) -> dict[str, float]:
     return out
 
 
+# callable id -> (the callable, whether it can be called with no argument): ``inspect.signature`` costs
+# about 70 us a call, and the same callables come back every step. The callable is kept so its id stays its own.
+_ZERO_ARGUMENT: dict[int, tuple[Callable[[], float], bool]] = {}
+_MAX_REMEMBERED = 4096
+
+
+def _takes_no_argument(fn: Callable[[], float]) -> bool:
+    known = _ZERO_ARGUMENT.get(id(fn))
+    if known is not None and known[0] is fn:
+        return known[1]
+    try:
+        inspect.signature(fn).bind()
+        ok = True
+    except TypeError:
+        ok = False
+    except ValueError:
+        ok = True  # no signature (a builtin): just call it
+    if len(_ZERO_ARGUMENT) >= _MAX_REMEMBERED:
+        _ZERO_ARGUMENT.clear()
+    _ZERO_ARGUMENT[id(fn)] = (fn, ok)
+    return ok
+
+
 def _checked_lr(fn: Callable[[], float], tables: list[ResolvedTable]) -> float:
     """Call a dynamic learning rate once and check its value as the float32 the kernels use."""
     who = "table " + ", ".join(repr(t.name) for t in tables)
-    try:
-        inspect.signature(fn).bind()
-    except TypeError:
+    if not _takes_no_argument(fn):
         raise TypeError(
             f"{who}: the learning_rate callable {fn!r} needs arguments; it must be a zero-argument callable "
             "(e.g. `lambda: schedule(step)`), evaluated once per apply_gradients. No table or slot was changed."
-        ) from None
-    except ValueError:
-        pass  # no signature (a builtin): just call it
+        )
     try:
         value = fn()
     except Exception as exc:

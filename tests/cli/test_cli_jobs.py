@@ -95,6 +95,18 @@ def test_movielens_job_on_a_small_slice(tmp_path: Path, capsys: pytest.CaptureFi
     assert "mean  " in out and (tmp_path / "curves.png").is_file()
 
 
+def test_movielens_fields_option(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["train", "--dataset", "movielens-100k", "--max-ratings", "3000", "--folds", "1", "--epochs", "1",
+            "--no-progress", "--threads", "1"]  # fmt: skip
+    assert cli([*argv, "--model-dir", str(tmp_path / "a"), "--fields", "zip_code, user,occupation"]) == 0
+    results = json.loads((tmp_path / "a" / "results.json").read_text())
+    assert results["hyper"]["fields"] == ["user", "occupation", "zip_code"]  # in the model's order
+    assert "factorization machine over 3 embtables tables (user, occupation, zip_code)" in capsys.readouterr().out
+    for bad in ("user,nope", "user,user", ","):
+        assert cli([*argv, "--model-dir", str(tmp_path / "b"), "--fields", bad]) == 2
+        assert "--fields must be distinct names among user, item" in capsys.readouterr().err
+
+
 def test_movielens_evaluation_periods() -> None:
     from embtables.cli.movielens import _periods
 

@@ -4,10 +4,12 @@ the same loop on two gloo processes."""
 from __future__ import annotations
 
 import csv
+import sys
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 import torch
 from mp_world import run_world
 from torch import nn
@@ -402,3 +404,17 @@ def test_prefetched_input_trains_exactly_like_reading_in_place_and_reports_error
     assert not [t for t in threading.enumerate() if t.name.startswith("embtables-input")]
     with pytest.raises(ValueError, match="input_prefetch"):
         _estimator(tmp_path / "x", input_prefetch=-1)
+
+
+def test_prefetching_shortens_the_gil_switch_interval_and_restores_it() -> None:
+    from embtables.estimator.input_pipeline import SWITCH_INTERVAL_S, prefetched
+
+    before = sys.getswitchinterval()
+    assert before > SWITCH_INTERVAL_S  # CPython's default, 5 ms
+    with prefetched(lambda: 1, 0):
+        assert sys.getswitchinterval() == before  # no thread, nothing to hand over
+    with pytest.raises(KeyError), prefetched(lambda: 1, 2) as p:
+        assert p.next() == 1
+        assert sys.getswitchinterval() == SWITCH_INTERVAL_S
+        raise KeyError("a step failed")
+    assert sys.getswitchinterval() == before
