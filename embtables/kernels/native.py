@@ -15,6 +15,7 @@ from torch import Tensor
 
 from embtables.config.catalogue import Optimizer
 from embtables.kernels.clip_decay import clip_limits
+from embtables.kernels.native_args import array
 from embtables.kernels.native_library import OptParams as _OptParams
 from embtables.kernels.native_library import library as library
 from embtables.kernels.native_library import loaded
@@ -173,20 +174,19 @@ def lookup_many(
             raise NativeBufferError("embtables native kernel: the output columns do not fit the shared buffer.")
         base = buf.data_ptr()
         outs, out_ptr, ld = [buf], [base + 4 * st for st in starts], [width] * n
-    arr = ctypes.c_void_p * n
-    i64s = ctypes.c_int64 * n
+    vp, c64 = ctypes.c_void_p, ctypes.c_int64
     status = lib.et_lookup_many(
         n,
-        arr(*w_ptr),
-        i64s(*dims),
-        i64s(*vocab),
-        arr(*id_ptr),
-        i64s(*n_ids),
-        arr(*off_ptr),
-        i64s(*n_bags),
-        arr(*c_ptr),
-        arr(*out_ptr),
-        i64s(*ld),
+        array("lookup.w", vp, w_ptr),
+        array("lookup.dims", c64, dims),
+        array("lookup.vocab", c64, vocab),
+        array("lookup.ids", vp, id_ptr),
+        array("lookup.n_ids", c64, n_ids),
+        array("lookup.offsets", vp, off_ptr),
+        array("lookup.n_bags", c64, n_bags),
+        array("lookup.coeffs", vp, c_ptr),
+        array("lookup.out", vp, out_ptr),
+        array("lookup.ld", c64, ld),
         _threads(),
     )
     return outs, int(status)
@@ -223,22 +223,22 @@ def apply_many(items: list[ApplyItem]) -> tuple[list[tuple[float, ...] | None], 
         flags[0].append(int(dense))
         flags[1].append(int(measure))
         flags[2].append(int(check))
-    arr, i64s, i32s = ctypes.c_void_p * n, ctypes.c_int64 * n, ctypes.c_int32 * n
+    vp, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
     maxabs = (ctypes.c_float * (4 * n))()
-    status, bad = i32s(), i64s()
+    status, bad = (i32 * n)(), (i64 * n)()
     lib.et_apply_many(
         n,
-        arr(*handles),
-        arr(*w_ptr),
-        arr(*s_ptr[0]),
-        arr(*s_ptr[1]),
-        arr(*s_ptr[2]),
-        i64s(*vocab),
-        i64s(*dims),
-        arr(*params),
-        i32s(*flags[0]),
-        i32s(*flags[1]),
-        i32s(*flags[2]),
+        array("apply.handles", vp, handles),
+        array("apply.w", vp, w_ptr),
+        array("apply.s0", vp, s_ptr[0]),
+        array("apply.s1", vp, s_ptr[1]),
+        array("apply.s2", vp, s_ptr[2]),
+        array("apply.vocab", i64, vocab),
+        array("apply.dims", i64, dims),
+        array("apply.params", vp, params),
+        array("apply.dense", i32, flags[0]),
+        array("apply.measure", i32, flags[1]),
+        array("apply.check", i32, flags[2]),
         _threads(),
         maxabs,
         status,
@@ -445,24 +445,23 @@ def prepare_many(tables: list[tuple[Workspace, int, list[FeaturePart]]]) -> list
             g_ptr.append(None if grad is None else grad.data_ptr())
             strides.append(ld)
         first.append(len(id_ptr))
-    n, t = len(id_ptr), len(tables)
-    arr = ctypes.c_void_p * n
-    i64n = ctypes.c_int64 * n
+    t = len(tables)
+    vp, c64 = ctypes.c_void_p, ctypes.c_int64
     statuses = (ctypes.c_int * t)()
     lib.et_prepare_many(
         t,
-        (ctypes.c_int64 * (t + 1))(*first),
-        arr(*id_ptr),
-        i64n(*n_ids),
-        arr(*off_ptr),
-        i64n(*n_bags),
-        arr(*c_ptr),
-        arr(*g_ptr),
-        i64n(*strides),
-        (ctypes.c_int64 * t)(*[ws.dim for ws, _, _ in tables]),
-        (ctypes.c_int64 * t)(*[v for _, v, _ in tables]),
+        array("prepare.first", c64, first),
+        array("prepare.ids", vp, id_ptr),
+        array("prepare.n_ids", c64, n_ids),
+        array("prepare.offsets", vp, off_ptr),
+        array("prepare.n_bags", c64, n_bags),
+        array("prepare.coeffs", vp, c_ptr),
+        array("prepare.grads", vp, g_ptr),
+        array("prepare.strides", c64, strides),
+        array("prepare.dims", c64, [ws.dim for ws, _, _ in tables]),
+        array("prepare.vocab", c64, [v for _, v, _ in tables]),
         _threads(),
-        (ctypes.c_void_p * t)(*[ws.handle for ws, _, _ in tables]),
+        array("prepare.handles", vp, [ws.handle for ws, _, _ in tables]),
         statuses,
     )
     return list(statuses)

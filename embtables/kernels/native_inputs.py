@@ -10,6 +10,7 @@ import torch
 from torch import Tensor
 
 from embtables.kernels.native import NativeBufferError, _ptr, _require, _require_opt, library
+from embtables.kernels.native_args import array
 
 OwnerSplit = tuple[Tensor, Tensor, Tensor, list[int]]  # local ids [N], coeffs [N], offsets [W, S+1], counts [W]
 
@@ -109,20 +110,20 @@ def stage_inputs_many(parts: list[InputPart], arena: Tensor, coef_arena: Tensor)
         codes.append(code)
     _require(arena, "staging arena", i64, (-1,))
     _require(coef_arena, "coefficient arena", torch.float32, (-1,))
-    arr, i64s = ctypes.c_void_p * n, ctypes.c_int64 * n
+    vp, i64s = ctypes.c_void_p, ctypes.c_int64
     status, single = (ctypes.c_int32 * n)(), (ctypes.c_int32 * n)()
     written = lib.et_stage_inputs_many(
         n,
-        arr(*id_ptr),
-        i64s(*n_ids),
-        arr(*split_ptr),
-        i64s(*n_bags),
-        i64s(*vocab),
+        array("stage.ids", vp, id_ptr),
+        array("stage.n_ids", i64s, n_ids),
+        array("stage.splits", vp, split_ptr),
+        array("stage.n_bags", i64s, n_bags),
+        array("stage.vocab", i64s, vocab),
         arena.data_ptr(),
         arena.numel(),
         status,
         single,
-        (ctypes.c_int32 * n)(*codes),
+        array("stage.codes", ctypes.c_int32, codes),
         coef_arena.data_ptr(),
         coef_arena.numel(),
     )

@@ -84,3 +84,20 @@ def test_phase_1_on_one_thread_and_on_several_gives_the_same_bits(combiner: str)
     for key in reference:
         assert torch.equal(one[key], several[key]), key
         assert torch.equal(one[key], reference[key]), key
+
+
+def test_native_argument_arrays_are_reused_only_for_equal_values() -> None:
+    import ctypes
+
+    from embtables.kernels.native_args import array
+
+    a = array("test.site", ctypes.c_int64, [1, 2, 3])
+    assert list(a) == [1, 2, 3]
+    assert array("test.site", ctypes.c_int64, [1, 2, 3]) is a  # the same values: the same array
+    b = array("test.site", ctypes.c_int64, [1, 2, 4])
+    assert b is not a and list(b) == [1, 2, 4] and list(a) == [1, 2, 3]  # a built array never changes
+    c = array("test.site", ctypes.c_int32, [1, 2, 4])
+    assert c is not b and c._type_ is ctypes.c_int32
+    d = array("test.site", ctypes.c_int32, [1, 2])
+    assert len(d) == 2 and list(d) == [1, 2]
+    assert array("test.other", ctypes.c_int32, [1, 2]) is not d  # sites are separate
