@@ -159,13 +159,15 @@ class EmbeddingConfigSpec:
             }
         tables: dict[str, TableConfig] = {}
         out = {}
+        rates: dict[int, _StepLearningRate] = {}  # one per distinct learning_rate_fn: evaluated once a step, as TF
         for c in self.feature_columns:
             table = tables.get(c.table_name)
             if table is None:
                 opt = base
                 if c.learning_rate_fn is not None:
                     fn = c.learning_rate_fn
-                    opt = dataclasses.replace(base, learning_rate=_StepLearningRate(fn, global_step))
+                    rate = rates.setdefault(id(fn), _StepLearningRate(fn, global_step))
+                    opt = dataclasses.replace(base, learning_rate=rate)
                 table = TableConfig(
                     c.vocabulary_size,
                     c.dimension,

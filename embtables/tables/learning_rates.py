@@ -19,15 +19,48 @@ from embtables.kernels.registry import record_of
 
 def learning_rates(resolved: ResolvedConfig) -> dict[str, float]:
     """``{table name: learning rate}``: every distinct callable called once, float32-rounded."""
-    values: dict[int, float] = {}
-    for fn in resolved.learning_rate_callables():
-        users = [t for t in resolved.tables if t.optimizer.learning_rate is fn]
-        values[id(fn)] = _checked_lr(fn, users)
-    out = {}
-    for t in resolved.tables:
-        lr = t.optimizer.learning_rate
-        out[t.name] = values[id(lr)] if callable(lr) else as_float32(float(lr))
+    plan = _plan(resolved)
+    values = [_checked_lr(fn, users, divides) for fn, users, divides in plan.callables]
+    out = dict(plan.fixed)
+    for name, k in plan.dynamic:
+        out[name] = values[k]
     return out
+
+
+class _Plan:
+    """What ``learning_rates`` needs of a config, worked out once: each distinct callable with the
+    tables that use it and those of them that divide by it (FTRL); each table's fixed rate (float32) or
+    the index of its callable."""
+
+    def __init__(self, resolved: ResolvedConfig) -> None:
+        self.resolved = resolved  # kept, so the id this plan is filed under stays its own
+        callables = resolved.learning_rate_callables()
+        index = {id(fn): k for k, fn in enumerate(callables)}
+        self.callables: list[tuple[Callable[[], float], list[ResolvedTable], list[str]]] = []
+        for fn in callables:
+            users = [t for t in resolved.tables if t.optimizer.learning_rate is fn]
+            divides = [t.name for t in users if record_of(t.optimizer).divides_by_learning_rate(t.optimizer)]
+            self.callables.append((fn, users, divides))
+        self.fixed: dict[str, float] = {}
+        self.dynamic: list[tuple[str, int]] = []
+        for t in resolved.tables:
+            lr = t.optimizer.learning_rate
+            if callable(lr):
+                self.dynamic.append((t.name, index[id(lr)]))
+            else:
+                self.fixed[t.name] = as_float32(float(lr))
+
+
+_PLANS: dict[int, _Plan] = {}  # id(resolved config) -> its plan (configs are frozen; a few per process)
+
+
+def _plan(resolved: ResolvedConfig) -> _Plan:
+    plan = _PLANS.get(id(resolved))
+    if plan is None or plan.resolved is not resolved:
+        if len(_PLANS) >= _MAX_REMEMBERED:
+            _PLANS.clear()
+        plan = _PLANS[id(resolved)] = _Plan(resolved)
+    return plan
 
 
 # callable id -> (the callable, whether it can be called with no argument): ``inspect.signature`` costs
@@ -53,10 +86,15 @@ def _takes_no_argument(fn: Callable[[], float]) -> bool:
     return ok
 
 
-def _checked_lr(fn: Callable[[], float], tables: list[ResolvedTable]) -> float:
-    """Call a dynamic learning rate once and check its value as the float32 the kernels use."""
-    who = "table " + ", ".join(repr(t.name) for t in tables)
+def _who(tables: list[ResolvedTable]) -> str:
+    return "table " + ", ".join(repr(t.name) for t in tables)
+
+
+def _checked_lr(fn: Callable[[], float], tables: list[ResolvedTable], divides: list[str]) -> float:
+    """Call a dynamic learning rate once and check its value as the float32 the kernels use (``divides``:
+    the tables among ``tables`` that divide by it)."""
     if not _takes_no_argument(fn):
+        who = _who(tables)
         raise TypeError(
             f"{who}: the learning_rate callable {fn!r} needs arguments; it must be a zero-argument callable "
             "(e.g. `lambda: schedule(step)`), evaluated once per apply_gradients. No table or slot was changed."
@@ -65,26 +103,26 @@ def _checked_lr(fn: Callable[[], float], tables: list[ResolvedTable]) -> float:
         value = fn()
     except Exception as exc:
         raise RuntimeError(
-            f"{who}: the learning_rate callable raised {type(exc).__name__}: {exc}. No table or slot was changed."
+            f"{_who(tables)}: the learning_rate callable raised {type(exc).__name__}: {exc}. No table or slot was "
+            "changed."
         ) from exc
     if isinstance(value, (bool, str, bytes)) or not isinstance(value, (numbers.Real, Tensor)):
         raise TypeError(
-            f"{who}: the learning_rate callable must return a float, got {type(value).__name__} {value!r}. "
+            f"{_who(tables)}: the learning_rate callable must return a float, got {type(value).__name__} {value!r}. "
             "No table or slot was changed."
         )
     if isinstance(value, Tensor) and (value.numel() != 1 or value.dtype == torch.bool):
-        raise TypeError(f"{who}: the learning_rate callable returned a tensor {value!r}; return a float.")
+        raise TypeError(f"{_who(tables)}: the learning_rate callable returned a tensor {value!r}; return a float.")
     lr = float(value)
     lr32 = as_float32(lr) if math.isfinite(lr) and abs(lr) <= FLOAT32_MAX else math.inf
     if not math.isfinite(lr32):
         raise InputError(
-            f"{who}: the learning_rate callable returned {lr!r}, which is not finite in float32 (the kernels' "
+            f"{_who(tables)}: the learning_rate callable returned {lr!r}, which is not finite in float32 (the kernels' "
             "precision). No table or slot was changed."
         )
-    divides = [t.name for t in tables if record_of(t.optimizer).divides_by_learning_rate(t.optimizer)]
     if lr32 == 0 and divides:
         raise InputError(
-            f"{who}: the learning_rate callable returned {lr!r}, which is 0 in float32, and FTRL table(s) "
+            f"{_who(tables)}: the learning_rate callable returned {lr!r}, which is 0 in float32, and FTRL table(s) "
             f"{divides} divide by the learning rate. No table or slot was changed."
         )
     return lr32

@@ -186,6 +186,29 @@ def test_learning_rate_fn_follows_the_global_step() -> None:
     assert emb._engine.learning_rates()["a_embedding"] == pytest.approx(0.5, rel=1e-6)  # type: ignore[union-attr]
 
 
+def test_a_learning_rate_fn_shared_by_columns_is_evaluated_once_a_step_and_each_table_gets_its_own() -> None:
+    calls: list[int] = []
+
+    def shared(step: int) -> float:
+        calls.append(step)
+        return 0.25
+
+    cols = [
+        est.embedding_column(est.categorical_column_with_identity(k, 10), 4, learning_rate_fn=shared)
+        for k in ("a", "b", "c")
+    ]
+    cols.append(est.embedding_column(est.categorical_column_with_identity("d", 10), 4, learning_rate_fn=lambda s: 2.0))
+    cols.append(est.embedding_column(est.categorical_column_with_identity("e", 10), 4))
+    spec = est.EmbeddingConfigSpec(feature_columns=cols, optimization_parameters=est.AdagradParameters(0.5))
+    emb = spec.build(lambda: 3)
+    for _ in range(2):  # the second step takes the remembered plan
+        calls.clear()
+        rates = emb._engine.learning_rates()  # type: ignore[union-attr]
+        assert calls == [3]  # once, not once per table (TF evaluates each distinct callable once)
+        assert rates == {"a_embedding": 0.25, "b_embedding": 0.25, "c_embedding": 0.25, "d_embedding": 2.0,
+                         "e_embedding": 0.5}  # fmt: skip
+
+
 def test_frequency_estimator_gets_the_global_step_as_learning_rate() -> None:
     col = est.embedding_column(est.categorical_column_with_identity("a", 10), 1, initializer=et.Constant(100.0))
     spec = est.EmbeddingConfigSpec(
