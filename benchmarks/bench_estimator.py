@@ -3,18 +3,19 @@
     python -m embtables bench estimator                  # batch 512 and 4096, JSON lines on stdout
     python -m embtables bench estimator --batches 1024 --repeats 9
 
-The same factorization machine and the same batches of fold 1, three ways in one process (one thread):
+The same factorization machine and the same batches of fold 1, four ways in one process (one thread):
 
 * ``bare``: engine inputs converted before timing; per step ``emb(ids)``, the model, the loss,
   ``backward()``, ``emb.apply_gradients()``, the dense optimizer step (what a hand-written loop does);
-* ``estimator`` with ``input_prefetch=0`` and ``=1``: ``Estimator.train`` over the raw batches (feature
+* ``estimator`` with ``input_prefetch=0``, ``=1`` and ``="auto"`` (the default: the faster of the two,
+  found by timing the first steps of the first call): ``Estimator.train`` over the raw batches (feature
   columns converted per step, labels checked, the agreement round, metrics rows, the checkpoint at the
   end of each ``train`` call).
 
 Each epoch is timed ``--repeats`` times (the first is dropped); one ``estimator_overhead`` line per model
-(``--models``: the job's six fields, all eight) and batch size gives the medians, the overhead over ``bare``, and where the Estimator's extra time goes:
-converting a batch (``prepare_ms``), one step on converted batches (``step_ms``), and the end-of-call
-checkpoint (``save_ms``).
+(``--models``: the job's six fields, all eight) and batch size gives the medians, the overhead over
+``bare``, and where the Estimator's extra time goes: converting a batch (``prepare_ms``), one step on
+converted batches (``step_ms``), and the end-of-call checkpoint (``save_ms``).
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from embtables.data.movielens import kfold
 from embtables.estimator import AdagradParameters, EmbeddingConfigSpec, Estimator
 
 
-def _estimator(hp: ml.Hyper, prefetch: int) -> tuple[Estimator, ml.FactorizationMachine, EmbeddingConfigSpec]:
+def _estimator(hp: ml.Hyper, prefetch: int | str) -> tuple[Estimator, ml.FactorizationMachine, EmbeddingConfigSpec]:
     spec = EmbeddingConfigSpec(
         feature_columns=ml.columns(hp),
         optimization_parameters=AdagradParameters(hp.learning_rate, initial_accumulator=hp.initial_accumulator),
@@ -81,7 +82,7 @@ def measure(batch_size: int, repeats: int, fields: tuple[str, ...] = ml.FIELDS) 
             opt.step()
 
     runs: dict[str, Any] = {"bare": bare}
-    estimators = {p: _estimator(hp, p)[0] for p in (0, 1)}
+    estimators = {p: _estimator(hp, p)[0] for p in (0, 1, "auto")}
     for p, e in estimators.items():
         runs[f"estimator_prefetch{p}"] = lambda e=e: e.train(lambda: iter(batches))
     times: dict[str, list[float]] = {k: [] for k in runs}

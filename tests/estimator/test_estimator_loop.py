@@ -418,3 +418,52 @@ def test_prefetching_shortens_the_gil_switch_interval_and_restores_it() -> None:
         assert sys.getswitchinterval() == SWITCH_INTERVAL_S
         raise KeyError("a step failed")
     assert sys.getswitchinterval() == before
+
+
+def test_a_pipeline_changing_depth_returns_every_fetch_once_in_order() -> None:
+    from embtables.estimator.input_pipeline import prefetched
+
+    counter = iter(range(1000))
+    with prefetched(lambda: next(counter), 3) as p:
+        got = [p.next() for _ in range(5)]
+        p.set_depth(0)  # the three queued fetches come back first, then fetches in place
+        got += [p.next() for _ in range(5)]
+        p.set_depth(2)
+        got += [p.next() for _ in range(5)]
+        p.set_depth(1)
+        got += [p.next() for _ in range(5)]
+    assert got == list(range(20))
+
+
+def test_auto_prefetch_probes_both_ways_keeps_one_and_trains_exactly_like_reading_in_place(tmp_path: Path) -> None:
+    from embtables.estimator.input_pipeline import PROBE_STEPS, Probe, prefetched
+
+    probe = Probe(steps=4)
+    counter = iter(range(1000))
+    got = []
+    for _ in range(3):  # over several calls: 4 timed steps in place, then 4 one ahead, then the choice
+        with prefetched(lambda: next(counter), 0, probe) as p:
+            got += [p.next() for _ in range(5)]
+    assert got == list(range(15)) and probe.chosen in (0, 1)
+    assert len(probe.in_place) == 4 and len(probe.ahead) == 4
+    with prefetched(lambda: next(counter), 0, probe) as p:
+        assert p.depth == probe.chosen and p.next() == 15
+
+    features, y = _data()
+    steps = 2 * PROBE_STEPS + 4  # past the choice
+    batches = [({k: v[s : s + 25] for k, v in features.items()}, y[s : s + 25]) for s in range(0, 25 * steps, 25)]
+    runs = {}
+    for mode in (0, "auto"):
+        e = _estimator(tmp_path / f"m{mode}", input_prefetch=mode)
+        e.train(lambda: iter(batches))
+        runs[mode] = _state(e)
+        if mode == "auto":
+            assert e._probes["train"].chosen in (0, 1)
+            e.evaluate(lambda: iter(batches))
+            assert set(e._probes) == {"train", "predict"}
+        e.close()
+    for k in runs[0]:
+        assert torch.equal(runs[0][k], runs["auto"][k]), k
+    for bad in ("fast", -1, True, 1.5):
+        with pytest.raises(ValueError, match=r'`input_prefetch` must be an int >= 0 or "auto"'):
+            _estimator(tmp_path / "bad", input_prefetch=bad)
