@@ -101,15 +101,19 @@ def test_estimator_benchmark_reports_the_overhead_and_where_it_goes(tmp_path: Pa
     import subprocess
 
     pytest.importorskip("recbole")  # only for its MovieLens-100k files (never imported by embtables)
-    cmd = [sys.executable, "-m", "embtables", "bench", "estimator", "--batches", "4096", "--repeats", "2"]
+    cmd = [sys.executable, "-m", "embtables", "bench", "estimator", "--batches", "4096", "--repeats", "2",
+           "--models", "job"]  # fmt: skip
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     (record,) = [json.loads(x) for x in out.stdout.splitlines() if '"estimator_overhead"' in x]
-    assert record["batch"] == 4096 and record["steps_per_epoch"] == 20
-    for way in ("prefetch0", "prefetch1"):
+    assert record["batch"] == 4096 and record["steps_per_epoch"] == 20 and record["fields"] == "job"
+    assert "6 tables: user, item, age, gender, year, genres" in record["model"]
+    for way in ("prefetch0", "prefetch1", "prefetchauto"):
         ratio = record["estimator_ms_per_step"][way] / record["bare_ms_per_step"] - 1
         assert abs(record["overhead"][way] - ratio) < 0.01
     assert record["prepare_ms"] > 0 and record["step_ms"] > 0 and record["save_ms_per_train_call"] > 0
+    bad = subprocess.run([*cmd[:-1], "job,nope"], capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert bad.returncode == 2 and "--models: unknown model 'nope'" in bad.stderr
 
 
 def test_gpu_benchmark_runs_its_impls_side_by_side_and_refuses_a_missing_device(tmp_path: Path) -> None:
