@@ -29,7 +29,7 @@ from embtables.tables import gpu_step
 from embtables.tables.concatenated import column_starts
 from embtables.tables.dynamic_vocabularies import Vocabularies
 from embtables.tables.inputs import FeatureBatch
-from embtables.tables.learning_rates import learning_rates
+from embtables.tables.learning_rates import LearningRatePlan
 from embtables.tables.state import TableState, create_table_state, initial_rows
 from embtables.tables.table_gradient import TableGradient
 from embtables.tables.value_bounds import ValueBounds, check_finite_rows, non_finite_gradient, non_finite_update
@@ -47,6 +47,7 @@ class EmbeddingCollection:
         self._param_blocks: dict[tuple[str, float, float], Any] = {}  # native parameter blocks, see _params
         self._unguarded: set[str] = set()  # tables whose small updates are checked exactly (_small_update)
         self.vocabularies = Vocabularies(resolved)  # the key maps of dynamic tables (spec §11)
+        self._lr_plan: LearningRatePlan | None = None  # built at the first step, see learning_rates()
 
     @property
     def device(self) -> torch.device:
@@ -62,11 +63,13 @@ class EmbeddingCollection:
         state = self.__dict__.copy()
         state["_workspaces"] = {}
         state["_param_blocks"] = {}  # ctypes structures: rebuilt on demand
+        state["_lr_plan"] = None  # rebuilt from the config on demand
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self.__dict__.setdefault("_unguarded", set())  # pickled before small updates were checked in C
+        self.__dict__.setdefault("_lr_plan", None)
 
     # ------------------------------------------------------------------ forward
     def translate_keys(
@@ -309,8 +312,11 @@ class EmbeddingCollection:
 
     # ------------------------------------------------------------------ backward, phase 2
     def learning_rates(self) -> dict[str, float]:
-        """Each table's learning rate for this step, float32 (see ``learning_rates.learning_rates``)."""
-        return learning_rates(self.resolved)
+        """Each table's learning rate for this step, float32 (see ``learning_rates.LearningRatePlan``)."""
+        plan = self._lr_plan
+        if plan is None or plan.resolved is not self.resolved:
+            plan = self._lr_plan = LearningRatePlan(self.resolved)
+        return plan.rates()
 
     # ------------------------------------------------------------------ backward, phase 2
     def apply(self, table_grads: Sequence[TableGradient], lrs: dict[str, float]) -> None:

@@ -19,28 +19,24 @@ from embtables.kernels.registry import record_of
 
 def learning_rates(resolved: ResolvedConfig) -> dict[str, float]:
     """``{table name: learning rate}``: every distinct callable called once, float32-rounded."""
-    plan = _plan(resolved)
-    values = [_checked_lr(fn, users, divides) for fn, users, divides in plan.callables]
-    out = dict(plan.fixed)
-    for name, k in plan.dynamic:
-        out[name] = values[k]
-    return out
+    return LearningRatePlan(resolved).rates()
 
 
-class _Plan:
-    """What ``learning_rates`` needs of a config, worked out once: each distinct callable with the
-    tables that use it and those of them that divide by it (FTRL); each table's fixed rate (float32) or
-    the index of its callable."""
+class LearningRatePlan:
+    """What ``rates()`` needs of a config, worked out once (a table collection keeps one for its config):
+    each distinct callable with the tables that use it, those of them that divide by it (FTRL), and
+    whether it takes no argument (``inspect.signature`` costs about 70 us); each table's fixed rate
+    (float32) or the index of its callable. It holds nothing the config does not already hold."""
 
     def __init__(self, resolved: ResolvedConfig) -> None:
-        self.resolved = resolved  # kept, so the id this plan is filed under stays its own
+        self.resolved = resolved
         callables = resolved.learning_rate_callables()
         index = {id(fn): k for k, fn in enumerate(callables)}
-        self.callables: list[tuple[Callable[[], float], list[ResolvedTable], list[str]]] = []
+        self.callables: list[tuple[Callable[[], float], list[ResolvedTable], list[str], bool]] = []
         for fn in callables:
             users = [t for t in resolved.tables if t.optimizer.learning_rate is fn]
             divides = [t.name for t in users if record_of(t.optimizer).divides_by_learning_rate(t.optimizer)]
-            self.callables.append((fn, users, divides))
+            self.callables.append((fn, users, divides, _takes_no_argument(fn)))
         self.fixed: dict[str, float] = {}
         self.dynamic: list[tuple[str, int]] = []
         for t in resolved.tables:
@@ -50,50 +46,35 @@ class _Plan:
             else:
                 self.fixed[t.name] = as_float32(float(lr))
 
-
-_PLANS: dict[int, _Plan] = {}  # id(resolved config) -> its plan (configs are frozen; a few per process)
-
-
-def _plan(resolved: ResolvedConfig) -> _Plan:
-    plan = _PLANS.get(id(resolved))
-    if plan is None or plan.resolved is not resolved:
-        if len(_PLANS) >= _MAX_REMEMBERED:
-            _PLANS.clear()
-        plan = _PLANS[id(resolved)] = _Plan(resolved)
-    return plan
-
-
-# callable id -> (the callable, whether it can be called with no argument): ``inspect.signature`` costs
-# about 70 us a call, and the same callables come back every step. The callable is kept so its id stays its own.
-_ZERO_ARGUMENT: dict[int, tuple[Callable[[], float], bool]] = {}
-_MAX_REMEMBERED = 4096
+    def rates(self) -> dict[str, float]:
+        """``{table name: learning rate}`` for this step: every callable called once, checked, float32."""
+        values = [_checked_lr(fn, users, divides, ok) for fn, users, divides, ok in self.callables]
+        out = dict(self.fixed)
+        for name, k in self.dynamic:
+            out[name] = values[k]
+        return out
 
 
 def _takes_no_argument(fn: Callable[[], float]) -> bool:
-    known = _ZERO_ARGUMENT.get(id(fn))
-    if known is not None and known[0] is fn:
-        return known[1]
     try:
         inspect.signature(fn).bind()
-        ok = True
     except TypeError:
-        ok = False
+        return False
     except ValueError:
-        ok = True  # no signature (a builtin): just call it
-    if len(_ZERO_ARGUMENT) >= _MAX_REMEMBERED:
-        _ZERO_ARGUMENT.clear()
-    _ZERO_ARGUMENT[id(fn)] = (fn, ok)
-    return ok
+        pass  # no signature (a builtin): just call it
+    return True
 
 
 def _who(tables: list[ResolvedTable]) -> str:
     return "table " + ", ".join(repr(t.name) for t in tables)
 
 
-def _checked_lr(fn: Callable[[], float], tables: list[ResolvedTable], divides: list[str]) -> float:
+def _checked_lr(
+    fn: Callable[[], float], tables: list[ResolvedTable], divides: list[str], takes_no_argument: bool
+) -> float:
     """Call a dynamic learning rate once and check its value as the float32 the kernels use (``divides``:
     the tables among ``tables`` that divide by it)."""
-    if not _takes_no_argument(fn):
+    if not takes_no_argument:
         who = _who(tables)
         raise TypeError(
             f"{who}: the learning_rate callable {fn!r} needs arguments; it must be a zero-argument callable "

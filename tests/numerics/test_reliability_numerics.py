@@ -89,6 +89,25 @@ def test_bad_learning_rate_callables_raise_and_change_nothing(
         assert_same(snapshot(m), before)
 
 
+def test_learning_rate_plans_keep_nothing_alive_past_their_module() -> None:
+    """The per-config learning-rate plan lives on the module's tables: a schedule that captures a big
+    object (an Estimator, its model) is released with the module, not kept by a process-wide cache."""
+    import gc
+    import weakref
+
+    class Holder:
+        rate = 0.1
+
+    holder = Holder()
+    gone = weakref.ref(holder)
+    m = _make_lr(lambda h=holder: h.rate)
+    acts = m({"f": torch.tensor([[1]])})
+    m.apply_gradients({"f": torch.ones_like(acts["f"])})
+    del m, acts, holder
+    gc.collect()
+    assert gone() is None
+
+
 def test_learning_rate_callable_returning_numpy_and_tensor_scalars_work() -> None:
     for value in (np.float32(0.1), torch.tensor(0.1), 1):
         m = _make_lr(lambda value=value: value)
