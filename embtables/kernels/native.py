@@ -126,6 +126,35 @@ def all_finite(tensors: list[Tensor]) -> bool:
     return bool(lib.et_all_finite(n, ptrs, (ctypes.c_int64 * n)(*[t.numel() for t in tensors])))
 
 
+class _Bags:
+    """Several features' bags for one native call: each feature's ``ids [N]``, ``offsets [S+1]`` and
+    ``coeffs [N] | None`` checked (the one place these rules live) and their addresses and sizes
+    collected, in call order."""
+
+    def __init__(self) -> None:
+        self.ids: list[int] = []
+        self.n_ids: list[int] = []
+        self.offsets: list[int] = []
+        self.n_bags: list[int] = []
+        self.coeffs: list[int | None] = []
+
+    def add(self, ids: Tensor, offsets: Tensor, coeffs: Tensor | None) -> int:
+        """Check and collect one feature's bags; returns their count S."""
+        _require(ids, "ids", torch.int64, (-1,))
+        _require(offsets, "offsets", torch.int64, (-1,))
+        bags = offsets.numel() - 1
+        if bags < 0:
+            raise NativeBufferError("embtables native kernel: offsets must hold at least one value.")
+        if coeffs is not None:
+            _require(coeffs, "coeffs", torch.float32, (ids.numel(),))
+        self.ids.append(ids.data_ptr())
+        self.n_ids.append(ids.numel())
+        self.offsets.append(offsets.data_ptr())
+        self.n_bags.append(bags)
+        self.coeffs.append(None if coeffs is None else coeffs.data_ptr())
+        return bags
+
+
 def lookup_many(
     parts: list[tuple[Tensor, Tensor, Tensor, Tensor | None]], into: tuple[Tensor, list[int]] | None = None
 ) -> tuple[list[Tensor], int]:
@@ -138,29 +167,20 @@ def lookup_many(
     lib = library()
     assert lib is not None
     n = len(parts)
-    f32, i64 = torch.float32, torch.int64
-    w_ptr, dims, vocab, id_ptr, n_ids, off_ptr, n_bags, c_ptr = [], [], [], [], [], [], [], []
+    f32 = torch.float32
+    w_ptr, dims, vocab = [], [], []  # type: list[int], list[int], list[int]
+    bags_in = _Bags()
+    n_bags = bags_in.n_bags
     checked: set[int] = set()  # tables already checked in this call (features sharing a table)
     for table, ids, offsets, coeffs in parts:
         if id(table) not in checked:
             _require(table, "table", f32, (-1, -1))
             checked.add(id(table))
-        _require(ids, "ids", i64, (-1,))
-        _require(offsets, "offsets", i64, (-1,))
-        bags = offsets.numel() - 1
-        if bags < 0:
-            raise NativeBufferError("embtables native kernel: offsets must hold at least one value.")
-        if coeffs is not None:
-            _require(coeffs, "coeffs", f32, (ids.numel(),))
+        bags_in.add(ids, offsets, coeffs)
         vocab_size, dim = table.shape
         w_ptr.append(table.data_ptr())
         dims.append(dim)
         vocab.append(vocab_size)
-        id_ptr.append(ids.data_ptr())
-        n_ids.append(ids.numel())
-        off_ptr.append(offsets.data_ptr())
-        n_bags.append(bags)
-        c_ptr.append(None if coeffs is None else coeffs.data_ptr())
     if into is None:
         outs = [torch.empty((bags, dim), dtype=f32) for bags, dim in zip(n_bags, dims)]
         out_ptr, ld = [o.data_ptr() for o in outs], dims
@@ -180,11 +200,11 @@ def lookup_many(
         array("lookup.w", vp, w_ptr),
         array("lookup.dims", c64, dims),
         array("lookup.vocab", c64, vocab),
-        array("lookup.ids", vp, id_ptr),
-        array("lookup.n_ids", c64, n_ids),
-        array("lookup.offsets", vp, off_ptr),
+        array("lookup.ids", vp, bags_in.ids),
+        array("lookup.n_ids", c64, bags_in.n_ids),
+        array("lookup.offsets", vp, bags_in.offsets),
         array("lookup.n_bags", c64, n_bags),
-        array("lookup.coeffs", vp, c_ptr),
+        array("lookup.coeffs", vp, bags_in.coeffs),
         array("lookup.out", vp, out_ptr),
         array("lookup.ld", c64, ld),
         _threads(),
@@ -416,19 +436,14 @@ def prepare_many(tables: list[tuple[Workspace, int, list[FeaturePart]]]) -> list
     3 an id outside [0, V) or bad offsets."""
     lib = library()
     assert lib is not None
-    f32, i64 = torch.float32, torch.int64
+    f32 = torch.float32
     first = [0]
-    id_ptr, n_ids, off_ptr, n_bags, c_ptr, g_ptr, strides = [], [], [], [], [], [], []
+    bags_in = _Bags()
+    g_ptr, strides = [], []  # type: list[int | None], list[int]
     for ws, _, table_parts in tables:
         dim = ws.dim
         for ids, offsets, coeffs, grad in table_parts:
-            _require(ids, "ids", i64, (-1,))
-            _require(offsets, "offsets", i64, (-1,))
-            bags = offsets.numel() - 1
-            if bags < 0:
-                raise NativeBufferError("embtables native kernel: offsets must hold at least one value.")
-            if coeffs is not None:
-                _require(coeffs, "coeffs", f32, (ids.numel(),))
+            bags = bags_in.add(ids, offsets, coeffs)
             ld = dim
             if grad is not None:
                 fits = type(grad) is Tensor and grad.dtype is f32 and grad.is_cpu and grad.shape == (bags, dim)
@@ -437,25 +452,20 @@ def prepare_many(tables: list[tuple[Workspace, int, list[FeaturePart]]]) -> list
                     _require(grad, "gradient", f32, (bags, dim))  # raises, naming what is wrong
                     raise NativeBufferError("embtables native kernel: the gradient's rows are not laid out as [S, D].")
                 ld = row
-            id_ptr.append(ids.data_ptr())
-            n_ids.append(ids.numel())
-            off_ptr.append(offsets.data_ptr())
-            n_bags.append(bags)
-            c_ptr.append(None if coeffs is None else coeffs.data_ptr())
             g_ptr.append(None if grad is None else grad.data_ptr())
             strides.append(ld)
-        first.append(len(id_ptr))
+        first.append(len(bags_in.ids))
     t = len(tables)
     vp, c64 = ctypes.c_void_p, ctypes.c_int64
     statuses = (ctypes.c_int * t)()
     lib.et_prepare_many(
         t,
         array("prepare.first", c64, first),
-        array("prepare.ids", vp, id_ptr),
-        array("prepare.n_ids", c64, n_ids),
-        array("prepare.offsets", vp, off_ptr),
-        array("prepare.n_bags", c64, n_bags),
-        array("prepare.coeffs", vp, c_ptr),
+        array("prepare.ids", vp, bags_in.ids),
+        array("prepare.n_ids", c64, bags_in.n_ids),
+        array("prepare.offsets", vp, bags_in.offsets),
+        array("prepare.n_bags", c64, bags_in.n_bags),
+        array("prepare.coeffs", vp, bags_in.coeffs),
         array("prepare.grads", vp, g_ptr),
         array("prepare.strides", c64, strides),
         array("prepare.dims", c64, [ws.dim for ws, _, _ in tables]),

@@ -17,11 +17,6 @@ from embtables.errors import InputError
 from embtables.kernels.registry import record_of
 
 
-def learning_rates(resolved: ResolvedConfig) -> dict[str, float]:
-    """``{table name: learning rate}``: every distinct callable called once, float32-rounded."""
-    return LearningRatePlan(resolved).rates()
-
-
 class LearningRatePlan:
     """What ``rates()`` needs of a config, worked out once (a table collection keeps one for its config):
     each distinct callable with the tables that use it, those of them that divide by it (FTRL), and
