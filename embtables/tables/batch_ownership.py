@@ -9,6 +9,7 @@ owning a batch costs a copy but no fresh allocation per step.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
 import logging
 from typing import Any
@@ -17,6 +18,7 @@ import torch
 from torch import Tensor
 
 from embtables.config import ResolvedConfig, nest
+from embtables.kernels import native, native_step
 from embtables.tables import phase_profile
 from embtables.tables.input_nest import flatten_inputs, is_input_leaf
 from embtables.tables.inputs import FeatureBatch, InputConverter, convert_many, is_kjt
@@ -134,7 +136,7 @@ def detached(batches: list[FeatureBatch]) -> list[FeatureBatch]:
     out = []
     for b in batches:
         fields: dict[str, Any] = {n: t.clone() for n in _BATCH_FIELDS if isinstance(t := getattr(b, n), Tensor)}
-        out.append(dataclasses.replace(b, **fields))
+        out.append(dataclasses.replace(b, staged=None, **fields))
     return out
 
 
@@ -147,6 +149,15 @@ class InputStager:
         self.flat = nest.flat_dict(feature_config)  # the usual dict config: flattened without walking
         self.converters = [InputConverter(f, resolved.tables[f.table_index]) for f in resolved.features]
         self.staging = Staging()
+        self._native_parts()
+
+    def _native_parts(self) -> None:
+        """For the native staging of every feature in one call (``stage_every_feature``): whether every
+        feature may take it, and their V and combiner codes as the ctypes arrays it reads."""
+        self.every_fast = bool(self.converters) and all(c.fast_path for c in self.converters)
+        n = len(self.converters)
+        self.vocab = (ctypes.c_int64 * n)(*[c.fast_part[0] for c in self.converters])
+        self.codes = (ctypes.c_int32 * n)(*[c.fast_part[1] for c in self.converters])
 
     def stage(self, features: Any, weights: Any, device: torch.device, busy: set[int]) -> list[FeatureBatch]:
         """The F batches of one call, every input rule checked (``ValueError``/``TypeError`` and nothing
@@ -154,6 +165,10 @@ class InputStager:
         with phase_profile.phase("enqueue: validate inputs"):
             flat_x, flat_w = flatten_inputs(self.feature_config, features, weights, self.flat)
             staging = self.staging
+            if self.every_fast and device.type == "cpu" and native.library() is not None:
+                every = self.stage_every_feature(flat_x, flat_w, busy)
+                if every is not None:
+                    return every  # copies in the engine's own arena
             converted = convert_many(
                 self.converters, flat_x, flat_w, device, lambda n, dtype: staging.arena(n, dtype, busy)
             )
@@ -164,6 +179,33 @@ class InputStager:
                 else owned(b, storages(x) | storages(w), staging, i, busy)
                 for i, (b, x, w) in enumerate(zip(converted, flat_x, flat_w))
             ]
+
+    def stage_every_feature(self, xs: list[Any], ws: list[Any], busy: set[int]) -> list[FeatureBatch] | None:
+        """Every feature's batch from one native staging call (``native_step.stage``), their bags shared as
+        ``FeatureBatch.staged``, when every input is unweighted int64 CPU ``Ragged`` or dense ids and keeps
+        the input rules; None otherwise (``convert_many`` then converts, and names what is wrong)."""
+        values: list[Tensor] = []
+        splits: list[Tensor | None] = []
+        for x, w in zip(xs, ws):
+            if w is not None:
+                return None
+            if type(x) is Ragged:
+                values.append(x.values)
+                splits.append(x.row_splits)
+            elif type(x) is Tensor and x.dtype is torch.int64 and x.layout is torch.strided and not x.is_nested \
+                    and x.is_cpu and x.is_contiguous() and x.dim() >= 1:  # fmt: skip
+                values.append(x.view(-1))
+                splits.append(None)
+            else:
+                return None
+        staging = self.staging
+        bags = native_step.stage(values, splits, self.vocab, self.codes, lambda n, t: staging.arena(n, t, busy))
+        if bags is None:
+            return None
+        return [
+            FeatureBatch.of_staged(ids, offs, coeffs, (offs.numel() - 1,) if sp is not None else tuple(x.shape), bags)
+            for (ids, offs, coeffs), sp, x in zip(bags.views, splits, xs)
+        ]
 
     def flat_gradients(self, gradients: Any, activations: list[Tensor]) -> list[Any]:
         """The F gradients of ``apply_gradients``: ``gradients`` (a nest like ``feature_config``) flattened,
@@ -183,7 +225,14 @@ class InputStager:
         return flat_g
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "staging": Staging()}  # scratch buffers: a copy owns fresh ones
+        state = {**self.__dict__, "staging": Staging()}  # scratch buffers: a copy owns fresh ones
+        for name in ("every_fast", "vocab", "codes"):  # ctypes arrays: rebuilt
+            state.pop(name, None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._native_parts()
 
 
 __all__ = [

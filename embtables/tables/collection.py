@@ -30,6 +30,7 @@ from embtables.tables.concatenated import column_starts
 from embtables.tables.dynamic_vocabularies import Vocabularies
 from embtables.tables.inputs import FeatureBatch
 from embtables.tables.learning_rates import LearningRatePlan
+from embtables.tables.native_fast_path import NativeFastPath
 from embtables.tables.state import TableState, create_table_state, initial_rows
 from embtables.tables.table_gradient import TableGradient
 from embtables.tables.value_bounds import ValueBounds, check_finite_rows, non_finite_gradient, non_finite_update
@@ -48,6 +49,7 @@ class EmbeddingCollection:
         self._unguarded: set[str] = set()  # tables whose small updates are checked exactly (_small_update)
         self.vocabularies = Vocabularies(resolved)  # the key maps of dynamic tables (spec §11)
         self._lr_plan: LearningRatePlan | None = None  # built at the first step, see learning_rates()
+        self._fast: NativeFastPath | None = None  # built at the first step, see fast_path
 
     @property
     def device(self) -> torch.device:
@@ -64,12 +66,21 @@ class EmbeddingCollection:
         state["_workspaces"] = {}
         state["_param_blocks"] = {}  # ctypes structures: rebuilt on demand
         state["_lr_plan"] = None  # rebuilt from the config on demand
+        state["_fast"] = None  # ctypes arrays of this process's tensors: rebuilt on demand
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self.__dict__.setdefault("_unguarded", set())  # pickled before small updates were checked in C
         self.__dict__.setdefault("_lr_plan", None)
+        self.__dict__.setdefault("_fast", None)
+
+    @property
+    def fast_path(self) -> NativeFastPath:
+        """The small-batch fast path over these tables (``tables/native_fast_path.py``)."""
+        if self._fast is None or self._fast.resolved is not self.resolved:
+            self._fast = NativeFastPath(self)
+        return self._fast
 
     # ------------------------------------------------------------------ forward
     def translate_keys(
@@ -104,6 +115,11 @@ class EmbeddingCollection:
 
         Features the native kernel serves are looked up together in one parallel region; with
         ``concat`` and every feature native, straight into the one output tensor."""
+        if batches and batches[0].staged is not None:  # every feature staged natively, in one call
+            buffer = torch.empty((batches[0].out_shape[0], self.columns[1])) if concat else None
+            done = self.fast_path.lookup(batches, buffer, self.columns[0])
+            if done is not None:
+                return done
         if self.on_gpu_kernels:
             return gpu_step.lookup(self, batches, concat)
         features, tables, states = self.resolved.features, self.resolved.tables, self.states
@@ -232,6 +248,10 @@ class EmbeddingCollection:
 
     def table_gradients(self, batches: Sequence[FeatureBatch], grads: Sequence[Tensor | None]) -> list[TableGradient]:
         """Per-table gradients from per-feature activation gradients [S, D] (None = zero)."""
+        if batches and batches[0].staged is not None:
+            done = self.fast_path.table_gradients(batches, grads)
+            if done is not None:
+                return done
         out = []
         if self.on_gpu_kernels:
             fast = gpu_step.table_gradients(self, batches, grads)
@@ -329,6 +349,10 @@ class EmbeddingCollection:
         the dry runs happen in the same native call that writes (checked for all tables first).
         """
         in_one_call = all(tg.prepared is not None for tg in table_grads)
+        if in_one_call and self._fast is not None and self._fast.apply(table_grads, lrs):
+            for tg in table_grads:  # checked exactly; bounds measured meanwhile (a pipelined check) are stale now
+                self._guard.forget(tg.table.name)
+            return
         writes: list[Callable[[], None]] = []
         natives: list[_NativeWrite] = []  # written together, in one native call
         for tg in table_grads:
@@ -444,6 +468,16 @@ class EmbeddingCollection:
             self._guard.after_write(tg.table, tuple(float(t.abs().max()) for t in (w_new, *s_new)), measured=True)
 
         return write
+
+    def params(self, table: ResolvedTable, lr: float) -> Any:
+        """``_params`` at learning rate ``lr`` and the decay it implies."""
+        opt = table.optimizer
+        decay = effective_weight_decay(opt.weight_decay_factor, opt.weight_decay_multiplied_by_lr, lr)
+        return self._params(table, lr, decay)
+
+    def small_update(self, table: ResolvedTable, ws: native.Workspace) -> bool:
+        """``_small_update`` of the table's prepared update (dense: a non-lazy optimizer)."""
+        return self._small_update(table, ws, not table.optimizer.lazy)
 
     def _params(self, table: ResolvedTable, lr: float, decay: float) -> Any:
         """``native.opt_params`` of the table's optimizer, built once per (learning rate, decay): the

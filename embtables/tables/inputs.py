@@ -21,6 +21,7 @@ from torch import Tensor
 from embtables.config import Combiner, ResolvedFeature, ResolvedTable
 from embtables.errors import InputError
 from embtables.kernels import gpu, native, native_inputs
+from embtables.kernels.native_step import StagedBags
 from embtables.kernels.segments import offsets_from_segments, segment_sum, segments_from_offsets
 from embtables.tables.ragged import Ragged
 
@@ -41,6 +42,18 @@ class FeatureBatch:
     seg_: Tensor | None = None
     dropped: int = 0  # ids of the input not looked up: negative, weight <= 0, or past max_sequence_length
     weights: Tensor | None = None  # [N]: a dynamic table's input weights, to combine over admitted keys (§11)
+    staged: StagedBags | None = None  # every feature's bags staged in one native call (it holds this batch's views)
+
+    @classmethod
+    def of_staged(
+        cls, ids: Tensor, offsets: Tensor, coeffs: Tensor | None, out_shape: tuple[int, ...], staged: StagedBags
+    ) -> FeatureBatch:
+        """A batch of staged bags, built without the frozen dataclass's per-field ``__setattr__`` (one per
+        feature per step)."""
+        batch = cls.__new__(cls)
+        batch.__dict__.update(ids=ids, offsets=offsets, coeffs=coeffs, out_shape=out_shape, seg_=None, dropped=0,
+                              weights=None, staged=staged)  # fmt: skip
+        return batch
 
     @property
     def num_segments(self) -> int:

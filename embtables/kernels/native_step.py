@@ -1,0 +1,367 @@
+"""The small-batch fast path of the native CPU kernels: a training step's lookup, phase 1 and phase 2 over
+bags staged in one arena, with every table's addresses in ctypes arrays built once.
+
+At batch 64 the four native calls of a step (staging, lookup, phase 1, phase 2) cost about 25 us in C and,
+through the general wrappers of ``kernels/native.py``, about 160 us in Python: each call checks every
+buffer it is given (ids, offsets and coefficients per feature, weights and slots per table) and builds
+its argument arrays from lists. Here the buffers are checked as wholes, in the call that hands them to C:
+
+- ``StagedBags``: every feature's ids, offsets and coefficients as ``stage_inputs_many`` wrote them into
+  its arenas, with their addresses computed from the arenas' base at staging. A call re-checks the two
+  arenas (dtype, contiguity, the same base address, at least the size staged) instead of 3F views, and
+  C re-checks every offset and id against V as before.
+- ``TableArrays``: the tables' weights and slots with their addresses, sizes and native workspaces. A
+  call re-checks each tensor (the same object the arrays were built from, still contiguous at the same
+  address with the same shape) before C writes it; any change (``.to()``, a restore that replaces a
+  tensor, a ``resize_``) makes the caller build new arrays.
+
+Status codes are those of the general calls (``native.lookup_many``, ``prepare_many``, ``apply_many``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from embtables.kernels.native import NativeBufferError, Workspace, _require, _slots, library
+
+_VP, _I64, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
+
+# Updates of at most this many values per table are computed once in scratch, checked there and copied when
+# ``apply_checked`` checks them (``ET_STAGED_MAX`` in csrc/embtables_native.c; larger ones are checked by a
+# dry run first, a second pass, which is correct but slower).
+STAGED_MAX_VALUES = 1 << 16
+
+
+class StagedBags:
+    """F features' bags as ``stage`` staged them: ``views[f] = (ids [N_f], offsets [S_f + 1], coeffs [N_f] |
+    None)``, the first two views of ``arena`` (int64), the coefficients of ``coef_arena`` (float32), and
+    their addresses and sizes as ctypes arrays, computed from the arenas' base addresses at staging."""
+
+    def __init__(
+        self,
+        arena: Tensor,
+        coef_arena: Tensor,
+        views: Sequence[tuple[Tensor, Tensor, Tensor | None]],
+        sizes: tuple[Any, Any],
+        addresses: tuple[Any, Any, Any],
+        ends: tuple[int, int],
+    ) -> None:
+        self.arena, self.coef_arena = arena, coef_arena
+        self.base, self.coef_base = arena.data_ptr(), coef_arena.data_ptr()
+        self.views = tuple(views)
+        self.n_ids, self.n_bags = sizes
+        self.ids, self.offsets, self.coeffs = addresses
+        self.ends = ends  # the arena elements every address lies in (checked at staging, re-checked per call)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_nothing, ())  # scratch addresses of this process: a copy or a pickle of a batch carries none
+
+    def serves(self, batches: Sequence[Any]) -> bool:
+        """Whether ``batches`` [F] are exactly the batches staged here, in order (each holds the staged views)."""
+        if len(batches) != len(self.views):
+            return False
+        for b, (ids, offsets, coeffs) in zip(batches, self.views):
+            if b.ids is not ids or b.offsets is not offsets or b.coeffs is not coeffs:
+                return False
+        return True
+
+    def check(self) -> None:
+        """Re-check the arenas the addresses point into (the one check of every feature's bags)."""
+        arena, coef = self.arena, self.coef_arena
+        if not (
+            type(arena) is Tensor
+            and arena.dtype is torch.int64
+            and arena.is_cpu
+            and arena.is_contiguous()
+            and arena.data_ptr() == self.base
+            and arena.numel() >= self.ends[0]
+            and type(coef) is Tensor
+            and coef.dtype is torch.float32
+            and coef.is_cpu
+            and coef.is_contiguous()
+            and coef.data_ptr() == self.coef_base
+            and coef.numel() >= self.ends[1]
+        ):
+            raise NativeBufferError("embtables native kernel: a staging arena changed after its batch was staged.")
+
+
+def stage(
+    values: Sequence[Tensor],
+    splits: Sequence[Tensor | None],
+    vocab: Any,
+    codes: Any,
+    arena: Callable[[int, torch.dtype], Tensor],
+) -> StagedBags | None:
+    """Every feature's ids and bag offsets copied into one int64 arena and checked there in one C call (the
+    rules of ``native_inputs.stage_inputs_many``: ids in [0, V), row splits that start at 0, never decrease
+    and end at N), with the mean / sqrtn coefficients in one float32 arena. ``values[f]`` [N_f] are int64
+    ids, ``splits[f]`` [S_f + 1] their row splits or None (dense: one id per bag); ``vocab`` and ``codes``
+    are ctypes arrays of each feature's V and combiner code; ``arena(n, dtype)`` gives a buffer of at least n
+    elements. None when an input is not a contiguous 1-D int64 CPU tensor or breaks a rule (the general
+    path then names it); nothing the caller sees changes."""
+    lib = library()
+    assert lib is not None
+    n = len(values)
+    i64 = torch.int64
+    ids_p: list[int] = []
+    split_p: list[int | None] = []
+    n_ids: list[int] = []
+    n_bags: list[int] = []  # -1: dense
+    ints = floats = 0
+    for v, sp, code in zip(values, splits, codes):
+        if not (type(v) is Tensor and v.dtype is i64 and v.is_cpu and v.is_contiguous() and v.dim() == 1):
+            return None
+        count = v.numel()
+        ids_p.append(v.data_ptr())
+        n_ids.append(count)
+        if sp is None:
+            split_p.append(None)
+            n_bags.append(-1)
+            ints += 2 * count + 1
+            continue
+        if not (type(sp) is Tensor and sp.dtype is i64 and sp.is_cpu and sp.is_contiguous() and sp.dim() == 1):
+            return None
+        bags = sp.numel() - 1
+        if bags < 0:
+            return None
+        split_p.append(sp.data_ptr())
+        n_bags.append(bags)
+        ints += count + bags + 1
+        if code:
+            floats += count
+    int_arena = _require(arena(ints, i64), "staging arena", i64, (-1,))
+    coef_arena = _require(arena(floats, torch.float32), "coefficient arena", torch.float32, (-1,))
+    status, single = (_I32 * n)(), (_I32 * n)()
+    base, coef_base = int_arena.data_ptr(), coef_arena.data_ptr()
+    written = lib.et_stage_inputs_many(
+        n, (_VP * n)(*ids_p), (_I64 * n)(*n_ids), (_VP * n)(*split_p), (_I64 * n)(*n_bags), vocab, base,
+        int_arena.numel(), status, single, codes, coef_base, coef_arena.numel(),
+    )  # fmt: skip
+    if written < 0:
+        raise NativeBufferError("embtables native kernel: the staging arenas are too small for the batch.")
+    if any(status):
+        return None
+    sizes: list[int] = []
+    id_at: list[int] = []
+    off_at: list[int] = []
+    coef_at: list[int | None] = []
+    at = coef = 0
+    for f in range(n):
+        count, bags = n_ids[f], n_bags[f]
+        if bags < 0:
+            bags = n_bags[f] = count
+        id_at.append(base + 8 * at)
+        off_at.append(base + 8 * (at + count))
+        sizes += (count, bags + 1)
+        at += count + bags + 1
+    views = torch.split_with_sizes(int_arena, [*sizes, int_arena.numel() - at]) if n else ()
+    out: list[tuple[Tensor, Tensor, Tensor | None]] = []
+    for f in range(n):
+        coeffs = None
+        if codes[f] and split_p[f] is not None:
+            count = n_ids[f]
+            if not single[f]:
+                coeffs = coef_arena[coef : coef + count]
+            coef_at.append(None if single[f] else coef_base + 4 * coef)
+            coef += count
+        else:
+            coef_at.append(None)
+        out.append((views[2 * f], views[2 * f + 1], coeffs))
+    sizes_arr = ((_I64 * n)(*n_ids), (_I64 * n)(*n_bags))
+    addresses = ((_VP * n)(*id_at), (_VP * n)(*off_at), (_VP * n)(*coef_at))
+    return StagedBags(int_arena, coef_arena, out, sizes_arr, addresses, (at, coef))
+
+
+class TableArrays:
+    """T tables' weights [V_t, D_t] and slots (at most 3, each like its weights) with their addresses, sizes
+    and native workspaces, and the table of each of F features, as ctypes arrays for the fast calls.
+    ``current`` says whether they still describe ``tensors``; else the caller builds new ones."""
+
+    def __init__(
+        self,
+        tensors: Sequence[tuple[Tensor, tuple[Tensor, ...]]],
+        workspaces: Sequence[Workspace],
+        feature_tables: Sequence[int],
+    ) -> None:
+        held: list[Tensor] = []
+        w_ptr, s_ptr = [], ([], [], [])  # type: list[int], tuple[list[int | None], list[int | None], list[int | None]]
+        for (weights, slots), ws in zip(tensors, workspaces, strict=True):
+            _require(weights, "weights", torch.float32, (-1, ws.dim))
+            checked = _slots(weights, slots)
+            held += [weights, *slots]
+            w_ptr.append(weights.data_ptr())
+            for i, s in enumerate(checked):
+                s_ptr[i].append(None if s is None else s.data_ptr())
+        self.tensors = tuple(held)
+        self.layout = tuple((t.data_ptr(), tuple(t.shape)) for t in held)
+        self.shapes = [tuple(w.shape) for w, _ in tensors]
+        t_count = len(tensors)
+        self.count = t_count
+        self.workspaces = tuple(workspaces)
+        self.w = (_VP * t_count)(*w_ptr)
+        self.s = tuple((_VP * t_count)(*p) for p in s_ptr)
+        self.vocab = (_I64 * t_count)(*[s[0] for s in self.shapes])
+        self.dims = (_I64 * t_count)(*[s[1] for s in self.shapes])
+        self.handles = (_VP * t_count)(*[ws.handle for ws in workspaces])
+        self.feature_tables = tuple(feature_tables)
+        f_count = len(feature_tables)
+        self.fw = (_VP * f_count)(*[w_ptr[t] for t in feature_tables])
+        self.fdims = (_I64 * f_count)(*[self.shapes[t][1] for t in feature_tables])
+        self.fvocab = (_I64 * f_count)(*[self.shapes[t][0] for t in feature_tables])
+        # phase 1 reads features grouped by table: feature order when each table's features are consecutive
+        order = sorted(range(f_count), key=lambda f: (feature_tables[f], f))
+        self.grouped = order == list(range(f_count))
+        firsts = [0] * (t_count + 1)
+        for t in feature_tables:
+            firsts[t + 1] += 1
+        for t in range(t_count):
+            firsts[t + 1] += firsts[t]
+        self.first = (_I64 * (t_count + 1))(*firsts)
+        self.order = order
+        # phase 2's fixed arguments and its outputs, reused call after call (under the module's lock)
+        self.zeros, self.ones = (_I32 * t_count)(), (_I32 * t_count)(*([1] * t_count))
+        self.maxabs = (ctypes.c_float * (4 * t_count))()
+        self.status, self.bad = (_I32 * t_count)(), (_I64 * t_count)()
+        self.params: tuple[tuple[Any, ...], Any, Any] = ((), None, None)  # (blocks, their addresses, dense flags)
+
+    def current(self, tensors: Sequence[Tensor]) -> bool:
+        """Whether ``tensors`` (weights and slots, table by table) are the tensors these arrays were built
+        from, each still contiguous at the address and with the shape recorded."""
+        held = self.tensors
+        if len(tensors) != len(held):
+            return False
+        for t, h, (ptr, shape) in zip(tensors, held, self.layout):
+            if t is not h or not t.is_contiguous() or t.data_ptr() != ptr or t.shape != shape:
+                return False
+        return True
+
+
+def lookup(tables: TableArrays, bags: StagedBags, outs: Sequence[Tensor], starts: Sequence[int] | None) -> int:
+    """Every feature's pooled activations in one call: into column blocks ``out[:, starts[f] : starts[f] + D_f]``
+    of ``outs[0]`` [S, W] (``starts`` given; every feature has S bags), else into ``outs[f]`` [S_f, D_f].
+    Returns 0, 1 (an id outside [0, V) or bad offsets) or 2 (a non-finite activation)."""
+    lib = library()
+    assert lib is not None
+    bags.check()
+    f_count = len(bags.views)
+    n_bags = bags.n_bags
+    if starts is not None:
+        out = _require(outs[0], "output", torch.float32, (-1, -1))
+        rows, width = out.shape
+        base = out.data_ptr()
+        for f in range(f_count):
+            if n_bags[f] != rows or starts[f] < 0 or starts[f] + tables.fdims[f] > width:
+                raise NativeBufferError("embtables native kernel: the output columns do not fit the shared buffer.")
+        out_ptr = (_VP * f_count)(*[base + 4 * s for s in starts])
+        ld = (_I64 * f_count)(*([width] * f_count))
+    else:
+        for f, o in enumerate(outs):
+            _require(o, "output", torch.float32, (n_bags[f], tables.fdims[f]))
+        out_ptr = (_VP * f_count)(*[o.data_ptr() for o in outs])
+        ld = tables.fdims
+    args = (bags.ids, bags.n_ids, bags.offsets, n_bags, bags.coeffs, out_ptr, ld)
+    return int(lib.et_lookup_many(f_count, tables.fw, tables.fdims, tables.fvocab, *args, _threads()))
+
+
+def prepare(tables: TableArrays, bags: StagedBags, grads: Sequence[Tensor | None]) -> list[int]:
+    """Phase 1 of every table into its workspace (``native.prepare_many``) from the staged bags and each
+    feature's gradient [S_f, D_f] | None, contiguous or a column block of a wider one. Returns the
+    statuses per table."""
+    lib = library()
+    assert lib is not None
+    bags.check()
+    f_count = len(bags.views)
+    g_ptr: list[int | None] = []
+    ld: list[int] = []
+    for f, g in enumerate(grads):
+        dim = tables.fdims[f]
+        if g is None:
+            g_ptr.append(None)
+            ld.append(dim)
+            continue
+        if not (type(g) is Tensor and g.dtype is torch.float32 and g.is_cpu and g.dim() == 2):
+            raise NativeBufferError("embtables native kernel: a gradient is not a CPU float32 [S, D] tensor.")
+        rows, cols = g.shape
+        row_stride, col_stride = g.stride()
+        if rows != bags.n_bags[f] or cols != dim or not (col_stride == 1 or cols == 1) or row_stride < dim:
+            if not (rows == bags.n_bags[f] and cols == dim and g.is_contiguous()):
+                raise NativeBufferError("embtables native kernel: a gradient's rows are not laid out as [S, D].")
+            row_stride = dim
+        g_ptr.append(g.data_ptr())
+        ld.append(row_stride)
+    if len(g_ptr) != f_count:
+        raise NativeBufferError("embtables native kernel: one gradient per staged feature is needed.")
+    if tables.grouped:
+        ids, n_ids, offsets, n_bags, coeffs = bags.ids, bags.n_ids, bags.offsets, bags.n_bags, bags.coeffs
+        grads_arr, ld_arr = (_VP * f_count)(*g_ptr), (_I64 * f_count)(*ld)
+    else:
+        o = tables.order
+        ids = (_VP * f_count)(*[bags.ids[f] for f in o])
+        n_ids = (_I64 * f_count)(*[bags.n_ids[f] for f in o])
+        offsets = (_VP * f_count)(*[bags.offsets[f] for f in o])
+        n_bags = (_I64 * f_count)(*[bags.n_bags[f] for f in o])
+        coeffs = (_VP * f_count)(*[bags.coeffs[f] for f in o])
+        grads_arr = (_VP * f_count)(*[g_ptr[f] for f in o])
+        ld_arr = (_I64 * f_count)(*[ld[f] for f in o])
+    statuses = (ctypes.c_int * tables.count)()
+    lib.et_prepare_many(
+        tables.count,
+        tables.first,
+        ids,
+        n_ids,
+        offsets,
+        n_bags,
+        coeffs,
+        grads_arr,
+        ld_arr,
+        tables.dims,
+        tables.vocab,
+        _threads(),
+        tables.handles,
+        statuses,
+    )
+    return list(statuses)
+
+
+def apply_checked(tables: TableArrays, params: Sequence[Any], dense: Sequence[int]) -> list[int]:
+    """Phase 2 of every table from its prepared workspace, each checked exactly in the writing call (all
+    tables before any is written; ``native.apply_many`` with ``check`` set and nothing measured). ``params``
+    are the tables' ``native.opt_params`` blocks, ``dense`` 1 for a non-lazy table. Returns per table the row
+    whose update is not finite (-1: none; when any is not -1, nothing was written)."""
+    lib = library()
+    assert lib is not None
+    t_count = tables.count
+    if len(params) != t_count or len(dense) != t_count:
+        raise NativeBufferError("embtables native kernel: one parameter block per table is needed.")
+    blocks, p_arr, d_arr = tables.params
+    if len(blocks) != t_count or any(x is not y for x, y in zip(blocks, params)) or list(d_arr) != list(dense):
+        p_arr = (_VP * t_count)(*[ctypes.addressof(p) for p in params])
+        d_arr = (_I32 * t_count)(*dense)
+        tables.params = (tuple(params), p_arr, d_arr)  # holds the blocks while their addresses are used
+    status, bad = tables.status, tables.bad
+    s0, s1, s2 = tables.s
+    lib.et_apply_many(
+        t_count, tables.handles, tables.w, s0, s1, s2, tables.vocab, tables.dims, p_arr, d_arr, tables.zeros,
+        tables.ones, _threads(), tables.maxabs, status, bad,
+    )  # fmt: skip
+    codes = set(status)
+    if codes - {0, 1}:
+        if -4 in codes:
+            raise NativeBufferError("embtables native kernel: unknown optimizer kind (no table was written).")
+        if -3 in codes:
+            raise MemoryError("embtables: out of memory while checking the sparse update (no table was written).")
+        raise NativeBufferError("embtables native kernel: a prepared update does not fit its table.")
+    return list(bad)
+
+
+def _nothing() -> None:
+    return None
+
+
+def _threads() -> int:
+    return max(1, torch.get_num_threads())

@@ -1,0 +1,144 @@
+"""The collection's small-batch fast path: a step whose every feature was staged by one native call, over
+tables that the native kernels serve whole (float32 CPU, not quantized, gradients accumulated), takes one
+native call per phase through ``kernels/native_step.py``, with the tables' argument arrays built once.
+
+Everything else, and every step whose call reports anything but success, goes through the general path of
+``EmbeddingCollection``, which repeats the work and raises its errors (naming the feature or table): the
+fast calls write nothing a failed step keeps (the lookup only its own outputs, phase 1 only the scratch
+workspaces, phase 2 nothing unless every table's update is finite).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from embtables.config import ResolvedConfig
+from embtables.kernels import native, native_step
+from embtables.kernels.native_step import StagedBags, TableArrays
+from embtables.tables.inputs import FeatureBatch
+from embtables.tables.state import TableState
+from embtables.tables.table_gradient import TableGradient
+
+
+class NativeFastPath:
+    """The fast path of one ``EmbeddingCollection`` (``owner``): its tables, workspaces, optimizer blocks
+    and small-update rule (``_small_update``: whether a table's update is checked exactly in the writing
+    call) are the collection's own. Scratch: a copy or a pickle of the collection starts without one."""
+
+    def __init__(self, owner: Any) -> None:
+        self.owner = owner
+        self.resolved: ResolvedConfig = owner.resolved
+        tables = self.resolved.tables
+        # the config decides whether the path can ever serve these tables; the tensors are checked per call
+        self.possible = bool(tables) and all(
+            t.config.quantization_config is None and t.optimizer.use_gradient_accumulation and t.optimizer.lazy
+            for t in tables
+        )
+        self._arrays: TableArrays | None = None
+        self._prepared: tuple[TableArrays, list[TableGradient]] | None = None
+        self._small = False  # every update of the last phase 1 here is checked in scratch (see apply)
+        self._rates: tuple[tuple[float, ...], list[Any]] = ((), [])  # learning rates -> optimizer blocks
+        self._dense = [0] * len(tables)  # lazy optimizers only: a non-lazy one updates every row
+
+    def _tensors(self) -> list[Tensor]:
+        """Every table's weights and slots, table by table."""
+        states: dict[str, TableState] = self.owner.states
+        tensors: list[Tensor] = []
+        for table in self.resolved.tables:
+            state = states[table.name]
+            tensors.append(state.weights)
+            tensors += state.slots.values()
+        return tensors
+
+    def arrays(self) -> TableArrays | None:
+        """The tables' argument arrays, built again when any weights or slot tensor changed; None when
+        the native kernels do not serve every table (the general path then does)."""
+        if not self.possible or native.library() is None:
+            return None
+        tensors = self._tensors()
+        arrays = self._arrays
+        if arrays is not None and arrays.current(tensors):
+            return arrays
+        if not native.usable(*tensors):
+            return None
+        states: dict[str, TableState] = self.owner.states
+        tables = self.resolved.tables
+        pairs = [(states[t.name].weights, states[t.name].slot_tuple()) for t in tables]
+        workspaces = [self.owner.workspace(t) for t in tables]
+        try:
+            self._arrays = TableArrays(pairs, workspaces, [f.table_index for f in self.resolved.features])
+        except native.NativeBufferError:  # e.g. a slot no longer shaped like its table: the general path's checks
+            self._arrays = None
+        return self._arrays
+
+    @staticmethod
+    def bags_of(batches: Sequence[FeatureBatch]) -> StagedBags | None:
+        """The staged bags that hold exactly ``batches``, or None."""
+        bags = batches[0].staged if batches else None
+        return bags if bags is not None and bags.serves(batches) else None
+
+    def lookup(self, batches: Sequence[FeatureBatch], into: Tensor | None, starts: list[int]) -> list[Tensor] | None:
+        """Every feature's activations in one call (into ``into`` [B, W] at ``starts`` when given, as the
+        general lookup's concatenated output), or None when this path does not serve the step or the call
+        found anything wrong."""
+        bags = self.bags_of(batches)
+        arrays = None if bags is None else self.arrays()
+        if bags is None or arrays is None:
+            return None
+        if into is not None:
+            if native_step.lookup(arrays, bags, [into], starts) != 0:
+                return None
+            return [into]
+        outs = [torch.empty((b.offsets.numel() - 1, int(arrays.fdims[f])), dtype=torch.float32) for f, b in
+                enumerate(batches)]  # fmt: skip
+        if native_step.lookup(arrays, bags, outs, None) != 0:
+            return None
+        return [o.reshape(*b.out_shape, o.shape[1]) for o, b in zip(outs, batches)]
+
+    def table_gradients(
+        self, batches: Sequence[FeatureBatch], grads: Sequence[Tensor | None]
+    ) -> list[TableGradient] | None:
+        """Phase 1 of every table in one call, or None (not served, or a table's status is not 0)."""
+        bags = self.bags_of(batches)
+        arrays = None if bags is None else self.arrays()
+        if bags is None or arrays is None:
+            return None
+        self._small = False
+        if any(native_step.prepare(arrays, bags, grads)):
+            return None
+        prepared = self._prepared
+        if prepared is None or prepared[0] is not arrays:  # the same (immutable) gradients every step
+            tables = self.resolved.tables
+            prepared = self._prepared = (arrays, [TableGradient(t, None, None, True, ws) for t, ws in
+                                                  zip(tables, arrays.workspaces)])  # fmt: skip
+        # every table's update small enough to be computed once in scratch and checked there (at most
+        # N x D values for N ids): then phase 2 checks it exactly in the writing call, no bounds kept
+        totals = [0] * arrays.count
+        for f, t in enumerate(arrays.feature_tables):
+            totals[t] += bags.n_ids[f]
+        self._small = all(n * d <= native_step.STAGED_MAX_VALUES for n, d in zip(totals, arrays.dims))
+        return list(prepared[1])
+
+    def apply(self, table_grads: Sequence[TableGradient], lrs: dict[str, float]) -> bool:
+        """Phase 2 of every table in one call, each update checked exactly as it is written, for the
+        gradients of this path's last phase 1 when every update was small; False (nothing written) when
+        this path does not serve the step or an update is not finite (the general path then finds the
+        table and row, and raises)."""
+        prepared = self._prepared
+        if prepared is None or not self._small or len(table_grads) != len(prepared[1]):
+            return False
+        for tg, ours in zip(table_grads, prepared[1]):
+            if tg is not ours:
+                return False
+        arrays = prepared[0]
+        if arrays is not self._arrays or not arrays.current(self._tensors()):
+            return False
+        tables = self.resolved.tables
+        rates = tuple(lrs[t.name] for t in tables)
+        if rates != self._rates[0]:  # the optimizer blocks at these learning rates (the collection's cache)
+            self._rates = (rates, [self.owner.params(t, lr) for t, lr in zip(tables, rates)])
+        return all(bad < 0 for bad in native_step.apply_checked(arrays, self._rates[1], self._dense))

@@ -1,0 +1,182 @@
+"""Issue 16, item 1: the small-batch fast path (``kernels/native_step.py``, ``tables/native_fast_path.py``).
+
+A step whose every input is int64 (``Ragged`` or dense) is staged by one native call and looked up,
+prepared and applied through the fast calls; int32 ids of the same values take the general path. Both
+must give the same bits, raise the same errors and leave the tables as they were after a refused step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import pytest
+import torch
+from statecheck import assert_same, snapshot
+from torch import Tensor
+
+import embtables as et
+from embtables.kernels import native, native_step
+
+pytestmark = pytest.mark.skipif(native.library() is None, reason="the native kernels are not built here")
+
+
+def make(combiners: tuple[str, ...], shared: bool, concat: bool, optimizer: Any, pipelined: bool = False) -> Any:
+    tables = [
+        et.TableConfig(50 + 7 * i, 4 + 2 * i, initializer=et.Constant(0.02 * (i + 1)), combiner=c, name=f"t{i}")
+        for i, c in enumerate(combiners)
+    ]
+    tables[-1] = dataclasses.replace(tables[-1], optimizer=et.SGD(0.25))  # a table's own optimizer block
+    features = {f"f{i}": et.FeatureConfig(t) for i, t in enumerate(tables)}
+    if shared:  # a second feature of the first table, after the others in feature order (not grouped by table)
+        features["g"] = et.FeatureConfig(tables[0])
+    return et.DistributedEmbedding(
+        features, optimizer, concat_activations=concat, pipeline_execution_with_tensor_core=pipelined
+    )
+
+
+def batch(emb: Any, step: int, dtype: torch.dtype, dense: bool) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(step)
+    out: dict[str, Any] = {}
+    resolved = emb.resolved_config
+    for feature in resolved.features:
+        name, vocab = feature.name, resolved.tables[feature.table_index].vocabulary_size
+        if dense:
+            out[name] = torch.randint(0, vocab, (6,), generator=g).to(dtype)
+        else:
+            lengths = torch.randint(0, 4, (6,), generator=g)
+            values = torch.randint(0, vocab, (int(lengths.sum()),), generator=g).to(dtype)
+            out[name] = et.Ragged.from_lengths(values, lengths)
+    return out
+
+
+def train(emb: Any, steps: int, dtype: torch.dtype, dense: bool, scale: float = 1.0) -> list[Tensor]:
+    acts_seen = []
+    for step in range(steps):
+        acts = emb(batch(emb, step, dtype, dense))
+        flat = [acts] if isinstance(acts, Tensor) else [acts[k] for k in sorted(acts)]
+        loss = sum((a * (scale * (1 + torch.arange(a.numel(), dtype=torch.float32)).reshape(a.shape) / a.numel())).sum()
+                   for a in flat)  # fmt: skip
+        loss.backward()
+        emb.apply_gradients()
+        acts_seen += [a.detach().clone() for a in flat]
+    return acts_seen
+
+
+CASES = [
+    (("sum", "sum", "sum"), False, True, False),
+    (("mean", "sqrtn", "sum"), False, False, False),
+    (("sum", "mean"), True, False, False),
+    (("sqrtn", "sum"), True, True, True),
+    (("sum", "sum"), False, True, True),
+]
+
+
+@pytest.mark.parametrize("combiners, shared, concat, dense", CASES)
+@pytest.mark.parametrize("opt", ["adagrad", "adam", "ftrl", "sgd"])
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_fast_path_equals_general_path_bit_for_bit(
+    combiners: tuple[str, ...], shared: bool, concat: bool, dense: bool, opt: str, pipelined: bool
+) -> None:
+    if dense and any(c != "sum" for c in combiners):
+        pytest.skip("dense ids: one id per bag, every combiner gives the same")
+    optimizers = {
+        "adagrad": lambda: et.Adagrad(0.1, initial_accumulator_value=0.1),
+        "adam": lambda: et.Adam(0.01),
+        "ftrl": lambda: et.FTRL(0.1, l1_regularization_strength=0.01),
+        "sgd": lambda: et.SGD(0.5),
+    }
+    fast = make(combiners, shared, concat, optimizers[opt](), pipelined)
+    general = make(combiners, shared, concat, optimizers[opt](), pipelined)
+    acts_fast = train(fast, 5, torch.int64, dense)
+    acts_general = train(general, 5, torch.int32, dense)  # int32 ids never take the native staging
+    assert fast._engine.local.fast_path._arrays is not None  # the fast path served the int64 steps
+    assert general._engine.local.fast_path._arrays is None
+    for a, b in zip(acts_fast, acts_general, strict=True):
+        assert torch.equal(a, b)
+    assert_same(snapshot(fast), snapshot(general))
+
+
+def test_staged_batches_share_one_staging_and_only_serve_themselves() -> None:
+    emb = make(("sum", "mean"), True, False, et.SGD(0.1))
+    staged = emb._inputs.stage(batch(emb, 0, torch.int64, False), None, torch.device("cpu"), set())
+    bags = staged[0].staged
+    assert bags is not None and all(b.staged is bags for b in staged)
+    assert bags.serves(staged)
+    assert not bags.serves(staged[:-1])
+    moved = [*staged[:-1], type(staged[-1])(staged[-1].ids.clone(), staged[-1].offsets, None, staged[-1].out_shape)]
+    assert not bags.serves(moved)  # a batch with other ids (a copy, a dynamic table's rows) is not served
+    general = emb._inputs.stage(batch(emb, 0, torch.int32, False), None, torch.device("cpu"), set())
+    assert all(b.staged is None for b in general)
+
+
+def test_arrays_notice_a_replaced_or_resized_tensor() -> None:
+    emb = make(("sum", "sum"), False, True, et.Adagrad(0.1))
+    train(emb, 1, torch.int64, False)
+    fast = emb._engine.local.fast_path
+    first = fast.arrays()
+    assert first is not None and fast.arrays() is first
+    state = emb._engine.local.states["t0"]
+    state.slots["accumulators"] = state.slots["accumulators"].clone()  # another tensor: new arrays
+    second = fast.arrays()
+    assert second is not None and second is not first
+    assert not second.current([t.clone() for t in second.tensors])
+    weights = state.weights
+    resized = [t if t is not weights else weights for t in second.tensors]
+    weights.resize_(weights.shape[0] - 1, weights.shape[1])  # same object, fewer rows: never written past
+    assert not second.current(resized)
+    assert fast.arrays() is None  # the slot is no longer shaped like its table: the general path decides
+    state.slots["accumulators"].resize_(weights.shape)
+    third = fast.arrays()
+    assert third is not None and third is not second and third.vocab[0] == weights.shape[0]
+
+
+def test_a_changed_arena_is_refused_before_c_reads_it() -> None:
+    emb = make(("sum",), False, False, et.SGD(0.1))
+    staged = emb._inputs.stage(batch(emb, 0, torch.int64, False), None, torch.device("cpu"), set())
+    bags = staged[0].staged
+    assert bags is not None
+    bags.check()
+    bags.arena = torch.empty(0, dtype=torch.int64)
+    with pytest.raises(native.NativeBufferError, match="staging arena"):
+        bags.check()
+
+
+def test_bad_ids_and_non_finite_updates_raise_as_on_the_general_path() -> None:
+    emb = make(("sum", "sum"), False, True, et.SGD(1.0))
+    train(emb, 2, torch.int64, False)
+    before = snapshot(emb)
+    bad = batch(emb, 3, torch.int64, False)
+    values = bad["f1"].values.clone()
+    if values.numel() == 0:
+        values = torch.tensor([0])
+        bad["f1"] = et.Ragged.from_lengths(values, torch.tensor([1, 0, 0, 0, 0, 0]))
+    values[0] = 10_000
+    bad["f1"] = et.Ragged(values, bad["f1"].row_splits)
+    with pytest.raises(ValueError, match=r"'f1'.*out of range"):
+        emb(bad)
+    acts = emb(batch(emb, 4, torch.int64, False))
+    acts.sum().backward()
+    with pytest.raises(ValueError, match=r"not finite|overflow"):
+        emb.apply_gradients(torch.full_like(acts, 3e38))
+    assert_same(snapshot(emb), before)  # nothing written by the refused update
+    emb.apply_gradients(torch.ones_like(acts))  # the lookup stays: a good gradient applies
+    assert emb._engine.local.fast_path._arrays is not None
+
+
+def test_updates_past_the_scratch_limit_take_the_general_update() -> None:
+    # 2 tables of dim 64 with 1100 ids each: 70,400 values > STAGED_MAX_VALUES, so phase 2 is the general one
+    tables = [et.TableConfig(5000, 64, initializer=et.Constant(0.01), name=f"t{i}") for i in range(2)]
+    features = {f"f{i}": et.FeatureConfig(t) for i, t in enumerate(tables)}
+    fast = et.DistributedEmbedding(features, et.Adagrad(0.1), concat_activations=True)
+    general = et.DistributedEmbedding(features, et.Adagrad(0.1), concat_activations=True)
+    assert native_step.STAGED_MAX_VALUES < 1100 * 64
+    for step in range(3):
+        g = torch.Generator().manual_seed(step)
+        ids = {k: torch.randint(0, 5000, (1100,), generator=g) for k in features}
+        for emb, dtype in ((fast, torch.int64), (general, torch.int32)):
+            acts = emb({k: v.to(dtype) for k, v in ids.items()})
+            (acts * acts).sum().backward()
+            emb.apply_gradients()
+    assert fast._engine.local.fast_path._small is False
+    assert_same(snapshot(fast), snapshot(general))
