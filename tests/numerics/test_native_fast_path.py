@@ -180,3 +180,24 @@ def test_updates_past_the_scratch_limit_take_the_general_update() -> None:
             emb.apply_gradients()
     assert fast._engine.local.fast_path._small is False
     assert_same(snapshot(fast), snapshot(general))
+
+
+def test_an_overflowing_table_leaves_the_tables_written_before_it_as_they_were() -> None:
+    # phase 2 writes the small updates in place with a backup: table t0 is written first, t1 overflows, and t0
+    # must be put back (the general path, run again, then names t1 and its row)
+    emb = make(("sum", "sum"), False, True, et.SGD(1.0))
+    train(emb, 1, torch.int64, False)
+    sd = emb.state_dict()
+    sd["t1"] = torch.full_like(sd["t1"], 3e38)
+    emb.load_state_dict(sd)
+    before = snapshot(emb)
+    ids = {"f0": torch.tensor([1, 2, 3]), "f1": torch.tensor([4, 5, 6])}
+    acts = emb(ids)
+    grad = torch.ones_like(acts)
+    grad[:, 4:] = -3e38  # t1's columns (dim 4 + 2): 3e38 + 3e38 overflows; t0's update is finite
+    with pytest.raises(ValueError, match=r"table 't1'.*row [456]"):
+        emb.apply_gradients(grad)
+    assert_same(snapshot(emb), before)
+    emb.apply_gradients(torch.ones_like(acts))
+    assert emb._engine.local.fast_path._small  # the fast path served the step
+    assert not torch.equal(snapshot(emb)["t0"], before["t0"])

@@ -595,7 +595,8 @@ typedef struct {
     int64_t *start, *occ;
     const float **occ_g;
     float *occ_c;
-    int64_t cap_n, cap_h, cap_g;
+    float *scratch; /* [U, <= 4 x D]: the rows a checked small update overwrites, kept until it is checked */
+    int64_t cap_n, cap_h, cap_g, cap_s;
 } et_workspace;
 
 static inline uint64_t et_hash(int64_t id) { return (uint64_t)id * 0x9E3779B97F4A7C15ull; }
@@ -623,6 +624,7 @@ void et_workspace_free(void *handle) {
     free(h->occ);
     free(h->occ_g);
     free(h->occ_c);
+    free(h->scratch);
     free(h);
 }
 
@@ -914,7 +916,8 @@ float et_prepared_gmax(const void *handle) { return ((const et_workspace *)handl
 int64_t et_workspace_bytes(const void *handle) {
     const et_workspace *h = (const et_workspace *)handle;
     const int64_t per_n = sizeof(int32_t) + sizeof(int64_t) * 3 + sizeof(float *) + sizeof(float);
-    return h->cap_n * per_n + h->cap_h * (int64_t)(sizeof(int64_t) + sizeof(int32_t)) + h->cap_g * (int64_t)sizeof(float);
+    return h->cap_n * per_n + h->cap_h * (int64_t)(sizeof(int64_t) + sizeof(int32_t)) +
+           (h->cap_g + h->cap_s) * (int64_t)sizeof(float);
 }
 
 /* Copy the unique rows [U] and summed gradients [U, D] out (for tests and the torch fallback). */
@@ -941,15 +944,25 @@ static inline void et_prefetch_state(const float *W, const float *S0, const floa
     if (S2) et_prefetch_row(S2 + q, D, rw);
 }
 
+/* Copy one row of D floats as 8-float vectors (GCC / Clang vector extensions, unaligned): inlined moves where a
+ * libc memcpy call per row of a few dozen floats, twice per tensor per row, cost a checked small update more
+ * than its arithmetic. */
+typedef float et_v8 __attribute__((vector_size(32), aligned(4)));
+static inline void et_copy_row(float *dst, const float *src, int64_t D) {
+    int64_t d = 0;
+    for (; d + 8 <= D; d += 8) *(et_v8 *)(dst + d) = *(const et_v8 *)(src + d);
+    for (; d < D; ++d) dst[d] = src[d];
+}
+
 /* One row's update on a copy: the weights and slots present are copied to buf (4 blocks of D floats: weights,
  * then slots 0, 1, 2) and updated there; the table is not touched. */
 static inline void et_row_on_copy(et_row_fn fn, const et_opt *p, const float *w, const float *s0, const float *s1,
                                   const float *s2, const float *g, int64_t D, float *buf) {
     float *cw = buf, *c0 = buf + D, *c1 = buf + 2 * D, *c2 = buf + 3 * D;
-    memcpy(cw, w, sizeof(float) * (size_t)D);
-    if (s0) memcpy(c0, s0, sizeof(float) * (size_t)D);
-    if (s1) memcpy(c1, s1, sizeof(float) * (size_t)D);
-    if (s2) memcpy(c2, s2, sizeof(float) * (size_t)D);
+    et_copy_row(cw, w, D);
+    if (s0) et_copy_row(c0, s0, D);
+    if (s1) et_copy_row(c1, s1, D);
+    if (s2) et_copy_row(c2, s2, D);
     fn(p, cw, s0 ? c0 : NULL, s1 ? c1 : NULL, s2 ? c2 : NULL, g, D);
 }
 
@@ -1210,56 +1223,80 @@ int64_t et_stage_inputs_many(int64_t F, const int64_t *const *ids, const int64_t
 /* Rows x D values at most for which a checked update is computed once, in scratch (see et_apply_many). */
 #define ET_STAGED_MAX (1 << 16)
 
-/* A small lazy update computed once: each prepared row's weights and slots are copied into scratch (4 x U x D
- * floats) and updated there. Returns -1 when every value is finite (then *scratch holds the new rows), a row id
- * whose update is not finite, or -3 out of memory. */
-static int64_t et_stage_update(const et_workspace *h, const float *W, const float *S0, const float *S1,
-                               const float *S2, int64_t D, et_row_fn fn, const et_opt *p, float **scratch) {
+/* A checked small update, in place with a backup: each row's weights and slots are first copied into the
+ * workspace's scratch ([U, tensors x D]), then updated in place (the fused pass's arithmetic, so the same values) and
+ * checked. Returns -1 when every value written is finite, -3 when out of memory (nothing written), else the
+ * first row whose new values are not finite. *written counts the rows written (and backed up): all U unless
+ * out of memory; et_restore_update puts them back. With m, the largest |value| written per tensor (as float bits).
+ * (Computing into scratch and copying back read and wrote every random row twice: on tables past the L1
+ * cache that cost twice the update itself; the backup's writes are sequential.) */
+static int64_t et_update_backed_up(et_workspace *h, float *W, float *S0, float *S1, float *S2, int64_t D,
+                                   et_row_fn fn, const et_opt *p, int64_t *written, uint32_t *m) {
     const int64_t U = h->U;
-    float *buf = (float *)malloc(sizeof(float) * (size_t)(4 * (U ? U : 1) * D));
-    *scratch = buf;
-    if (!buf) return -3;
+    const int64_t need = 4 * (U ? U : 1) * D; /* in the workspace: no fresh pages per step */
+    *written = 0;
+    et_shrink((void **)&h->scratch, &h->cap_s, need, sizeof(float));
+    if (!et_reserve((void **)&h->scratch, &h->cap_s, need, sizeof(float))) return -3;
+    float *const dst[4] = {W, S0, S1, S2};
+    /* the running maxima of the values written, per tensor, in 8 lanes across rows (one reduction at the end) */
+    uint32_t lane[4][8], tail[4] = {0, 0, 0, 0};
+    memset(lane, 0, sizeof lane);
+    const int64_t D8 = D & ~(int64_t)7;
+    const int64_t width = (1 + (S0 != NULL) + (S1 != NULL) + (S2 != NULL)) * D; /* backed-up floats per row */
     for (int64_t u = 0; u < U; ++u) {
         /* the rows are random: keep several in flight, as the fused pass does */
-        if (u + ET_PF < U) et_prefetch_state(W, S0, S1, S2, h->rows[u + ET_PF] * D, D, 0);
+        if (u + ET_PF < U) et_prefetch_state(W, S0, S1, S2, h->rows[u + ET_PF] * D, D, 1);
         const int64_t r = h->rows[u] * D;
-        et_row_on_copy(fn, p, W + r, S0 ? S0 + r : NULL, S1 ? S1 + r : NULL, S2 ? S2 + r : NULL, h->G + u * D, D,
-                       buf + 4 * u * D);
-    }
-    /* each row's values are its first (1 + last slot present) x D floats; an absent slot before a present one
-     * (never passed by the wrappers, which fill S0, S1, S2 in order) is zeroed so nothing unwritten is read */
-    const int64_t width = (S2 ? 4 : S1 ? 3 : S0 ? 2 : 1) * D;
-    for (int64_t u = 0; u < U && ((!S0 && (S1 || S2)) || (!S1 && S2)); ++u) {
-        if (!S0) memset(buf + (4 * u + 1) * D, 0, sizeof(float) * (size_t)D);
-        if (!S1) memset(buf + (4 * u + 2) * D, 0, sizeof(float) * (size_t)D);
-    }
-    if (et_maxbits_rows(buf, U, width, 4 * D, 0) < ET_INF_BITS) return -1; /* one reduction for the table */
-    for (int64_t u = 0; u < U; ++u)
-        if (et_maxbits(buf + 4 * u * D, width, 0) >= ET_INF_BITS) return h->rows[u];
-    return -1;
-}
-
-/* Write the rows et_stage_update computed; with maxabs, the largest |value| written per tensor. */
-static void et_commit_update(const et_workspace *h, float *W, float *S0, float *S1, float *S2, int64_t D,
-                             const float *buf, float *maxabs) {
-    uint32_t m[4] = {0, 0, 0, 0};
-    float *dst[4] = {W, S0, S1, S2};
-    for (int64_t u = 0; u < h->U; ++u) {
-        const int64_t r = h->rows[u] * D;
+        float *keep = h->scratch + u * width;
+        for (int i = 0, k = 0; i < 4; ++i)
+            if (dst[i]) et_copy_row(keep + D * k++, dst[i] + r, D);
+        fn(p, W + r, S0 ? S0 + r : NULL, S1 ? S1 + r : NULL, S2 ? S2 + r : NULL, h->G + u * D, D);
+        *written = u + 1;
         for (int i = 0; i < 4; ++i) {
             if (!dst[i]) continue;
-            const float *src = buf + (4 * u + i) * D;
-            memcpy(dst[i] + r, src, sizeof(float) * (size_t)D);
-            if (maxabs) m[i] = et_maxbits(src, D, m[i]);
+            const float *row = dst[i] + r;
+            for (int64_t d = 0; d < D8; d += 8)
+                for (int j = 0; j < 8; ++j) {
+                    const uint32_t a = et_absbits(row[d + j]);
+                    lane[i][j] = a > lane[i][j] ? a : lane[i][j];
+                }
+            tail[i] = et_maxbits(row + D8, D - D8, tail[i]);
         }
     }
-    if (maxabs) et_store_maxabs(maxabs, m);
+    uint32_t bits = 0;
+    for (int i = 0; i < 4; ++i) {
+        for (int j = 0; j < 8; ++j) tail[i] = lane[i][j] > tail[i] ? lane[i][j] : tail[i];
+        if (m) m[i] = tail[i] > m[i] ? tail[i] : m[i];
+        bits = tail[i] > bits ? tail[i] : bits;
+    }
+    if (bits < ET_INF_BITS) return -1;
+    for (int64_t u = 0; u < U; ++u) { /* rare: find the first row written with a value that is not finite */
+        const int64_t r = h->rows[u] * D;
+        uint32_t b = 0;
+        for (int i = 0; i < 4; ++i)
+            if (dst[i]) b = et_maxbits(dst[i] + r, D, b);
+        if (b >= ET_INF_BITS) return h->rows[u];
+    }
+    return -1; /* not reached: some written value was not finite */
+}
+
+/* Put back the first `written` rows et_update_backed_up changed (rows are distinct: any order). */
+static void et_restore_update(const et_workspace *h, float *W, float *S0, float *S1, float *S2, int64_t D,
+                              int64_t written) {
+    float *const dst[4] = {W, S0, S1, S2};
+    const int64_t width = (1 + (S0 != NULL) + (S1 != NULL) + (S2 != NULL)) * D;
+    for (int64_t u = 0; u < written; ++u) {
+        const int64_t r = h->rows[u] * D;
+        const float *keep = h->scratch + u * width;
+        for (int i = 0, k = 0; i < 4; ++i)
+            if (dst[i]) et_copy_row(dst[i] + r, keep + D * k++, D);
+    }
 }
 
 /* Phase 2 for T tables, all or nothing: every table's workspace is checked to fit it, and each table with
- * check[t] set is checked exactly first: a small lazy update (at most ET_STAGED_MAX values) is computed once
- * into scratch and verified there, any other gets the dry run (et_check). Only when every check passes is any
- * table written (a staged table by copying its computed rows: the same values the fused pass writes).
+ * check[t] set is checked exactly: a small lazy update (at most ET_STAGED_MAX values) is written in place with a
+ * backup of its rows and checked as it goes (et_update_backed_up), any other gets the dry run first (et_check).
+ * When any check fails, the tables written so far are put back and nothing else is written.
  * status[t]: 0 written, -4 unknown optimizer kind, -2 a workspace that does not fit its table, -3 out of
  * memory in a check, 1 the update would write a non-finite value (bad[t] = one such row); any non-zero
  * status means nothing was written. maxabs as in et_apply (4 floats per table, when measure[t]). */
@@ -1267,23 +1304,27 @@ void et_apply_many(int64_t T, void *const *handles, float *const *W, float *cons
                    float *const *S2, const int64_t *V, const int64_t *D, const et_opt *const *p, const int32_t *dense,
                    const int32_t *measure, const int32_t *check, int nthreads, float *maxabs, int32_t *status,
                    int64_t *bad) {
-    int ok = 1; /* every table is checked before any is written */
-    float *staged[T > 0 ? T : 1];
+    int ok = 1;
+    int64_t written[T > 0 ? T : 1]; /* rows written with a backup, per table (-1: not written that way) */
     for (int64_t t = 0; t < T; ++t) {
         status[t] = !et_row_function(p[t]->kind) ? -4 : !et_prepared_ok(handles[t], V[t], D[t]) ? -2 : 0;
         bad[t] = -1;
-        staged[t] = NULL;
+        written[t] = -1;
         ok = ok && status[t] == 0;
     }
     if (!ok) return;
-    for (int64_t t = 0; t < T; ++t) {
+    for (int64_t t = 0; t < T && ok; ++t) {
         if (!check[t]) continue;
-        const et_workspace *h = (const et_workspace *)handles[t];
+        et_workspace *h = (et_workspace *)handles[t];
         int64_t r;
-        if (!dense[t] && h->U * D[t] <= ET_STAGED_MAX)
-            r = et_stage_update(h, W[t], S0[t], S1[t], S2[t], D[t], et_row_function(p[t]->kind), p[t], &staged[t]);
-        else
+        if (!dense[t] && h->U * D[t] <= ET_STAGED_MAX) {
+            uint32_t m[4] = {0, 0, 0, 0};
+            r = et_update_backed_up(h, W[t], S0[t], S1[t], S2[t], D[t], et_row_function(p[t]->kind), p[t],
+                                    &written[t], m);
+            if (r == -1 && measure[t]) et_store_maxabs(maxabs + 4 * t, m);
+        } else {
             r = et_check(handles[t], W[t], S0[t], S1[t], S2[t], V[t], D[t], p[t], dense[t], nthreads);
+        }
         if (r >= 0) {
             status[t] = 1;
             bad[t] = r;
@@ -1293,11 +1334,11 @@ void et_apply_many(int64_t T, void *const *handles, float *const *W, float *cons
         ok = ok && status[t] == 0;
     }
     for (int64_t t = 0; t < T; ++t) {
-        if (ok && staged[t])
-            et_commit_update(handles[t], W[t], S0[t], S1[t], S2[t], D[t], staged[t], measure[t] ? maxabs + 4 * t : NULL);
-        else if (ok)
+        if (!ok) {
+            if (written[t] > 0) et_restore_update(handles[t], W[t], S0[t], S1[t], S2[t], D[t], written[t]);
+        } else if (written[t] < 0) {
             status[t] = et_apply(handles[t], W[t], S0[t], S1[t], S2[t], V[t], D[t], p[t], dense[t], nthreads,
                                  measure[t] ? maxabs + 4 * t : NULL);
-        free(staged[t]);
+        }
     }
 }
