@@ -198,6 +198,7 @@ class TableArrays:
             for i, s in enumerate(checked):
                 s_ptr[i].append(None if s is None else s.data_ptr())
         self.tensors = tuple(held)
+        self.weight_at = [sum(1 + len(slots) for _, slots in tensors[:t]) for t in range(len(tensors))]
         self.layout = tuple((t.data_ptr(), tuple(t.shape)) for t in held)
         self.shapes = [tuple(w.shape) for w, _ in tensors]
         t_count = len(tensors)
@@ -228,6 +229,16 @@ class TableArrays:
         self.maxabs = (ctypes.c_float * (4 * t_count))()
         self.status, self.bad = (_I32 * t_count)(), (_I64 * t_count)()
         self.params: tuple[tuple[Any, ...], Any, Any] = ((), None, None)  # (blocks, their addresses, dense flags)
+
+    def current_weights(self, weights: Sequence[Tensor]) -> bool:
+        """``current`` for the tables' weights alone (what a lookup reads)."""
+        if len(weights) != self.count:
+            return False
+        for t, i in zip(weights, self.weight_at):
+            ptr, shape = self.layout[i]
+            if t is not self.tensors[i] or not t.is_contiguous() or t.data_ptr() != ptr or t.shape != shape:
+                return False
+        return True
 
     def current(self, tensors: Sequence[Tensor]) -> bool:
         """Whether ``tensors`` (weights and slots, table by table) are the tensors these arrays were built

@@ -213,11 +213,12 @@ class EmbeddingCollection:
             return None
         feature = self.resolved.features[feature_index]
         table = self.resolved.tables[feature.table_index]
+        weights = self.states[table.name].weights
         if (  # the common case: already what phase 1 reads
             type(grad) is Tensor
             and grad.dtype is torch.float32
             and len(batch.out_shape) == 1
-            and grad.device == self.device
+            and (grad.is_cpu if weights.is_cpu else grad.device == weights.device)
             and grad.layout is torch.strided
             and not grad.is_nested  # a strided nested tensor has no shape to compare
             and grad.shape == (batch.out_shape[0], table.dim)

@@ -54,18 +54,22 @@ class NativeFastPath:
             tensors += state.slots.values()
         return tensors
 
-    def arrays(self) -> TableArrays | None:
-        """The tables' argument arrays, built again when any weights or slot tensor changed; None when
-        the native kernels do not serve every table (the general path then does)."""
+    def arrays(self, weights_only: bool = False) -> TableArrays | None:
+        """The tables' argument arrays, built again when any weights or slot tensor changed (``weights_only``:
+        when the weights changed, for a call that reads only them); None when the native kernels do not
+        serve every table (the general path then does)."""
         if not self.possible or native.library() is None:
             return None
-        tensors = self._tensors()
         arrays = self._arrays
+        states: dict[str, TableState] = self.owner.states
+        weights = [states[t.name].weights for t in self.resolved.tables] if weights_only else []
+        if weights_only and arrays is not None and arrays.current_weights(weights):
+            return arrays
+        tensors = self._tensors()
         if arrays is not None and arrays.current(tensors):
             return arrays
         if not native.usable(*tensors):
             return None
-        states: dict[str, TableState] = self.owner.states
         tables = self.resolved.tables
         pairs = [(states[t.name].weights, states[t.name].slot_tuple()) for t in tables]
         workspaces = [self.owner.workspace(t) for t in tables]
@@ -86,7 +90,7 @@ class NativeFastPath:
         general lookup's concatenated output), or None when this path does not serve the step or the call
         found anything wrong."""
         bags = self.bags_of(batches)
-        arrays = None if bags is None else self.arrays()
+        arrays = None if bags is None else self.arrays(weights_only=True)
         if bags is None or arrays is None:
             return None
         if into is not None:
@@ -102,9 +106,11 @@ class NativeFastPath:
     def table_gradients(
         self, batches: Sequence[FeatureBatch], grads: Sequence[Tensor | None]
     ) -> list[TableGradient] | None:
-        """Phase 1 of every table in one call, or None (not served, or a table's status is not 0)."""
+        """Phase 1 of every table in one call, or None (not served, or a table's status is not 0). Phase 1
+        reads no table: the arrays' sizes serve it without checking the tensors (C checks the ids against
+        them, and phase 2 checks that the prepared rows fit the tables it writes)."""
         bags = self.bags_of(batches)
-        arrays = None if bags is None else self.arrays()
+        arrays = None if bags is None else self._arrays if self._arrays is not None else self.arrays()
         if bags is None or arrays is None:
             return None
         self._small = False
