@@ -121,12 +121,9 @@ class NativeFastPath:
             tables = self.resolved.tables
             prepared = self._prepared = (arrays, [TableGradient(t, None, None, True, ws) for t, ws in
                                                   zip(tables, arrays.workspaces)])  # fmt: skip
-        # every table's update small enough to be computed once in scratch and checked there (at most
-        # N x D values for N ids): then phase 2 checks it exactly in the writing call, no bounds kept
-        totals = [0] * arrays.count
-        for f, t in enumerate(arrays.feature_tables):
-            totals[t] += bags.n_ids[f]
-        self._small = all(n * d <= native_step.STAGED_MAX_VALUES for n, d in zip(totals, arrays.dims))
+        # every table's update (unique rows x D values) small enough to be checked exactly as it is written
+        limit = native_step.STAGED_MAX_VALUES
+        self._small = all(ws.num_rows * d <= limit for ws, d in zip(arrays.workspaces, arrays.dims))
         return list(prepared[1])
 
     def apply(self, table_grads: Sequence[TableGradient], lrs: dict[str, float]) -> bool:
