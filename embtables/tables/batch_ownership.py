@@ -140,6 +140,17 @@ def detached(batches: list[FeatureBatch]) -> list[FeatureBatch]:
     return out
 
 
+def _staged_batch(
+    ids: Tensor, offsets: Tensor, coeffs: Tensor | None, out_shape: tuple[int, ...], staged: native_step.StagedBags
+) -> FeatureBatch:
+    """A ``FeatureBatch`` of staged bags, built without the frozen dataclass's per-field ``__setattr__`` (one
+    per feature per step)."""
+    batch = FeatureBatch.__new__(FeatureBatch)
+    batch.__dict__.update(ids=ids, offsets=offsets, coeffs=coeffs, out_shape=out_shape, seg_=None, dropped=0,
+                          weights=None, staged=staged)  # fmt: skip
+    return batch
+
+
 class InputStager:
     """Input staging for one module: a call's ``features``/``weights`` nest -> one validated
     ``FeatureBatch`` [per feature, F] that the engine owns (spec §4), through reusable buffers."""
@@ -203,7 +214,7 @@ class InputStager:
         if bags is None:
             return None
         return [
-            FeatureBatch.of_staged(ids, offs, coeffs, (offs.numel() - 1,) if sp is not None else tuple(x.shape), bags)
+            _staged_batch(ids, offs, coeffs, (offs.numel() - 1,) if sp is not None else tuple(x.shape), bags)
             for (ids, offs, coeffs), sp, x in zip(bags.views, splits, xs)
         ]
 

@@ -18,12 +18,11 @@ from torch import Tensor
 
 from embtables.config import ResolvedConfig, ResolvedTable
 from embtables.errors import InputError
-from embtables.kernels import gpu, native, sparse_update_
+from embtables.kernels import gpu, native
 from embtables.kernels.clip_decay import effective_weight_decay
 from embtables.kernels.finite_guard import bounds_compound
 from embtables.kernels.lookup import occurrence_gradients, pooled_lookup
-from embtables.kernels.segments import dedup_sum, occurrence_rounds
-from embtables.kernels.sequential import apply_in_order_, has_vectorised_form
+from embtables.kernels.segments import dedup_sum
 from embtables.kernels.sparse_update import update_rows
 from embtables.tables import gpu_step
 from embtables.tables.concatenated import column_starts
@@ -33,6 +32,7 @@ from embtables.tables.learning_rates import LearningRatePlan
 from embtables.tables.native_fast_path import NativeFastPath
 from embtables.tables.state import TableState, create_table_state, initial_rows
 from embtables.tables.table_gradient import TableGradient
+from embtables.tables.update_paths import apply_sequential_or_restore, dense_update
 from embtables.tables.value_bounds import ValueBounds, check_finite_rows, non_finite_gradient, non_finite_update
 
 
@@ -367,7 +367,7 @@ class EmbeddingCollection:
         try:
             for tg in table_grads:
                 if not tg.accumulated:
-                    restores.append(self._apply_sequential_or_restore(tg, lrs[tg.table.name]))
+                    restores.append(self._sequential(tg, lrs[tg.table.name]))
         except BaseException:
             for restore in reversed(restores):
                 restore()
@@ -397,7 +397,7 @@ class EmbeddingCollection:
             if tg.accumulated:
                 self._checked_update(tg, lrs[tg.table.name])
             else:
-                self._apply_sequential_or_restore(tg, lrs[tg.table.name])()
+                self._sequential(tg, lrs[tg.table.name])()
 
     def _checked_update(
         self, tg: TableGradient, lr: float, *, check_in_write: bool = False
@@ -446,9 +446,9 @@ class EmbeddingCollection:
         if dense:
             gmax = float(grads.abs().max()) if grads.numel() else 0.0
             if self._guard.proven(tg.table, lr, decay, gmax) is None:
-                self._dense_update(tg.table, rows, grads, lr, write=False)
+                dense_update(state, tg.table, rows, grads, lr, write=False)
             return lambda: self._guard.after_write(
-                tg.table, self._dense_update(tg.table, rows, grads, lr, write=True), measured=True
+                tg.table, dense_update(state, tg.table, rows, grads, lr, write=True), measured=True
             )
         if rows.numel() == 0:
             return lambda: None
@@ -507,79 +507,11 @@ class EmbeddingCollection:
             return True
         return False
 
-    def _dense_update(
-        self, table: ResolvedTable, rows: Tensor, grads: Tensor, lr: float, *, write: bool
-    ) -> tuple[float, ...]:
-        """Non-lazy update of every row on the torch path, in chunks of rows so the temporaries stay a
-        small fraction of the table; ``write=False`` only checks that every result is finite."""
-        state = self.states[table.name]
-        slots = state.slot_tuple()
-        vocab, dim = state.weights.shape
-        order = torch.argsort(rows)
-        rows, grads = rows[order], grads[order]
-        chunk = max(1, _DENSE_CHUNK_ELEMENTS // max(1, dim))
-        maxabs = [0.0] * (1 + len(slots))
-        for start in range(0, vocab, chunk):
-            stop = min(vocab, start + chunk)
-            lo, hi = (int(i) for i in torch.searchsorted(rows, torch.tensor([start, stop], device=rows.device)))
-            g = torch.zeros((stop - start, dim), dtype=torch.float32, device=state.weights.device)
-            g.index_copy_(0, rows[lo:hi] - start, grads[lo:hi])
-            w_new, s_new = update_rows(
-                state.weights[start:stop],
-                tuple(s[start:stop] for s in slots),
-                g,
-                opt=table.optimizer,
-                lr=lr,
-                clip_gradients=True,
-            )
-            if write:
-                state.weights[start:stop] = w_new
-                for dst, src in zip(slots, s_new):
-                    dst[start:stop] = src
-                maxabs = [max(m, float(t.abs().max())) for m, t in zip(maxabs, (w_new, *s_new))]
-            else:
-                check_finite_rows(table, torch.arange(start, stop, device=rows.device), (w_new, *s_new), lr)
-        return tuple(maxabs)
-
-    def _apply_sequential_or_restore(self, tg: TableGradient, lr: float) -> Callable[[], None]:
-        """Apply a no-accumulation update (occurrence by occurrence) with a backup of the touched rows;
-        restores them and raises if any result is not finite. Returns the function that undoes it."""
-        assert tg.rows is not None and tg.grads is not None
-        state = self.states[tg.table.name]
-        opt = tg.table.optimizer
-        slots = state.slot_tuple()
-        tensors = (state.weights, *slots)
-        touched = torch.unique(tg.rows)
-        backup = [t.index_select(0, touched) for t in tensors]
-
-        def restore() -> None:
-            for t, b in zip(tensors, backup):
-                t.index_copy_(0, touched, b)
-
-        try:
-            if native.usable(state.weights, *slots, tg.rows, tg.grads):
-                decay = effective_weight_decay(opt.weight_decay_factor, opt.weight_decay_multiplied_by_lr, lr)
-                params = native.opt_params(opt, lr, decay, clip_gradients=False)
-                native.apply_sequential(tg.rows, tg.grads.contiguous(), state.weights, slots, params)
-            elif has_vectorised_form(opt):
-                apply_in_order_(state.weights, slots, tg.rows, tg.grads, opt=opt, lr=lr)
-            else:
-                for round_positions in occurrence_rounds(tg.rows):
-                    sparse_update_(
-                        state.weights,
-                        slots,
-                        tg.rows[round_positions],
-                        tg.grads[round_positions],
-                        opt=opt,
-                        lr=lr,
-                        clip_gradients=False,
-                    )
-            after = tuple(t.index_select(0, touched) for t in tensors)
-            check_finite_rows(tg.table, touched, after, lr)
-        except BaseException:
-            restore()
-            raise
-        self._guard.forget(tg.table.name)  # rescanned before the next guarded update of this table
+    def _sequential(self, tg: TableGradient, lr: float) -> Callable[[], None]:
+        """``apply_sequential_or_restore`` on this collection's table; its bounds are rescanned before the next
+        guarded update."""
+        restore = apply_sequential_or_restore(self.states[tg.table.name], tg, lr)
+        self._guard.forget(tg.table.name)
         return restore
 
     def note_values_kept(self, table_name: str) -> None:
@@ -630,4 +562,3 @@ class _NativeWrite:
 # Updates of at most this many rows x D (about 170 rows of 24) are checked by the exact dry run in C rather
 # than proven finite in Python: at that size both cost about the same (10 us a table, measured).
 _SMALL_UPDATE_ELEMENTS = 1 << 12
-_DENSE_CHUNK_ELEMENTS = 1 << 22  # rows x D per chunk of the torch-path non-lazy update (16 MiB of float32)

@@ -44,17 +44,6 @@ class FeatureBatch:
     weights: Tensor | None = None  # [N]: a dynamic table's input weights, to combine over admitted keys (§11)
     staged: StagedBags | None = None  # every feature's bags staged in one native call (it holds this batch's views)
 
-    @classmethod
-    def of_staged(
-        cls, ids: Tensor, offsets: Tensor, coeffs: Tensor | None, out_shape: tuple[int, ...], staged: StagedBags
-    ) -> FeatureBatch:
-        """A batch of staged bags, built without the frozen dataclass's per-field ``__setattr__`` (one per
-        feature per step)."""
-        batch = cls.__new__(cls)
-        batch.__dict__.update(ids=ids, offsets=offsets, coeffs=coeffs, out_shape=out_shape, seg_=None, dropped=0,
-                              weights=None, staged=staged)  # fmt: skip
-        return batch
-
     @property
     def num_segments(self) -> int:
         return int(self.offsets.numel()) - 1

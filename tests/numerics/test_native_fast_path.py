@@ -102,6 +102,7 @@ def test_staged_batches_share_one_staging_and_only_serve_themselves() -> None:
     staged = emb._inputs.stage(batch(emb, 0, torch.int64, False), None, torch.device("cpu"), set())
     bags = staged[0].staged
     assert bags is not None and all(b.staged is bags for b in staged)
+    assert set(vars(staged[0])) == {f.name for f in dataclasses.fields(staged[0])}  # built field by field
     assert bags.serves(staged)
     assert not bags.serves(staged[:-1])
     moved = [*staged[:-1], type(staged[-1])(staged[-1].ids.clone(), staged[-1].offsets, None, staged[-1].out_shape)]
