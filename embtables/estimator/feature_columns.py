@@ -22,7 +22,7 @@ import numpy as np
 from embtables.config import DynamicVocabulary
 from embtables.errors import ConfigError, InputError
 from embtables.estimator.hashing import stable_hash
-from embtables.estimator.raw_inputs import flatten_values
+from embtables.estimator.raw_inputs import flatten_values, single_lengths
 
 Ids = tuple[np.ndarray, np.ndarray, np.ndarray | None]
 
@@ -78,6 +78,11 @@ class IdentityCategoricalColumn:
         return self.key
 
     def ids(self, features: Mapping[str, Any]) -> Ids:
+        x = features.get(self.key)
+        if type(x) is np.ndarray and x.ndim == 1 and x.dtype.kind in "iu" and len(x):  # the common column
+            ids = x.astype(np.int64)
+            if ids.min() >= 0 and ids.max() < self.num_buckets:  # nothing missing (-1), nothing out of range
+                return ids, single_lengths(len(ids)), None
         values, lengths = _raw(features, self.key, self.name)
         ids = _as_int_ids(values, self.key)
         bad = (ids < 0) | (ids >= self.num_buckets)

@@ -52,6 +52,26 @@ def _is_missing(v: object) -> bool:
 _IS_MISSING = np.frompyfunc(_is_missing, 1, 1)  # one C loop over an object array
 
 
+_SINGLE: dict[int, np.ndarray] = {}  # B -> read-only int64 ones [B]: the lengths of B single-valued rows
+
+
+def single_lengths(rows: int) -> np.ndarray:
+    """The lengths [B] of B rows of one value each: one shared read-only array per B, so that
+    ``is_single_lengths`` can tell them by identity (no pass over them)."""
+    got = _SINGLE.get(rows)
+    if got is None:
+        if len(_SINGLE) > 64:
+            _SINGLE.clear()
+        got = _SINGLE[rows] = np.ones(rows, dtype=np.int64)
+        got.flags.writeable = False
+    return got
+
+
+def is_single_lengths(lengths: np.ndarray) -> bool:
+    """Whether ``lengths`` are ``single_lengths(len(lengths))`` (every row one value), by identity."""
+    return _SINGLE.get(len(lengths)) is lengths
+
+
 def flatten_values(x: Any, what: str) -> tuple[np.ndarray, np.ndarray]:
     """``(values [N], lengths [B])`` of one raw feature (see the module docstring); ``what`` names the
     feature in errors."""
@@ -67,7 +87,7 @@ def flatten_values(x: Any, what: str) -> tuple[np.ndarray, np.ndarray]:
             x = [x]
         if isinstance(x, np.ndarray) and x.dtype != object:
             if x.ndim == 1:
-                values, lengths = x, np.ones(len(x), dtype=np.int64)
+                values, lengths = x, single_lengths(len(x))
             elif x.ndim == 2:
                 values, lengths = x.reshape(-1), np.full(x.shape[0], x.shape[1], dtype=np.int64)
             else:
@@ -100,4 +120,4 @@ def flatten_values(x: Any, what: str) -> tuple[np.ndarray, np.ndarray]:
         values = np.asarray(values.tolist()) if len(values) else np.zeros(0, dtype=np.int64)
         if values.dtype.kind == "i":
             values = values.astype(np.int64)
-    return values, lengths.astype(np.int64)
+    return values, lengths.astype(np.int64, copy=False)

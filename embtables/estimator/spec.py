@@ -16,6 +16,7 @@ from embtables.config.optimizers import _check_number
 from embtables.errors import ConfigError
 from embtables.estimator.feature_columns import EMBEDDING_COLUMN_TYPES, EmbeddingColumn
 from embtables.estimator.parameters import PARAMETER_TYPES, FrequencyEstimatorParameters
+from embtables.estimator.raw_inputs import is_single_lengths
 from embtables.tables import Ragged
 
 _PARTITION_STRATEGIES = ("div", "mod")
@@ -221,6 +222,11 @@ class EmbeddingConfigSpec:
             if got is None:
                 got = cache[cat.name] = cat.ids(features)
             ids, lengths, weights = got
+            if weights is None and is_single_lengths(lengths) and c.max_sequence_length == 0 and c.dynamic is None:
+                # one id per row: dense ids [B] are the same B bags of one id, without row splits
+                ids_out[c.name] = torch.from_numpy(np.ascontiguousarray(ids, dtype=np.int64))
+                weights_out[c.name] = None
+                continue
             splits = np.zeros(len(lengths) + 1, dtype=np.int64)
             np.cumsum(lengths, out=splits[1:])
             row_splits = torch.from_numpy(splits)

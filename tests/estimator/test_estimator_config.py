@@ -355,3 +355,36 @@ def test_the_fast_hash_is_the_stable_hash_also_when_fingerprints_collide(monkeyp
     assert fc.stable_hash(np.array(words), 1000).tolist() == expected(words, 1000)
     assert fc.stable_hash(np.array(["kiwi"]), 1000).tolist() == expected(["kiwi"], 1000)
     assert fc.stable_hash(np.array(["apple", "kiwi"]), 1000).tolist() == expected(["apple", "kiwi"], 1000)
+
+
+def test_single_valued_columns_are_dense_ids_and_train_the_same_bits() -> None:
+    """A 1-D integer column of ids in range is converted without a pass per step over its lengths and given to
+    the engine as dense ids [B] (B bags of one id); the same ids as one-element lists take the general path
+    (row splits). Both train the same bits; a missing (-1) or out-of-range id still goes the general way."""
+    columns = [
+        est.embedding_column(est.categorical_column_with_identity("a", 50), 4, combiner=c, initializer=None)
+        for c in ("mean",)
+    ] + [est.embedding_column(est.categorical_column_with_identity("b", 30), 3, combiner="sqrtn")]
+    spec = est.EmbeddingConfigSpec(feature_columns=columns, optimization_parameters=est.AdagradParameters(0.1))
+    rng = np.random.default_rng(0)
+    tables = []
+    for form in ("array", "lists"):
+        torch.manual_seed(0)
+        emb = spec.build(lambda: 0)
+        for _ in range(3):
+            a, b = rng.integers(0, 50, 16).astype(np.int16), rng.integers(0, 30, 16)
+            feats = {"a": a, "b": b} if form == "array" else {"a": [[int(v)] for v in a], "b": [[int(v)] for v in b]}
+            ids, weights = spec.engine_inputs(feats)
+            kinds = {type(v).__name__ for v in ids.values()}
+            assert kinds == ({"Tensor"} if form == "array" else {"Ragged"}), kinds
+            acts = emb(ids, weights or None)
+            sum((v * (1 + torch.arange(v.numel()).reshape(v.shape))).sum() for v in acts.values()).backward()
+            emb.apply_gradients()
+        tables.append({k: v.clone() for k, v in emb.state_dict().items()})
+        rng = np.random.default_rng(0)
+    for k in tables[0]:
+        assert torch.equal(tables[0][k], tables[1][k]), k
+    ids, _ = spec.engine_inputs({"a": np.array([3, -1, 4]), "b": np.array([1, 2, 3])})
+    assert isinstance(ids["a_embedding"], et.Ragged) and ids["a_embedding"].row_splits.tolist() == [0, 1, 1, 2]
+    with pytest.raises(ValueError, match="outside"):
+        spec.engine_inputs({"a": np.array([3, 50]), "b": np.array([1, 2])})
