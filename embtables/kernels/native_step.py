@@ -341,6 +341,14 @@ def prepare(tables: TableArrays, bags: StagedBags, grads: Sequence[Tensor | None
     return list(statuses)
 
 
+def updates_fit_checking(tables: TableArrays) -> bool:
+    """Whether every table's prepared update (unique rows x D) has at most ``STAGED_MAX_VALUES`` values."""
+    lib = library()
+    assert lib is not None
+    size, limit = lib.et_prepared_size, STAGED_MAX_VALUES
+    return all(size(h) * d <= limit for h, d in zip(tables.handles, tables.dims))
+
+
 def apply_checked(tables: TableArrays, params: Sequence[Any], dense: Sequence[int]) -> list[int]:
     """Phase 2 of every table from its prepared workspace, each checked exactly in the writing call (all
     tables before any is written; ``native.apply_many`` with ``check`` set and nothing measured). ``params``

@@ -197,17 +197,24 @@ class StepPipeline:
             )
         return self.last
 
-    def apply_gradients(self, flat_g: Sequence[Any], refused: BaseException | None = None) -> None:
+    def apply_gradients(
+        self, flat_g: Sequence[Any], refused: BaseException | None = None, *, checked_blocks: bool = False
+    ) -> None:
         """Update the tables for the last training lookup with its F gradients (None: zero): now, or,
         pipelined, checked now and held back until after the next lookup. On any error nothing
         changes and the lookup stays, to retry with another gradient. ``refused``: this rank's error
-        with the gradient, found before (sharded: raised on every rank together)."""
+        with the gradient, found before (sharded: raised on every rank together). ``checked_blocks``: the
+        gradients are the column blocks [B, D_f] of one float32 CPU gradient already checked whole, which
+        one process's phase 1 reads as they are (``ConcatLayout.whole_gradient_ok``)."""
         last, engine = self.training_lookup(), self.engine
         try:
             if refused is not None:
                 raise refused
-            with phase_profile.phase("backward: check gradients"):
-                checked = [engine.check_gradient(i, b, g) for i, (b, g) in enumerate(zip(last.batches, flat_g))]
+            if checked_blocks and engine.world == 1:
+                checked = list(flat_g)
+            else:
+                with phase_profile.phase("backward: check gradients"):
+                    checked = [engine.check_gradient(i, b, g) for i, (b, g) in enumerate(zip(last.batches, flat_g))]
         except (ValueError, TypeError) as exc:
             if engine.world == 1:
                 raise

@@ -67,6 +67,24 @@ class ConcatLayout:
                     "or sparse input of B rows (several ids per example, combined)."
                 )
 
+    def whole_gradient_ok(self, gradient: object, activation: Tensor) -> bool:
+        """Whether ``gradient`` is already what one process's phase 1 reads in its column blocks: a dense
+        float32 CPU tensor shaped like the activation [B, W] with unit column stride and rows at least W
+        apart, not requiring grad (then every block [B, D_f] passes the per-feature gradient check)."""
+        return (
+            type(gradient) is Tensor
+            and gradient.dtype is torch.float32
+            and gradient.is_cpu
+            and activation.is_cpu
+            and gradient.layout is torch.strided
+            and not gradient.is_nested
+            and not gradient.requires_grad
+            and gradient.dim() == 2
+            and gradient.shape == activation.shape
+            and (gradient.stride(1) == 1 or gradient.shape[1] <= 1)
+            and (gradient.stride(0) >= self.width or gradient.shape[0] <= 1)
+        )
+
     def split_gradient(self, gradient: object, activation: Tensor, explicit: bool) -> list[Tensor | None]:
         """The F per-feature gradients [B, D_f] (column views) of a gradient of the concatenated
         activation: ``gradient`` passed to ``apply_gradients`` (``explicit``) or its ``.grad``. None (no

@@ -122,8 +122,7 @@ class NativeFastPath:
             prepared = self._prepared = (arrays, [TableGradient(t, None, None, True, ws) for t, ws in
                                                   zip(tables, arrays.workspaces)])  # fmt: skip
         # every table's update (unique rows x D values) small enough to be checked exactly as it is written
-        limit = native_step.STAGED_MAX_VALUES
-        self._small = all(ws.num_rows * d <= limit for ws, d in zip(arrays.workspaces, arrays.dims))
+        self._small = native_step.updates_fit_checking(arrays)
         return list(prepared[1])
 
     def apply(self, table_grads: Sequence[TableGradient], lrs: dict[str, float]) -> bool:

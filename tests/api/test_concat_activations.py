@@ -240,3 +240,28 @@ def test_a_nested_tensor_gradient_is_refused_naming_the_feature() -> None:
     with pytest.raises(TypeError, match=r"feature 'b'.*dense \(strided\) tensor.*nested"):
         emb.apply_gradients(grads)
     assert_same(snapshot(emb), before)
+
+
+def test_every_layout_of_the_concatenated_gradient_trains_the_same_bits() -> None:
+    """A float32 CPU gradient with unit column stride is checked whole and phase 1 reads its column blocks; a
+    transposed one, float64, or one that requires grad goes through the per-feature check (copies as needed).
+    Every form trains the same bits."""
+    results = []
+    for form in ("contiguous", "wide_buffer", "transposed", "float64", "requires_grad"):
+        emb = _make(True)
+        for step in range(3):
+            features, weights = _batch(step)
+            joined = emb(features, weights)
+            grad = _gradient(step, joined.shape[0], joined.shape[1])
+            if form == "wide_buffer":  # rows 25 floats apart: a column slice of a wider buffer
+                grad = torch.cat([grad, torch.zeros(grad.shape[0], 6)], dim=1)[:, : joined.shape[1]]
+            elif form == "transposed":
+                grad = grad.t().contiguous().t()
+            elif form == "float64":
+                grad = grad.double()
+            elif form == "requires_grad":
+                grad = grad.clone().requires_grad_(True)
+            emb.apply_gradients(grad)
+        results.append(snapshot(emb))
+    for other in results[1:]:
+        assert_same(results[0], other)
