@@ -40,7 +40,7 @@ class NativeFastPath:
         )
         self._arrays: TableArrays | None = None
         self._prepared: tuple[TableArrays, list[TableGradient]] | None = None
-        self._small = False  # every update of the last phase 1 here is checked in scratch (see apply)
+        self._small = False  # every update of the last phase 1 here is checked as it is written (see apply)
         self._rates: tuple[tuple[float, ...], list[Any]] = ((), [])  # learning rates -> optimizer blocks
         self._dense = [0] * len(tables)  # lazy optimizers only: a non-lazy one updates every row
 
