@@ -277,6 +277,20 @@ int et_lookup_many(int64_t F, const float *const *W, const int64_t *D, const int
     }
     const int64_t all = first[F];
     int bad = 0, nonfinite = 0;
+    /* Column blocks of one shared output (every feature S bags, rows ld > D apart): bag by bag, every feature's
+     * block of an output row while the row is in cache (feature by feature, each of the row's cache lines was
+     * fetched again for every feature once the output outgrew L2). The same sums, in another order of bags. */
+    int shared = F > 1;
+    for (int64_t f = 0; f < F && shared; ++f) shared = S[f] == S[0] && ld[f] > D[f];
+    if (shared) {
+        const int64_t rows = S[0];
+#pragma omp parallel for num_threads(nthreads) schedule(static, 64) reduction(| : bad, nonfinite)
+        for (int64_t s = 0; s < rows; ++s)
+            for (int64_t f = 0; f < F; ++f)
+                nonfinite |= et_bag(W[f], D[f], V[f], ids[f], offsets[f], s, offsets[f][S[f]], coeffs[f], out[f], ld[f],
+                                    &bad);
+        return bad ? 1 : (nonfinite ? 2 : 0);
+    }
 #pragma omp parallel num_threads(nthreads) reduction(| : bad, nonfinite)
     {
         int64_t f = 0;
