@@ -264,13 +264,7 @@ def apply_many(items: list[ApplyItem]) -> tuple[list[tuple[float, ...] | None], 
         status,
         bad,
     )
-    codes = set(status)
-    if codes - {0, 1}:
-        if -4 in codes:
-            raise NativeBufferError("embtables native kernel: unknown optimizer kind (no table was written).")
-        if -3 in codes:
-            raise MemoryError("embtables: out of memory while checking the sparse update (no table was written).")
-        raise NativeBufferError("embtables native kernel: a prepared update does not fit its table.")
+    raise_for_apply_status(status)
     written = [
         tuple(float(m) for m in maxabs[4 * t : 4 * t + 1 + len(item[2])]) if item[5] else None
         for t, item in enumerate(items)
@@ -427,6 +421,30 @@ def gradient_rows(grad: Tensor, dim: int) -> int | None:
     return dim if grad.is_contiguous() else None  # a size-1 dimension may carry any stride
 
 
+def gradient_stride(grad: Tensor, bags: int, dim: int) -> int:
+    """The row stride phase 1 reads a gradient with, after checking that it is a CPU float32 [S, D] tensor
+    (``bags`` x ``dim``), contiguous or a column block (``gradient_rows``); raises otherwise."""
+    fits = type(grad) is Tensor and grad.dtype is torch.float32 and grad.is_cpu and grad.shape == (bags, dim)
+    row = gradient_rows(grad, dim) if fits else None
+    if row is None:
+        _require(grad, "gradient", torch.float32, (bags, dim))  # raises, naming what is wrong
+        raise NativeBufferError("embtables native kernel: the gradient's rows are not laid out as [S, D].")
+    return row
+
+
+def raise_for_apply_status(status: Any) -> None:
+    """Raise for a phase-2 call's per-table status codes other than 0 (written) and 1 (not finite: nothing
+    written, reported by row): -4 unknown optimizer kind, -3 out of memory, -2 a prepared update that does
+    not fit its table."""
+    codes = set(status)
+    if codes - {0, 1}:
+        if -4 in codes:
+            raise NativeBufferError("embtables native kernel: unknown optimizer kind (no table was written).")
+        if -3 in codes:
+            raise MemoryError("embtables: out of memory while checking the sparse update (no table was written).")
+        raise NativeBufferError("embtables native kernel: a prepared update does not fit its table.")
+
+
 def prepare_many(tables: list[tuple[Workspace, int, list[FeaturePart]]]) -> list[int]:
     """Phase 1 for several tables in one call: for each ``(workspace, V, parts)``, where every part is a
     feature's ``(ids [N], offsets [S+1], coeffs [N] | None, grad [S, D] | None)``, dedup the ids and
@@ -436,7 +454,6 @@ def prepare_many(tables: list[tuple[Workspace, int, list[FeaturePart]]]) -> list
     3 an id outside [0, V) or bad offsets."""
     lib = library()
     assert lib is not None
-    f32 = torch.float32
     first = [0]
     bags_in = _Bags()
     g_ptr, strides = [], []  # type: list[int | None], list[int]
@@ -444,16 +461,8 @@ def prepare_many(tables: list[tuple[Workspace, int, list[FeaturePart]]]) -> list
         dim = ws.dim
         for ids, offsets, coeffs, grad in table_parts:
             bags = bags_in.add(ids, offsets, coeffs)
-            ld = dim
-            if grad is not None:
-                fits = type(grad) is Tensor and grad.dtype is f32 and grad.is_cpu and grad.shape == (bags, dim)
-                row = gradient_rows(grad, dim) if fits else None
-                if row is None:
-                    _require(grad, "gradient", f32, (bags, dim))  # raises, naming what is wrong
-                    raise NativeBufferError("embtables native kernel: the gradient's rows are not laid out as [S, D].")
-                ld = row
             g_ptr.append(None if grad is None else grad.data_ptr())
-            strides.append(ld)
+            strides.append(dim if grad is None else gradient_stride(grad, bags, dim))
         first.append(len(bags_in.ids))
     t = len(tables)
     vp, c64 = ctypes.c_void_p, ctypes.c_int64

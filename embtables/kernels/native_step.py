@@ -27,7 +27,16 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from embtables.kernels.native import NativeBufferError, Workspace, _require, _slots, library
+from embtables.kernels.native import (
+    NativeBufferError,
+    Workspace,
+    _require,
+    _slots,
+    _threads,
+    gradient_stride,
+    library,
+    raise_for_apply_status,
+)
 
 _VP, _I64, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
 
@@ -236,22 +245,19 @@ class TableArrays:
         """``current`` for the tables' weights alone (what a lookup reads)."""
         if len(weights) != self.count:
             return False
-        for t, i in zip(weights, self.weight_at):
-            ptr, shape = self.layout[i]
-            if t is not self.tensors[i] or not t.is_contiguous() or t.data_ptr() != ptr or t.shape != shape:
-                return False
-        return True
+        return all(self._same(t, i) for t, i in zip(weights, self.weight_at))
 
     def current(self, tensors: Sequence[Tensor]) -> bool:
         """Whether ``tensors`` (weights and slots, table by table) are the tensors these arrays were built
         from, each still contiguous at the address and with the shape recorded."""
-        held = self.tensors
-        if len(tensors) != len(held):
+        if len(tensors) != len(self.tensors):
             return False
-        for t, h, (ptr, shape) in zip(tensors, held, self.layout):
-            if t is not h or not t.is_contiguous() or t.data_ptr() != ptr or t.shape != shape:
-                return False
-        return True
+        return all(self._same(t, i) for i, t in enumerate(tensors))
+
+    def _same(self, t: Tensor, i: int) -> bool:
+        """Whether ``t`` is held tensor ``i``, still contiguous at the recorded address and shape."""
+        ptr, shape = self.layout[i]
+        return t is self.tensors[i] and t.is_contiguous() and t.data_ptr() == ptr and t.shape == shape
 
 
 def lookup(tables: TableArrays, bags: StagedBags, outs: Sequence[Tensor], starts: Sequence[int] | None) -> int:
@@ -293,20 +299,8 @@ def prepare(tables: TableArrays, bags: StagedBags, grads: Sequence[Tensor | None
     ld: list[int] = []
     for f, g in enumerate(grads):
         dim = tables.fdims[f]
-        if g is None:
-            g_ptr.append(None)
-            ld.append(dim)
-            continue
-        if not (type(g) is Tensor and g.dtype is torch.float32 and g.is_cpu and g.dim() == 2):
-            raise NativeBufferError("embtables native kernel: a gradient is not a CPU float32 [S, D] tensor.")
-        rows, cols = g.shape
-        row_stride, col_stride = g.stride()
-        if rows != bags.n_bags[f] or cols != dim or not (col_stride == 1 or cols == 1) or row_stride < dim:
-            if not (rows == bags.n_bags[f] and cols == dim and g.is_contiguous()):
-                raise NativeBufferError("embtables native kernel: a gradient's rows are not laid out as [S, D].")
-            row_stride = dim
-        g_ptr.append(g.data_ptr())
-        ld.append(row_stride)
+        g_ptr.append(None if g is None else g.data_ptr())
+        ld.append(dim if g is None else gradient_stride(g, bags.n_bags[f], dim))
     if len(g_ptr) != f_count:
         raise NativeBufferError("embtables native kernel: one gradient per staged feature is needed.")
     if tables.grouped:
@@ -370,19 +364,9 @@ def apply_checked(tables: TableArrays, params: Sequence[Any], dense: Sequence[in
         t_count, tables.handles, tables.w, s0, s1, s2, tables.vocab, tables.dims, p_arr, d_arr, tables.zeros,
         tables.ones, _threads(), tables.maxabs, status, bad,
     )  # fmt: skip
-    codes = set(status)
-    if codes - {0, 1}:
-        if -4 in codes:
-            raise NativeBufferError("embtables native kernel: unknown optimizer kind (no table was written).")
-        if -3 in codes:
-            raise MemoryError("embtables: out of memory while checking the sparse update (no table was written).")
-        raise NativeBufferError("embtables native kernel: a prepared update does not fit its table.")
+    raise_for_apply_status(status)
     return list(bad)
 
 
 def _nothing() -> None:
     return None
-
-
-def _threads() -> int:
-    return max(1, torch.get_num_threads())
