@@ -9,10 +9,12 @@ The same factorization machine and the same batches of fold 1, four ways in one 
   ``backward()``, ``emb.apply_gradients()``, the dense optimizer step (what a hand-written loop does);
 * ``estimator`` with ``input_prefetch=0``, ``=1`` and ``="auto"`` (the default: the faster of the two,
   found by timing the first steps of the first call): ``Estimator.train`` over the raw batches (feature
-  columns converted per step, labels checked, the agreement round, metrics rows, the checkpoint at the
-  end of each ``train`` call).
+  columns converted as they are read, up to 8 batches in one pass; labels checked, the agreement round,
+  metrics rows, the checkpoint at the end of each ``train`` call).
 
-Each epoch is timed ``--repeats`` times (the first is dropped); one ``estimator_overhead`` line per model
+Each way runs one ``train`` call over ``--epochs-per-call`` epochs (default 4: the MovieLens job's
+``eval_every``, one call and one checkpoint per period) or the same batches bare, timed ``--repeats``
+times (the first is dropped); one ``estimator_overhead`` line per model
 (``--models``: the job's six fields, all eight) and batch size gives the medians, the overhead over
 ``bare``, and where the Estimator's extra time goes: converting a batch (``prepare_ms``), one step on
 converted batches (``step_ms``), and the end-of-call checkpoint (``save_ms``).
@@ -62,12 +64,12 @@ def _estimator(hp: ml.Hyper, prefetch: int | str) -> tuple[Estimator, ml.Factori
     return est, model, spec
 
 
-def measure(batch_size: int, repeats: int, fields: tuple[str, ...] = ml.FIELDS) -> dict[str, Any]:
+def measure(batch_size: int, repeats: int, fields: tuple[str, ...] = ml.FIELDS, epochs: int = 4) -> dict[str, Any]:
     data = ml._load(None, None)
     prepared = ml.prepare(data)
     train, _ = kfold(len(data))[0]
     hp = dataclasses.replace(ml.Hyper(), batch_size=batch_size, fields=fields)
-    batches = list(ml._batches(data, prepared, train, batch_size, 0))
+    batches = list(ml._batches(data, prepared, train, batch_size, 0)) * epochs  # one train call: the job's period
     est, model, spec = _estimator(hp, 0)
     emb, opt = est.embedding, est.dense_optimizer
     converted = [(spec.engine_inputs(f), torch.from_numpy(y)) for f, y in batches]
@@ -109,7 +111,8 @@ def measure(batch_size: int, repeats: int, fields: tuple[str, ...] = ml.FIELDS) 
         "model": f"movielens-100k factorization machine ({len(fields)} tables: {', '.join(fields)})",
         "fields": "job" if fields == ml.DEFAULT_FIELDS else "all" if fields == ml.FIELDS else "custom",
         "batch": batch_size,
-        "steps_per_epoch": n,
+        "steps_per_call": n,
+        "epochs_per_call": epochs,
         "threads": torch.get_num_threads(),
         "bare_ms_per_step": round(ms["bare"], 3),
         "estimator_ms_per_step": {k.removeprefix("estimator_"): round(v, 3) for k, v in ms.items() if k != "bare"},
@@ -125,7 +128,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         prog="embtables bench estimator", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--batches", default="512,4096", help="comma list of batch sizes")
-    ap.add_argument("--repeats", type=int, default=7, help="epochs timed per way (the first is dropped)")
+    ap.add_argument("--repeats", type=int, default=7, help="train calls timed per way (the first is dropped)")
+    ap.add_argument(
+        "--epochs-per-call", type=int, default=ml.Hyper().eval_every, help="epochs per train call (the job's period)"
+    )
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument(
         "--models", default="job,all",
@@ -142,7 +148,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             ap.error(f"--models: unknown model {name!r} (job, all)")
     for name in args.models.split(","):
         for b in (int(x) for x in args.batches.split(",") if x):
-            record = measure(b, args.repeats, models[name])
+            record = measure(b, args.repeats, models[name], args.epochs_per_call)
             emit(record)
             ways = record["estimator_ms_per_step"].items()
             parts = ", ".join(f"{k} {v:.3f} ({record['overhead'][k]:+.0%})" for k, v in ways)

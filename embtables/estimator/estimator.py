@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import csv
-import dataclasses
 import logging
 import os
 import signal
@@ -37,6 +36,7 @@ from embtables.api import DistributedEmbedding
 from embtables.checkpoint.file_names import CheckpointError
 from embtables.checkpoint.owned_dirs import WriterLock
 from embtables.checkpoint.store import agree, published, read_manifest
+from embtables.estimator.batches import END, BatchReader, PreparedBatch, shaped_like
 from embtables.estimator.dense_file import DENSE_FILE, read_dense, write_dense
 from embtables.estimator.input_pipeline import Prefetched, Probe, prefetched
 from embtables.estimator.spec import EmbeddingConfigSpec
@@ -44,40 +44,9 @@ from embtables.sharding import comm
 
 logger = logging.getLogger("embtables")
 
-_END = object()
 Batch = tuple[Mapping[str, Any], Any]
 InputFn = Callable[[], Iterable[Batch]]
 Metric = Callable[[np.ndarray, np.ndarray], float]
-
-
-def _as_labels(labels: Any, device: torch.device) -> Tensor:
-    """``labels`` as a float32 tensor; ``ValueError`` when they are not finite numbers."""
-    try:
-        if isinstance(labels, Tensor):
-            y = labels.to(device=device, dtype=torch.float32)
-        else:
-            y = torch.as_tensor(np.asarray(labels, dtype=np.float32), device=device)
-    except (TypeError, ValueError) as exc:
-        raise ValueError(
-            f"Estimator: the labels must be numbers ({exc}); convert a string label column to numbers first. "
-            "No table or parameter was changed."
-        ) from None
-    if not bool(torch.isfinite(y).all()):
-        raise ValueError(
-            f"Estimator: the labels hold {int((~torch.isfinite(y)).sum())} NaN or Inf value(s); drop or fill those "
-            "rows. No table or parameter was changed."
-        )
-    return y
-
-
-def _shaped_like(y: Tensor, out: Tensor) -> Tensor:
-    """Labels ``y`` shaped like the model's output, or a ``ValueError`` saying what differs."""
-    if y.numel() != out.numel():
-        raise ValueError(
-            f"Estimator: the batch has {y.numel()} label value(s) of shape {tuple(y.shape)}, but model_fn returned "
-            f"{tuple(out.shape)}; return one prediction per label. No table or parameter was changed."
-        )
-    return y.reshape(out.shape)
 
 
 class TrainingInterrupted(KeyboardInterrupt):
@@ -113,26 +82,6 @@ def _deferred_interrupt() -> Iterator[threading.Event]:
         yield flag
     finally:
         signal.signal(signal.SIGINT, previous if previous is not None else signal.default_int_handler)
-
-
-@dataclasses.dataclass
-class _Prepared:
-    """A batch after conversion: raw features (for model_fn), engine inputs, labels (float32) or None."""
-
-    features: Mapping[str, Any]
-    ids: dict[str, Any]
-    weights: dict[str, Any]
-    labels: Tensor | None
-
-
-def _split(batch: Any) -> tuple[Mapping[str, Any], Any]:
-    if isinstance(batch, tuple) and len(batch) == 2 and isinstance(batch[0], Mapping):
-        return batch[0], batch[1]
-    if isinstance(batch, Mapping):
-        return batch, None
-    raise TypeError(
-        f"Estimator: input_fn must yield (features, labels) with features a dict, got {type(batch).__name__}."
-    )
 
 
 class Estimator:
@@ -330,16 +279,17 @@ class Estimator:
         return path
 
     # ------------------------------------------------------------------ steps
-    def _forward(self, batch: _Prepared) -> tuple[dict[str, Tensor], Tensor]:
+    def _forward(self, batch: PreparedBatch) -> tuple[dict[str, Tensor], Tensor]:
         activations = self.embedding(batch.ids, batch.weights or None)
         return activations, self.model(activations, batch.features)
 
-    def _train_step(self, batch: _Prepared) -> float:
-        self.embedding.train()
-        self.model.train()
+    def _train_step(self, batch: PreparedBatch) -> float:
+        if not (self.embedding.training and self.model.training):  # after evaluate / predict (eval mode)
+            self.embedding.train()
+            self.model.train()
         activations, out = self._forward(batch)
         assert batch.labels is not None
-        loss = self.loss_fn(out, _shaped_like(batch.labels, out))
+        loss = self.loss_fn(out, shaped_like(batch.labels, out))
         self.dense_optimizer.zero_grad(set_to_none=True)
         loss.backward()  # type: ignore[no-untyped-call]
         fn = self.spec.experimental_gradient_multiplier_fn
@@ -349,53 +299,46 @@ class Estimator:
             g = a.grad if a.grad is not None else torch.zeros_like(a)
             grads[name] = g * multiplier if fn is not None else g
         self.embedding.apply_gradients(grads)
-        params = [p.grad for p in self.model.parameters() if p.grad is not None]
-        comm.all_reduce_mean_(params, self._group, self.global_step + 1)
+        if comm.is_distributed(self._group):
+            params = [p.grad for p in self.model.parameters() if p.grad is not None]
+            comm.all_reduce_mean_(params, self._group, self.global_step + 1)
         self.dense_optimizer.step()
         self.global_step += 1
         return float(loss.detach())
 
-    def _prepare(self, item: Any, need_labels: bool) -> _Prepared:
+    def _prepare(self, item: Any, need_labels: bool) -> PreparedBatch:
         """A raw batch converted and checked: engine inputs, labels as float32 (finite)."""
-        features, labels = _split(item)
-        if need_labels and labels is None:
-            raise TypeError("Estimator: input_fn must yield (features, labels) for train and evaluate; got no labels.")
-        ids, weights = self.spec.engine_inputs(features)
-        y = None if labels is None else _as_labels(labels, self.device)
-        return _Prepared(features, ids, weights, y)
+        return self._reader((), need_labels).prepare(item)
+
+    def _reader(self, batches: Iterable[Any], need_labels: bool) -> BatchReader:
+        return BatchReader(batches, self.spec.engine_inputs, self.device, need_labels, self.spec.raw_keys())
 
     def _agreed(
         self, batches: Iterable[Any], need_labels: bool, stop: threading.Event | None = None
-    ) -> Iterator[_Prepared]:
-        """The batches, converted and checked, until any rank's input ends (sharded lookups are
-        collective: a rank with no batch left would leave the others waiting). A batch refused on
-        any rank (bad ids, labels that are not finite numbers) raises on every rank, naming it, before
-        any table or parameter changes. One agreement round per batch, as before."""
-        it = iter(batches)
+    ) -> Iterator[PreparedBatch]:
+        """The batches, converted and checked (``batches.BatchReader``: several at once where they can be
+        joined), until any rank's input ends (sharded lookups are collective: a rank with no batch left
+        would leave the others waiting). A batch refused on any rank (bad ids, labels that are not finite
+        numbers) raises on every rank, naming it, before any table or parameter changes. One agreement
+        round per batch, as before."""
+        reader = self._reader(batches, need_labels)
         distributed = comm.is_distributed(self._group)
         self._interrupted = False
-
-        def fetch() -> tuple[Any, _Prepared | None, Exception | None]:  # on the input thread when prefetching
-            item = next(it, _END)
-            try:
-                return item, None if item is _END else self._prepare(item, need_labels), None
-            except (ValueError, TypeError) as exc:
-                return item, None, exc
 
         probe = None
         if self.input_prefetch == "auto":
             probe = self._probes.setdefault("train" if stop is not None else "predict", Probe())
         depth = 0 if probe is not None else int(self.input_prefetch)
-        with prefetched(fetch, depth, probe) as pipeline:
+        with prefetched(reader.next, depth, probe) as pipeline:
             yield from self._agreement_rounds(pipeline, distributed, stop)
 
     def _agreement_rounds(
         self, pipeline: Prefetched[Any], distributed: bool, stop: threading.Event | None
-    ) -> Iterator[_Prepared]:
+    ) -> Iterator[PreparedBatch]:
         while True:
             interrupted = stop is not None and stop.is_set()
-            item, prepared, error = (_END, None, None) if interrupted else pipeline.next()
-            code = 3 if interrupted else 1 if item is _END else (2 if error is not None else 0)
+            item, prepared, error = (END, None, None) if interrupted else pipeline.next()
+            code = 3 if interrupted else 1 if item is END else (2 if error is not None else 0)
             if distributed:
                 code = comm.max_over_ranks(code, self._group)
             if code == 3:  # Ctrl-C on any rank: every rank stops here, after the same step
@@ -410,7 +353,7 @@ class Estimator:
                 assert error is not None
                 raise error
             if code == 1:
-                if item is not _END:
+                if item is not END:
                     logger.warning("Estimator: another rank's input ended first; the remaining batches are skipped.")
                 return
             assert prepared is not None
@@ -491,7 +434,7 @@ class Estimator:
             raise ValueError(f"Estimator.evaluate: `steps` must be an int >= 1 or None (as TF), got {steps!r}.")
         for out, y, p in self._predict_batches(input_fn, steps, need_labels=True):
             assert y is not None
-            y_t = _shaped_like(y, out)
+            y_t = shaped_like(y, out)
             loss_sum += float(self.loss_fn(out, y_t)) * len(y_t)
             count += len(y_t)
             preds.append(p.float().cpu().numpy().reshape(-1))

@@ -57,6 +57,29 @@ def _as_int_ids(values: np.ndarray, key: str) -> np.ndarray:
     )
 
 
+def _padded_int_ids(x: np.ndarray, num_buckets: int) -> Ids | None:
+    """A NumPy integer column in a few array passes: 1-D (one id per row) or 2-D padded with -1 (the ids of
+    each row before, between or after its -1s, in row order). None when an id other than the -1 padding is
+    outside [0, num_buckets): the general conversion then drops, maps or refuses it and says which."""
+    if x.ndim == 1:
+        ids = x.astype(np.int64)
+        if ids.min() >= 0 and ids.max() < num_buckets:  # nothing missing (-1), nothing out of range
+            return ids, single_lengths(len(ids)), None
+        return None
+    if x.ndim != 2:
+        return None
+    keep = x != -1 if x.dtype.kind == "i" else np.ones(x.shape, dtype=bool)
+    ids = np.compress(keep.reshape(-1), x.reshape(-1)).astype(np.int64)  # row-major: each row's ids in order
+    if ids.size and (ids.min() < 0 or ids.max() >= num_buckets):
+        return None
+    if x.shape[1] > 32:
+        return ids, keep.sum(axis=1, dtype=np.int64), None
+    lengths = keep[:, 0].astype(np.int64)  # a column at a time: a row-wise sum of a few columns is ~4x slower
+    for j in range(1, x.shape[1]):
+        lengths += keep[:, j]
+    return ids, lengths, None
+
+
 @dataclasses.dataclass(frozen=True)
 class IdentityCategoricalColumn:
     """Integer ids used as they are; ids outside ``[0, num_buckets)`` become ``default_value`` or raise."""
@@ -79,10 +102,10 @@ class IdentityCategoricalColumn:
 
     def ids(self, features: Mapping[str, Any]) -> Ids:
         x = features.get(self.key)
-        if type(x) is np.ndarray and x.ndim == 1 and x.dtype.kind in "iu" and len(x):  # the common column
-            ids = x.astype(np.int64)
-            if ids.min() >= 0 and ids.max() < self.num_buckets:  # nothing missing (-1), nothing out of range
-                return ids, single_lengths(len(ids)), None
+        if type(x) is np.ndarray and x.dtype.kind in "iu" and x.size:  # the common columns
+            fast = _padded_int_ids(x, self.num_buckets)
+            if fast is not None:
+                return fast
         values, lengths = _raw(features, self.key, self.name)
         ids = _as_int_ids(values, self.key)
         bad = (ids < 0) | (ids >= self.num_buckets)
@@ -174,7 +197,48 @@ class VocabularyListCategoricalColumn:
         order = np.argsort(vocab, kind="stable")
         return vocab, order, vocab[order]
 
+    @functools.cached_property
+    def _coded(self) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+        """itemsize (4 or 8) -> (sorted codes, their ids): the string vocabulary as the unsigned integers
+        that NumPy's 1- and 2-character strings are, filled per width on first use."""
+        return {}
+
+    def _ids_by_code(self, x: np.ndarray) -> Ids | None:
+        """A 1-D array of 1- or 2-character strings looked up as integers (one array pass each, no string
+        compares). None unless every value is in the vocabulary (the general path handles the rest)."""
+        size = x.dtype.itemsize
+        code = np.dtype(f"<u{size}")
+        got = self._coded.get(size)
+        if got is None:
+            width = size // 4
+            fits = [(v, i) for i, v in enumerate(self.vocabulary_list) if isinstance(v, str) and 0 < len(v) <= width]
+            codes = np.array([v for v, _ in fits], dtype=f"<U{width}").view(code)  # '' (missing) has code 0
+            order = np.argsort(codes, kind="stable")
+            got = self._coded[size] = (codes[order], np.array([i for _, i in fits], dtype=np.int64)[order])
+        sorted_codes, ids_of = got
+        if not len(sorted_codes):
+            return None
+        keys = x.view(code)
+        pos = np.minimum(np.searchsorted(sorted_codes, keys), len(sorted_codes) - 1)
+        if not np.array_equal(sorted_codes[pos], keys):
+            return None
+        return ids_of[pos], single_lengths(len(x)), None
+
     def ids(self, features: Mapping[str, Any]) -> Ids:
+        x = features.get(self.key)
+        if (
+            type(x) is np.ndarray
+            and x.ndim == 1
+            and x.dtype.kind == "U"
+            and x.dtype.itemsize in (4, 8)
+            and x.dtype.byteorder in "<="
+            and np.little_endian
+            and x.flags.c_contiguous
+            and len(x)
+        ):
+            fast = self._ids_by_code(x)
+            if fast is not None:
+                return fast
         values, lengths = _raw(features, self.key, self.name)
         vocab, order, sorted_vocab = self._sorted
         if vocab.dtype.kind in "iu":

@@ -14,7 +14,7 @@ from embtables.api import DistributedEmbedding
 from embtables.config import OPTIMIZER_TYPES, SGD, FeatureConfig, FrequencyEstimator, Optimizer, TableConfig
 from embtables.config.optimizers import _check_number
 from embtables.errors import ConfigError
-from embtables.estimator.feature_columns import EMBEDDING_COLUMN_TYPES, EmbeddingColumn
+from embtables.estimator.feature_columns import EMBEDDING_COLUMN_TYPES, EmbeddingColumn, WeightedCategoricalColumn
 from embtables.estimator.parameters import PARAMETER_TYPES, FrequencyEstimatorParameters
 from embtables.estimator.raw_inputs import is_single_lengths
 from embtables.tables import Ragged
@@ -206,6 +206,19 @@ class EmbeddingConfigSpec:
         )
 
     # ------------------------------------------------------------------ inputs
+    def raw_keys(self) -> frozenset[str] | None:
+        """The raw features the feature columns read (ids, and weights of weighted columns); None in the
+        dicts form (the input holds the engine's inputs themselves)."""
+        if self.feature_columns is None:
+            return None
+        keys = set()
+        for c in self.feature_columns:
+            cat = c.categorical_column
+            keys.add(cat.key)
+            if isinstance(cat, WeightedCategoricalColumn):
+                keys.add(cat.weight_feature_key)
+        return frozenset(keys)
+
     def engine_inputs(self, features: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
         """Raw input dict -> ``(ids, weights)`` nests for ``DistributedEmbedding`` (feature-column form):
         ``{column name: Ragged}`` and, when any column is weighted, ``{column name: Ragged | None}``

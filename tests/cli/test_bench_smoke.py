@@ -106,7 +106,8 @@ def test_estimator_benchmark_reports_the_overhead_and_where_it_goes(tmp_path: Pa
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     (record,) = [json.loads(x) for x in out.stdout.splitlines() if '"estimator_overhead"' in x]
-    assert record["batch"] == 4096 and record["steps_per_epoch"] == 20 and record["fields"] == "job"
+    assert record["batch"] == 4096 and record["steps_per_call"] == 80 and record["epochs_per_call"] == 4
+    assert record["fields"] == "job"
     assert "6 tables: user, item, age, gender, year, genres" in record["model"]
     for way in ("prefetch0", "prefetch1", "prefetchauto"):
         ratio = record["estimator_ms_per_step"][way] / record["bare_ms_per_step"] - 1
