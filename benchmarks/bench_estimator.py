@@ -16,7 +16,8 @@ Each way runs one ``train`` call over ``--epochs-per-call`` epochs (default 4: t
 ``eval_every``, one call and one checkpoint per period) or the same batches bare, timed ``--repeats``
 times (the first is dropped); one ``estimator_overhead`` line per model
 (``--models``: the job's six fields, all eight) and batch size gives the medians, the overhead over
-``bare``, and where the Estimator's extra time goes: converting a batch (``prepare_ms``), one step on
+``bare``, and where the Estimator's extra time goes: converting a batch (``prepare_ms`` as ``train`` reads
+them, up to 8 joined; ``prepare_alone_ms`` one at a time), one step on
 converted batches (``step_ms``), and the end-of-call checkpoint (``save_ms``).
 """
 
@@ -97,10 +98,16 @@ def measure(batch_size: int, repeats: int, fields: tuple[str, ...] = ml.FIELDS, 
     ms = {k: 1e3 * statistics.median(v[1:] if len(v) > 1 else v) / n for k, v in times.items()}
     e0 = estimators[0]
     start = time.perf_counter()
-    items = [e0._prepare(b, True) for b in batches]
+    alone = [e0._prepare(b, True) for b in batches]
+    alone_ms = 1e3 * (time.perf_counter() - start) / n
+    reader = e0._reader(batches, True)
+    start = time.perf_counter()
+    items = [reader.next()[1] for _ in batches]  # as train reads them: up to 8 batches joined
     prepare_ms = 1e3 * (time.perf_counter() - start) / n
+    assert all(item is not None for item in items) and len(alone) == len(items)
     start = time.perf_counter()
     for item in items:
+        assert item is not None
         e0._train_step(item)
     step_ms = 1e3 * (time.perf_counter() - start) / n
     start = time.perf_counter()
@@ -118,6 +125,7 @@ def measure(batch_size: int, repeats: int, fields: tuple[str, ...] = ml.FIELDS, 
         "estimator_ms_per_step": {k.removeprefix("estimator_"): round(v, 3) for k, v in ms.items() if k != "bare"},
         "overhead": {k.removeprefix("estimator_"): round(v / ms["bare"] - 1, 3) for k, v in ms.items() if k != "bare"},
         "prepare_ms": round(prepare_ms, 3),
+        "prepare_alone_ms": round(alone_ms, 3),
         "step_ms": round(step_ms, 3),
         "save_ms_per_train_call": round(save_ms, 1),
     }

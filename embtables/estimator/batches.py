@@ -100,33 +100,34 @@ def shaped_like(y: Tensor, out: Tensor) -> Tensor:
     return y.reshape(out.shape)
 
 
-def _plain(x: Any) -> bool:
-    return type(x) is np.ndarray and x.dtype != object and x.ndim in (1, 2)
-
-
-def _join_key(item: Any, keys: frozenset[str], need_labels: bool) -> tuple[Any, ...] | None:
+def _join_key(item: Any, keys: tuple[str, ...], need_labels: bool) -> tuple[Any, ...] | None:
     """What batches must share to be converted together (the dtypes and trailing shapes of the features
     ``keys`` the columns read, and of the labels), or None when this one converts alone (a feature
     missing or not a NumPy array, rows that differ between features, labels missing)."""
-    if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], Mapping)) and not isinstance(
-        item, Mapping
-    ):
+    if type(item) is tuple and len(item) == 2 and isinstance(item[0], Mapping):
+        features, labels = item
+    elif isinstance(item, Mapping):
+        features, labels = item, None
+    else:
         return None
-    features, labels = split_item(item)
-    if not keys or not all(_plain(features.get(k)) for k in keys):
-        return None
-    rows = {len(features[k]) for k in keys}
-    if len(rows) != 1 or 0 in rows:
-        return None
+    rows = -1
+    key: list[Any] = []
+    for k in keys:
+        v = features.get(k)
+        if type(v) is not np.ndarray or v.dtype.kind == "O" or v.ndim not in (1, 2) or not len(v):
+            return None
+        if len(v) != rows and rows >= 0:
+            return None
+        rows = len(v)
+        key += (v.dtype, v.shape[1:])
     if labels is None:
         if need_labels:
             return None
-        label_key: tuple[Any, ...] | None = None
-    elif _plain(labels) and len(labels) in rows:
-        label_key = (labels.dtype.str, labels.shape[1:])
+    elif type(labels) is np.ndarray and labels.dtype.kind != "O" and len(labels) == rows:
+        key += (labels.dtype, labels.shape[1:])
     else:
         return None
-    return tuple(sorted((k, features[k].dtype.str, features[k].shape[1:]) for k in keys)), label_key
+    return tuple(key) if key else None
 
 
 def _cut(nest: dict[str, Any], r0: int, r1: int, splits: dict[int, np.ndarray]) -> dict[str, Any]:
@@ -162,7 +163,8 @@ class BatchReader:
         join: frozenset[str] | None,
     ) -> None:
         self.it = iter(batches)
-        self.convert, self.device, self.need_labels, self.join = convert, device, need_labels, join
+        self.convert, self.device, self.need_labels = convert, device, need_labels
+        self.join = None if join is None else tuple(sorted(join))
         self.pending: collections.deque[Entry | _Raise] = collections.deque()
         self.ended = False
 
@@ -207,7 +209,8 @@ class BatchReader:
             keys.append(key)
             if key is None or key != keys[0] or len(items) >= JOINT_BATCHES:
                 break
-            rows += len(split_item(item)[0][next(iter(self.join or ()))])
+            assert self.join is not None  # a key means the batch can be joined
+            rows += len(split_item(item)[0][self.join[0]])
             if rows >= JOINT_ROWS:
                 break
         self._queue(items, keys)
@@ -239,9 +242,10 @@ class BatchReader:
 
     def _joined(self, items: list[Any]) -> list[Entry] | None:
         """The entries of ``items`` converted together, or None when that fails (then each goes alone)."""
+        assert self.join is not None
         pairs = [split_item(item) for item in items]
         try:
-            features = {k: np.concatenate([f[k] for f, _ in pairs]) for k in self.join or ()}
+            features = {k: np.concatenate([f[k] for f, _ in pairs]) for k in self.join}
             ids, weights = self.convert(features)
             labels = None if pairs[0][1] is None else as_labels(np.concatenate([y for _, y in pairs]), self.device)
         except Exception:
@@ -250,7 +254,7 @@ class BatchReader:
         splits: dict[int, np.ndarray] = {}
         r0 = 0
         for item, (f, _) in zip(items, pairs):
-            r1 = r0 + len(f[next(iter(self.join or ()))])
+            r1 = r0 + len(f[self.join[0]])
             y = None if labels is None else labels[r0:r1]
             out.append((item, PreparedBatch(f, _cut(ids, r0, r1, splits), _cut(weights, r0, r1, splits), y), None))
             r0 = r1

@@ -11,11 +11,11 @@ thread, back from a torch or native call that released the GIL, may wait up to 5
 thread to hand it back. While a pipeline prefetches, the interval is at most ``SWITCH_INTERVAL_S``
 (1 ms; restored on exit): the MovieLens job's folds take 10% less time (1.07-1.20 s -> 0.96-1.07 s).
 
-Whether reading ahead pays depends on how much of the conversion releases the GIL: on a 2-core machine
-the MovieLens model's Estimator step at batch 4096 is faster one ahead (+31% over a bare loop against
-+43% in place), at batch 512 slower (+63-87% against +38-42%). ``input_prefetch="auto"`` (the
-Estimator's default) times both on its first steps (``Probe``, over as many calls as it takes) and keeps
-the faster.
+Whether reading ahead pays depends on how much of the conversion releases the GIL: on a 2-core machine,
+with batches converted several at a time (``batches.py``), the MovieLens model's Estimator step is slower
+one ahead at batch 512 (+34-52% over a bare loop against +17-38% in place) and no faster at 4096 (+14-17%
+against +8-12%). ``input_prefetch="auto"`` (the Estimator's default) times both on its first steps
+(``Probe``, over as many calls as it takes) and keeps one ahead only when it is clearly faster.
 """
 
 from __future__ import annotations
@@ -33,13 +33,15 @@ from typing import Generic, TypeVar
 T = TypeVar("T")
 SWITCH_INTERVAL_S = 0.001
 PROBE_STEPS = 16  # input_prefetch="auto": steps timed each way before choosing
+AHEAD_GAIN = 0.9  # ... and one ahead is kept only when its median step is at most this x the in-place one
 
 
 @dataclasses.dataclass
 class Probe:
     """``input_prefetch="auto"``: steps timed in place, then one ahead (``steps`` each, over as many calls
-    as it takes; the first step of a call and the first after a switch are not counted), then the
-    faster way (the medians) kept in ``chosen``."""
+    as it takes; the first step of a call and the first after a switch are not counted), then the way
+    kept in ``chosen``: one ahead when its median step is at least 10% shorter (``AHEAD_GAIN``), else in
+    place (16 steps of a noisy machine do not tell a few percent apart; in place is the simpler way)."""
 
     steps: int = PROBE_STEPS
     in_place: list[float] = dataclasses.field(default_factory=list)
@@ -56,7 +58,7 @@ class Probe:
             return
         (self.in_place if depth == 0 else self.ahead).append(seconds)
         if len(self.ahead) >= self.steps:
-            self.chosen = 1 if statistics.median(self.ahead) < statistics.median(self.in_place) else 0
+            self.chosen = 1 if statistics.median(self.ahead) <= AHEAD_GAIN * statistics.median(self.in_place) else 0
 
 
 class Prefetched(Generic[T]):

@@ -467,3 +467,17 @@ def test_auto_prefetch_probes_both_ways_keeps_one_and_trains_exactly_like_readin
     for bad in ("fast", -1, True, 1.5):
         with pytest.raises(ValueError, match=r'`input_prefetch` must be an int >= 0 or "auto"'):
             _estimator(tmp_path / "bad", input_prefetch=bad)
+
+
+def test_auto_prefetch_keeps_reading_ahead_only_for_a_clear_gain() -> None:
+    from embtables.estimator.input_pipeline import AHEAD_GAIN, Probe
+
+    for ahead, chosen in ((0.95, 0), (1.2, 0), (AHEAD_GAIN, 1), (0.5, 1)):
+        probe = Probe(steps=3)
+        for _ in range(3):
+            assert probe.depth() == 0
+            probe.record(0, 1.0)
+        for _ in range(3):
+            assert probe.depth() == 1
+            probe.record(1, ahead)
+        assert probe.chosen == chosen and probe.depth() == chosen, ahead
