@@ -611,11 +611,17 @@ typedef struct {
     float *occ_c;
     float *scratch; /* [U, <= 4 x D]: the rows a checked small update overwrites, kept until it is checked */
     int64_t cap_n, cap_h, cap_g, cap_s;
+    /* Small tables dedup through a direct map instead of the hash: dmap [cap_d], id -> unique index, -1 where
+     * absent; rows[0 .. dmap_n) are set in it (cleared again before rows is next written). */
+    int32_t *dmap;
+    int64_t cap_d, dmap_n;
+    int direct; /* the current unique rows are in dmap (else in the hash) */
 } et_workspace;
 
 static inline uint64_t et_hash(int64_t id) { return (uint64_t)id * 0x9E3779B97F4A7C15ull; }
 
 static inline int64_t et_find(const et_workspace *h, int64_t id, int shift) {
+    if (h->direct) return (uint64_t)id < (uint64_t)h->cap_d ? h->dmap[id] : -1;
     uint64_t b = et_hash(id) >> shift;
     while (h->hkeys[b] != -1) {
         if (h->hkeys[b] == id) return h->hvals[b];
@@ -639,6 +645,7 @@ void et_workspace_free(void *handle) {
     free(h->occ_g);
     free(h->occ_c);
     free(h->scratch);
+    free(h->dmap);
     free(h);
 }
 
@@ -673,9 +680,9 @@ static void et_shrink(void **p, int64_t *cap, int64_t need, size_t sz) {
  * reads them. status: 0 ok, 1 non-finite gradient, 2 out of memory, 3 bad offsets or an id outside [0, V). */
 /* Phase 1, step 1: every buffer sized for N occurrences (one shared capacity) and a hash table of
  * 2N..4N buckets, emptied; 0 when out of memory (the workspace stays consistent). */
-static int et_reserve_workspace(et_workspace *h, int64_t N) {
+static int et_reserve_workspace(et_workspace *h, int64_t N, int hash) {
     int64_t H = 16;
-    while (H < 2 * N) H <<= 1;
+    while (hash && H < 2 * N) H <<= 1;
     if (h->cap_n > 4 * (N + 16) && h->cap_n * 40 > (1 << 20)) {
         /* every N-sized buffer shares one capacity: drop them together */
         free(h->inv); free(h->rows); free(h->start); free(h->occ); free(h->occ_g); free(h->occ_c);
@@ -703,7 +710,69 @@ static int et_reserve_workspace(et_workspace *h, int64_t N) {
     h->cap_n = cap_n;
     h->cap_h = cap_h;
     h->mask = H - 1;
-    memset(h->hkeys, 0xff, sizeof(int64_t) * H);
+    if (hash) memset(h->hkeys, 0xff, sizeof(int64_t) * H);
+    return 1;
+}
+
+/* Tables of at most this many rows (or 4 x the step's ids, when more) dedup through the direct map. */
+#define ET_DIRECT_V (1 << 16)
+
+static int et_dedup_mode = 0; /* 0: by size (et_use_direct), 1: always the hash, 2: the direct map up to 2^22 rows */
+
+/* For tests: the same steps through either dedup (they must give the same bits). Not thread-safe: set it
+ * between steps. */
+void et_set_dedup_mode(int mode) { et_dedup_mode = mode; }
+
+static int et_use_direct(int64_t V, int64_t N) {
+    if (et_dedup_mode) return et_dedup_mode == 2 && V <= (1 << 22);
+    return V <= ET_DIRECT_V || (V <= 4 * N && V <= (1 << 22));
+}
+
+/* Forget the unique rows of the previous phase 1 in the direct map (all -1 again): before rows is rewritten. */
+static void et_clear_direct(et_workspace *h) {
+    for (int64_t u = 0; u < h->dmap_n; ++u) h->dmap[h->rows[u]] = -1;
+    h->dmap_n = 0;
+    h->direct = 0;
+}
+
+/* The direct map sized for ids in [0, V) (its new entries -1; the old ones are -1 after et_clear_direct). */
+static int et_reserve_direct(et_workspace *h, int64_t V) {
+    if (h->cap_d >= V) return 1;
+    int32_t *m = (int32_t *)realloc(h->dmap, sizeof(int32_t) * (size_t)(V > 0 ? V : 1));
+    if (!m) return 0;
+    memset(m + h->cap_d, 0xff, sizeof(int32_t) * (size_t)(V - h->cap_d));
+    h->dmap = m;
+    h->cap_d = V;
+    return 1;
+}
+
+/* et_dedup through the direct map: the same rows and inv (first-occurrence order), no hashing or probing. */
+static int et_dedup_direct(et_workspace *h, int64_t nfeat, const int64_t *const *ids, const int64_t *const *offsets,
+                           const int64_t *nbags, int64_t V, int64_t *U_out) {
+    int32_t *inv = h->inv, *map = h->dmap;
+    int64_t *rows = h->rows;
+    int64_t U = 0, kg = 0;
+    h->direct = 1;
+    for (int64_t f = 0; f < nfeat; ++f) {
+        const int64_t *fid = ids[f];
+        const int64_t kend = offsets[f][nbags[f]];
+        for (int64_t k = offsets[f][0]; k < kend; ++k, ++kg) {
+            const int64_t id = fid[k];
+            if ((uint64_t)id >= (uint64_t)V) {
+                h->dmap_n = U;
+                return 0;
+            }
+            int32_t u = map[id];
+            if (u < 0) {
+                u = (int32_t)U;
+                map[id] = u;
+                rows[U++] = id;
+            }
+            inv[kg] = u;
+        }
+    }
+    h->dmap_n = U;
+    *U_out = U;
     return 1;
 }
 
@@ -863,6 +932,7 @@ static void et_prepare_one(et_workspace *h, int64_t nfeat, const int64_t *const 
                            const float *const *grads, const int64_t *ld, int64_t D, int64_t V, int nthreads,
                            int *status) {
     int64_t N = 0, U = 0;
+    et_clear_direct(h);
     h->U = 0;
     h->D = D;
     *status = 3;
@@ -871,8 +941,11 @@ static void et_prepare_one(et_workspace *h, int64_t nfeat, const int64_t *const 
         N += offsets[f][nbags[f]] - offsets[f][0];
     }
     *status = 2;
-    if (!et_reserve_workspace(h, N)) return;
-    if (!et_dedup(h, nfeat, ids, offsets, nbags, V, &U)) {
+    const int direct = et_use_direct(V, N);
+    if (!et_reserve_workspace(h, N, !direct) || (direct && !et_reserve_direct(h, V))) return;
+    const int deduped = direct ? et_dedup_direct(h, nfeat, ids, offsets, nbags, V, &U)
+                               : et_dedup(h, nfeat, ids, offsets, nbags, V, &U);
+    if (!deduped) {
         *status = 3;
         return;
     }
@@ -1102,6 +1175,7 @@ int et_apply(const void *handle, float *W, float *S0, float *S1, float *S2, int6
  * [0, V) or a repeated row (the workspace is then empty). */
 int et_workspace_load(void *handle, const int64_t *rows, const float *G, int64_t U, int64_t D, int64_t V) {
     et_workspace *h = (et_workspace *)handle;
+    et_clear_direct(h);
     h->U = 0;
     h->D = D;
     int64_t H = 16;
