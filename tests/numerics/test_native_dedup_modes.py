@@ -1,8 +1,9 @@
 """Phase 1's two dedups (``csrc/embtables_native.c``): small tables (at most 65,536 rows, or 4x the step's ids)
 find each id's unique row through a direct map [V], the others through a hash of the step's ids. Both give
 the same unique rows in first-occurrence order and the same sums, so training is bit for bit the same
-through either, also on a table whose steps alternate between them (the map is cleared between steps)
-and for a non-lazy optimizer, whose dense update looks every row up."""
+through either, also on a table whose steps alternate between them (the map is cleared between steps),
+for a non-lazy optimizer, whose dense update looks every row up, and when an update covering a quarter of
+the table or more goes through its rows in row order (the map scanned) instead of first-occurrence order."""
 
 from __future__ import annotations
 
@@ -56,9 +57,11 @@ def _train(mode: int, optimizer: Any, vocab: int, sizes: list[int]) -> dict[str,
     [et.Adagrad(0.3), et.Adam(0.05, lazy_adam=False), et.FTRL(0.2), et.SGD(0.5)],
     ids=["adagrad", "adam-dense", "ftrl", "sgd"],
 )
-@pytest.mark.parametrize("vocab", [300, 100_000])
+@pytest.mark.parametrize("vocab", [300, 5000, 100_000])
 def test_direct_map_and_hash_train_the_same_bits(optimizer: Any, vocab: int) -> None:
-    sizes = [5, 40_000, 3, 30_000, 8] if vocab > 65_536 else [5, 200, 3, 90, 8]  # automatic mode switches
+    # 300: small updates (checked in place); 5000: most of the table each step (updated in row order through
+    # the map); 100,000: steps that switch between the hash (few ids) and the map (many) when automatic
+    sizes = {300: [5, 200, 3, 90, 8], 5000: [20_000, 9000, 3, 12_000], 100_000: [5, 40_000, 3, 30_000, 8]}[vocab]
     runs = {mode: _train(mode, optimizer, vocab, sizes) for mode in (HASH, DIRECT, AUTO)}
     for mode in (DIRECT, AUTO):
         for k, v in runs[HASH].items():
