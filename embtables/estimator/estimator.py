@@ -104,9 +104,9 @@ class Estimator:
       progress: show a progress bar (default: when stderr is a terminal).
       input_prefetch: batches read from ``input_fn`` and converted ahead, on a background thread, while
         the current step trains (0: none, each batch is read when its step starts); ``"auto"`` (default):
-        the first 16 steps of training read in place and the next 16 one ahead, timed, and the faster way
-        is kept from then on (the same, separately, for ``evaluate``/``predict``); the results are the
-        same either way, bit for bit.
+        the first 32 steps of training read in place and the next 32 one ahead, timed, and one ahead is
+        kept from then on only when it was at least 10% faster (the same, separately, for
+        ``evaluate``/``predict``); the results are the same either way, bit for bit.
     """
 
     def __init__(

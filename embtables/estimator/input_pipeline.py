@@ -32,7 +32,7 @@ from typing import Generic, TypeVar
 
 T = TypeVar("T")
 SWITCH_INTERVAL_S = 0.001
-PROBE_STEPS = 16  # input_prefetch="auto": steps timed each way before choosing
+PROBE_STEPS = 32  # input_prefetch="auto": steps timed each way before choosing (16 misled it on a noisy VM)
 AHEAD_GAIN = 0.9  # ... and one ahead is kept only when its median step is at most this x the in-place one
 
 
@@ -41,7 +41,7 @@ class Probe:
     """``input_prefetch="auto"``: steps timed in place, then one ahead (``steps`` each, over as many calls
     as it takes; the first step of a call and the first after a switch are not counted), then the way
     kept in ``chosen``: one ahead when its median step is at least 10% shorter (``AHEAD_GAIN``), else in
-    place (16 steps of a noisy machine do not tell a few percent apart; in place is the simpler way)."""
+    place (32 steps of a noisy machine do not tell a few percent apart; in place is the simpler way)."""
 
     steps: int = PROBE_STEPS
     in_place: list[float] = dataclasses.field(default_factory=list)

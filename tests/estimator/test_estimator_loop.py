@@ -451,7 +451,8 @@ def test_auto_prefetch_probes_both_ways_keeps_one_and_trains_exactly_like_readin
 
     features, y = _data()
     steps = 2 * PROBE_STEPS + 4  # past the choice
-    batches = [({k: v[s : s + 25] for k, v in features.items()}, y[s : s + 25]) for s in range(0, 25 * steps, 25)]
+    starts = [(25 * i) % (N - 25) for i in range(steps)]
+    batches = [({k: v[s : s + 25] for k, v in features.items()}, y[s : s + 25]) for s in starts]
     runs = {}
     for mode in (0, "auto"):
         e = _estimator(tmp_path / f"m{mode}", input_prefetch=mode)
