@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from statecheck import assert_same
 from torch import nn
 
 import embtables as et
@@ -139,8 +140,7 @@ def test_joined_batches_train_the_same_bits_as_one_at_a_time(
         assert e.global_step == len(data)
         states.append(_state(e))
         e.close()
-    for k in states[0]:
-        assert torch.equal(states[0][k], states[1][k]), k
+    assert_same(states[0], states[1])
 
 
 def test_a_bad_batch_in_a_joined_group_is_refused_at_its_own_step(tmp_path: Path) -> None:
@@ -152,9 +152,7 @@ def test_a_bad_batch_in_a_joined_group_is_refused_at_its_own_step(tmp_path: Path
     with pytest.raises(ValueError, match="outside"):
         e.train(lambda: iter([*data[:4], bad, *data[5:]]))
     assert e.global_step == 4
-    ref, got = _state(reference), _state(e)
-    for k in ref:
-        assert torch.equal(ref[k], got[k]), k
+    assert_same(_state(reference), _state(e))
     nan_labels = (data[2][0], np.full(len(data[2][1]), np.nan, dtype=np.float32))
     with pytest.raises(ValueError, match="NaN or Inf"):
         e.train(lambda: iter([*data[:2], nan_labels, *data[3:]]))

@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from statecheck import assert_same, snapshot
 
 import embtables as et
 from embtables.kernels import native
@@ -49,7 +50,7 @@ def _train(mode: int, optimizer: Any, vocab: int, sizes: list[int]) -> dict[str,
                 for i, a in enumerate(acts.values())
             ).backward()
             emb.apply_gradients()
-    return {k: v.clone() for k, v in emb.state_dict().items()}
+    return snapshot(emb)
 
 
 @pytest.mark.parametrize(
@@ -64,8 +65,7 @@ def test_direct_map_and_hash_train_the_same_bits(optimizer: Any, vocab: int) -> 
     sizes = {300: [5, 200, 3, 90, 8], 5000: [20_000, 9000, 3, 12_000], 100_000: [5, 40_000, 3, 30_000, 8]}[vocab]
     runs = {mode: _train(mode, optimizer, vocab, sizes) for mode in (HASH, DIRECT, AUTO)}
     for mode in (DIRECT, AUTO):
-        for k, v in runs[HASH].items():
-            assert torch.equal(v, runs[mode][k]), (mode, k)
+        assert_same(runs[HASH], runs[mode])
     assert any(not torch.equal(v, torch.full_like(v, 0.1)) for v in runs[AUTO].values())  # it trained
 
 

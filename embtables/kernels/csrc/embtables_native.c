@@ -678,8 +678,9 @@ static void et_shrink(void **p, int64_t *cap, int64_t need, size_t sz) {
 
 /* Phase 1 for one table [V, D] into workspace h. Every offset and id is checked here, in the call that
  * reads them. status: 0 ok, 1 non-finite gradient, 2 out of memory, 3 bad offsets or an id outside [0, V). */
-/* Phase 1, step 1: every buffer sized for N occurrences (one shared capacity) and a hash table of
- * 2N..4N buckets, emptied; 0 when out of memory (the workspace stays consistent). */
+/* Phase 1, step 1: every buffer sized for N occurrences (one shared capacity) and, with ``hash``, a hash table
+ * of 2N..4N buckets, emptied (the direct map needs none); 0 when out of memory (the workspace stays
+ * consistent). */
 static int et_reserve_workspace(et_workspace *h, int64_t N, int hash) {
     int64_t H = 16;
     while (hash && H < 2 * N) H <<= 1;
