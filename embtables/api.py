@@ -267,8 +267,7 @@ class DistributedEmbedding(nn.Module):
         if self._concat is not None:
             grad = activations[0].grad if gradients is None else gradients
             if self._concat.whole_gradient_ok(grad, activations[0]):  # checked whole, not block by block
-                self._pipeline.apply_gradients(self._concat.split_gradient(grad, activations[0], True),
-                                               checked_blocks=True)  # fmt: skip
+                self._pipeline.apply_gradients(self._concat.blocks(grad), checked_blocks=True)
                 return
             try:
                 flat_g: list[Any] = self._concat.split_gradient(grad, activations[0], gradients is not None)

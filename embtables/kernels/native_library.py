@@ -131,6 +131,8 @@ def _compile() -> ctypes.CDLL | None:
     lib.et_prepare_many.restype = None
     lib.et_prepared_size.argtypes = [p]
     lib.et_prepared_size.restype = i64
+    lib.et_prepared_values_max.argtypes = [i64, p, p]
+    lib.et_prepared_values_max.restype = i64
     lib.et_set_dedup_mode.argtypes = [i32]
     lib.et_set_dedup_mode.restype = None
     lib.et_workspace_bytes.argtypes = [p]

@@ -210,8 +210,9 @@ class StepPipeline:
         try:
             if refused is not None:
                 raise refused
+            checked: Sequence[Tensor | None]
             if checked_blocks and engine.world == 1:
-                checked = list(flat_g)
+                checked = flat_g  # read in place (``ColumnBlocks``: no view per feature unless asked for)
             else:
                 with phase_profile.phase("backward: check gradients"):
                     checked = [engine.check_gradient(i, b, g) for i, (b, g) in enumerate(zip(last.batches, flat_g))]

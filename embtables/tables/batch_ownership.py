@@ -63,6 +63,7 @@ class Staging:
         self.buffers: dict[tuple[int, str], list[Tensor]] = {}
         # buffers holding every fast-path feature's ids and offsets (int64) and coefficients (float32)
         self.arenas: list[Tensor] = []
+        self.layouts = native_step.StageLayouts()  # the views of recent layouts in the arenas
 
     def arena(self, n: int, dtype: torch.dtype, busy: set[int]) -> Tensor:
         """A ``dtype`` buffer of at least ``n`` elements that no pointer in ``busy`` points into."""
@@ -75,6 +76,7 @@ class Staging:
                 continue
             if buf.numel() < n:
                 buf = self.arenas[i] = torch.empty(max(n, 2 * buf.numel()), dtype=dtype)
+                self.layouts.forget()  # they hold the old arena
             return buf
         buf = torch.empty(max(n, 1), dtype=dtype)
         self.arenas.append(buf)
@@ -210,7 +212,9 @@ class InputStager:
             else:
                 return None
         staging = self.staging
-        bags = native_step.stage(values, splits, self.vocab, self.codes, lambda n, t: staging.arena(n, t, busy))
+        bags = native_step.stage(
+            values, splits, self.vocab, self.codes, lambda n, t: staging.arena(n, t, busy), staging.layouts
+        )
         if bags is None:
             return None
         return [

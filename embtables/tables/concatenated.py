@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from typing import TypeGuard
 
 import torch
 from torch import Tensor
 
 from embtables.config import ResolvedConfig
 from embtables.errors import ConfigError, InputError
+from embtables.kernels.column_blocks import ColumnBlocks
 from embtables.tables.inputs import FeatureBatch
 
 logger = logging.getLogger("embtables")
@@ -52,6 +54,7 @@ class ConcatLayout:
         self.names = [f.name for f in resolved.features]
         self.dims = [resolved.tables[f.table_index].dim for f in resolved.features]
         starts, self.width = column_starts(resolved)
+        self.starts = tuple(starts)
         self.columns = {name: (a, a + dim) for name, a, dim in zip(self.names, starts, self.dims)}
 
     def check_batches(self, batches: Sequence[FeatureBatch]) -> None:
@@ -67,7 +70,7 @@ class ConcatLayout:
                     "or sparse input of B rows (several ids per example, combined)."
                 )
 
-    def whole_gradient_ok(self, gradient: object, activation: Tensor) -> bool:
+    def whole_gradient_ok(self, gradient: object, activation: Tensor) -> TypeGuard[Tensor]:
         """Whether ``gradient`` is already what one process's phase 1 reads in its column blocks: a dense
         float32 CPU tensor shaped like the activation [B, W] with unit column stride and rows at least W
         apart, not requiring grad (then every block [B, D_f] passes the per-feature gradient check)."""
@@ -84,6 +87,11 @@ class ConcatLayout:
             and (gradient.stride(1) == 1 or gradient.shape[1] <= 1)
             and (gradient.stride(0) >= self.width or gradient.shape[0] <= 1)
         )
+
+    def blocks(self, gradient: Tensor) -> ColumnBlocks:
+        """The F per-feature gradients [B, D_f] of a gradient that ``whole_gradient_ok`` accepted, as column
+        blocks that one process's phase 1 reads in place (views cut only when asked for)."""
+        return ColumnBlocks(gradient, self.starts, self.dims)
 
     def split_gradient(self, gradient: object, activation: Tensor, explicit: bool) -> list[Tensor | None]:
         """The F per-feature gradients [B, D_f] (column views) of a gradient of the concatenated

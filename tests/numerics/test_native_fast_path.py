@@ -202,3 +202,76 @@ def test_an_overflowing_table_leaves_the_tables_written_before_it_as_they_were()
     emb.apply_gradients(torch.ones_like(acts))
     assert emb._engine.local.fast_path._small  # the fast path served the step
     assert not torch.equal(snapshot(emb)["t0"], before["t0"])
+
+
+def test_staging_layouts_are_reused_for_the_same_sizes_and_hold_each_new_batch() -> None:
+    emb = make(("sum", "mean"), True, False, et.SGD(0.1))
+    stager, cpu = emb._inputs, torch.device("cpu")
+    first = stager.stage(batch(emb, 0, torch.int64, False), None, cpu, set())
+    bags = first[0].staged
+    assert bags is not None
+    kept = [(b.ids.clone(), b.offsets.clone()) for b in first]
+    again_input = batch(emb, 0, torch.int64, False)  # the same sizes, other ids
+    again_input = {k: et.Ragged(torch.flip(v.values, [0]), v.row_splits) for k, v in again_input.items()}
+    again = stager.stage(again_input, None, cpu, set())
+    assert again[0].staged is bags  # the same layout: its views and addresses reused
+    for b, x, name in zip(again, kept, sorted(again_input)):
+        assert torch.equal(b.ids, again_input[name].values)  # the views hold the new batch
+        assert torch.equal(b.offsets, x[1])
+    other = stager.stage(batch(emb, 1, torch.int64, False), None, cpu, set())
+    assert other[0].staged is not bags  # other sizes: another layout
+    busy = {bags.base}  # the arena is in use (a batch awaiting apply_gradients): another arena, another layout
+    elsewhere = stager.stage(again_input, None, cpu, busy)
+    assert elsewhere[0].staged is not bags and elsewhere[0].staged.base != bags.base
+    assert len(stager.staging.layouts.layouts) == 3
+    big = {k: et.Ragged.from_lengths(torch.zeros(4000, dtype=torch.int64), torch.full((1000,), 4)) for k in again_input}
+    stager.stage(big, None, cpu, set())  # an arena grows: the layouts holding the old one are forgotten
+    assert len(stager.staging.layouts.layouts) == 1
+
+
+def test_a_column_block_gradient_is_read_in_place_and_checked_whole() -> None:
+    from embtables.kernels.column_blocks import ColumnBlocks
+
+    emb = make(("sum", "sum", "sum"), False, True, et.Adagrad(0.1))
+    acts = emb(batch(emb, 0, torch.int64, True))
+    acts.sum().backward()
+    coll, last = emb._engine.local, emb._pipeline.last
+    arrays, bags = coll.fast_path.arrays(), last.batches[0].staged
+    layout = emb._concat
+    grad = torch.randn(acts.shape, generator=torch.Generator().manual_seed(3))
+    blocks = layout.blocks(grad)
+    assert isinstance(blocks, ColumnBlocks) and blocks._views is None
+    assert native_step.prepare(arrays, bags, blocks) == [0, 0, 0]
+    assert blocks._views is None  # read through the whole gradient's address: no view was cut
+    via_blocks = [ws.num_rows for ws in arrays.workspaces]
+    assert native_step.prepare(arrays, bags, list(torch.split_with_sizes(grad, layout.dims, 1))) == [0, 0, 0]
+    assert [ws.num_rows for ws in arrays.workspaces] == via_blocks
+    assert [torch.equal(a, b) for a, b in zip(blocks, grad.split(layout.dims, 1))] == [True] * 3  # cut on demand
+    bad = [
+        (grad.double(), layout.starts, "float32"),
+        (grad[:-1], layout.starts, "do not fit"),  # fewer rows than the features' bags
+        (grad[:, :-1], layout.starts, "do not fit"),  # the last block runs past the columns
+        (grad.t().contiguous().t(), layout.starts, "laid out"),  # column stride B
+        (grad, (0, 4, 40), "do not fit"),
+        (grad, (0, 4), "laid out"),  # a start per feature is needed
+    ]
+    for whole, starts, match in bad:
+        with pytest.raises(native.NativeBufferError, match=match):
+            native_step.prepare(arrays, bags, ColumnBlocks(whole, starts, layout.dims[: len(starts)]))
+
+
+def test_updates_fit_checking_asks_for_the_largest_update_of_every_table() -> None:
+    emb = make(("sum", "sum"), False, True, et.Adagrad(0.1))
+    acts = emb(batch(emb, 0, torch.int64, True))
+    acts.sum().backward()
+    emb.apply_gradients()
+    arrays = emb._engine.local.fast_path.arrays()
+    largest = max(ws.num_rows * ws.dim for ws in arrays.workspaces)
+    assert largest > 0
+    saved = native_step.STAGED_MAX_VALUES
+    try:
+        for limit, fits in ((largest, True), (largest - 1, False)):
+            native_step.STAGED_MAX_VALUES = limit
+            assert native_step.updates_fit_checking(arrays) is fits
+    finally:
+        native_step.STAGED_MAX_VALUES = saved

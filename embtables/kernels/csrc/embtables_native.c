@@ -1003,6 +1003,16 @@ void et_prepare_many(int64_t T, const int64_t *first, const int64_t *const *ids,
 
 int64_t et_prepared_size(const void *handle) { return ((const et_workspace *)handle)->U; }
 
+/* The largest prepared update (unique rows x D[t] values) of T workspaces: one call for every table. */
+int64_t et_prepared_values_max(int64_t T, void *const *handles, const int64_t *D) {
+    int64_t most = 0;
+    for (int64_t t = 0; t < T; ++t) {
+        const int64_t values = ((const et_workspace *)handles[t])->U * D[t];
+        most = values > most ? values : most;
+    }
+    return most;
+}
+
 float et_prepared_gmax(const void *handle) { return ((const et_workspace *)handle)->gmax; }
 
 /* Bytes of scratch memory the workspace holds now. */
