@@ -305,24 +305,47 @@ class TableArrays:
         self.maxabs = (ctypes.c_float * (4 * t_count))()
         self.status, self.bad = (_I32 * t_count)(), (_I64 * t_count)()
         self.params: tuple[tuple[Any, ...], Any, Any] = ((), None, None)  # (blocks, their addresses, dense flags)
+        self._fit: tuple[Any, tuple[int, ...], int, int, Any] | None = None  # the last layout ``columns_fit`` passed
+
+    def columns_fit(self, n_bags: Any, starts: Sequence[int], rows: int, width: int) -> Any:
+        """The row strides [F] (all ``width``) of F feature blocks in a [rows, width] buffer, after checking that
+        feature f has ``n_bags[f] == rows`` bags and its D_f columns from ``starts[f]`` lie inside; None when
+        one does not fit. The last layout that fits is remembered (``n_bags`` by identity: a staged layout's
+        own array, never written after it was built)."""
+        fit = self._fit
+        starts = tuple(starts)
+        if fit is not None and fit[0] is n_bags and fit[1] == starts and fit[2] == rows and fit[3] == width:
+            return fit[4]
+        dims = self.fdims
+        if len(starts) != len(dims) or len(n_bags) != len(dims):
+            return None
+        for f, start in enumerate(starts):
+            if n_bags[f] != rows or start < 0 or start + dims[f] > width:
+                return None
+        ld = (_I64 * len(dims))(*([width] * len(dims)))
+        self._fit = (n_bags, starts, rows, width, ld)
+        return ld
 
     def current_weights(self, weights: Sequence[Tensor]) -> bool:
         """``current`` for the tables' weights alone (what a lookup reads)."""
         if len(weights) != self.count:
             return False
-        return all(self._same(t, i) for t, i in zip(weights, self.weight_at))
+        tensors, layout = self.tensors, self.layout
+        for t, i in zip(weights, self.weight_at):
+            ptr, shape = layout[i]
+            if t is not tensors[i] or t.data_ptr() != ptr or t.shape != shape or not t.is_contiguous():
+                return False
+        return True
 
     def current(self, tensors: Sequence[Tensor]) -> bool:
         """Whether ``tensors`` (weights and slots, table by table) are the tensors these arrays were built
         from, each still contiguous at the address and with the shape recorded."""
         if len(tensors) != len(self.tensors):
             return False
-        return all(self._same(t, i) for i, t in enumerate(tensors))
-
-    def _same(self, t: Tensor, i: int) -> bool:
-        """Whether ``t`` is held tensor ``i``, still contiguous at the recorded address and shape."""
-        ptr, shape = self.layout[i]
-        return t is self.tensors[i] and t.is_contiguous() and t.data_ptr() == ptr and t.shape == shape
+        for t, held, (ptr, shape) in zip(tensors, self.tensors, self.layout):
+            if t is not held or t.data_ptr() != ptr or t.shape != shape or not t.is_contiguous():
+                return False
+        return True
 
 
 def lookup(tables: TableArrays, bags: StagedBags, outs: Sequence[Tensor], starts: Sequence[int] | None) -> int:
@@ -338,11 +361,10 @@ def lookup(tables: TableArrays, bags: StagedBags, outs: Sequence[Tensor], starts
         out = _require(outs[0], "output", torch.float32, (-1, -1))
         rows, width = out.shape
         base = out.data_ptr()
-        for f in range(f_count):
-            if n_bags[f] != rows or starts[f] < 0 or starts[f] + tables.fdims[f] > width:
-                raise NativeBufferError("embtables native kernel: the output columns do not fit the shared buffer.")
+        ld = tables.columns_fit(n_bags, starts, rows, width)
+        if ld is None or len(starts) != f_count:
+            raise NativeBufferError("embtables native kernel: the output columns do not fit the shared buffer.")
         out_ptr = (_VP * f_count)(*[base + 4 * s for s in starts])
-        ld = (_I64 * f_count)(*([width] * f_count))
     else:
         for f, o in enumerate(outs):
             _require(o, "output", torch.float32, (n_bags[f], tables.fdims[f]))
@@ -417,14 +439,12 @@ def _column_block_pointers(
     row, column = whole.stride()
     if (column != 1 and width > 1) or (row < width and rows > 1) or len(grads.starts) != len(tables.fdims):
         raise NativeBufferError("embtables native kernel: the gradient's rows are not laid out as [S, W].")
-    row = max(row, width)  # one row: its stride reads nothing
-    n_bags, dims, starts = bags.n_bags, tables.fdims, grads.starts
-    for f, start in enumerate(starts):
-        if n_bags[f] != rows or start < 0 or start + dims[f] > width:
-            raise NativeBufferError("embtables native kernel: a feature's gradient columns do not fit the gradient.")
+    starts = grads.starts
+    if tables.columns_fit(bags.n_bags, starts, rows, width) is None:
+        raise NativeBufferError("embtables native kernel: a feature's gradient columns do not fit the gradient.")
     base = whole.data_ptr()
     pointers: list[int | None] = [base + 4 * s for s in starts]
-    return pointers, [row] * len(starts)
+    return pointers, [max(row, width)] * len(starts)  # one row: its stride reads nothing
 
 
 def updates_fit_checking(tables: TableArrays) -> bool:
@@ -445,10 +465,11 @@ def apply_checked(tables: TableArrays, params: Sequence[Any], dense: Sequence[in
     if len(params) != t_count or len(dense) != t_count:
         raise NativeBufferError("embtables native kernel: one parameter block per table is needed.")
     blocks, p_arr, d_arr = tables.params
-    if len(blocks) != t_count or any(x is not y for x, y in zip(blocks, params)) or list(d_arr) != list(dense):
+    params, dense = tuple(params), tuple(dense)
+    if params != blocks or dense != tuple(d_arr):  # the blocks compare by identity (ctypes structures)
         p_arr = (_VP * t_count)(*[ctypes.addressof(p) for p in params])
         d_arr = (_I32 * t_count)(*dense)
-        tables.params = (tuple(params), p_arr, d_arr)  # holds the blocks while their addresses are used
+        tables.params = (params, p_arr, d_arr)  # holds the blocks while their addresses are used
     status, bad = tables.status, tables.bad
     s0, s1, s2 = tables.s
     lib.et_apply_many(

@@ -145,6 +145,8 @@ class StepPipeline:
             self.flush(observer=True)  # pipelining affects training lookups only
         if staged.prefetch is not None:
             acts, context, batches = staged.prefetch.result()
+        elif self.worker is None:
+            acts, context, batches = self._lookup(staged)
         else:
             acts, context, batches = self.run(lambda: self._lookup(staged))
         if not staged.training:
@@ -172,7 +174,8 @@ class StepPipeline:
         table's keys turned into rows, spec §11; the staged batch keeps its keys, so a lookup done again
         translates again). A training lookup never evicts a row the held-back update will write."""
         pin_from = staged.step - 1 if self.pipelined else staged.step
-        with torch.no_grad(), self._stale_rows_swapped_in(staged.training), phase_profile.phase("lookup"):
+        stale = self._stale_rows_swapped_in(staged.training) if self.stale else contextlib.nullcontext()
+        with torch.no_grad(), stale, phase_profile.phase("lookup"):
             self.engine.check_phase("lookup" if staged.training else "eval lookup", staged.step)
             batches = self.engine.translate_keys(
                 staged.batches or [], staged.training, staged.step, pin_from, staged.refused

@@ -70,10 +70,11 @@ class Staging:
         for i, buf in enumerate(self.arenas):
             if buf.dtype != dtype:
                 continue
-            lo = buf.data_ptr()
-            hi = lo + buf.numel() * buf.element_size()
-            if any(lo <= p < hi for p in busy):
-                continue
+            if busy:
+                lo = buf.data_ptr()
+                hi = lo + buf.numel() * buf.element_size()
+                if any(lo <= p < hi for p in busy):
+                    continue
             if buf.numel() < n:
                 buf = self.arenas[i] = torch.empty(max(n, 2 * buf.numel()), dtype=dtype)
                 self.layouts.forget()  # they hold the old arena

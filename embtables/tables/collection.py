@@ -351,9 +351,8 @@ class EmbeddingCollection:
         """
         in_one_call = all(tg.prepared is not None for tg in table_grads)
         if in_one_call and self._fast is not None and self._fast.apply(table_grads, lrs):
-            for tg in table_grads:  # checked exactly; bounds measured meanwhile (a pipelined check) are stale now
-                self._guard.forget(tg.table.name)
-            return
+            self._guard.forget_tables([tg.table.name for tg in table_grads])  # checked exactly; bounds measured
+            return  # meanwhile (a pipelined check) are stale now
         writes: list[Callable[[], None]] = []
         natives: list[_NativeWrite] = []  # written together, in one native call
         for tg in table_grads:

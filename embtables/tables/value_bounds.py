@@ -49,6 +49,12 @@ class ValueBounds:
         """The table was written outside the guard: measure it again before its next guarded update."""
         self._bounds.pop(table_name, None)
 
+    def forget_tables(self, names: Sequence[str]) -> None:
+        """``forget`` every table of ``names``."""
+        if self._bounds:
+            for name in names:
+                self._bounds.pop(name, None)
+
     def proven(self, table: ResolvedTable, lr: float, decay: float, gmax: float) -> tuple[float, ...] | None:
         """Bounds on every value this update writes, or None when it is not proven finite. Carried
         (analytic) bounds only grow, so before giving up they are measured again once."""
