@@ -38,6 +38,7 @@ from embtables.kernels.native import (
     library,
     raise_for_apply_status,
 )
+from embtables.kernels.native_library import untyped
 
 _VP, _I64, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
 
@@ -135,6 +136,8 @@ class _Layout:
         self.int_arena, self.coef_arena = int_arena, coef_arena
         self.call_sizes = ((_I64 * n)(*n_ids), (_I64 * n)(*n_bags))  # what the staging call reads
         base = int_arena.data_ptr()
+        self.call_scalars = (_I64(n), _VP(base), _I64(int_arena.numel()), _VP(coef_arena.data_ptr()),
+                             _I64(coef_arena.numel()))  # fmt: skip
         self.bag_counts = [count if bags < 0 else bags for count, bags in zip(n_ids, n_bags)]
         sizes: list[int] = []
         id_at: list[int] = []
@@ -199,9 +202,10 @@ def stage(
     arenas give the same ``StagedBags``, its views holding the new batch). None when an input is not a
     contiguous 1-D int64 CPU tensor or breaks a rule (the general path then names it); nothing the caller
     sees changes."""
-    lib = library()
-    assert lib is not None
+    calls = _calls()
     n = len(values)
+    if len(splits) != n or len(vocab) != n or len(codes) != n:
+        raise NativeBufferError("embtables native kernel: one split, vocabulary size and combiner per feature.")
     i64 = torch.int64
     ids_p: list[int] = []
     split_p: list[int | None] = []
@@ -242,9 +246,10 @@ def stage(
         layout = build()  # another tensor at a freed arena's address: never reuse its views
     status, single = (_I32 * n)(), (_I32 * n)()
     call_ids, call_bags = layout.call_sizes
-    written = lib.et_stage_inputs_many(
-        n, (_VP * n)(*ids_p), call_ids, (_VP * n)(*split_p), call_bags, vocab, base, int_arena.numel(), status,
-        single, codes, coef_base, coef_arena.numel(),
+    n_c, base_c, cap_c, coef_c, coef_cap_c = layout.call_scalars
+    written = calls.et_stage_inputs_many(
+        n_c, (_VP * n)(*ids_p), call_ids, (_VP * n)(*split_p), call_bags, vocab, base_c, cap_c, status, single,
+        codes, coef_c, coef_cap_c,
     )  # fmt: skip
     if written < 0:
         raise NativeBufferError("embtables native kernel: the staging arenas are too small for the batch.")
@@ -279,6 +284,7 @@ class TableArrays:
         self.shapes = [tuple(w.shape) for w, _ in tensors]
         t_count = len(tensors)
         self.count = t_count
+        self.count_c = _I64(t_count)  # the untyped calls take ctypes scalars
         self.workspaces = tuple(workspaces)
         self.w = (_VP * t_count)(*w_ptr)
         self.s = tuple((_VP * t_count)(*p) for p in s_ptr)
@@ -287,6 +293,7 @@ class TableArrays:
         self.handles = (_VP * t_count)(*[ws.handle for ws in workspaces])
         self.feature_tables = tuple(feature_tables)
         f_count = len(feature_tables)
+        self.features, self.features_c = f_count, _I64(f_count)
         self.fw = (_VP * f_count)(*[w_ptr[t] for t in feature_tables])
         self.fdims = (_I64 * f_count)(*[self.shapes[t][1] for t in feature_tables])
         self.fvocab = (_I64 * f_count)(*[self.shapes[t][0] for t in feature_tables])
@@ -352,12 +359,15 @@ def lookup(tables: TableArrays, bags: StagedBags, outs: Sequence[Tensor], starts
     """Every feature's pooled activations in one call: into column blocks ``out[:, starts[f] : starts[f] + D_f]``
     of ``outs[0]`` [S, W] (``starts`` given; every feature has S bags), else into ``outs[f]`` [S_f, D_f].
     Returns 0, 1 (an id outside [0, V) or bad offsets) or 2 (a non-finite activation)."""
-    lib = library()
-    assert lib is not None
+    calls = _calls()
     bags.check()
     f_count = len(bags.views)
+    if f_count != tables.features:
+        raise NativeBufferError("embtables native kernel: the staged bags are not one per feature of the tables.")
     n_bags = bags.n_bags
     if starts is not None:
+        if len(outs) != 1:
+            raise NativeBufferError("embtables native kernel: one shared output buffer is needed.")
         out = _require(outs[0], "output", torch.float32, (-1, -1))
         rows, width = out.shape
         base = out.data_ptr()
@@ -366,22 +376,25 @@ def lookup(tables: TableArrays, bags: StagedBags, outs: Sequence[Tensor], starts
             raise NativeBufferError("embtables native kernel: the output columns do not fit the shared buffer.")
         out_ptr = (_VP * f_count)(*[base + 4 * s for s in starts])
     else:
+        if len(outs) != f_count:
+            raise NativeBufferError("embtables native kernel: one output per staged feature is needed.")
         for f, o in enumerate(outs):
             _require(o, "output", torch.float32, (n_bags[f], tables.fdims[f]))
         out_ptr = (_VP * f_count)(*[o.data_ptr() for o in outs])
         ld = tables.fdims
     args = (bags.ids, bags.n_ids, bags.offsets, n_bags, bags.coeffs, out_ptr, ld)
-    return int(lib.et_lookup_many(f_count, tables.fw, tables.fdims, tables.fvocab, *args, _threads()))
+    return int(calls.et_lookup_many(tables.features_c, tables.fw, tables.fdims, tables.fvocab, *args, _c_threads()))
 
 
 def prepare(tables: TableArrays, bags: StagedBags, grads: Sequence[Tensor | None]) -> list[int]:
     """Phase 1 of every table into its workspace (``native.prepare_many``) from the staged bags and each
     feature's gradient [S_f, D_f] | None, contiguous or a column block of a wider one. Returns the
     statuses per table."""
-    lib = library()
-    assert lib is not None
+    calls = _calls()
     bags.check()
     f_count = len(bags.views)
+    if f_count != tables.features:
+        raise NativeBufferError("embtables native kernel: the staged bags are not one per feature of the tables.")
     g_ptr: list[int | None] = []
     ld: list[int] = []
     if type(grads) is ColumnBlocks:  # read in place through the whole gradient's address, no view per feature
@@ -406,8 +419,8 @@ def prepare(tables: TableArrays, bags: StagedBags, grads: Sequence[Tensor | None
         grads_arr = (_VP * f_count)(*[g_ptr[f] for f in o])
         ld_arr = (_I64 * f_count)(*[ld[f] for f in o])
     statuses = (ctypes.c_int * tables.count)()
-    lib.et_prepare_many(
-        tables.count,
+    calls.et_prepare_many(
+        tables.count_c,
         tables.first,
         ids,
         n_ids,
@@ -418,7 +431,7 @@ def prepare(tables: TableArrays, bags: StagedBags, grads: Sequence[Tensor | None
         ld_arr,
         tables.dims,
         tables.vocab,
-        _threads(),
+        _c_threads(),
         tables.handles,
         statuses,
     )
@@ -449,9 +462,8 @@ def _column_block_pointers(
 
 def updates_fit_checking(tables: TableArrays) -> bool:
     """Whether every table's prepared update (unique rows x D) has at most ``STAGED_MAX_VALUES`` values."""
-    lib = library()
-    assert lib is not None
-    return int(lib.et_prepared_values_max(tables.count, tables.handles, tables.dims)) <= STAGED_MAX_VALUES
+    most = _calls().et_prepared_values_max(tables.count_c, tables.handles, tables.dims)
+    return int(most) <= STAGED_MAX_VALUES
 
 
 def apply_checked(tables: TableArrays, params: Sequence[Any], dense: Sequence[int]) -> list[int]:
@@ -459,8 +471,7 @@ def apply_checked(tables: TableArrays, params: Sequence[Any], dense: Sequence[in
     tables before any is written; ``native.apply_many`` with ``check`` set and nothing measured). ``params``
     are the tables' ``native.opt_params`` blocks, ``dense`` 1 for a non-lazy table. Returns per table the row
     whose update is not finite (-1: none; when any is not -1, nothing was written)."""
-    lib = library()
-    assert lib is not None
+    calls = _calls()
     t_count = tables.count
     if len(params) != t_count or len(dense) != t_count:
         raise NativeBufferError("embtables native kernel: one parameter block per table is needed.")
@@ -472,12 +483,24 @@ def apply_checked(tables: TableArrays, params: Sequence[Any], dense: Sequence[in
         tables.params = (params, p_arr, d_arr)  # holds the blocks while their addresses are used
     status, bad = tables.status, tables.bad
     s0, s1, s2 = tables.s
-    lib.et_apply_many(
-        t_count, tables.handles, tables.w, s0, s1, s2, tables.vocab, tables.dims, p_arr, d_arr, tables.zeros,
-        tables.ones, _threads(), tables.maxabs, status, bad,
+    calls.et_apply_many(
+        tables.count_c, tables.handles, tables.w, s0, s1, s2, tables.vocab, tables.dims, p_arr, d_arr, tables.zeros,
+        tables.ones, _c_threads(), tables.maxabs, status, bad,
     )  # fmt: skip
     raise_for_apply_status(status)
     return list(bad)
+
+
+def _calls() -> ctypes.CDLL:
+    """The fast calls without argument conversion (``native_library.untyped``): every argument a ctypes
+    object of its C type."""
+    lib = library()
+    assert lib is not None
+    return untyped(lib)
+
+
+def _c_threads() -> ctypes.c_int:
+    return ctypes.c_int(_threads())
 
 
 def _nothing() -> None:
