@@ -7,6 +7,7 @@ must give the same bits, raise the same errors and leave the tables as they were
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 from typing import Any
 
@@ -275,3 +276,39 @@ def test_updates_fit_checking_asks_for_the_largest_update_of_every_table() -> No
             assert native_step.updates_fit_checking(arrays) is fits
     finally:
         native_step.STAGED_MAX_VALUES = saved
+
+
+def test_the_untyped_calls_refuse_arrays_that_are_not_one_per_feature() -> None:
+    """The fast calls convert no argument (``native_library.untyped``), so what C indexes per feature is checked
+    against the feature count first: staging arrays, the staged bags against the tables' features, the outputs."""
+    from embtables.kernels.native_library import _UNTYPED_RESULTS, untyped
+
+    lib = native.library()
+    raw = untyped(lib)
+    assert untyped(lib) is raw
+    for name, result in _UNTYPED_RESULTS.items():
+        assert getattr(raw, name).argtypes is None and getattr(raw, name).restype is result
+    emb = make(("sum", "sum", "sum"), False, False, et.SGD(0.1))
+    stager = emb._inputs
+    inputs = batch(emb, 0, torch.int64, False)
+    values = [inputs[k].values for k in sorted(inputs)]
+    splits = [inputs[k].row_splits for k in sorted(inputs)]
+    arena = lambda n, dtype: torch.empty(n, dtype=dtype)  # noqa: E731
+    with pytest.raises(native.NativeBufferError, match="one split"):
+        native_step.stage(values[:2], splits[:2], stager.vocab, stager.codes, arena)
+    with pytest.raises(native.NativeBufferError, match="one split"):
+        native_step.stage(values, splits[:2], stager.vocab, stager.codes, arena)
+    bags = native_step.stage(values, splits, stager.vocab, stager.codes, arena)
+    assert bags is not None
+    arrays = emb._engine.local.fast_path.arrays()
+    outs = [torch.empty(6, d) for d in (4, 6, 8)]
+    assert native_step.lookup(arrays, bags, outs, None) == 0
+    with pytest.raises(native.NativeBufferError, match="one output per staged feature"):
+        native_step.lookup(arrays, bags, outs[:2], None)
+    two = ((ctypes.c_int64 * 2)(*stager.vocab[:2]), (ctypes.c_int32 * 2)(*stager.codes[:2]))
+    fewer = native_step.stage(values[:2], splits[:2], *two, arena)
+    assert fewer is not None
+    with pytest.raises(native.NativeBufferError, match="one per feature of the tables"):
+        native_step.lookup(arrays, fewer, outs[:2], None)
+    with pytest.raises(native.NativeBufferError, match="one per feature of the tables"):
+        native_step.prepare(arrays, fewer, [None, None])
