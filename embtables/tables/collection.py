@@ -349,10 +349,10 @@ class EmbeddingCollection:
         and every table and slot is left exactly as it was. When every table was prepared natively,
         the dry runs happen in the same native call that writes (checked for all tables first).
         """
-        in_one_call = all(tg.prepared is not None for tg in table_grads)
-        if in_one_call and self._fast is not None and self._fast.apply(table_grads, lrs):
+        if self._fast is not None and self._fast.apply(table_grads, lrs):  # only its own prepared gradients
             self._guard.forget_tables([tg.table.name for tg in table_grads])  # checked exactly; bounds measured
             return  # meanwhile (a pipelined check) are stale now
+        in_one_call = all(tg.prepared is not None for tg in table_grads)
         writes: list[Callable[[], None]] = []
         natives: list[_NativeWrite] = []  # written together, in one native call
         for tg in table_grads:
