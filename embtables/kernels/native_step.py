@@ -107,7 +107,8 @@ class StageLayouts:
     """The views and address arrays of the staging layouts seen lately (``stage``), by arena and sizes: a
     step whose features have the sizes of an earlier one, staged into the same arena, reuses its views
     [3F] and ctypes arrays instead of cutting and building them again (about 20 us a step at F = 8). At
-    most ``KEEP`` layouts, all forgotten when one more comes (they hold their arenas)."""
+    most ``KEEP`` layouts (they hold their arenas): all are forgotten when one more comes, and when the
+    staging replaces an arena (``forget``)."""
 
     KEEP = 8
 
@@ -150,7 +151,7 @@ class _Layout:
             at += count + bags + 1
         self.at = at
         self.views = torch.split_with_sizes(int_arena, [*sizes, int_arena.numel() - at]) if n else ()
-        self.n_ids, self.id_at, self.off_at = list(n_ids), id_at, off_at
+        self.n_ids = list(n_ids)
         self.sizes = ((_I64 * n)(*n_ids), (_I64 * n)(*self.bag_counts))
         self.addresses = ((_VP * n)(*id_at), (_VP * n)(*off_at))
         self.ragged = [bags >= 0 for bags in n_bags]
@@ -372,7 +373,7 @@ def lookup(tables: TableArrays, bags: StagedBags, outs: Sequence[Tensor], starts
         rows, width = out.shape
         base = out.data_ptr()
         ld = tables.columns_fit(n_bags, starts, rows, width)
-        if ld is None or len(starts) != f_count:
+        if ld is None:
             raise NativeBufferError("embtables native kernel: the output columns do not fit the shared buffer.")
         out_ptr = (_VP * f_count)(*[base + 4 * s for s in starts])
     else:
