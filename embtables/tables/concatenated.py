@@ -57,6 +57,11 @@ class ConcatLayout:
         self.starts = tuple(starts)
         self.columns = {name: (a, a + dim) for name, a, dim in zip(self.names, starts, self.dims)}
 
+    def __setstate__(self, state: dict[str, object]) -> None:
+        self.__dict__.update(state)
+        if "starts" not in state:  # pickled before the gradient went to phase 1 as column blocks
+            self.starts = tuple(start for start, _ in self.columns.values())
+
     def check_batches(self, batches: Sequence[FeatureBatch]) -> None:
         """Raise ``InputError`` unless every feature's batch pools to the same B rows (one per example)."""
         first = batches[0].out_shape if batches else ()

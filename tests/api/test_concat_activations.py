@@ -227,6 +227,22 @@ def test_a_module_pickled_before_concat_activations_existed_still_loads_and_trai
     revived.apply_gradients({k: torch.ones_like(v) for k, v in acts.items()})
 
 
+def test_a_concatenated_module_pickled_before_column_blocks_still_trains_the_same_bits() -> None:
+    import pickle
+
+    emb = _make(True)
+    older = pickle.loads(pickle.dumps(emb))
+    del older._concat.__dict__["starts"]  # what an earlier version pickled
+    revived = pickle.loads(pickle.dumps(older))
+    assert revived._concat.starts == emb._concat.starts
+    for step in range(2):
+        features, weights = _batch(step)
+        for module in (emb, revived):
+            joined = module(features, weights)
+            module.apply_gradients(_gradient(step, joined.shape[0], joined.shape[1]))
+    assert_same(snapshot(emb), snapshot(revived))
+
+
 @pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
 def test_a_nested_tensor_gradient_is_refused_naming_the_feature() -> None:
     """The gradient checks' fast path must not reach a nested tensor's (missing) shape: the refusal names the
