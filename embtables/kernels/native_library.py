@@ -147,7 +147,9 @@ def _compile() -> ctypes.CDLL | None:
     lib.et_apply_sequential.restype = i32
     lib.et_workspace_load.argtypes = [p, p, p, i64, i64, i64]
     lib.et_workspace_load.restype = i32
-    lib.et_apply_many.argtypes = [i64, p, p, p, p, p, p, p, p, p, p, p, i32, p, p, p]
+    lib.et_apply_many.argtypes = [i64, p, p, p, p, p, p, p, p, p, p, p, i32, p, p, p, p, p, p]
+    lib.et_prove_update.argtypes = [p, ctypes.c_double, p, p, p]
+    lib.et_prove_update.restype = i32
     lib.et_apply_many.restype = None
     lib.et_stage_inputs_many.argtypes = [i64, p, p, p, p, p, p, i64, p, p, p, p, i64]
     lib.et_stage_inputs_many.restype = i64

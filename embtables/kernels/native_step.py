@@ -21,6 +21,7 @@ Status codes are those of the general calls (``native.lookup_many``, ``prepare_m
 from __future__ import annotations
 
 import ctypes
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -312,6 +313,13 @@ class TableArrays:
         self.zeros, self.ones = (_I32 * t_count)(), (_I32 * t_count)(*([1] * t_count))
         self.maxabs = (ctypes.c_float * (4 * t_count))()
         self.status, self.bad = (_I32 * t_count)(), (_I64 * t_count)()
+        # Bounds on max |value| (hi) and min value (lo) of each table's (weights, *slots), NaN where unknown: phase
+        # 2 proves a small update finite from them and then writes it without a backup (``apply_checked``). They
+        # hold while the tensors' version counters stay as recorded (``versions``) and nothing else writes them.
+        self.hi, self.lo = (ctypes.c_double * (4 * t_count))(), (ctypes.c_double * (4 * t_count))()
+        self.proven = (_I32 * t_count)()
+        self.versions: tuple[int, ...] = ()
+        self.forget_bounds()
         self.params: tuple[tuple[Any, ...], Any, Any] = ((), None, None)  # (blocks, their addresses, dense flags)
         self._fit: tuple[Any, tuple[int, ...], int, int, Any] | None = None  # the last layout ``columns_fit`` passed
 
@@ -333,6 +341,21 @@ class TableArrays:
         ld = (_I64 * len(dims))(*([width] * len(dims)))
         self._fit = (n_bags, starts, rows, width, ld)
         return ld
+
+    def forget_bounds(self, table: int | None = None) -> None:
+        """Mark the bounds of ``table`` (None: every table) unknown."""
+        nan = float("nan")
+        for t in range(self.count) if table is None else (table,):
+            for i in range(4):
+                self.hi[4 * t + i] = self.lo[4 * t + i] = nan
+
+    def bounds_known(self, table: int) -> bool:
+        return not math.isnan(self.hi[4 * table])
+
+    def set_bounds(self, table: int, hi: Sequence[float], lo: Sequence[float]) -> None:
+        """Bounds of ``table``'s (weights, *slots), as the finiteness guard measured them."""
+        for i, (h, low) in enumerate(zip(hi, lo, strict=True)):
+            self.hi[4 * table + i], self.lo[4 * table + i] = h, low
 
     def current_weights(self, weights: Sequence[Tensor]) -> bool:
         """``current`` for the tables' weights alone (what a lookup reads)."""
@@ -468,10 +491,12 @@ def updates_fit_checking(tables: TableArrays) -> bool:
 
 
 def apply_checked(tables: TableArrays, params: Sequence[Any], dense: Sequence[int]) -> list[int]:
-    """Phase 2 of every table from its prepared workspace, each checked exactly in the writing call (all
-    tables before any is written; ``native.apply_many`` with ``check`` set and nothing measured). ``params``
-    are the tables' ``native.opt_params`` blocks, ``dense`` 1 for a non-lazy table. Returns per table the row
-    whose update is not finite (-1: none; when any is not -1, nothing was written)."""
+    """Phase 2 of every table from its prepared workspace, each proven finite from the tables' bounds
+    (``TableArrays.hi`` / ``lo``, then written without a check and its bounds carried: ``tables.proven[t]`` = 1)
+    or checked exactly in the writing call (all tables before any is written; ``native.apply_many`` with
+    ``check`` set and nothing measured). ``params`` are the tables' ``native.opt_params`` blocks, ``dense`` 1 for
+    a non-lazy table. Returns per table the row whose update is not finite (-1: none; when any is not -1,
+    nothing was written)."""
     calls = _calls()
     t_count = tables.count
     if len(params) != t_count or len(dense) != t_count:
@@ -486,7 +511,7 @@ def apply_checked(tables: TableArrays, params: Sequence[Any], dense: Sequence[in
     s0, s1, s2 = tables.s
     calls.et_apply_many(
         tables.count_c, tables.handles, tables.w, s0, s1, s2, tables.vocab, tables.dims, p_arr, d_arr, tables.zeros,
-        tables.ones, _c_threads(), tables.maxabs, status, bad,
+        tables.ones, _c_threads(), tables.maxabs, status, bad, tables.hi, tables.lo, tables.proven,
     )  # fmt: skip
     raise_for_apply_status(status)
     return list(bad)

@@ -352,6 +352,8 @@ class EmbeddingCollection:
         if self._fast is not None and self._fast.apply(table_grads, lrs):  # only its own prepared gradients
             self._guard.forget_tables([tg.table.name for tg in table_grads])  # checked exactly; bounds measured
             return  # meanwhile (a pipelined check) are stale now
+        if self._fast is not None:
+            self._fast.forget_bounds()  # written below, outside the fast calls
         in_one_call = all(tg.prepared is not None for tg in table_grads)
         writes: list[Callable[[], None]] = []
         natives: list[_NativeWrite] = []  # written together, in one native call
@@ -392,6 +394,8 @@ class EmbeddingCollection:
     def check(self, table_grads: Sequence[TableGradient], lrs: dict[str, float]) -> None:
         """Raise exactly as ``apply`` would, but write nothing (used for an update held back by
         pipelining, so its error surfaces at ``apply_gradients`` and not at a later lookup)."""
+        if self._fast is not None:
+            self._fast.forget_bounds()  # a sequential table is written and put back below
         for tg in table_grads:
             if tg.accumulated:
                 self._checked_update(tg, lrs[tg.table.name])

@@ -49,6 +49,12 @@ class ValueBounds:
         """The table was written outside the guard: measure it again before its next guarded update."""
         self._bounds.pop(table_name, None)
 
+    def measured(self, table: ResolvedTable) -> tuple[list[float], list[float]]:
+        """Bounds on max |value| and min value of each of the table's (weights, *slots), measured now unless
+        known for these tensors (the same objects at the same versions)."""
+        bounds = self._measured(table)
+        return list(bounds.hi), list(bounds.lo)
+
     def forget_tables(self, names: Sequence[str]) -> None:
         """``forget`` every table of ``names``."""
         if self._bounds:

@@ -11,6 +11,7 @@ import ctypes
 import dataclasses
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from statecheck import assert_same, snapshot
@@ -312,3 +313,80 @@ def test_the_untyped_calls_refuse_arrays_that_are_not_one_per_feature() -> None:
         native_step.lookup(arrays, fewer, outs[:2], None)
     with pytest.raises(native.NativeBufferError, match="one per feature of the tables"):
         native_step.prepare(arrays, fewer, [None, None])
+
+
+def _c_proof(opt: Any, lr: float, decay: float, gmax: float, hi: list[float], lo: list[float]) -> list[float] | None:
+    params = native.opt_params(opt, lr, decay, clip_gradients=True)
+    arr = ctypes.c_double * 4
+    out = arr()
+    proven = native.library().et_prove_update(ctypes.byref(params), gmax, arr(*hi), arr(*lo), out)
+    return list(out)[: len(hi)] if proven else None
+
+
+@pytest.mark.parametrize("kind", ["sgd", "adagrad"])
+def test_the_native_proof_agrees_with_the_finiteness_guard(kind: str) -> None:
+    """csrc ``et_prove_update`` proves exactly what ``finite_guard.update_bounds`` proves for SGD and Adagrad, with
+    the same bounds (never more: a proven update is written without a check)."""
+    import math
+    import random
+
+    from embtables.kernels.finite_guard import update_bounds
+
+    rng = random.Random(7)
+    values = [0.0, 1e-30, 1e-3, 0.1, 1.0, 3.0, 1e3, 1e14, 1e15, 1e16, 1e29, 1e31, 3e38, math.inf, math.nan]
+    agreed = proven = 0
+    for case in range(3000):
+        clip = rng.choice([None, (-1.0, 2.0), (None, 5.0)])
+        lr = rng.choice([0.0, 1e-3, 0.1, 1.0, 1e3, 1e29])
+        f32 = lambda x: float(np.float32(x))  # noqa: E731 - the C block holds float32 values
+        opt: Any = (et.SGD if kind == "sgd" else et.Adagrad)(lr, clipvalue=clip)
+        opt = dataclasses.replace(opt, clip_weight_min=-2.0) if case % 5 == 0 else opt
+        decay = f32(rng.choice([0.0, 0.01, 0.5]))
+        gmax = rng.choice(values[:-2]) if case % 7 else rng.choice(values)
+        hi = [rng.choice(values) for _ in range(1 if kind == "sgd" else 2)]
+        lo = [-h for h in hi]
+        if kind == "adagrad":
+            lo[1] = rng.choice([0.0, 1e-30, 0.1, 1.0, math.nan])
+        ours = _c_proof(opt, f32(lr), decay, gmax, hi, lo)
+        theirs = update_bounds(opt, f32(lr), decay, gmax, hi, lo)
+        assert (ours is None) == (theirs is None), (case, kind, lr, decay, gmax, hi, lo, clip, ours, theirs)
+        if ours is not None:
+            assert theirs is not None
+            expected = [max(theirs[0], 2.0) if case % 5 == 0 else theirs[0], *theirs[1:]]  # a clamp to -2 bounds it
+            assert ours == pytest.approx(expected, rel=1e-12)
+            proven += 1
+        agreed += 1
+    assert proven > 200 and agreed - proven > 200  # both answers were exercised
+
+
+def test_small_updates_proven_finite_skip_the_check_and_train_the_same_bits() -> None:
+    fast = make(("sum", "mean"), False, True, et.Adagrad(0.1, initial_accumulator_value=0.1))
+    general = make(("sum", "mean"), False, True, et.Adagrad(0.1, initial_accumulator_value=0.1))
+    train(fast, 4, torch.int64, False)
+    train(general, 4, torch.int32, False)
+    arrays = fast._engine.local.fast_path._arrays
+    assert list(arrays.proven) == [1, 1]  # t0 Adagrad, t1 its own SGD block (make): both proven, no check
+    assert_same(snapshot(fast), snapshot(general))
+
+
+def test_bounds_are_forgotten_when_a_table_is_written_outside_the_fast_calls() -> None:
+    """Zeroed accumulators make an Adagrad row with a zero gradient 0/0: the bounds measured before (min
+    accumulator 0.1) would prove it finite. The version counter moved, so they are measured again, the update is
+    checked exactly, refused, and nothing changes; a step through the general path forgets them too."""
+    emb = make(("sum", "sum"), False, True, et.Adagrad(0.1, initial_accumulator_value=0.1))
+    train(emb, 2, torch.int64, False)
+    arrays = emb._engine.local.fast_path._arrays
+    assert arrays.bounds_known(0) and arrays.proven[0] == 1
+    emb.slot_variables["t0"]["accumulators"].zero_()
+    before = snapshot(emb)
+    acts = emb(batch(emb, 5, torch.int64, False))
+    grad = torch.ones_like(acts)
+    grad[:, :4] = 0.0  # t0's columns: a zero gradient on zero accumulators
+    with pytest.raises(ValueError, match=r"table 't0'.*not finite|table 't0'.*NaN"):
+        emb.apply_gradients(grad)
+    assert_same(snapshot(emb), before)
+    emb.load_state_dict({**emb.state_dict(), "t0/accumulators": torch.full_like(before["t0/accumulators"], 0.1)})
+    train(emb, 1, torch.int64, False)
+    assert arrays.bounds_known(0)
+    train(emb, 1, torch.int32, False)  # the general path writes the tables: bounds unknown until measured
+    assert not arrays.bounds_known(0) and not arrays.bounds_known(1)

@@ -1405,19 +1405,61 @@ static void et_restore_update(const et_workspace *h, float *W, float *S0, float 
     }
 }
 
+/* Every bounded intermediate stays below this (as kernels/record.py's SAFE: far below float32's 3.4e38). */
+#define ET_SAFE 1e30
+
+static int et_bounded(double v) { return v > -ET_SAFE && v < ET_SAFE; } /* NaN fails */
+
+/* The finiteness proof of kernels/finite_guard.py for SGD and Adagrad, in double as there: 1 when the update of a
+ * table with optimizer p, largest |summed gradient| gmax and bounds hi (max |value|) / lo (min value) of its
+ * (weights, *slots) provably writes only finite values; then out holds bounds on every value it writes (and on the
+ * table after it: they include hi). 0 otherwise, or for any other optimizer (not proven, never "not finite"). */
+int et_prove_update(const et_opt *p, double gmax, const double *hi, const double *lo, double *out) {
+    const int slots = p->kind == ET_ADAGRAD ? 1 : 0;
+    if (p->kind != ET_SGD && p->kind != ET_ADAGRAD) return 0;
+    const double lr = p->lr, decay = p->decay;
+    if (!et_bounded(lr) || !et_bounded(decay) || !et_bounded(gmax)) return 0;
+    for (int i = 0; i <= slots; ++i)
+        if (!et_bounded(hi[i])) return 0;
+    double g = gmax;
+    const double cap = fmax(fabs((double)p->glo), fabs((double)p->ghi)); /* an open side: +inf, no cap */
+    if (cap < g) g = cap;
+    const double w_dec = hi[0] * (1.0 + fabs(decay));
+    if (!et_bounded(w_dec) || !et_bounded(g * g)) return 0;
+    if (p->kind == ET_SGD) {
+        out[0] = w_dec + fabs(lr) * g;
+    } else {
+        if (!(lo[1] > 0)) return 0; /* the update divides by sqrt(accumulator) */
+        const double ratio = fmax(1.001, 2e-19 / sqrt(lo[1])); /* |g| / sqrt(a + g^2), adagrad.step_ratio_bound */
+        out[0] = w_dec + fabs(lr) * ratio;
+        out[1] = hi[1] + g * g;
+    }
+    /* a weight clamp can move a value to its bound: the table's bound must cover it */
+    if (isfinite(p->wlo)) out[0] = fmax(out[0], fabs((double)p->wlo));
+    if (isfinite(p->whi)) out[0] = fmax(out[0], fabs((double)p->whi));
+    for (int i = 0; i <= slots; ++i)
+        if (!et_bounded(out[i])) return 0;
+    return 1;
+}
+
 /* Phase 2 for T tables, all or nothing: every table's workspace is checked to fit it, and each table with
  * check[t] set is checked exactly: a small lazy update (at most ET_STAGED_MAX values) is written in place with a
  * backup of its rows and checked as it goes (et_update_backed_up), any other gets the dry run first (et_check).
  * When any check fails, the tables written so far are put back and nothing else is written.
  * status[t]: 0 written, -4 unknown optimizer kind, -2 a workspace that does not fit its table, -3 out of
  * memory in a check, 1 the update would write a non-finite value (bad[t] = one such row); any non-zero
- * status means nothing was written. maxabs as in et_apply (4 floats per table, when measure[t]). */
+ * status means nothing was written. maxabs as in et_apply (4 floats per table, when measure[t]).
+ * hi / lo (4 doubles per table, or NULL): bounds on max |value| and min value of each table's (weights, *slots), NaN
+ * where unknown. A lazy, unmeasured table with check[t] set whose update et_prove_update proves finite from them is
+ * written without a check (proven[t] = 1) and its hi updated to bound the table after the update; proven[t] = 0
+ * for every other table, and for all when nothing was written. */
 void et_apply_many(int64_t T, void *const *handles, float *const *W, float *const *S0, float *const *S1,
                    float *const *S2, const int64_t *V, const int64_t *D, const et_opt *const *p, const int32_t *dense,
                    const int32_t *measure, const int32_t *check, int nthreads, float *maxabs, int32_t *status,
-                   int64_t *bad) {
+                   int64_t *bad, double *hi, const double *lo, int32_t *proven) {
     int ok = 1;
     int64_t written[T > 0 ? T : 1]; /* rows written with a backup, per table (-1: not written that way) */
+    double next[T > 0 ? T : 1][4];  /* a proven table's bounds after its update */
     for (int64_t t = 0; t < T; ++t) {
         status[t] = !et_row_function(p[t]->kind) ? -4 : !et_prepared_ok(handles[t], V[t], D[t]) ? -2 : 0;
         bad[t] = -1;
@@ -1426,9 +1468,15 @@ void et_apply_many(int64_t T, void *const *handles, float *const *W, float *cons
     }
     if (!ok) return;
     for (int64_t t = 0; t < T && ok; ++t) {
+        if (proven) proven[t] = 0;
         if (!check[t]) continue;
         et_workspace *h = (et_workspace *)handles[t];
         int64_t r;
+        if (proven && hi && lo && !dense[t] && !measure[t] &&
+            et_prove_update(p[t], (double)h->gmax, hi + 4 * t, lo + 4 * t, next[t])) {
+            proven[t] = 1; /* written below without a check: its bounds prove every value finite */
+            continue;
+        }
         if (!dense[t] && h->U * D[t] <= ET_STAGED_MAX) {
             uint32_t m[4] = {0, 0, 0, 0};
             r = et_update_backed_up(h, W[t], S0[t], S1[t], S2[t], D[t], et_row_function(p[t]->kind), p[t],
@@ -1451,6 +1499,10 @@ void et_apply_many(int64_t T, void *const *handles, float *const *W, float *cons
         } else if (written[t] < 0) {
             status[t] = et_apply(handles[t], W[t], S0[t], S1[t], S2[t], V[t], D[t], p[t], dense[t], nthreads,
                                  measure[t] ? maxabs + 4 * t : NULL);
+            if (proven && proven[t] && status[t] == 0) /* the table's bounds after the update */
+                for (int i = 0; i < (p[t]->kind == ET_ADAGRAD ? 2 : 1); ++i) hi[4 * t + i] = next[t][i];
         }
     }
+    if (!ok && proven)
+        for (int64_t t = 0; t < T; ++t) proven[t] = 0; /* nothing was written */
 }
