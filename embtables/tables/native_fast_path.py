@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from embtables.config import SGD, Adagrad, ResolvedConfig
+from embtables.config import SGD, Adagrad, Adam, ResolvedConfig
 from embtables.kernels import native, native_step
 from embtables.kernels.native_step import StagedBags, TableArrays
 from embtables.tables.inputs import FeatureBatch
@@ -25,7 +25,7 @@ from embtables.tables.table_gradient import TableGradient
 
 # The optimizers whose small updates phase 2 proves finite from the tables' bounds (csrc ``et_prove_update``), on
 # tables of at most this many values (their bounds are measured with a scan when unknown).
-PROVABLE = (SGD, Adagrad)
+PROVABLE = (SGD, Adagrad, Adam)
 PROVABLE_VALUES = 1 << 20
 
 
@@ -48,7 +48,7 @@ class NativeFastPath:
         self._small = False  # every update of the last phase 1 here is checked as it is written (see apply)
         self._rates: tuple[tuple[float, ...], list[Any]] = ((), [])  # learning rates -> optimizer blocks
         self._dense = [0] * len(tables)  # lazy optimizers only: a non-lazy one updates every row
-        # tables whose small updates phase 2 may prove finite from bounds (csrc et_prove_update: SGD and Adagrad),
+        # tables whose small updates phase 2 may prove finite from bounds (csrc et_prove_update: SGD, Adagrad, Adam),
         # measured by the guard when unknown: small enough that a scan costs little
         self._provable = [
             type(t.optimizer) in PROVABLE and t.vocabulary_size * t.dim <= PROVABLE_VALUES for t in tables

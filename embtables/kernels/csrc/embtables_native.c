@@ -1410,13 +1410,18 @@ static void et_restore_update(const et_workspace *h, float *W, float *S0, float 
 
 static int et_bounded(double v) { return v > -ET_SAFE && v < ET_SAFE; } /* NaN fails */
 
-/* The finiteness proof of kernels/finite_guard.py for SGD and Adagrad, in double as there: 1 when the update of a
+/* How many tensors (weights and slots) et_prove_update bounds for an optimizer kind: 0 where it proves nothing. */
+static int et_proof_tensors(int kind) {
+    return kind == ET_SGD ? 1 : kind == ET_ADAGRAD ? 2 : kind == ET_ADAM ? 3 : 0;
+}
+
+/* The finiteness proof of kernels/finite_guard.py for SGD, Adagrad and Adam, in double as there: 1 when the update of a
  * table with optimizer p, largest |summed gradient| gmax and bounds hi (max |value|) / lo (min value) of its
  * (weights, *slots) provably writes only finite values; then out holds bounds on every value it writes (and on the
  * table after it: they include hi). 0 otherwise, or for any other optimizer (not proven, never "not finite"). */
 int et_prove_update(const et_opt *p, double gmax, const double *hi, const double *lo, double *out) {
-    const int slots = p->kind == ET_ADAGRAD ? 1 : 0;
-    if (p->kind != ET_SGD && p->kind != ET_ADAGRAD) return 0;
+    const int slots = et_proof_tensors(p->kind) - 1;
+    if (slots < 0) return 0;
     const double lr = p->lr, decay = p->decay;
     if (!et_bounded(lr) || !et_bounded(decay) || !et_bounded(gmax)) return 0;
     for (int i = 0; i <= slots; ++i)
@@ -1428,6 +1433,14 @@ int et_prove_update(const et_opt *p, double gmax, const double *hi, const double
     if (!et_bounded(w_dec) || !et_bounded(g * g)) return 0;
     if (p->kind == ET_SGD) {
         out[0] = w_dec + fabs(lr) * g;
+    } else if (p->kind == ET_ADAM) { /* kernels/adam.py: |m| <= max(|m|, g), v <= v + g^2 (+ eps^2), eps below */
+        const double eps = p->k.adam.epsilon;
+        const double den_min = !p->f.adam.sum_inside_sqrt ? eps : sqrt(fmax(eps * eps * (1 - 1e-6), 0.0));
+        if (!(lo[2] >= 0 && den_min >= 1.1754944e-38)) return 0;
+        const double m_new = fmax(hi[1], g);
+        out[0] = w_dec + fabs(lr) * m_new / den_min;
+        out[1] = m_new;
+        out[2] = hi[2] + g * g + eps * eps;
     } else {
         if (!(lo[1] > 0)) return 0; /* the update divides by sqrt(accumulator) */
         const double ratio = fmax(1.001, 2e-19 / sqrt(lo[1])); /* |g| / sqrt(a + g^2), adagrad.step_ratio_bound */
@@ -1500,7 +1513,7 @@ void et_apply_many(int64_t T, void *const *handles, float *const *W, float *cons
             status[t] = et_apply(handles[t], W[t], S0[t], S1[t], S2[t], V[t], D[t], p[t], dense[t], nthreads,
                                  measure[t] ? maxabs + 4 * t : NULL);
             if (proven && proven[t] && status[t] == 0) /* the table's bounds after the update */
-                for (int i = 0; i < (p[t]->kind == ET_ADAGRAD ? 2 : 1); ++i) hi[4 * t + i] = next[t][i];
+                for (int i = 0; i < et_proof_tensors(p[t]->kind); ++i) hi[4 * t + i] = next[t][i];
         }
     }
     if (!ok && proven)
