@@ -153,7 +153,7 @@ class _Layout:
         self.at = at
         self.views = torch.split_with_sizes(int_arena, [*sizes, int_arena.numel() - at]) if n else ()
         self.n_ids = list(n_ids)
-        self.sizes = ((_I64 * n)(*n_ids), (_I64 * n)(*self.bag_counts))
+        self.sizes = (self.call_sizes[0], (_I64 * n)(*self.bag_counts))  # the ids' counts: one array, read only
         self.addresses = ((_VP * n)(*id_at), (_VP * n)(*off_at))
         self.ragged = [bags >= 0 for bags in n_bags]
         self.staged: dict[bytes, StagedBags] = {}

@@ -350,8 +350,10 @@ class EmbeddingCollection:
         the dry runs happen in the same native call that writes (checked for all tables first).
         """
         if self._fast is not None and self._fast.apply(table_grads, lrs):  # only its own prepared gradients
-            self._guard.forget_tables([tg.table.name for tg in table_grads])  # checked exactly; bounds measured
-            return  # meanwhile (a pipelined check) are stale now
+            # written by the fast calls (checked exactly or proven there): bounds the guard measured meanwhile (a
+            # pipelined check) are stale now
+            self._guard.forget_tables([tg.table.name for tg in table_grads])
+            return
         if self._fast is not None:
             self._fast.forget_bounds()  # written below, outside the fast calls
         in_one_call = all(tg.prepared is not None for tg in table_grads)
