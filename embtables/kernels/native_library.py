@@ -27,7 +27,7 @@ from embtables.kernels.registry import RECORDS
 
 logger = logging.getLogger("embtables")
 
-_SOURCES = [Path(__file__).parent / "csrc" / name for name in ("embtables_native.c", "key_map.c")]
+_SOURCES = [Path(__file__).parent / "csrc" / name for name in ("embtables_native.c", "key_map.c", "shm_sync.c")]
 _FLAGS = [
     "-O3",
     "-march=native",
@@ -157,6 +157,10 @@ def _compile() -> ctypes.CDLL | None:
     lib.et_workspace_new.restype = p
     lib.et_workspace_free.argtypes = [p]
     lib.et_workspace_free.restype = None
+    lib.et_shm_post.argtypes = [p, ctypes.c_uint32]
+    lib.et_shm_post.restype = None
+    lib.et_shm_wait.argtypes = [p, ctypes.c_uint32, ctypes.c_double, i32]
+    lib.et_shm_wait.restype = i32
     lib.et_km_new.argtypes = [i64, i64, i32, i64]
     lib.et_km_new.restype = p
     lib.et_km_free.argtypes = [p]

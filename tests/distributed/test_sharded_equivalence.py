@@ -14,6 +14,7 @@ runs in the pytest process; each rank compares its slice of the activations and 
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,7 @@ import torch
 from mp_world import run_world
 
 import embtables as et
+from embtables.sharding import comm, shm_channel
 
 OPTIMIZERS = {
     "sgd": lambda: et.SGD(0.3),
@@ -97,7 +99,10 @@ def _reference(case: tuple[str, Any, bool]) -> dict[str, Any]:
     return {"acts": acts, "state": {k: v.clone() for k, v in ref.state_dict().items()}}
 
 
-def _run_cases(rank: int, world: int, cases: list[tuple[str, Any, bool]], ref_path: str) -> None:
+def _run_cases(rank: int, world: int, cases: list[tuple[str, Any, bool]], ref_path: str, transport: str) -> None:
+    if transport == "gloo":
+        os.environ["EMBTABLES_SHM"] = "0"  # the exchanges go through gloo, as between hosts
+    assert comm.transport() == transport or not shm_channel.wanted()
     refs = torch.load(ref_path)
     per_rank = GLOBAL_BATCH // world
     lo, hi = rank * per_rank, (rank + 1) * per_rank
@@ -149,8 +154,8 @@ def _run_cases(rank: int, world: int, cases: list[tuple[str, Any, bool]], ref_pa
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("world", [2, 3])
-def test_sharded_runs_equal_a_single_process_run(world: int, tmp_path: Path) -> None:
+@pytest.mark.parametrize(("world", "transport"), [(2, "shared memory"), (3, "shared memory"), (2, "gloo")])
+def test_sharded_runs_equal_a_single_process_run(world: int, transport: str, tmp_path: Path) -> None:
     ref_path = tmp_path / "reference.pt"
     torch.save([_reference(case) for case in CASES], ref_path)
-    run_world(_run_cases, world, CASES, str(ref_path))
+    run_world(_run_cases, world, CASES, str(ref_path), transport)

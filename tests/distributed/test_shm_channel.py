@@ -1,0 +1,121 @@
+"""The shared-memory channel between the ranks of one host (``embtables/sharding/shm_channel.py``),
+on real gloo processes: the same results as gloo for every size and dtype, sizes checked, a killed
+peer detected at once, nothing left in /dev/shm, and the fallback to gloo when a rank opts out."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from mp_world import run_world
+
+from embtables.sharding import comm, shm_channel
+
+pytestmark = pytest.mark.skipif(not shm_channel.wanted(), reason="no /dev/shm or no native library here")
+
+
+def _rows(src: int, dst: int, n: int, width: int, dtype: torch.dtype, round_: int) -> torch.Tensor:
+    """The rows rank ``src`` sends rank ``dst`` in round ``round_`` (every rank can compute them)."""
+    g = torch.Generator().manual_seed(1000 * round_ + 10 * src + dst)
+    return (torch.randn(n, width, generator=g) * 1000).to(dtype)
+
+
+def _count(src: int, dst: int, round_: int) -> int:
+    # Zero rows in some rounds; one message of several MiB (past the first 1 MiB outbox: it grows).
+    if round_ == 3:
+        return 9000 + 100 * src + dst
+    return (7 * src + 3 * dst + round_) % 5 * (round_ + 1)
+
+
+def _same_as_gloo(rank: int, world: int, names_path: str) -> None:
+    before = {p.name for p in shm_channel.SHM_DIR.glob("embtables-*")}
+    assert comm.transport() == "shared memory"
+    comm.barrier()  # every rank has left the set-up
+    assert {p.name for p in shm_channel.SHM_DIR.glob("embtables-*")} <= before  # every name removed at set-up
+    dtypes = [torch.float32, torch.int64, torch.float64, torch.float32, torch.int32, torch.uint8]
+    for round_, dtype in enumerate(dtypes):
+        width = 1 + round_ % 3 * 40
+        counts = [_count(rank, d, round_) for d in range(world)]
+        send = torch.cat([_rows(rank, d, counts[d], width, dtype, round_) for d in range(world)])
+        want = torch.cat([_rows(s, rank, _count(s, rank, round_), width, dtype, round_) for s in range(world)])
+        known = [_count(s, rank, round_) for s in range(world)] if round_ % 2 else None
+        got, recv = comm.all_to_all_v(send, counts, recv_counts=known)
+        assert recv == [_count(s, rank, round_) for s in range(world)]
+        assert got.dtype == dtype and torch.equal(got, want), round_
+    # A non-contiguous send, 1-D rows, agreements and phase headers.
+    wide = torch.arange(4 * world * 3, dtype=torch.float32).reshape(4 * world, 3)[:, ::2]
+    got, recv = comm.all_to_all_v(wide, [4] * world)
+    assert recv == [4] * world and torch.equal(got, torch.cat([wide[4 * rank : 4 * rank + 4]] * world))
+    ids = torch.arange(world) + 10 * rank
+    got, _ = comm.all_to_all_v(ids, [1] * world)
+    assert got.tolist() == [10 * s + rank for s in range(world)]
+    assert comm.any_rank(rank == 1) and not comm.any_rank(False)
+    assert comm.max_over_ranks(5 * rank) == 5 * (world - 1)
+    comm.check_phase("lookup", 3, 99)
+    # Sizes the caller expects that differ from what a peer sent: every rank raises, and goes on.
+    expect = [2] * world
+    expect[(rank + 1) % world] = 3
+    with pytest.raises(comm.CollectiveError, match="disagree on the sizes"):
+        comm.all_to_all_v(torch.zeros(2 * world, 4), [2] * world, recv_counts=expect)
+    got, _ = comm.all_to_all_v(torch.full((world, 2), float(rank)), [1] * world)
+    assert got[:, 0].tolist() == [float(s) for s in range(world)]
+    # Headers of different phases over the channel: the usual out-of-step error, then back in step.
+    with pytest.raises(comm.CollectiveError, match="out of step"):
+        comm.check_phase("lookup" if rank else "apply_gradients", 1, 7)
+    comm.check_phase("lookup", 2, 7)
+    Path(names_path + f".{rank}").write_text("ok")
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world", [2, 3])
+def test_the_channel_exchanges_what_gloo_would(world: int, tmp_path: Path) -> None:
+    run_world(_same_as_gloo, world, str(tmp_path / "done"), timeout=180, collective_timeout=60)
+    assert all((tmp_path / f"done.{r}").exists() for r in range(world))
+
+
+def _killed_peer(rank: int, world: int, marker: str) -> None:
+    assert comm.transport() == "shared memory"
+    comm.all_to_all_v(torch.ones(world, 3), [1] * world)
+    if rank == 0:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the launcher's clean-up must not stop it before it reports
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)  # no exit handler runs: only the kernel releases its lock
+    start = time.monotonic()
+    with pytest.raises(comm.CollectiveError, match=r"rank 1 is gone"):
+        comm.all_to_all_v(torch.ones(world, 3), [1] * world)
+    elapsed = time.monotonic() - start
+    with pytest.raises(comm.CollectiveError, match="unusable"):  # broken for good, at once
+        comm.any_rank(True)
+    Path(marker).write_text(f"{elapsed:.3f}")
+    os._exit(0)  # skip the process group's teardown with a dead peer
+
+
+@pytest.mark.distributed
+def test_a_killed_peer_is_detected_long_before_the_timeout(tmp_path: Path) -> None:
+    marker = tmp_path / "elapsed"
+    with pytest.raises(Exception, match="SIGKILL"):  # rank 1 died by SIGKILL: the launcher reports it
+        run_world(_killed_peer, 2, str(marker), timeout=120, collective_timeout=100)
+    assert float(marker.read_text()) < 5  # the collective timeout is 100 s
+    assert not list(shm_channel.SHM_DIR.glob("embtables-*-1"))
+
+
+def _one_rank_opts_out(rank: int, world: int) -> None:
+    if rank == 1:
+        os.environ["EMBTABLES_SHM"] = "0"
+    assert comm.transport() == "gloo"  # every rank falls back when one cannot take part
+    got, recv = comm.all_to_all_v(torch.full((world, 2), float(rank)), [1] * world)
+    assert recv == [1] * world and got[:, 0].tolist() == [float(s) for s in range(world)]
+    assert comm.any_rank(rank == 0)
+
+
+@pytest.mark.distributed
+def test_every_rank_falls_back_to_gloo_when_one_cannot_share_memory() -> None:
+    run_world(_one_rank_opts_out, 2, timeout=120, collective_timeout=30)
+
+
+def test_one_process_needs_no_channel() -> None:
+    assert comm.transport() == "local"
