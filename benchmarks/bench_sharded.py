@@ -41,7 +41,15 @@ import numpy as np
 import torch
 import torch.multiprocessing as mp
 
-from benchmarks._harness import OtherLoad, env_record, summarize, time_steps, wait_for_idle, workload_fields
+from benchmarks._harness import (
+    OtherLoad,
+    env_record,
+    keep_freed_memory,
+    summarize,
+    time_steps,
+    wait_for_idle,
+    workload_fields,
+)
 from benchmarks._harness import emit as harness_emit
 from benchmarks.workload import Workload, activation_grad, make_batches
 
@@ -70,8 +78,11 @@ def _dense_standin(batch: int, ms: float) -> Any:
 
 
 def _join(rank: int, world: int, spec: dict[str, Any]) -> None:
-    """Set this rank's threads and join the gloo group on localhost (nothing to join when W = 1)."""
+    """Set this rank's threads (and glibc's freed-memory policy, every impl alike) and join the gloo group
+    on localhost (nothing to join when W = 1)."""
     torch.set_num_threads(spec["threads"])
+    if spec.get("malloc", "keep") == "keep":
+        keep_freed_memory()
     if world > 1:
         torch.distributed.init_process_group(
             "gloo",
@@ -253,11 +264,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-torchrec", action="store_true")
     ap.add_argument("--w3", action="store_true", help="also W = 3 (div): three processes on this machine's cores")
     ap.add_argument("--wait-idle", type=float, default=0.0, metavar="S", help="wait up to S s for a quiet machine")
+    ap.add_argument(
+        "--malloc",
+        default="keep",
+        choices=["keep", "default"],
+        help="keep: glibc keeps freed memory in every rank of every configuration (see _harness.keep_freed_memory)",
+    )
     args = ap.parse_args(argv)
     wl = Workload(ids=args.ids)
     if args.quick:
         wl = wl.with_(tables=2, rows=100_000, dim=32, batch=1024, name="quick")
-    base = {"workload": asdict(wl), "steps": args.steps, "warmup": args.warmup}
+    base = {"workload": asdict(wl), "steps": args.steps, "warmup": args.warmup, "malloc": args.malloc}
+    if args.malloc == "keep":
+        keep_freed_memory()  # recorded in the env record (the ranks apply it themselves)
 
     if args.wait_idle:
         wait_for_idle(args.wait_idle)

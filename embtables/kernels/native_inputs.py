@@ -12,14 +12,15 @@ from torch import Tensor
 from embtables.kernels.native import NativeBufferError, _ptr, _require, _require_opt, library
 from embtables.kernels.native_args import array
 
-OwnerSplit = tuple[Tensor, Tensor, Tensor, list[int]]  # local ids [N], coeffs [N], offsets [W, S+1], counts [W]
+OwnerSplit = tuple[Tensor, Tensor | None, Tensor, list[int]]  # local ids [N], coeffs [N] | None, offsets, counts [W]
 
 
 def split_by_owner(parts: list[tuple[Tensor, Tensor, Tensor | None, str, int]], world: int) -> list[OwnerSplit] | None:
     """For each feature ``(ids [N], offsets [S+1], coeffs [N] | None, strategy "div" | "mod", V)``, its
-    ids as local rows grouped by owner rank (stable), their coefficients (1 when None), each owner's bag
-    offsets [W, S+1] and id counts [W], in one native call. Every buffer is checked first, and C
-    re-checks every offset and id. None when the native path is off or an input is not usable."""
+    ids as local rows grouped by owner rank (stable), their coefficients (None when the feature's are
+    None: all 1), each owner's bag offsets [W, S+1] and id counts [W], in one native call. Every buffer
+    is checked first, and C re-checks every offset and id. None when the native path is off or an input
+    is not usable."""
     lib = library()
     if lib is None or world < 1:
         return None
@@ -32,7 +33,7 @@ def split_by_owner(parts: list[tuple[Tensor, Tensor, Tensor | None, str, int]], 
             raise NativeBufferError("embtables native kernel: offsets must hold at least one value.")
         _require_opt(coeffs, "coeffs", torch.float32, (ids.numel(),))
     out_ids = [torch.empty(p[0].numel(), dtype=torch.int64) for p in parts]
-    out_coeffs = [torch.empty(p[0].numel(), dtype=torch.float32) for p in parts]
+    out_coeffs = [None if p[2] is None else torch.empty(p[0].numel(), dtype=torch.float32) for p in parts]
     out_offsets = [torch.empty((world, p[1].numel()), dtype=torch.int64) for p in parts]
     out_counts = [torch.empty(world, dtype=torch.int64) for _ in parts]
     arr = ctypes.c_void_p * n
@@ -48,7 +49,7 @@ def split_by_owner(parts: list[tuple[Tensor, Tensor, Tensor | None, str, int]], 
         i64s(*[p[4] for p in parts]),
         world,
         arr(*[t.data_ptr() for t in out_ids]),
-        arr(*[t.data_ptr() for t in out_coeffs]),
+        arr(*[_ptr(t) for t in out_coeffs]),
         arr(*[t.data_ptr() for t in out_offsets]),
         arr(*[t.data_ptr() for t in out_counts]),
     )

@@ -21,12 +21,15 @@ class PooledFeature:
     """A feature of a table pooled on its owners, as one rank sees it in one step.
 
     ``ids_per_owner[r]``: this rank's ids of the feature that rank r owns [W]; ``bags``: S of this
-    rank's batch; ``bags_of[r]``: S of rank r's batch [W] (what this rank answers, as an owner)."""
+    rank's batch; ``bags_of[r]``: S of rank r's batch [W] (what this rank answers, as an owner);
+    ``coefficients``: whether this rank's batch has combiner coefficients other than 1 (weights, or
+    a mean or sqrtn combiner; an unweighted sum has none)."""
 
     ids_per_owner: tuple[int, ...]
     bags: int
     bags_of: tuple[int, ...]
     dim: int
+    coefficients: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,26 +68,35 @@ def step_traffic(rank: int, world: int, pooled: Sequence[PooledFeature], rows: S
         messages += 4
     if pooled:
         f = len(pooled)
-        ints += len(others) * 8 * (2 * f + 1)  # counts [W, 2F + 1], refusal flag included
+        ints += len(others) * 8 * (3 * f + 1)  # counts [W, 3F + 1]: coefficient and refusal flags included
         ints += 8 * sum(p.ids_per_owner[r] + p.bags + 1 for p in pooled for r in others)  # local rows + offsets
-        floats += 4 * sum(p.ids_per_owner[r] for p in pooled for r in others)  # coefficients
+        floats += 4 * sum(p.ids_per_owner[r] for p in pooled if p.coefficients for r in others)  # coefficients
         floats += 4 * sum(p.bags_of[r] * p.dim for p in pooled for r in others)  # partial bags, back to r
         floats += 4 * sum(1 + sum(p.bags * p.dim for p in pooled if p.ids_per_owner[r]) for r in others)
-        messages += 5 + 1  # counts, ints, floats, partials, gradients; the owner sums' agreement
+        # counts, ints, coefficients (left out when no rank has any: as this rank sees it), partials,
+        # gradients; the owner sums' agreement
+        messages += (5 if any(p.coefficients for p in pooled) else 4) + 1
     messages += 1  # the update's agreement
     return StepTraffic(ints, floats, messages)
 
 
 def even_step_traffic(
-    world: int, tables: int, bags: int, ids_per_bag: float, dim: int, unique_share: float, pooled: bool
+    world: int,
+    tables: int,
+    bags: int,
+    ids_per_bag: float,
+    dim: int,
+    unique_share: float,
+    pooled: bool,
+    coefficients: bool = False,
 ) -> StepTraffic:
     """Expected traffic per rank when every rank has ``bags`` bags of ``ids_per_bag`` ids per table
     (one feature per table) and ids spread evenly over the owners; ``unique_share`` = U / N of a rank's
-    batch (row-returning tables only)."""
+    batch (row-returning tables only); ``coefficients``: see ``PooledFeature`` (pooled tables only)."""
     ids = bags * ids_per_bag
     if pooled:
         share = round(ids / world)
-        feature = PooledFeature((share,) * world, bags, (bags,) * world, dim)
+        feature = PooledFeature((share,) * world, bags, (bags,) * world, dim, coefficients)
         return step_traffic(0, world, [feature] * tables, [])
     unique = round(ids * unique_share / world)
     table = RowTable((unique,) * world, (unique,) * world, dim)
@@ -111,14 +123,17 @@ def network_ms(traffic_bytes: int, messages: int, world: int, gbit_per_s: float,
     return traffic_bytes * 8 / (gbit_per_s * 1e9) * 1e3 + messages * (world - 1) * latency_us / 1e3
 
 
-def pools_on_owner(world: int, ids: float, unique_ids: float, bags: float, dim: int) -> bool:
+def pools_on_owner(
+    world: int, ids: float, unique_ids: float, bags: float, dim: int, coefficients: bool = False
+) -> bool:
     """Whether pooling a table's bags on the owners sends fewer bytes per rank than sending its unique
     rows, at ``world`` ranks, for a batch (per rank) of ``ids`` ids, ``unique_ids`` unique, in ``bags``
-    bags. Pooling sends a partial bag to every peer (grows like W - 1); unique rows do not."""
+    bags (``coefficients``: see ``PooledFeature``). Pooling sends a partial bag to every peer (grows like
+    W - 1); unique rows do not."""
     if world < 2 or ids <= 0 or bags <= 0:
         return True
     n = round(ids / world)
-    pooled = PooledFeature((n,) * world, round(bags), (round(bags),) * world, dim)
+    pooled = PooledFeature((n,) * world, round(bags), (round(bags),) * world, dim, coefficients)
     unique = round(unique_ids / world)
     rows = RowTable((unique,) * world, (unique,) * world, dim)
     return step_traffic(0, world, [pooled], []).bytes <= step_traffic(0, world, [], [rows]).bytes

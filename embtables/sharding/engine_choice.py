@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from embtables.config import ResolvedConfig
+from embtables.config import ResolvedConfig, ResolvedTable
 from embtables.sharding import comm
 from embtables.sharding.cost_model import pools_on_owner
 from embtables.sharding.lookup_stats import TableLoad, read_loads
@@ -49,16 +49,19 @@ def choose_engine(
     group = process_group if timeout is None else comm.new_group(float(timeout), process_group)
     world = comm.get_world_size(group)
     placements = place_tables(resolved, sharding, world, loads)
-    pooled = {t.name for t in resolved.tables if owner_pooled(t, resolved) and _pools(loads.get(t.name), world, t.dim)}
+    pooled = {t.name for t in resolved.tables if owner_pooled(t, resolved) and _pools(loads.get(t.name), world, t)}
     engine = ShardedEmbeddingCollection(resolved, device, placements, group, settings=settings, owner_pooled=pooled)
     return engine, engine.plans
 
 
-def _pools(load: TableLoad | None, world: int, dim: int) -> bool:
-    """Pool a combined table on its owners unless its measured load says unique rows send less."""
+def _pools(load: TableLoad | None, world: int, table: ResolvedTable) -> bool:
+    """Pool a combined table on its owners unless its measured load says unique rows send less (a mean or
+    sqrtn combiner sends a coefficient per id; a sum is counted without, as when it has no weights)."""
     if load is None:
         return True
-    return pools_on_owner(world, load.ids_per_batch, load.unique_ids_per_batch, load.samples_per_batch, dim)
+    coefficients = table.config.combiner != "sum"
+    ids, unique, bags = load.ids_per_batch, load.unique_ids_per_batch, load.samples_per_batch
+    return pools_on_owner(world, ids, unique, bags, table.dim, coefficients)
 
 
 def describe(engine: Engine) -> str:

@@ -3,10 +3,12 @@ holding the rows pool the bags and send back one partial sum per bag, not one ro
 
 Forward, for every pooled feature f of this rank's batch and every owner r:
 
-1. counts [W, 2F] int64: the ids of f that r owns (n_rf) and the bags of f (S_f);
+1. counts [W, 3F + 1] int64: the ids of f that r owns (n_rf) and the bags of f (S_f), whether f has
+   coefficients other than 1, and the refusal flag;
 2. ids and offsets int64: r's local rows of those ids, in bag order, and their bag offsets [S_f + 1];
 3. coeffs float32 [n_rf]: each id's combiner coefficient (spec §2.1, computed next to the batch
-   from all ids of its bag; 1 for an unweighted sum);
+   from all ids of its bag), for features that have them: an unweighted sum sends none (all 1), and
+   when no rank sends any this message is left out;
 4. back from r: the partial bags [S_f, D] over its rows; the rank adds the partials in rank order.
 
 Backward, each rank sends d(activation) [S_f, D] to the owners holding ids of f (a leading flag says
@@ -52,12 +54,13 @@ def owner_pooled(table: ResolvedTable, resolved: ResolvedConfig) -> bool:
 
 @dataclasses.dataclass(eq=False)
 class Asked:
-    """One (source rank, feature) request an owner served: local rows [n], bag offsets [S+1], coeffs [n]."""
+    """One (source rank, feature) request an owner served: local rows [n], bag offsets [S+1], coeffs [n]
+    (None: all 1)."""
 
     feature: int
     ids: Tensor
     offsets: Tensor
-    coeffs: Tensor
+    coeffs: Tensor | None
 
 
 @dataclasses.dataclass(eq=False)
@@ -90,7 +93,7 @@ def pooled_lookup_exchange(
     element; empty otherwise) so that every rank raises together."""
     with phase_profile.phase("owner pooling: split by owner"):
         if refused:
-            split = _OwnerSplit({}, torch.zeros((world, 2 * len(features)), dtype=torch.int64), {}, {})
+            split = _OwnerSplit({}, torch.zeros((world, 3 * len(features)), dtype=torch.int64), {}, {})
         else:
             split = _split_by_owner(features, batches, resolved, plans, local.device, world)
     with phase_profile.phase("owner pooling: send requests"):
@@ -112,9 +115,10 @@ def pooled_lookup_exchange(
 @dataclasses.dataclass(eq=False)
 class _OwnerSplit:
     """Every pooled feature's bags split by owner rank: ``parts[f][r]`` = (local rows [n_rf], offsets
-    [S_f + 1], coeffs [n_rf]); ``counts`` [W, 2F] = (n_rf, S_f) per owner and feature."""
+    [S_f + 1], coeffs [n_rf] or None: all 1); ``counts`` [W, 3F] = (n_rf, S_f) per owner and feature,
+    then per feature 1 when it has coefficients."""
 
-    parts: dict[int, list[tuple[Tensor, Tensor, Tensor]]]
+    parts: dict[int, list[tuple[Tensor, Tensor, Tensor | None]]]
     counts: Tensor
     sent: dict[int, list[int]]
     bags: dict[int, int]
@@ -131,7 +135,8 @@ def _split_by_owner(
     """Plan: each feature's ids grouped by owner (stable, so bag order is kept), with per-owner offsets.
     Row-partitioned features go through one native counting sort; the rest (whole tables, or inputs
     the native path cannot take) through torch."""
-    split = _OwnerSplit({}, torch.zeros((world, 2 * len(features)), dtype=torch.int64), {}, {})
+    nfeat = len(features)
+    split = _OwnerSplit({}, torch.zeros((world, 3 * nfeat), dtype=torch.int64), {}, {})
     fast = []
     for f in features:
         b, plan = batches[f], plans[_table_of(f, resolved)]
@@ -147,7 +152,8 @@ def _split_by_owner(
             parts, start = [], 0
             for r in range(world):
                 n = n_per[r]
-                parts.append((local_ids.narrow(0, start, n), offsets[r], coeffs.narrow(0, start, n)))
+                part_coeffs = None if coeffs is None else coeffs.narrow(0, start, n)
+                parts.append((local_ids.narrow(0, start, n), offsets[r], part_coeffs))
                 start += n
         else:
             parts, n_per = _split_in_torch(b, plans[_table_of(f, resolved)], device, world)
@@ -155,6 +161,7 @@ def _split_by_owner(
         split.sent[f], split.bags[f] = n_per, b.num_segments
         split.counts[:, 2 * k] = torch.tensor(n_per, dtype=torch.int64)
         split.counts[:, 2 * k + 1] = b.num_segments
+        split.counts[:, 2 * nfeat + k] = int(b.coeffs is not None)
     return split
 
 
@@ -164,27 +171,29 @@ def _table_of(feature: int, resolved: ResolvedConfig) -> str:
 
 def _split_in_torch(
     b: FeatureBatch, plan: TablePlan, device: torch.device, world: int
-) -> tuple[list[tuple[Tensor, Tensor, Tensor]], list[int]]:
-    """One feature's bags split by owner in torch: ``[(local rows, offsets [S+1], coeffs)]`` per rank."""
-    coeffs = b.coeffs if b.coeffs is not None else torch.ones(b.ids.numel(), device=device)
-    parts = []
+) -> tuple[list[tuple[Tensor, Tensor, Tensor | None]], list[int]]:
+    """One feature's bags split by owner in torch: ``[(local rows, offsets [S+1], coeffs | None)]`` per rank."""
+    coeffs = b.coeffs
+    parts: list[tuple[Tensor, Tensor, Tensor | None]] = []
     if plan.strategy == "table":  # one owner: the batch as it is, nothing to sort
         n_per = [b.ids.numel() if r == plan.rank else 0 for r in range(world)]
         none = torch.zeros(b.num_segments + 1, dtype=torch.int64, device=device)
         for r in range(world):
-            ids_r = b.ids if r == plan.rank else b.ids[:0]
-            parts.append((ids_r, b.offsets if r == plan.rank else none, coeffs if r == plan.rank else coeffs[:0]))
+            mine = r == plan.rank
+            part_coeffs = None if coeffs is None else coeffs if mine else coeffs[:0]
+            parts.append((b.ids if mine else b.ids[:0], b.offsets if mine else none, part_coeffs))
         return parts, n_per
     owner, local_ids = plan.owner(b.ids)
     order = torch.argsort(owner, stable=True)
     n_per = [int(c) for c in torch.bincount(owner, minlength=world).tolist()]
-    seg, coeffs, ids_sorted = b.seg[order], coeffs[order], local_ids[order]
+    seg, ids_sorted = b.seg[order], local_ids[order]
+    coeffs = None if coeffs is None else coeffs[order]
     start = 0
     for r in range(world):
         n = n_per[r]
         offsets = torch.zeros(b.num_segments + 1, dtype=torch.int64, device=device)
         offsets[1:] = torch.cumsum(torch.bincount(seg.narrow(0, start, n), minlength=b.num_segments), 0)
-        parts.append((ids_sorted.narrow(0, start, n), offsets, coeffs.narrow(0, start, n)))
+        parts.append((ids_sorted.narrow(0, start, n), offsets, None if coeffs is None else coeffs.narrow(0, start, n)))
         start += n
     return parts, n_per
 
@@ -198,16 +207,18 @@ def _send_requests(
     device: torch.device,
     refused: bool = False,
 ) -> tuple[list[list[Asked]], list[int]]:
-    """Send: counts (and the refusal flag), then ids and offsets (int64), then coeffs (float32), grouped
-    by destination, then feature. Returns what each source rank asked of this one, ``asked[source][k]``
+    """Send: counts (with the coefficient flags and the refusal flag), then ids and offsets (int64), then
+    the coeffs of the features that have them (float32; no message when no rank has any), grouped by
+    destination, then feature. Returns what each source rank asked of this one, ``asked[source][k]``
     (its own pieces for ``source == rank``, never sent), and the ranks that refused their batch (then
     nothing but the counts was sent)."""
     counts = torch.cat([split.counts, torch.full((world, 1), int(refused), dtype=torch.int64)], dim=1)
     got, _ = comm.all_to_all_v(counts.to(comm.collective_device(group)), [1] * world, group, recv_counts=[1] * world)
-    recv_counts = got.tolist()  # [W(source)][2F + 1]
+    recv_counts = got.tolist()  # [W(source)][3F + 1]
     refusing = [r for r in range(world) if recv_counts[r][-1] != 0]
     if refusing:
         return [], refusing
+    nfeat = len(features)
     ints, floats, int_split, float_split = [], [], [], []
     for r in range(world):
         ni = nf = 0
@@ -215,20 +226,27 @@ def _send_requests(
             ids_r, offsets_r, coeffs_r = split.parts[f][r]
             if r != rank:
                 ints += [ids_r, offsets_r]
-                floats.append(coeffs_r)
                 ni += ids_r.numel() + offsets_r.numel()
-                nf += coeffs_r.numel()
+                if coeffs_r is not None:
+                    floats.append(coeffs_r)
+                    nf += coeffs_r.numel()
         int_split.append(ni)
         float_split.append(nf)
-    nfeat = len(features)
     recv_int_split = [
         0 if s == rank else sum(c[2 * k] + c[2 * k + 1] + 1 for k in range(nfeat)) for s, c in enumerate(recv_counts)
     ]
-    recv_float_split = [0 if s == rank else sum(c[2 * k] for k in range(nfeat)) for s, c in enumerate(recv_counts)]
+    recv_float_split = [
+        0 if s == rank else sum(c[2 * k] for k in range(nfeat) if c[2 * nfeat + k]) for s, c in enumerate(recv_counts)
+    ]
+    # Every rank has every rank's flags (each sent its row to all): all skip the coefficients or none does.
+    any_coeffs = any(c[2 * nfeat + k] for c in recv_counts for k in range(nfeat))
     empty_i = torch.empty(0, dtype=torch.int64, device=device)
     empty_f = torch.empty(0, dtype=torch.float32, device=device)
     recv_i, _ = comm.all_to_all_v(torch.cat(ints) if ints else empty_i, int_split, group, recv_int_split)
-    recv_f, _ = comm.all_to_all_v(torch.cat(floats) if floats else empty_f, float_split, group, recv_float_split)
+    recv_f = empty_f
+    if any_coeffs:
+        sent_f = torch.cat(floats) if floats else empty_f
+        recv_f, _ = comm.all_to_all_v(sent_f, float_split, group, recv_float_split)
     asked: list[list[Asked]] = []
     oi = of = 0
     for s in range(world):
@@ -238,9 +256,12 @@ def _send_requests(
                 mine.append(Asked(f, *split.parts[f][rank]))
                 continue
             n, nb = recv_counts[s][2 * k], recv_counts[s][2 * k + 1]
-            mine.append(Asked(f, recv_i.narrow(0, oi, n), recv_i.narrow(0, oi + n, nb + 1), recv_f.narrow(0, of, n)))
+            coeffs = None
+            if recv_counts[s][2 * nfeat + k]:
+                coeffs = recv_f.narrow(0, of, n)
+                of += n
+            mine.append(Asked(f, recv_i.narrow(0, oi, n), recv_i.narrow(0, oi + n, nb + 1), coeffs))
             oi += n + nb + 1
-            of += n
         asked.append(mine)
     return asked, []
 

@@ -47,7 +47,8 @@ def _traffic(rank: int, world: int) -> None:
         table = {"a": "pa", "a2": "pa", "b": "pb"}[name]
         owner, _ = plans[table].owner(features[name].values)
         per_owner = tuple(int(n) for n in torch.bincount(owner, minlength=world).tolist())
-        pooled.append(PooledFeature(per_owner, bags, bags_of, {"pa": 4, "pb": 8}[table]))
+        # "b" (mean) sends a coefficient per id; "a" and "a2" (unweighted sums) send none
+        pooled.append(PooledFeature(per_owner, bags, bags_of, {"pa": 4, "pb": 8}[table], coefficients=table == "pb"))
     owner, _ = plans["seq"].owner(torch.unique(features["s"].values))
     unique = tuple(int(n) for n in torch.bincount(owner, minlength=world).tolist())
     everyone = comm.all_gather_object(unique)
@@ -68,6 +69,9 @@ def test_even_traffic_grows_with_the_peers_for_pooled_tables_and_not_for_row_tab
     rows = [even_step_traffic(w, 8, 2048, 20, 64, 0.5, pooled=False).bytes for w in (2, 8, 64)]
     assert pooled[0] < pooled[1] < pooled[2] and pooled[2] > 50 * pooled[0]  # (W - 1) partial bags per feature
     assert rows[2] < 2.1 * rows[0]  # unique rows x (W - 1) / W: bounded
+    # Coefficients (weights, mean, sqrtn) travel as one float32 per id sent to the other rank: 8 x 20480.
+    weighted = even_step_traffic(2, 8, 2048, 20, 64, 0.5, pooled=True, coefficients=True)
+    assert weighted.bytes - pooled[0] == 4 * 8 * 20480
 
 
 def test_pooling_on_the_owner_is_chosen_only_where_it_sends_less() -> None:

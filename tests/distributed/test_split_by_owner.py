@@ -22,7 +22,9 @@ def _batch(vocab: int, bags: int, gen: torch.Generator, weighted: bool) -> Featu
 
 
 @pytest.mark.parametrize("strategy", ["div", "mod"])
-@pytest.mark.parametrize(("vocab", "world"), [(1000, 2), (1001, 3), (2, 3), (7, 4)])
+# Uneven blocks, V < W (ranks without rows), powers of two (mod by mask) and larger worlds (the binary
+# search over the ranks' first rows).
+@pytest.mark.parametrize(("vocab", "world"), [(1000, 2), (1001, 3), (2, 3), (7, 4), (1003, 8), (10, 16), (99, 7)])
 @pytest.mark.parametrize("weighted", [False, True])
 def test_native_split_equals_the_torch_split(strategy: str, vocab: int, world: int, weighted: bool) -> None:
     gen = torch.Generator().manual_seed(vocab * world)
@@ -38,7 +40,11 @@ def test_native_split_equals_the_torch_split(strategy: str, vocab: int, world: i
         for r, (ids_r, offsets_r, coeffs_r) in enumerate(expected):
             assert torch.equal(local[start : start + counts[r]], ids_r)
             assert torch.equal(offsets[r], offsets_r)
-            assert torch.equal(coeffs[start : start + counts[r]], coeffs_r)
+            if weighted:
+                assert coeffs is not None and coeffs_r is not None
+                assert torch.equal(coeffs[start : start + counts[r]], coeffs_r)
+            else:  # unweighted: no coefficients are written or sent (all 1)
+                assert coeffs is None and coeffs_r is None
             start += counts[r]
 
 

@@ -189,44 +189,59 @@ int et_all_finite(int64_t F, const float *const *x, const int64_t *n) {
     return m < ET_INF_BITS;
 }
 
-/* Owner of a global id under a row partition over W ranks (spec §3): strategy 0 "div" (contiguous
- * blocks: the first V % W ranks hold q + 1 rows, the others q; V < W: rank i holds row i), 1 "mod" (id
- * modulo W). Writes the local row. */
-static inline int64_t et_owner(int64_t id, int strategy, int64_t V, int64_t W, int64_t *local) {
+/* Owner of a valid global id (0 <= id < V) under "div" (spec §3: contiguous blocks, the first V % W ranks
+ * hold q + 1 rows, the others q; V < W: rank i holds row i), from every rank's first row (first[0..W],
+ * first[W] = V): the last rank r with first[r] <= id, by binary search, without a division. A rank
+ * holding no row has first[r] == first[r + 1] and is never the answer. */
+static inline int64_t et_first_row_owner(int64_t id, const int64_t *first, int64_t W) {
+    int64_t lo = 0, hi = W; /* first[lo] <= id < first[hi] */
+    while (hi - lo > 1) {
+        const int64_t mid = (lo + hi) >> 1;
+        if (first[mid] <= id) lo = mid;
+        else hi = mid;
+    }
+    return lo;
+}
+
+/* Owner of a valid id under strategy 0 "div" (from the first rows) or 1 "mod" (id modulo W; a mask when
+ * W is a power of two). Writes the local row. */
+static inline int64_t et_split_owner(int64_t id, int strategy, const int64_t *first, int64_t W, int64_t *local) {
     if (strategy == 1) {
+        if ((W & (W - 1)) == 0) {
+            *local = id >> __builtin_ctzll((unsigned long long)W);
+            return id & (W - 1);
+        }
         *local = id / W;
         return id % W;
     }
-    const int64_t q = V / W, e = V % W;
-    if (q == 0) {
-        *local = 0;
-        return id;
-    }
-    const int64_t big = e * (q + 1);
-    if (id < big) {
-        *local = id % (q + 1);
-        return id / (q + 1);
-    }
-    *local = (id - e) % q;
-    return (id - e) / q;
+    const int64_t r = et_first_row_owner(id, first, W);
+    *local = id - first[r];
+    return r;
 }
 
 /* Split the bags of F features by the owner of each id (counting sort, stable): for feature f with ids
  * [N], offsets [S + 1] (offsets[0] == 0, offsets[S] == N) and coefficients [N] (NULL: all 1), write its
  * local rows and coefficients grouped by owner rank, in bag order within an owner (out_ids, out_coeffs
- * [N]), each owner's bag offsets (out_offsets [W, S + 1]) and each owner's id count (out_counts [W]).
- * Returns 0, or 1 when offsets are malformed or an id is outside [0, V) (outputs then unusable). */
+ * [N]; out_coeffs[f] NULL: not written), each owner's bag offsets (out_offsets [W, S + 1]) and each
+ * owner's id count (out_counts [W]). Returns 0, or 1 when offsets are malformed or an id is outside
+ * [0, V) (outputs then unusable). */
 int et_split_by_owner(int64_t F, const int64_t *const *ids, const int64_t *N, const int64_t *const *offsets,
                       const int64_t *S, const float *const *coeffs, const int32_t *strategy, const int64_t *V,
                       int64_t W, int64_t *const *out_ids, float *const *out_coeffs, int64_t *const *out_offsets,
                       int64_t *const *out_counts) {
     if (W < 1) return 1;
-    int64_t start[W];
+    int64_t start[W], first[W + 1];
     for (int64_t f = 0; f < F; ++f) {
         const int64_t n = N[f], nb = S[f], v = V[f];
         const int64_t *off = offsets[f], *fid = ids[f];
         if (nb < 0 || !et_offsets_ok(off, nb, n) || off[0] != 0 || off[nb] != n || v < 1) return 1;
         if (strategy[f] != 0 && strategy[f] != 1) return 1;
+        const int st = strategy[f];
+        for (int64_t r = 0; r < W; ++r) { /* "div" (spec §3): the first V % W ranks hold one row more */
+            const int64_t q = v / W, e = v % W;
+            first[r] = r * q + (r < e ? r : e);
+        }
+        first[W] = v;
         int64_t *cnt = out_counts[f], *boff = out_offsets[f];
         memset(cnt, 0, sizeof(int64_t) * (size_t)W);
         memset(boff, 0, sizeof(int64_t) * (size_t)(W * (nb + 1)));
@@ -235,7 +250,7 @@ int et_split_by_owner(int64_t F, const int64_t *const *ids, const int64_t *N, co
                 const int64_t id = fid[k];
                 if ((uint64_t)id >= (uint64_t)v) return 1;
                 int64_t local;
-                const int64_t r = et_owner(id, strategy[f], v, W, &local);
+                const int64_t r = et_split_owner(id, st, first, W, &local);
                 cnt[r]++;
                 boff[r * (nb + 1) + s + 1]++;
             }
@@ -252,10 +267,10 @@ int et_split_by_owner(int64_t F, const int64_t *const *ids, const int64_t *N, co
         float *oc = out_coeffs[f];
         for (int64_t k = 0; k < n; ++k) {
             int64_t local;
-            const int64_t r = et_owner(fid[k], strategy[f], v, W, &local);
+            const int64_t r = et_split_owner(fid[k], st, first, W, &local);
             const int64_t pos = start[r]++;
             oid[pos] = local;
-            oc[pos] = c ? c[k] : 1.0f;
+            if (oc) oc[pos] = c ? c[k] : 1.0f;
         }
     }
     return 0;
