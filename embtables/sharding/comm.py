@@ -14,7 +14,7 @@ import gc
 import math
 import os
 import secrets
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -211,7 +211,7 @@ def broadcast_object(obj: object, src: int = 0, group: ProcessGroup | None = Non
 
 
 def all_to_all_v(
-    send: Tensor,
+    send: Tensor | Sequence[Tensor],
     send_counts: list[int],
     group: ProcessGroup | None = None,
     recv_counts: list[int] | None = None,
@@ -219,26 +219,34 @@ def all_to_all_v(
     """Exchange rows with every rank: the first ``send_counts[0]`` rows of ``send`` [N, ...] go to rank
     0, the next ``send_counts[1]`` to rank 1, and so on. Returns the received rows [M, ...], concatenated
     in source-rank order, and how many came from each rank [W]. Unless the caller already knows
-    ``recv_counts`` (one message instead of two), the counts are exchanged first, so every rank may
-    send a different number of rows (including none)."""
+    ``recv_counts``, the sizes travel too, so every rank may send a different number of rows (including
+    none). ``send`` may be a list of pieces with the same dtype and row shape, read as their
+    concatenation along dim 0 (over shared memory they are copied straight into the message)."""
+    pieces = [send] if isinstance(send, Tensor) else list(send)
+    if not pieces:
+        raise ValueError("all_to_all_v: nothing to send: give a tensor (it may have 0 rows) or at least one piece.")
+    first = pieces[0]
+    if any(p.dtype != first.dtype or p.shape[1:] != first.shape[1:] or p.device != first.device for p in pieces):
+        raise ValueError("all_to_all_v: the pieces to send must share one dtype, device and row shape.")
+    rows = sum(int(p.shape[0]) for p in pieces)
     world = get_world_size(group)
-    if len(send_counts) != world or sum(send_counts) != send.shape[0] or min(send_counts, default=0) < 0:
+    if len(send_counts) != world or sum(send_counts) != rows or min(send_counts, default=0) < 0:
         raise ValueError(
             f"all_to_all_v: send_counts {send_counts} must have {world} non-negative entries adding up to the "
-            f"{send.shape[0]} rows sent."
+            f"{rows} rows sent."
         )
     if not is_distributed(group):
-        return send.clone(), list(send_counts)
+        return torch.cat(pieces) if len(pieces) > 1 else first.clone(), list(send_counts)
     if recv_counts is not None and len(recv_counts) != world:
         raise ValueError(f"all_to_all_v: recv_counts {recv_counts} must have {world} entries.")
-    rank, row_bytes = get_rank(group), math.prod(send.shape[1:]) * send.element_size()
-    key = "float" if send.is_floating_point() else "int"
+    rank, row_bytes = get_rank(group), math.prod(first.shape[1:]) * first.element_size()
+    key = "float" if first.is_floating_point() else "int"
     payload = row_bytes * (sum(send_counts) - send_counts[rank])  # a send to itself is not counted
-    channel = _channel(group) if send.device.type == "cpu" else None
+    channel = _channel(group) if first.device.type == "cpu" else None
     if channel is not None and row_bytes > 0:
         bytes_sent[key] = bytes_sent.get(key, 0) + payload
         phase_profile.count_message(payload)  # the sizes travel with the rows: no counts message
-        raw = send.contiguous().view(torch.uint8).reshape(-1) if send.numel() else torch.empty(0, dtype=torch.uint8)
+        raw = [p.contiguous().view(torch.uint8).reshape(-1) for p in pieces if p.numel()]
         expect = None if recv_counts is None else [c * row_bytes for c in recv_counts]
         with _collective("exchange of ids, rows or gradients", group):
             got, sizes = channel.exchange(raw, [c * row_bytes for c in send_counts], expect, "exchange of rows")
@@ -247,20 +255,21 @@ def all_to_all_v(
                 f"embtables: rank {rank}: the ranks sent {sizes} bytes, not whole rows of {row_bytes} bytes: they "
                 "exchange different kinds of rows. Every rank must make the same calls in the same order."
             )
-        out = got.view(send.dtype).reshape(sum(sizes) // row_bytes, *send.shape[1:])
+        out = got.view(first.dtype).reshape(sum(sizes) // row_bytes, *first.shape[1:])
         return out, [n // row_bytes for n in sizes]
+    whole = torch.cat(pieces) if len(pieces) > 1 else first.contiguous()
     if recv_counts is None:
-        counts = torch.tensor(send_counts, dtype=torch.int64, device=send.device)
+        counts = torch.tensor(send_counts, dtype=torch.int64, device=whole.device)
         recv_counts_t = torch.empty_like(counts)
         phase_profile.count_message(8 * (world - 1))
         with _collective("exchange of row counts", group):
             dist.all_to_all_single(recv_counts_t, counts, group=group)
         recv_counts = [int(c) for c in recv_counts_t.tolist()]
-    out = torch.empty((sum(recv_counts), *send.shape[1:]), dtype=send.dtype, device=send.device)
+    out = torch.empty((sum(recv_counts), *whole.shape[1:]), dtype=whole.dtype, device=whole.device)
     bytes_sent[key] = bytes_sent.get(key, 0) + payload
     phase_profile.count_message(payload)
     with _collective("exchange of ids, rows or gradients", group):
-        dist.all_to_all_single(out, send.contiguous(), recv_counts, list(send_counts), group=group)
+        dist.all_to_all_single(out, whole, recv_counts, list(send_counts), group=group)
     return out, recv_counts
 
 
@@ -312,7 +321,7 @@ def check_phase(phase: str, step: int, tag: int, group: ProcessGroup | None = No
     phase_profile.count_message(32 * (world - 1))
     channel = _channel(group) if mine.device.type == "cpu" else None
     if channel is not None:
-        raw = mine.view(torch.uint8).repeat(world)
+        raw = [mine.view(torch.uint8)] * world
         with _collective(f"phase check before {phase} of step {step}", group):
             got, _ = channel.exchange(raw, [32] * world, [32] * world, f"phase check before {phase}")
         out = got.view(torch.int64).reshape(world, 4)
@@ -389,7 +398,7 @@ def _max_of_ranks(value: int, group: ProcessGroup | None) -> int:
     with _collective("agreement on the step", group):
         if channel is not None:
             world = get_world_size(group)
-            got, _ = channel.exchange(t.view(torch.uint8).repeat(world), [8] * world, [8] * world, "agreement")
+            got, _ = channel.exchange([t.view(torch.uint8)] * world, [8] * world, [8] * world, "agreement")
             return int(got.view(torch.int64).max())
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return int(t.item())

@@ -242,11 +242,10 @@ def _send_requests(
     any_coeffs = any(c[2 * nfeat + k] for c in recv_counts for k in range(nfeat))
     empty_i = torch.empty(0, dtype=torch.int64, device=device)
     empty_f = torch.empty(0, dtype=torch.float32, device=device)
-    recv_i, _ = comm.all_to_all_v(torch.cat(ints) if ints else empty_i, int_split, group, recv_int_split)
+    recv_i, _ = comm.all_to_all_v(ints or empty_i, int_split, group, recv_int_split)
     recv_f = empty_f
     if any_coeffs:
-        sent_f = torch.cat(floats) if floats else empty_f
-        recv_f, _ = comm.all_to_all_v(sent_f, float_split, group, recv_float_split)
+        recv_f, _ = comm.all_to_all_v(floats or empty_f, float_split, group, recv_float_split)
     asked: list[list[Asked]] = []
     oi = of = 0
     for s in range(world):
@@ -295,15 +294,20 @@ def _return_partials(
         out_split.append(size)
     back_split = [0 if r == rank else sum(bags[f] * dims[f] for f in features) for r in range(world)]
     empty_f = torch.empty(0, dtype=torch.float32, device=device)
-    recv_back, _ = comm.all_to_all_v(torch.cat(out_pieces) if out_pieces else empty_f, out_split, group, back_split)
-    acts: dict[int, Tensor] = {}
+    recv_back, _ = comm.all_to_all_v(out_pieces or empty_f, out_split, group, back_split)
+    partials_of: dict[int, list[Tensor]] = {f: [] for f in features}
     offset = 0
     for r in range(world):
         for f in features:
             part = own[f] if r == rank else recv_back.narrow(0, offset, bags[f] * dims[f]).view(bags[f], dims[f])
             if r != rank:
                 offset += bags[f] * dims[f]
-            acts[f] = part.clone() if f not in acts else acts[f].add_(part)
+            partials_of[f].append(part)
+    acts: dict[int, Tensor] = {}
+    for f, parts in partials_of.items():  # added in rank order: ((p_0 + p_1) + p_2) + ...
+        acts[f] = torch.add(parts[0], parts[1]) if len(parts) > 1 else parts[0].clone()
+        for part in parts[2:]:
+            acts[f].add_(part)
     return acts
 
 
@@ -359,8 +363,7 @@ def pooled_gradient_exchange(
             )
         )
         expected.append(n)
-    send = torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.float32, device=device)
-    recv, _ = comm.all_to_all_v(send, split, group, expected)
+    recv, _ = comm.all_to_all_v(pieces or torch.empty(0, dtype=torch.float32, device=device), split, group, expected)
     out: dict[int, list[Tensor]] = {f: [] for f in features}
     refusing = []
     offset = 0

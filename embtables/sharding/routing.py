@@ -95,7 +95,7 @@ def exchange_ids(
     for r in range(world):
         for t, (rows, c) in enumerate(per_table):
             pieces.append(rows.narrow(0, starts[t][r], c[r]))
-    send = torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.int64, device=device)
+    send = pieces or torch.empty(0, dtype=torch.int64, device=device)
     send_split = [sum(c[r] for _, c in per_table) for r in range(world)]
     recv_split = [sum(int(n) for n in recv_counts[s]) for s in range(world)]
     recv, _ = comm.all_to_all_v(send, send_split, group, recv_counts=recv_split)

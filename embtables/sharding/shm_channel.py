@@ -34,6 +34,7 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -151,6 +152,19 @@ class _Mapping:
             self._map(size)
 
 
+def _copy_bytes(pieces: Sequence[Tensor], lo: int, hi: int, dst: Tensor) -> None:
+    """Copy bytes [lo, hi) of the pieces (1-D uint8, read as one buffer) into ``dst`` [hi - lo]."""
+    start = 0
+    for piece in pieces:
+        end = start + int(piece.numel())
+        a, b = max(lo, start), min(hi, end)
+        if a < b:
+            dst[a - lo : b - lo].copy_(piece[a - start : b - start])
+        if end >= hi:
+            return
+        start = end
+
+
 class ShmChannel:
     """Exchanges between ``world`` ranks of one host; ``fds[r]`` is rank r's file (this rank's own
     included). Thread-safe: one exchange at a time."""
@@ -186,19 +200,22 @@ class ShmChannel:
             raise ChannelError(f"shared-memory exchange: {self.broken}")
 
     def exchange(
-        self, send: Tensor, send_bytes: list[int], recv_bytes: list[int] | None, what: str
+        self, send: Sequence[Tensor], send_bytes: list[int], recv_bytes: list[int] | None, what: str
     ) -> tuple[Tensor, list[int]]:
-        """Send ``send`` (1-D uint8: ``send_bytes[r]`` bytes for rank r, in rank order) and return what
-        every rank sent this one, concatenated in rank order, with the bytes from each rank. With
+        """Send the bytes of ``send`` (1-D uint8 pieces, read as one buffer: ``send_bytes[r]`` bytes for
+        rank r, in rank order; copied straight into the outbox, never concatenated) and return what every
+        rank sent this one, concatenated in rank order, with the bytes from each rank. With
         ``recv_bytes`` those sizes are checked (a mismatch raises ``ChannelError`` after taking every
         message, so the channel stays in step); without it, they are whatever the peers posted."""
+        if sum(int(t.numel()) for t in send) != sum(send_bytes):
+            raise ValueError(f"shared-memory exchange: {sum(send_bytes)} bytes to send, pieces of another size")
         with self._lock:
             if self.broken is not None:
                 raise ChannelError(f"shared-memory exchange unusable: {self.broken} earlier")
             return self._exchange(send, send_bytes, recv_bytes, what)
 
     def _exchange(
-        self, send: Tensor, send_bytes: list[int], recv_bytes: list[int] | None, what: str
+        self, send: Sequence[Tensor], send_bytes: list[int], recv_bytes: list[int] | None, what: str
     ) -> tuple[Tensor, list[int]]:
         rank, own = self.rank, self.maps[self.rank]
         seq = (self._seq + 1) & _MASK
@@ -211,8 +228,7 @@ class ShmChannel:
         at = own.control
         for p in self.peers:
             n = send_bytes[p]
-            if n:
-                own.bytes[at : at + n].copy_(send[starts[p] : starts[p] + n])
+            _copy_bytes(send, starts[p], starts[p] + n, own.bytes[at : at + n])
             line = self._posted(p) // 8
             own.words[line + 1], own.words[line + 2] = n, at
             at += n
@@ -232,8 +248,7 @@ class ShmChannel:
             sizes[p] = n
         out = torch.empty(sum(sizes), dtype=torch.uint8)
         out_starts = np.concatenate([[0], np.cumsum(sizes)]).tolist()
-        if sizes[rank]:
-            out[out_starts[rank] : out_starts[rank + 1]].copy_(send[starts[rank] : starts[rank + 1]])
+        _copy_bytes(send, starts[rank], starts[rank + 1], out[out_starts[rank] : out_starts[rank + 1]])
         for p in self.peers:
             peer = self.maps[p]
             at = int(peer.words[self._posted(rank) // 8 + 2])

@@ -46,6 +46,11 @@ def _same_as_gloo(rank: int, world: int, names_path: str) -> None:
         got, recv = comm.all_to_all_v(send, counts, recv_counts=known)
         assert recv == [_count(s, rank, round_) for s in range(world)]
         assert got.dtype == dtype and torch.equal(got, want), round_
+        # The same rows as pieces cut anywhere (empty ones included): copied into the message as they are.
+        cuts = sorted({0, send.shape[0], *(int(c) % (send.shape[0] + 1) for c in (7, 7, 3 * round_ + 1, 9001))})
+        pieces = [send[a:b] for a, b in zip(cuts, cuts[1:])] + [send[:0]]
+        got, recv = comm.all_to_all_v(pieces, counts, recv_counts=known)
+        assert torch.equal(got, want), round_
     # A non-contiguous send, 1-D rows, agreements and phase headers.
     wide = torch.arange(4 * world * 3, dtype=torch.float32).reshape(4 * world, 3)[:, ::2]
     got, recv = comm.all_to_all_v(wide, [4] * world)
@@ -119,3 +124,12 @@ def test_every_rank_falls_back_to_gloo_when_one_cannot_share_memory() -> None:
 
 def test_one_process_needs_no_channel() -> None:
     assert comm.transport() == "local"
+    # Pieces are read as their concatenation; pieces that do not fit together are refused.
+    got, counts = comm.all_to_all_v([torch.ones(2, 3), torch.zeros(1, 3)], [3])
+    assert counts == [3] and torch.equal(got, torch.tensor([[1.0] * 3, [1.0] * 3, [0.0] * 3]))
+    with pytest.raises(ValueError, match="share one dtype"):
+        comm.all_to_all_v([torch.ones(2, 3), torch.zeros(1, 3, dtype=torch.int64)], [3])
+    with pytest.raises(ValueError, match="share one dtype"):
+        comm.all_to_all_v([torch.ones(2, 3), torch.zeros(1, 4)], [3])
+    with pytest.raises(ValueError, match="nothing to send"):
+        comm.all_to_all_v([], [0])
