@@ -4,6 +4,7 @@ peer detected at once, nothing left in /dev/shm, and the fallback to gloo when a
 
 from __future__ import annotations
 
+import itertools
 import os
 import signal
 import time
@@ -48,7 +49,7 @@ def _same_as_gloo(rank: int, world: int, names_path: str) -> None:
         assert got.dtype == dtype and torch.equal(got, want), round_
         # The same rows as pieces cut anywhere (empty ones included): copied into the message as they are.
         cuts = sorted({0, send.shape[0], *(int(c) % (send.shape[0] + 1) for c in (7, 7, 3 * round_ + 1, 9001))})
-        pieces = [send[a:b] for a, b in zip(cuts, cuts[1:])] + [send[:0]]
+        pieces = [send[a:b] for a, b in itertools.pairwise(cuts)] + [send[:0]]
         got, recv = comm.all_to_all_v(pieces, counts, recv_counts=known)
         assert torch.equal(got, want), round_
     # A non-contiguous send, 1-D rows, agreements and phase headers.
