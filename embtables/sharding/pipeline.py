@@ -93,6 +93,7 @@ class StepPipeline:
         self.enqueued: Staged | None = None
         self.last: Lookup | None = None
         self.pending: PendingUpdate | None = None
+        self.landing: concurrent.futures.Future[None] | None = None  # a held-back update applied in the background
         self.stale: StaleRows = {}
         self.lock = threading.RLock()
 
@@ -127,8 +128,10 @@ class StepPipeline:
         """Stage a batch for ``dequeue`` (or, sharded, this rank's refusal of it). Pipelined and sharded,
         the id exchange and lookup start now, overlapping the caller's dense compute; they read the
         tables before the pending update, as the pipelined lookup must (a refusing rank joins the
-        early lookup's agreement round like the others, so every rank's collectives stay in order)."""
-        self.drop_prefetch()
+        early lookup's agreement round like the others, so every rank's collectives stay in order). An
+        update landing in the background is not waited for: the new lookup runs after it, on the same
+        thread."""
+        self._wait_prefetch()
         step = self.training_steps + 1 if training else self.training_steps  # eval: the last step trained
         staged = Staged(batches, training, step, refused=refused)
         if self.worker is not None and training:
@@ -165,8 +168,26 @@ class StepPipeline:
                 [x.ids for x in b], [x.out_shape[0] if x.out_shape else 1 for x in b], [x.dropped for x in b]
             )
         self.training_steps += 1
-        self.flush()  # the pending update of the previous step lands after this step's lookup
+        self._land()  # the pending update of the previous step lands after this step's lookup
         return acts
+
+    def _land(self) -> None:
+        """Apply the held-back update of the previous step, now that this step's lookup has read the tables.
+        With an exchange thread, the update runs there, after the lookup and before any later collective
+        or lookup, overlapping the caller's dense compute; everything that reads or writes the tables on
+        this thread waits for it first (``drop_prefetch``). The ranks agreed on it at ``apply_gradients``."""
+        if self.pending is None:
+            return
+        if self.worker is None:
+            self.flush()
+            return
+        pending, self.pending, engine = self.pending, None, self.engine
+
+        def land() -> None:
+            with phase_profile.phase("update"):
+                engine.apply(pending.table_grads, pending.lrs, agreed=True)
+
+        self.landing = self.worker.submit(land)
 
     def _lookup(self, staged: Staged) -> tuple[list[Tensor], Any, list[FeatureBatch]]:
         """The lookup of a staged batch (on the exchange thread when pipelining is sharded): its
@@ -184,7 +205,16 @@ class StepPipeline:
             return acts, context, batches
 
     def drop_prefetch(self) -> None:
-        """Wait for a lookup started early (a staged batch being replaced, or tables about to change)."""
+        """Wait for the work started in the background before the tables are read or changed here, or a
+        staged batch is replaced: an update landing (``_land``; an error it raised surfaces here) and a
+        lookup started early."""
+        landing, self.landing = self.landing, None
+        if landing is not None:
+            landing.result()
+        self._wait_prefetch()
+
+    def _wait_prefetch(self) -> None:
+        """Wait for the lookup of the staged batch started early, if any."""
         staged = self.enqueued
         if staged is not None and staged.prefetch is not None:
             concurrent.futures.wait([staged.prefetch])

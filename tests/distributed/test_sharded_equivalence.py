@@ -91,12 +91,23 @@ def _grads(step: int, acts: dict[str, torch.Tensor], lo: int, hi: int) -> dict[s
 def _reference(case: tuple[str, Any, bool]) -> dict[str, Any]:
     opt_name, _, pipelined = case
     ref = et.DistributedEmbedding(_config(opt_name), pipeline_execution_with_tensor_core=pipelined)
-    acts = []
+    acts, mid = [], []
     for step in range(STEPS):
         a = ref(*_inputs(step, 0, GLOBAL_BATCH))
         acts.append({k: v.detach().clone() for k, v in a.items()})
+        if pipelined:  # the state right after a lookup: the previous step's update has landed
+            mid.append({k: v.clone() for k, v in ref.state_dict().items()})
         ref.apply_gradients(_grads(step, a, 0, GLOBAL_BATCH))
-    return {"acts": acts, "state": {k: v.clone() for k, v in ref.state_dict().items()}}
+    return {"acts": acts, "mid": mid, "state": {k: v.clone() for k, v in ref.state_dict().items()}}
+
+
+def _same_state(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], exact: bool, what: object) -> None:
+    assert sorted(got) == sorted(want), what
+    for key, value in want.items():
+        if exact:
+            assert torch.equal(got[key], value), (what, key)
+        else:
+            torch.testing.assert_close(got[key], value, rtol=2e-5, atol=2e-6, msg=f"{what} {key}")
 
 
 def _run_cases(rank: int, world: int, cases: list[tuple[str, Any, bool]], ref_path: str, transport: str) -> None:
@@ -123,6 +134,16 @@ def _run_cases(rank: int, world: int, cases: list[tuple[str, Any, bool]], ref_pa
         for step in range(STEPS):
             if pipelined:
                 acts = emb.dequeue()
+                # The previous step's update lands in the background now; reading the state waits for it.
+                live = {
+                    f"{name}/{slot}" if slot else name: tensor.clone()
+                    for name, shard in emb.local_shards().items()
+                    for slot, tensor in shard.tensors.items()
+                }
+                rows = {name: shard.rows for name, shard in emb.local_shards().items()}
+                mine = {key: ref["mid"][step][key][rows[key.split("/")[0]]] for key in live}
+                _same_state(live, mine, exact, (case, "this rank's rows after the lookup of step", step))
+                _same_state(emb.state_dict(), ref["mid"][step], exact, (case, "after the lookup of step", step))
                 grads = _grads(step, acts, lo, hi)
                 if step + 1 < STEPS:
                     emb.enqueue(*_inputs(step + 1, lo, hi))
@@ -137,12 +158,7 @@ def _run_cases(rank: int, world: int, cases: list[tuple[str, Any, bool]], ref_pa
                     torch.testing.assert_close(a, want, rtol=2e-5, atol=2e-6, msg=f"{case} step {step} {n}")
             emb.apply_gradients(grads)
         got = emb.state_dict()
-        assert sorted(got) == sorted(ref["state"])
-        for key, want in ref["state"].items():
-            if exact:
-                assert torch.equal(got[key], want), (case, key)
-            else:
-                torch.testing.assert_close(got[key], want, rtol=2e-5, atol=2e-6, msg=f"{case} {key}")
+        _same_state(got, ref["state"], exact, case)
         # This rank's own rows, at their global ids, are the live rows of the gathered tables.
         for name, shard in emb.local_shards().items():
             for slot, tensor in shard.tensors.items():
