@@ -121,6 +121,8 @@ class ShardedEmbeddingCollection(LocalTables):
         # Owned rows per table (local rows may add one placeholder row when a rank owns none).
         self._owned_rows = {t.name: self.plans[t.name].owned_rows(self.rank) for t in resolved.tables}
         self._send_workspaces: dict[str, native.Workspace] = {}  # per-table phase 1 of this rank's batch
+        # A summed gradient of an owner-pooled table overflowed here: ``check`` refuses the update on every rank.
+        self._sums_overflow = False
         self.row_tables = [t for t in resolved.tables if t.name not in pooled]
         self.pooled_tables = [t for t in resolved.tables if t.name in pooled]
         self._pooled_features = sorted(f for t in self.pooled_tables for f in t.feature_indices)
@@ -303,6 +305,7 @@ class ShardedEmbeddingCollection(LocalTables):
         ``refused`` is this rank's error validating its gradients: every rank then raises."""
         tables = self.row_tables
         bad = refused is not None
+        self._sums_overflow = False
         with phase_profile.phase("backward: sums per unique id"):
             sums = self._sums_per_unique_id(batches, grads, context) if not bad else None
         if sums is None:
@@ -355,7 +358,8 @@ class ShardedEmbeddingCollection(LocalTables):
         refused: bool,
     ) -> list[int]:
         """The owner-pooled tables' gradients into ``out``: d(activation) to the owners (with this rank's
-        refusal flag), phase 1 there, one agreement. Returns the refusing ranks (then nothing is summed)."""
+        refusal flag), phase 1 there. Returns the refusing ranks (then nothing is summed). A sum that
+        overflowed is remembered: the update's agreement (``check``) refuses it on every rank."""
         assert context.pooled is not None
         with phase_profile.phase("owner pooling: send gradients"):
             served, refusing = owner_pooling.pooled_gradient_exchange(
@@ -369,13 +373,7 @@ class ShardedEmbeddingCollection(LocalTables):
                 tg, ok = owner_pooling.owner_table_gradient(t, local_tables[t.name], context.pooled, served, self.local)
                 out[t.name] = tg
                 finite = finite and ok
-        with phase_profile.phase("owner pooling: agreement"):
-            overflow = comm.any_rank(not finite, self.group)
-        if overflow:
-            raise InputError(
-                "the summed gradient of a sharded table's row overflows float32 (on this or another rank); no "
-                "table or slot was changed on any rank."
-            )
+        self._sums_overflow = not finite
         return []
 
     def _sums_per_unique_id(
@@ -463,10 +461,16 @@ class ShardedEmbeddingCollection(LocalTables):
     def check(self, table_grads: Sequence[TableGradient], lrs: dict[str, float]) -> None:
         """Raise on every rank, writing nothing, when the update is refused on any rank's rows."""
         error: Exception | None = None
-        try:
-            self.local.check(table_grads, lrs)
-        except (ValueError, TypeError, RuntimeError) as exc:
-            error = exc
+        if self._sums_overflow:
+            error = InputError(
+                f"rank {self.rank}: the summed gradient of a row of a sharded table overflows float32; no table or "
+                "slot was changed on any rank. Scale the loss or the activation gradients down."
+            )
+        else:
+            try:
+                self.local.check(table_grads, lrs)
+            except (ValueError, TypeError, RuntimeError) as exc:
+                error = exc
         if comm.any_rank(error is not None, self.group):
             if error is not None:
                 raise error

@@ -99,3 +99,20 @@ def test_a_rank_that_never_arrives_makes_the_others_fail_after_the_timeout(tmp_p
     marker = tmp_path / "elapsed"
     run_world(_silent_rank, 2, str(marker), timeout=120)
     assert 2 < float(marker.read_text()) < 30
+
+
+def _overflowing_sums(rank: int, world: int) -> None:
+    emb = et.DistributedEmbedding(_config(), sharding="div")
+    before = {k: v.clone() for k, v in emb.state_dict().items()}
+    # Both ranks look up row 3: each gradient is finite, their sum on the owner is not.
+    acts = emb({"a": torch.tensor([[3], [3]])})
+    with pytest.raises(ValueError, match=r"overflows float32|refused on another rank"):
+        emb.apply_gradients({"a": torch.full_like(acts["a"], 3e38)})
+    assert all(torch.equal(before[k], v) for k, v in emb.state_dict().items())
+    emb.apply_gradients({"a": torch.ones_like(acts["a"])})  # the lookup is still pending: a good gradient applies
+    assert not torch.equal(emb.state_dict()["t"], before["t"])
+
+
+@pytest.mark.distributed
+def test_an_owner_sum_that_overflows_is_refused_on_every_rank() -> None:
+    run_world(_overflowing_sums, 2)
