@@ -93,7 +93,7 @@ def create_own(token: str, rank: int, world: int) -> int:
     for this process's lifetime (peers tell that it exited when they can lock it exclusively)."""
     fd = os.open(_path(token, rank), os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
     try:
-        os.ftruncate(fd, _control_bytes(world) + _FIRST_CAPACITY)
+        _reserve(fd, _control_bytes(world) + _FIRST_CAPACITY)
         fcntl.flock(fd, fcntl.LOCK_SH)
         os.pwrite(fd, np.array([_MAGIC, world], dtype=np.int64).tobytes(), 0)
     except OSError:
@@ -101,6 +101,13 @@ def create_own(token: str, rank: int, world: int) -> int:
         unlink_own(token, rank)
         raise
     return fd
+
+
+def _reserve(fd: int, size: int) -> None:
+    """Make the file ``size`` bytes long with its pages allocated (raises ``OSError`` when /dev/shm is
+    full): a page that tmpfs cannot provide later would end the process with SIGBUS when written."""
+    os.ftruncate(fd, size)
+    os.posix_fallocate(fd, 0, size)
 
 
 def open_peer(token: str, rank: int, world: int) -> int:
@@ -148,7 +155,7 @@ class _Mapping:
         """Make this rank's own file hold at least ``end`` bytes."""
         if end > self.size:
             size = -(-max(end + end // 2, self.control + _FIRST_CAPACITY) // 4096) * 4096
-            os.ftruncate(self.fd, size)
+            _reserve(self.fd, size)
             self._map(size)
 
 
@@ -224,7 +231,17 @@ class ShmChannel:
         for p in self.peers:  # every peer has taken the previous message out of the outbox
             self._wait(own, self._acked(p), (seq - 1) & _MASK, p, deadline, what)
         end = own.control + sum(send_bytes[p] for p in self.peers)
-        own.grow(end)
+        try:
+            own.grow(end)
+        except OSError as exc:  # tell every peer at once (a negative size), instead of letting them time out
+            for p in self.peers:
+                own.words[self._posted(p) // 8 + 1] = -1
+                self._post_c(own.base + self._posted(p), seq)
+            self.broken = (
+                f"rank {rank} could not grow its shared memory to {end} bytes ({exc}); give /dev/shm more room "
+                "(docker run --shm-size=...) or set EMBTABLES_SHM=0 to exchange through the process group"
+            )
+            raise ChannelError(f"shared-memory exchange: {self.broken}") from exc
         at = own.control
         for p in self.peers:
             n = send_bytes[p]
@@ -242,7 +259,8 @@ class ShmChannel:
             line = self._posted(rank) // 8
             n, at = int(peer.words[line + 1]), int(peer.words[line + 2])
             if n < 0 or at < peer.control:
-                self.broken = f"rank {p} posted a message of {n} bytes at offset {at}"
+                why = f"posted a message of {n} bytes at offset {at}"
+                self.broken = f"rank {p} could not send its message (its shared memory is full)" if n == -1 else why
                 raise ChannelError(f"shared-memory exchange: {self.broken}")
             peer.reach(at + n)
             sizes[p] = n

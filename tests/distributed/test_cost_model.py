@@ -13,7 +13,15 @@ from mp_world import run_world
 
 import embtables as et
 from embtables.sharding import comm
-from embtables.sharding.cost_model import PooledFeature, RowTable, even_step_traffic, pools_on_owner, step_traffic
+from embtables.sharding.cost_model import (
+    PooledFeature,
+    RowTable,
+    even_step_traffic,
+    network_ms,
+    pools_on_owner,
+    step_traffic,
+    torchrec_bytes,
+)
 
 
 def _config() -> dict[str, et.FeatureConfig]:
@@ -113,3 +121,18 @@ def test_statistics_that_favour_unique_rows_switch_a_table_off_owner_pooling(tmp
     sharded = torch.load(out)
     for key, value in one.state_dict().items():
         torch.testing.assert_close(sharded[key], value, rtol=1e-6, atol=1e-6)
+
+
+def test_the_weak_scaling_table_in_the_docs_is_the_model() -> None:
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "sharding.md").read_text()
+    rows = [line.split("|")[1:-1] for line in doc.splitlines() if line.startswith("| ") and "ms |" in line]
+    table = {int(r[0]): r for r in rows if r[0].strip().isdigit()}
+    assert sorted(table) == [2, 8, 16, 32, 64, 128, 256]
+    for w, row in table.items():
+        pooled = even_step_traffic(w, 8, 2048, 20, 64, 0.36, pooled=True)
+        rows_ = even_step_traffic(w, 8, 2048, 20, 64, 0.36, pooled=False)
+        mib = [pooled.bytes / 2**20, rows_.bytes / 2**20]
+        mib += [torchrec_bytes(w, 8, 2048, 20, 64, row_wise=rw) / 2**20 for rw in (True, False)]
+        assert [float(x) for x in row[1:5]] == [round(m, 1) for m in mib], w
+        fast, slow = (network_ms(pooled.bytes, pooled.messages, w, gbit) for gbit in (100, 25))
+        assert row[5].strip() == f"{slow:.1f} / {fast:.1f} ms", w

@@ -134,3 +134,29 @@ def test_one_process_needs_no_channel() -> None:
         comm.all_to_all_v([torch.ones(2, 3), torch.zeros(1, 4)], [3])
     with pytest.raises(ValueError, match="nothing to send"):
         comm.all_to_all_v([], [0])
+
+
+def _full_shm(rank: int, world: int, marker: str) -> None:
+    assert comm.transport() == "shared memory"
+    comm.all_to_all_v(torch.ones(world, 3), [1] * world)
+    if rank == 1:  # /dev/shm full: this rank's outbox cannot grow past its first MiB
+        real = os.posix_fallocate
+
+        def full(fd: int, offset: int, size: int) -> None:
+            if size > 2 << 20:
+                raise OSError(28, "No space left on device")
+            real(fd, offset, size)
+
+        os.posix_fallocate = full  # type: ignore[assignment]
+    start = time.monotonic()
+    with pytest.raises(comm.CollectiveError, match=r"could not grow its shared memory|shared memory is full"):
+        comm.all_to_all_v(torch.ones(world * 300_000, 4), [300_000] * world)  # 4.6 MiB to each peer
+    Path(marker + f".{rank}").write_text(f"{time.monotonic() - start:.3f}")
+    os._exit(0)  # the channel is broken for good: skip the process group's teardown
+
+
+@pytest.mark.distributed
+def test_a_full_dev_shm_fails_every_rank_at_once(tmp_path: Path) -> None:
+    marker = str(tmp_path / "elapsed")
+    run_world(_full_shm, 2, marker, timeout=120, collective_timeout=100)
+    assert all(float(Path(f"{marker}.{r}").read_text()) < 5 for r in range(2))  # not the 100 s timeout
