@@ -82,27 +82,28 @@ def _open_channel(group: ProcessGroup | None) -> shm_channel.ShmChannel | None:
             return None
         token = str(seen[0][1])
         fds: list[int] = []
-        with contextlib.suppress(OSError):
-            fds.append(shm_channel.create_own(token, rank, world))
-        made = [False] * world
-        dist.all_gather_object(made, bool(fds), group=group)
         channel = None
-        if all(made):
-            try:
-                fds = [fds[0] if r == rank else shm_channel.open_peer(token, r, world) for r in range(world)]
-                channel = shm_channel.ShmChannel(rank, world, fds, _group_timeout_s(group))
-            except OSError:
-                pass
-        opened = [False] * world
-        dist.all_gather_object(opened, channel is not None, group=group)
-        shm_channel.unlink_own(token, rank)  # every rank has opened it (or given up): no name left behind
-    if channel is not None and not all(opened):
-        channel.close()
-        channel = None
-    elif channel is None:
-        for fd in fds:
+        try:
             with contextlib.suppress(OSError):
-                os.close(fd)
+                fds.append(shm_channel.create_own(token, rank, world))
+            made = [False] * world
+            dist.all_gather_object(made, bool(fds), group=group)
+            if all(made):
+                with contextlib.suppress(OSError):
+                    fds += [shm_channel.open_peer(token, r, world) for r in range(world) if r != rank]
+                    ordered = fds[1 : rank + 1] + fds[:1] + fds[rank + 1 :]  # rank order, this rank's own in place
+                    channel = shm_channel.ShmChannel(rank, world, ordered, _group_timeout_s(group))
+            opened = [False] * world
+            dist.all_gather_object(opened, channel is not None, group=group)
+        finally:  # every rank has opened it, given up or failed: no name is left behind
+            shm_channel.unlink_own(token, rank)
+            if channel is not None and not all(opened):
+                channel.close()  # closes every descriptor it holds
+                channel = None
+            elif channel is None:
+                for fd in fds:
+                    with contextlib.suppress(OSError):
+                        os.close(fd)
     return channel
 
 

@@ -251,7 +251,7 @@ class ShmChannel:
             at += n
         for p in self.peers:
             self._post_c(own.base + self._posted(p), seq)
-        sizes = [0] * self.world
+        sizes, offsets = [0] * self.world, [0] * self.world  # read once, checked, then used as read
         sizes[rank] = send_bytes[rank]
         for p in self.peers:
             peer = self.maps[p]
@@ -263,15 +263,14 @@ class ShmChannel:
                 self.broken = f"rank {p} could not send its message (its shared memory is full)" if n == -1 else why
                 raise ChannelError(f"shared-memory exchange: {self.broken}")
             peer.reach(at + n)
-            sizes[p] = n
+            sizes[p], offsets[p] = n, at
         out = torch.empty(sum(sizes), dtype=torch.uint8)
         out_starts = np.concatenate([[0], np.cumsum(sizes)]).tolist()
         _copy_bytes(send, starts[rank], starts[rank + 1], out[out_starts[rank] : out_starts[rank + 1]])
         for p in self.peers:
             peer = self.maps[p]
-            at = int(peer.words[self._posted(rank) // 8 + 2])
             if sizes[p]:
-                out[out_starts[p] : out_starts[p + 1]].copy_(peer.bytes[at : at + sizes[p]])
+                out[out_starts[p] : out_starts[p + 1]].copy_(peer.bytes[offsets[p] : offsets[p] + sizes[p]])
             self._post_c(peer.base + self._acked(rank), seq)
         self._seq = seq
         if recv_bytes is not None and list(recv_bytes) != sizes:
