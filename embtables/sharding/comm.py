@@ -316,9 +316,6 @@ def check_phase(phase: str, step: int, tag: int, group: ProcessGroup | None = No
         return
     mine = torch.tensor([_PHASE_MAGIC, PHASES.index(phase), int(step), int(tag)], dtype=torch.int64)
     mine = mine.to(collective_device(group))
-    rank = get_rank(group)
-    out = torch.empty((world, 4), dtype=torch.int64, device=mine.device)
-    out[rank] = mine
     phase_profile.count_message(32 * (world - 1))
     channel = _channel(group) if mine.device.type == "cpu" else None
     if channel is not None:
@@ -327,7 +324,7 @@ def check_phase(phase: str, step: int, tag: int, group: ProcessGroup | None = No
             got, _ = channel.exchange(raw, [32] * world, [32] * world, f"phase check before {phase}")
         out = got.view(torch.int64).reshape(world, 4)
     else:
-        _exchange_headers(mine, out, phase, step, group)
+        out = _exchange_headers(mine, phase, step, group)
     phase_checks += 1
     headers = out.tolist()
     if all(h == headers[0] for h in headers):
@@ -335,9 +332,11 @@ def check_phase(phase: str, step: int, tag: int, group: ProcessGroup | None = No
     _raise_out_of_step(headers, phase, step, group)
 
 
-def _exchange_headers(mine: Tensor, out: Tensor, phase: str, step: int, group: ProcessGroup | None) -> None:
-    """The phase headers through the process group: ``mine`` [4] to every rank, theirs into ``out`` [W, 4]."""
+def _exchange_headers(mine: Tensor, phase: str, step: int, group: ProcessGroup | None) -> Tensor:
+    """The phase headers through the process group: ``mine`` [4] to every rank; every rank's [W, 4]."""
     rank, world = get_rank(group), get_world_size(group)
+    out = torch.empty((world, 4), dtype=torch.int64, device=mine.device)
+    out[rank] = mine
     with _collective(f"phase check before {phase} of step {step}", group):
         # Point-to-point to every other rank: on gloo over localhost this takes about half the time of
         # an all_to_all and a quarter of an all_gather of the same 32 bytes (0.19 vs 0.41 vs 0.74 ms).
@@ -348,6 +347,7 @@ def _exchange_headers(mine: Tensor, out: Tensor, phase: str, step: int, group: P
                 ops += [dist.P2POp(dist.isend, mine, to, group), dist.P2POp(dist.irecv, out[peer], to, group)]
         for work in dist.batch_isend_irecv(ops):
             work.wait()
+    return out
 
 
 def _raise_out_of_step(headers: list[list[int]], phase: str, step: int, group: ProcessGroup | None) -> None:

@@ -74,8 +74,8 @@ def step_traffic(rank: int, world: int, pooled: Sequence[PooledFeature], rows: S
         floats += 4 * sum(p.bags_of[r] * p.dim for p in pooled for r in others)  # partial bags, back to r
         floats += 4 * sum(1 + sum(p.bags * p.dim for p in pooled if p.ids_per_owner[r]) for r in others)
         # counts, ints, coefficients (left out when no rank has any: as this rank sees it), partials,
-        # gradients; the owner sums' agreement
-        messages += (5 if any(p.coefficients for p in pooled) else 4) + 1
+        # gradients (an owner sum that overflows is refused by the update's agreement, counted below)
+        messages += 5 if any(p.coefficients for p in pooled) else 4
     messages += 1  # the update's agreement
     return StepTraffic(ints, floats, messages)
 
