@@ -149,12 +149,14 @@ def clean_exit() -> None:
         _exit_hook_registered = True
 
 
-def new_group(timeout_s: float, group: ProcessGroup | None = None) -> ProcessGroup:
+def new_group(timeout_s: float | None, group: ProcessGroup | None = None) -> ProcessGroup:
     """A process group over the ranks of ``group`` (default: all) whose collectives give up after
-    ``timeout_s`` seconds. Collective: every rank of the default group must call it."""
+    ``timeout_s`` seconds (None: the backend's default). Collective: every rank of the default group
+    must call it."""
     ranks = None if group is None else dist.get_process_group_ranks(group)
+    timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
     with _collective("creation of embtables' process group", group):
-        return dist.new_group(ranks=ranks, timeout=datetime.timedelta(seconds=timeout_s))
+        return dist.new_group(ranks=ranks, timeout=timeout)
 
 
 def is_distributed(group: ProcessGroup | None = None) -> bool:

@@ -31,7 +31,7 @@ def choose_engine(
 ) -> tuple[Engine, dict[str, TablePlan]]:
     """The engine of a module and each table's plan (where its rows live; one whole ``div`` shard in
     one process). Tables are placed from the lookup statistics in ``profile_data_directory`` when
-    ``sharding`` asks for them (spec §5); ``timeout`` gives the ranks a dedicated group. A table whose
+    ``sharding`` asks for them (spec §5); ``timeout`` or pipelining gives the ranks a dedicated group. A table whose
     features are all combined is pooled on its owners unless its statistics show that sending its
     unique rows costs fewer bytes at this W (``cost_model.pools_on_owner``)."""
     check_sharding(sharding, resolved)
@@ -46,7 +46,13 @@ def choose_engine(
         plans = {t.name: TablePlan("div", t.vocabulary_size, 1, 0) for t in resolved.tables}
         return OneProcessEngine(resolved, device, process_group), plans
     comm.clean_exit()  # the program may never call destroy_process_group(): leave cleanly at exit
-    group = process_group if timeout is None else comm.new_group(float(timeout), process_group)
+    group = process_group
+    if timeout is not None:
+        group = comm.new_group(float(timeout), process_group)
+    elif settings.get("pipeline_execution_with_tensor_core"):
+        # The exchanges run on a background thread: on a group of their own, so they never interleave
+        # with the program's collectives (a DDP all_reduce) on the default group.
+        group = comm.new_group(None, process_group)
     world = comm.get_world_size(group)
     placements = place_tables(resolved, sharding, world, loads)
     pooled = {t.name for t in resolved.tables if owner_pooled(t, resolved) and _pools(loads.get(t.name), world, t)}

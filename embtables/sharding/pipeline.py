@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 import torch
 from torch import Tensor
 
+from embtables.errors import InputError
 from embtables.sharding.lookup_stats import LookupStatsRecorder
 from embtables.tables import phase_profile
 from embtables.tables.batch_ownership import batch_pointers, detached
@@ -93,6 +94,11 @@ class StepPipeline:
         self.enqueued: Staged | None = None
         self.last: Lookup | None = None
         self.pending: PendingUpdate | None = None
+        # Pipelined and sharded: the exchange and sums of the last apply_gradients, running in the background
+        # (the update to hold back, or the error refusing it on every rank), and its training step.
+        self.summing: concurrent.futures.Future[PendingUpdate] | None = None
+        self.summing_step = 0
+        self.summing_reads: tuple[concurrent.futures.Future[PendingUpdate], list[FeatureBatch]] | None = None
         self.landing: concurrent.futures.Future[None] | None = None  # a held-back update applied in the background
         self.stale: StaleRows = {}
         self.lock = threading.RLock()
@@ -120,6 +126,11 @@ class StepPipeline:
     def busy_pointers(self) -> set[int]:
         """Data pointers of the staging buffers a live batch still uses (not to be overwritten)."""
         busy = batch_pointers(self.last.batches) if self.last is not None else set()
+        if self.summing_reads is not None:  # the batches the background sums still read
+            if self.summing_reads[0].done():
+                self.summing_reads = None
+            else:
+                busy |= batch_pointers(self.summing_reads[1])
         if self.enqueued is not None and self.enqueued.batches is not None:
             busy |= batch_pointers(self.enqueued.batches)  # kept until the next batch is valid
         return busy
@@ -176,6 +187,18 @@ class StepPipeline:
         With an exchange thread, the update runs there, after the lookup and before any later collective
         or lookup, overlapping the caller's dense compute; everything that reads or writes the tables on
         this thread waits for it first (``drop_prefetch``). The ranks agreed on it at ``apply_gradients``."""
+        if self.summing is not None:
+            assert self.worker is not None and self.pending is None
+            summing, self.summing, engine = self.summing, None, self.engine
+            step = self.summing_step
+
+            def land_summed() -> None:
+                pending = _refused_in_background(summing, step)  # done: it ran earlier on this thread
+                with phase_profile.phase("update"):
+                    engine.apply(pending.table_grads, pending.lrs, agreed=True)
+
+            self.landing = self.worker.submit(land_summed)
+            return
         if self.pending is None:
             return
         if self.worker is None:
@@ -206,11 +229,14 @@ class StepPipeline:
 
     def drop_prefetch(self) -> None:
         """Wait for the work started in the background before the tables are read or changed here, or a
-        staged batch is replaced: an update landing (``_land``; an error it raised surfaces here) and a
-        lookup started early."""
+        staged batch is replaced: an update landing (``_land``; an error it raised, such as the refusal
+        of an update summed in the background, surfaces here), the sums of the last ``apply_gradients``
+        and a lookup started early."""
         landing, self.landing = self.landing, None
         if landing is not None:
             landing.result()
+        if self.summing is not None:
+            concurrent.futures.wait([self.summing])
         self._wait_prefetch()
 
     def _wait_prefetch(self) -> None:
@@ -253,6 +279,9 @@ class StepPipeline:
             if engine.world == 1:
                 raise
             refused, checked = exc, [None] * len(flat_g)  # every rank refuses this step together
+        if self.pipelined and self.worker is not None:
+            self._apply_in_background(last, checked, flat_g, refused)
+            return
         self.flush()  # a held-back update lands first: phase 1 below reuses the tables' native workspaces
         with phase_profile.phase("backward"):
             table_grads = self.exchange(
@@ -269,12 +298,47 @@ class StepPipeline:
                 self.run(lambda: engine.apply(update.table_grads, update.lrs))
         self.last = None
 
+    def _apply_in_background(
+        self, last: Lookup, checked: Sequence[Tensor | None], given: Sequence[Any], refused: BaseException | None
+    ) -> None:
+        """Pipelined and sharded ``apply_gradients``: this rank's gradients are checked here (shape, dtype,
+        NaN/Inf) and the ranks agree on them in one round, so a bad gradient raises now on every rank
+        with the lookup kept for a retry; the exchange, the owners' sums and the update's own check then
+        run on the exchange thread, overlapping the caller's next dense compute. A refusal found there
+        (a sum or an update that overflows float32) changes nothing on any rank and is raised on every
+        rank by the next call that waits for the background (this one, at the next step)."""
+        engine = self.engine
+        if refused is None and not engine.gradients_finite(last.batches, checked):
+            refused = InputError(
+                "a gradient reaching a sharded table has NaN or Inf values; no table or slot was changed on any rank."
+            )
+        landing, self.landing = self.landing, None  # the previous update's refusal, found in the background
+        if landing is not None:
+            landing.result()
+        self.exchange("apply_gradients", lambda: engine.agree_gradients(refused))
+        owned = [_owned(g, src) for g, src in zip(checked, given)]  # the caller may reuse its tensors
+        lrs = engine.learning_rates()
+
+        def summed() -> PendingUpdate:
+            with phase_profile.phase("backward"):
+                table_grads = engine.table_gradients(last.batches, owned, last.context)
+            engine.check(table_grads, lrs)
+            return PendingUpdate([tg.owned() for tg in table_grads], lrs)
+
+        assert self.worker is not None and self.pending is None and self.summing is None
+        self.summing, self.summing_step = self.worker.submit(summed), self.training_steps
+        self.summing_reads = (self.summing, last.batches)
+        self.last = None
+
     def flush(self, *, observer: bool = False) -> None:
         """Apply a held-back (pipelined) update. ``observer=True`` is a flush forced by reading or
         moving the state before the next training lookup: the pre-update values of the touched rows
         are kept so that lookup still reads them one step stale (observing never changes training).
         A flush that fails (the update would not be finite) drops the update and changes nothing."""
         self.drop_prefetch()  # never write rows an early lookup is reading
+        if self.summing is not None:  # summed in the background, not landed yet: lands here
+            summing, self.summing = self.summing, None
+            self.pending = _refused_in_background(summing, self.summing_step)
         if self.pending is None:
             return
         pending, self.pending = self.pending, None
@@ -331,10 +395,11 @@ class StepPipeline:
         """The tables were replaced (restore, load_state_dict): forget every lookup and update made on
         the old ones (a staged batch is looked up again at dequeue), and keep ``stale``, the
         pre-update rows of an update pending when the new state was saved (pipelined modules only)."""
-        self.drop_prefetch()
+        with contextlib.suppress(Exception):  # the old tables' background work: its errors no longer matter
+            self.drop_prefetch()
         if self.enqueued is not None:
             self.enqueued.prefetch = None
-        self.pending, self.last = None, None
+        self.pending, self.summing, self.last = None, None, None
         self.stale = dict(stale) if stale and self.pipelined else {}
 
     def move(self, fn: Callable[[Tensor], Tensor]) -> None:
@@ -381,3 +446,26 @@ class StepPipeline:
         state.setdefault("concat", False)  # pickled before concat_activations existed
         self.__dict__.update(state)
         self.lock = threading.RLock()
+
+
+def _owned(checked: Tensor | None, given: Any) -> Tensor | None:
+    """A checked gradient the background may read after ``apply_gradients`` returns: a copy when it still
+    shares the caller's storage (which the caller may overwrite), else itself."""
+    if checked is None or not isinstance(given, Tensor):
+        return checked
+    if checked.untyped_storage().data_ptr() != given.untyped_storage().data_ptr():
+        return checked
+    return checked.clone(memory_format=torch.contiguous_format)
+
+
+def _refused_in_background(summing: concurrent.futures.Future[PendingUpdate], step: int) -> PendingUpdate:
+    """The update summed in the background for training step ``step``, or its refusal, raised again
+    with the step named (the ranks agreed on it there, so every rank raises it at the same call)."""
+    try:
+        return summing.result()
+    except ValueError as exc:  # a refusal (others, e.g. a lost peer's CollectiveError, are raised as they are)
+        raise InputError(
+            f"the pipelined update of training step {step} was refused after apply_gradients() returned (its "
+            f"exchange and sums run in the background, overlapping the next step): {exc} Nothing of step {step} "
+            "was applied on any rank; the later lookups read the tables without it."
+        ) from exc

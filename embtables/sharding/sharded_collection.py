@@ -281,11 +281,14 @@ class ShardedEmbeddingCollection(LocalTables):
                 out[f] = acts.reshape(*batches[f].out_shape, dim)
         return out
 
-    def _raise_refused(self, mine: BaseException | None, refusing: list[int], what: str) -> None:
-        """Raise on every rank: this rank's own error, or one naming the rank(s) that refused and why."""
+    def _raise_refused(self, mine: BaseException | None, refusing: list[int] | None, what: str) -> None:
+        """Raise on every rank: this rank's own error, or one naming the rank(s) that refused and why
+        (``refusing`` None: the ranks that sent a reason)."""
         messages = comm.all_gather_object(None if mine is None else f"{type(mine).__name__}: {mine}", self.group)
         if mine is not None:
             raise mine
+        if refusing is None:
+            refusing = [r for r, m in enumerate(messages) if m is not None]
         reasons = "; ".join(f"rank {r}: {messages[r]}" for r in refusing)
         raise InputError(
             f"the {what} of another rank was refused, so this step is refused on every rank and no table or slot "
@@ -340,6 +343,20 @@ class ShardedEmbeddingCollection(LocalTables):
             if refusing:
                 self._raise_refused(refused, refusing, "gradient")
         return [out[t.name] for t in self.resolved.tables]
+
+    def gradients_finite(self, batches: Sequence[FeatureBatch], grads: Sequence[Tensor | None]) -> bool:
+        """True when every gradient value that reaches a table is finite: this rank's whole check, local
+        (the occurrences of row tables, the whole gradient of owner-pooled features), for an
+        ``apply_gradients`` whose exchange runs in the background (pipelining)."""
+        return not any(
+            not bool(torch.isfinite(self._occurrence_grads(t, batches, grads)).all()) for t in self.row_tables
+        ) and native.all_finite([g for g in (grads[f] for f in self._pooled_features) if g is not None])
+
+    def agree_gradients(self, refused: BaseException | None) -> None:
+        """One agreement round on this step's gradients: returns when no rank refused them, else raises on
+        every rank (the refusing rank its own error) before anything moves."""
+        if comm.any_rank(refused is not None, self.group):
+            self._raise_refused(refused, None, "gradient")
 
     def _gradients_not_finite(self, batches: Sequence[FeatureBatch], grads: Sequence[Tensor | None]) -> bool:
         """A NaN/Inf in a gradient that is sent per occurrence (no accumulation) or to the owners' pooling."""

@@ -79,6 +79,10 @@ class Engine(Protocol):
         refused: BaseException | None = None,
     ) -> list[TableGradient]: ...
 
+    def gradients_finite(self, batches: Sequence[FeatureBatch], grads: Sequence[Tensor | None]) -> bool: ...
+
+    def agree_gradients(self, refused: BaseException | None) -> None: ...
+
     def learning_rates(self) -> dict[str, float]: ...
 
     def check(self, table_grads: Sequence[TableGradient], lrs: dict[str, float]) -> None: ...
@@ -213,6 +217,15 @@ class OneProcessEngine(LocalTables):
         if refused is not None:
             raise refused
         return self.local.table_gradients(batches, grads)
+
+    def gradients_finite(self, batches: Sequence[FeatureBatch], grads: Sequence[Tensor | None]) -> bool:
+        """True when no gradient value is NaN or Inf (one process checks this in ``table_gradients``)."""
+        return all(bool(torch.isfinite(g).all()) for g in grads if g is not None)
+
+    def agree_gradients(self, refused: BaseException | None) -> None:
+        """No other rank to agree with: this process's own error, if any."""
+        if refused is not None:
+            raise refused
 
     def check(self, table_grads: Sequence[TableGradient], lrs: dict[str, float]) -> None:
         self.local.check(table_grads, lrs)

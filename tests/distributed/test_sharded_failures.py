@@ -116,3 +116,66 @@ def _overflowing_sums(rank: int, world: int) -> None:
 @pytest.mark.distributed
 def test_an_owner_sum_that_overflows_is_refused_on_every_rank() -> None:
     run_world(_overflowing_sums, 2)
+
+
+def _pipelined_refusals(rank: int, world: int) -> None:
+    emb = et.DistributedEmbedding(_config(), sharding="div", pipeline_execution_with_tensor_core=True, timeout=30)
+    before = {k: v.clone() for k, v in emb.state_dict().items()}
+    acts = emb({"a": torch.tensor([[3], [3]])})
+    # A gradient checked here (shape, NaN) still raises in apply_gradients, on every rank; the lookup stays.
+    with pytest.raises(ValueError, match=r"shape|rank 0"):
+        emb.apply_gradients({"a": torch.ones(3, 4) if rank == 0 else torch.ones_like(acts["a"])})
+    with pytest.raises(ValueError, match=r"NaN|rank 1"):
+        emb.apply_gradients({"a": torch.full_like(acts["a"], float("nan") if rank == 1 else 1.0)})
+    # Finite gradients whose sum on the owner overflows: found in the background, after apply_gradients
+    # returned; the next call that waits for the background raises it on every rank, naming the step.
+    emb.apply_gradients({"a": torch.full_like(acts["a"], 3e38)})
+    with pytest.raises(ValueError, match=r"training step 1 was refused.*(overflows float32|refused on another rank)"):
+        emb.state_dict()
+    assert all(torch.equal(before[k], v) for k, v in emb.state_dict().items())  # raised once; nothing changed
+    # The same in the pipelined loop: the refusal of step 2 surfaces at the apply_gradients of step 3,
+    # which changes nothing and keeps its lookup, so calling it again applies step 3.
+    acts = emb({"a": torch.tensor([[3], [3]])})
+    emb.apply_gradients({"a": torch.full_like(acts["a"], 3e38)})
+    acts = emb({"a": torch.tensor([[3], [rank]])})
+    with pytest.raises(ValueError, match=r"training step 2 was refused"):
+        emb.apply_gradients({"a": torch.ones_like(acts["a"])})
+    assert all(torch.equal(before[k], v) for k, v in emb.state_dict().items())
+    emb.apply_gradients({"a": torch.ones_like(acts["a"])})
+    after = emb.state_dict()
+    assert not torch.equal(after["t"][3], before["t"][3]) and torch.equal(after["t"][5], before["t"][5])
+
+
+@pytest.mark.distributed
+def test_a_pipelined_update_refused_in_the_background_raises_on_every_rank_at_the_next_call() -> None:
+    run_world(_pipelined_refusals, 2, timeout=120, collective_timeout=30)
+
+
+def _reused_gradient(rank: int, world: int) -> None:
+    import threading
+
+    def train(reuse: bool) -> dict[str, torch.Tensor]:
+        emb = et.DistributedEmbedding(_config(), sharding="div", pipeline_execution_with_tensor_core=True)
+        acts = emb({"a": torch.tensor([[3, rank], [9, 1]])})
+        engine, go = emb._engine, threading.Event()
+        summing = engine.table_gradients
+
+        def late(*args: object) -> object:  # the background reads the gradient only once the caller reused it
+            assert go.wait(30)
+            return summing(*args)
+
+        engine.table_gradients = late  # type: ignore[method-assign]
+        grad = torch.arange(acts["a"].numel(), dtype=torch.float32).reshape(acts["a"].shape) + rank
+        emb.apply_gradients({"a": grad})
+        if reuse:
+            grad.fill_(1e30)
+        go.set()
+        return emb.state_dict()
+
+    kept, reused = train(reuse=False), train(reuse=True)
+    assert all(torch.equal(kept[k], reused[k]) for k in kept)
+
+
+@pytest.mark.distributed
+def test_a_pipelined_gradient_reused_after_apply_gradients_returns_changes_nothing() -> None:
+    run_world(_reused_gradient, 2, timeout=120, collective_timeout=30)
