@@ -260,7 +260,9 @@ class DistributedEmbedding(nn.Module):
 
         Raises ``ValueError``/``TypeError`` for a bad gradient (wrong shape, dtype, NaN/Inf reaching
         a table) and ``RuntimeError`` when there is no training lookup to apply to; in every case no
-        table or slot changes.
+        table or slot changes. Pipelined and sharded, the exchange and the update's own check run in
+        the background after this returns: an owner's sum or an update that overflows float32 is
+        raised on every rank by the next call that waits for it (docs/sharding.md, Pipelining).
         """
         self._persistence.refuse_if_torn("apply_gradients")
         activations = self._pipeline.training_lookup().activations

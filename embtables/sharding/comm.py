@@ -159,6 +159,17 @@ def new_group(timeout_s: float | None, group: ProcessGroup | None = None) -> Pro
         return dist.new_group(ranks=ranks, timeout=timeout)
 
 
+def timeout_of(group: ProcessGroup | None = None) -> float | None:
+    """The timeout in seconds of ``group``'s collectives (default: the default group), as given to
+    ``init_process_group(timeout=...)``; None where the backend does not say."""
+    try:
+        pg = group if group is not None else dist.group.WORLD
+        backend = pg._get_backend(collective_device(group))  # type: ignore[union-attr]
+        return float(backend.options._timeout.total_seconds())
+    except (AttributeError, RuntimeError, TypeError, ValueError):
+        return None
+
+
 def is_distributed(group: ProcessGroup | None = None) -> bool:
     """True when a process group is usable: ``group`` given, or the default group initialised."""
     if not dist.is_available():

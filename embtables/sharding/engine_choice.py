@@ -52,7 +52,7 @@ def choose_engine(
     elif settings.get("pipeline_execution_with_tensor_core"):
         # The exchanges run on a background thread: on a group of their own, so they never interleave
         # with the program's collectives (a DDP all_reduce) on the default group.
-        group = comm.new_group(None, process_group)
+        group = comm.new_group(comm.timeout_of(process_group), process_group)
     world = comm.get_world_size(group)
     placements = place_tables(resolved, sharding, world, loads)
     pooled = {t.name for t in resolved.tables if owner_pooled(t, resolved) and _pools(loads.get(t.name), world, t)}

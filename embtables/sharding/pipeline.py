@@ -3,7 +3,9 @@
 ``enqueue`` stages a batch, ``dequeue`` looks it up, ``apply_gradients`` updates the tables for the
 last training lookup. In between, this module holds the staged batch, the last training lookup, the
 update held back by pipelining (spec §6) with the pre-update rows an observer must not change, and,
-when sharded and pipelined, the one thread every collective runs on, in program order.
+when sharded and pipelined, the one thread every collective runs on, in program order, with the
+work it runs in the background: the early lookup, the gradient exchange and sums of the last
+``apply_gradients``, and the landing of the held-back update.
 
 Every method expects the caller (the facade) to hold ``lock``: one thread at a time touches tables,
 slots and the native workspaces (ctypes releases the GIL, so two threads could otherwise race in C).
@@ -260,7 +262,8 @@ class StepPipeline:
         self, flat_g: Sequence[Any], refused: BaseException | None = None, *, checked_blocks: bool = False
     ) -> None:
         """Update the tables for the last training lookup with its F gradients (None: zero): now, or,
-        pipelined, checked now and held back until after the next lookup. On any error nothing
+        pipelined, checked now (sharded: the gradients now, the rest in the background,
+        ``_apply_in_background``) and held back until after the next lookup. On any error nothing
         changes and the lookup stays, to retry with another gradient. ``refused``: this rank's error
         with the gradient, found before (sharded: raised on every rank together). ``checked_blocks``: the
         gradients are the column blocks [B, D_f] of one float32 CPU gradient already checked whole, which

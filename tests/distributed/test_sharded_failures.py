@@ -174,6 +174,12 @@ def _reused_gradient(rank: int, world: int) -> None:
 
     kept, reused = train(reuse=False), train(reuse=True)
     assert all(torch.equal(kept[k], reused[k]) for k in kept)
+    # A pipelined module exchanges on a group of its own, with the default group's timeout.
+    from embtables.sharding import comm
+
+    group = et.DistributedEmbedding(_config(), pipeline_execution_with_tensor_core=True)._engine.group
+    assert group is not None and group is not torch.distributed.group.WORLD
+    assert comm.timeout_of(group) == comm.timeout_of() == 30
 
 
 @pytest.mark.distributed
