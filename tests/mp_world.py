@@ -1,7 +1,8 @@
 """Run a function on W real processes joined by a gloo process group on localhost (multi-process tests).
 
 ``run_world(fn, W, *args)`` spawns W processes; each calls ``fn(rank, W, *args)`` with the default
-process group initialised (gloo, a free localhost port, a short collective timeout). A worker's
+process group initialised (gloo, a free localhost port, a short collective timeout; ``backend="nccl"``:
+NCCL, rank r on GPU r). A worker's
 exception fails the test with that worker's traceback; a run that outlives ``timeout`` is killed and
 fails instead of hanging. ``fn`` must be a module-level function (spawn pickles it by name).
 """
@@ -28,14 +29,18 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _entry(rank: int, fn: Callable[..., Any], world: int, port: int, timeout_s: float, args: tuple[Any, ...]) -> None:
+def _entry(
+    rank: int, fn: Callable[..., Any], world: int, port: int, timeout_s: float, args: tuple[Any, ...], backend: str
+) -> None:
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
     dist.init_process_group(
-        "gloo",
+        backend,
         init_method=f"tcp://127.0.0.1:{port}",
         rank=rank,
         world_size=world,
@@ -53,11 +58,21 @@ def _entry(rank: int, fn: Callable[..., Any], world: int, port: int, timeout_s: 
 
 
 def run_world(
-    fn: Callable[..., Any], world: int, *args: Any, timeout: float = 300, collective_timeout: float = 120
+    fn: Callable[..., Any],
+    world: int,
+    *args: Any,
+    timeout: float = 300,
+    collective_timeout: float = 120,
+    backend: str = "gloo",
 ) -> None:
-    """Run ``fn(rank, world, *args)`` on ``world`` gloo processes; raise if any fails or time runs out."""
+    """Run ``fn(rank, world, *args)`` on ``world`` processes (gloo, or NCCL with one GPU per rank); raise
+    if any fails or time runs out."""
     ctx = mp.start_processes(
-        _entry, args=(fn, world, free_port(), collective_timeout, args), nprocs=world, join=False, start_method="spawn"
+        _entry,
+        args=(fn, world, free_port(), collective_timeout, args, backend),
+        nprocs=world,
+        join=False,
+        start_method="spawn",
     )
     deadline = time.monotonic() + timeout
     try:

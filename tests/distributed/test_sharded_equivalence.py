@@ -183,3 +183,55 @@ def test_sharded_runs_equal_a_single_process_run(world: int, transport: str, tmp
     ref_path = tmp_path / "reference.pt"
     torch.save([_reference(case) for case in CASES], ref_path)
     run_world(_run_cases, world, CASES, str(ref_path), transport)
+
+
+# Over NCCL, tables on GPU r for rank r: synchronous and pipelined, with and without accumulation.
+NCCL_CASES: list[tuple[str, Any, bool]] = [
+    ("adagrad", "div", False),
+    ("adagrad", "div", True),
+    ("sgd-noacc", "mod", False),
+    ("adam", "table", False),
+    ("ftrl", {"ta": "mod", "tb": "table", "tc": "div"}, True),
+]
+
+
+def _run_nccl_cases(rank: int, world: int, cases: list[tuple[str, Any, bool]], ref_path: str) -> None:
+    device = torch.device("cuda", rank)
+    assert comm.transport() == "nccl"
+    refs = torch.load(ref_path)
+    per_rank = GLOBAL_BATCH // world
+    lo, hi = rank * per_rank, (rank + 1) * per_rank
+    for case, ref in zip(cases, refs):
+        opt_name, sharding, pipelined = case
+        exact = opt_name.endswith("noacc")
+        emb = et.DistributedEmbedding(
+            _config(opt_name), pipeline_execution_with_tensor_core=pipelined, sharding=sharding, device=device
+        )
+        if pipelined:
+            emb.enqueue(*_inputs(0, lo, hi))
+        for step in range(STEPS):
+            if pipelined:
+                acts = emb.dequeue()
+                if step + 1 < STEPS:
+                    emb.enqueue(*_inputs(step + 1, lo, hi))
+            else:
+                acts = emb(*_inputs(step, lo, hi))
+            for n, a in acts.items():
+                assert a.device == device, (case, n)
+                want = ref["acts"][step][n][lo:hi]
+                torch.testing.assert_close(a.detach().cpu(), want, rtol=2e-5, atol=2e-6, msg=f"{case} step {step} {n}")
+            emb.apply_gradients({k: g.to(device) for k, g in _grads(step, acts, lo, hi).items()})
+        got = {k: v.cpu() for k, v in emb.state_dict().items()}
+        _same_state(got, ref["state"], exact, case)
+
+
+@pytest.mark.distributed
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+    reason="sharding over NCCL needs one GPU per rank: 2 GPUs (a world of one rank over NCCL is tested in "
+    "tests/numerics/test_gpu_engine.py)",
+)
+def test_sharded_runs_over_nccl_equal_a_single_process_run(tmp_path: Path) -> None:
+    ref_path = tmp_path / "reference.pt"
+    torch.save([_reference(case) for case in NCCL_CASES], ref_path)
+    run_world(_run_nccl_cases, 2, NCCL_CASES, str(ref_path), backend="nccl", timeout=600)
