@@ -388,12 +388,13 @@ def _raise_out_of_step(headers: list[list[int]], phase: str, step: int, group: P
     )
 
 
-def any_rank(flag: bool, group: ProcessGroup | None = None) -> bool:
+def any_rank(flag: bool, group: ProcessGroup | None = None, *, channel: bool = True) -> bool:
     """True on every rank when ``flag`` is True on at least one (so all ranks take the same branch,
-    e.g. all refuse a step in which one rank saw a bad id)."""
+    e.g. all refuse a step in which one rank saw a bad id). ``channel=False``: through the process
+    group, never setting up a shared-memory channel for it (a one-off question)."""
     if not is_distributed(group):
         return bool(flag)
-    return _max_of_ranks(int(bool(flag)), group) > 0
+    return _max_of_ranks(int(bool(flag)), group, channel) > 0
 
 
 def max_over_ranks(value: int, group: ProcessGroup | None = None) -> int:
@@ -403,12 +404,12 @@ def max_over_ranks(value: int, group: ProcessGroup | None = None) -> int:
     return _max_of_ranks(int(value), group)
 
 
-def _max_of_ranks(value: int, group: ProcessGroup | None) -> int:
+def _max_of_ranks(value: int, group: ProcessGroup | None, through_channel: bool = True) -> int:
     """The largest ``value`` over the ranks: through the shared-memory channel (every rank sends its
     value to every other), else one all_reduce."""
     t = torch.tensor([value], dtype=torch.int64, device=collective_device(group))
     phase_profile.count_message(8)
-    channel = _channel(group) if t.device.type == "cpu" else None
+    channel = _channel(group) if t.device.type == "cpu" and through_channel else None
     with _collective("agreement on the step", group):
         if channel is not None:
             world = get_world_size(group)

@@ -49,9 +49,10 @@ def choose_engine(
     group = process_group
     if timeout is not None:
         group = comm.new_group(float(timeout), process_group)
-    elif settings.get("pipeline_execution_with_tensor_core"):
+    elif comm.any_rank(bool(settings.get("pipeline_execution_with_tensor_core")), process_group, channel=False):
         # The exchanges run on a background thread: on a group of their own, so they never interleave
-        # with the program's collectives (a DDP all_reduce) on the default group.
+        # with the program's collectives (a DDP all_reduce) on the default group. Every rank creates it
+        # when any rank pipelines (ranks built with different settings then refuse at the config check).
         group = comm.new_group(comm.timeout_of(process_group), process_group)
     world = comm.get_world_size(group)
     placements = place_tables(resolved, sharding, world, loads)
