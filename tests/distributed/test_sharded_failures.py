@@ -185,3 +185,42 @@ def _reused_gradient(rank: int, world: int) -> None:
 @pytest.mark.distributed
 def test_a_pipelined_gradient_reused_after_apply_gradients_returns_changes_nothing() -> None:
     run_world(_reused_gradient, 2, timeout=120, collective_timeout=30)
+
+
+def _two_pipelined_modules(rank: int, world: int) -> None:
+    def batch(t: int) -> dict[str, torch.Tensor]:
+        return {"a": torch.tensor([[rank, t % 10], [3, (t + rank) % 10]])}
+
+    def grad(t: int, acts: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {"a": torch.full_like(acts["a"], 0.1 * (t + 1))}
+
+    def alone() -> dict[str, torch.Tensor]:
+        emb = et.DistributedEmbedding(_config(), sharding="div", pipeline_execution_with_tensor_core=True)
+        emb.enqueue(batch(0))
+        for t in range(6):
+            acts = emb.dequeue()
+            if t + 1 < 6:
+                emb.enqueue(batch(t + 1))
+            emb.apply_gradients(grad(t, acts))
+        return emb.state_dict()
+
+    want = alone()
+    # Two pipelined modules stepped in turn: each one's exchange thread works while the other's runs.
+    first, second = (et.DistributedEmbedding(_config(), sharding="div", pipeline_execution_with_tensor_core=True)
+                     for _ in range(2))  # fmt: skip
+    for emb in (first, second):
+        emb.enqueue(batch(0))
+    for t in range(6):
+        for emb in (first, second):
+            acts = emb.dequeue()
+            if t + 1 < 6:
+                emb.enqueue(batch(t + 1))
+            emb.apply_gradients(grad(t, acts))
+    for emb in (first, second):
+        got = emb.state_dict()
+        assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+@pytest.mark.distributed
+def test_two_pipelined_modules_stepped_in_turn_train_like_one() -> None:
+    run_world(_two_pipelined_modules, 2, timeout=120, collective_timeout=30)
