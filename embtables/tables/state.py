@@ -10,6 +10,7 @@ from torch import Tensor
 
 from embtables.config import ResolvedTable
 from embtables.errors import ConfigError
+from embtables.kernels import huge_pages
 from embtables.kernels.registry import record_of
 from embtables.tables.initializers import Constant, default_initializer
 
@@ -80,10 +81,11 @@ _MAX_TABLE_BYTES = 1 << 46  # 64 TiB: more is a typo, not a table
 
 def _owned(t: Tensor, device: torch.device) -> Tensor:
     """Plain leaf storage of its own: detached from any graph (a pretrained nn.Parameter), float32,
-    contiguous (the native kernels need it), never sharing memory with the caller's tensor."""
+    contiguous (the native kernels need it), never sharing memory with the caller's tensor; a large
+    CPU table in huge pages (``kernels/huge_pages.py``)."""
     out = t.detach().to(device, torch.float32)
     if out.data_ptr() == t.data_ptr() or not out.is_contiguous():
-        out = out.clone(memory_format=torch.contiguous_format)
+        out = huge_pages.empty_float32(tuple(out.shape), out.device).copy_(out)
     return out
 
 
@@ -133,7 +135,7 @@ def _initial_values(
     inits = [Constant(v) for v in opt.slot_initial_values()]
     creation_fn = getattr(opt, "slot_variable_creation_fn", None)
     if creation_fn is None:
-        slots = {n: i(shape, torch.float32).to(device) for n, i in zip(names, inits)}
+        slots = {n: huge_pages.empty_float32(shape, device).fill_(float(i.value)) for n, i in zip(names, inits)}
     else:
         made = creation_fn(weights, names, inits)
         if not isinstance(made, dict) or sorted(made) != sorted(names):
