@@ -49,12 +49,14 @@ def test_sharded_benchmark_reports_each_ranks_phases(tmp_path: Path) -> None:
     import subprocess
 
     cmd = [sys.executable, "-m", "embtables", "bench", "sharded", "--quick", "--no-torchrec", "--steps", "2",
-           "--warmup", "1"]  # fmt: skip
+           "--warmup", "1", "--rounds", "2"]  # fmt: skip
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     records = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
     runs = {r["config"]: r for r in records if "phases_per_rank" in r}
     assert len(runs) == 4  # W = 1, and W = 2 div, table, mod
+    for r in runs.values():  # two interleaved rounds; the line reports the median one (the lower of two)
+        assert len(r["rounds_ms"]) == 2 and r["step_ms"] == min(r["rounds_ms"])
     div = next(r for c, r in runs.items() if "W=2 div" in c)
     for rank, phases in enumerate(div["phases_per_rank"]):
         assert phases["owner pooling: pool"]["ms"] > 0

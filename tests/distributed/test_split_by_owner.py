@@ -24,7 +24,9 @@ def _batch(vocab: int, bags: int, gen: torch.Generator, weighted: bool) -> Featu
 @pytest.mark.parametrize("strategy", ["div", "mod"])
 # Uneven blocks, V < W (ranks without rows), powers of two (mod by mask) and larger worlds (the binary
 # search over the ranks' first rows).
-@pytest.mark.parametrize(("vocab", "world"), [(1000, 2), (1001, 3), (2, 3), (7, 4), (1003, 8), (10, 16), (99, 7)])
+@pytest.mark.parametrize(
+    ("vocab", "world"), [(1000, 2), (1001, 2), (1, 2), (1001, 3), (2, 3), (7, 4), (1003, 8), (10, 16), (99, 7)]
+)
 @pytest.mark.parametrize("weighted", [False, True])
 def test_native_split_equals_the_torch_split(strategy: str, vocab: int, world: int, weighted: bool) -> None:
     gen = torch.Generator().manual_seed(vocab * world)
