@@ -59,15 +59,6 @@ _exit_hook_registered = False
 _channels: dict[Any, shm_channel.ShmChannel | None] = {}
 
 
-def _group_timeout_s(group: ProcessGroup | None) -> float:
-    """The process group's collective timeout in seconds (torch's default of 30 minutes if unknown)."""
-    pg: Any = group if group is not None else dist.group.WORLD
-    try:
-        return float(pg._get_backend(torch.device("cpu")).options._timeout.total_seconds())
-    except Exception:  # private API: a torch without it gets the documented default
-        return 1800.0
-
-
 def _open_channel(group: ProcessGroup | None) -> shm_channel.ShmChannel | None:
     """Set up the shared-memory channel of a gloo group whose ranks all run on one host (collective;
     every rank reaches the same answer, None when any rank cannot take part)."""
@@ -92,7 +83,8 @@ def _open_channel(group: ProcessGroup | None) -> shm_channel.ShmChannel | None:
                 with contextlib.suppress(OSError):
                     fds += [shm_channel.open_peer(token, r, world) for r in range(world) if r != rank]
                     ordered = fds[1 : rank + 1] + fds[:1] + fds[rank + 1 :]  # rank order, this rank's own in place
-                    channel = shm_channel.ShmChannel(rank, world, ordered, _group_timeout_s(group))
+                    timeout_s = timeout_of(group)  # None: torch's documented default of 30 minutes
+                    channel = shm_channel.ShmChannel(rank, world, ordered, 1800.0 if timeout_s is None else timeout_s)
             opened = [False] * world
             dist.all_gather_object(opened, channel is not None, group=group)
         finally:  # every rank has opened it, given up or failed: no name is left behind

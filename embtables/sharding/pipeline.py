@@ -189,28 +189,25 @@ class StepPipeline:
         With an exchange thread, the update runs there, after the lookup and before any later collective
         or lookup, overlapping the caller's dense compute; everything that reads or writes the tables on
         this thread waits for it first (``drop_prefetch``). The ranks agreed on it at ``apply_gradients``."""
-        if self.summing is not None:
+        update: Callable[[], PendingUpdate]
+        if self.summing is not None:  # summed in the background: done by then, it ran earlier on that thread
             assert self.worker is not None and self.pending is None
-            summing, self.summing, engine = self.summing, None, self.engine
-            step = self.summing_step
-
-            def land_summed() -> None:
-                pending = _refused_in_background(summing, step)  # done: it ran earlier on this thread
-                with phase_profile.phase("update"):
-                    engine.apply(pending.table_grads, pending.lrs, agreed=True)
-
-            self.landing = self.worker.submit(land_summed)
+            summing, step, self.summing = self.summing, self.summing_step, None
+            update = lambda: _refused_in_background(summing, step)  # noqa: E731
+        elif self.pending is None:
             return
-        if self.pending is None:
-            return
-        if self.worker is None:
+        elif self.worker is None:
             self.flush()
             return
-        pending, self.pending, engine = self.pending, None, self.engine
+        else:
+            pending, self.pending = self.pending, None
+            update = lambda: pending  # noqa: E731
+        engine = self.engine
 
         def land() -> None:
+            held = update()
             with phase_profile.phase("update"):
-                engine.apply(pending.table_grads, pending.lrs, agreed=True)
+                engine.apply(held.table_grads, held.lrs, agreed=True)
 
         self.landing = self.worker.submit(land)
 
@@ -234,12 +231,16 @@ class StepPipeline:
         staged batch is replaced: an update landing (``_land``; an error it raised, such as the refusal
         of an update summed in the background, surfaces here), the sums of the last ``apply_gradients``
         and a lookup started early."""
-        landing, self.landing = self.landing, None
-        if landing is not None:
-            landing.result()
+        self._wait_landing()
         if self.summing is not None:
             concurrent.futures.wait([self.summing])
         self._wait_prefetch()
+
+    def _wait_landing(self) -> None:
+        """Wait for an update landing in the background (``_land``); an error it raised surfaces here."""
+        landing, self.landing = self.landing, None
+        if landing is not None:
+            landing.result()
 
     def _wait_prefetch(self) -> None:
         """Wait for the lookup of the staged batch started early, if any."""
@@ -315,9 +316,7 @@ class StepPipeline:
             refused = InputError(
                 "a gradient reaching a sharded table has NaN or Inf values; no table or slot was changed on any rank."
             )
-        landing, self.landing = self.landing, None  # the previous update's refusal, found in the background
-        if landing is not None:
-            landing.result()
+        self._wait_landing()  # the previous update's refusal, found in the background, raises here
         self.exchange("apply_gradients", lambda: engine.agree_gradients(refused))
         owned = [_owned(g, src) for g, src in zip(checked, given)]  # the caller may reuse its tensors
         lrs = engine.learning_rates()

@@ -346,11 +346,9 @@ class ShardedEmbeddingCollection(LocalTables):
 
     def gradients_finite(self, batches: Sequence[FeatureBatch], grads: Sequence[Tensor | None]) -> bool:
         """True when every gradient value that reaches a table is finite: this rank's whole check, local
-        (the occurrences of row tables, the whole gradient of owner-pooled features), for an
+        (the occurrences of every row table, the whole gradient of owner-pooled features), for an
         ``apply_gradients`` whose exchange runs in the background (pipelining)."""
-        return not any(
-            not bool(torch.isfinite(self._occurrence_grads(t, batches, grads)).all()) for t in self.row_tables
-        ) and native.all_finite([g for g in (grads[f] for f in self._pooled_features) if g is not None])
+        return not self._gradients_not_finite(batches, grads, accumulated_too=True)
 
     def agree_gradients(self, refused: BaseException | None) -> None:
         """One agreement round on this step's gradients: returns when no rank refused them, else raises on
@@ -358,12 +356,16 @@ class ShardedEmbeddingCollection(LocalTables):
         if comm.any_rank(refused is not None, self.group):
             self._raise_refused(refused, None, "gradient")
 
-    def _gradients_not_finite(self, batches: Sequence[FeatureBatch], grads: Sequence[Tensor | None]) -> bool:
-        """A NaN/Inf in a gradient that is sent per occurrence (no accumulation) or to the owners' pooling."""
+    def _gradients_not_finite(
+        self, batches: Sequence[FeatureBatch], grads: Sequence[Tensor | None], accumulated_too: bool = False
+    ) -> bool:
+        """A NaN/Inf in a gradient that is sent per occurrence (no accumulation) or to the owners' pooling;
+        ``accumulated_too``: also in the occurrences of row tables with accumulation (otherwise their
+        per-id sums find it)."""
         return any(
             not bool(torch.isfinite(self._occurrence_grads(t, batches, grads)).all())
             for t in self.row_tables
-            if not t.optimizer.use_gradient_accumulation
+            if accumulated_too or not t.optimizer.use_gradient_accumulation
         ) or not native.all_finite([g for g in (grads[f] for f in self._pooled_features) if g is not None])
 
     def _pooled_gradients(
