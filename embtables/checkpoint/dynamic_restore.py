@@ -22,7 +22,12 @@ from torch import Tensor
 
 from embtables.checkpoint.file_names import CheckpointError
 from embtables.config import ResolvedTable
-from embtables.tables.dynamic_vocabularies import PENDING_FIELDS, ROW_FIELDS, vocabulary_problem
+from embtables.tables.dynamic_vocabularies import (
+    PENDING_FIELDS,
+    ROW_FIELDS,
+    vocabulary_problem,
+    vocabulary_values_problem,
+)
 from embtables.tables.state import LocalShard
 
 ReadBlock = Callable[[np.ndarray[Any, Any], Any, Path, str], np.ndarray[Any, Any]]
@@ -65,6 +70,13 @@ def read(
             raise CheckpointError(f"{file}: table {name!r} is dynamic but the file holds no vocabulary for it.")
         rows = row_ids(mm, blocks.rows, file, name, saved_v)
         fields = {f: read_block(mm, blocks.vocabulary[f], file, f"{name}#{f}") for f in (*ROW_FIELDS, *PENDING_FIELDS)}
+        problem = vocabulary_values_problem(
+            name, {f: torch.from_numpy(np.array(v, dtype=np.int64)) for f, v in fields.items()}
+        )
+        if problem is not None:
+            raise CheckpointError(
+                f"{file}: {problem} (the checkpoint is corrupt or was not written by embtables); nothing was restored."
+            )
         keep = fields["counts"] > 0
         keys = torch.from_numpy(np.ascontiguousarray(fields["keys"][keep]))
         mine = owns(keys).numpy() if keys.numel() else np.zeros(0, dtype=bool)

@@ -112,7 +112,9 @@ def export(checkpoint: str | os.PathLike[str], out: str | os.PathLike[str], dtyp
     try:
         for index, (name, t) in enumerate(config["tables"].items()):
             stem = table_file_stem(index, name)
-            files[name] = {"data": f"{stem}.npy", "scales": f"{stem}.scale.npy"}
+            files[name] = {"data": f"{stem}.npy"}
+            if dtype == "int8":  # the per-row [scale, bias]; no other dtype has any
+                files[name]["scales"] = f"{stem}.scale.npy"
             if t.get("dynamic") is not None:  # a dynamic table's live keys and their rows (spec §11)
                 files[name]["keys"] = f"{stem}.keys.npy"
                 _export_keys(where, manifest, maps, name, int(t["vocabulary_size"]), tmp / files[name]["keys"])
@@ -150,7 +152,9 @@ def _export_table(
     v, d = int(table["vocabulary_size"]), int(table["dim"])
     store = np.uint16 if dtype == "bfloat16" else DTYPES[dtype]
     data = np.lib.format.open_memmap(out / files["data"], mode="w+", dtype=store, shape=(v, d))
-    scales = np.lib.format.open_memmap(out / files["scales"], mode="w+", dtype=np.float32, shape=(v, 2))
+    scales = None
+    if "scales" in files:
+        scales = np.lib.format.open_memmap(out / files["scales"], mode="w+", dtype=np.float32, shape=(v, 2))
     filled = np.zeros(v, dtype=bool)
     worst = biggest = 0.0
     bad = 0
@@ -166,7 +170,7 @@ def _export_table(
             r = rows[start : start + _CHUNK_ROWS]
             stored, back, scale_bias, finite = _encode(w, dtype, name, r)
             data[r] = stored
-            if scale_bias is not None:
+            if scale_bias is not None and scales is not None:
                 scales[r] = scale_bias
             bad += int(finite.size - np.count_nonzero(finite))
             if finite.any():
@@ -180,7 +184,8 @@ def _export_table(
             f"{missing[:5].tolist()}); a rank's file is missing from the manifest. Nothing was exported."
         )
     data.flush()
-    scales.flush()
+    if scales is not None:
+        scales.flush()
     del data, scales
     for f in files.values():
         with open(out / f, "rb+") as fh:
@@ -232,9 +237,11 @@ def _encode(
     if dtype == "bfloat16":
         b = torch.from_numpy(np.array(w, dtype=np.float32)).to(torch.bfloat16)  # a writable copy
         return b.view(torch.int16).numpy().view(np.uint16), b.to(torch.float32).numpy(), None, finite
-    lo, hi = w.min(axis=1, keepdims=True), w.max(axis=1, keepdims=True)
-    span = hi.astype(np.float64) - lo.astype(np.float64)
-    unfit = ~finite.all(axis=1) | (span > 0.99 * float(np.finfo(np.float32).max))  # q * scale must stay finite
+    lo, hi = w.min(axis=1, keepdims=True), w.max(axis=1, keepdims=True)  # [N, 1] each
+    span = hi[:, 0].astype(np.float64) - lo[:, 0].astype(np.float64)  # [N]
+    unfit = ~finite.all(axis=1) | (span > 0.99 * float(np.finfo(np.float32).max))  # [N]: q * scale stays finite
+    if unfit.shape != (w.shape[0],):
+        raise AssertionError(f"export: a per-row mask of shape {unfit.shape} for {w.shape[0]} rows")
     if unfit.any():
         r = int(np.flatnonzero(unfit)[0])
         raise ValueError(
@@ -309,9 +316,22 @@ def _file_names(doc: dict[str, Any], root: Path) -> dict[str, dict[str, Path]]:
             pair = doc["files"][name]
             if not isinstance(pair, dict):
                 raise ValueError(f"files[{name!r}] must be an object, got {pair!r:.80}")
-        kinds = ("data", "scales", "keys") if doc["tables"][name].get("dynamic") is not None else ("data", "scales")
+        kinds = ["data"] + (["scales"] if doc["dtype"] == "int8" else [])
+        if doc["tables"][name].get("dynamic") is not None:
+            kinds.append("keys")
         out[name] = {k: contained(root, pair[k], f"serving.json's files[{name!r}][{k!r}]") for k in kinds}
     return out
+
+
+def _require_finite(data: Tensor, scales: Tensor | None, dtype: str) -> None:
+    """Raise ValueError when a stored value (or an int8 row's scale or bias) is not finite: a table that
+    embtables exported never holds one, so the file was changed since (one pass over the table)."""
+    values = [scales] if dtype == "int8" else [data.view(torch.bfloat16) if dtype == "bfloat16" else data]
+    if scales is not None and dtype != "int8":
+        values.append(scales)
+    for v in values:
+        if v is not None and v.numel() and not bool(torch.isfinite(v).all()):
+            raise ValueError("it holds a value that is not finite (NaN or Inf): the file was changed after the export")
 
 
 def _load_keys(path: Path, vocabulary_size: int) -> tuple[Tensor, Tensor]:
@@ -398,6 +418,8 @@ class ServingEmbedding(nn.Module):
                     if self.dtype == "int8":
                         scales = _load_array(paths["scales"], np.float32, (t.vocabulary_size, 2), mmap)
                         self._scales[t.name] = torch.from_numpy(scales)
+                    if not mmap:  # a mapped table is not read at load; its lookups check what they serve
+                        _require_finite(self._data[t.name], self._scales.get(t.name), self.dtype)
                     if "keys" in paths:
                         self._keys[t.name] = _load_keys(paths["keys"], t.vocabulary_size)
                 except (OSError, ValueError, EOFError) as exc:
@@ -452,10 +474,17 @@ class ServingEmbedding(nn.Module):
                 (acts,), status = native.lookup_many([(self._data[t.name], b.ids, b.offsets, b.coeffs)])
                 if status == 1:
                     raise ValueError(f"feature {conv.feature.name!r}: ids or offsets out of range.")
+                finite = status != 2
             else:
                 unique, inverse = torch.unique(b.ids, return_inverse=True)
                 mini = self._rows(t.name, unique).contiguous()
                 quant = None if q is None else (q.num_buckets, float(q.lower), float(q.upper))
                 acts = pooled_lookup(mini, inverse, b.seg, b.offsets, b.coeffs, quantization=quant)
+                finite = bool(torch.isfinite(acts).all())
+            if not finite:
+                raise ValueError(
+                    f"feature {conv.feature.name!r} (table {t.name!r}): the served activations are not finite: the "
+                    "table's file holds NaN or Inf (changed after the export), or a sum of its rows overflows float32."
+                )
             out.append(acts.reshape(*b.out_shape, t.dim))
         return nest.pack_sequence_as(self.feature_config, out)

@@ -222,8 +222,10 @@ def run(args: argparse.Namespace) -> int:
         seconds = time.perf_counter() - start
         final = evals[-1]
         learned = final["auc"] > 0.6 if estimator.global_step - first >= 50 else True
+        # a collective when sharded: every rank asks, rank 0 reports
+        vocabulary = estimator.embedding.vocabulary_statistics() if args.dynamic_user is not None else None
         if rank == 0:
-            _report(estimator, args, evals, held_out.teacher, first, seconds, world, model_dir)
+            _report(estimator, args, evals, held_out.teacher, first, seconds, world, model_dir, vocabulary)
             if estimator.global_step == first:
                 print(f"finished: no step trained in this run (the model in {model_dir} is at step {first}).")
                 return 0
@@ -345,6 +347,7 @@ def _report(
     seconds: float,
     world: int,
     model_dir: Path,
+    vocabulary: dict[str, dict[str, int]] | None,
 ) -> None:
     """Rank 0's artefacts: the curves (PNG), summary.json, and the summary line."""
     png = model_dir / "training_curves.png"
@@ -364,7 +367,7 @@ def _report(
         "seconds": seconds,
         "processes": world,
     }
-    if args.dynamic_user is not None:
-        summary["vocabulary"] = estimator.embedding.vocabulary_statistics()
+    if vocabulary is not None:
+        summary["vocabulary"] = vocabulary
     (model_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     print(json.dumps(summary))

@@ -22,6 +22,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import NoReturn
 
+from embtables.sharding import comm
+
 DEBUG_ENV = "EMBTABLES_DEBUG"
 ROUTINE = (ValueError, TypeError, OSError, RuntimeError, ImportError)
 
@@ -108,8 +110,15 @@ def run_job(
             raise
         return fail(prog, exc)
     finally:
-        if temporary and not interrupted and not getattr(args, "keep", False):
+        # Rank 0 made the temporary directory and removes it: under torchrun another rank that finished first
+        # removed it while rank 0 still wrote its report.
+        if temporary and not interrupted and not getattr(args, "keep", False) and comm.get_rank() == 0:
             shutil.rmtree(args.model_dir, ignore_errors=True)
+            print(
+                f"{prog}: removed the temporary model directory {args.model_dir}; pass --model-dir DIR to keep the "
+                "checkpoint, curves and statistics (for embtables stats / inspect / export).",
+                file=sys.stderr,
+            )
 
 
 __all__ = ["Parser", "check_model_dir", "debugging", "fail", "resume_command", "run_job"]

@@ -17,6 +17,11 @@ def _is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
+# The largest lookup count, age or step a key map holds (int64 with headroom); `admit_after` and `ttl_steps`
+# above it would wrap in the native map.
+COUNT_LIMIT = 1 << 62
+
+
 @dataclasses.dataclass(frozen=True)
 class DynamicVocabulary:
     """How a dynamic table gives its rows to keys.
@@ -37,10 +42,10 @@ class DynamicVocabulary:
     ttl_steps: int | None = None
 
     def __post_init__(self) -> None:
-        if not _is_int(self.admit_after) or self.admit_after < 1:
+        if not _is_int(self.admit_after) or not 1 <= self.admit_after <= COUNT_LIMIT:
             raise ConfigError(
-                f"DynamicVocabulary: `admit_after` must be an int >= 1 (1 admits a key at first sight), "
-                f"got {self.admit_after!r}."
+                f"DynamicVocabulary: `admit_after` must be an int from 1 (admit a key at first sight) to 2**62 "
+                f"(the largest lookup count a key map holds), got {self.admit_after!r}."
             )
         eviction = self.eviction.lower() if isinstance(self.eviction, str) else self.eviction
         if eviction not in EVICTION_POLICIES:
@@ -49,10 +54,10 @@ class DynamicVocabulary:
                 f"got {self.eviction!r}."
             )
         object.__setattr__(self, "eviction", eviction)
-        if self.ttl_steps is not None and (not _is_int(self.ttl_steps) or self.ttl_steps < 1):
+        if self.ttl_steps is not None and (not _is_int(self.ttl_steps) or not 1 <= self.ttl_steps <= COUNT_LIMIT):
             raise ConfigError(
-                f"DynamicVocabulary: `ttl_steps` must be an int >= 1 (free rows not looked up for that many "
-                f"training steps) or None, got {self.ttl_steps!r}."
+                f"DynamicVocabulary: `ttl_steps` must be an int from 1 to 2**62 (free rows not looked up for that "
+                f"many training steps) or None (never), got {self.ttl_steps!r}."
             )
 
     @property

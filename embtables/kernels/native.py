@@ -390,6 +390,28 @@ class Workspace:
             raise MemoryError("embtables: out of memory while checking the sparse update.")
         return bad
 
+    def touched_bounds(
+        self, weights: Tensor, slots: tuple[Tensor, ...], *, dense: bool
+    ) -> tuple[list[float], list[float]]:
+        """Bounds on the values the prepared update reads, measured now over exactly its rows (every row when
+        ``dense``): the largest |value| (inf when any is not finite) and the smallest value of the weights and
+        each slot."""
+        lib = library()
+        assert lib is not None
+        _require(weights, "weights", torch.float32, (-1, self.dim))
+        s0, s1, s2 = _slots(weights, slots)
+        hi, lo = (ctypes.c_double * 4)(), (ctypes.c_double * 4)()
+        status = int(
+            lib.et_touched_bounds(
+                self.handle, weights.data_ptr(), _ptr(s0), _ptr(s1), _ptr(s2), weights.shape[0], self.dim,
+                int(dense), _threads(), hi, lo,
+            )
+        )  # fmt: skip
+        if status != 0:
+            raise NativeBufferError("embtables native kernel: the prepared update does not fit this table.")
+        n = 1 + len(slots)
+        return list(hi)[:n], list(lo)[:n]
+
     def apply(
         self, weights: Tensor, slots: tuple[Tensor, ...], params: _OptParams, *, dense: bool, measure: bool = False
     ) -> tuple[float, ...] | None:

@@ -143,6 +143,8 @@ def _compile() -> ctypes.CDLL | None:
     lib.et_prepared_copy.restype = None
     lib.et_check.argtypes = [p, p, p, p, p, i64, i64, opt_p, i32, i32]
     lib.et_check.restype = i64
+    lib.et_touched_bounds.argtypes = [p, p, p, p, p, i64, i64, i32, i32, p, p]
+    lib.et_touched_bounds.restype = i32
     lib.et_apply_sequential.argtypes = [p, p, i64, p, p, p, p, i64, i64, opt_p, i32]
     lib.et_apply_sequential.restype = i32
     lib.et_workspace_load.argtypes = [p, p, p, i64, i64, i64]

@@ -21,7 +21,6 @@ Status codes are those of the general calls (``native.lookup_many``, ``prepare_m
 from __future__ import annotations
 
 import ctypes
-import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -313,13 +312,11 @@ class TableArrays:
         self.zeros, self.ones = (_I32 * t_count)(), (_I32 * t_count)(*([1] * t_count))
         self.maxabs = (ctypes.c_float * (4 * t_count))()
         self.status, self.bad = (_I32 * t_count)(), (_I64 * t_count)()
-        # Bounds on max |value| (hi) and min value (lo) of each table's (weights, *slots), NaN where unknown: phase
-        # 2 proves a small update finite from them and then writes it without a backup (``apply_checked``). They
-        # hold while the tensors' version counters stay as recorded (``versions``) and nothing else writes them.
+        # Scratch for phase 2's proof: bounds on max |value| (hi) and min value (lo) of the rows each update touches
+        # (weights, *slots), measured in the writing call (``apply_checked``); proven[t] = 1 for a table whose
+        # update they proved finite (written without a backup).
         self.hi, self.lo = (ctypes.c_double * (4 * t_count))(), (ctypes.c_double * (4 * t_count))()
         self.proven = (_I32 * t_count)()
-        self.versions: tuple[int, ...] = ()
-        self.forget_bounds()
         self.params: tuple[tuple[Any, ...], Any, Any] = ((), None, None)  # (blocks, their addresses, dense flags)
         self._fit: tuple[Any, tuple[int, ...], int, int, Any] | None = None  # the last layout ``columns_fit`` passed
 
@@ -341,21 +338,6 @@ class TableArrays:
         ld = (_I64 * len(dims))(*([width] * len(dims)))
         self._fit = (n_bags, starts, rows, width, ld)
         return ld
-
-    def forget_bounds(self, table: int | None = None) -> None:
-        """Mark the bounds of ``table`` (None: every table) unknown."""
-        nan = float("nan")
-        for t in range(self.count) if table is None else (table,):
-            for i in range(4):
-                self.hi[4 * t + i] = self.lo[4 * t + i] = nan
-
-    def bounds_known(self, table: int) -> bool:
-        return not math.isnan(self.hi[4 * table])
-
-    def set_bounds(self, table: int, hi: Sequence[float], lo: Sequence[float]) -> None:
-        """Bounds of ``table``'s (weights, *slots), as the finiteness guard measured them."""
-        for i, (h, low) in enumerate(zip(hi, lo, strict=True)):
-            self.hi[4 * table + i], self.lo[4 * table + i] = h, low
 
     def current_weights(self, weights: Sequence[Tensor]) -> bool:
         """``current`` for the tables' weights alone (what a lookup reads)."""
@@ -491,8 +473,8 @@ def updates_fit_checking(tables: TableArrays) -> bool:
 
 
 def apply_checked(tables: TableArrays, params: Sequence[Any], dense: Sequence[int]) -> list[int]:
-    """Phase 2 of every table from its prepared workspace, each proven finite from the tables' bounds
-    (``TableArrays.hi`` / ``lo``, then written without a check and its bounds carried: ``tables.proven[t]`` = 1)
+    """Phase 2 of every table from its prepared workspace, each proven finite from bounds on the rows it touches
+    (SGD, Adagrad, Adam: measured in the same call, then written without a backup: ``tables.proven[t]`` = 1)
     or checked exactly in the writing call (all tables before any is written; ``native.apply_many`` with
     ``check`` set and nothing measured). ``params`` are the tables' ``native.opt_params`` blocks, ``dense`` 1 for
     a non-lazy table. Returns per table the row whose update is not finite (-1: none; when any is not -1,

@@ -379,7 +379,6 @@ class StepPipeline:
             finally:
                 for name, (rows, _) in stale.items():
                     self.engine.states[name].weights.index_copy_(0, rows, current[name])
-                    self.engine.note_values_kept(name)
 
     # ------------------------------------------------------------------ the state as a whole
     def full_state(self) -> dict[str, Tensor]:

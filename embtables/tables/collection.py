@@ -20,7 +20,7 @@ from embtables.config import ResolvedConfig, ResolvedTable
 from embtables.errors import InputError
 from embtables.kernels import gpu, native
 from embtables.kernels.clip_decay import effective_weight_decay
-from embtables.kernels.finite_guard import bounds_compound
+from embtables.kernels.finite_guard import update_is_finite
 from embtables.kernels.lookup import occurrence_gradients, pooled_lookup
 from embtables.kernels.segments import dedup_sum
 from embtables.kernels.sparse_update import update_rows
@@ -33,7 +33,7 @@ from embtables.tables.native_fast_path import NativeFastPath
 from embtables.tables.state import TableState, create_table_state, initial_rows
 from embtables.tables.table_gradient import TableGradient
 from embtables.tables.update_paths import apply_sequential_or_restore, dense_update
-from embtables.tables.value_bounds import ValueBounds, check_finite_rows, non_finite_gradient, non_finite_update
+from embtables.tables.value_bounds import check_finite_rows, non_finite_gradient, non_finite_update, rows_bounds
 
 
 class EmbeddingCollection:
@@ -44,9 +44,7 @@ class EmbeddingCollection:
         self.resolved = resolved
         self.states: dict[str, TableState] = {t.name: create_table_state(t, device) for t in resolved.tables}
         self._workspaces: dict[str, native.Workspace] = {}
-        self._guard = ValueBounds(self.states)
         self._param_blocks: dict[tuple[str, float, float], Any] = {}  # native parameter blocks, see _params
-        self._unguarded: set[str] = set()  # tables whose small updates are checked exactly (_small_update)
         self.vocabularies = Vocabularies(resolved)  # the key maps of dynamic tables (spec §11)
         self._lr_plan: LearningRatePlan | None = None  # built at the first step, see learning_rates()
         self._fast: NativeFastPath | None = None  # built at the first step, see fast_path
@@ -71,7 +69,6 @@ class EmbeddingCollection:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self.__dict__.setdefault("_unguarded", set())  # pickled before small updates were checked in C
         self.__dict__.setdefault("_lr_plan", None)
         self.__dict__.setdefault("_fast", None)
 
@@ -107,7 +104,6 @@ class EmbeddingCollection:
             state.weights.index_copy_(0, rows, weights)
             for name, values in slots.items():
                 state.slots[name].index_copy_(0, rows, values)
-        self._guard.after_reset(table.name, (weights, *(slots[n] for n in state.slots)))
 
     def lookup(self, batches: Sequence[FeatureBatch], concat: bool = False) -> list[Tensor]:
         """Activations per feature, [*out_shape, D], in feature order; ``concat``: one tensor [B, sum(D)],
@@ -181,11 +177,6 @@ class EmbeddingCollection:
     def columns(self) -> tuple[list[int], int]:
         """``column_starts`` of the config (fixed: computed once, not per lookup)."""
         return column_starts(self.resolved)
-
-    @property
-    def guard(self) -> ValueBounds:
-        """The finiteness guard's bounds on every table's values."""
-        return self._guard
 
     def check_finite(self, activations: Sequence[Tensor], checked: set[int] | None = None) -> None:
         """Raise naming the first feature whose activations are not all finite (skipping those ``checked``)."""
@@ -350,12 +341,7 @@ class EmbeddingCollection:
         the dry runs happen in the same native call that writes (checked for all tables first).
         """
         if self._fast is not None and self._fast.apply(table_grads, lrs):  # only its own prepared gradients
-            # written by the fast calls (checked exactly or proven there): bounds the guard measured meanwhile (a
-            # pipelined check) are stale now
-            self._guard.forget_tables([tg.table.name for tg in table_grads])
             return
-        if self._fast is not None:
-            self._fast.forget_bounds()  # written below, outside the fast calls
         in_one_call = all(tg.prepared is not None for tg in table_grads)
         writes: list[Callable[[], None]] = []
         natives: list[_NativeWrite] = []  # written together, in one native call
@@ -378,26 +364,15 @@ class EmbeddingCollection:
         for write in writes:
             write()
         if natives:
-            items = [(n.ws, n.weights, n.slots, n.params, n.dense, n.measure, n.check) for n in natives]
-            written, bad_rows = native.apply_many(items)
+            items = [(n.ws, n.weights, n.slots, n.params, n.dense, False, n.check) for n in natives]
+            _, bad_rows = native.apply_many(items)
             for n, bad in zip(natives, bad_rows):
                 if bad >= 0:  # found by a dry run in the writing call: nothing was written
                     raise non_finite_update(n.table, bad, lrs[n.table.name])
-            for n, maxabs in zip(natives, written):
-                if n.unguarded:  # checked exactly; bounds measured meanwhile (a pipelined check) are stale now
-                    self._guard.forget(n.table.name)
-                    continue
-                if maxabs is not None:
-                    self._guard.after_write(n.table, maxabs, measured=True)
-                else:
-                    assert n.bounds is not None
-                    self._guard.after_write(n.table, n.bounds, measured=False)
 
     def check(self, table_grads: Sequence[TableGradient], lrs: dict[str, float]) -> None:
         """Raise exactly as ``apply`` would, but write nothing (used for an update held back by
         pipelining, so its error surfaces at ``apply_gradients`` and not at a later lookup)."""
-        if self._fast is not None:
-            self._fast.forget_bounds()  # a sequential table is written and put back below
         for tg in table_grads:
             if tg.accumulated:
                 self._checked_update(tg, lrs[tg.table.name])
@@ -431,30 +406,25 @@ class EmbeddingCollection:
         if ws is not None:
             params = self._params(tg.table, lr, decay)
             if check_in_write and self._small_update(tg.table, ws, dense):
-                # A dry run of a few rows costs less than the proof: check exactly, keep no bounds.
-                return _NativeWrite(tg.table, ws, state.weights, slots, params, dense, False, None, True, True)
-            new_bounds = self._guard.proven(tg.table, lr, decay, ws.gradient_max_abs)
-            check = new_bounds is None  # not proven: the exact dry run, a second pass over every touched row
+                # A dry run of a few rows costs less than the proof: check exactly in the writing call.
+                return _NativeWrite(tg.table, ws, state.weights, slots, params, dense, True)
+            hi, lo = ws.touched_bounds(state.weights, slots, dense=dense)
+            # not proven: the exact dry run, a second pass over every touched row
+            check = not update_is_finite(opt, lr, decay, ws.gradient_max_abs, hi, lo)
             if check and not check_in_write:
                 bad = ws.check(state.weights, slots, params, dense=dense)
                 if bad >= 0:
                     raise non_finite_update(tg.table, bad, lr)
-            # Carry the proven bounds forward (free) unless they compound over steps: then measure.
-            measure = new_bounds is None or bounds_compound(opt)
-            return _NativeWrite(
-                tg.table, ws, state.weights, slots, params, dense, measure, new_bounds, check and check_in_write
-            )
+            return _NativeWrite(tg.table, ws, state.weights, slots, params, dense, check and check_in_write)
         if self.on_gpu_kernels:
             return gpu_step.checked_update(self, tg, lr, decay)
         assert tg.rows is not None and tg.grads is not None
         rows, grads = tg.rows, tg.grads
-        if dense:
+        if dense:  # every row is updated: bounds over the whole table
             gmax = float(grads.abs().max()) if grads.numel() else 0.0
-            if self._guard.proven(tg.table, lr, decay, gmax) is None:
+            if not update_is_finite(opt, lr, decay, gmax, *rows_bounds((state.weights, *slots), None)):
                 dense_update(state, tg.table, rows, grads, lr, write=False)
-            return lambda: self._guard.after_write(
-                tg.table, dense_update(state, tg.table, rows, grads, lr, write=True), measured=True
-            )
+            return lambda: dense_update(state, tg.table, rows, grads, lr, write=True)
         if rows.numel() == 0:
             return lambda: None
         w_new, s_new = update_rows(
@@ -471,7 +441,6 @@ class EmbeddingCollection:
             state.weights.index_copy_(0, rows, w_new)
             for dst, src in zip(slots, s_new):
                 dst.index_copy_(0, rows, src)
-            self._guard.after_write(tg.table, tuple(float(t.abs().max()) for t in (w_new, *s_new)), measured=True)
 
         return write
 
@@ -496,33 +465,16 @@ class EmbeddingCollection:
             params = self._param_blocks[key] = native.opt_params(table.optimizer, lr, decay, clip_gradients=True)
         return params
 
-    def _small_update(self, table: ResolvedTable, ws: native.Workspace, dense: bool) -> bool:
+    @staticmethod
+    def _small_update(table: ResolvedTable, ws: native.Workspace, dense: bool) -> bool:
         """Whether this update is small enough that the exact dry run (in C) is cheaper than the proof
-        (Python, about 10 us a table). Sticky with hysteresis: a table leaves the unguarded mode only for
-        an update 4x over the limit, whose proof then measures its bounds once (a full pass)."""
+        (Python, about 10 us a table)."""
         rows = table.vocabulary_size if dense else ws.num_rows
-        elements = rows * table.dim
-        if table.name in self._unguarded:
-            if elements <= 4 * _SMALL_UPDATE_ELEMENTS:
-                return True
-            self._unguarded.discard(table.name)
-            return False
-        if elements <= _SMALL_UPDATE_ELEMENTS:
-            self._unguarded.add(table.name)
-            return True
-        return False
+        return rows * table.dim <= _SMALL_UPDATE_ELEMENTS
 
     def _sequential(self, tg: TableGradient, lr: float) -> Callable[[], None]:
-        """``apply_sequential_or_restore`` on this collection's table; its bounds are rescanned before the next
-        guarded update."""
-        restore = apply_sequential_or_restore(self.states[tg.table.name], tg, lr)
-        self._guard.forget(tg.table.name)
-        return restore
-
-    def note_values_kept(self, table_name: str) -> None:
-        """In-place writes put back values the table held before (a pipelining snapshot swapped in and
-        out): its value bounds still hold and need no rescan."""
-        self._guard.note_values_kept(table_name)
+        """``apply_sequential_or_restore`` on this collection's table."""
+        return apply_sequential_or_restore(self.states[tg.table.name], tg, lr)
 
     # ------------------------------------------------------------------ torch integration
     def map_tensors(self, fn: Callable[[Tensor], Tensor]) -> None:
@@ -558,10 +510,7 @@ class _NativeWrite:
     slots: tuple[Tensor, ...]
     params: Any
     dense: bool
-    measure: bool
-    bounds: tuple[float, ...] | None  # the proven bounds, folded in when not measured
     check: bool = False  # the exact dry run runs in the writing call
-    unguarded: bool = False  # small update: checked exactly, no bounds kept for the table
 
 
 # Updates of at most this many rows x D (about 170 rows of 24) are checked by the exact dry run in C rather

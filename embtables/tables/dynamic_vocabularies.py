@@ -150,6 +150,12 @@ def vocabulary_problem(table: str, arrays: dict[str, Any], capacity: int) -> str
             return f"table {table!r}: `{field}` must be an int64 tensor of shape {want} got {got}"
     if num_pending > capacity:
         return f"table {table!r}: {num_pending} pending keys, more than its {capacity} rows"
+    return vocabulary_values_problem(table, arrays)
+
+
+def vocabulary_values_problem(table: str, arrays: dict[str, Tensor]) -> str | None:
+    """What is wrong with the values of ``arrays`` (``VOCABULARY_FIELDS`` -> int64 tensors: [N] row fields of any
+    N, [P] pending fields), or None: the rules ``load_state_dict`` and ``restore`` both apply."""
     counts, age, order, keys = (arrays[f].cpu() for f in ("counts", "age", "order", "keys"))
     if bool((counts < 0).any()) or bool((counts > _LIMIT).any()):
         return f"table {table!r}: a lookup count is negative or above 2**62"

@@ -101,8 +101,6 @@ class Engine(Protocol):
 
     def map_tensors(self, fn: Callable[[Tensor], Tensor]) -> None: ...
 
-    def note_values_kept(self, table_name: str) -> None: ...
-
 
 class LocalTables:
     """What both engines answer from the rows this process holds (``local``, an ``EmbeddingCollection``
@@ -144,9 +142,6 @@ class LocalTables:
 
     def local_shards(self) -> dict[str, LocalShard]:
         raise NotImplementedError  # each engine says which global rows its local rows are
-
-    def note_values_kept(self, table_name: str) -> None:
-        self.local.note_values_kept(table_name)
 
 
 class _WholeTable:

@@ -21,10 +21,10 @@ from torch import Tensor
 
 from embtables.errors import InputError
 from embtables.kernels import gpu
-from embtables.kernels.finite_guard import bounds_compound
+from embtables.kernels.finite_guard import update_is_finite
 from embtables.tables.inputs import FeatureBatch
 from embtables.tables.table_gradient import TableGradient
-from embtables.tables.value_bounds import non_finite_gradient, non_finite_update
+from embtables.tables.value_bounds import non_finite_gradient, non_finite_update, rows_bounds
 
 _F32_MAX = 3.4028234663852886e38
 
@@ -136,7 +136,7 @@ def table_gradients(
 
 def checked_update(coll: EmbeddingCollection, tg: TableGradient, lr: float, decay: float) -> Callable[[], None]:
     """Check one accumulated table update on the GPU (writes nothing) and return the function that writes
-    it: proven finite from bounds (no sync), else a dry run of the fused kernel (one sync)."""
+    it: proven finite from bounds on the rows it touches (one sync), else a dry run of the fused kernel."""
     table, state = tg.table, coll.states[tg.table.name]
     opt = table.optimizer
     slots = state.slot_tuple()
@@ -156,21 +156,15 @@ def checked_update(coll: EmbeddingCollection, tg: TableGradient, lr: float, deca
         assert grads is not None
         gmax = float(grads.abs().max()) if grads.numel() else 0.0
     params = gpu.update_parameters(opt, lr, decay)
-    new_bounds = coll.guard.proven(table, lr, decay, gmax)
-    if new_bounds is None:
+    # bounds over exactly the rows the update reads, measured now (one sync)
+    hi, lo = rows_bounds((state.weights, *slots), None if not opt.lazy else rows)
+    if not update_is_finite(opt, lr, decay, gmax, hi, lo):
         bad, _ = gpu.update(rows, grads, state.weights, slots, params, write=False, measure=False, inline=inline)
         row = table.vocabulary_size if bad is None else int(bad.item())
         if row < table.vocabulary_size:
             raise non_finite_update(table, row, lr)
-    measure = new_bounds is None or bounds_compound(opt)
 
     def write() -> None:
-        _, maxabs = gpu.update(rows, grads, state.weights, slots, params, write=True, measure=measure, inline=inline)
-        if maxabs is not None:
-            written = gpu.bits_to_float(maxabs.tolist()[: 1 + len(slots)])
-            coll.guard.after_write(table, written, measured=True)
-        else:
-            assert new_bounds is not None
-            coll.guard.after_write(table, new_bounds, measured=False)
+        gpu.update(rows, grads, state.weights, slots, params, write=True, measure=False, inline=inline)
 
     return write

@@ -16,17 +16,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from embtables.config import SGD, Adagrad, Adam, ResolvedConfig
+from embtables.config import ResolvedConfig
 from embtables.kernels import native, native_step
 from embtables.kernels.native_step import StagedBags, TableArrays
 from embtables.tables.inputs import FeatureBatch
 from embtables.tables.state import TableState
 from embtables.tables.table_gradient import TableGradient
-
-# The optimizers whose small updates phase 2 proves finite from the tables' bounds (csrc ``et_prove_update``), on
-# tables of at most this many values (their bounds are measured with a scan when unknown).
-PROVABLE = (SGD, Adagrad, Adam)
-PROVABLE_VALUES = 1 << 20
 
 
 class NativeFastPath:
@@ -48,11 +43,6 @@ class NativeFastPath:
         self._small = False  # every update of the last phase 1 here is checked as it is written (see apply)
         self._rates: tuple[tuple[float, ...], list[Any]] = ((), [])  # learning rates -> optimizer blocks
         self._dense = [0] * len(tables)  # lazy optimizers only: a non-lazy one updates every row
-        # tables whose small updates phase 2 may prove finite from bounds (csrc et_prove_update: SGD, Adagrad, Adam),
-        # measured by the guard when unknown: small enough that a scan costs little
-        self._provable = [
-            type(t.optimizer) in PROVABLE and t.vocabulary_size * t.dim <= PROVABLE_VALUES for t in tables
-        ]
 
     def _tensors(self) -> list[Tensor]:
         """Every table's weights and slots, table by table."""
@@ -88,22 +78,6 @@ class NativeFastPath:
         except native.NativeBufferError:  # e.g. a slot no longer shaped like its table: the general path's checks
             self._arrays = None
         return self._arrays
-
-    def forget_bounds(self) -> None:
-        """The tables were written outside the fast calls: their bounds are unknown until measured again."""
-        if self._arrays is not None:
-            self._arrays.forget_bounds()
-
-    def _known_bounds(self, arrays: TableArrays) -> None:
-        """Bounds for every provable table (measured by the finiteness guard where unknown), all forgotten first
-        when any tensor's version counter moved (written in place since)."""
-        versions = tuple(t._version for t in arrays.tensors)
-        if versions != arrays.versions:
-            arrays.forget_bounds()
-            arrays.versions = versions
-        for t, provable in enumerate(self._provable):
-            if provable and not arrays.bounds_known(t):
-                arrays.set_bounds(t, *self.owner.guard.measured(self.resolved.tables[t]))
 
     @staticmethod
     def bags_of(batches: Sequence[FeatureBatch]) -> StagedBags | None:
@@ -165,7 +139,6 @@ class NativeFastPath:
         arrays = prepared[0]
         if arrays is not self._arrays or not arrays.current(self._tensors()):
             return False
-        self._known_bounds(arrays)
         tables = self.resolved.tables
         rates = tuple(lrs[t.name] for t in tables)
         if rates != self._rates[0]:  # the optimizer blocks at these learning rates (the collection's cache)

@@ -24,16 +24,15 @@ _DENSE_CHUNK_ELEMENTS = 1 << 22  # rows x D per chunk of the torch-path non-lazy
 
 def dense_update(
     state: TableState, table: ResolvedTable, rows: Tensor, grads: Tensor, lr: float, *, write: bool
-) -> tuple[float, ...]:
+) -> None:
     """Non-lazy update of every row of ``state`` [V, D] from the summed gradients ``grads`` [U, D] of ``rows``
     [U], on the torch path, in chunks of rows so the temporaries stay a small fraction of the table;
-    ``write=False`` only checks that every result is finite. Returns the largest |value| written per tensor."""
+    ``write=False`` only checks that every result is finite."""
     slots = state.slot_tuple()
     vocab, dim = state.weights.shape
     order = torch.argsort(rows)
     rows, grads = rows[order], grads[order]
     chunk = max(1, _DENSE_CHUNK_ELEMENTS // max(1, dim))
-    maxabs = [0.0] * (1 + len(slots))
     for start in range(0, vocab, chunk):
         stop = min(vocab, start + chunk)
         lo, hi = (int(i) for i in torch.searchsorted(rows, torch.tensor([start, stop], device=rows.device)))
@@ -51,10 +50,8 @@ def dense_update(
             state.weights[start:stop] = w_new
             for dst, src in zip(slots, s_new):
                 dst[start:stop] = src
-            maxabs = [max(m, float(t.abs().max())) for m, t in zip(maxabs, (w_new, *s_new))]
         else:
             check_finite_rows(table, torch.arange(start, stop, device=rows.device), (w_new, *s_new), lr)
-    return tuple(maxabs)
 
 
 def apply_sequential_or_restore(state: TableState, tg: TableGradient, lr: float) -> Callable[[], None]:

@@ -485,31 +485,6 @@ def test_an_overflowing_lookup_raises_naming_the_feature(kernel_path: str) -> No
     assert_same(snapshot(m), before)
 
 
-def test_small_updates_leave_no_stale_bounds_for_a_later_proof() -> None:
-    """Small updates are checked exactly in C and keep no value bounds (C writes do not move torch's version
-    counter, so bounds measured before them would look current); the next large update measures the table
-    again and proves from what it really holds."""
-    t = et.TableConfig(6000, 16, name="t", initializer=et.Constant(0.5), optimizer=et.SGD(1.0), combiner="sum")
-    m = et.DistributedEmbedding({"f": et.FeatureConfig(t)})
-    local = m._engine.local  # the white box: the guard's bookkeeping has no public view
-    # 5000 rows x 16 > 4x the small-update limit and more than the fast path checks in scratch
-    # (native_step.STAGED_MAX_VALUES): the proof path measures bounds
-    big = torch.arange(5000)
-
-    def large_step(value: float) -> None:
-        m({"f": big})
-        m.apply_gradients({"f": torch.full((5000, 16), value)})
-
-    large_step(-1.0)
-    assert local._guard._bounds["t"].hi[0] == pytest.approx(1.5, rel=1e-3)
-    for _ in range(2):  # small updates: row 0 grows to 2e29, far past the bounds measured above
-        m({"f": torch.tensor([0])})
-        m.apply_gradients({"f": torch.full((1, 16), -1e29)})
-        assert "t" not in local._guard._bounds
-    large_step(0.0)
-    assert local._guard._bounds["t"].hi[0] >= 2e29  # measured again, not carried from before
-
-
 def test_huge_but_finite_values_take_the_exact_check_and_still_train(kernel_path: str) -> None:
     """Values the cheap bound cannot clear (1e31 weights) are checked exactly; a finite update proceeds."""
     m = _two_tables(et.SGD(0.1), et.SGD(0.1))

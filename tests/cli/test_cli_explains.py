@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import sysconfig
 import time
 from pathlib import Path
 
@@ -167,8 +168,14 @@ def test_the_installed_wheel_has_bench_and_the_samples(tmp_path: Path) -> None:
                    "embtables/data/samples/clicks.csv", "embtables/data/samples/clicks.schema.json"):  # fmt: skip
         assert needed in names, needed
     venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True, timeout=120)
+    # A bare venv that sees this interpreter's packages (torch, numpy) through a path entry: `--system-site-packages`
+    # from inside a venv would see the base interpreter's packages instead, which have no torch.
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
     py = venv / "bin" / "python"
+    inner = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                           capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
+    outer = sysconfig.get_paths()["purelib"]
+    (Path(inner) / "outer-packages.pth").write_text(outer + "\n")  # a plain path: no editable finder comes along
     install = subprocess.run([str(py), "-m", "pip", "install", "-q", "--no-deps", str(wheel)], capture_output=True,
                              text=True, timeout=300)  # fmt: skip
     assert install.returncode == 0, install.stderr[-2000:]

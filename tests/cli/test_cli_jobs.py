@@ -206,3 +206,21 @@ def test_dlrm_job_under_torchrun(tmp_path: Path) -> None:
     assert summary["processes"] == 2 and summary["steps"] == 40
     manifest = json.loads((tmp_path / "ckpt-00000040" / "manifest.json").read_text())
     assert manifest["world_size"] == 2, "each rank wrote its own rows"
+
+
+@pytest.mark.distributed
+def test_dlrm_job_under_torchrun_without_a_model_dir_and_with_a_dynamic_table(tmp_path: Path) -> None:
+    """The README's two-process command: without --model-dir rank 1 removed rank 0's temporary directory while
+    rank 0 still wrote its report (a traceback every time); with --dynamic-user rank 0 alone asked for the
+    vocabulary statistics, a collective, and the job hung until the 30-minute timeout."""
+    from mp_world import free_port
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
+           "-m", "embtables", "train", *SMALL, "--steps", "20", "--eval-every", "20", "--dynamic-user", "300"]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp_path)}
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    summary = json.loads(next(line for line in out.stdout.splitlines() if line.startswith("{")))
+    assert summary["processes"] == 2 and summary["vocabulary"]["user"]["live"] > 0
+    assert "removed the temporary model directory" in out.stderr
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith("embtables-train-")], "rank 0 removed it"

@@ -221,3 +221,45 @@ def test_serving_refuses_a_keys_file_that_breaks_its_rules(tmp_path: Path) -> No
             et.ServingEmbedding.load(tmp_path / "serving")
     np.save(keys_file, good)
     et.ServingEmbedding.load(tmp_path / "serving")
+
+
+def test_restore_and_load_state_dict_refuse_a_negative_lookup_count_alike(tmp_path: Path) -> None:
+    """A negative lookup count with a valid CRC: restore dropped that key silently while load_state_dict refused
+    the same data. Both apply one validation now."""
+    a = _module()
+    _steps([a], 5, 8)
+    path = Path(a.save(tmp_path))
+    manifest_file = path / "manifest.json"
+    manifest = json.loads(manifest_file.read_text())
+    entry = manifest["files"][0]
+    spec = entry["tables"]["user"]["vocabulary"]["counts"]
+    data = bytearray((path / entry["file"]).read_bytes())
+    counts = np.frombuffer(bytes(data[spec["offset"] : spec["offset"] + 8 * spec["count"]]), dtype=np.int64).copy()
+    live = np.nonzero(counts > 0)[0]
+    counts[live[0]] = -3
+    data[spec["offset"] : spec["offset"] + counts.nbytes] = counts.tobytes()
+    spec["crc32"] = zlib.crc32(counts.tobytes())
+    (path / entry["file"]).write_bytes(bytes(data))
+    manifest_file.write_text(json.dumps(manifest))
+    b = _module()
+    _steps([b], 6, 3)
+    before = {k: v.clone() for k, v in b.state_dict().items()}
+    with pytest.raises(et.CheckpointError, match="a lookup count is negative"):
+        b.restore(tmp_path)
+    sd = a.state_dict()
+    bad = {k: v.clone() for k, v in sd.items()}
+    key = next(k for k in bad if k.endswith("counts") and "pending" not in k)
+    bad[key][live[0]] = -3
+    with pytest.raises((ValueError, RuntimeError), match="a lookup count is negative"):
+        b.load_state_dict(bad)
+    for k, v in b.state_dict().items():
+        assert torch.equal(v, before[k]), k
+
+
+@pytest.mark.parametrize("field", ["admit_after", "ttl_steps"])
+@pytest.mark.parametrize("value", [2**62 + 1, 2**63, 2**64 + 1])
+def test_counts_beyond_the_key_map_are_refused_at_the_config(field: str, value: int) -> None:
+    """ctypes wrapped them (2**64 + 1 admitted a key at first sight) or raised a misleading MemoryError."""
+    with pytest.raises(ValueError, match=rf"`{field}` must be an int from 1 .* 2\*\*62"):
+        et.DynamicVocabulary(**{field: value})
+    et.DynamicVocabulary(**{field: 2**62})  # the limit itself is accepted

@@ -379,26 +379,3 @@ def test_small_updates_proven_finite_skip_the_check_and_train_the_same_bits(opt:
     # t0 the optimizer above, t1 its own SGD block (make): proven tables are written without a check
     assert list(arrays.proven) == [int(opt != "ftrl"), 1]
     assert_same(snapshot(fast), snapshot(general))
-
-
-def test_bounds_are_forgotten_when_a_table_is_written_outside_the_fast_calls() -> None:
-    """Zeroed accumulators make an Adagrad row with a zero gradient 0/0: the bounds measured before (min
-    accumulator 0.1) would prove it finite. The version counter moved, so they are measured again, the update is
-    checked exactly, refused, and nothing changes; a step through the general path forgets them too."""
-    emb = make(("sum", "sum"), False, True, et.Adagrad(0.1, initial_accumulator_value=0.1))
-    train(emb, 2, torch.int64, False)
-    arrays = emb._engine.local.fast_path._arrays
-    assert arrays.bounds_known(0) and arrays.proven[0] == 1
-    emb.slot_variables["t0"]["accumulators"].zero_()
-    before = snapshot(emb)
-    acts = emb(batch(emb, 5, torch.int64, False))
-    grad = torch.ones_like(acts)
-    grad[:, :4] = 0.0  # t0's columns: a zero gradient on zero accumulators
-    with pytest.raises(ValueError, match=r"table 't0'.*not finite|table 't0'.*NaN"):
-        emb.apply_gradients(grad)
-    assert_same(snapshot(emb), before)
-    emb.load_state_dict({**emb.state_dict(), "t0/accumulators": torch.full_like(before["t0/accumulators"], 0.1)})
-    train(emb, 1, torch.int64, False)
-    assert arrays.bounds_known(0)
-    train(emb, 1, torch.int32, False)  # the general path writes the tables: bounds unknown until measured
-    assert not arrays.bounds_known(0) and not arrays.bounds_known(1)

@@ -1420,6 +1420,116 @@ static void et_restore_update(const et_workspace *h, float *W, float *S0, float 
     }
 }
 
+/* Bounds on the values an update reads, measured now over exactly the rows it touches (every row of [V, D] when
+ * dense): hi[i] the largest |value| (inf when any is NaN or inf) and lo[i] the smallest value of the weights (i = 0)
+ * and slots 0-2 (i = 1-3; 0 for a slot not present). Measured in the call that proves the update, so no write made
+ * since an earlier step (through torch, .data, a NumPy view or other native code) can make a proof unsound.
+ * Returns 0, or -2 for a workspace that does not fit the table. */
+/* A float's bits as an int32 whose signed order is the float order (NaN aside): integer min / max vectorise
+ * without -ffast-math, float ones do not. et_key_float undoes it. */
+static inline int32_t et_float_key(float x) {
+    int32_t k;
+    memcpy(&k, &x, sizeof k);
+    return k ^ ((k >> 31) & 0x7fffffff);
+}
+static inline float et_key_float(int32_t k) {
+    const int32_t b = k ^ ((k >> 31) & 0x7fffffff);
+    float x;
+    memcpy(&x, &b, sizeof x);
+    return x;
+}
+
+/* Fold one row of D floats into 8-lane running maxima of |x| (as bits) and minima of x (as et_float_key), with
+ * GCC / Clang vector extensions (unaligned loads): the plain loops were not vectorised. */
+typedef uint32_t et_u8v __attribute__((vector_size(32), aligned(4)));
+typedef int32_t et_i8v __attribute__((vector_size(32), aligned(4)));
+static inline void et_fold_row(const float *restrict row, int64_t D, uint32_t *restrict mb, int32_t *restrict mn) {
+    et_u8v b;
+    et_i8v m;
+    memcpy(&b, mb, sizeof b);
+    memcpy(&m, mn, sizeof m);
+    int64_t d = 0;
+    for (; d + 8 <= D; d += 8) {
+        const et_i8v x = *(const et_i8v *)(row + d);
+        const et_u8v a = (et_u8v)x & 0x7fffffffu;
+        const et_i8v k = x ^ ((x >> 31) & 0x7fffffff);
+        const et_u8v up = (et_u8v)(a > b);
+        b = (a & up) | (b & ~up);
+        const et_i8v down = (et_i8v)(k < m);
+        m = (k & down) | (m & ~down);
+    }
+    memcpy(mb, &b, sizeof b);
+    memcpy(mn, &m, sizeof m);
+    for (int j = 0; d < D; ++d, ++j) {
+        const uint32_t a = et_absbits(row[d]);
+        const int32_t k = et_float_key(row[d]);
+        mb[j] = a > mb[j] ? a : mb[j];
+        mn[j] = k < mn[j] ? k : mn[j];
+    }
+}
+
+/* et_fold_row over rows [k0, k1) of the update (rows k0..k1-1 of [V, D] when dense), tensor by tensor, 16 rows
+ * prefetched ahead; mb / mn: 4 x 8 lanes. A plain loop of its own (inside the OpenMP region's outlined function,
+ * with every tensor of a row together, the same work ran several times slower). */
+static __attribute__((noinline)) void et_fold_rows(const et_workspace *h, const float *W, const float *S0,
+                                                   const float *S1, const float *S2, int64_t D, int dense,
+                                                   int64_t k0, int64_t k1, uint32_t *mb, int32_t *mn) {
+    const float *const src[4] = {W, S0, S1, S2};
+    for (int i = 0; i < 4; ++i) {
+        if (!src[i]) continue;
+        const float *x = src[i];
+        uint32_t *b = mb + 8 * i;
+        int32_t *m = mn + 8 * i;
+        if (dense) {
+            for (int64_t k = k0; k < k1; ++k) et_fold_row(x + k * D, D, b, m);
+            continue;
+        }
+        for (int64_t k = k0; k < k1; ++k) {
+            if (k + 16 < k1) {
+                const float *ahead = x + h->rows[k + 16] * D;
+                for (int64_t off = 0; off < D; off += 16) __builtin_prefetch(ahead + off, 0, 3);
+            }
+            et_fold_row(x + h->rows[k] * D, D, b, m);
+        }
+    }
+}
+
+static int et_touched_bounds_of(const et_workspace *h, const float *W, const float *S0, const float *S1,
+                                const float *S2, int64_t V, int64_t D, int dense, int nthreads, double *hi,
+                                double *lo) {
+    if (!et_prepared_ok(h, V, D)) return -2;
+    const float *const src[4] = {W, S0, S1, S2};
+    const int64_t n = dense ? V : h->U;
+    const int threads = n * D > 65536 && nthreads > 1 ? (nthreads < 64 ? nthreads : 64) : 1;
+    uint32_t mb[64][32];
+    int32_t mn[64][32];
+    for (int t = 0; t < threads; ++t)
+        for (int j = 0; j < 32; ++j) {
+            mb[t][j] = 0;
+            mn[t][j] = INT32_MAX;
+        }
+#pragma omp parallel for num_threads(threads) schedule(static, 1)
+    for (int t = 0; t < threads; ++t)
+        et_fold_rows(h, W, S0, S1, S2, D, dense, n * t / threads, n * (t + 1) / threads, mb[t], mn[t]);
+    for (int i = 0; i < 4; ++i) {
+        uint32_t m = 0;
+        int32_t k = INT32_MAX;
+        for (int t = 0; t < threads; ++t)
+            for (int j = 0; j < 8; ++j) {
+                m = mb[t][8 * i + j] > m ? mb[t][8 * i + j] : m;
+                k = mn[t][8 * i + j] < k ? mn[t][8 * i + j] : k;
+            }
+        hi[i] = m >= ET_INF_BITS ? INFINITY : (double)et_bits_float(m);
+        lo[i] = (src[i] && n > 0) ? (double)et_key_float(k) : 0.0;
+    }
+    return 0;
+}
+
+int et_touched_bounds(const void *handle, const float *W, const float *S0, const float *S1, const float *S2,
+                      int64_t V, int64_t D, int dense, int nthreads, double *hi, double *lo) {
+    return et_touched_bounds_of((const et_workspace *)handle, W, S0, S1, S2, V, D, dense, nthreads, hi, lo);
+}
+
 /* Every bounded intermediate stays below this (as kernels/record.py's SAFE: far below float32's 3.4e38). */
 #define ET_SAFE 1e30
 
@@ -1477,10 +1587,10 @@ int et_prove_update(const et_opt *p, double gmax, const double *hi, const double
  * status[t]: 0 written, -4 unknown optimizer kind, -2 a workspace that does not fit its table, -3 out of
  * memory in a check, 1 the update would write a non-finite value (bad[t] = one such row); any non-zero
  * status means nothing was written. maxabs as in et_apply (4 floats per table, when measure[t]).
- * hi / lo (4 doubles per table, or NULL): bounds on max |value| and min value of each table's (weights, *slots), NaN
- * where unknown. A lazy, unmeasured table with check[t] set whose update et_prove_update proves finite from them is
- * written without a check (proven[t] = 1) and its hi updated to bound the table after the update; proven[t] = 0
- * for every other table, and for all when nothing was written. */
+ * hi / lo (4 doubles per table, or NULL): scratch for the bounds of the rows each update touches, measured here
+ * (et_touched_bounds_of). A lazy, unmeasured SGD, Adagrad or Adam table with check[t] set whose update
+ * et_prove_update proves finite from them is written without a backup (proven[t] = 1); proven[t] = 0 for every
+ * other table, and for all when nothing was written. */
 void et_apply_many(int64_t T, void *const *handles, float *const *W, float *const *S0, float *const *S1,
                    float *const *S2, const int64_t *V, const int64_t *D, const et_opt *const *p, const int32_t *dense,
                    const int32_t *measure, const int32_t *check, int nthreads, float *maxabs, int32_t *status,
@@ -1500,7 +1610,8 @@ void et_apply_many(int64_t T, void *const *handles, float *const *W, float *cons
         if (!check[t]) continue;
         et_workspace *h = (et_workspace *)handles[t];
         int64_t r;
-        if (proven && hi && lo && !dense[t] && !measure[t] &&
+        if (proven && hi && lo && !dense[t] && !measure[t] && et_proof_tensors(p[t]->kind) &&
+            et_touched_bounds_of(h, W[t], S0[t], S1[t], S2[t], V[t], D[t], 0, 1, hi + 4 * t, (double *)lo + 4 * t) == 0 &&
             et_prove_update(p[t], (double)h->gmax, hi + 4 * t, lo + 4 * t, next[t])) {
             proven[t] = 1; /* written below without a check: its bounds prove every value finite */
             continue;
@@ -1527,8 +1638,6 @@ void et_apply_many(int64_t T, void *const *handles, float *const *W, float *cons
         } else if (written[t] < 0) {
             status[t] = et_apply(handles[t], W[t], S0[t], S1[t], S2[t], V[t], D[t], p[t], dense[t], nthreads,
                                  measure[t] ? maxabs + 4 * t : NULL);
-            if (proven && proven[t] && status[t] == 0) /* the table's bounds after the update */
-                for (int i = 0; i < et_proof_tensors(p[t]->kind); ++i) hi[4 * t + i] = next[t][i];
         }
     }
     if (!ok && proven)

@@ -1,0 +1,148 @@
+"""A legal call never writes NaN/Inf, whatever a user legally did to a tensor the module handed out.
+
+The finiteness proof reads bounds measured over the rows each update touches, in the step that writes
+(``tables/value_bounds.py``), so every way of changing a table or slot is seen: an in-place torch edit,
+``tensor.data`` (which does not move torch's version counter), a NumPy view, ``load_state_dict``,
+``restore``, and any of them between a pipelined observer's flush and the next training lookup. Each case
+here wrote NaN or Inf into the table before; now the step is refused and nothing changes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from statecheck import assert_same, snapshot
+
+import embtables as et
+
+# (rows in the table, dim, ids per step): the path a step takes
+PATHS = {
+    "fast": (50, 4, 6),  # int64 ids, a small update: the small-batch fast path (one native call per phase)
+    "general-small": (50, 4, 6),  # int32 ids: the general path, checked exactly in the writing call
+    "general-proof": (6000, 16, 5000),  # an update too large to check cheaply: proven from bounds
+}
+
+
+def _module(path: str, optimizer: Any, pipelined: bool = False) -> et.DistributedEmbedding:
+    rows, dim, _ = PATHS[path]
+    table = et.TableConfig(rows, dim, name="t", initializer=et.Constant(0.5), combiner="sum")
+    return et.DistributedEmbedding(
+        {"f": et.FeatureConfig(table)}, optimizer, pipeline_execution_with_tensor_core=pipelined
+    )
+
+
+def _ids(path: str) -> torch.Tensor:
+    rows, _, n = PATHS[path]
+    ids = torch.arange(n) % rows
+    return ids.to(torch.int32) if path == "general-small" else ids
+
+
+def _step(emb: et.DistributedEmbedding, path: str, grad_value: float) -> None:
+    acts = emb({"f": _ids(path)})["f"]
+    emb.apply_gradients({"f": torch.full_like(acts, grad_value)})
+
+
+def _zero(t: torch.Tensor, how: str) -> None:
+    if how == "in-place":
+        t.zero_()
+    elif how == "data":
+        t.data.zero_()
+    elif how == "numpy":
+        t.numpy()[:] = 0.0
+    else:
+        raise AssertionError(how)
+
+
+def _edit_accumulators(emb: et.DistributedEmbedding, how: str) -> None:
+    """Set every Adagrad accumulator of table t to 0 (a zero gradient then divides 0 by 0). ``load_state_dict``
+    and ``restore`` refuse accumulators <= 0 outright; the writes below are the ones they cannot refuse."""
+    if how == "state_dict-view":
+        _zero(emb.state_dict()["t/accumulators"].data, "data")
+    else:
+        _zero(emb.slot_variables["t"]["accumulators"], how)
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+@pytest.mark.parametrize("how", ["in-place", "data", "numpy", "state_dict-view"])
+def test_zeroed_accumulators_are_seen_however_they_were_written(path: str, how: str) -> None:
+    emb = _module(path, et.Adagrad(0.1, initial_accumulator_value=0.1))
+    for _ in range(3):  # bounds from these steps (min accumulator > 0) would prove the next update finite
+        _step(emb, path, 1.0)
+    _edit_accumulators(emb, how)
+    before = snapshot(emb)
+    with pytest.raises(ValueError, match=r"table 't'.*non-finite"):
+        _step(emb, path, 0.0)
+    assert_same(snapshot(emb), before)
+    # a legal update of the same state still trains
+    _step(emb, path, 1.0)
+    assert all(bool(torch.isfinite(v).all()) for v in emb.state_dict().values())
+
+
+def _adam_state_that_overflows(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Adam momenta of 3e38 over velocities of 0: legal values (finite, velocities >= 0) whose next update
+    divides 3e38 by epsilon."""
+    return {**state, "t/momenta": torch.full_like(state["t/momenta"], 3e38),
+            "t/velocities": torch.zeros_like(state["t/velocities"])}  # fmt: skip
+
+
+def _edit_adam(emb: et.DistributedEmbedding, how: str, tmp: Path, path: str, pipelined: bool = False) -> None:
+    slots = emb.slot_variables["t"]
+    if how == "in-place":
+        slots["momenta"].fill_(3e38)
+        slots["velocities"].zero_()
+    elif how == "data":
+        slots["momenta"].data.fill_(3e38)
+        slots["velocities"].data.zero_()
+    elif how == "numpy":
+        slots["momenta"].numpy()[:] = 3e38
+        slots["velocities"].numpy()[:] = 0.0
+    elif how == "load_state_dict":
+        emb.load_state_dict(_adam_state_that_overflows(emb.state_dict()))
+    elif how == "restore":
+        other = _module(path, et.Adam(0.5), pipelined=pipelined)
+        other.load_state_dict(_adam_state_that_overflows({k: v.clone() for k, v in emb.state_dict().items()}))
+        emb.restore(other.save(tmp / "ckpts"))
+    else:
+        raise AssertionError(how)
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+@pytest.mark.parametrize("how", ["in-place", "data", "numpy", "load_state_dict", "restore"])
+def test_adam_slots_that_overflow_are_seen_however_they_were_written(path: str, how: str, tmp_path: Path) -> None:
+    emb = _module(path, et.Adam(0.5))
+    for _ in range(2):
+        _step(emb, path, 1.0)
+    _edit_adam(emb, how, tmp_path, path)
+    before = snapshot(emb)
+    with pytest.raises(ValueError, match=r"table 't'.*non-finite"):
+        _step(emb, path, 1.0)
+    assert_same(snapshot(emb), before)
+
+
+@pytest.mark.parametrize("observe", ["slot_variables", "embedding_tables", "state_dict"])
+@pytest.mark.parametrize("how", ["in-place", "data", "restore"])
+@pytest.mark.parametrize("path", ["general-small", "general-proof"])
+def test_pipelined_edits_after_an_observer_are_seen(observe: str, how: str, path: str, tmp_path: Path) -> None:
+    """Pipelined: an observer applies the held-back update and keeps the pre-update rows for the next training
+    lookup, which swaps them in and out; an edit made after the observer (Adam momenta 3e38 over velocities 0,
+    in place, through ``.data`` or by ``restore``) must be seen by the next update's proof."""
+    emb = _module(path, et.Adam(0.5), pipelined=True)
+    for _ in range(3):
+        _step(emb, path, 1.0)
+    observers: dict[str, Callable[[], Any]] = {
+        "slot_variables": lambda: emb.slot_variables,
+        "embedding_tables": lambda: emb.embedding_tables,
+        "state_dict": emb.state_dict,
+    }
+    observers[observe]()
+    _edit_adam(emb, how, tmp_path, path, pipelined=True)
+    acts = emb({"f": _ids(path)})["f"]
+    before = snapshot(emb)
+    with pytest.raises(ValueError, match=r"table 't'.*non-finite"):
+        emb.apply_gradients({"f": torch.full_like(acts, 1.0)})
+    assert_same(snapshot(emb), before)
+    assert all(bool(torch.isfinite(v).all()) for v in emb.state_dict().values())
