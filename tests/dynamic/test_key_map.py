@@ -3,8 +3,11 @@ every row, reset list, counter and exported array, step by step, for every polic
 
 from __future__ import annotations
 
+import ast
 import pickle
 import random
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -171,3 +174,24 @@ def test_hostile_states_are_refused_or_loaded_never_a_crash() -> None:
     )
     loaded, refused = (int(x) for x in out.split())
     assert loaded > 0 and refused > 0
+
+
+_FULL_POOL = """
+import torch, embtables as et
+user = et.TableConfig(200_000, 4, name="user", dynamic=et.DynamicVocabulary(admit_after=2))
+emb = et.DistributedEmbedding({"u": et.FeatureConfig(user)}, et.SGD(0.1))
+for _ in range(2):
+    emb({"u": torch.arange(300_000) * 7 + 1})
+    emb.apply_gradients()
+print(emb.vocabulary_statistics()["user"])
+"""
+
+
+def test_a_batch_that_fills_the_pending_pool_costs_linear_time() -> None:
+    """300k new keys into a 200k-row table with admit_after=2: once the pending pool was full, every further
+    new key swept the whole map again although nothing could be freed (over 100 s; well under a second now).
+    Run in a child with a limit far above the linear cost and far below the quadratic one."""
+    out = subprocess.run([sys.executable, "-c", _FULL_POOL], capture_output=True, text=True, timeout=90)
+    assert out.returncode == 0, out.stderr[-2000:]
+    stats = ast.literal_eval(out.stdout.strip().splitlines()[-1])
+    assert stats["pending"] == 100_000 and stats["live"] == 200_000 and stats["untracked"] == 100_000

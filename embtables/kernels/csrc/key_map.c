@@ -45,6 +45,9 @@ typedef struct {
     km_entry *heap, *aside;
     int64_t hn, hcap, naside; /* lfu heap (lazy) and the pinned entries set aside during one call */
     int64_t stats[KM_NSTATS];
+    /* the step whose full pending pool was last swept: every pending key left was seen at that step, so another
+     * sweep in the same step frees nothing (sweeping again for each new key made a batch quadratic) */
+    int64_t swept_at;
 } et_keymap;
 
 static inline uint64_t km_mix(int64_t k) {
@@ -264,7 +267,10 @@ static int64_t km_admit_or_pend(et_keymap *m, int64_t k, int64_t c, int64_t p, i
         m->stats[KM_REJECTED] += 1;
     }
     if (p < 0) {
-        if (km_pending_count(m) == m->pending_limit && !km_forget_pending(m, s)) return -2;
+        if (km_pending_count(m) == m->pending_limit && m->swept_at != s) {
+            if (!km_forget_pending(m, s)) return -2;
+            m->swept_at = s;
+        }
         if (km_pending_count(m) == m->pending_limit) {
             m->stats[KM_UNTRACKED] += 1;
             return -1;
@@ -330,6 +336,7 @@ void *et_km_new(int64_t V, int64_t admit_after, int eviction, int64_t ttl) {
     m->nfree = V;
     for (int64_t p = 0; p < m->pending_limit; ++p) m->pfree[p] = m->pending_limit - 1 - p;
     m->npfree = m->pending_limit;
+    m->swept_at = -1;
     return m;
 }
 
@@ -455,6 +462,7 @@ static void km_clear(et_keymap *m, int64_t s) {
     m->npfree = m->pending_limit;
     for (int64_t p = 0; p < m->pending_limit; ++p) m->pfree[p] = m->pending_limit - 1 - p;
     memset(m->stats, 0, sizeof(m->stats));
+    m->swept_at = -1;
 }
 
 /* Replace the map with rows key/count/last/order [V] and np pending keys pkey/pcount/plast at step s
