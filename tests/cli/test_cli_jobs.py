@@ -216,7 +216,8 @@ def test_dlrm_job_under_torchrun_without_a_model_dir_and_with_a_dynamic_table(tm
     from mp_world import free_port
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
-           "-m", "embtables", "train", *SMALL, "--steps", "20", "--eval-every", "20", "--dynamic-user", "300"]  # fmt: skip
+           "-m", "embtables", "train", *SMALL, "--steps", "20", "--eval-every", "20",
+           "--dynamic-user", "300"]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp_path)}
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
