@@ -95,9 +95,11 @@ def run_job(
         if debugging(args):
             raise
         return fail(prog, exc)
-    interrupted = False
+    interrupted = finished = False
     try:
-        return job(args)
+        code = job(args)
+        finished = True
+        return code
     except KeyboardInterrupt as exc:
         interrupted = True
         where = getattr(exc, "checkpoint", None)
@@ -114,6 +116,7 @@ def run_job(
         # removed it while rank 0 still wrote its report.
         if temporary and not interrupted and not getattr(args, "keep", False) and comm.get_rank() == 0:
             shutil.rmtree(args.model_dir, ignore_errors=True)
+        if temporary and finished and not getattr(args, "keep", False) and comm.get_rank() == 0:
             print(
                 f"{prog}: removed the temporary model directory {args.model_dir}; pass --model-dir DIR to keep the "
                 "checkpoint, curves and statistics (for embtables stats / inspect / export).",
