@@ -42,6 +42,5 @@ RECORD = KernelRecord(
     update_rows=update_rows,
     bounds=_bounds,
     slot_domains=slot_domains_of({"accumulators": "positive"}),  # the update divides by sqrt(a)
-    monotone_slots=frozenset({"accumulators"}),
     v1_names=(("initial_accumulator_value", "initial_accumulator"),),
 )

@@ -4,11 +4,12 @@ An update must never write NaN or Inf into a table or slot (issue: "a legal call
 NaN/Inf silently"). Checking every new row exactly costs a second pass over the touched rows (40% of
 a step on the standard workload), so the engine first asks ``update_is_finite``: from the largest
 |summed gradient| (measured in phase 1 for free), the learning rate, the optimizer's constants and
-per-tensor bounds on the table (the largest |value| of the weights and of each slot, and the smallest
-value of each slot, tracked by the engine) it bounds, in float64 interval arithmetic, every value the
-row update computes. Only when a bound passes ``SAFE`` (far below float32's 3.4e38, so float32
-rounding cannot reach it) does the engine run the exact dry run. The proof is conservative: ``True``
-means finite for every row; ``False`` means "not proven", never "not finite".
+per-tensor bounds (the largest |value| of the weights and of each slot, and the smallest value of each
+slot, measured by the engine over the rows the update touches) it bounds, in float64 interval
+arithmetic, every value the row update computes. Only when a bound passes ``SAFE`` (far below
+float32's 3.4e38, so float32 rounding cannot reach it) does the engine run the exact dry run. The
+proof is conservative: ``True`` means finite for every row; ``False`` means "not proven", never "not
+finite".
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from embtables.config.catalogue import Optimizer
 from embtables.kernels.record import SAFE, bounded
 from embtables.kernels.registry import record_of
 
-__all__ = ["SAFE", "bounds_compound", "update_bounds", "update_is_finite"]
+__all__ = ["SAFE", "update_bounds", "update_is_finite"]
 
 
 def update_is_finite(
@@ -27,12 +28,6 @@ def update_is_finite(
 ) -> bool:
     """True when the update provably writes only finite weights and slots (see ``update_bounds``)."""
     return update_bounds(opt, lr, decay, gmax, hi, lo) is not None
-
-
-def bounds_compound(opt: Optimizer) -> bool:
-    """True when the bounds of ``update_bounds`` grow geometrically over steps (FTRL: the weight is a
-    quotient of its state), so the engine measures written values instead of carrying the bounds."""
-    return record_of(opt).bounds_compound
 
 
 def update_bounds(

@@ -99,8 +99,6 @@ RECORD = KernelRecord(
     constant_names=("power", "l1", "beta", "two_l2"),
     constants=_constants,
     bounds=_bounds,
-    bounds_compound=True,  # the weight is a quotient of its state
     slot_domains=lambda opt: ("nonnegative" if opt.allow_zero_accumulator else "positive", "any"),
-    monotone_slots=frozenset({"accumulators"}),
     divides_by_learning_rate=lambda opt: not opt.multiply_linear_by_learning_rate,
 )

@@ -212,16 +212,15 @@ def lookup_many(
     return outs, int(status)
 
 
-# One table's phase 2 for ``apply_many``: (workspace, weights, slots, params, dense, measure, check).
-ApplyItem = tuple["Workspace", Tensor, tuple[Tensor, ...], _OptParams, bool, bool, bool]
+# One table's phase 2 for ``apply_many``: (workspace, weights, slots, params, dense, check).
+ApplyItem = tuple["Workspace", Tensor, tuple[Tensor, ...], _OptParams, bool, bool]
 
 
-def apply_many(items: list[ApplyItem]) -> tuple[list[tuple[float, ...] | None], list[int]]:
+def apply_many(items: list[ApplyItem]) -> list[int]:
     """``Workspace.apply`` for several tables in one native call, all or nothing: tables whose ``check``
     is set get the exact dry run (``Workspace.check``) first, and when any would write a non-finite
-    value no table is written. Returns, per table, the largest |value| written into the weights and each
-    slot when ``measure`` (else None), and the row whose update is not finite (-1: none; when any is not
-    -1, nothing was written)."""
+    value no table is written. Returns, per table, the row whose update is not finite (-1: none; when any
+    is not -1, nothing was written)."""
     lib = library()
     assert lib is not None
     n = len(items)
@@ -229,7 +228,7 @@ def apply_many(items: list[ApplyItem]) -> tuple[list[tuple[float, ...] | None], 
     handles, w_ptr, vocab, dims, params = [], [], [], [], []  # type: list[int], list[int], list[int], list[int], list[Any]
     s_ptr: tuple[list[int | None], list[int | None], list[int | None]] = ([], [], [])
     flags: tuple[list[int], list[int], list[int]] = ([], [], [])
-    for ws, weights, slots, p, dense, measure, check in items:
+    for ws, weights, slots, p, dense, check in items:
         _require(weights, "weights", f32, (-1, ws.dim))
         s0, s1, s2 = _slots(weights, slots)
         s_ptr[0].append(None if s0 is None else s0.data_ptr())
@@ -241,7 +240,7 @@ def apply_many(items: list[ApplyItem]) -> tuple[list[tuple[float, ...] | None], 
         dims.append(ws.dim)
         params.append(ctypes.addressof(p))  # kept alive by ``items`` for the call
         flags[0].append(int(dense))
-        flags[1].append(int(measure))
+        flags[1].append(0)  # nothing measured: the C call's maxabs output is not read
         flags[2].append(int(check))
     vp, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
     maxabs = (ctypes.c_float * (4 * n))()
@@ -268,11 +267,7 @@ def apply_many(items: list[ApplyItem]) -> tuple[list[tuple[float, ...] | None], 
         None,
     )
     raise_for_apply_status(status)
-    written = [
-        tuple(float(m) for m in maxabs[4 * t : 4 * t + 1 + len(item[2])]) if item[5] else None
-        for t, item in enumerate(items)
-    ]
-    return written, list(bad)
+    return list(bad)
 
 
 def _slots(weights: Tensor, slots: tuple[Tensor, ...]) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
@@ -412,12 +407,9 @@ class Workspace:
         n = 1 + len(slots)
         return list(hi)[:n], list(lo)[:n]
 
-    def apply(
-        self, weights: Tensor, slots: tuple[Tensor, ...], params: _OptParams, *, dense: bool, measure: bool = False
-    ) -> tuple[float, ...] | None:
-        """Phase 2: the fused per-row update of ``weights`` [V, D] and ``slots`` (in place). With
-        ``measure``, returns the largest |value| written into the weights and each slot."""
-        return apply_many([(self, weights, slots, params, dense, measure, False)])[0][0]
+    def apply(self, weights: Tensor, slots: tuple[Tensor, ...], params: _OptParams, *, dense: bool) -> None:
+        """Phase 2: the fused per-row update of ``weights`` [V, D] and ``slots`` (in place)."""
+        apply_many([(self, weights, slots, params, dense, False)])
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Workspace:
         return Workspace(self.dim)  # scratch memory: a copy gets its own, never the same handle

@@ -60,6 +60,5 @@ RECORD = KernelRecord(
     },
     bounds=_bounds,
     slot_domains=slot_domains_of({"accumulators": "positive"}),
-    monotone_slots=frozenset({"accumulators"}),
     v1_names=(("initial_accumulator_value", "initial_accumulator"),),
 )

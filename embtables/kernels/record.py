@@ -64,9 +64,7 @@ class KernelRecord:
       constants: ``(opt, lr) -> {constant: float}`` for ``constant_names``, each the float32 value the
         torch kernel uses.
       bounds: proves an update finite (see ``BoundsFn``); None proves nothing (the exact dry run).
-      bounds_compound: the bounds grow geometrically over steps (the engine measures written values).
       slot_domains: ``opt -> (domain per slot)``: values a slot must keep (checked at load).
-      monotone_slots: slots that never decrease (their minimum carries over between steps).
       divides_by_learning_rate: ``opt -> bool``: a learning rate of 0 would divide by zero.
       v1_names: ``(v2 field, v1 argument)`` pairs where TF v1's ``*Parameters`` class spells one of the
         optimizer's own fields differently (``beta_1`` is v1's ``beta1``); others share the v2 name.
@@ -81,16 +79,11 @@ class KernelRecord:
     flags: Callable[[Any], dict[str, bool]] = _none
     constants: Callable[[Any, float], dict[str, float]] = _none
     bounds: BoundsFn | None = None
-    bounds_compound: bool = False
     slot_domains: Callable[[Any], tuple[Domain, ...]] = _all_any
-    monotone_slots: frozenset[str] = frozenset()
     divides_by_learning_rate: Callable[[Any], bool] = lambda opt: False
     v1_names: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
-        slots = self.config.SLOT_NAMES
-        if not self.monotone_slots <= set(slots):
-            raise ValueError(f"{self.config.__name__}: monotone slots {sorted(self.monotone_slots)} not in {slots}.")
         unknown = {v2 for v2, _ in self.v1_names} - set(self.own_fields())
         if unknown:
             raise ValueError(f"{self.config.__name__}: v1 names for fields it does not have: {sorted(unknown)}.")

@@ -60,8 +60,6 @@ def markdown_table() -> str:
         slot_text = ", ".join(f"`{s}` ({d})" for s, d in zip(slots, domains)) or "none"
         named = ", ".join(f"`{n}`" for n in r.flag_names + r.constant_names) or "none"
         proof = "exact dry run" if r.bounds is None else "proven from bounds"
-        if r.bounds_compound:
-            proof += ", measured after each write"
         lines.append(f"| `{r.config.__name__}` | {slot_text} | {r.native_kind} | {named} | {proof} |")
     return "\n".join(lines) + "\n"
 

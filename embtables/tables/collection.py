@@ -364,8 +364,7 @@ class EmbeddingCollection:
         for write in writes:
             write()
         if natives:
-            items = [(n.ws, n.weights, n.slots, n.params, n.dense, False, n.check) for n in natives]
-            _, bad_rows = native.apply_many(items)
+            bad_rows = native.apply_many([(n.ws, n.weights, n.slots, n.params, n.dense, n.check) for n in natives])
             for n, bad in zip(natives, bad_rows):
                 if bad >= 0:  # found by a dry run in the writing call: nothing was written
                     raise non_finite_update(n.table, bad, lrs[n.table.name])

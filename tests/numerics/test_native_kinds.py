@@ -42,9 +42,7 @@ def test_c_refuses_an_unknown_kind_and_writes_nothing() -> None:
     other = _prepared()
     w2, a2 = torch.ones(6, 3), torch.full((6, 3), 0.1)
     with pytest.raises(native.NativeBufferError, match="unknown optimizer kind"):
-        native.apply_many(
-            [(other, w2, (a2,), good, False, False, False), (ws, weights, (acc,), params, False, False, False)]
-        )
+        native.apply_many([(other, w2, (a2,), good, False, False), (ws, weights, (acc,), params, False, False)])
     assert torch.equal(w2, torch.ones(6, 3))  # the good table was not written either: all checked first
     with pytest.raises(native.NativeBufferError, match="unknown optimizer kind"):
         native.apply_sequential(torch.tensor([1]), torch.ones(1, 3), weights, (acc,), params)

@@ -1594,7 +1594,7 @@ int et_prove_update(const et_opt *p, double gmax, const double *hi, const double
 void et_apply_many(int64_t T, void *const *handles, float *const *W, float *const *S0, float *const *S1,
                    float *const *S2, const int64_t *V, const int64_t *D, const et_opt *const *p, const int32_t *dense,
                    const int32_t *measure, const int32_t *check, int nthreads, float *maxabs, int32_t *status,
-                   int64_t *bad, double *hi, const double *lo, int32_t *proven) {
+                   int64_t *bad, double *hi, double *lo, int32_t *proven) {
     int ok = 1;
     int64_t written[T > 0 ? T : 1]; /* rows written with a backup, per table (-1: not written that way) */
     double next[T > 0 ? T : 1][4];  /* a proven table's bounds after its update */
@@ -1611,7 +1611,7 @@ void et_apply_many(int64_t T, void *const *handles, float *const *W, float *cons
         et_workspace *h = (et_workspace *)handles[t];
         int64_t r;
         if (proven && hi && lo && !dense[t] && !measure[t] && et_proof_tensors(p[t]->kind) &&
-            et_touched_bounds_of(h, W[t], S0[t], S1[t], S2[t], V[t], D[t], 0, 1, hi + 4 * t, (double *)lo + 4 * t) == 0 &&
+            et_touched_bounds_of(h, W[t], S0[t], S1[t], S2[t], V[t], D[t], 0, 1, hi + 4 * t, lo + 4 * t) == 0 &&
             et_prove_update(p[t], (double)h->gmax, hi + 4 * t, lo + 4 * t, next[t])) {
             proven[t] = 1; /* written below without a check: its bounds prove every value finite */
             continue;
