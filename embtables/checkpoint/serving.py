@@ -324,14 +324,11 @@ def _file_names(doc: dict[str, Any], root: Path) -> dict[str, dict[str, Path]]:
 
 
 def _require_finite(data: Tensor, scales: Tensor | None, dtype: str) -> None:
-    """Raise ValueError when a stored value (or an int8 row's scale or bias) is not finite: a table that
-    embtables exported never holds one, so the file was changed since (one pass over the table)."""
-    values = [scales] if dtype == "int8" else [data.view(torch.bfloat16) if dtype == "bfloat16" else data]
-    if scales is not None and dtype != "int8":
-        values.append(scales)
-    for v in values:
-        if v is not None and v.numel() and not bool(torch.isfinite(v).all()):
-            raise ValueError("it holds a value that is not finite (NaN or Inf): the file was changed after the export")
+    """Raise ValueError when a stored float (an int8 table's per-row scale and bias, else its values) is not
+    finite: a table that embtables exported never holds one, so the file was changed since (one pass)."""
+    floats = scales if scales is not None else data.view(torch.bfloat16) if dtype == "bfloat16" else data
+    if floats.numel() and not bool(torch.isfinite(floats).all()):
+        raise ValueError("it holds a value that is not finite (NaN or Inf): the file was changed after the export")
 
 
 def _load_keys(path: Path, vocabulary_size: int) -> tuple[Tensor, Tensor]:

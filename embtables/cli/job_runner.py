@@ -116,12 +116,12 @@ def run_job(
         # removed it while rank 0 still wrote its report.
         if temporary and not interrupted and not getattr(args, "keep", False) and comm.get_rank() == 0:
             shutil.rmtree(args.model_dir, ignore_errors=True)
-        if temporary and finished and not getattr(args, "keep", False) and comm.get_rank() == 0:
-            print(
-                f"{prog}: removed the temporary model directory {args.model_dir}; pass --model-dir DIR to keep the "
-                "checkpoint, curves and statistics (for embtables stats / inspect / export).",
-                file=sys.stderr,
-            )
+            if finished:  # after a routine mistake the one-line error stays the only line
+                print(
+                    f"{prog}: removed the temporary model directory {args.model_dir}; pass --model-dir DIR to keep "
+                    "the checkpoint, curves and statistics (for embtables stats / inspect / export).",
+                    file=sys.stderr,
+                )
 
 
 __all__ = ["Parser", "check_model_dir", "debugging", "fail", "resume_command", "run_job"]
