@@ -9,6 +9,7 @@ import pickle
 import random
 import zlib
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -125,25 +126,36 @@ def test_full_table_without_eviction_is_counted_never_an_error() -> None:
     assert stats["rejected"] == 2 and stats["live"] == 2 and stats["evicted"] == 0
 
 
+def _vocabulary_field(path: Path, field: str) -> np.ndarray[Any, Any]:
+    """A copy of ``field`` of table user's vocabulary in the first rank file of checkpoint ``path``."""
+    entry = json.loads((path / "manifest.json").read_text())["files"][0]
+    spec = entry["tables"]["user"]["vocabulary"][field]
+    data = (path / entry["file"]).read_bytes()
+    return np.frombuffer(data[spec["offset"] : spec["offset"] + 8 * spec["count"]], dtype=np.int64).copy()
+
+
+def _rewrite_vocabulary_field(path: Path, field: str, values: np.ndarray[Any, Any]) -> None:
+    """Write ``values`` as that field, with a valid CRC in the manifest: the reader must refuse it on content."""
+    manifest_file = path / "manifest.json"
+    manifest = json.loads(manifest_file.read_text())
+    entry = manifest["files"][0]
+    spec = entry["tables"]["user"]["vocabulary"][field]
+    data = bytearray((path / entry["file"]).read_bytes())
+    data[spec["offset"] : spec["offset"] + values.nbytes] = values.tobytes()
+    spec["crc32"] = zlib.crc32(values.tobytes())
+    (path / entry["file"]).write_bytes(bytes(data))
+    manifest_file.write_text(json.dumps(manifest))
+
+
 def test_restore_refuses_a_corrupt_vocabulary_and_changes_nothing(tmp_path: Path) -> None:
     a = _module()
     _steps([a], 5, 8)
     path = Path(a.save(tmp_path))
-    manifest_file = path / "manifest.json"
-    manifest = json.loads(manifest_file.read_text())
-    entry = manifest["files"][0]
-    spec = entry["tables"]["user"]["vocabulary"]["keys"]
-    data = bytearray((path / entry["file"]).read_bytes())
-    keys = np.frombuffer(bytes(data[spec["offset"] : spec["offset"] + 8 * spec["count"]]), dtype=np.int64).copy()
-    counts_spec = entry["tables"]["user"]["vocabulary"]["counts"]
-    counts = np.frombuffer(bytes(data[counts_spec["offset"] : counts_spec["offset"] + 8 * 6]), dtype=np.int64)
-    live = np.nonzero(counts > 0)[0]
+    keys = _vocabulary_field(path, "keys")
+    live = np.nonzero(_vocabulary_field(path, "counts") > 0)[0]
     assert live.size >= 2
     keys[live[1]] = keys[live[0]]  # one key on two rows, with a valid CRC: the reader must still refuse it
-    data[spec["offset"] : spec["offset"] + keys.nbytes] = keys.tobytes()
-    spec["crc32"] = zlib.crc32(keys.tobytes())
-    (path / entry["file"]).write_bytes(bytes(data))
-    manifest_file.write_text(json.dumps(manifest))
+    _rewrite_vocabulary_field(path, "keys", keys)
     b = _module()
     _steps([b], 6, 3)
     before = {k: v.clone() for k, v in b.state_dict().items()}
@@ -229,18 +241,10 @@ def test_restore_and_load_state_dict_refuse_a_negative_lookup_count_alike(tmp_pa
     a = _module()
     _steps([a], 5, 8)
     path = Path(a.save(tmp_path))
-    manifest_file = path / "manifest.json"
-    manifest = json.loads(manifest_file.read_text())
-    entry = manifest["files"][0]
-    spec = entry["tables"]["user"]["vocabulary"]["counts"]
-    data = bytearray((path / entry["file"]).read_bytes())
-    counts = np.frombuffer(bytes(data[spec["offset"] : spec["offset"] + 8 * spec["count"]]), dtype=np.int64).copy()
+    counts = _vocabulary_field(path, "counts")
     live = np.nonzero(counts > 0)[0]
     counts[live[0]] = -3
-    data[spec["offset"] : spec["offset"] + counts.nbytes] = counts.tobytes()
-    spec["crc32"] = zlib.crc32(counts.tobytes())
-    (path / entry["file"]).write_bytes(bytes(data))
-    manifest_file.write_text(json.dumps(manifest))
+    _rewrite_vocabulary_field(path, "counts", counts)
     b = _module()
     _steps([b], 6, 3)
     before = {k: v.clone() for k, v in b.state_dict().items()}
