@@ -11,6 +11,7 @@ import atexit
 import contextlib
 import datetime
 import gc
+import logging
 import math
 import os
 import secrets
@@ -25,6 +26,8 @@ from embtables.sharding import shm_channel
 from embtables.tables import phase_profile
 
 ProcessGroup = Any  # torch.distributed.ProcessGroup; typed loosely so callers need not import it
+
+logger = logging.getLogger("embtables")
 
 
 # Bytes this process sent to other ranks through all_to_all_v, by kind of payload (for benchmarks
@@ -72,6 +75,10 @@ def _open_channel(group: ProcessGroup | None) -> shm_channel.ShmChannel | None:
         if here is None or any(identity != here for identity, _ in seen):
             return None
         token = str(seen[0][1])
+        with contextlib.suppress(OSError):
+            swept = shm_channel.sweep_orphans()
+            if swept:
+                logger.info("embtables: removed %d shared-memory file(s) left by killed jobs: %s", len(swept), swept)
         fds: list[int] = []
         channel = None
         try:
@@ -100,11 +107,25 @@ def _open_channel(group: ProcessGroup | None) -> shm_channel.ShmChannel | None:
 
 
 def _channel(group: ProcessGroup | None) -> shm_channel.ShmChannel | None:
-    """The group's shared-memory channel, set up at the first exchange (collective then)."""
+    """The group's shared-memory channel, set up at the first exchange (collective then). A channel that
+    broke (every rank sees that in the same exchange or its next one) is closed, and the group's own
+    collectives carry every later exchange: training, ``save`` and ``state_dict`` go on after a failure
+    of the shared memory (a full /dev/shm), slower."""
     pg = group if group is not None else dist.group.WORLD
     if pg not in _channels:
         _channels[pg] = _open_channel(group)
-    return _channels[pg]
+    channel = _channels[pg]
+    if channel is not None and channel.broken is not None:
+        logger.warning(
+            "embtables: rank %d: the shared-memory exchange broke (%s); the ranks exchange through the process "
+            "group (%s) from now on",
+            get_rank(group),
+            channel.broken,
+            dist.get_backend(group),
+        )
+        channel.close()
+        _channels[pg] = channel = None
+    return channel
 
 
 def transport(group: ProcessGroup | None = None) -> str:

@@ -6,20 +6,31 @@ out, on the cores the ranks compute on, and a small message waits 0.3-0.5 ms for
 group runs on one host, ``comm`` sends its per-step messages (all_to_all_v, phase headers, agreements)
 through a ``ShmChannel`` instead; everything else stays on the process group.
 
-Each rank owns one file in /dev/shm, mapped by every rank of the group and unlinked as soon as all of
-them have opened it (nothing is left behind, even when a process is killed later). A file holds:
+Each rank owns one file in /dev/shm, mapped by every rank of the group. A file is created unnamed
+(``O_TMPFILE``), locked shared for its process's lifetime, and only then given its name; the name is
+removed as soon as every rank has opened it (nothing is left behind, even when a process is killed
+later). A rank killed during the set-up itself can leave a name: the next set-up on the host removes
+every embtables channel file that no live process holds locked (``sweep_orphans``). A file holds:
 
-- a control block: per peer p, the sequence number of the last message this rank posted for p, with
-  its size and offset, and the sequence number of the last message p has taken (acknowledged);
+- a control block: a header (magic, world, and the code of the reason this rank broke the channel, 0
+  while it has not); per peer p, the sequence number of the last message this rank posted for p, with
+  its size and offset; the taken word: the last exchange whose messages this rank copied out, with the
+  last exchange in which it refused the sizes it received;
 - the outbox: this rank's messages to every peer, side by side. It grows (``ftruncate``) when a
   message does not fit; the peers map the larger file when they see an offset past their mapping.
 
-One exchange, number s on every rank: wait until every peer took message s - 1 from the outbox, copy
-the rows for each peer into it, post s; then wait for every peer's post s, copy its rows out and
-acknowledge. Posting and waiting are futex operations in C (``csrc/shm_sync.c``); a waiting rank
-sleeps, and wakes when the peer posts, when the timeout of the process group passes, or when the
-peer's process is gone (its shared ``flock`` on its file is released when it exits). A channel that
-timed out or lost a peer is broken: every later call raises at once.
+One exchange, number s on every rank: copy the rows for each peer into the outbox and post s; wait for
+every peer's post s, copy its rows out, post taken s; wait until every peer has taken s (the outbox is
+free again, and the exchange is complete on every rank). Posting and waiting are futex operations in C
+(``csrc/shm_sync.c``); a waiting rank sleeps, and wakes when the peer posts, when the timeout of the
+process group passes, or when the peer's process is gone (its shared ``flock`` on its file is released
+when it exits).
+
+All or nothing: a rank that cannot finish an exchange (an error, ``KeyboardInterrupt``, a peer gone or
+late) publishes why in its header and moves every word its peers may wait on, so every rank raises in
+that exchange or its next one, and the channel is broken for good (``comm`` then exchanges through the
+process group). Sizes a rank did not expect are refused by every rank in the same exchange, which
+leaves the channel in step.
 
 Nothing here imports ``torch.distributed``: ``comm`` sets the channel up over the process group.
 """
@@ -45,14 +56,30 @@ from embtables.kernels import native_library
 
 SHM_DIR = Path("/dev/shm")
 _LINE = 64  # bytes per control field: each on its own cache line
-_MAGIC = 0x6574_7368_6D63_6831  # "etshmch1"
+_MAGIC = 0x6574_7368_6D63_6832  # "etshmch2"
+_ALL_MAGICS = {_MAGIC, 0x6574_7368_6D63_6831}  # this layout's and the earlier one's (for sweep_orphans)
 _FIRST_CAPACITY = 1 << 20
 _MASK = 0xFFFF_FFFF
+_BROKEN_WORD = 2  # int64 index in the header line: why this rank broke the channel (0: it has not)
+
+# Why a rank broke the channel, by the code it publishes (each rank raises, naming the rank and reason).
+_FAILED, _SHM_FULL, _PEER_LOST, _PEER_FAILED = 1, 2, 3, 4
+_REASONS = {
+    _FAILED: "failed (an error or an interrupt; its own traceback has the cause)",
+    _SHM_FULL: "could not send its message (its shared memory is full)",
+    _PEER_LOST: "lost another rank (gone or timed out)",
+    _PEER_FAILED: "saw another rank fail",
+}
 
 
 class ChannelError(RuntimeError):
     """The exchange could not complete: a peer is gone, timed out, or sent what this rank did not expect
     (``comm`` re-raises it as ``CollectiveError``)."""
+
+
+class _Refused(ChannelError):
+    """A rank received sizes it did not expect: every rank took its messages and raises this in the same
+    exchange, and the channel stays usable."""
 
 
 def wanted() -> bool:
@@ -84,23 +111,69 @@ def _path(token: str, rank: int) -> Path:
 
 
 def _control_bytes(world: int) -> int:
-    """Control block size: a header line, then per peer its posted line and its acknowledged line."""
-    return -(-_LINE * (1 + 2 * world) // 4096) * 4096
+    """Control block size: a header line, per peer its posted line, then the taken line."""
+    return -(-_LINE * (2 + world) // 4096) * 4096
 
 
 def create_own(token: str, rank: int, world: int) -> int:
     """Create this rank's file (raises ``OSError``): control block plus a first outbox, locked shared
-    for this process's lifetime (peers tell that it exited when they can lock it exclusively)."""
-    fd = os.open(_path(token, rank), os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    for this process's lifetime (peers tell that it exited when they can lock it exclusively). The
+    file gets its name only once locked, so a name nobody holds locked belongs to a dead process."""
+    path = _path(token, rank)
     try:
-        _reserve(fd, _control_bytes(world) + _FIRST_CAPACITY)
+        fd = os.open(SHM_DIR, os.O_TMPFILE | os.O_RDWR | os.O_CLOEXEC, 0o600)
+        named = False
+    except (OSError, AttributeError):  # no O_TMPFILE here: the name exists a moment before the lock
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        named = True
+    try:
         fcntl.flock(fd, fcntl.LOCK_SH)
+        _reserve(fd, _control_bytes(world) + _FIRST_CAPACITY)
         os.pwrite(fd, np.array([_MAGIC, world], dtype=np.int64).tobytes(), 0)
+        if not named:  # linkat(AT_SYMLINK_FOLLOW) of /proc/self/fd/N: a directory descriptor selects it
+            procfd = os.open("/proc/self/fd", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            try:
+                os.link(str(fd), path, src_dir_fd=procfd, follow_symlinks=True)
+            finally:
+                os.close(procfd)
     except OSError:
         os.close(fd)
-        unlink_own(token, rank)
+        if named:
+            unlink_own(token, rank)
         raise
     return fd
+
+
+def sweep_orphans() -> list[str]:
+    """Remove the channel files in /dev/shm that dead processes left (a rank killed during the set-up):
+    the names of this library's channels (``embtables-<16 hex digits>-<rank>``) whose file starts with
+    its magic (of this version or the earlier one) and that no process holds locked. Files of live
+    processes, of other users and anything else are left alone. Returns the names removed."""
+    removed = []
+    for path in SHM_DIR.glob("embtables-*-*"):
+        token, _, rank = path.name[len("embtables-") :].partition("-")
+        if len(token) != 16 or not all(c in "0123456789abcdef" for c in token) or not rank.isdigit():
+            continue
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except OSError:
+            continue
+        try:
+            head = os.pread(fd, 8, 0)
+            magic = int.from_bytes(head, "little") if len(head) == 8 else None
+            if os.fstat(fd).st_uid != os.getuid() or magic not in _ALL_MAGICS:
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                continue  # its process is alive
+            with contextlib.suppress(FileNotFoundError):
+                if os.stat(path, follow_symlinks=False).st_ino == os.fstat(fd).st_ino:
+                    path.unlink()
+                    removed.append(path.name)
+        finally:
+            os.close(fd)
+    return removed
 
 
 def _reserve(fd: int, size: int) -> None:
@@ -190,21 +263,42 @@ class ShmChannel:
         self.broken: str | None = None
         self.peers = [(rank + k) % world for k in range(1, world)]
 
-    # Offsets in a control block: posted word, size and offset (int64 index) for peer p; acknowledged word.
+    # Offsets in a control block: the posted word, size and offset (int64 index) of the message for peer
+    # p; the taken word (the last exchange whose messages this rank has copied out).
     @staticmethod
     def _posted(p: int) -> int:
         return _LINE * (1 + p)
 
-    def _acked(self, p: int) -> int:
-        return _LINE * (1 + self.world + p)
+    def _taken(self) -> int:
+        return _LINE * (1 + self.world)
 
-    def _wait(self, where: _Mapping, offset: int, target: int, peer: int, deadline: float, what: str) -> None:
+    def _fail(self, why: str, code: int) -> ChannelError:
+        """Break the channel on every rank: record ``why`` here, publish ``code`` in this rank's header
+        and move every word a peer may wait on past any exchange it can be in, so that each peer wakes,
+        reads the code and raises too. The error to raise."""
+        if self.broken is None:
+            self.broken = why
+            own = self.maps[self.rank]
+            own.words[_BROKEN_WORD] = code
+            poison = (self._seq + (1 << 30)) & _MASK
+            for p in self.peers:
+                self._post_c(own.base + self._posted(p), poison)
+            self._post_c(own.base + self._taken(), poison)
+        return ChannelError(f"shared-memory exchange: {self.broken}")
+
+    def _wait(self, peer: int, offset: int, target: int, deadline: float, what: str) -> None:
+        """Wait until peer's word at ``offset`` reaches ``target``; raise when the peer broke the channel,
+        is gone, or the timeout passed."""
+        where = self.maps[peer]
         left = max(0.0, deadline - time.monotonic())
         rc = self._wait_c(where.base + offset, target, left, self.fds[peer])
         if rc:
             why = "did not arrive within the timeout" if rc == 1 else "is gone (its process exited)"
-            self.broken = f"rank {peer} {why} during the {what}"
-            raise ChannelError(f"shared-memory exchange: {self.broken}")
+            raise self._fail(f"rank {peer} {why} during the {what}", _PEER_LOST)
+        code = int(where.words[_BROKEN_WORD])
+        if code:
+            reason = _REASONS.get(code, f"broke the channel (code {code})")
+            raise self._fail(f"rank {peer} {reason} during the {what}", _PEER_FAILED)
 
     def exchange(
         self, send: Sequence[Tensor], send_bytes: list[int], recv_bytes: list[int] | None, what: str
@@ -212,14 +306,31 @@ class ShmChannel:
         """Send the bytes of ``send`` (1-D uint8 pieces, read as one buffer: ``send_bytes[r]`` bytes for
         rank r, in rank order; copied straight into the outbox, never concatenated) and return what every
         rank sent this one, concatenated in rank order, with the bytes from each rank. With
-        ``recv_bytes`` those sizes are checked (a mismatch raises ``ChannelError`` after taking every
-        message, so the channel stays in step); without it, they are whatever the peers posted."""
+        ``recv_bytes`` those sizes are checked: a mismatch on any rank raises ``ChannelError`` on every
+        rank in this exchange, and the channel stays in step.
+
+        All or nothing on every rank: an exchange returns only when every rank has copied out what it was
+        sent. Anything that stops it on one rank (an error, a peer gone, ``KeyboardInterrupt``) breaks
+        the channel on all of them: each raises ``ChannelError`` in this exchange or, at the latest, in its
+        next one, and every later call raises at once."""
         if sum(int(t.numel()) for t in send) != sum(send_bytes):
             raise ValueError(f"shared-memory exchange: {sum(send_bytes)} bytes to send, pieces of another size")
         with self._lock:
             if self.broken is not None:
                 raise ChannelError(f"shared-memory exchange unusable: {self.broken} earlier")
-            return self._exchange(send, send_bytes, recv_bytes, what)
+            try:
+                return self._exchange(send, send_bytes, recv_bytes, what)
+            except _Refused:  # every rank raises it in the same exchange; the channel stays in step
+                raise
+            except ChannelError as exc:
+                self._fail(str(exc), _FAILED)  # a no-op when it was this rank's own refusal
+                raise
+            except Exception as exc:
+                why = f"rank {self.rank} failed during the {what} ({type(exc).__name__}: {exc})"
+                raise self._fail(why, _FAILED) from exc
+            except BaseException as exc:  # KeyboardInterrupt, SystemExit: the peers fail too; it goes on up
+                self._fail(f"rank {self.rank} was interrupted during the {what} ({type(exc).__name__})", _FAILED)
+                raise
 
     def _exchange(
         self, send: Sequence[Tensor], send_bytes: list[int], recv_bytes: list[int] | None, what: str
@@ -228,20 +339,15 @@ class ShmChannel:
         seq = (self._seq + 1) & _MASK
         deadline = time.monotonic() + self.timeout_s
         starts = np.concatenate([[0], np.cumsum(send_bytes)]).tolist()
-        for p in self.peers:  # every peer has taken the previous message out of the outbox
-            self._wait(own, self._acked(p), (seq - 1) & _MASK, p, deadline, what)
         end = own.control + sum(send_bytes[p] for p in self.peers)
-        try:
+        try:  # the outbox is free: every peer took the previous exchange's messages before it returned
             own.grow(end)
-        except OSError as exc:  # tell every peer at once (a negative size), instead of letting them time out
-            for p in self.peers:
-                own.words[self._posted(p) // 8 + 1] = -1
-                self._post_c(own.base + self._posted(p), seq)
-            self.broken = (
+        except OSError as exc:  # tell every peer at once, instead of letting them time out
+            why = (
                 f"rank {rank} could not grow its shared memory to {end} bytes ({exc}); give /dev/shm more room "
                 "(docker run --shm-size=...) or set EMBTABLES_SHM=0 to exchange through the process group"
             )
-            raise ChannelError(f"shared-memory exchange: {self.broken}") from exc
+            raise self._fail(why, _SHM_FULL) from exc
         at = own.control
         for p in self.peers:
             n = send_bytes[p]
@@ -255,29 +361,39 @@ class ShmChannel:
         sizes[rank] = send_bytes[rank]
         for p in self.peers:
             peer = self.maps[p]
-            self._wait(peer, self._posted(rank), seq, p, deadline, what)
+            self._wait(p, self._posted(rank), seq, deadline, what)
             line = self._posted(rank) // 8
             n, at = int(peer.words[line + 1]), int(peer.words[line + 2])
             if n < 0 or at < peer.control:
-                why = f"posted a message of {n} bytes at offset {at}"
-                self.broken = f"rank {p} could not send its message (its shared memory is full)" if n == -1 else why
-                raise ChannelError(f"shared-memory exchange: {self.broken}")
+                raise self._fail(f"rank {p} posted a message of {n} bytes at offset {at}", _FAILED)
             peer.reach(at + n)
             sizes[p], offsets[p] = n, at
-        out = torch.empty(sum(sizes), dtype=torch.uint8)
-        out_starts = np.concatenate([[0], np.cumsum(sizes)]).tolist()
-        _copy_bytes(send, starts[rank], starts[rank + 1], out[out_starts[rank] : out_starts[rank + 1]])
-        for p in self.peers:
-            peer = self.maps[p]
-            if sizes[p]:
-                out[out_starts[p] : out_starts[p + 1]].copy_(peer.bytes[offsets[p] : offsets[p] + sizes[p]])
-            self._post_c(peer.base + self._acked(rank), seq)
+        refused = recv_bytes is not None and list(recv_bytes) != sizes
+        out = torch.empty(0 if refused else sum(sizes), dtype=torch.uint8)
+        if not refused:
+            out_starts = np.concatenate([[0], np.cumsum(sizes)]).tolist()
+            _copy_bytes(send, starts[rank], starts[rank + 1], out[out_starts[rank] : out_starts[rank + 1]])
+            for p in self.peers:
+                if sizes[p]:
+                    piece = self.maps[p].bytes[offsets[p] : offsets[p] + sizes[p]]
+                    out[out_starts[p] : out_starts[p + 1]].copy_(piece)
+        own.words[self._taken() // 8 + 1] = seq if refused else -1
+        self._post_c(own.base + self._taken(), seq)
+        for p in self.peers:  # the exchange is complete once every rank has taken its messages
+            self._wait(p, self._taken(), seq, deadline, what)
         self._seq = seq
-        if recv_bytes is not None and list(recv_bytes) != sizes:
-            raise ChannelError(
-                f"the ranks disagree on the sizes of the {what}: rank {rank} expected {list(recv_bytes)} bytes "
-                f"from the ranks and got {sizes}"
+        if refused:
+            raise _Refused(
+                f"the ranks disagree on the sizes of the {what}: rank {rank} expected {list(recv_bytes or [])} "
+                f"bytes from the ranks and got {sizes}"
             )
+        objecting = [p for p in self.peers if int(self.maps[p].words[self._taken() // 8 + 1]) == seq]
+        if objecting:
+            raise _Refused(
+                f"the ranks disagree on the sizes of the {what}: rank {objecting[0]} received sizes it did not "
+                f"expect (rank {rank} got {sizes} bytes)"
+            )
+        self._seq = seq
         return out, sizes
 
     def close(self) -> None:

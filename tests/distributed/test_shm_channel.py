@@ -94,9 +94,11 @@ def _killed_peer(rank: int, world: int, marker: str) -> None:
     with pytest.raises(comm.CollectiveError, match=r"rank 1 is gone"):
         comm.all_to_all_v(torch.ones(world, 3), [1] * world)
     elapsed = time.monotonic() - start
-    with pytest.raises(comm.CollectiveError, match="unusable"):  # broken for good, at once
+    start = time.monotonic()
+    with pytest.raises(comm.CollectiveError):  # the process group carries on, and sees the peer gone too
         comm.any_rank(True)
-    Path(marker).write_text(f"{elapsed:.3f}")
+    assert comm.transport() == "gloo"
+    Path(marker).write_text(f"{max(elapsed, time.monotonic() - start):.3f}")
     os._exit(0)  # skip the process group's teardown with a dead peer
 
 
