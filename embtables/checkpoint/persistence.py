@@ -21,8 +21,7 @@ from embtables.checkpoint.progress import progress_bar
 from embtables.checkpoint.store import CheckpointError, restore, save
 from embtables.checkpoint.streaming_restore import TornRestore
 from embtables.config import ResolvedConfig
-from embtables.sharding import comm
-from embtables.sharding.dynamic_keys import key_owners
+from embtables.sharding import comm, dynamic_keys
 from embtables.sharding.pipeline import StepPipeline
 from embtables.tables.dynamic_vocabularies import VOCABULARY_FIELDS, vocabulary_problem
 from embtables.tables.state_dict_io import strict_of_caller, validate_state_dict
@@ -127,6 +126,8 @@ class Persistence:
             state_dict, prefix, engine.logical_shapes(), engine.state_key_owners()
         )
         vocabularies = self._vocabularies_in(state_dict, prefix, errors, missing)
+        if engine.world > 1 and not errors:
+            self._keys_to_owners(vocabularies, present, errors)
         unexpected = [k for k in unexpected if not _is_vocabulary_key(k, prefix, engine.vocabularies.maps)]
         if strict:
             unexpected_keys.extend(unexpected)
@@ -143,6 +144,29 @@ class Persistence:
         self.torn = None if not missing else self.torn
         engine.load_logical(present)
         engine.load_vocabulary_state(vocabularies, pipeline.training_steps)
+
+    def _keys_to_owners(
+        self, vocabularies: dict[str, dict[str, Any]], present: dict[str, Tensor], errors: list[str]
+    ) -> None:
+        """Sharded: move every dynamic table's keys (and their rows of ``present``) to rows of the ranks
+        that own them, in place, as ``restore`` does; problems go to ``errors``."""
+        engine = self.pipeline.engine
+        owners = engine.state_key_owners()
+        for name, arrays in list(vocabularies.items()):
+            keys = [k for k, (t, _) in owners.items() if t.name == name]
+            values = {k: present[k] for k in keys if k in present}
+            moved = dynamic_keys.keys_to_owners(name, arrays, values, engine.plans[name])
+            if isinstance(moved, str):
+                errors.append(f"{moved}; nothing was loaded")
+            elif moved[0] is not arrays and len(values) < len(keys):
+                absent = sorted(set(keys) - set(values))
+                errors.append(
+                    f"table {name!r}: its keys must move to the ranks that own them here, and {absent} are missing "
+                    "from the state dict (a key cannot move without its weights and slots); pass them too"
+                )
+            else:
+                vocabularies[name] = moved[0]
+                present.update(moved[1])
 
     def _key_owners(self) -> dict[str, tuple[int, Callable[[Tensor], Tensor], str]]:
         """Per dynamic table: this process's key map capacity, which keys it owns, its strategy."""
@@ -180,7 +204,7 @@ class Persistence:
 
 
 def _owned_by(keys: Tensor, plan: Any, rank: int) -> Tensor:
-    return key_owners(keys, plan) == rank
+    return dynamic_keys.key_owners(keys, plan) == rank
 
 
 def _is_vocabulary_key(key: str, prefix: str, maps: Mapping[str, Any]) -> bool:

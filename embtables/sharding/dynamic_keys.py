@@ -196,3 +196,46 @@ def local_vocabularies(
             mine[f] = full[f].cpu()[owned].contiguous()
         out[name] = mine
     return out
+
+
+def keys_to_owners(
+    name: str, arrays: dict[str, Tensor], values: dict[str, Tensor], plan: TablePlan
+) -> tuple[dict[str, Tensor], dict[str, Tensor]] | str:
+    """A dynamic table's logical vocabulary ``arrays`` (row fields [V] by global row, pending [P]) and its
+    values ``{state key: [V, D]}`` (weights and slots) with every live key on a row of the rank that owns
+    it (``key_owners``), as a sharded module needs them: a state dict from another world size or
+    placement holds keys on rows of other ranks. Returned as given when every key already is on a row of
+    its owner (the module's own state dict); else each owner's keys take its rows 0, 1, ... oldest first
+    (by age, then touch order), their values with them. A string naming the problem when an owner holds
+    fewer rows than it owns keys. Pending keys follow their owner at load (``local_vocabularies``)."""
+    counts = arrays["counts"].cpu()
+    live = torch.nonzero(counts > 0).flatten()
+    owners = key_owners(arrays["keys"].cpu()[live], plan)
+    rank_of_row = torch.zeros(counts.numel(), dtype=torch.int64)
+    for r in range(plan.world_size):
+        rank_of_row[plan.global_rows(r)] = r
+    if torch.equal(owners, rank_of_row[live]):
+        return arrays, values
+    age, order = arrays["age"].cpu()[live].numpy(), arrays["order"].cpu()[live].numpy()
+    new_rows = torch.empty(live.numel(), dtype=torch.int64)
+    for r in range(plan.world_size):
+        mine = torch.nonzero(owners == r).flatten()
+        rows = plan.global_rows(r)
+        if mine.numel() > rows.numel():
+            return (
+                f"table {name!r}: rank {r} owns {mine.numel()} of the state dict's live keys but holds only "
+                f"{rows.numel()} rows (vocabulary_size={counts.numel()} over {plan.world_size} ranks). Raise "
+                "vocabulary_size to hold them, or load into fewer processes"
+            )
+        oldest_first = mine[torch.from_numpy(np.lexsort((order[mine.numpy()], -age[mine.numpy()])))]
+        new_rows[oldest_first] = rows[: mine.numel()].to(torch.int64)
+    moved = {f: torch.zeros_like(arrays[f].cpu()) for f in ROW_FIELDS}
+    for f in ROW_FIELDS:
+        moved[f][new_rows] = arrays[f].cpu()[live]
+    moved.update({f: arrays[f] for f in PENDING_FIELDS})
+    placed = {}
+    for key, value in values.items():
+        out = value.detach().clone()
+        out[new_rows.to(out.device)] = value.detach()[live.to(value.device)]
+        placed[key] = out
+    return moved, placed

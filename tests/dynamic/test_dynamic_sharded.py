@@ -13,6 +13,7 @@ import torch.distributed as dist
 from mp_world import run_world
 
 import embtables as et
+from embtables.sharding.dynamic_keys import splitmix64
 
 BATCH, DIM, CAPACITY = 6, 3, 60
 POOL = [*range(-12, 12), 2**63 - 1, -(2**63), 10**15, 2**40]  # 28 keys: no rank's rows ever fill up
@@ -146,3 +147,60 @@ def test_checkpoints_move_keys_between_world_sizes(tmp_path: Path) -> None:
     _assert_same_keys(_per_key(two), ref["per_key"])
     run_world(_restore_w3, 3, str(tmp_path))
     assert not dist.is_initialized()
+
+
+def _eval_rows(m: et.DistributedEmbedding, keys: list[int]) -> torch.Tensor:
+    """Eval activations [N, D] of ``keys`` through feature u (a key without a row reads zeros)."""
+    m.eval()
+    items = torch.zeros(len(keys), dtype=torch.int64)
+    out = m({"u": torch.tensor(keys), "h": et.Ragged.from_lists([[k] for k in keys]), "i": items})
+    m.train()
+    return out["u"]
+
+
+def _one_process_state(path: Path) -> None:
+    """A state dict trained in one process, its eval rows of every key, and the per-key state after
+    four more steps (in the pytest process: inside a world every module is sharded)."""
+    single = _module()
+    _train(single, _global_batches(6, seed=3), 0, BATCH)
+    state = {k: v.clone() for k, v in single.state_dict().items()}
+    rows = _eval_rows(single, POOL)
+    _train(single, _global_batches(4, seed=4), 0, BATCH)
+    torch.save({"state": state, "rows": rows, "per_key": _per_key(single)}, path)
+
+
+def _load_one_process_state(rank: int, world: int, sharding: str, root: str) -> None:
+    ref = torch.load(Path(root) / "reference.pt")
+    m = _module(sharding)
+    m.load_state_dict(ref["state"])  # keys move to the ranks that own them here
+    mine = POOL[rank::world]
+    assert torch.equal(_eval_rows(m, mine), ref["rows"][rank::world])  # every key reads its own row
+    per = BATCH // world
+    _train(m, _global_batches(4, seed=4), rank * per, (rank + 1) * per)  # no key is admitted twice
+    _assert_same_keys(_per_key(m), ref["per_key"])
+    m.save(Path(root) / f"ckpt-{sharding}")  # and the checkpoints after it restore
+    # 40 live keys that rank 0 owns here, in a state dict of 60 rows: more than its rows; refused on
+    # every rank, nothing loaded.
+    crowded = {k: v.clone() for k, v in ref["state"].items()}
+    keys = [k for k in range(10_000) if int(splitmix64(torch.tensor([k]))[0]) % world == 0][:40]
+    for field in ("keys", "counts", "age", "order"):
+        crowded[f"user/{field}"].zero_()
+    crowded["user/keys"][:40] = torch.tensor(keys)
+    crowded["user/counts"][:40] = 1
+    crowded["user/order"][:40] = torch.arange(40)
+    for field in ("pending_keys", "pending_counts", "pending_age"):
+        crowded[f"user/{field}"] = torch.zeros(0, dtype=torch.int64)
+    fresh = _module(sharding)
+    with pytest.raises(RuntimeError, match=r"rank 0 owns 40 .*Raise vocabulary_size"):
+        fresh.load_state_dict(crowded)
+    assert fresh.vocabulary_statistics()["user"]["live"] == 0
+
+
+@pytest.mark.parametrize("world,sharding", [(2, "div"), (3, "mod")])
+def test_a_state_dict_from_one_process_moves_keys_to_their_owners(world: int, sharding: str, tmp_path: Path) -> None:
+    _one_process_state(tmp_path / "reference.pt")
+    run_world(_load_one_process_state, world, sharding, str(tmp_path))
+    ref = torch.load(tmp_path / "reference.pt")
+    one = _module()
+    one.restore(tmp_path / f"ckpt-{sharding}")
+    _assert_same_keys(_per_key(one), ref["per_key"])
