@@ -303,7 +303,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "mode": mode,
                         "ms": round(seconds * 1e3, 3),
                         "useful_GBps": round(nbytes / seconds / 1e9, 1),
-                        "of_copy_bw": round(nbytes / seconds / bandwidth, 3),
+                        "of_copy_bw": float(f"{nbytes / seconds / bandwidth:.3g}"),  # 3 significant digits, never 0
                     }
                     if impl == "embtables":
                         base = seconds

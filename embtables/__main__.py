@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import os
 import runpy
 import shutil
 import sys
@@ -19,7 +20,7 @@ import embtables
 from embtables.checkpoint import export, inspect
 from embtables.checkpoint.serving import DTYPES
 from embtables.cli import quickstart, stats, train
-from embtables.cli.job_runner import ROUTINE, Parser, debugging, fail
+from embtables.cli.job_runner import DEBUG_ENV, ROUTINE, Parser, debugging, fail
 
 _ROOT = Path(__file__).resolve().parent.parent
 _SCRIPTS = ("bench",)
@@ -123,6 +124,9 @@ def _run_script(name: str, rest: list[str]) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    while argv and argv[0] == "--debug":  # `embtables --debug COMMAND ...`: every command's tracebacks
+        os.environ[DEBUG_ENV] = "1"
+        argv = argv[1:]
     if argv and argv[0] in _OWN_PARSERS:
         return _OWN_PARSERS[argv[0]](argv[1:])
     if argv and argv[0] in _SCRIPTS:

@@ -21,7 +21,6 @@ import dataclasses
 import functools
 import json
 import logging
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -201,11 +200,7 @@ def run(args: argparse.Namespace) -> int:
     """The Adult job; prints per-epoch metrics, the peers and a JSON summary; writes results.json and a plot."""
     log = logging.getLogger("embtables")
     hp = Hyper() if args.epochs is None else dataclasses.replace(Hyper(), epochs=args.epochs)
-    try:
-        train, test = load_adult(args.data_dir)
-    except (FileNotFoundError, ValueError) as exc:
-        print(f"embtables train: {exc}", file=sys.stderr)
-        return 2
+    train, test = load_adult(args.data_dir)  # a missing or wrong file: one line and exit code 2 (job_runner)
     out_dir = Path(args.model_dir)
     train_idx = np.arange(len(train))
     if args.validation:  # hyper-parameters are chosen here, on training rows only
@@ -233,6 +228,8 @@ def run(args: argparse.Namespace) -> int:
     (out_dir / "results.json").write_text(json.dumps(summary, indent=1))
     if plot_curve(ours["curve"], peers, out_dir / "curves.png", f"embtables on UCI Adult ({split})"):
         print(f"curves: {out_dir / 'curves.png'}")
+    else:
+        print("curves: not drawn (matplotlib is not installed: pip install matplotlib)")
     print(json.dumps({k: summary[k] for k in ("dataset", "split", "accuracy", "auc", "seconds")}))
     log.info("results in %s", out_dir)
     return 0

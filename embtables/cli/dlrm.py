@@ -31,6 +31,7 @@ import torch
 from torch import Tensor, nn
 
 import embtables
+from embtables.cli.history import earlier_runs, metrics_rows
 from embtables.cli.plotting import pyplot
 from embtables.data import SyntheticCTR, SyntheticCTRConfig
 from embtables.data.synthetic import CategoricalFeature
@@ -185,13 +186,18 @@ def plot(history: list[dict[str, float]], evals: list[dict[str, float]], teacher
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--steps", type=int, default=2400, help="training steps (default 2400)")
-    p.add_argument("--batch-size", type=int, default=8192, help="samples per step (default 8192)")
+    p.add_argument("--steps", type=int, default=None, help="training steps (default 2400; --small 60)")
+    p.add_argument(
+        "--batch-size", type=int, default=None,
+        help="samples per step (default 8192; --small 512; --data: what gives an epoch about 40 steps)",
+    )  # fmt: skip
     p.add_argument("--dim", type=int, default=16, help="embedding width D (default 16)")
-    p.add_argument("--eval-every", type=int, default=600, help="steps between held-out evaluations (default 600)")
-    p.add_argument("--eval-size", type=int, default=16384, help="held-out samples (default 16384)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the data, tables and MLP (default 0)")
-    p.add_argument("--small", action="store_true", help="1000x smaller tables (smoke tests)")
+    p.add_argument(
+        "--eval-every", type=int, default=None, help="steps between held-out evaluations (default 600; --small 20)"
+    )
+    p.add_argument("--eval-size", type=int, default=None, help="held-out samples (default 16384; --small 2048)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the data split, tables and model (default 0)")
+    p.add_argument("--small", action="store_true", help="a smoke test in seconds: 1000x smaller tables, fewer steps")
     p.add_argument(
         "--dynamic-user", type=int, metavar="ROWS", default=None,
         help="make the user table dynamic (docs/dynamic_vocabularies.md): users as 64-bit keys, ROWS rows, a key "
@@ -199,10 +205,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )  # fmt: skip
 
 
+# (--steps, --batch-size, --eval-every, --eval-size) when not given: the real job and the smoke test.
+DEFAULTS = {False: (2400, 8192, 600, 16384), True: (60, 512, 20, 2048)}
+
+
+def resolve_defaults(args: argparse.Namespace) -> None:
+    """Fill the DLRM options the command line left out (``--small`` picks the smoke test's)."""
+    for name, value in zip(("steps", "batch_size", "eval_every", "eval_size"), DEFAULTS[bool(args.small)]):
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+
+
 def run(args: argparse.Namespace) -> int:
     """Train, evaluate against the teacher, write the artefacts; 0 when the model learned."""
-    if args.threads is None:  # the input thread draws the next batch on the other core (78 s against 82 s)
-        torch.set_num_threads(1)
+    resolve_defaults(args)
     torch.manual_seed(args.seed)
     data = _dataset(args)
     rank, world = (comm.get_rank(), comm.get_world_size()) if comm.is_distributed() else (0, 1)
@@ -349,16 +365,22 @@ def _report(
     model_dir: Path,
     vocabulary: dict[str, dict[str, int]] | None,
 ) -> None:
-    """Rank 0's artefacts: the curves (PNG), summary.json, and the summary line."""
+    """Rank 0's artefacts: the curves (PNG) and summary.json of every run into ``model_dir`` so far
+    (a rerun keeps the history), and the summary line."""
+    step = estimator.global_step
+    history = metrics_rows(model_dir / "train_metrics.csv", step) or estimator.history
+    every_eval = [e for e in metrics_rows(model_dir / "eval_metrics.csv", step) if "auc" in e and "log_loss" in e]
     png = model_dir / "training_curves.png"
-    if plot(estimator.history, evals, teacher, png):
+    if plot(history, every_eval or evals, teacher, png):
         print(f"curves: {png}")
+    else:
+        print("curves: not drawn (matplotlib is not installed: pip install matplotlib)")
     print(f"checkpoint: {estimator.latest_checkpoint()}   lookup statistics: {model_dir / 'lookup_stats'}")
     final = evals[-1]
     summary = {
         "job": "dlrm-synthetic",
         "steps": estimator.global_step,
-        "steps_trained": estimator.global_step - first,
+        "steps_trained": estimator.global_step - first,  # by this run; "runs" has every run's
         "batch_size": args.batch_size,
         "auc": final["auc"],
         "log_loss": final["log_loss"],
@@ -369,5 +391,9 @@ def _report(
     }
     if vocabulary is not None:
         summary["vocabulary"] = vocabulary
+    runs = earlier_runs(model_dir / "summary.json")
+    if step > first:
+        runs.append({"from_step": first, "to_step": step, "seconds": round(seconds, 3), "processes": world})
+    summary["runs"] = runs
     (model_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     print(json.dumps(summary))

@@ -98,7 +98,7 @@ def run_job(
     interrupted = finished = False
     try:
         code = job(args)
-        finished = True
+        finished = code != 2  # 2: the job refused its input and said why in one line
         return code
     except KeyboardInterrupt as exc:
         interrupted = True

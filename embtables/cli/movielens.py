@@ -385,17 +385,11 @@ def run(args: argparse.Namespace) -> int:
     if not 1 <= args.folds <= 5:
         print("embtables train: --folds must be in 1..5", file=sys.stderr)
         return 2
-    try:
-        data = _load(args.data_dir, args.max_ratings)
-    except FileNotFoundError as exc:
-        print(f"embtables train: {exc}", file=sys.stderr)
-        return 2
+    data = _load(args.data_dir, args.max_ratings)  # not found: one line and exit code 2 (job_runner)
     out_dir = Path(args.model_dir)  # checked (or made) by the job runner
     print(f"MovieLens-100k from {data.source}: {len(data)} ratings, {data.user.max()} users, {data.item.max()} movies")
     print(f"model: factorization machine over {len(hp.fields)} embtables tables ({', '.join(hp.fields)}), {hp}")
     jobs = min(args.jobs or 1, args.folds)
-    if args.threads is None:  # the model is small: one thread is faster than two (8.5 s against 10.2 s)
-        torch.set_num_threads(1)
     _import_lazy_modules()  # before the clock, as the peers' imports are
     start = time.perf_counter()
     if jobs == 1 or args.max_ratings:  # in this process (a smoke run on a slice stays here too)
@@ -439,6 +433,8 @@ def run(args: argparse.Namespace) -> int:
         results, out_dir / "curves.png", f"embtables FM on MovieLens-100k: {len(results)}-fold RMSE {rmse_mean:.4f}"
     ):
         print(f"curves: {out_dir / 'curves.png'}")
+    else:
+        print("curves: not drawn (matplotlib is not installed: pip install matplotlib)")
     print(json.dumps({k: summary[k] for k in ("dataset", "folds", "rmse", "mae", "seconds", "jobs")}))
     log.info("results in %s", out_dir)
     return 0

@@ -6,8 +6,10 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
+from embtables.cli.job_runner import fail
 from embtables.cli.plotting import pyplot
 from embtables.sharding.lookup_stats import read_all
 
@@ -43,10 +45,15 @@ def rows(docs: Sequence[dict[str, Any]], top: int) -> list[tuple[str, ...]]:
 
 
 def run(args: argparse.Namespace) -> int:
+    if not Path(args.directory).is_dir():
+        return fail("embtables stats", f"{args.directory}: no such directory (give a profile_data_directory)")
     docs = read_all(args.directory)
     if not docs:
-        print(f"embtables stats: no lookup statistics files in {args.directory}", file=sys.stderr)
-        return 1
+        return fail(
+            "embtables stats",
+            f"no lookup statistics files in {args.directory} (a profile_data_directory holds <table>.json files "
+            "after training; the train job writes them into MODEL_DIR/lookup_stats)",
+        )
     table = [_COLUMNS, *rows(docs, args.top)]
     widths = [max(len(r[i]) for r in table) for i in range(len(_COLUMNS))]
     for k, r in enumerate(table):

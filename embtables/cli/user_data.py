@@ -4,19 +4,28 @@ The schema is a JSON file::
 
     {
       "label": "clicked",                  # the target column
-      "task": "binary",                    # "binary" (BCE; AUC, log-loss) or "regression" (MSE; RMSE, MAE)
+      "task": "binary",                    # "binary" (BCE; accuracy, AUC, log-loss) or "regression" (MSE; RMSE, MAE)
       "dim": 16,                           # embedding width (optional, default 16)
-      "features": {                        # one embedding table per feature column
+      "features": {                        # one entry per feature column
         "user_id": {"type": "identity", "num_buckets": 100000},
         "country": {"type": "vocabulary", "vocabulary": ["US", "FR", "IN"]},
         "url":     {"type": "hash", "hash_bucket_size": 50000},
-        "tags":    {"type": "hash", "hash_bucket_size": 1000, "separator": "|"}   # multi-valued cell
+        "tags":    {"type": "hash", "hash_bucket_size": 1000, "separator": "|"},   # multi-valued cell
+        "age":     {"type": "bucketized", "boundaries": [18, 25, 35, 50, 65]},      # buckets -> a table
+        "price":   {"type": "numeric", "normalize": "log"}                         # a number -> the MLP
       }
     }
 
-The rows are shuffled with ``--seed`` and the last ``--eval-fraction`` held out. The model is the
-DLRM of the synthetic job (pairwise dot products of the embeddings, then an MLP), trained with the
-``Estimator`` for ``--epochs`` epochs; metrics, checkpoints and ``eval_metrics.csv`` go to ``--model-dir``.
+Categorical and bucketized features get an embedding table each; numeric features (normalised with the
+training rows' mean and standard deviation, after ``log1p`` with ``"normalize": "log"``, or as they are
+with ``"none"``; a missing value reads as the mean) feed a bottom MLP whose output joins the embeddings.
+The rows are shuffled with ``--seed`` (which also seeds the tables and the model: the same command gives
+the same bits) and the last ``--eval-fraction`` held out. The model is the DLRM of the synthetic job
+(pairwise dot products of the vectors, then an MLP), trained with the ``Estimator`` for ``--epochs``
+epochs (default 12) of ``--batch-size`` rows (default: the power of two that gives an epoch about 40
+steps, 32 to 8192), evaluated after each. The job reports every epoch, the best held-out epoch
+(highest AUC, lowest RMSE) and keeps that epoch's checkpoint in ``MODEL_DIR/best-epoch``; it writes
+``results.json`` and ``curves.png`` (the held-out metrics per epoch, every run into the directory).
 """
 
 from __future__ import annotations
@@ -25,6 +34,7 @@ import argparse
 import functools
 import json
 import math
+import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -32,24 +42,35 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch import nn
+from torch import Tensor, nn
 
-from embtables.cli.dlrm import DLRM
+from embtables.checkpoint.store import read_manifest
+from embtables.cli.history import metrics_rows
+from embtables.cli.plotting import finish, pyplot
 from embtables.estimator import (
     AdagradParameters,
     EmbeddingConfigSpec,
     Estimator,
+    accuracy,
     auc,
+    bucketized_column,
     categorical_column_with_hash_bucket,
     categorical_column_with_identity,
     categorical_column_with_vocabulary_list,
     embedding_column,
     log_loss,
     mae,
+    numeric_column,
     rmse,
 )
+from embtables.tables import TruncatedNormal
 
 TASKS = ("binary", "regression")
+TYPES = ("identity", "hash", "vocabulary", "bucketized", "numeric")
+NORMALIZE = ("standard", "log", "none")
+BEST_DIR = "best-epoch"  # the best held-out epoch's checkpoint, inside the model directory
+_BEST_MARK = ".embtables-best-epoch"  # written into it, so a rerun replaces only what the job wrote
+EPOCHS = 12
 
 
 class SchemaError(ValueError):
@@ -73,28 +94,107 @@ def read_table(path: Path) -> dict[str, np.ndarray]:
         raise ImportError(f"reading {path.name} needs {exc.name}; pip install 'embtables[data]'") from None
 
 
-def columns_from_schema(schema: dict[str, Any], available: set[str]) -> list[Any]:
-    """The embedding columns the schema describes, checked against the file's columns."""
+def _column(name: str, kind: str, f: dict[str, Any]) -> Any:
+    """The categorical column of a feature of type ``kind`` (identity, hash, vocabulary, bucketized)."""
+    if kind == "identity":
+        return categorical_column_with_identity(name, int(f["num_buckets"]), f.get("default_value"))
+    if kind == "hash":
+        return categorical_column_with_hash_bucket(name, int(f["hash_bucket_size"]))
+    if kind == "vocabulary":
+        return categorical_column_with_vocabulary_list(
+            name, list(f["vocabulary"]), num_oov_buckets=int(f.get("num_oov_buckets", 0))
+        )
+    bounds = f["boundaries"]
+    if not isinstance(bounds, list):
+        raise TypeError(f"`boundaries` must be a list of numbers, got {bounds!r}")
+    return bucketized_column(numeric_column(name), bounds)
+
+
+def columns_from_schema(schema: dict[str, Any], available: set[str]) -> tuple[list[Any], dict[str, str]]:
+    """The embedding columns the schema describes, and its numeric features ``{column: normalize}``,
+    checked against the file's columns. Errors name the feature, its schema type and the field."""
     if not isinstance(schema.get("features"), dict) or not schema["features"]:
         raise SchemaError("schema: `features` must be a non-empty object {column: {type: ...}}.")
     dim = schema.get("dim", 16)
-    cols = []
+    init = TruncatedNormal(stddev=0.05, seed=0)  # the rows start the same in every run (--seed moves the rest)
+    cols, numeric = [], {}
     for name, f in schema["features"].items():
         if name not in available:
             raise SchemaError(f"schema: feature {name!r} is not a column of the data (it has {sorted(available)}).")
         kind = f.get("type") if isinstance(f, dict) else None
-        if kind == "identity":
-            cat: Any = categorical_column_with_identity(name, int(f["num_buckets"]), f.get("default_value"))
-        elif kind == "hash":
-            cat = categorical_column_with_hash_bucket(name, int(f["hash_bucket_size"]))
-        elif kind == "vocabulary":
-            cat = categorical_column_with_vocabulary_list(
-                name, list(f["vocabulary"]), num_oov_buckets=int(f.get("num_oov_buckets", 0))
+        if kind not in TYPES:
+            raise SchemaError(f"schema: feature {name!r} needs a type: one of {', '.join(TYPES)}; got {kind!r}.")
+        assert isinstance(f, dict)
+        if kind == "numeric":
+            normalize = f.get("normalize", "standard")
+            if normalize not in NORMALIZE:
+                raise SchemaError(f"schema: numeric feature {name!r}: `normalize` must be one of {NORMALIZE}, got "
+                                  f"{normalize!r}.")  # fmt: skip
+            numeric[name] = str(normalize)
+            continue
+        try:
+            cat = _column(name, kind, f)
+            cols.append(
+                embedding_column(cat, int(f.get("dim", dim)), combiner=f.get("combiner", "mean"), initializer=init)
             )
-        else:
-            raise SchemaError(f"schema: feature {name!r} needs type identity, hash or vocabulary, got {kind!r}.")
-        cols.append(embedding_column(cat, int(f.get("dim", dim)), combiner=f.get("combiner", "mean")))
-    return cols
+        except KeyError as exc:
+            raise SchemaError(f"schema: {kind} feature {name!r} needs the field {exc}.") from None
+        except (TypeError, ValueError) as exc:
+            message = str(exc)
+            for function in (
+                "categorical_column_with_identity",
+                "categorical_column_with_hash_bucket",
+                "categorical_column_with_vocabulary_list",
+                "bucketized_column",
+                "embedding_column",
+            ):
+                message = message.replace(function, "schema")  # fmt: skip
+            raise SchemaError(f"schema: {kind} feature {name!r}: {message}") from None
+    if not cols:
+        raise SchemaError("schema: at least one feature must have an embedding table (identity, hash, vocabulary or "
+                          "bucketized); numeric features alone feed no table.")  # fmt: skip
+    return cols, numeric
+
+
+def numeric_values(column: np.ndarray, name: str, path: str) -> np.ndarray:
+    """A numeric feature's column as float32 [N] (NaN where empty), or ``SchemaError``."""
+    try:
+        x = np.asarray(column, dtype=np.float32)
+    except (TypeError, ValueError):
+        raise SchemaError(
+            f"the numeric feature {name!r} of {path} is not numbers (e.g. {column[0]!r}); give it another type"
+        ) from None
+    if np.isinf(x).any():
+        raise SchemaError(f"the numeric feature {name!r} of {path} has infinite values")
+    return x
+
+
+class TabularDLRM(nn.Module):
+    """The DLRM of the synthetic job over the embeddings [B, D] of ``names`` and, when there are numeric
+    features, one more vector: a bottom MLP of the normalised numbers [B, N] -> [B, D]."""
+
+    def __init__(self, names: list[str], dim: int, numeric: int, hidden: tuple[int, ...] = (128, 64)) -> None:
+        super().__init__()
+        self.names, self.numeric = names, numeric
+        self.bottom = nn.Sequential(nn.Linear(numeric, 32), nn.ReLU(), nn.Linear(32, dim)) if numeric else None
+        f = len(names) + (1 if numeric else 0)
+        width = f * (f - 1) // 2 + f * dim
+        layers: list[nn.Module] = []
+        for h in hidden:
+            layers += [nn.Linear(width, h), nn.ReLU()]
+            width = h
+        layers.append(nn.Linear(width, 1))
+        self.mlp = nn.Sequential(*layers)
+        self.pairs = torch.triu_indices(f, f, offset=1)
+
+    def forward(self, activations: dict[str, Tensor], features: dict[str, Any]) -> Tensor:
+        vectors = [activations[n] for n in self.names]
+        if self.bottom is not None:
+            vectors.append(self.bottom(features["numeric"]))
+        x = torch.stack(vectors, 1)  # [B, F, D]
+        dots = torch.bmm(x, x.transpose(1, 2))[:, self.pairs[0], self.pairs[1]]  # [B, F(F-1)/2]
+        out: Tensor = self.mlp(torch.cat([dots, x.flatten(1)], 1)).squeeze(1)
+        return out
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -128,8 +228,68 @@ def labels_of(column: np.ndarray, name: str, path: str) -> np.ndarray:
     return y
 
 
+def default_batch_size(train_rows: int) -> int:
+    """The power of two that gives an epoch about 40 steps, 32 to 8192."""
+    return int(min(8192, max(32, 2 ** math.floor(math.log2(max(1, train_rows) / 40)))))
+
+
+def normalized(data: dict[str, np.ndarray], numeric: dict[str, str], path: str, train_idx: np.ndarray) -> np.ndarray:
+    """The numeric features [N, len(numeric)] as float32, normalised with the training rows' statistics
+    (missing values at the mean: 0)."""
+    cols = []
+    for name, how in numeric.items():
+        x = numeric_values(data[name], name, path).astype(np.float64)
+        if how == "log":
+            if (x[np.isfinite(x)] < 0).any():
+                raise SchemaError(f"the numeric feature {name!r} of {path} has negative values: `normalize: log` "
+                                  "needs values >= 0 (use \"standard\")")  # fmt: skip
+            x = np.log1p(x)
+        if how != "none":
+            seen = x[train_idx][np.isfinite(x[train_idx])]
+            mean = float(seen.mean()) if seen.size else 0.0
+            std = float(seen.std()) if seen.size else 1.0
+            x = (x - mean) / (std if std > 0 else 1.0)
+        cols.append(np.where(np.isfinite(x), x, 0.0))
+    return np.stack(cols, 1).astype(np.float32) if cols else np.zeros((len(train_idx), 0), np.float32)
+
+
+def _keep_best(est: Estimator, model_dir: Path) -> Path | None:
+    """Copy the estimator's latest checkpoint (and its dense file) into ``model_dir/best-epoch``, a model
+    directory of its own (``embtables inspect/export`` and ``Estimator`` read it). An earlier copy is
+    replaced only when this job wrote it; None when the name is taken by something else."""
+    latest = est.latest_checkpoint()
+    if latest is None:
+        return None
+    best = model_dir / BEST_DIR
+    if best.exists():
+        if not (best / _BEST_MARK).is_file():
+            return None  # not ours: never replaced
+        shutil.rmtree(best)
+    staging = model_dir / f".{BEST_DIR}.tmp"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir()
+    shutil.copytree(latest, staging / Path(latest).name)
+    dense = (read_manifest(Path(latest))[1].get("extra") or {}).get("dense")
+    if isinstance(dense, str) and (model_dir / dense).is_file():
+        shutil.copy2(model_dir / dense, staging / dense)
+    (staging / _BEST_MARK).write_text("the best held-out epoch of embtables train --data; replaced by a rerun\n")
+    staging.rename(best)
+    return best
+
+
+def plot_epochs(curve: list[dict[str, float]], metric: str, path: Path, title: str) -> bool:
+    """The held-out ``metric`` per epoch; False when matplotlib is missing."""
+    plt = pyplot()
+    if plt is None:
+        return False
+    fig, ax = plt.subplots(figsize=(6, 4), dpi=120)
+    ax.plot([c["epoch"] for c in curve], [c[metric] for c in curve], marker="o", ms=3, label=f"held-out {metric}")
+    finish(plt, fig, ax, "epoch", metric, title, path)
+    return True
+
+
 def run(args: argparse.Namespace) -> int:
-    epochs = args.epochs or 12  # --epochs; its default is the movielens job's
+    epochs = args.epochs or EPOCHS
     schema = read_schema(Path(args.schema))
     data = read_table(Path(args.data))
     label = schema.get("label")
@@ -139,7 +299,7 @@ def run(args: argparse.Namespace) -> int:
     if task not in TASKS:
         raise SchemaError(f"schema task must be one of {TASKS}, got {task!r}")
     try:
-        cols = columns_from_schema(schema, set(data) - {label})
+        cols, numeric = columns_from_schema(schema, set(data) - {label})
     except (KeyError, TypeError) as exc:
         raise SchemaError(f"schema: a feature entry is incomplete ({type(exc).__name__}: {exc})") from None
     y = labels_of(data[label], label, args.data)
@@ -149,17 +309,25 @@ def run(args: argparse.Namespace) -> int:
             data[name] = np.array(
                 [[] if not isinstance(v, str) or not v else v.split(sep) for v in data[name]], dtype=object
             )
+        elif f.get("type") == "bucketized":
+            data[name] = numeric_values(data[name], name, args.data)
     n = len(data[label])
     order = np.random.default_rng(args.seed).permutation(n)
     n_eval = max(1, int(n * args.eval_fraction))
     train_idx, eval_idx = order[: n - n_eval], order[n - n_eval :]
-    feature_names = list(schema["features"])
+    numbers = torch.from_numpy(normalized(data, numeric, args.data, train_idx))
+    batch_size = args.batch_size or default_batch_size(len(train_idx))
+    feature_names = [name for name in schema["features"] if name not in numeric]
     dims = {c.dimension for c in cols}
     if len(dims) != 1:
         raise SchemaError("the DLRM model needs one `dim` for every feature")
     binary = task == "binary"
-    model = DLRM([c.name for c in cols], dims.pop())
+    torch.manual_seed(args.seed)  # the MLP's initial weights (the tables' come from their initializer)
+    model = TabularDLRM([c.name for c in cols], dims.pop(), len(numeric))
     model_dir = Path(args.model_dir)  # checked (or made) by the job runner
+    metrics: dict[str, Any] = {"accuracy": accuracy, "auc": auc, "log_loss": log_loss} if binary else {
+        "rmse": rmse, "mae": mae}  # fmt: skip
+    key = "auc" if binary else "rmse"  # the best epoch: the highest AUC, the lowest RMSE
     est = Estimator(
         model,
         EmbeddingConfigSpec(
@@ -169,37 +337,66 @@ def run(args: argparse.Namespace) -> int:
         dense_optimizer=lambda p: torch.optim.Adam(p, lr=2e-3),
         loss_fn=nn.functional.binary_cross_entropy_with_logits if binary else nn.functional.mse_loss,
         predictions_fn=torch.sigmoid if binary else None,
-        eval_metrics={"auc": auc, "log_loss": log_loss} if binary else {"rmse": rmse, "mae": mae},
+        eval_metrics=metrics,
         save_checkpoints_steps=None,
+        keep_checkpoint_max=1,
         progress=args.progress,
     )
     try:
 
         def batches(index: np.ndarray, shuffle_seed: int | None) -> Iterator[tuple[dict[str, Any], np.ndarray]]:
             rows = index if shuffle_seed is None else index[np.random.default_rng(shuffle_seed).permutation(len(index))]
-            for s in range(0, len(rows), args.batch_size):
-                r = rows[s : s + args.batch_size]
-                yield {k: data[k][r] for k in feature_names}, y[r]
+            for s in range(0, len(rows), batch_size):
+                r = rows[s : s + batch_size]
+                features: dict[str, Any] = {k: data[k][r] for k in feature_names}
+                features["numeric"] = numbers[torch.from_numpy(r)]
+                yield features, y[r]
 
-        print(f"{args.data}: {n} rows ({len(train_idx)} train, {len(eval_idx)} held out), task {task}, "
-              f"{len(cols)} embedding tables, model_dir {model_dir}")  # fmt: skip
+        kinds = f"{len(cols)} embedding tables" + (f", {len(numeric)} numeric features" if numeric else "")
+        print(f"{args.data}: {n} rows ({len(train_idx)} train, {len(eval_idx)} held out), task {task}, {kinds}, "
+              f"batch size {batch_size}, model_dir {model_dir}")  # fmt: skip
         start = time.perf_counter()
-        result: dict[str, float] = {}
-        done = est.restore() // max(1, math.ceil(len(train_idx) / args.batch_size))  # --epochs is a total
+        steps_per_epoch = max(1, math.ceil(len(train_idx) / batch_size))
+        done = est.restore() // steps_per_epoch  # --epochs is a total
         if est.global_step:
             print(f"resumed from step {est.global_step} in {model_dir} ({done} of {epochs} epochs done)")
         if done >= epochs:
             print(f"finished: {done} epochs already trained; evaluating only")
-            result = est.evaluate(lambda: batches(eval_idx, None))
+            est.evaluate(lambda: batches(eval_idx, None))
+        earlier = [e for e in metrics_rows(model_dir / "eval_metrics.csv", est.global_step) if key in e]
+        curve = [{"epoch": e["step"] / steps_per_epoch, **e} for e in earlier]
+        pick = max if binary else min
+        best = pick(curve, key=lambda c: c[key]) if curve else None
         for epoch in range(done, epochs):
             est.train(functools.partial(batches, train_idx, args.seed * 1000 + epoch))
             result = est.evaluate(lambda: batches(eval_idx, None))
-            metrics = "  ".join(f"{k} {v:.4f}" for k, v in result.items() if k != "global_step")
-            print(
-                f"epoch {epoch + 1:3d}  step {est.global_step:6d}  {metrics}  {time.perf_counter() - start:6.1f} s",
-                flush=True,
-            )
-        print(json.dumps({"data": str(args.data), "task": task, **result, "seconds": time.perf_counter() - start}))
+            point = {"epoch": float(epoch + 1), "step": float(est.global_step), **{k: result[k] for k in metrics}}
+            curve = [c for c in curve if c["step"] != point["step"]] + [point]
+            if best is None or (point[key] > best[key] if binary else point[key] < best[key]):
+                best = point
+                _keep_best(est, model_dir)
+            shown = "  ".join(f"{k} {result[k]:.4f}" for k in metrics)
+            print(f"epoch {epoch + 1:3d}  step {est.global_step:6d}  {shown}  {time.perf_counter() - start:6.1f} s",
+                  flush=True)  # fmt: skip
+        if best is None:  # nothing trained and no earlier evaluation on record
+            result = est.evaluate(lambda: batches(eval_idx, None))
+            best = {"epoch": float(done), "step": float(est.global_step), **{k: result[k] for k in metrics}}
+            curve = [best]
+        last = curve[-1]
+        shown = "  ".join(f"{k} {best[k]:.4f}" for k in metrics)
+        kept = f"; its checkpoint: {model_dir / BEST_DIR}" if (model_dir / BEST_DIR / _BEST_MARK).is_file() else ""
+        print(f"best held-out epoch: {int(best['epoch'])} of {int(last['epoch'])} ({shown}){kept}")
+        results = {"data": str(args.data), "task": task, "epochs": int(last["epoch"]), "batch_size": batch_size,
+                   "seed": args.seed, "last": last, "best_epoch": int(best["epoch"]), "best": best, "curve": curve,
+                   "seconds": time.perf_counter() - start}  # fmt: skip
+        (model_dir / "results.json").write_text(json.dumps(results, indent=1))
+        title = f"embtables on {Path(args.data).name} (held out)"
+        if plot_epochs(curve, key, model_dir / "curves.png", title):
+            print(f"curves: {model_dir / 'curves.png'}")
+        else:
+            print("curves: not drawn (matplotlib is not installed: pip install matplotlib)")
+        line = {"data": str(args.data), "task": task, "steps": est.global_step, "best_epoch": results["best_epoch"]}
+        print(json.dumps({**line, **{k: best[k] for k in metrics}, "seconds": results["seconds"]}))
         return 0
     finally:
         est.close()  # let the next writer (a rerun in this process) take the model_dir

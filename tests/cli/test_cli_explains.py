@@ -41,6 +41,7 @@ def files(tmp_path: Path) -> Path:
     (tmp_path / "s.json").write_text(schema)
     (tmp_path / "list.json").write_text("[1, 2]")
     (tmp_path / "a_file").write_text("x")
+    (tmp_path / "empty").mkdir()
     return tmp_path
 
 
@@ -60,6 +61,10 @@ MISTAKES = [
     (["quickstart", "--dense-lr", "nan"], "--dense-lr must be a finite number >= 0"),
     (["export", "nothing_here", "out"], "no checkpoint at nothing_here"),
     (["inspect", "nothing_here"], "no checkpoint at nothing_here"),
+    (["train", "--dataset", "adult", "--data-dir", "nothere"], "--data-dir nothere: no such file or directory"),
+    (["train", "--dataset", "movielens-100k", "--data-dir", "nothere"], "nothere: neither GroupLens files"),
+    (["stats", "nothere"], "nothere: no such directory"),
+    (["stats", "empty"], "no lookup statistics files in empty"),
 ]
 
 
@@ -79,6 +84,23 @@ def test_a_routine_mistake_is_one_line_and_exit_code_2(files: Path, args: list[s
 def test_debug_shows_the_traceback(files: Path) -> None:
     out = _run(files, "--debug", "inspect", "nothing_here")
     assert out.returncode != 0 and "Traceback" in out.stderr
+    out = _run(files, "--debug", "train", "--dataset", "adult", "--data-dir", "nothere")  # before any command
+    assert out.returncode != 0 and "Traceback" in out.stderr and "FileNotFoundError" in out.stderr
+
+
+def _without(files: Path, module: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """``embtables ARGS`` in a process where ``module`` cannot be imported (a bare install)."""
+    code = f"import sys, runpy; sys.modules[{module!r}] = None; sys.argv = ['embtables', *{list(args)!r}]; "
+    code += "runpy.run_module('embtables', run_name='__main__')"
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=_env(files), cwd=files,
+                          timeout=240)  # fmt: skip
+
+
+def test_a_missing_optional_package_says_how_to_install_it(files: Path) -> None:
+    out = _without(files, "pandas", "train", "--dataset", "adult", "--no-progress")
+    assert out.returncode == 2 and "pip install 'embtables[data]'" in out.stderr, out.stderr
+    out = _without(files, "matplotlib", "train", *SMALL, "--steps", "5", "--eval-every", "5", "--model-dir", "m")
+    assert out.returncode == 0 and "curves: not drawn (matplotlib is not installed" in out.stdout, out.stdout
 
 
 def test_version_and_plain_help(files: Path) -> None:
@@ -113,7 +135,7 @@ def test_data_epochs_are_a_total(files: Path) -> None:
     assert _run(files, *args, "--epochs", "2").returncode == 0
     again = _run(files, *args, "--epochs", "2")
     assert again.returncode == 0 and "resumed from step" in again.stdout and "evaluating only" in again.stdout
-    assert '"global_step": 6.0' in again.stdout  # 5 training rows, batches of 2: 3 steps per epoch, 2 epochs
+    assert '"steps": 6,' in again.stdout  # 5 training rows, batches of 2: 3 steps per epoch, 2 epochs
 
 
 def test_ctrl_c_saves_prints_the_resume_command_and_exits_130(files: Path) -> None:

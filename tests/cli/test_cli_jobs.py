@@ -36,10 +36,24 @@ def test_dlrm_job_writes_every_artefact_and_resumes(tmp_path: Path, capsys: pyte
     assert cli(["train", *SMALL, "--steps", "60", "--eval-every", "20", "--model-dir", str(tmp_path)]) == 0
     again = json.loads((tmp_path / "summary.json").read_text())
     assert again["steps"] == 60 and again["steps_trained"] == 20
+    # a rerun of the finished job keeps the history: both runs in the summary, every evaluation in the curves
+    png = (tmp_path / "training_curves.png").read_bytes()
+    assert cli(["train", *SMALL, "--steps", "60", "--eval-every", "20", "--model-dir", str(tmp_path)]) == 0
+    third = json.loads((tmp_path / "summary.json").read_text())
+    assert third["steps_trained"] == 0
+    assert [(r["from_step"], r["to_step"]) for r in third["runs"]] == [(0, 40), (40, 60)]
+    assert (tmp_path / "training_curves.png").read_bytes() == png  # the same three evaluations, not one point
     # export and inspect the job's checkpoint
     assert cli(["export", str(tmp_path), str(tmp_path / "serving"), "--dtype", "int8"]) == 0
     assert (tmp_path / "serving" / "serving.json").is_file()
     assert cli(["inspect", str(tmp_path)]) == 0
+
+
+def test_small_is_a_smoke_test(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli(["train", "--small", "--no-progress", "--threads", "1", "--model-dir", str(tmp_path)]) == 0
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["steps"] == 60 and summary["batch_size"] == 512  # not the real job's 2400 x 8192
+    assert "PASS" in capsys.readouterr().out
 
 
 def test_movielens_loader_reads_recbole_and_grouplens_layouts(tmp_path: Path) -> None:
