@@ -1,14 +1,26 @@
-"""Benchmark runner: every selected impl x optimizer x id distribution x variation in ONE process.
+"""The standard benchmark: every selected impl x optimizer x id distribution x variation in ONE process.
 
-    python3 benchmarks/run.py                                   # standard workload, all peers, Adagrad
-    python3 benchmarks/run.py --optimizers adagrad,sgd --ids zipf,uniform --variations standard,dim16
-    python3 benchmarks/run.py --modes lookup --impls torch,fbgemm
-    python3 benchmarks/run.py --probe-only
+    embtables bench                                        # standard workload, all peers, Adagrad
+    embtables bench --optimizers adagrad,sgd --ids zipf,uniform --variations standard,dim16
+    embtables bench --modes lookup --impls torch,fbgemm
+    embtables bench --probe-only                           # the machine's memory bandwidth only
 
-Results are JSON lines on stdout (one per measurement, plus an ``env`` line and ``skipped`` lines);
-progress goes to stderr. Impls run one after another, each freed before the next is built, so the peak
-RSS of one does not include another's tables. An impl is registered with
-:func:`benchmarks.peers.register_impl` (the embtables engine will be added the same way).
+(``python3 benchmarks/run.py`` from a checkout is the same.) Results are JSON lines on stdout (one per
+measurement, plus an ``env`` line and ``skipped`` lines); progress goes to stderr. Impls run one after
+another, each freed before the next is built, so the peak RSS of one does not include another's tables.
+Every impl, embtables included, is registered with :func:`benchmarks.peers.register_impl`.
+
+The other benchmarks, each with its own --help (BENCHMARKS.md has their results):
+
+    embtables bench latency            small batches (64 to 64k) against the peers, one and more threads
+    embtables bench sharded            W = 1 vs W = 2 processes, and TorchRec DMP
+    embtables bench estimator          the Estimator's overhead over the bare module
+    embtables bench checkpoint         save / restore / export times and sizes
+    embtables bench movielens          the MovieLens job against Surprise's SVD, whole processes
+    embtables bench extra-optimizers   the seven TPUEstimator-era optimizers
+    embtables bench noacc              use_gradient_accumulation=False
+    embtables bench dynamic            dynamic vocabularies against fixed tables
+    embtables bench gpu                the fused GPU kernels (embtables bench --device cuda)
 """
 
 from __future__ import annotations
@@ -117,7 +129,7 @@ def _csv(s: str) -> list[str]:
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         prog="embtables bench",  # also `python3 benchmarks/run.py`
-        description=__doc__,
+        description=__doc__.replace("``", "").replace(":func:", "") if __doc__ else None,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     ap.add_argument(

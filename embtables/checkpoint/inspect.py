@@ -45,6 +45,7 @@ def summary(path: str) -> dict[str, Any]:
             "optimizer": t["optimizer"]["type"],
             "slots": t["slots"],
             "strategy": manifest["strategies"].get(name),
+            "dynamic": t.get("dynamic"),
         }
         for name, t in manifest["config"]["tables"].items()
     }
@@ -63,13 +64,35 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("checkpoint", help="a checkpoint directory, or a root holding ckpt-* directories (the latest)")
 
 
+def _dynamic(policy: Any) -> str:
+    """A dynamic table's policy in one cell (``-`` for a table of fixed ids)."""
+    if not isinstance(policy, dict):
+        return "-"
+    return ", ".join(f"{k}={v}" for k, v in policy.items() if k != "type" and v is not None)
+
+
+def _aligned(rows: list[list[str]], right: set[int]) -> list[str]:
+    """``rows`` of cells as lines with aligned columns (``right``: right-aligned column indices)."""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return [
+        "  " + "  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip()
+        for r in rows
+    ]
+
+
 def run(args: argparse.Namespace) -> int:
     s = summary(args.checkpoint)  # a missing or malformed checkpoint raises CheckpointError: exit code 2
     print(f"{s['path']}: step {s['step']}, written by {s['world_size']} rank(s), {s['bytes'] / 2**20:.1f} MiB")
+    rows = [["table", "rows", "dim", "optimizer", "slots", "placement", "dynamic"]]
     for name, t in s["tables"].items():
-        print(f"  {name:24s} {t['shape'][0]} x {t['shape'][1]}  {t['optimizer']} {t['slots']}  ({t['strategy']})")
-    for f in s["files"]:
-        print(f"  {f['file']:24s} {f['bytes'] / 2**20:9.1f} MiB  {f['status']}")
+        slots = ", ".join(t["slots"]) or "-"
+        rows.append([name, str(t["shape"][0]), str(t["shape"][1]), str(t["optimizer"]), slots, str(t["strategy"]),
+                     _dynamic(t["dynamic"])])  # fmt: skip
+    for line in _aligned(rows, {1, 2}):
+        print(line)
+    files = [["file", "MiB", "checksum"]] + [[f["file"], f"{f['bytes'] / 2**20:.1f}", f["status"]] for f in s["files"]]
+    for line in _aligned(files, {1}):
+        print(line)
     print("checksums: OK" if s["ok"] else "checksums: BAD")
     return 0 if s["ok"] else 1
 

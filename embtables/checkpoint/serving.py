@@ -382,7 +382,7 @@ class ServingEmbedding(nn.Module):
 
     def __init__(self, doc: dict[str, Any], root: Path, mmap: bool = False) -> None:
         super().__init__()
-        self.dtype = doc["dtype"]
+        self.dtype, self.mmap, self.root = doc["dtype"], mmap, root
         try:
             tables = _table_configs(doc)
             features = _feature_configs(doc, tables)
@@ -454,6 +454,15 @@ class ServingEmbedding(nn.Module):
         return data.index_select(0, ids).to(torch.float32) * sb[:, :1] + sb[:, 1:]
 
     @torch.no_grad()
+    def extra_repr(self) -> str:
+        """What ``repr`` shows: where the artifact is, its storage type, and each table (V x D, dynamic)."""
+        tables = ", ".join(
+            f"{t.name}: {t.vocabulary_size} x {t.dim}{' dynamic' if t.name in self._keys else ''}"
+            for t in self.resolved.tables
+        )
+        features = ", ".join(f.name for f in self.resolved.features)
+        return f"{str(self.root)!r}, dtype={self.dtype}, mmap={self.mmap}, tables=[{tables}], features=[{features}]"
+
     def forward(self, features: Any, weights: Any = None) -> Any:
         flat_x, flat_w = flatten_inputs(self.feature_config, features, weights)
         out = []
