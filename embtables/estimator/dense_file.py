@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor, nn
@@ -19,8 +19,20 @@ from embtables.checkpoint.store import read_manifest
 DENSE_FILE = re.compile(r"dense-\d{10}\.pt")  # the dense files the Estimator writes (and only those it removes)
 
 
+class DenseOptimizer(Protocol):
+    """What the Estimator uses of its dense optimizer: ``torch.optim.Optimizer``'s four methods."""
+
+    def zero_grad(self, set_to_none: bool = True) -> None: ...
+
+    def step(self) -> Any: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
+
+
 def read_dense(
-    ckpt: Path, model_dir: Path, model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device
+    ckpt: Path, model_dir: Path, model: nn.Module, optimizer: DenseOptimizer, device: torch.device
 ) -> dict[str, Any]:
     """The dense file a checkpoint names, checked against this model (keys, shapes, dtypes, the
     optimizer's parameter groups) and the checkpoint's step; nothing is applied."""
@@ -68,7 +80,7 @@ def read_dense(
     return dense
 
 
-def write_dense(model_dir: Path, name: str, step: int, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+def write_dense(model_dir: Path, name: str, step: int, model: nn.Module, optimizer: DenseOptimizer) -> None:
     """Write the dense model and optimizer state for ``step`` as ``model_dir/name``, atomically and fsynced."""
     model_dir.mkdir(parents=True, exist_ok=True)
     tmp = model_dir / f".{name}.{os.getpid()}.tmp"

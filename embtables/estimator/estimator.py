@@ -37,7 +37,7 @@ from embtables.checkpoint.file_names import CheckpointError
 from embtables.checkpoint.owned_dirs import WriterLock
 from embtables.checkpoint.store import agree, published, read_manifest
 from embtables.estimator.batches import END, BatchReader, PreparedBatch, shaped_like
-from embtables.estimator.dense_file import DENSE_FILE, read_dense, write_dense
+from embtables.estimator.dense_file import DENSE_FILE, DenseOptimizer, read_dense, write_dense
 from embtables.estimator.input_pipeline import Prefetched, Probe, prefetched
 from embtables.estimator.spec import EmbeddingConfigSpec
 from embtables.sharding import comm
@@ -93,7 +93,8 @@ class Estimator:
         the predictions [B] (or [B, k]).
       embedding_config_spec: the ``EmbeddingConfigSpec`` of the tables.
       model_dir: where checkpoints and metrics go; an existing checkpoint there is resumed.
-      dense_optimizer: a ``torch.optim.Optimizer`` over ``model_fn``'s parameters, or a callable
+      dense_optimizer: a ``torch.optim.Optimizer`` over ``model_fn``'s parameters (or any object with its
+        ``zero_grad``, ``step``, ``state_dict`` and ``load_state_dict``), or a callable
         ``params -> Optimizer``; default ``Adam(lr=1e-3)``.
       loss_fn: ``(predictions, labels) -> scalar``; default mean squared error.
       eval_metrics: ``{name: fn(predictions [N], labels [N]) -> float}`` computed by ``evaluate``
@@ -114,7 +115,7 @@ class Estimator:
         model_fn: nn.Module,
         embedding_config_spec: EmbeddingConfigSpec,
         model_dir: str | os.PathLike[str],
-        dense_optimizer: torch.optim.Optimizer | Callable[[Any], torch.optim.Optimizer] | None = None,
+        dense_optimizer: DenseOptimizer | Callable[[Any], DenseOptimizer] | None = None,
         loss_fn: Callable[[Tensor, Tensor], Tensor] | None = None,
         eval_metrics: Mapping[str, Metric] | None = None,
         predictions_fn: Callable[[Tensor], Tensor] | None = None,
@@ -158,8 +159,8 @@ class Estimator:
             lambda: self.global_step, device=self.device, process_group=process_group
         )
         if dense_optimizer is None:
-            self.dense_optimizer: torch.optim.Optimizer = torch.optim.Adam(self.model.parameters(), lr=1e-3)
-        elif isinstance(dense_optimizer, torch.optim.Optimizer):
+            self.dense_optimizer: DenseOptimizer = torch.optim.Adam(self.model.parameters(), lr=1e-3)
+        elif isinstance(dense_optimizer, torch.optim.Optimizer) or not callable(dense_optimizer):
             self.dense_optimizer = dense_optimizer
         else:
             self.dense_optimizer = dense_optimizer(self.model.parameters())
