@@ -27,7 +27,7 @@ _SCRIPTS = ("bench",)
 _OWN_PARSERS = {"train": train.main, "quickstart": quickstart.main}  # read every argument after the command
 _COMMANDS = (
     ("train", "the main job: DLRM on synthetic data, --dataset movielens-100k, or --data FILE --schema FILE"),
-    ("quickstart", "a small CTR model on synthetic data in about ten seconds"),
+    ("quickstart", "a small CTR model on synthetic data (~7 s)"),
     (
         "bench",
         "the benchmark suite against the peers (embtables bench --help); embtables bench "

@@ -1,11 +1,14 @@
 """``embtables train``: the main job.
 
-    embtables train                              # DLRM on synthetic CTR data vs its teacher (~2 min)
-    embtables train --dataset movielens-100k     # 5-fold RMSE/MAE on MovieLens-100k (~10 s)
-    embtables train --dataset adult              # income > 50K on UCI Adult, wide and deep (~20 s)
+    embtables train                              # DLRM on synthetic CTR data vs its teacher (~1.5 min)
+    embtables train --small                      # the same job as a smoke test (~6 s)
+    embtables train --dataset movielens-100k     # 5-fold RMSE/MAE on MovieLens-100k (~6 s)
+    embtables train --dataset adult              # income > 50K on UCI Adult, wide and deep (~6 s)
     embtables train --data clicks.parquet --schema schema.json   # your own data
-    embtables quickstart                         # the 10-second version of the first one
+    embtables quickstart                         # a smaller version of the first one (~7 s)
     torchrun --nproc_per_node=2 -m embtables train    # the DLRM with its tables sharded over 2 processes
+
+(Times: the whole process, start-up included, on 2 cores.)
 
 Every job trains through ``embtables.estimator.Estimator`` and writes checkpoints, metrics (CSV) and
 a PNG of its curves into ``--model-dir`` (default: a new temporary folder, removed at exit unless
