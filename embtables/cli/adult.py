@@ -31,6 +31,7 @@ import torch
 from torch import Tensor, nn
 
 from embtables.cli.adult_peers import peer_results
+from embtables.cli.history import epoch_curve
 from embtables.cli.plotting import finish, pyplot
 from embtables.data.adult import CATEGORICAL, Adult, load_adult
 from embtables.estimator import (
@@ -169,6 +170,8 @@ def train_and_test(
         if not curve:
             result = est.evaluate(lambda: _batches(test, test_idx, 4096, None))
             curve.append({"epoch": done, **{k: result[k] for k in ("accuracy", "auc", "log_loss")}})
+        keys = ("accuracy", "auc", "log_loss")  # every run's evaluations, not only this one's
+        curve = epoch_curve(est.model_dir, est.global_step, steps_per_epoch, keys) or curve
         return {**curve[-1], "curve": curve}
     finally:
         est.close()

@@ -40,3 +40,13 @@ def earlier_runs(summary: Path) -> list[dict[str, Any]]:
     except (OSError, ValueError, AttributeError):
         return []
     return [r for r in runs if isinstance(r, dict)] if isinstance(runs, list) else []
+
+
+def epoch_curve(model_dir: Path, step: int, steps_per_epoch: int, keys: tuple[str, ...]) -> list[dict[str, float]]:
+    """The held-out metrics ``keys`` of every evaluation in ``model_dir``'s ``eval_metrics.csv`` up to
+    ``step``, by epoch (``{"epoch": e, key: value, ...}``; an epoch is ``steps_per_epoch`` steps)."""
+    return [
+        {"epoch": round(row["step"] / max(1, steps_per_epoch)), **{k: row[k] for k in keys}}
+        for row in metrics_rows(model_dir / "eval_metrics.csv", step)
+        if all(k in row for k in keys)
+    ]

@@ -37,6 +37,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from embtables.cli.history import epoch_curve
 from embtables.cli.malloc import keep_freed_memory
 from embtables.cli.plotting import finish, pyplot
 from embtables.data.movielens import GENRES, MovieLens, kfold, load_movielens_100k
@@ -297,6 +298,8 @@ def run_fold(
             print(f"fold {fold + 1}: finished already ({done} of {hp.epochs} epochs); evaluating only", flush=True)
             result = est.evaluate(lambda: _batches(data, prepared, test, 4096, None))
             curve.append({"epoch": done, "rmse": result["rmse"], "mae": result["mae"]})
+        steps_per_epoch = math.ceil(len(train) / hp.batch_size)  # every run's evaluations, not only this one's
+        curve = epoch_curve(est.model_dir, est.global_step, steps_per_epoch, ("rmse", "mae")) or curve
         return {"fold": fold, "rmse": curve[-1]["rmse"], "mae": curve[-1]["mae"], "curve": curve}
     finally:
         est.close()  # let the next writer (a rerun in this process) take the model_dir

@@ -69,6 +69,11 @@ def test_the_adult_job_beats_logistic_regression_on_the_test_rows(
     assert last["accuracy"] > logistic["accuracy"] and last["auc"] > logistic["auc"], results["peers"]
     assert results["peers"]["gradient boosting"]["accuracy"] > 0.86  # the peer ran on the same rows
     assert len(results["curve"]) == 8 and (tmp_path / "curves.png").stat().st_size > 1000
+    # a rerun of the finished job keeps every epoch's evaluation (it was a one-point curve)
+    assert cli(["train", "--dataset", "adult", "--no-peers", "--no-progress", "--model-dir", str(tmp_path)]) == 0
+    again = json.loads((tmp_path / "results.json").read_text())
+    assert [c["epoch"] for c in again["curve"]] == list(range(1, 9))
+    assert again["accuracy"] == results["accuracy"]
 
 
 @needs_adult

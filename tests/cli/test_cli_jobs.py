@@ -107,6 +107,11 @@ def test_movielens_job_on_a_small_slice(tmp_path: Path, capsys: pytest.CaptureFi
     assert 0.5 < results["rmse"] < 1.5 and 0.3 < results["mae"] < results["rmse"]
     assert [c["epoch"] for c in results["per_fold"][0]["curve"]] == [2]  # evaluated every 4 epochs and at the end
     assert "mean  " in out and (tmp_path / "curves.png").is_file()
+    # more epochs into the same directory: the curve has the first run's evaluation too
+    assert cli([*argv[:8], "6", *argv[9:]]) == 0
+    again = json.loads((tmp_path / "results.json").read_text())
+    assert [c["epoch"] for c in again["per_fold"][0]["curve"]] == [2, 4, 6]
+    capsys.readouterr()
 
 
 def test_movielens_fields_option(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
