@@ -287,16 +287,17 @@ class ShmChannel:
         return ChannelError(f"shared-memory exchange: {self.broken}")
 
     def _wait(self, peer: int, offset: int, target: int, deadline: float, what: str) -> None:
-        """Wait until peer's word at ``offset`` reaches ``target``; raise when the peer broke the channel,
-        is gone, or the timeout passed."""
+        """Wait until peer's word at ``offset`` reaches ``target``; raise when the peer broke the channel
+        instead (the word moved past ``target``: a peer that posted ``target`` and broke the channel later
+        finished this exchange, and this rank finishes it too), is gone, or the timeout passed."""
         where = self.maps[peer]
         left = max(0.0, deadline - time.monotonic())
         rc = self._wait_c(where.base + offset, target, left, self.fds[peer])
         if rc:
             why = "did not arrive within the timeout" if rc == 1 else "is gone (its process exited)"
             raise self._fail(f"rank {peer} {why} during the {what}", _PEER_LOST)
-        code = int(where.words[_BROKEN_WORD])
-        if code:
+        if int(where.words[offset // 8]) & _MASK != target:  # the 32-bit word, little-endian in its int64
+            code = int(where.words[_BROKEN_WORD])
             reason = _REASONS.get(code, f"broke the channel (code {code})")
             raise self._fail(f"rank {peer} {reason} during the {what}", _PEER_FAILED)
 
