@@ -268,3 +268,20 @@ def test_the_movielens_jobs_plain_sgd_is_torchs_sgd() -> None:
     assert a.state_dict()["param_groups"][0]["params"] == b.state_dict()["param_groups"][0]["params"]
     a.load_state_dict({"state": {}, "param_groups": [{"lr": 0.5, "params": [0, 1]}]})
     assert a.lr == 0.5
+
+
+def test_every_job_runs_on_one_thread_unless_told(tmp_path: Path) -> None:
+    """Small models on torch's default threads crawl beside other busy processes (issue 39, item 4): every
+    ``embtables train`` job takes one thread unless ``--threads`` says otherwise."""
+    from embtables.data import sample_path
+
+    data = ["--data", sample_path("clicks.csv"), "--schema", sample_path("clicks.schema.json"), "--epochs", "1"]
+    for extra, want in (([], 1), (["--threads", "2"], 2)):
+        code = (
+            "import sys, torch; from embtables.cli.train import main; torch.set_num_threads(2); "
+            f"rc = main({[*data, '--no-progress', '--model-dir', str(tmp_path / str(want)), *extra]!r}); "
+            "print('threads', torch.get_num_threads()); sys.exit(rc)"
+        )
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240)
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert f"threads {want}" in out.stdout, out.stdout[-500:]
