@@ -233,9 +233,11 @@ def default_batch_size(train_rows: int) -> int:
     return int(min(8192, max(32, 2 ** math.floor(math.log2(max(1, train_rows) / 40)))))
 
 
-def normalized(data: dict[str, np.ndarray], numeric: dict[str, str], path: str, train_idx: np.ndarray) -> np.ndarray:
-    """The numeric features [N, len(numeric)] as float32, normalised with the training rows' statistics
-    (missing values at the mean: 0)."""
+def normalized(
+    data: dict[str, np.ndarray], numeric: dict[str, str], path: str, train_idx: np.ndarray, n: int
+) -> np.ndarray:
+    """The numeric features of the ``n`` rows [N, len(numeric)] as float32, normalised with the training
+    rows' statistics (missing values at the mean: 0)."""
     cols = []
     for name, how in numeric.items():
         x = numeric_values(data[name], name, path).astype(np.float64)
@@ -250,7 +252,7 @@ def normalized(data: dict[str, np.ndarray], numeric: dict[str, str], path: str, 
             std = float(seen.std()) if seen.size else 1.0
             x = (x - mean) / (std if std > 0 else 1.0)
         cols.append(np.where(np.isfinite(x), x, 0.0))
-    return np.stack(cols, 1).astype(np.float32) if cols else np.zeros((len(train_idx), 0), np.float32)
+    return np.stack(cols, 1).astype(np.float32) if cols else np.zeros((n, 0), np.float32)
 
 
 def _keep_best(est: Estimator, model_dir: Path) -> Path | None:
@@ -315,7 +317,7 @@ def run(args: argparse.Namespace) -> int:
     order = np.random.default_rng(args.seed).permutation(n)
     n_eval = max(1, int(n * args.eval_fraction))
     train_idx, eval_idx = order[: n - n_eval], order[n - n_eval :]
-    numbers = torch.from_numpy(normalized(data, numeric, args.data, train_idx))
+    numbers = torch.from_numpy(normalized(data, numeric, args.data, train_idx, n))
     batch_size = args.batch_size or default_batch_size(len(train_idx))
     feature_names = [name for name in schema["features"] if name not in numeric]
     dims = {c.dimension for c in cols}
