@@ -7,6 +7,8 @@ code 2; --debug (or EMBTABLES_DEBUG=1) shows the traceback instead.
 from __future__ import annotations
 
 import argparse
+import atexit
+import contextlib
 import importlib.util
 import os
 import runpy
@@ -15,6 +17,7 @@ import sys
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
+from typing import NoReturn
 
 import embtables
 from embtables.checkpoint import export, inspect
@@ -144,5 +147,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         return fail(f"embtables {args.command}", exc)
 
 
+def run() -> NoReturn:
+    """The ``embtables`` program: ``main()``, then exit without tearing the interpreter down. The exit
+    handlers run (process groups are left, logs flushed) and the streams are flushed, but the modules
+    are not finalised one by one: that took 0.4-0.6 s after every command, most of it torch's, a tenth
+    of a MovieLens run. Every file the jobs write is closed (and checkpoints fsynced) before ``main``
+    returns."""
+    code = main()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

@@ -243,10 +243,14 @@ class Estimator:
         self._writer_lock = lock
 
     def close(self) -> None:
-        """Release ``model_dir`` for another writer (training again takes it back)."""
+        """Release ``model_dir`` for another writer (training again takes it back), and close the
+        TensorBoard event file and its writer thread (the next metrics row opens a new one)."""
         if self._writer_lock is not None:
             self._writer_lock.release()
             self._writer_lock = None
+        if self._writer:
+            self._writer.close()
+            self._writer = None
 
     def save(self) -> str:
         """Write a checkpoint of the current step into ``model_dir`` (every rank calls it). The dense

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -199,6 +200,14 @@ def test_tensorboard_event_files(tmp_path: Path) -> None:
     e.evaluate(_input_fn(features, y), steps=2)
     events = list(tmp_path.glob("events.out.tfevents.*"))
     assert events and events[0].stat().st_size > 0
+    # close() closes the event file and its writer thread (a job of five folds left five threads behind)
+    assert any(t.name != "MainThread" for t in threading.enumerate() if t.is_alive())
+    before = threading.active_count()
+    e.close()
+    assert threading.active_count() == before - 1
+    e.evaluate(_input_fn(features, y), steps=2)  # the next metrics row opens a new event file
+    e.close()
+    assert len(list(tmp_path.glob("events.out.tfevents.*"))) == 2
 
 
 def test_bad_batches_are_refused_and_change_nothing(tmp_path: Path) -> None:
