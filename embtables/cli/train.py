@@ -2,7 +2,7 @@
 
     embtables train                              # DLRM on synthetic CTR data vs its teacher (~1.5 min)
     embtables train --small                      # the same job as a smoke test (~6 s)
-    embtables train --dataset movielens-100k     # 5-fold RMSE/MAE on MovieLens-100k (~6 s)
+    embtables train --dataset movielens-100k     # 5-fold RMSE/MAE on MovieLens-100k (~5 s)
     embtables train --dataset adult              # income > 50K on UCI Adult, wide and deep (~6 s)
     embtables train --data clicks.parquet --schema schema.json   # your own data
     embtables quickstart                         # a smaller version of the first one (~7 s)
