@@ -22,7 +22,7 @@ import functools
 import json
 import math
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -127,6 +127,24 @@ def spec_for(
     )
 
 
+def mlp_head(width: int, hidden: Sequence[int]) -> nn.Sequential:
+    """``Linear + ReLU`` layers of the ``hidden`` widths from ``width`` inputs, then one logit."""
+    layers: list[nn.Module] = []
+    for h in hidden:
+        layers += [nn.Linear(width, h), nn.ReLU()]
+        width = h
+    layers.append(nn.Linear(width, 1))
+    return nn.Sequential(*layers)
+
+
+def interaction(vectors: list[Tensor], pairs: Tensor) -> Tensor:
+    """DLRM's interaction of F vectors [B, D]: every pairwise dot product (``pairs``: the upper triangle's
+    [2, F(F-1)/2] indices) and the vectors themselves, [B, F(F-1)/2 + F*D]."""
+    x = torch.stack(vectors, 1)  # [B, F, D]
+    dots = torch.bmm(x, x.transpose(1, 2))[:, pairs[0], pairs[1]]  # [B, F(F-1)/2]
+    return torch.cat([dots, x.flatten(1)], 1)
+
+
 class DLRM(nn.Module):
     """Pairwise dot products of the feature vectors plus the vectors themselves -> MLP -> logit."""
 
@@ -134,13 +152,7 @@ class DLRM(nn.Module):
         super().__init__()
         self.names = names
         f = len(names)
-        width = f * (f - 1) // 2 + f * dim
-        layers: list[nn.Module] = []
-        for h in hidden:
-            layers += [nn.Linear(width, h), nn.ReLU()]
-            width = h
-        layers.append(nn.Linear(width, 1))
-        self.mlp = nn.Sequential(*layers)
+        self.mlp = mlp_head(f * (f - 1) // 2 + f * dim, hidden)
         self.pairs = torch.triu_indices(f, f, offset=1)
 
     def forward(self, activations: dict[str, Tensor], features: dict[str, Ragged]) -> Tensor:
@@ -151,9 +163,7 @@ class DLRM(nn.Module):
                 n = features[name].lengths().clamp(1, a.shape[1]).to(a.dtype).unsqueeze(1)
                 a = a.sum(1) / n
             vectors.append(a)
-        x = torch.stack(vectors, 1)  # [B, F, D]
-        dots = torch.bmm(x, x.transpose(1, 2))[:, self.pairs[0], self.pairs[1]]  # [B, F(F-1)/2]
-        out: Tensor = self.mlp(torch.cat([dots, x.flatten(1)], 1)).squeeze(1)
+        out: Tensor = self.mlp(interaction(vectors, self.pairs)).squeeze(1)
         return out
 
 

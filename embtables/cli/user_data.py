@@ -45,6 +45,7 @@ import torch
 from torch import Tensor, nn
 
 from embtables.checkpoint.store import read_manifest
+from embtables.cli.dlrm import interaction, mlp_head
 from embtables.cli.history import metrics_rows
 from embtables.cli.plotting import finish, pyplot
 from embtables.estimator import (
@@ -178,22 +179,14 @@ class TabularDLRM(nn.Module):
         self.names, self.numeric = names, numeric
         self.bottom = nn.Sequential(nn.Linear(numeric, 32), nn.ReLU(), nn.Linear(32, dim)) if numeric else None
         f = len(names) + (1 if numeric else 0)
-        width = f * (f - 1) // 2 + f * dim
-        layers: list[nn.Module] = []
-        for h in hidden:
-            layers += [nn.Linear(width, h), nn.ReLU()]
-            width = h
-        layers.append(nn.Linear(width, 1))
-        self.mlp = nn.Sequential(*layers)
+        self.mlp = mlp_head(f * (f - 1) // 2 + f * dim, hidden)
         self.pairs = torch.triu_indices(f, f, offset=1)
 
     def forward(self, activations: dict[str, Tensor], features: dict[str, Any]) -> Tensor:
         vectors = [activations[n] for n in self.names]
         if self.bottom is not None:
             vectors.append(self.bottom(features["numeric"]))
-        x = torch.stack(vectors, 1)  # [B, F, D]
-        dots = torch.bmm(x, x.transpose(1, 2))[:, self.pairs[0], self.pairs[1]]  # [B, F(F-1)/2]
-        out: Tensor = self.mlp(torch.cat([dots, x.flatten(1)], 1)).squeeze(1)
+        out: Tensor = self.mlp(interaction(vectors, self.pairs)).squeeze(1)
         return out
 
 
