@@ -157,14 +157,17 @@ def columns_from_schema(schema: dict[str, Any], available: set[str]) -> tuple[li
     return cols, numeric
 
 
+def _floats(column: np.ndarray, what: str, path: str, fix: str) -> np.ndarray:
+    """``column`` as float32 [N] (NaN where empty), or ``SchemaError`` naming ``what`` and the ``fix``."""
+    try:
+        return np.asarray(column, dtype=np.float32)
+    except (TypeError, ValueError):
+        raise SchemaError(f"the {what} of {path} is not numeric (e.g. {column[0]!r}); {fix}") from None
+
+
 def numeric_values(column: np.ndarray, name: str, path: str) -> np.ndarray:
     """A numeric feature's column as float32 [N] (NaN where empty), or ``SchemaError``."""
-    try:
-        x = np.asarray(column, dtype=np.float32)
-    except (TypeError, ValueError):
-        raise SchemaError(
-            f"the numeric feature {name!r} of {path} is not numbers (e.g. {column[0]!r}); give it another type"
-        ) from None
+    x = _floats(column, f"numeric feature {name!r}", path, "give it another type")
     if np.isinf(x).any():
         raise SchemaError(f"the numeric feature {name!r} of {path} has infinite values")
     return x
@@ -210,12 +213,7 @@ def read_schema(path: Path) -> dict[str, Any]:
 
 def labels_of(column: np.ndarray, name: str, path: str) -> np.ndarray:
     """The label column as float32, or ``SchemaError`` when it is not numbers or holds NaN."""
-    try:
-        y = np.asarray(column, dtype=np.float32)
-    except (TypeError, ValueError):
-        raise SchemaError(
-            f"the label column {name!r} of {path} is not numeric (e.g. {column[0]!r}); encode it as numbers"
-        ) from None
+    y = _floats(column, f"label column {name!r}", path, "encode it as numbers")
     if not np.isfinite(y).all():
         raise SchemaError(f"the label column {name!r} of {path} has {int((~np.isfinite(y)).sum())} empty or NaN values")
     return y
