@@ -122,12 +122,11 @@ class Persistence:
         strict = strict_of_caller(strict)
         pipeline = self.pipeline
         engine = pipeline.engine
-        present, errors, missing, unexpected = validate_state_dict(
-            state_dict, prefix, engine.logical_shapes(), engine.state_key_owners()
-        )
+        owners = engine.state_key_owners()
+        present, errors, missing, unexpected = validate_state_dict(state_dict, prefix, engine.logical_shapes(), owners)
         vocabularies = self._vocabularies_in(state_dict, prefix, errors, missing)
         if engine.world > 1 and not errors:
-            self._keys_to_owners(vocabularies, present, errors)
+            self._keys_to_owners(vocabularies, present, owners, errors)
         unexpected = [k for k in unexpected if not _is_vocabulary_key(k, prefix, engine.vocabularies.maps)]
         if strict:
             unexpected_keys.extend(unexpected)
@@ -146,12 +145,16 @@ class Persistence:
         engine.load_vocabulary_state(vocabularies, pipeline.training_steps)
 
     def _keys_to_owners(
-        self, vocabularies: dict[str, dict[str, Any]], present: dict[str, Tensor], errors: list[str]
+        self,
+        vocabularies: dict[str, dict[str, Any]],
+        present: dict[str, Tensor],
+        owners: Mapping[str, tuple[Any, str]],
+        errors: list[str],
     ) -> None:
-        """Sharded: move every dynamic table's keys (and their rows of ``present``) to rows of the ranks
-        that own them, in place, as ``restore`` does; problems go to ``errors``."""
+        """Sharded: move every dynamic table's keys (and their rows of ``present``; ``owners``: each state
+        key's table and slot) to rows of the ranks that own them, in place, as ``restore`` does; problems
+        go to ``errors``."""
         engine = self.pipeline.engine
-        owners = engine.state_key_owners()
         for name, arrays in list(vocabularies.items()):
             keys = [k for k, (t, _) in owners.items() if t.name == name]
             values = {k: present[k] for k in keys if k in present}

@@ -106,8 +106,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.progress = sys.stderr.isatty()
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
     # One thread unless asked: DLRM's input thread draws the next batch on the other core (78 s against 82 s),
-    # MovieLens is faster on one (8.5 s against 10.2 s), Adult beside two busy processes 24-136 s on torch's
-    # default against about 4 s on one.
+    # MovieLens is faster on one (8.5 s against 10.2 s), and Adult's training beside two busy processes took
+    # 5.7 s on one thread against 13.1 s on torch's default of two (docs/estimator.md).
     torch.set_num_threads(args.threads or 1)
     if args.malloc == "keep":
         keep_freed_memory()

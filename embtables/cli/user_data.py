@@ -46,7 +46,7 @@ from torch import Tensor, nn
 
 from embtables.checkpoint.store import read_manifest
 from embtables.cli.dlrm import interaction, mlp_head
-from embtables.cli.history import metrics_rows
+from embtables.cli.history import epoch_curve
 from embtables.cli.plotting import finish, pyplot
 from embtables.estimator import (
     AdagradParameters,
@@ -356,14 +356,13 @@ def run(args: argparse.Namespace) -> int:
         if done >= epochs:
             print(f"finished: {done} epochs already trained; evaluating only")
             est.evaluate(lambda: batches(eval_idx, None))
-        earlier = [e for e in metrics_rows(model_dir / "eval_metrics.csv", est.global_step) if key in e]
-        curve = [{"epoch": e["step"] / steps_per_epoch, **e} for e in earlier]
+        curve = epoch_curve(model_dir, est.global_step, steps_per_epoch, ("step", *metrics))  # every run's
         pick = max if binary else min
         best = pick(curve, key=lambda c: c[key]) if curve else None
         for epoch in range(done, epochs):
             est.train(functools.partial(batches, train_idx, args.seed * 1000 + epoch))
             result = est.evaluate(lambda: batches(eval_idx, None))
-            point = {"epoch": float(epoch + 1), "step": float(est.global_step), **{k: result[k] for k in metrics}}
+            point = {"epoch": epoch + 1, "step": float(est.global_step), **{k: result[k] for k in metrics}}
             curve = [c for c in curve if c["step"] != point["step"]] + [point]
             if best is None or (point[key] > best[key] if binary else point[key] < best[key]):
                 best = point
