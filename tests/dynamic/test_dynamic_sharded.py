@@ -191,9 +191,12 @@ def _load_one_process_state(rank: int, world: int, sharding: str, root: str) -> 
     for field in ("pending_keys", "pending_counts", "pending_age"):
         crowded[f"user/{field}"] = torch.zeros(0, dtype=torch.int64)
     fresh = _module(sharding)
+    before = {k: v.clone() for k, v in fresh.state_dict().items()}
     with pytest.raises(RuntimeError, match=r"rank 0 owns 40 .*Raise vocabulary_size"):
         fresh.load_state_dict(crowded)
     assert fresh.vocabulary_statistics()["user"]["live"] == 0
+    after = fresh.state_dict()
+    assert all(torch.equal(v, after[k]) for k, v in before.items())  # no table, slot or vocabulary changed
 
 
 @pytest.mark.parametrize("world,sharding", [(2, "div"), (3, "mod")])
