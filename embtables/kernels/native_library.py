@@ -42,6 +42,7 @@ _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _tried = False
 _enabled = os.environ.get("EMBTABLES_NATIVE", "1") != "0"
+_switches = 0  # how many times ``set_enabled`` was called: a backend chosen before a switch is chosen again
 
 
 def _named_union(name: str, ctype: Any, width: int, field: str) -> type[ctypes.Union]:
@@ -82,8 +83,14 @@ class OptParams(ctypes.Structure):
 
 def set_enabled(enabled: bool) -> None:
     """Turn the native kernels on or off for this process (tests run both paths)."""
-    global _enabled
+    global _enabled, _switches
     _enabled = enabled
+    _switches += 1
+
+
+def switches() -> int:
+    """How many times ``set_enabled`` was called in this process."""
+    return _switches
 
 
 def _cpu_key() -> str:

@@ -31,11 +31,10 @@ from torch import Tensor
 
 from embtables.config import ResolvedConfig, ResolvedTable
 from embtables.kernels import native, native_inputs
-from embtables.kernels.lookup import occurrence_gradients, pooled_lookup
-from embtables.kernels.segments import dedup_sum, segments_from_offsets
 from embtables.sharding import comm
 from embtables.sharding.plan import TablePlan
 from embtables.tables import phase_profile
+from embtables.tables.backends.interface import OUT_OF_MEMORY, OUT_OF_RANGE, PREPARED, GradientPart
 from embtables.tables.collection import EmbeddingCollection
 from embtables.tables.inputs import FeatureBatch
 from embtables.tables.table_gradient import TableGradient
@@ -86,7 +85,7 @@ def pooled_lookup_exchange(
 ) -> tuple[dict[int, Tensor], PooledContext, list[int]]:
     """Activations [S_f, D] of the pooled ``features`` (this rank's batch), pooled by their owners:
     split each bag by owner (plan), send the pieces (steps 1-3 of the module docstring), pool what
-    this rank was asked for in one native call, send the partials back and add them (step 4).
+    this rank was asked for in one backend call, send the partials back and add them (step 4).
 
     ``refused``: this rank refused its batch (``batches`` is then ignored); the flag travels with the
     counts, and when any rank refused, nothing more is sent and the refusing ranks are returned (third
@@ -105,7 +104,7 @@ def pooled_lookup_exchange(
         (a, local.states[tables[resolved.features[a.feature].table_index].name].weights) for src in asked for a in src
     ]
     with phase_profile.phase("owner pooling: pool"):
-        partials = _pool(weights, resolved)
+        partials = _pool(weights, local)
     dims = {f: tables[resolved.features[f].table_index].dim for f in features}
     with phase_profile.phase("owner pooling: return partials"):
         acts = _return_partials(partials, asked, split.bags, dims, features, rank, world, group, local.device)
@@ -311,14 +310,14 @@ def _return_partials(
     return acts
 
 
-def _pool(requests: list[tuple[Asked, Tensor]], resolved: ResolvedConfig) -> list[Tensor]:
-    """Partial bags [S, D] of every request over this rank's rows."""
-    if requests and all(native.usable(w, a.ids, a.offsets, a.coeffs) for a, w in requests):
-        outs, status = native.lookup_many([(w, a.ids, a.offsets, a.coeffs) for a, w in requests])
-        if status == 1:
-            raise RuntimeError("a rank asked for rows outside this rank's shard (an embtables bug).")
-        return outs
-    return [pooled_lookup(w, a.ids, segments_from_offsets(a.offsets), a.offsets, a.coeffs) for a, w in requests]
+def _pool(requests: list[tuple[Asked, Tensor]], local: EmbeddingCollection) -> list[Tensor]:
+    """Partial bags [S, D] of every request over this rank's rows (one backend call for all)."""
+    if not requests:
+        return []
+    outs, status = local.pool([(w, a.ids, a.offsets, a.coeffs) for a, w in requests])
+    if status == OUT_OF_RANGE:
+        raise RuntimeError("a rank asked for rows outside this rank's shard (an embtables bug).")
+    return outs
 
 
 def pooled_gradient_exchange(
@@ -401,29 +400,15 @@ def owner_table_gradient(
 ) -> tuple[TableGradient, bool]:
     """The owner's summed gradient of its rows of ``table`` from every request it served (phase 1 in
     C when possible), and whether every sum is finite."""
-    parts: list[native.FeaturePart] = []
+    parts: list[GradientPart] = []
     for s, requests in enumerate(context.asked):
         for a in requests:
             if a.feature in table.feature_indices and a.ids.numel():
                 parts.append((a.ids, a.offsets, a.coeffs, grads[a.feature][s].contiguous()))
-    weights = local.states[local_table.name].weights
-    if native.usable(weights, *(x for p in parts for x in p)):
-        ws = local.workspace(local_table)
-        (status,) = native.prepare_many([(ws, local_table.vocabulary_size, parts)])
-        if status == 2:
-            raise MemoryError(f"table {table.name!r}: out of memory while summing gradients.")
-        if status in (0, 1):
-            return TableGradient(local_table, None, None, accumulated=True, prepared=ws), status == 0
-    if not parts:
-        empty = torch.empty(0, dtype=torch.int64, device=weights.device)
-        return TableGradient(local_table, empty, torch.empty((0, table.dim), device=weights.device), True), True
-    ids = torch.cat([p[0] for p in parts])
-    per_id = torch.cat([_occurrences(p) for p in parts])
-    rows, sums = dedup_sum(ids, per_id)
-    return TableGradient(local_table, rows, sums, accumulated=True), bool(torch.isfinite(sums).all())
-
-
-def _occurrences(part: native.FeaturePart) -> Tensor:
-    _, offsets, coeffs, grad = part
-    assert grad is not None
-    return occurrence_gradients(grad, segments_from_offsets(offsets), coeffs)
+    prepared = local.prepare(local_table, parts)
+    if prepared.status == OUT_OF_MEMORY:
+        raise MemoryError(f"table {table.name!r}: out of memory while summing gradients.")
+    if prepared.gradient is None:  # the backend's inputs changed under it: the reference sums them again
+        prepared = local.reference.prepare(local_table, parts)
+    assert prepared.gradient is not None
+    return prepared.gradient, prepared.status == PREPARED

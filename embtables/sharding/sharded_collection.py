@@ -32,13 +32,13 @@ from torch import Tensor
 
 from embtables.config import ResolvedConfig, ResolvedTable
 from embtables.errors import ConfigError, InputError
-from embtables.kernels import native
 from embtables.kernels.lookup import occurrence_gradients, pooled_lookup
 from embtables.kernels.segments import dedup_sum
 from embtables.sharding import comm, dynamic_keys, owner_pooling, routing
 from embtables.sharding.fingerprint import describe_config, differences, fingerprint
 from embtables.sharding.plan import Placement, TablePlan
 from embtables.tables import phase_profile
+from embtables.tables.backends.interface import OUT_OF_MEMORY, OUT_OF_RANGE, PREPARED, BagPart
 from embtables.tables.collection import EmbeddingCollection
 from embtables.tables.engine import LocalTables
 from embtables.tables.initializers import default_initializer
@@ -120,7 +120,6 @@ class ShardedEmbeddingCollection(LocalTables):
         self.local = EmbeddingCollection(dataclasses.replace(resolved, tables=tuple(local_tables)), device)
         # Owned rows per table (local rows may add one placeholder row when a rank owns none).
         self._owned_rows = {t.name: self.plans[t.name].owned_rows(self.rank) for t in resolved.tables}
-        self._send_workspaces: dict[str, native.Workspace] = {}  # per-table phase 1 of this rank's batch
         # A summed gradient of an owner-pooled table overflowed here: ``check`` refuses the update on every rank.
         self._sums_overflow = False
         self.row_tables = [t for t in resolved.tables if t.name not in pooled]
@@ -242,42 +241,32 @@ class ShardedEmbeddingCollection(LocalTables):
         return [routing.TableRoute(r, recv_rows, recv_counts) for r, (recv_rows, recv_counts) in zip(routed, asked)]
 
     def _check_activations(self, result: list[Tensor]) -> None:
-        if native.all_finite(result):  # one pass; the per-feature scan below only names the culprit
-            return
-        for feature, acts_f in zip(self.resolved.features, result):
-            if not bool(torch.isfinite(acts_f).all()):
-                raise InputError(
-                    f"feature {feature.name!r}: the looked-up activations overflow float32 (a sum of large rows or "
-                    "weights is not finite); no table or slot was changed. Check the weights of this feature."
-                )
+        self.local.check_activations(result)
 
     def _pool(
         self, batches: Sequence[FeatureBatch], routes: list[routing.TableRoute], minis: list[Tensor]
     ) -> list[Tensor | None]:
-        """Pool the row-returning tables' bags from their looked-up unique rows (one native call for all)."""
+        """Pool the row-returning tables' bags from their looked-up unique rows (one backend call for all)."""
         out: list[Tensor | None] = [None] * len(batches)
-        fast: list[tuple[int, int, Tensor]] = []
+        fast: list[tuple[int, int]] = []
+        parts: list[BagPart] = []
         for t, route, mini in zip(self.row_tables, routes, minis):
             positions = torch.split(route.ids.inverse, [batches[f].ids.numel() for f in t.feature_indices])
             for f, local_ids in zip(t.feature_indices, positions):
                 b = batches[f]
                 q = t.config.quantization_config
-                if q is None and native.usable(mini, local_ids, b.offsets, b.coeffs):
-                    fast.append((f, t.dim, local_ids))
+                if q is None:
+                    fast.append((f, t.dim))
+                    parts.append((mini, local_ids, b.offsets, b.coeffs))
                     continue
-                quant = None if q is None else (q.num_buckets, float(q.lower), float(q.upper))
+                quant = (q.num_buckets, float(q.lower), float(q.upper))
                 acts = pooled_lookup(mini, local_ids, b.seg, b.offsets, b.coeffs, quantization=quant)
                 out[f] = acts.reshape(*b.out_shape, t.dim)
         if fast:
-            index = {t.name: i for i, t in enumerate(self.row_tables)}
-            mini_of = {
-                f: minis[index[self.resolved.tables[self.resolved.features[f].table_index].name]] for f, _, _ in fast
-            }
-            parts = [(mini_of[f], ids, batches[f].offsets, batches[f].coeffs) for f, _, ids in fast]
-            acts_list, status = native.lookup_many(parts)
-            if status == 1:
+            acts_list, status = self.local.pool(parts)
+            if status == OUT_OF_RANGE:
                 raise RuntimeError("the sharded lookup produced positions outside the looked-up rows (a bug).")
-            for (f, dim, _), acts in zip(fast, acts_list):
+            for (f, dim), acts in zip(fast, acts_list):
                 out[f] = acts.reshape(*batches[f].out_shape, dim)
         return out
 
@@ -366,7 +355,7 @@ class ShardedEmbeddingCollection(LocalTables):
             not bool(torch.isfinite(self._occurrence_grads(t, batches, grads)).all())
             for t in self.row_tables
             if accumulated_too or not t.optimizer.use_gradient_accumulation
-        ) or not native.all_finite([g for g in (grads[f] for f in self._pooled_features) if g is not None])
+        ) or not self.local.all_finite([g for g in (grads[f] for f in self._pooled_features) if g is not None])
 
     def _pooled_gradients(
         self,
@@ -410,16 +399,15 @@ class ShardedEmbeddingCollection(LocalTables):
                 out.append(s)
                 continue
             parts = [(batches[f].ids, batches[f].offsets, batches[f].coeffs, grads[f]) for f in t.feature_indices]
-            if native.usable(s, *(x for part in parts for x in part)):
-                ws = self._send_workspaces.get(t.name)
-                if ws is None:
-                    ws = self._send_workspaces[t.name] = native.Workspace(t.dim)
-                (status,) = native.prepare_many([(ws, t.vocabulary_size, parts)])
-                if status == 2:
+            prepared = self.local.backend.prepare(t, parts, scratch="send")  # ids of the global table t
+            if prepared is not None:
+                if prepared.status == OUT_OF_MEMORY:
                     raise MemoryError(f"table {t.name!r}: out of memory while summing gradients.")
-                if status != 0:
+                if prepared.status != PREPARED or prepared.gradient is None:
                     return None
-                rows, row_sums = ws.rows_and_grads()  # first-occurrence order
+                summed = prepared.gradient.materialized()  # distinct rows, in any order
+                assert summed.rows is not None and summed.grads is not None
+                rows, row_sums = summed.rows, summed.grads
                 s.index_copy_(0, route.ids.position[torch.searchsorted(route.ids.unique, rows)], row_sums)
             else:
                 s.index_add_(0, route.ids.inverse, self._occurrence_grads(t, batches, grads))
@@ -430,16 +418,13 @@ class ShardedEmbeddingCollection(LocalTables):
 
     def _owner_gradient(self, local_table: ResolvedTable, route: routing.TableRoute, got: Tensor) -> TableGradient:
         """The owner's summed gradient of its rows from every rank's per-id sums ``got`` [M, D] (aligned
-        with ``route.recv_rows``), added in source-rank order; prepared in C when the native path is on."""
-        weights = self.local.states[local_table.name].weights
-        if native.usable(weights, route.recv_rows, got):
-            ws = self.local.workspace(local_table)
-            offsets = torch.arange(route.recv_rows.numel() + 1, dtype=torch.int64)
-            part = (route.recv_rows, offsets, None, got)
-            (status,) = native.prepare_many([(ws, local_table.vocabulary_size, [part])])
-            if status == 0:
-                return TableGradient(local_table, None, None, accumulated=True, prepared=ws)
-            if status == 2:
+        with ``route.recv_rows``), added in source-rank order; prepared by the local backend where it serves."""
+        offsets = torch.arange(route.recv_rows.numel() + 1, dtype=torch.int64, device=got.device)
+        prepared = self.local.backend.prepare(local_table, [(route.recv_rows, offsets, None, got)])
+        if prepared is not None:
+            if prepared.status == PREPARED and prepared.gradient is not None:
+                return prepared.gradient
+            if prepared.status == OUT_OF_MEMORY:
                 raise MemoryError(f"table {local_table.name!r}: out of memory while summing gradients.")
         rows, row_grads = dedup_sum(route.recv_rows, got)
         return TableGradient(local_table, rows, row_grads, accumulated=True)

@@ -1,5 +1,5 @@
 """``TableGradient``: one table's validated gradient for one step, between phase 1 and phase 2 of an
-``apply`` (``tables/collection.py``; the GPU step in ``tables/gpu_step.py``)."""
+``apply`` (``tables/collection.py``, computed by a backend in ``tables/backends/``)."""
 
 from __future__ import annotations
 

@@ -23,7 +23,7 @@ from torch import Tensor
 
 import embtables as et
 from embtables.kernels import native
-from embtables.tables import collection, update_paths
+from embtables.tables.backends import native_backend, torch_backend
 
 
 def ones(acts: dict[str, Tensor], scale: float = 1.0) -> dict[str, Tensor]:
@@ -324,7 +324,7 @@ def test_native_workspace_shrinks_after_a_huge_step() -> None:
 
 def test_torch_path_non_lazy_adam_runs_in_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
     def run(chunk_elements: int) -> dict[str, Tensor]:
-        monkeypatch.setattr(update_paths, "_DENSE_CHUNK_ELEMENTS", chunk_elements)
+        monkeypatch.setattr(torch_backend, "_DENSE_CHUNK_ELEMENTS", chunk_elements)
         t = et.TableConfig(37, 4, name="t", initializer=et.TruncatedNormal(seed=3))
         m = et.DistributedEmbedding({"f": et.FeatureConfig(t)}, et.Adam(0.1, lazy_adam=False))
         gen = torch.Generator().manual_seed(1)
@@ -335,7 +335,7 @@ def test_torch_path_non_lazy_adam_runs_in_chunks(monkeypatch: pytest.MonkeyPatch
 
     native.set_enabled(False)
     seen: list[int] = []
-    real = update_paths.update_rows
+    real = torch_backend.update_rows
 
     def spy(w: Tensor, *args: Any, **kwargs: Any) -> Any:
         seen.append(int(w.shape[0]))
@@ -343,7 +343,7 @@ def test_torch_path_non_lazy_adam_runs_in_chunks(monkeypatch: pytest.MonkeyPatch
 
     try:
         whole = run(1 << 22)
-        monkeypatch.setattr(update_paths, "update_rows", spy)
+        monkeypatch.setattr(torch_backend, "update_rows", spy)
         chunked = run(40)  # 10 rows of D=4 per chunk: 4 chunks
     finally:
         native.set_enabled(True)
@@ -451,9 +451,9 @@ NON_FINITE_CASES = {
 @pytest.fixture(params=["dry-run", "proof"])
 def finiteness_check(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Small native updates are checked by the exact dry run inside the writing call; larger ones are proven
-    finite first (``collection._SMALL_UPDATE_ELEMENTS``): run a test both ways."""
+    finite first (``native_backend.SMALL_UPDATE_ELEMENTS``): run a test both ways."""
     if request.param == "proof":
-        monkeypatch.setattr(collection, "_SMALL_UPDATE_ELEMENTS", -1)
+        monkeypatch.setattr(native_backend, "SMALL_UPDATE_ELEMENTS", -1)
     return str(request.param)
 
 

@@ -1,4 +1,4 @@
-"""Issue 16, item 1: the small-batch fast path (``kernels/native_step.py``, ``tables/native_fast_path.py``).
+"""Issue 16, item 1: the small-batch fast path (``kernels/native_step.py``, ``tables/backends/native_fast_path.py``).
 
 A step whose every input is int64 (``Ragged`` or dense) is staged by one native call and looked up,
 prepared and applied through the fast calls; int32 ids of the same values take the general path. Both
@@ -92,8 +92,8 @@ def test_fast_path_equals_general_path_bit_for_bit(
     general = make(combiners, shared, concat, optimizers[opt](), pipelined)
     acts_fast = train(fast, 5, torch.int64, dense)
     acts_general = train(general, 5, torch.int32, dense)  # int32 ids never take the native staging
-    assert fast._engine.local.fast_path._arrays is not None  # the fast path served the int64 steps
-    assert general._engine.local.fast_path._arrays is None
+    assert fast._engine.local.backend.fast._arrays is not None  # the fast path served the int64 steps
+    assert general._engine.local.backend.fast._arrays is None
     for a, b in zip(acts_fast, acts_general, strict=True):
         assert torch.equal(a, b)
     assert_same(snapshot(fast), snapshot(general))
@@ -116,7 +116,7 @@ def test_staged_batches_share_one_staging_and_only_serve_themselves() -> None:
 def test_arrays_notice_a_replaced_or_resized_tensor() -> None:
     emb = make(("sum", "sum"), False, True, et.Adagrad(0.1))
     train(emb, 1, torch.int64, False)
-    fast = emb._engine.local.fast_path
+    fast = emb._engine.local.backend.fast
     first = fast.arrays()
     assert first is not None and fast.arrays() is first
     state = emb._engine.local.states["t0"]
@@ -164,7 +164,7 @@ def test_bad_ids_and_non_finite_updates_raise_as_on_the_general_path() -> None:
         emb.apply_gradients(torch.full_like(acts, 3e38))
     assert_same(snapshot(emb), before)  # nothing written by the refused update
     emb.apply_gradients(torch.ones_like(acts))  # the lookup stays: a good gradient applies
-    assert emb._engine.local.fast_path._arrays is not None
+    assert emb._engine.local.backend.fast._arrays is not None
 
 
 def test_updates_past_the_scratch_limit_take_the_general_update() -> None:
@@ -181,7 +181,7 @@ def test_updates_past_the_scratch_limit_take_the_general_update() -> None:
             acts = emb({k: v.to(dtype) for k, v in ids.items()})
             (acts * acts).sum().backward()
             emb.apply_gradients()
-    assert fast._engine.local.fast_path._small is False
+    assert fast._engine.local.backend.fast._small is False
     assert_same(snapshot(fast), snapshot(general))
 
 
@@ -202,7 +202,7 @@ def test_an_overflowing_table_leaves_the_tables_written_before_it_as_they_were()
         emb.apply_gradients(grad)
     assert_same(snapshot(emb), before)
     emb.apply_gradients(torch.ones_like(acts))
-    assert emb._engine.local.fast_path._small  # the fast path served the step
+    assert emb._engine.local.backend.fast._small  # the fast path served the step
     assert not torch.equal(snapshot(emb)["t0"], before["t0"])
 
 
@@ -238,7 +238,7 @@ def test_a_column_block_gradient_is_read_in_place_and_checked_whole() -> None:
     acts = emb(batch(emb, 0, torch.int64, True))
     acts.sum().backward()
     coll, last = emb._engine.local, emb._pipeline.last
-    arrays, bags = coll.fast_path.arrays(), last.batches[0].staged
+    arrays, bags = coll.backend.fast.arrays(), last.batches[0].staged
     layout = emb._concat
     grad = torch.randn(acts.shape, generator=torch.Generator().manual_seed(3))
     blocks = layout.blocks(grad)
@@ -267,7 +267,7 @@ def test_updates_fit_checking_asks_for_the_largest_update_of_every_table() -> No
     acts = emb(batch(emb, 0, torch.int64, True))
     acts.sum().backward()
     emb.apply_gradients()
-    arrays = emb._engine.local.fast_path.arrays()
+    arrays = emb._engine.local.backend.fast.arrays()
     largest = max(ws.num_rows * ws.dim for ws in arrays.workspaces)
     assert largest > 0
     saved = native_step.STAGED_MAX_VALUES
@@ -301,7 +301,7 @@ def test_the_untyped_calls_refuse_arrays_that_are_not_one_per_feature() -> None:
         native_step.stage(values, splits[:2], stager.vocab, stager.codes, arena)
     bags = native_step.stage(values, splits, stager.vocab, stager.codes, arena)
     assert bags is not None
-    arrays = emb._engine.local.fast_path.arrays()
+    arrays = emb._engine.local.backend.fast.arrays()
     outs = [torch.empty(6, d) for d in (4, 6, 8)]
     assert native_step.lookup(arrays, bags, outs, None) == 0
     with pytest.raises(native.NativeBufferError, match="one output per staged feature"):
@@ -375,7 +375,7 @@ def test_small_updates_proven_finite_skip_the_check_and_train_the_same_bits(opt:
     general = make(("sum", "mean"), False, True, optimizers[opt]())
     train(fast, 4, torch.int64, False)
     train(general, 4, torch.int32, False)
-    arrays = fast._engine.local.fast_path._arrays
+    arrays = fast._engine.local.backend.fast._arrays
     # t0 the optimizer above, t1 its own SGD block (make): proven tables are written without a check
     assert list(arrays.proven) == [int(opt != "ftrl"), 1]
     assert_same(snapshot(fast), snapshot(general))

@@ -1,52 +1,64 @@
-"""The collection's small-batch fast path: a step whose every feature was staged by one native call, over
-tables that the native kernels serve whole (float32 CPU, not quantized, gradients accumulated), takes one
-native call per phase through ``kernels/native_step.py``, with the tables' argument arrays built once.
+"""The native backend's small-batch fast path: a step whose every feature was staged by one native call,
+over tables that the native kernels serve whole (float32 CPU, not quantized, gradients accumulated), takes
+one native call per phase through ``kernels/native_step.py``, with the tables' argument arrays built once.
 
 Everything else, and every step whose call reports anything but success, goes through the general path of
-``EmbeddingCollection``, which repeats the work and raises its errors (naming the feature or table): the
-fast calls write nothing a failed step keeps (the lookup only its own outputs, phase 1 only the scratch
+``NativeBackend``, which repeats the work and raises its errors (naming the feature or table): the fast
+calls write nothing a failed step keeps (the lookup only its own outputs, phase 1 only the scratch
 workspaces, phase 2 nothing unless every table's update is finite).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from embtables.config import ResolvedConfig
+from embtables.config import ResolvedTable
 from embtables.kernels import native, native_step
 from embtables.kernels.native_step import StagedBags, TableArrays
+from embtables.tables.backends.table_set import TableSet
 from embtables.tables.inputs import FeatureBatch
-from embtables.tables.state import TableState
 from embtables.tables.table_gradient import TableGradient
 
 
 class NativeFastPath:
-    """The fast path of one ``EmbeddingCollection`` (``owner``): its tables, workspaces, optimizer blocks
-    and small-update rule (``_small_update``: whether a table's update is checked exactly in the writing
-    call) are the collection's own. Scratch: a copy or a pickle of the collection starts without one."""
+    """The fast path over ``tables``: the tables' phase-1 workspaces and optimizer blocks are the native
+    backend's (``workspace(table)``, ``params(table, lr)``)."""
 
-    def __init__(self, owner: Any) -> None:
-        self.owner = owner
-        self.resolved: ResolvedConfig = owner.resolved
-        tables = self.resolved.tables
+    def __init__(
+        self,
+        tables: TableSet,
+        workspace: Callable[[ResolvedTable], native.Workspace],
+        params: Callable[[ResolvedTable, float], Any],
+    ) -> None:
+        self.set = tables
+        self.resolved = tables.resolved
+        self._workspace = workspace
+        self._params = params
+        configs = self.resolved.tables
         # the config decides whether the path can ever serve these tables; the tensors are checked per call
-        self.possible = bool(tables) and all(
+        self.possible = bool(configs) and all(
             t.config.quantization_config is None and t.optimizer.use_gradient_accumulation and t.optimizer.lazy
-            for t in tables
+            for t in configs
         )
         self._arrays: TableArrays | None = None
-        self._prepared: tuple[TableArrays, list[TableGradient]] | None = None
+        self._prepared: tuple[TableArrays, dict[str, TableGradient]] | None = None
         self._small = False  # every update of the last phase 1 here is checked as it is written (see apply)
         self._rates: tuple[tuple[float, ...], list[Any]] = ((), [])  # learning rates -> optimizer blocks
-        self._dense = [0] * len(tables)  # lazy optimizers only: a non-lazy one updates every row
+        self._dense = [0] * len(configs)  # lazy optimizers only: a non-lazy one updates every row
+
+    def forget(self) -> None:
+        """Drop the argument arrays and the prepared gradients (built from the tensors)."""
+        self._arrays = None
+        self._prepared = None
+        self._small = False
 
     def _tensors(self) -> list[Tensor]:
         """Every table's weights and slots, table by table."""
-        states: dict[str, TableState] = self.owner.states
+        states = self.set.states
         tensors: list[Tensor] = []
         for table in self.resolved.tables:
             state = states[table.name]
@@ -61,7 +73,7 @@ class NativeFastPath:
         if not self.possible or native.library() is None:
             return None
         arrays = self._arrays
-        states: dict[str, TableState] = self.owner.states
+        states = self.set.states
         weights = [states[t.name].weights for t in self.resolved.tables] if weights_only else []
         if weights_only and arrays is not None and arrays.current_weights(weights):
             return arrays
@@ -72,7 +84,7 @@ class NativeFastPath:
             return None
         tables = self.resolved.tables
         pairs = [(states[t.name].weights, states[t.name].slot_tuple()) for t in tables]
-        workspaces = [self.owner.workspace(t) for t in tables]
+        workspaces = [self._workspace(t) for t in tables]
         try:
             self._arrays = TableArrays(pairs, workspaces, [f.table_index for f in self.resolved.features])
         except native.NativeBufferError:  # e.g. a slot no longer shaped like its table: the general path's checks
@@ -105,10 +117,10 @@ class NativeFastPath:
 
     def table_gradients(
         self, batches: Sequence[FeatureBatch], grads: Sequence[Tensor | None]
-    ) -> list[TableGradient] | None:
-        """Phase 1 of every table in one call, or None (not served, or a table's status is not 0). Phase 1
-        reads no table: the arrays' sizes serve it without checking the tensors (C checks the ids against
-        them, and phase 2 checks that the prepared rows fit the tables it writes)."""
+    ) -> dict[str, TableGradient] | None:
+        """Phase 1 of every table in one call (by table name), or None (not served, or a table's status is
+        not 0). Phase 1 reads no table: the arrays' sizes serve it without checking the tensors (C checks the
+        ids against them, and phase 2 checks that the prepared rows fit the tables it writes)."""
         bags = self.bags_of(batches)
         arrays = None if bags is None else self._arrays if self._arrays is not None else self.arrays()
         if bags is None or arrays is None:
@@ -119,11 +131,11 @@ class NativeFastPath:
         prepared = self._prepared
         if prepared is None or prepared[0] is not arrays:  # the same (immutable) gradients every step
             tables = self.resolved.tables
-            prepared = self._prepared = (arrays, [TableGradient(t, None, None, True, ws) for t, ws in
-                                                  zip(tables, arrays.workspaces)])  # fmt: skip
+            prepared = self._prepared = (arrays, {t.name: TableGradient(t, None, None, True, ws) for t, ws in
+                                                  zip(tables, arrays.workspaces)})  # fmt: skip
         # every table's update (unique rows x D values) small enough to be checked exactly as it is written
         self._small = native_step.updates_fit_checking(arrays)
-        return list(prepared[1])
+        return dict(prepared[1])
 
     def apply(self, table_grads: Sequence[TableGradient], lrs: dict[str, float]) -> bool:
         """Phase 2 of every table in one call, each update checked exactly as it is written, for the
@@ -133,7 +145,7 @@ class NativeFastPath:
         prepared = self._prepared
         if prepared is None or not self._small or len(table_grads) != len(prepared[1]):
             return False
-        for tg, ours in zip(table_grads, prepared[1]):
+        for tg, ours in zip(table_grads, prepared[1].values()):
             if tg is not ours:
                 return False
         arrays = prepared[0]
@@ -141,6 +153,6 @@ class NativeFastPath:
             return False
         tables = self.resolved.tables
         rates = tuple(lrs[t.name] for t in tables)
-        if rates != self._rates[0]:  # the optimizer blocks at these learning rates (the collection's cache)
-            self._rates = (rates, [self.owner.params(t, lr) for t, lr in zip(tables, rates)])
+        if rates != self._rates[0]:  # the optimizer blocks at these learning rates (the backend's cache)
+            self._rates = (rates, [self._params(t, lr) for t, lr in zip(tables, rates)])
         return max(native_step.apply_checked(arrays, self._rates[1], self._dense)) < 0  # -1 per table: all written

@@ -1,0 +1,45 @@
+"""The backends of a collection's arithmetic (``interface.py``): torch (the reference), native (C kernels on
+CPU tables) and GPU (fused Triton kernels on CUDA tables), each over a ``TableSet``.
+
+``choose`` picks one for where the tables are, once: at construction, after a device move, and after a
+process-wide switch of the native or GPU kernels (``set_enabled``, which tests use to compare paths).
+"""
+
+from __future__ import annotations
+
+from embtables.kernels import gpu, native_library
+from embtables.tables.backends.gpu_backend import GpuBackend
+from embtables.tables.backends.interface import Backend, BagPart, GradientPart, Lookup, Prepared
+from embtables.tables.backends.native_backend import NativeBackend
+from embtables.tables.backends.table_set import TableSet
+from embtables.tables.backends.torch_backend import TorchBackend
+
+__all__ = [
+    "Backend",
+    "BagPart",
+    "GpuBackend",
+    "GradientPart",
+    "Lookup",
+    "NativeBackend",
+    "Prepared",
+    "TableSet",
+    "TorchBackend",
+    "choose",
+    "switches",
+]
+
+
+def choose(tables: TableSet) -> Backend:
+    """The backend for the device of ``tables``: the GPU kernels where they run, the native kernels on CPU
+    tables when they are built, else the torch reference."""
+    weights = tables.weights
+    if gpu.usable_for(weights):
+        return GpuBackend(tables)
+    if weights.is_cpu and native_library.library() is not None:
+        return NativeBackend(tables)
+    return TorchBackend(tables)
+
+
+def switches() -> int:
+    """Changes whenever the native or GPU kernels are switched on or off in this process."""
+    return native_library.switches() + gpu.switches()

@@ -1,0 +1,254 @@
+"""``NativeBackend``: the C kernels (``kernels/native.py``) on float32 CPU tables.
+
+Lookups of every feature in one parallel region; phase 1 (dedup, float32 sums, finiteness) of every
+accumulated table in one call into per-table scratch workspaces; phase 2 of every table in one call.
+Steps staged whole by one native call take the small-batch fast path (``native_fast_path.py``). The
+finiteness proof reads bounds measured in the step that writes: over exactly the touched rows in C
+(``Workspace.touched_bounds``), or by the exact dry run in the writing call when that is cheaper.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from embtables.config import ResolvedTable
+from embtables.errors import InputError
+from embtables.kernels import native
+from embtables.kernels.clip_decay import effective_weight_decay
+from embtables.kernels.finite_guard import update_is_finite
+from embtables.tables.backends.interface import (
+    GRADIENT_NOT_FINITE,
+    INPUT_CHANGED,
+    OUT_OF_MEMORY,
+    OUT_OF_RANGE,
+    PREPARED,
+    BagPart,
+    GradientPart,
+    Lookup,
+    Prepared,
+    Restore,
+)
+from embtables.tables.backends.native_fast_path import NativeFastPath
+from embtables.tables.backends.table_set import TableSet
+from embtables.tables.backends.torch_backend import applied_with_backup
+from embtables.tables.inputs import FeatureBatch
+from embtables.tables.table_gradient import TableGradient
+from embtables.tables.value_bounds import non_finite_gradient, non_finite_update
+
+# Updates of at most this many rows x D (about 170 rows of 24) are checked by the exact dry run in C rather
+# than proven finite in Python: at that size both cost about the same (10 us a table, measured).
+SMALL_UPDATE_ELEMENTS = 1 << 12
+
+
+def input_changed(what: str) -> InputError:
+    return InputError(
+        f"{what}: ids or offsets changed after they were validated (an input buffer was written between the "
+        "lookup and apply_gradients()); no table or slot was changed."
+    )
+
+
+class NativeBackend:
+    """The C kernels over ``tables``. Scratch (workspaces, optimizer blocks, the fast path's argument
+    arrays) belongs to this process: a copy or a pickle of the collection builds a new backend."""
+
+    name = "native"
+
+    def __init__(self, tables: TableSet) -> None:
+        self.tables = tables
+        self._workspaces: dict[str, native.Workspace] = {}
+        self._param_blocks: dict[tuple[str, float, float], Any] = {}
+        self.fast = NativeFastPath(tables, self.workspace, self.params)
+
+    def workspace(self, table: ResolvedTable, scratch: str = "") -> native.Workspace:
+        """The table's phase-1 scratch (reused every step; one pending update per ``scratch`` name)."""
+        key = f"{table.name}\0{scratch}"
+        ws = self._workspaces.get(key)
+        if ws is None:
+            ws = self._workspaces[key] = native.Workspace(table.dim)
+        return ws
+
+    def params(self, table: ResolvedTable, lr: float, decay: float | None = None) -> Any:
+        """``native.opt_params`` of the table's optimizer at ``lr`` (and the decay it implies), built once
+        per (learning rate, decay): the config is frozen, so the block only changes with them."""
+        opt = table.optimizer
+        if decay is None:
+            decay = effective_weight_decay(opt.weight_decay_factor, opt.weight_decay_multiplied_by_lr, lr)
+        key = (table.name, lr, decay)
+        params = self._param_blocks.get(key)
+        if params is None:
+            if len(self._param_blocks) > 4 * len(self.tables.tables):  # a schedule: keep the latest only
+                self._param_blocks.clear()
+            params = self._param_blocks[key] = native.opt_params(opt, lr, decay, clip_gradients=True)
+        return params
+
+    def forget(self) -> None:
+        self.fast.forget()
+
+    # ------------------------------------------------------------------ lookup
+    def lookup(self, batches: Sequence[FeatureBatch], concat: bool) -> Lookup:
+        ts = self.tables
+        if batches and batches[0].staged is not None:  # every feature staged natively, in one call
+            buffer = torch.empty((batches[0].out_shape[0], ts.width)) if concat else None
+            done = self.fast.lookup(batches, buffer, ts.starts)
+            if done is not None:
+                if concat:
+                    return Lookup([], set(), done[0])
+                return Lookup(list(done), set(range(len(batches))))
+        features, tables, states = ts.features, ts.tables, ts.states
+        fast: list[int] = []
+        parts = []
+        for i, (feature, batch) in enumerate(zip(features, batches)):
+            table = tables[feature.table_index]
+            weights = states[table.name].weights
+            if table.config.quantization_config is None and native.usable(
+                weights, batch.ids, batch.offsets, batch.coeffs
+            ):
+                fast.append(i)
+                parts.append((weights, batch.ids, batch.offsets, batch.coeffs))
+        out: list[Tensor | None] = [None] * len(batches)
+        if not fast:
+            return Lookup(out, set())
+        wide = None
+        if concat and len(fast) == len(batches):
+            wide = torch.empty((batches[0].out_shape[0], ts.width), dtype=torch.float32)
+        acts_list, status = native.lookup_many(parts, None if wide is None else (wide, ts.starts))
+        if status == OUT_OF_RANGE:
+            names = ", ".join(repr(features[i].name) for i in fast)
+            raise InputError(
+                f"features {names}: ids or offsets changed after they were validated (an input buffer was "
+                "written while the batch was staged); nothing was looked up or changed. Do not modify input "
+                "tensors between enqueue() and dequeue()."
+            )
+        finite = status == 0  # else some output is not finite: the caller's check names the feature
+        if wide is not None:
+            if not finite:
+                ts.check_finite([wide[:, a : a + tables[f.table_index].dim] for f, a in zip(features, ts.starts)])
+            return Lookup([], set(), wide)
+        for i, acts in zip(fast, acts_list):
+            out[i] = acts.reshape(*batches[i].out_shape, tables[features[i].table_index].dim)
+        return Lookup(out, set(fast) if finite else set())
+
+    def pool(self, parts: Sequence[BagPart]) -> tuple[list[Tensor], int] | None:
+        if not parts or not all(native.usable(w, ids, offsets, coeffs) for w, ids, offsets, coeffs in parts):
+            return None
+        return native.lookup_many(list(parts))
+
+    # ------------------------------------------------------------------ phase 1
+    def table_gradients(
+        self, batches: Sequence[FeatureBatch], grads: Sequence[Tensor | None]
+    ) -> dict[str, TableGradient]:
+        """Phase 1 in C (dedup, float32 sums, finiteness) for every table the native kernels serve."""
+        if batches and batches[0].staged is not None:
+            done = self.fast.table_gradients(batches, grads)
+            if done is not None:
+                return done
+        eligible: list[tuple[ResolvedTable, list[native.FeaturePart]]] = []
+        for table in self.tables.tables:
+            if not table.optimizer.use_gradient_accumulation:
+                continue
+            parts = [(batches[f].ids, batches[f].offsets, batches[f].coeffs, grads[f]) for f in table.feature_indices]
+            # the collection checked the gradients: float32 on this device, contiguous or column blocks (which
+            # phase 1 reads in place); prepare_many checks every buffer again
+            if native.usable(self.tables.states[table.name].weights, *(t for part in parts for t in part[:3])):
+                eligible.append((table, parts))
+        if not eligible:
+            return {}
+        statuses = native.prepare_many(
+            [(self.workspace(table), table.vocabulary_size, parts) for table, parts in eligible]
+        )
+        out = {}
+        for (table, _), status in zip(eligible, statuses):
+            if status == OUT_OF_MEMORY:
+                raise MemoryError(f"table {table.name!r}: out of memory while preparing the sparse update.")
+            if status == INPUT_CHANGED:
+                raise input_changed(f"table {table.name!r}")
+            if status != PREPARED:
+                raise non_finite_gradient(table)
+            out[table.name] = TableGradient(table, None, None, accumulated=True, prepared=self.workspace(table))
+        return out
+
+    def prepare(self, table: ResolvedTable, parts: Sequence[GradientPart], *, scratch: str = "") -> Prepared | None:
+        weights = self.tables.states[table.name].weights
+        if not native.usable(weights, *(x for p in parts for x in p)):
+            return None
+        ws = self.workspace(table, scratch)
+        (status,) = native.prepare_many([(ws, table.vocabulary_size, list(parts))])
+        if status not in (PREPARED, GRADIENT_NOT_FINITE):
+            return Prepared(status)
+        return Prepared(status, TableGradient(table, None, None, accumulated=True, prepared=ws))
+
+    # ------------------------------------------------------------------ phase 2
+    def write_step(self, table_grads: Sequence[TableGradient], lrs: dict[str, float]) -> bool:
+        return self.fast.apply(table_grads, lrs)
+
+    def checked_update(
+        self, tg: TableGradient, lr: float, decay: float, *, check_in_write: bool = False
+    ) -> _NativeWrite | None:
+        state = self.tables.states[tg.table.name]
+        opt = tg.table.optimizer
+        slots = state.slot_tuple()
+        dense = not opt.lazy
+        ws = tg.prepared
+        if ws is None:
+            if tg.rows is None or tg.grads is None or not native.usable(state.weights, *slots, tg.rows, tg.grads):
+                return None
+            ws = self.workspace(tg.table)
+            status = ws.load(tg.rows, tg.grads.contiguous(), tg.table.vocabulary_size)
+            if status == OUT_OF_MEMORY:
+                raise MemoryError(f"table {tg.table.name!r}: out of memory while loading the sparse update.")
+            if status != PREPARED:
+                raise InputError(f"table {tg.table.name!r}: the update's rows are out of range or repeated.")
+        params = self.params(tg.table, lr, decay)
+        rows = tg.table.vocabulary_size if dense else ws.num_rows
+        if check_in_write and rows * tg.table.dim <= SMALL_UPDATE_ELEMENTS:
+            # A dry run of a few rows costs less than the proof: check exactly in the writing call.
+            return _NativeWrite(tg.table, ws, state.weights, slots, params, dense, lr, True)
+        hi, lo = ws.touched_bounds(state.weights, slots, dense=dense)
+        # not proven: the exact dry run, a second pass over every touched row
+        check = not update_is_finite(opt, lr, decay, ws.gradient_max_abs, hi, lo)
+        if check and not check_in_write:
+            bad = ws.check(state.weights, slots, params, dense=dense)
+            if bad >= 0:
+                raise non_finite_update(tg.table, bad, lr)
+        return _NativeWrite(tg.table, ws, state.weights, slots, params, dense, lr, check and check_in_write)
+
+    def write(self, writes: Sequence[_NativeWrite]) -> None:
+        if not writes:
+            return
+        bad_rows = native.apply_many([(w.ws, w.weights, w.slots, w.params, w.dense, w.check) for w in writes])
+        for w, bad in zip(writes, bad_rows):
+            if bad >= 0:  # found by a dry run in the writing call: nothing was written
+                raise non_finite_update(w.table, bad, w.lr)
+
+    def sequential(self, tg: TableGradient, lr: float) -> Restore | None:
+        state = self.tables.states[tg.table.name]
+        slots = state.slot_tuple()
+        if tg.rows is None or tg.grads is None or not native.usable(state.weights, *slots, tg.rows, tg.grads):
+            return None
+        opt = tg.table.optimizer
+        decay = effective_weight_decay(opt.weight_decay_factor, opt.weight_decay_multiplied_by_lr, lr)
+        params = native.opt_params(opt, lr, decay, clip_gradients=False)
+
+        def run(rows: Tensor, grads: Tensor) -> None:
+            native.apply_sequential(rows, grads.contiguous(), state.weights, slots, params)
+
+        return applied_with_backup(state, tg, lr, run)
+
+
+@dataclasses.dataclass(eq=False)
+class _NativeWrite:
+    """A checked native update, not yet written: ``NativeBackend.write`` writes several together."""
+
+    table: ResolvedTable
+    ws: native.Workspace
+    weights: Tensor
+    slots: tuple[Tensor, ...]
+    params: Any
+    dense: bool
+    lr: float
+    check: bool = False  # the exact dry run runs in the writing call

@@ -1,0 +1,73 @@
+"""``TableSet``: what every backend reads about the tables of one collection, built once.
+
+A backend (``tables/backends/``) never sees the collection that drives it: it gets the resolved config,
+the live table states (a device move replaces their tensors in place, so the set stays current), the
+columns of the concatenated activations, the bounds of the values an update reads, and the one check of
+looked-up activations that names the feature at fault.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from embtables.config import ResolvedConfig, ResolvedTable
+from embtables.errors import InputError
+from embtables.kernels import native
+from embtables.tables.concatenated import column_starts
+from embtables.tables.state import TableState
+from embtables.tables.value_bounds import rows_bounds
+
+
+class TableSet:
+    """The tables of ``resolved`` held in ``states`` (``{table name: TableState}``, shared with the caller)."""
+
+    def __init__(self, resolved: ResolvedConfig, states: dict[str, TableState]) -> None:
+        self.resolved = resolved
+        self.states = states
+        self.tables = resolved.tables
+        self.features = resolved.features
+        # column_starts of the config: where each feature's D columns start in the concatenated [B, W]
+        self.starts, self.width = column_starts(resolved)
+
+    @property
+    def device(self) -> torch.device:
+        return next(iter(self.states.values())).weights.device
+
+    @property
+    def weights(self) -> Tensor:
+        """The first table's weights (what decides the device and the backend)."""
+        return next(iter(self.states.values())).weights
+
+    def table_of(self, feature_index: int) -> ResolvedTable:
+        return self.tables[self.features[feature_index].table_index]
+
+    def state_of(self, feature_index: int) -> TableState:
+        return self.states[self.table_of(feature_index).name]
+
+    def bounds(self, table: ResolvedTable, rows: Tensor | None) -> tuple[list[float], list[float]]:
+        """``rows_bounds`` of the table's weights and slots over ``rows`` [U] (None: every row)."""
+        state = self.states[table.name]
+        return rows_bounds((state.weights, *state.slot_tuple()), rows)
+
+    def check_finite(self, activations: Sequence[Tensor], checked: set[int] | None = None) -> None:
+        """Raise naming the first feature whose activations are not all finite (skipping those ``checked``)."""
+        if not checked and all_finite(activations):  # one pass; the scan below only names the culprit
+            return
+        for i, acts in enumerate(activations):
+            if checked is not None and i in checked:
+                continue
+            if not bool(torch.isfinite(acts).all()):
+                feature = self.features[i]
+                raise InputError(
+                    f"feature {feature.name!r} (table {self.table_of(i).name!r}): the looked-up activations "
+                    "overflow float32 (a sum of large rows or weights is not finite); no table or slot was changed. "
+                    "Check the weights of this feature and the table's values."
+                )
+
+
+def all_finite(tensors: Sequence[Tensor]) -> bool:
+    """Whether every value of the float32 ``tensors`` is finite (one native pass over CPU tensors)."""
+    return native.all_finite(list(tensors))
