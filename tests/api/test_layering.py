@@ -3,12 +3,15 @@
 Layers, bottom to top: config(0) <- kernels(1) <- tables(2) <- sharding(3) <- checkpoint(4) <- top(5).
 A module may import only from its own layer or below. ``config/`` never imports torch, and only
 ``embtables/sharding/comm.py`` may use ``torch.distributed``. A new subpackage or top-level module
-fails the test until it is added to ``LAYERS``.
+fails the test until it is added to ``LAYERS``. Within a layer, modules import each other without a
+circle (every import counts, ``TYPE_CHECKING`` and function-level ones included), and no backend
+(``tables/backends/``) imports the collection or the engines that drive it.
 """
 
 from __future__ import annotations
 
 import ast
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -140,6 +143,111 @@ def test_package_files_found() -> None:
 @pytest.mark.parametrize("path", package_files(), ids=_rel)
 def test_module_respects_layers(path: Path) -> None:
     assert violations(_rel(path), path.read_text(encoding="utf-8")) == []
+
+
+def module_edges(this: str, is_package: bool, tree: ast.AST, known: set[str]) -> set[str]:
+    """The ``embtables`` modules (of ``known``) that module ``this`` imports. ``from pkg import name``
+    depends on the submodule ``pkg.name`` when there is one, else on ``pkg`` (a name it re-exports)."""
+    package = this if is_package else this.rpartition(".")[0]
+    targets: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            targets.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                parts = package.split(".")
+                base = ".".join(parts[: len(parts) - (node.level - 1)])
+                target = f"{base}.{node.module}" if node.module else base
+            else:
+                target = node.module or ""
+            for alias in node.names:
+                sub = f"{target}.{alias.name}"
+                targets.add(sub if sub in known else target)
+    out = set()
+    for target in targets:
+        while target and target not in known:
+            target = target.rpartition(".")[0]
+        if target and target != this:
+            out.add(target)
+    return out
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work: list[tuple[str, Iterator[str]]] = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph.get(child, ())))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+    return found
+
+
+def import_graph() -> dict[str, set[str]]:
+    files = {module_name(_rel(p)): p for p in package_files()}
+    known = set(files)
+    return {
+        m: module_edges(m, p.name == "__init__.py", ast.parse(p.read_text(encoding="utf-8")), known)
+        for m, p in files.items()
+    }
+
+
+def test_the_package_has_no_import_circle() -> None:
+    assert circles(import_graph()) == []
+
+
+def test_no_backend_imports_what_drives_it() -> None:
+    graph = import_graph()
+    drivers = {"embtables.tables.collection", "embtables.tables.engine", "embtables.tables"}
+    for module, imports in graph.items():
+        if module.startswith("embtables.tables.backends"):
+            assert not imports & drivers, (module, sorted(imports & drivers))
+            assert not any(i.startswith(("embtables.sharding", "embtables.api")) for i in imports), module
+
+
+def test_the_circle_finder_finds_circles() -> None:
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": {"e"}, "f": set()}
+    assert circles(graph) == [["a", "b", "c"]]
+    assert circles({"x": {"y"}, "y": set()}) == []
+    known = {"embtables.tables", "embtables.tables.collection", "embtables.tables.backends.gpu_backend"}
+    type_checking = (
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from embtables.tables.collection import C\n"
+    )
+    edges = module_edges("embtables.tables.backends.gpu_backend", False, ast.parse(type_checking), known)
+    assert edges == {"embtables.tables.collection"}  # a TYPE_CHECKING import counts
+    edges = module_edges("embtables.tables.collection", False, ast.parse("from embtables.tables import x\n"), known)
+    assert edges == {"embtables.tables"}  # a name the package re-exports: the package itself
 
 
 # ---------------------------------------------------------------------------------------------
