@@ -4,11 +4,13 @@ plain PyTorch in the same run, one thread by default (a serving or small-model t
 
     python -m embtables bench latency                  # JSON lines on stdout, progress on stderr
     python -m embtables bench latency --threads 2 --batches 64,512 --pooling 1 --impls embtables,fbgemm
+    python -m embtables bench latency --variation ctr26 --batches 64 --pooling 1   # 26 tables x 100k x 16
 
 Each measurement is a ``train_step`` JSON line as ``embtables bench`` prints them; then one
 ``latency_summary`` line per size with every impl's least median over ``--rounds`` round-robin rounds and
 each peer's ratio to embtables' (``ours``: the
-concatenated impl when measured; > 1: embtables is faster), and a Markdown table on stderr (``--out FILE``
+concatenated impl when measured; > 1: embtables is faster; ``speedup_per_feature``: the same against the
+default per-feature output, ``embtables``), and a Markdown table on stderr (``--out FILE``
 writes it too).
 """
 
@@ -74,6 +76,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument(
         "--impls", default="embtables,embtables-concat,fbgemm,torch", help=f"comma list of {', '.join(IMPLS)}"
     )
+    ap.add_argument(
+        "--variation", default="small", choices=["small", "ctr26"], help="the tables: 8 x 2000 x 24, or 26 x 100k x 16"
+    )
     ap.add_argument("--batches", default="64,512,2048")
     ap.add_argument("--pooling", default="1,5,20", help="ids per bag")
     ap.add_argument("--optimizer", default="adagrad", choices=sorted(OPTIMIZERS))
@@ -104,7 +109,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     summaries = []
     for batch in _ints(args.batches):
         for pooling in _ints(args.pooling):
-            wl = variation("small", ids=args.ids, batch=batch, pooling=pooling, name=f"latency b{batch} p{pooling}")
+            name = f"latency {args.variation} b{batch} p{pooling}"
+            wl = variation(args.variation, ids=args.ids, batch=batch, pooling=pooling, name=name)
             batches = make_batches(wl)
             rounds: dict[str, list[float]] = {}
             for _ in range(max(1, args.rounds)):  # round-robin, so a slow spell of the machine hits every impl
@@ -133,6 +139,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "ours": best,
                 "speedup": {
                     k: round(v / ours, 3) for k, v in medians.items() if ours and not k.startswith("embtables")
+                },
+                "speedup_per_feature": {
+                    k: round(v / medians["embtables"], 3)
+                    for k, v in medians.items()
+                    if medians.get("embtables") and not k.startswith("embtables")
                 },
             }
             emit(summary)

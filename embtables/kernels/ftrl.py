@@ -101,4 +101,5 @@ RECORD = KernelRecord(
     bounds=_bounds,
     slot_domains=lambda opt: ("nonnegative" if opt.allow_zero_accumulator else "positive", "any"),
     divides_by_learning_rate=lambda opt: not opt.multiply_linear_by_learning_rate,
+    power_is_sqrt=lambda constants: constants["power"] == 0.5,
 )

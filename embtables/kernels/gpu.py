@@ -21,7 +21,6 @@ import torch
 from torch import Tensor
 
 from embtables.config.catalogue import Optimizer
-from embtables.kernels import ftrl
 from embtables.kernels.clip_decay import clip_limits
 from embtables.kernels.record import KernelRecord
 from embtables.kernels.registry import record_of
@@ -399,12 +398,12 @@ def update_parameters(opt: Optimizer, lr: float, decay: float) -> dict[str, Any]
     """The scalar arguments and flags of ``update_kernel`` for ``opt`` at ``lr`` and effective ``decay``:
     the kernel record's float32 constants and flags, as the native C kernels get them."""
     record: KernelRecord = record_of(opt)
-    constants = list(record.native_constants(opt, lr).values())
+    named = record.native_constants(opt, lr)
+    constants = list(named.values())
     if len(constants) > 6:
         raise GpuBufferError(f"embtables GPU kernel: {type(opt).__name__} has more than 6 constants.")
     constants += [0.0] * (6 - len(constants))
     flags = [bool(v) for v in record.native_flags(opt).values()] + [False, False]
-    pow_is_sqrt = record.native_kind == ftrl.RECORD.native_kind and constants[0] == 0.5
     return {
         "scalars": (
             float(lr),
@@ -416,7 +415,7 @@ def update_parameters(opt: Optimizer, lr: float, decay: float) -> dict[str, Any]
         "NSLOTS": len(type(opt).SLOT_NAMES),
         "FLAG0": flags[0],
         "FLAG1": flags[1],
-        "POW_IS_SQRT": pow_is_sqrt,
+        "POW_IS_SQRT": record.power_is_sqrt(named),
     }
 
 

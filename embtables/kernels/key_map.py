@@ -15,6 +15,7 @@ from torch import Tensor
 
 from embtables.config import DynamicVocabulary
 from embtables.kernels import native
+from embtables.kernels.native_abi import decode, raise_for
 
 STAT_NAMES = ("admitted", "evicted", "expired", "rejected", "untracked")
 
@@ -47,7 +48,7 @@ def _library() -> Any:
 
 
 def _keys(keys: Tensor) -> Tensor:
-    return native._require(keys, "keys", torch.int64, (-1,))
+    return native.require(keys, "keys", torch.int64, (-1,))
 
 
 class KeyMap:
@@ -90,13 +91,13 @@ class KeyMap:
 
     def _reset_count(self, status: int, step: int) -> int:
         """The number of reset rows ``et_km_train`` returned, or its error raised."""
-        if status == -1:
+        meaning = decode("et_km_train", status)
+        if meaning == "step_back":
             raise RuntimeError(
                 f"embtables: a dynamic table's training lookup at step {step} comes after step {self.step} "
                 "(steps never go back); this is an embtables bug."
             )
-        if status == -2:
-            raise MemoryError("embtables: out of memory while admitting keys to a dynamic table.")
+        raise_for("et_km_train", status, "a dynamic table admitting keys")
         return status
 
     @staticmethod
@@ -155,16 +156,16 @@ class KeyMap:
         rule is broken); the counters start afresh."""
         shape = (self.capacity,)
         fields = {"keys": state.keys, "counts": state.counts, "last_step": state.last_step, "order": state.order}
-        arrays = [native._require(t, name, torch.int64, shape) for name, t in fields.items()]
+        arrays = [native.require(t, name, torch.int64, shape) for name, t in fields.items()]
         p = int(state.pending_keys.numel()) if isinstance(state.pending_keys, Tensor) else -1
         pending = [
-            native._require(t, name, torch.int64, (p,))
+            native.require(t, name, torch.int64, (p,))
             for name, t in (("pending_keys", state.pending_keys), ("pending_counts", state.pending_counts),
                             ("pending_last_step", state.pending_last_step))
         ]  # fmt: skip
         ptrs = [t.data_ptr() for t in arrays + pending]
         status = _library().et_km_import(self.handle, *ptrs, p, int(state.step))
-        if status != 0:
+        if decode("et_km_import", status) != "ok":
             raise ValueError(
                 "the dynamic table's vocabulary state is inconsistent (a negative count, a key twice, a last step "
                 f"after the state's step {state.step}, two live rows with one order, or more pending keys than "

@@ -15,6 +15,8 @@ from torch import Tensor
 
 from embtables.config.catalogue import Optimizer
 from embtables.kernels.clip_decay import clip_limits
+from embtables.kernels.native_abi import NativeBufferError as NativeBufferError
+from embtables.kernels.native_abi import raise_for
 from embtables.kernels.native_args import array
 from embtables.kernels.native_library import OptParams as _OptParams
 from embtables.kernels.native_library import library as library
@@ -38,11 +40,7 @@ def usable(*tensors: Tensor | None) -> bool:
 _ANY_1D = (-1,)
 
 
-class NativeBufferError(RuntimeError):
-    """A buffer handed to a native kernel is not what the kernel reads (an embtables bug, never user input)."""
-
-
-def _require(t: object, what: str, dtype: torch.dtype, shape: tuple[int, ...]) -> Tensor:
+def require(t: object, what: str, dtype: torch.dtype, shape: tuple[int, ...]) -> Tensor:
     """``t`` as a contiguous CPU tensor of ``dtype`` and exactly ``shape`` (-1 = any), else raise.
 
     Every buffer is checked here, in the call that hands it to C, so C never reads past an allocation."""
@@ -77,15 +75,15 @@ def _require(t: object, what: str, dtype: torch.dtype, shape: tuple[int, ...]) -
     return t
 
 
-def _require_opt(t: Tensor | None, what: str, dtype: torch.dtype, shape: tuple[int, ...]) -> Tensor | None:
-    return None if t is None else _require(t, what, dtype, shape)
+def require_optional(t: Tensor | None, what: str, dtype: torch.dtype, shape: tuple[int, ...]) -> Tensor | None:
+    return None if t is None else require(t, what, dtype, shape)
 
 
-def _ptr(t: Tensor | None) -> int | None:
+def pointer(t: Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
-def _threads() -> int:
+def threads() -> int:
     return max(1, torch.get_num_threads())
 
 
@@ -140,13 +138,13 @@ class _Bags:
 
     def add(self, ids: Tensor, offsets: Tensor, coeffs: Tensor | None) -> int:
         """Check and collect one feature's bags; returns their count S."""
-        _require(ids, "ids", torch.int64, (-1,))
-        _require(offsets, "offsets", torch.int64, (-1,))
+        require(ids, "ids", torch.int64, (-1,))
+        require(offsets, "offsets", torch.int64, (-1,))
         bags = offsets.numel() - 1
         if bags < 0:
             raise NativeBufferError("embtables native kernel: offsets must hold at least one value.")
         if coeffs is not None:
-            _require(coeffs, "coeffs", torch.float32, (ids.numel(),))
+            require(coeffs, "coeffs", torch.float32, (ids.numel(),))
         self.ids.append(ids.data_ptr())
         self.n_ids.append(ids.numel())
         self.offsets.append(offsets.data_ptr())
@@ -174,7 +172,7 @@ def lookup_many(
     checked: set[int] = set()  # tables already checked in this call (features sharing a table)
     for table, ids, offsets, coeffs in parts:
         if id(table) not in checked:
-            _require(table, "table", f32, (-1, -1))
+            require(table, "table", f32, (-1, -1))
             checked.add(id(table))
         bags_in.add(ids, offsets, coeffs)
         vocab_size, dim = table.shape
@@ -186,7 +184,7 @@ def lookup_many(
         out_ptr, ld = [o.data_ptr() for o in outs], dims
     else:
         buf, starts = into
-        _require(buf, "output", f32, (-1, -1))
+        require(buf, "output", f32, (-1, -1))
         rows, width = buf.shape
         if len(starts) != n or any(
             bags != rows or st < 0 or st + dim > width for bags, dim, st in zip(n_bags, dims, starts)
@@ -207,7 +205,7 @@ def lookup_many(
         array("lookup.coeffs", vp, bags_in.coeffs),
         array("lookup.out", vp, out_ptr),
         array("lookup.ld", c64, ld),
-        _threads(),
+        threads(),
     )
     return outs, int(status)
 
@@ -229,8 +227,8 @@ def apply_many(items: list[ApplyItem]) -> list[int]:
     s_ptr: tuple[list[int | None], list[int | None], list[int | None]] = ([], [], [])
     flags: tuple[list[int], list[int], list[int]] = ([], [], [])
     for ws, weights, slots, p, dense, check in items:
-        _require(weights, "weights", f32, (-1, ws.dim))
-        s0, s1, s2 = _slots(weights, slots)
+        require(weights, "weights", f32, (-1, ws.dim))
+        s0, s1, s2 = slot_tensors(weights, slots)
         s_ptr[0].append(None if s0 is None else s0.data_ptr())
         s_ptr[1].append(None if s1 is None else s1.data_ptr())
         s_ptr[2].append(None if s2 is None else s2.data_ptr())
@@ -258,7 +256,7 @@ def apply_many(items: list[ApplyItem]) -> list[int]:
         array("apply.dense", i32, flags[0]),
         array("apply.measure", i32, flags[1]),
         array("apply.check", i32, flags[2]),
-        _threads(),
+        threads(),
         maxabs,
         status,
         bad,
@@ -266,11 +264,11 @@ def apply_many(items: list[ApplyItem]) -> list[int]:
         None,
         None,
     )
-    raise_for_apply_status(status)
+    raise_for("et_apply_many", status)
     return list(bad)
 
 
-def _slots(weights: Tensor, slots: tuple[Tensor, ...]) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+def slot_tensors(weights: Tensor, slots: tuple[Tensor, ...]) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
     """The (at most three) slots of a [V, D] table, each checked to be [V, D] float32 like it."""
     if len(slots) > 3:
         raise NativeBufferError(f"embtables native kernel: at most 3 slots, got {len(slots)}.")
@@ -285,7 +283,7 @@ def _slots(weights: Tensor, slots: tuple[Tensor, ...]) -> tuple[Tensor | None, T
             and slot.is_contiguous()
             and slot.shape == shape
         ):
-            _require(slot, f"slot {i}", torch.float32, tuple(shape))  # raises, naming what is wrong
+            require(slot, f"slot {i}", torch.float32, tuple(shape))  # raises, naming what is wrong
         checked[i] = slot
     return checked[0], checked[1], checked[2]
 
@@ -348,8 +346,8 @@ class Workspace:
         would. Returns 0 ok, 2 out of memory, 3 a row out of range or repeated (workspace left empty)."""
         lib = library()
         assert lib is not None
-        _require(rows, "rows", torch.int64, (-1,))
-        _require(grads, "grads", torch.float32, (rows.numel(), self.dim))
+        require(rows, "rows", torch.int64, (-1,))
+        require(grads, "grads", torch.float32, (rows.numel(), self.dim))
         return int(
             lib.et_workspace_load(
                 self.handle, rows.data_ptr(), grads.data_ptr(), rows.numel(), self.dim, vocabulary_size
@@ -361,28 +359,23 @@ class Workspace:
         update is not finite. Nothing is written."""
         lib = library()
         assert lib is not None
-        _require(weights, "weights", torch.float32, (-1, self.dim))
-        s0, s1, s2 = _slots(weights, slots)
+        require(weights, "weights", torch.float32, (-1, self.dim))
+        s0, s1, s2 = slot_tensors(weights, slots)
         bad = int(
             lib.et_check(
                 self.handle,
                 weights.data_ptr(),
-                _ptr(s0),
-                _ptr(s1),
-                _ptr(s2),
+                pointer(s0),
+                pointer(s1),
+                pointer(s2),
                 weights.shape[0],
                 self.dim,
                 ctypes.byref(params),
                 int(dense),
-                _threads(),
+                threads(),
             )
         )
-        if bad == -2:
-            raise NativeBufferError("embtables native kernel: the prepared update does not fit this table.")
-        if bad == -4:
-            raise NativeBufferError(f"embtables native kernel: unknown optimizer kind {params.kind}.")
-        if bad == -3:
-            raise MemoryError("embtables: out of memory while checking the sparse update.")
+        raise_for("et_check", bad, f"kind {params.kind}")
         return bad
 
     def touched_bounds(
@@ -393,17 +386,16 @@ class Workspace:
         each slot."""
         lib = library()
         assert lib is not None
-        _require(weights, "weights", torch.float32, (-1, self.dim))
-        s0, s1, s2 = _slots(weights, slots)
+        require(weights, "weights", torch.float32, (-1, self.dim))
+        s0, s1, s2 = slot_tensors(weights, slots)
         hi, lo = (ctypes.c_double * 4)(), (ctypes.c_double * 4)()
         status = int(
             lib.et_touched_bounds(
-                self.handle, weights.data_ptr(), _ptr(s0), _ptr(s1), _ptr(s2), weights.shape[0], self.dim,
-                int(dense), _threads(), hi, lo,
+                self.handle, weights.data_ptr(), pointer(s0), pointer(s1), pointer(s2), weights.shape[0], self.dim,
+                int(dense), threads(), hi, lo,
             )
         )  # fmt: skip
-        if status != 0:
-            raise NativeBufferError("embtables native kernel: the prepared update does not fit this table.")
+        raise_for("et_touched_bounds", status)
         n = 1 + len(slots)
         return list(hi)[:n], list(lo)[:n]
 
@@ -444,22 +436,9 @@ def gradient_stride(grad: Tensor, bags: int, dim: int) -> int:
     fits = type(grad) is Tensor and grad.dtype is torch.float32 and grad.is_cpu and grad.shape == (bags, dim)
     row = gradient_rows(grad, dim) if fits else None
     if row is None:
-        _require(grad, "gradient", torch.float32, (bags, dim))  # raises, naming what is wrong
+        require(grad, "gradient", torch.float32, (bags, dim))  # raises, naming what is wrong
         raise NativeBufferError("embtables native kernel: the gradient's rows are not laid out as [S, D].")
     return row
-
-
-def raise_for_apply_status(status: Any) -> None:
-    """Raise for a phase-2 call's per-table status codes other than 0 (written) and 1 (not finite: nothing
-    written, reported by row): -4 unknown optimizer kind, -3 out of memory, -2 a prepared update that does
-    not fit its table."""
-    codes = set(status)
-    if codes - {0, 1}:
-        if -4 in codes:
-            raise NativeBufferError("embtables native kernel: unknown optimizer kind (no table was written).")
-        if -3 in codes:
-            raise MemoryError("embtables: out of memory while checking the sparse update (no table was written).")
-        raise NativeBufferError("embtables native kernel: a prepared update does not fit its table.")
 
 
 def prepare_many(tables: list[tuple[Workspace, int, list[FeaturePart]]]) -> list[int]:
@@ -496,7 +475,7 @@ def prepare_many(tables: list[tuple[Workspace, int, list[FeaturePart]]]) -> list
         array("prepare.strides", c64, strides),
         array("prepare.dims", c64, [ws.dim for ws, _, _ in tables]),
         array("prepare.vocab", c64, [v for _, v, _ in tables]),
-        _threads(),
+        threads(),
         array("prepare.handles", vp, [ws.handle for ws, _, _ in tables]),
         statuses,
     )
@@ -509,24 +488,23 @@ def apply_sequential(
     """Apply occurrences one at a time, in order (no accumulation): ``rows`` [N], ``grads`` [N, D]."""
     lib = library()
     assert lib is not None
-    _require(weights, "weights", torch.float32, (-1, -1))
-    _require(rows, "rows", torch.int64, (-1,))
-    _require(grads, "grads", torch.float32, (rows.numel(), weights.shape[1]))
-    s0, s1, s2 = _slots(weights, slots)
+    require(weights, "weights", torch.float32, (-1, -1))
+    require(rows, "rows", torch.int64, (-1,))
+    require(grads, "grads", torch.float32, (rows.numel(), weights.shape[1]))
+    s0, s1, s2 = slot_tensors(weights, slots)
     status = lib.et_apply_sequential(
         rows.data_ptr(),
         grads.data_ptr(),
         rows.numel(),
         weights.data_ptr(),
-        _ptr(s0),
-        _ptr(s1),
-        _ptr(s2),
+        pointer(s0),
+        pointer(s1),
+        pointer(s2),
         weights.shape[0],
         weights.shape[1],
         ctypes.byref(params),
-        _threads(),
+        threads(),
     )
-    if status == 4:
-        raise NativeBufferError(f"embtables native kernel: unknown optimizer kind {params.kind}.")
+    raise_for("et_apply_sequential", status)
     if status != 0:
         raise NativeBufferError("embtables native kernel: a row id is outside the table.")

@@ -9,7 +9,7 @@ import ctypes
 import torch
 from torch import Tensor
 
-from embtables.kernels.native import NativeBufferError, _ptr, _require, _require_opt, library
+from embtables.kernels.native import NativeBufferError, library, pointer, require, require_optional
 from embtables.kernels.native_args import array
 
 OwnerSplit = tuple[Tensor, Tensor | None, Tensor, list[int]]  # local ids [N], coeffs [N] | None, offsets, counts [W]
@@ -28,10 +28,10 @@ def split_by_owner(parts: list[tuple[Tensor, Tensor, Tensor | None, str, int]], 
     for ids, offsets, coeffs, strategy, vocab in parts:
         if strategy not in ("div", "mod") or vocab < 1:
             return None
-        _require(ids, "ids", torch.int64, (-1,))
-        if _require(offsets, "offsets", torch.int64, (-1,)).numel() < 1:
+        require(ids, "ids", torch.int64, (-1,))
+        if require(offsets, "offsets", torch.int64, (-1,)).numel() < 1:
             raise NativeBufferError("embtables native kernel: offsets must hold at least one value.")
-        _require_opt(coeffs, "coeffs", torch.float32, (ids.numel(),))
+        require_optional(coeffs, "coeffs", torch.float32, (ids.numel(),))
     out_ids = [torch.empty(p[0].numel(), dtype=torch.int64) for p in parts]
     out_coeffs = [None if p[2] is None else torch.empty(p[0].numel(), dtype=torch.float32) for p in parts]
     out_offsets = [torch.empty((world, p[1].numel()), dtype=torch.int64) for p in parts]
@@ -44,12 +44,12 @@ def split_by_owner(parts: list[tuple[Tensor, Tensor, Tensor | None, str, int]], 
         i64s(*[p[0].numel() for p in parts]),
         arr(*[p[1].data_ptr() for p in parts]),
         i64s(*[p[1].numel() - 1 for p in parts]),
-        arr(*[_ptr(p[2]) for p in parts]),
+        arr(*[pointer(p[2]) for p in parts]),
         (ctypes.c_int32 * n)(*[0 if p[3] == "div" else 1 for p in parts]),
         i64s(*[p[4] for p in parts]),
         world,
         arr(*[t.data_ptr() for t in out_ids]),
-        arr(*[_ptr(t) for t in out_coeffs]),
+        arr(*[pointer(t) for t in out_coeffs]),
         arr(*[t.data_ptr() for t in out_offsets]),
         arr(*[t.data_ptr() for t in out_counts]),
     )
@@ -90,14 +90,14 @@ def stage_inputs_many(parts: list[InputPart], arena: Tensor, coef_arena: Tensor)
     split_ptr: list[int | None] = []
     n_ids, n_bags, vocab, codes, sizes = [], [], [], [], []  # type: list[int], list[int], list[int], list[int], list[int]
     for ids, splits, v, code in parts:
-        _require(ids, "ids", i64, (-1,))
+        require(ids, "ids", i64, (-1,))
         count = ids.numel()
         if splits is None:
             split_ptr.append(None)
             n_bags.append(-1)
             sizes += (count, count + 1)
         else:
-            _require(splits, "row splits", i64, (-1,))
+            require(splits, "row splits", i64, (-1,))
             if splits.numel() < 1:
                 raise NativeBufferError("embtables native kernel: row splits must hold at least one value.")
             split_ptr.append(splits.data_ptr())
@@ -109,8 +109,8 @@ def stage_inputs_many(parts: list[InputPart], arena: Tensor, coef_arena: Tensor)
         n_ids.append(count)
         vocab.append(v)
         codes.append(code)
-    _require(arena, "staging arena", i64, (-1,))
-    _require(coef_arena, "coefficient arena", torch.float32, (-1,))
+    require(arena, "staging arena", i64, (-1,))
+    require(coef_arena, "coefficient arena", torch.float32, (-1,))
     vp, i64s = ctypes.c_void_p, ctypes.c_int64
     status, single = (ctypes.c_int32 * n)(), (ctypes.c_int32 * n)()
     written = lib.et_stage_inputs_many(

@@ -3,7 +3,8 @@
 The C files are compiled once per machine with the system C compiler (``$CC``, else ``cc``/``gcc``)
 into ``$EMBTABLES_CACHE_DIR`` (default ``~/.cache/embtables``), keyed by the source, the flags and
 the CPU, and loaded with ctypes: no build step at install time, no torch headers, about a second
-to compile. The library binds to the OpenMP runtime torch already loaded, so both share one thread pool.
+to compile. Every function is typed from its declaration in ``kernels/native_abi.py``. The library
+binds to the OpenMP runtime torch already loaded, so both share one thread pool.
 
 ``EMBTABLES_NATIVE=0`` disables it; so does a missing compiler, which is logged once (never a
 silent fallback). ``kernels/native.py`` holds the checked wrappers every caller goes through.
@@ -23,6 +24,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from embtables.kernels import native_abi
 from embtables.kernels.registry import RECORDS
 
 logger = logging.getLogger("embtables")
@@ -127,68 +129,7 @@ def _compile() -> ctypes.CDLL | None:
             os.replace(out, target)  # atomic: concurrent processes never load a half-written file
         logger.info("embtables: compiled native kernels into %s", target)
     lib = ctypes.CDLL(str(target))
-    p, i64, i32, opt_p = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.POINTER(OptParams)
-    lib.et_all_finite.argtypes = [i64, p, p]
-    lib.et_all_finite.restype = i32
-    lib.et_split_by_owner.argtypes = [i64, p, p, p, p, p, p, p, i64, p, p, p, p]
-    lib.et_split_by_owner.restype = i32
-    lib.et_lookup_many.argtypes = [i64, p, p, p, p, p, p, p, p, p, p, i32]
-    lib.et_lookup_many.restype = i32
-    lib.et_prepare_many.argtypes = [i64, p, p, p, p, p, p, p, p, p, p, i32, p, p]
-    lib.et_prepare_many.restype = None
-    lib.et_prepared_size.argtypes = [p]
-    lib.et_prepared_size.restype = i64
-    lib.et_prepared_values_max.argtypes = [i64, p, p]
-    lib.et_prepared_values_max.restype = i64
-    lib.et_set_dedup_mode.argtypes = [i32]
-    lib.et_set_dedup_mode.restype = None
-    lib.et_workspace_bytes.argtypes = [p]
-    lib.et_workspace_bytes.restype = i64
-    lib.et_prepared_gmax.argtypes = [p]
-    lib.et_prepared_gmax.restype = ctypes.c_float
-    lib.et_prepared_copy.argtypes = [p, p, p]
-    lib.et_prepared_copy.restype = None
-    lib.et_check.argtypes = [p, p, p, p, p, i64, i64, opt_p, i32, i32]
-    lib.et_check.restype = i64
-    lib.et_touched_bounds.argtypes = [p, p, p, p, p, i64, i64, i32, i32, p, p]
-    lib.et_touched_bounds.restype = i32
-    lib.et_apply_sequential.argtypes = [p, p, i64, p, p, p, p, i64, i64, opt_p, i32]
-    lib.et_apply_sequential.restype = i32
-    lib.et_workspace_load.argtypes = [p, p, p, i64, i64, i64]
-    lib.et_workspace_load.restype = i32
-    lib.et_apply_many.argtypes = [i64, p, p, p, p, p, p, p, p, p, p, p, i32, p, p, p, p, p, p]
-    lib.et_prove_update.argtypes = [p, ctypes.c_double, p, p, p]
-    lib.et_prove_update.restype = i32
-    lib.et_apply_many.restype = None
-    lib.et_stage_inputs_many.argtypes = [i64, p, p, p, p, p, p, i64, p, p, p, p, i64]
-    lib.et_stage_inputs_many.restype = i64
-    lib.et_workspace_new.argtypes = []
-    lib.et_workspace_new.restype = p
-    lib.et_workspace_free.argtypes = [p]
-    lib.et_workspace_free.restype = None
-    lib.et_shm_post.argtypes = [p, ctypes.c_uint32]
-    lib.et_shm_post.restype = None
-    lib.et_shm_wait.argtypes = [p, ctypes.c_uint32, ctypes.c_double, i32]
-    lib.et_shm_wait.restype = i32
-    lib.et_km_new.argtypes = [i64, i64, i32, i64]
-    lib.et_km_new.restype = p
-    lib.et_km_free.argtypes = [p]
-    lib.et_km_free.restype = None
-    lib.et_km_train.argtypes = [p, p, i64, i64, i64, p, p]
-    lib.et_km_train.restype = i64
-    lib.et_km_train_many.argtypes = [i64, p, p, p, i64, i64, p, p, p, i32]
-    lib.et_km_train_many.restype = None
-    lib.et_km_find.argtypes = [p, p, i64, p]
-    lib.et_km_find.restype = None
-    lib.et_km_stats.argtypes = [p, p]
-    lib.et_km_stats.restype = None
-    lib.et_km_export.argtypes = [p, p, p, p, p]
-    lib.et_km_export.restype = None
-    lib.et_km_export_pending.argtypes = [p, p, p, p]
-    lib.et_km_export_pending.restype = None
-    lib.et_km_import.argtypes = [p, p, p, p, p, p, p, p, i64, i64]
-    lib.et_km_import.restype = i32
-    return lib
+    return native_abi.bind(lib)
 
 
 def library(*, required: bool = False) -> ctypes.CDLL | None:
@@ -210,34 +151,6 @@ def library(*, required: bool = False) -> ctypes.CDLL | None:
                 logger.warning("embtables: native kernels unavailable (%s); using the pure-torch kernels.", exc)
                 _lib = None
     return _lib
-
-
-# The small-batch fast path's calls (``kernels/native_step.py``) with their return types only: ctypes converts
-# no argument, which saves about 1 us a call of 12-16 arguments. Every argument must be a ctypes object of the
-# C parameter's exact type (an array or ``c_void_p`` for a pointer, ``c_int64``, ``c_int``): a Python int would
-# be passed as a C int.
-_UNTYPED_RESULTS = {
-    "et_stage_inputs_many": ctypes.c_int64,
-    "et_lookup_many": ctypes.c_int32,
-    "et_prepare_many": None,
-    "et_apply_many": None,
-    "et_prepared_values_max": ctypes.c_int64,
-}
-_untyped: tuple[ctypes.CDLL, ctypes.CDLL] | None = None
-
-
-def untyped(lib: ctypes.CDLL) -> ctypes.CDLL:
-    """The functions of ``_UNTYPED_RESULTS`` in ``lib`` (a library from ``library()``) without argument
-    types: see the note above them."""
-    global _untyped
-    held = _untyped
-    if held is not None and held[0] is lib:
-        return held[1]
-    raw = ctypes.CDLL(lib._name)
-    for name, result in _UNTYPED_RESULTS.items():
-        getattr(raw, name).restype = result
-    _untyped = (lib, raw)
-    return raw
 
 
 def loaded() -> ctypes.CDLL | None:

@@ -31,14 +31,13 @@ from embtables.kernels.column_blocks import ColumnBlocks
 from embtables.kernels.native import (
     NativeBufferError,
     Workspace,
-    _require,
-    _slots,
-    _threads,
     gradient_stride,
     library,
-    raise_for_apply_status,
+    require,
+    slot_tensors,
+    threads,
 )
-from embtables.kernels.native_library import untyped
+from embtables.kernels.native_abi import raise_for, unchecked
 
 _VP, _I64, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
 
@@ -234,8 +233,8 @@ def stage(
         ints += count + bags + 1
         if code:
             floats += count
-    int_arena = _require(arena(ints, i64), "staging arena", i64, (-1,))
-    coef_arena = _require(arena(floats, torch.float32), "coefficient arena", torch.float32, (-1,))
+    int_arena = require(arena(ints, i64), "staging arena", i64, (-1,))
+    coef_arena = require(arena(floats, torch.float32), "coefficient arena", torch.float32, (-1,))
     base, coef_base = int_arena.data_ptr(), coef_arena.data_ptr()
     key = (base, int_arena.numel(), coef_base, coef_arena.numel(), *n_ids, *n_bags)
 
@@ -273,8 +272,8 @@ class TableArrays:
         held: list[Tensor] = []
         w_ptr, s_ptr = [], ([], [], [])  # type: list[int], tuple[list[int | None], list[int | None], list[int | None]]
         for (weights, slots), ws in zip(tensors, workspaces, strict=True):
-            _require(weights, "weights", torch.float32, (-1, ws.dim))
-            checked = _slots(weights, slots)
+            require(weights, "weights", torch.float32, (-1, ws.dim))
+            checked = slot_tensors(weights, slots)
             held += [weights, *slots]
             w_ptr.append(weights.data_ptr())
             for i, s in enumerate(checked):
@@ -374,7 +373,7 @@ def lookup(tables: TableArrays, bags: StagedBags, outs: Sequence[Tensor], starts
     if starts is not None:
         if len(outs) != 1:
             raise NativeBufferError("embtables native kernel: one shared output buffer is needed.")
-        out = _require(outs[0], "output", torch.float32, (-1, -1))
+        out = require(outs[0], "output", torch.float32, (-1, -1))
         rows, width = out.shape
         base = out.data_ptr()
         ld = tables.columns_fit(n_bags, starts, rows, width)
@@ -385,7 +384,7 @@ def lookup(tables: TableArrays, bags: StagedBags, outs: Sequence[Tensor], starts
         if len(outs) != f_count:
             raise NativeBufferError("embtables native kernel: one output per staged feature is needed.")
         for f, o in enumerate(outs):
-            _require(o, "output", torch.float32, (n_bags[f], tables.fdims[f]))
+            require(o, "output", torch.float32, (n_bags[f], tables.fdims[f]))
         out_ptr = (_VP * f_count)(*[o.data_ptr() for o in outs])
         ld = tables.fdims
     args = (bags.ids, bags.n_ids, bags.offsets, n_bags, bags.coeffs, out_ptr, ld)
@@ -452,7 +451,7 @@ def _column_block_pointers(
     block f, [S_f, D_f] at column ``starts[f]``, lies inside it (S_f the feature's staged bags)."""
     whole = grads.whole
     if not (type(whole) is Tensor and whole.dtype is torch.float32 and whole.is_cpu and whole.dim() == 2):
-        _require(whole, "gradient", torch.float32, (-1, -1))  # raises, naming what is wrong
+        require(whole, "gradient", torch.float32, (-1, -1))  # raises, naming what is wrong
         raise NativeBufferError("embtables native kernel: the gradient is not a float32 CPU [S, W] tensor.")
     rows, width = whole.shape
     row, column = whole.stride()
@@ -495,20 +494,20 @@ def apply_checked(tables: TableArrays, params: Sequence[Any], dense: Sequence[in
         tables.count_c, tables.handles, tables.w, s0, s1, s2, tables.vocab, tables.dims, p_arr, d_arr, tables.zeros,
         tables.ones, _c_threads(), tables.maxabs, status, bad, tables.hi, tables.lo, tables.proven,
     )  # fmt: skip
-    raise_for_apply_status(status)
+    raise_for("et_apply_many", status)
     return list(bad)
 
 
 def _calls() -> ctypes.CDLL:
-    """The fast calls without argument conversion (``native_library.untyped``): every argument a ctypes
+    """The fast calls without argument conversion (``native_abi.unchecked``): every argument a ctypes
     object of its C type."""
     lib = library()
     assert lib is not None
-    return untyped(lib)
+    return unchecked(lib)
 
 
 def _c_threads() -> ctypes.c_int:
-    return ctypes.c_int(_threads())
+    return ctypes.c_int(threads())
 
 
 def _nothing() -> None:

@@ -66,6 +66,8 @@ class KernelRecord:
       bounds: proves an update finite (see ``BoundsFn``); None proves nothing (the exact dry run).
       slot_domains: ``opt -> (domain per slot)``: values a slot must keep (checked at load).
       divides_by_learning_rate: ``opt -> bool``: a learning rate of 0 would divide by zero.
+      power_is_sqrt: ``constants -> bool`` (of ``native_constants``): the update's power is a square root,
+        which the GPU kernel takes exactly with ``sqrt_rn`` instead of ``powf``.
       v1_names: ``(v2 field, v1 argument)`` pairs where TF v1's ``*Parameters`` class spells one of the
         optimizer's own fields differently (``beta_1`` is v1's ``beta1``); others share the v2 name.
     """
@@ -81,6 +83,7 @@ class KernelRecord:
     bounds: BoundsFn | None = None
     slot_domains: Callable[[Any], tuple[Domain, ...]] = _all_any
     divides_by_learning_rate: Callable[[Any], bool] = lambda opt: False
+    power_is_sqrt: Callable[[dict[str, float]], bool] = lambda constants: False
     v1_names: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:

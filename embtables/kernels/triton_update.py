@@ -81,8 +81,11 @@ def update_kernel(
     BLOCK_D: tl.constexpr,
 ):
     """ROWS distinct rows per program, as a [ROWS, BLOCK_D] tile: gradient clip -> decay -> optimizer ->
-    weight clip (the C kernels' ``et_row_*``, element by element), constants ``c0..c5`` and flags in each
-    kernel record's order. WRITE=False is the dry run: it only finds the first row that would not be finite.
+    weight clip (the C kernels' ``et_row_*``, element by element). Each optimizer's branch names its constants
+    as its kernel record does (``constant_names``, in the record's order: ``update_parameters`` passes them as
+    ``c0..c5``; ``tests/numerics/test_kernel_records.py`` checks the names) and its flags (``FLAG0``/``FLAG1``)
+    in the record's ``flag_names`` order. WRITE=False is the dry run: it only finds the first row that would
+    not be finite.
     INLINE: row u's gradient is summed here, in the order and with the additions of ``piece_sums_kernel``
     (the same bits), or read from its joined pieces when its run is longer than PIECE."""
     u = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
@@ -126,85 +129,95 @@ def update_kernel(
     elif KIND == K_ADAGRAD:
         a = a + g * g
         x = x - tl.div_rn(lr * g, tl.sqrt_rn(a))
-    elif KIND == K_ADAGRAD_MOMENTUM:  # c0 momentum, c1 -1/exponent, c2 beta2, c3 1 - beta2, c4 epsilon
+    elif KIND == K_ADAGRAD_MOMENTUM:  # FLAG0 use_nesterov, FLAG1 beta2_is_one
+        momentum, neg_inv_exponent, beta2, one_minus_beta2, epsilon = c0, c1, c2, c3, c4
         if FLAG1:  # beta2 == 1: a plain sum
             a = a + g * g
         else:
-            a = c2 * a + c3 * (g * g)
-        scaled = powf(a + c4, c1, LIBDEVICE) * g
-        b = c0 * b + scaled
+            a = beta2 * a + one_minus_beta2 * (g * g)
+        scaled = powf(a + epsilon, neg_inv_exponent, LIBDEVICE) * g
+        b = momentum * b + scaled
         if FLAG0:  # Nesterov
-            x = x - lr * (c0 * b + scaled)
+            x = x - lr * (momentum * b + scaled)
         else:
             x = x - lr * b
-    elif KIND == K_ADAM:  # c0 beta_1, c1 1 - beta_1, c2 beta_2, c3 1 - beta_2, c4 epsilon^2, c5 epsilon
-        a = c0 * a + c1 * g
-        b = c2 * b + c3 * (g * g)
+    elif KIND == K_ADAM:  # FLAG0 sum_inside_sqrt
+        beta_1, one_minus_beta_1, beta_2, one_minus_beta_2, epsilon_squared, epsilon = c0, c1, c2, c3, c4, c5
+        a = beta_1 * a + one_minus_beta_1 * g
+        b = beta_2 * b + one_minus_beta_2 * (g * g)
         if FLAG0:  # sum_inside_sqrt
-            den = tl.sqrt_rn(b + c4)
+            den = tl.sqrt_rn(b + epsilon_squared)
         else:
-            den = tl.sqrt_rn(b) + c5
+            den = tl.sqrt_rn(b) + epsilon
         x = x - tl.div_rn(lr * a, den)
-    elif KIND == K_FTRL:  # c0 power, c1 l1 (lr * l1), c2 beta, c3 2 * l2 (times lr); FLAG0 multiply_linear
+    elif KIND == K_FTRL:  # FLAG0 multiply_linear_by_learning_rate, FLAG1 allow_zero_accumulator
+        power, l1, beta, two_l2 = c0, c1, c2, c3
         nn = a + g * g
         if POW_IS_SQRT:
             pw_new = tl.sqrt_rn(nn)
             pw_old = tl.sqrt_rn(a)
         else:
-            pw_new = powf(nn, c0, LIBDEVICE)
-            pw_old = powf(a, c0, LIBDEVICE)
+            pw_new = powf(nn, power, LIBDEVICE)
+            pw_old = powf(a, power, LIBDEVICE)
         if FLAG1:  # allow_zero_accumulator
             pw_new = tl.where(nn == 0.0, 0.0, pw_new)
             pw_old = tl.where(a == 0.0, 0.0, pw_old)
         delta = pw_new - pw_old
         if FLAG0:
             b = b + lr * g - delta * x
-            den = pw_new + c3 + c2
+            den = pw_new + two_l2 + beta
         else:
             b = b + g - tl.div_rn(delta, lr + tl.zeros_like(delta)) * x
-            den = tl.div_rn(pw_new + c2, lr + tl.zeros_like(pw_new)) + c3
-        numer = tl.where(b < -c1, -c1, tl.where(b > c1, c1, b)) - b
+            den = tl.div_rn(pw_new + beta, lr + tl.zeros_like(pw_new)) + two_l2
+        numer = tl.where(b < -l1, -l1, tl.where(b > l1, l1, b)) - b
         a = nn
         x = tl.div_rn(numer, den)
         if FLAG1:
             x = tl.where(numer == 0.0, 0.0, x)
-    elif KIND == K_PROXIMAL_ADAGRAD:  # c0 l1, c1 l2
+    elif KIND == K_PROXIMAL_ADAGRAD:
+        l1, l2 = c0, c1
         a = a + g * g
         lr_t = tl.div_rn(lr + tl.zeros_like(a), tl.sqrt_rn(a))
-        x = proximal(x - lr_t * g, lr_t, c0, c1)
-    elif KIND == K_MOMENTUM:  # c0 momentum
-        a = c0 * a + g
+        x = proximal(x - lr_t * g, lr_t, l1, l2)
+    elif KIND == K_MOMENTUM:  # FLAG0 use_nesterov
+        momentum = c0
+        a = momentum * a + g
         if FLAG0:
-            x = x - lr * (g + c0 * a)
+            x = x - lr * (g + momentum * a)
         else:
             x = x - lr * a
-    elif KIND == K_RMSPROP:  # c0 rho, c1 1 - rho, c2 momentum, c3 epsilon
-        a = c0 * a + c1 * (g * g)
-        b = c2 * b + tl.div_rn(lr * g, tl.sqrt_rn(a + c3))
+    elif KIND == K_RMSPROP:
+        rho, one_minus_rho, momentum, epsilon = c0, c1, c2, c3
+        a = rho * a + one_minus_rho * (g * g)
+        b = momentum * b + tl.div_rn(lr * g, tl.sqrt_rn(a + epsilon))
         x = x - b
     elif KIND == K_CENTERED_RMSPROP:  # slots ms, mom, mg
-        a = c0 * a + c1 * (g * g)
-        c = c0 * c + c1 * g
-        b = c2 * b + tl.div_rn(lr * g, tl.sqrt_rn(a - c * c + c3))
+        rho, one_minus_rho, momentum, epsilon = c0, c1, c2, c3
+        a = rho * a + one_minus_rho * (g * g)
+        c = rho * c + one_minus_rho * g
+        b = momentum * b + tl.div_rn(lr * g, tl.sqrt_rn(a - c * c + epsilon))
         x = x - b
-    elif KIND == K_ADADELTA:  # c0 rho, c1 1 - rho, c2 epsilon
-        a = c0 * a + c1 * (g * g)
-        step = tl.div_rn(tl.sqrt_rn(b + c2), tl.sqrt_rn(a + c2)) * g
-        b = c0 * b + c1 * (step * step)
+    elif KIND == K_ADADELTA:
+        rho, one_minus_rho, epsilon = c0, c1, c2
+        a = rho * a + one_minus_rho * (g * g)
+        step = tl.div_rn(tl.sqrt_rn(b + epsilon), tl.sqrt_rn(a + epsilon)) * g
+        b = rho * b + one_minus_rho * (step * step)
         x = x - lr * step
-    elif KIND == K_PROXIMAL_YOGI:  # slots v, m; c0 beta_1, c1 1 - beta_1, c2 1 - beta_2, c3 epsilon, c4 l1, c5 l2
+    elif KIND == K_PROXIMAL_YOGI:  # slots v, m
+        beta_1, one_minus_beta_1, one_minus_beta_2, epsilon, l1, l2 = c0, c1, c2, c3, c4, c5
         g2 = g * g
-        b = c0 * b + c1 * g
+        b = beta_1 * b + one_minus_beta_1 * g
         diff = a - g2
-        step = c2 * g2
+        step = one_minus_beta_2 * g2
         a = tl.where(diff > 0.0, a - step, tl.where(diff < 0.0, a + step, a - 0.0 * g2))
-        lr_t = tl.div_rn(lr + tl.zeros_like(a), tl.sqrt_rn(a) + c3)
-        x = proximal(x - lr_t * b, lr_t, c4, c5)
-    else:  # K_FREQUENCY_ESTIMATOR: lr is the global step; c0 max_delta, c1 outlier, c2 1 - tau, c3 tau
+        lr_t = tl.div_rn(lr + tl.zeros_like(a), tl.sqrt_rn(a) + epsilon)
+        x = proximal(x - lr_t * b, lr_t, l1, l2)
+    else:  # K_FREQUENCY_ESTIMATOR: lr is the global step
+        max_delta, outlier_threshold, one_minus_tau, tau = c0, c1, c2, c3
         delta = lr - a
-        dc = tl.where(delta > c0, c0, delta)
-        smoothed = x * c2 + dc * c3
-        threshold = c1 * x
+        dc = tl.where(delta > max_delta, max_delta, delta)
+        smoothed = x * one_minus_tau + dc * tau
+        threshold = outlier_threshold * x
         x = tl.where(delta >= threshold, dc, smoothed)
         a = lr + tl.zeros_like(a)
     x = tl.where(x < wlo, wlo, x)

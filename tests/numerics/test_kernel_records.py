@@ -122,3 +122,69 @@ def test_v1_conversion_carries_every_own_field() -> None:
     assert yogi.to_optimizer() == embtables.ProximalYogi(
         0.1, beta_1=0.5, l1_regularization_strength=0.1, initial_accumulator_value=0.5
     )
+
+
+KERNELS = C_SOURCE.parent.parent
+PACKAGE = KERNELS.parent
+
+
+def _gpu_branches() -> dict[str, tuple[str, ...]]:
+    """``{config class name: constant names}`` as each branch of the GPU update kernel unpacks ``c0..c5``."""
+    common = (KERNELS / "triton_common.py").read_text()
+    kinds = dict(re.findall(r'K_(\w+) = tl\.constexpr\(_KINDS\["(\w+)"\]\)', common))
+    source = (KERNELS / "triton_update.py").read_text()
+    out = {}
+    for branch in re.split(r"\n    (?:el)?if KIND == |\n    else:  # ", source)[1:]:
+        kind = re.match(r"K_(\w+)", branch)
+        assert kind is not None, branch[:80]
+        unpack = re.search(r"\n        ([\w, ]+) = (c\d(?:, c\d)*)\n", branch.split("\n    x = tl.where(x < wlo")[0])
+        names = tuple(n.strip() for n in unpack.group(1).split(",")) if unpack else ()
+        if unpack:
+            assert [c.strip() for c in unpack.group(2).split(",")] == [f"c{i}" for i in range(len(names))], branch[:80]
+        out[kinds[kind.group(1)]] = names
+    return out
+
+
+def test_the_gpu_kernel_names_each_constant_as_its_record_does() -> None:
+    branches = _gpu_branches()
+    assert "Adam" in branches and "FrequencyEstimator" in branches  # the parser found every branch
+    for record in RECORDS:
+        assert branches[record.config.__name__] == record.constant_names, record.config.__name__
+    source = (KERNELS / "triton_update.py").read_text()
+    body = source[source.index("    if KIND == K_SGD:") : source.index("    x = tl.where(x < wlo")]
+    unpacking = {line for line in body.splitlines() if re.search(r"= c\d", line)}
+    assert not re.search(r"\bc\d\b", "\n".join(set(body.splitlines()) - unpacking))  # read by name only
+
+
+# The package files a new optimizer is named in (docs/architecture.md, "Adding things"): ``config_file`` is
+# config/optimizers.py or config/extra_optimizers.py, ``module`` its kernels/<name>.py.
+def _footprint(config_file: str, module: str) -> set[str]:
+    return {
+        "embtables/__init__.py",
+        "embtables/config/__init__.py",
+        "embtables/config/catalogue.py",
+        f"embtables/config/{config_file}",
+        "embtables/estimator/__init__.py",
+        "embtables/estimator/parameters.py",
+        f"embtables/kernels/{module}",
+        "embtables/kernels/registry.py",
+        "embtables/kernels/csrc/embtables_native.c",
+        "embtables/kernels/triton_common.py",
+        "embtables/kernels/triton_update.py",
+    }
+
+
+@pytest.mark.parametrize("name, module", [("adadelta", "adadelta.py"), ("proximal_yogi", "proximal_yogi.py"),
+                                          ("rmsprop", "rmsprop.py")])  # fmt: skip
+def test_an_optimizer_is_named_in_exactly_the_files_architecture_md_lists(name: str, module: str) -> None:
+    """Counted on optimizers with no special role elsewhere (the defaults, SGD, Adagrad, Adam and FTRL, are
+    named by the CLI and the docs of shared code)."""
+    pattern = re.compile(r"(?<![a-z])" + name.replace("_", "_?") + r"(?:parameters)?(?![a-z])", re.IGNORECASE)
+    named = {
+        str(path.relative_to(PACKAGE.parent))
+        for path in PACKAGE.rglob("*")
+        if path.suffix in (".py", ".c") and "_benchmarks" not in path.parts and pattern.search(path.read_text())
+    }
+    assert named == _footprint("extra_optimizers.py", module)
+    text = (PACKAGE.parent / "docs" / "architecture.md").read_text()
+    assert f"**An optimizer** ({len(named)} package files)" in text

@@ -280,15 +280,18 @@ def test_updates_fit_checking_asks_for_the_largest_update_of_every_table() -> No
 
 
 def test_the_untyped_calls_refuse_arrays_that_are_not_one_per_feature() -> None:
-    """The fast calls convert no argument (``native_library.untyped``), so what C indexes per feature is checked
+    """The fast calls convert no argument (``native_abi.unchecked``), so what C indexes per feature is checked
     against the feature count first: staging arrays, the staged bags against the tables' features, the outputs."""
-    from embtables.kernels.native_library import _UNTYPED_RESULTS, untyped
+    from embtables.kernels.native_abi import FUNCTIONS, unchecked
 
     lib = native.library()
-    raw = untyped(lib)
-    assert untyped(lib) is raw
-    for name, result in _UNTYPED_RESULTS.items():
-        assert getattr(raw, name).argtypes is None and getattr(raw, name).restype is result
+    raw = unchecked(lib)
+    assert unchecked(lib) is raw
+    fast = [f for f in FUNCTIONS.values() if f.fast]
+    assert {f.name for f in fast} == {"et_stage_inputs_many", "et_lookup_many", "et_prepare_many", "et_apply_many",
+                                      "et_prepared_values_max"}  # fmt: skip
+    for f in fast:
+        assert getattr(raw, f.name).argtypes is None and getattr(raw, f.name).restype is f.result
     emb = make(("sum", "sum", "sum"), False, False, et.SGD(0.1))
     stager = emb._inputs
     inputs = batch(emb, 0, torch.int64, False)

@@ -21,11 +21,14 @@ from embtables.errors import InputError
 from embtables.kernels import native
 from embtables.kernels.clip_decay import effective_weight_decay
 from embtables.kernels.finite_guard import update_is_finite
+from embtables.kernels.native_abi import decode
 from embtables.tables.backends.interface import (
     GRADIENT_NOT_FINITE,
     INPUT_CHANGED,
+    NOT_FINITE,
     OUT_OF_MEMORY,
     OUT_OF_RANGE,
+    POOLED,
     PREPARED,
     BagPart,
     GradientPart,
@@ -39,6 +42,11 @@ from embtables.tables.backends.torch_backend import applied_with_backup
 from embtables.tables.inputs import FeatureBatch
 from embtables.tables.table_gradient import TableGradient
 from embtables.tables.value_bounds import non_finite_gradient, non_finite_update
+
+# The C statuses' meanings (``native_abi``) as the interface's statuses.
+_POOL_STATUS = {"ok": POOLED, "out_of_range": OUT_OF_RANGE, "not_finite": NOT_FINITE}
+_PREPARE_STATUS = {"ok": PREPARED, "not_finite": GRADIENT_NOT_FINITE, "out_of_memory": OUT_OF_MEMORY,
+                   "out_of_range": INPUT_CHANGED}  # fmt: skip
 
 # Updates of at most this many rows x D (about 170 rows of 24) are checked by the exact dry run in C rather
 # than proven finite in Python: at that size both cost about the same (10 us a table, measured).
@@ -116,7 +124,8 @@ class NativeBackend:
         wide = None
         if concat and len(fast) == len(batches):
             wide = torch.empty((batches[0].out_shape[0], ts.width), dtype=torch.float32)
-        acts_list, status = native.lookup_many(parts, None if wide is None else (wide, ts.starts))
+        acts_list, code = native.lookup_many(parts, None if wide is None else (wide, ts.starts))
+        status = _POOL_STATUS[decode("et_lookup_many", code)]
         if status == OUT_OF_RANGE:
             names = ", ".join(repr(features[i].name) for i in fast)
             raise InputError(
@@ -124,7 +133,7 @@ class NativeBackend:
                 "written while the batch was staged); nothing was looked up or changed. Do not modify input "
                 "tensors between enqueue() and dequeue()."
             )
-        finite = status == 0  # else some output is not finite: the caller's check names the feature
+        finite = status == POOLED  # else some output is not finite: the caller's check names the feature
         if wide is not None:
             if not finite:
                 ts.check_finite([wide[:, a : a + tables[f.table_index].dim] for f, a in zip(features, ts.starts)])
@@ -136,7 +145,8 @@ class NativeBackend:
     def pool(self, parts: Sequence[BagPart]) -> tuple[list[Tensor], int] | None:
         if not parts or not all(native.usable(w, ids, offsets, coeffs) for w, ids, offsets, coeffs in parts):
             return None
-        return native.lookup_many(list(parts))
+        outs, code = native.lookup_many(list(parts))
+        return outs, _POOL_STATUS[decode("et_lookup_many", code)]
 
     # ------------------------------------------------------------------ phase 1
     def table_gradients(
@@ -162,7 +172,8 @@ class NativeBackend:
             [(self.workspace(table), table.vocabulary_size, parts) for table, parts in eligible]
         )
         out = {}
-        for (table, _), status in zip(eligible, statuses):
+        for (table, _), code in zip(eligible, statuses):
+            status = _PREPARE_STATUS[decode("et_prepare_many", code)]
             if status == OUT_OF_MEMORY:
                 raise MemoryError(f"table {table.name!r}: out of memory while preparing the sparse update.")
             if status == INPUT_CHANGED:
@@ -177,7 +188,8 @@ class NativeBackend:
         if not native.usable(weights, *(x for p in parts for x in p)):
             return None
         ws = self.workspace(table, scratch)
-        (status,) = native.prepare_many([(ws, table.vocabulary_size, list(parts))])
+        (code,) = native.prepare_many([(ws, table.vocabulary_size, list(parts))])
+        status = _PREPARE_STATUS[decode("et_prepare_many", code)]
         if status not in (PREPARED, GRADIENT_NOT_FINITE):
             return Prepared(status)
         return Prepared(status, TableGradient(table, None, None, accumulated=True, prepared=ws))
@@ -198,10 +210,10 @@ class NativeBackend:
             if tg.rows is None or tg.grads is None or not native.usable(state.weights, *slots, tg.rows, tg.grads):
                 return None
             ws = self.workspace(tg.table)
-            status = ws.load(tg.rows, tg.grads.contiguous(), tg.table.vocabulary_size)
-            if status == OUT_OF_MEMORY:
+            meaning = decode("et_workspace_load", ws.load(tg.rows, tg.grads.contiguous(), tg.table.vocabulary_size))
+            if meaning == "out_of_memory":
                 raise MemoryError(f"table {tg.table.name!r}: out of memory while loading the sparse update.")
-            if status != PREPARED:
+            if meaning != "ok":
                 raise InputError(f"table {tg.table.name!r}: the update's rows are out of range or repeated.")
         params = self.params(tg.table, lr, decay)
         rows = tg.table.vocabulary_size if dense else ws.num_rows
