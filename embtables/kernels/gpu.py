@@ -21,11 +21,12 @@ import torch
 from torch import Tensor
 
 from embtables.config.catalogue import Optimizer
+from embtables.kernels import native_library
 from embtables.kernels.clip_decay import clip_limits
 from embtables.kernels.record import KernelRecord
 from embtables.kernels.registry import record_of
 
-_state: dict[str, Any] = {"module": None, "failed": False, "enabled": True, "on_cpu": False, "switches": 0}
+_state: dict[str, Any] = {"module": None, "failed": False, "enabled": True, "on_cpu": False}
 F32_INF_BITS = 0x7F800000
 _MAX_GRID_Y = 65535
 _PIECE = 128  # occurrences of a run summed by one lane; longer runs are cut into pieces and joined
@@ -59,13 +60,7 @@ def set_enabled(enabled: bool, *, on_cpu: bool = False) -> None:
     for CPU tables, through Triton's interpreter (only with ``TRITON_INTERPRET=1``; tests only)."""
     _state["enabled"] = bool(enabled)
     _state["on_cpu"] = bool(on_cpu)
-    _state["switches"] += 1
-
-
-def switches() -> int:
-    """How many times ``set_enabled`` was called in this process (a backend chosen before a switch is
-    chosen again)."""
-    return int(_state["switches"])
+    native_library.count_switch()  # a backend chosen before the switch is chosen again
 
 
 def _interpreting() -> bool:

@@ -178,6 +178,10 @@ FUNCTIONS: dict[str, CFunction] = {
 }
 
 
+# Per function, the listed codes whose meaning the caller explains (``raise_for`` skips them first).
+_QUIET = {f.name: frozenset(c for c, m in f.statuses if m in CALLER_MEANINGS) for f in FUNCTIONS.values()}
+
+
 def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     """Give every declared function of ``lib`` its argument and result types; returns ``lib``."""
     for f in FUNCTIONS.values():
@@ -217,7 +221,10 @@ def raise_for(function: str, codes: Any, subject: str = "embtables") -> None:
     whose meaning the caller does not explain: ``MemoryError`` when out of memory, ``NativeBufferError``
     for a buffer, an optimizer kind or a status the kernels refuse. ``subject`` names what was being done
     (a table); nothing is written by a call that returns such a status."""
-    for code in (codes,) if isinstance(codes, int) else codes:  # a ctypes array iterates by index
+    quiet = _QUIET[function]
+    for code in {codes} if isinstance(codes, int) else set(codes):  # a ctypes array iterates by index
+        if code in quiet:  # every step: one set lookup per distinct code
+            continue
         meaning = decode(function, code)
         if meaning in CALLER_MEANINGS:
             continue

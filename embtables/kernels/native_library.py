@@ -44,7 +44,7 @@ _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _tried = False
 _enabled = os.environ.get("EMBTABLES_NATIVE", "1") != "0"
-_switches = 0  # how many times ``set_enabled`` was called: a backend chosen before a switch is chosen again
+_switches = 0  # switches of the native or GPU kernels: a backend chosen before a switch is chosen again
 
 
 def _named_union(name: str, ctype: Any, width: int, field: str) -> type[ctypes.Union]:
@@ -91,8 +91,14 @@ def set_enabled(enabled: bool) -> None:
 
 
 def switches() -> int:
-    """How many times ``set_enabled`` was called in this process."""
+    """How many times the native or the GPU kernels (``gpu.set_enabled``) were switched in this process."""
     return _switches
+
+
+def count_switch() -> None:
+    """Count a switch of other kernels (``gpu.set_enabled``) in ``switches``."""
+    global _switches
+    _switches += 1
 
 
 def _cpu_key() -> str:

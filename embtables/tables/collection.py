@@ -10,7 +10,7 @@ without touching state; phase 2 checks every update, then writes. A bad batch th
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor
@@ -97,6 +97,8 @@ class EmbeddingCollection:
         got = self.backend.lookup(batches, concat)
         if got.wide is not None:
             return [got.wide]
+        if got.complete:
+            return cast("list[Tensor]", got.acts)  # every feature served: no None left
         acts = [self.reference.lookup_feature(i, b) if a is None else a for i, (a, b) in
                 enumerate(zip(got.acts, batches))]  # fmt: skip
         self._tables.check_finite(acts, got.checked)

@@ -8,6 +8,7 @@ process-wide switch of the native or GPU kernels (``set_enabled``, which tests u
 from __future__ import annotations
 
 from embtables.kernels import gpu, native_library
+from embtables.kernels.native_library import switches
 from embtables.tables.backends.gpu_backend import GpuBackend
 from embtables.tables.backends.interface import Backend, BagPart, GradientPart, Lookup, Prepared
 from embtables.tables.backends.native_backend import NativeBackend
@@ -38,8 +39,3 @@ def choose(tables: TableSet) -> Backend:
     if weights.is_cpu and native_library.library() is not None:
         return NativeBackend(tables)
     return TorchBackend(tables)
-
-
-def switches() -> int:
-    """Changes whenever the native or GPU kernels are switched on or off in this process."""
-    return native_library.switches() + gpu.switches()

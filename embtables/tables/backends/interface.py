@@ -45,12 +45,14 @@ class Lookup:
     """What a backend's lookup served.
 
     ``acts[i]``: feature i's activations [*out_shape, D], or None for the reference to look up. ``checked``:
-    the features whose activations the backend proved finite. ``wide``: with ``concat``, every feature
-    written into one [B, W] tensor, all checked (``acts`` is then unused)."""
+    the features whose activations the backend proved finite; ``complete``: every feature served and
+    checked. ``wide``: with ``concat``, every feature written into one [B, W] tensor, all checked (``acts``
+    is then unused)."""
 
     acts: list[Tensor | None]
     checked: set[int]
     wide: Tensor | None = None
+    complete: bool = False
 
 
 @dataclasses.dataclass

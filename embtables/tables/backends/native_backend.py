@@ -106,7 +106,7 @@ class NativeBackend:
             if done is not None:
                 if concat:
                     return Lookup([], set(), done[0])
-                return Lookup(list(done), set(range(len(batches))))
+                return Lookup(list(done), set(), complete=True)
         features, tables, states = ts.features, ts.tables, ts.states
         fast: list[int] = []
         parts = []

@@ -135,7 +135,7 @@ class NativeFastPath:
                                                   zip(tables, arrays.workspaces)})  # fmt: skip
         # every table's update (unique rows x D values) small enough to be checked exactly as it is written
         self._small = native_step.updates_fit_checking(arrays)
-        return dict(prepared[1])
+        return prepared[1]  # read, never changed, by the caller
 
     def apply(self, table_grads: Sequence[TableGradient], lrs: dict[str, float]) -> bool:
         """Phase 2 of every table in one call, each update checked exactly as it is written, for the
