@@ -9,7 +9,7 @@ The model is a factorization machine over embtables tables, trained with the ``E
 
 Reports RMSE and MAE per fold and their mean over the standard random 5-fold split (seed 0), the
 wall time, and a PNG of the per-fold curves. The folds run one after another in one process and one
-thread by default (``--jobs`` / ``--threads`` for more). The target (issue 16): 5-fold RMSE <= 0.900 in
+thread by default (``--jobs`` / ``--threads`` for more). The target: 5-fold RMSE <= 0.900 in
 no more time than Surprise's SVD, the usual baseline (0.937; ``benchmarks/bench_movielens.py`` runs both).
 The hyper-parameters were chosen on validation splits carved out of the training folds (the last 10% of
 a seeded shuffle of fold 1's training rows), never on a test fold; see docs/estimator.md.

@@ -2,7 +2,7 @@
 
 Gloo over localhost sends every byte through the kernel's TCP stack: a copy into the kernel and one
 out, on the cores the ranks compute on, and a small message waits 0.3-0.5 ms for its wake-up. On a
-2-core machine this was a fifth of a sharded step's time (issue 17). When every rank of a process
+2-core machine that is a fifth of a sharded step's time. When every rank of a process
 group runs on one host, ``comm`` sends its per-step messages (all_to_all_v, phase headers, agreements)
 through a ``ShmChannel`` instead; everything else stays on the process group.
 
