@@ -23,6 +23,8 @@ RowUpdateFn = Callable[..., tuple[Tensor, tuple[Tensor, ...]]]
 # g: max |clipped summed gradient|; w_dec: bound on |decayed weight|; hi / lo: bounds on max |value|
 # and on min value of (weights, *slots) before the update (see kernels/finite_guard.py).
 BoundsFn = Callable[[Any, float, float, float, tuple[float, ...], tuple[float, ...]], "tuple[float, ...] | None"]
+# (weights [V, D], slots, rows [N], grads [N, D], opt, lr) -> None: occurrences applied in order, in place
+InOrderFn = Callable[[Tensor, tuple[Tensor, ...], Tensor, Tensor, Any, float], None]
 
 SAFE = 1e30  # every bounded intermediate must stay below this (float32 max is 3.4e38)
 F32_MIN_NORMAL = 1.1754944e-38
@@ -68,6 +70,8 @@ class KernelRecord:
       divides_by_learning_rate: ``opt -> bool``: a learning rate of 0 would divide by zero.
       power_is_sqrt: ``constants -> bool`` (of ``native_constants``): the update's power is a square root,
         which the GPU kernel takes exactly with ``sqrt_rn`` instead of ``powf``.
+      in_order: the no-accumulation update (occurrences applied one at a time, in order) in a few vectorised
+        torch operations, where one exists (``kernels/sequential.py``); None: round by round.
       v1_names: ``(v2 field, v1 argument)`` pairs where TF v1's ``*Parameters`` class spells one of the
         optimizer's own fields differently (``beta_1`` is v1's ``beta1``); others share the v2 name.
     """
@@ -84,6 +88,7 @@ class KernelRecord:
     slot_domains: Callable[[Any], tuple[Domain, ...]] = _all_any
     divides_by_learning_rate: Callable[[Any], bool] = lambda opt: False
     power_is_sqrt: Callable[[dict[str, float]], bool] = lambda constants: False
+    in_order: InOrderFn | None = None
     v1_names: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:

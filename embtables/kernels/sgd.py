@@ -22,4 +22,15 @@ def _bounds(
     return (w_dec + abs(lr) * g,)
 
 
-RECORD = KernelRecord(SGD, native_kind=0, native_name="sgd", update_rows=update_rows, bounds=_bounds)
+def apply_in_order_(
+    weights: Tensor, slots: tuple[Tensor, ...], rows: Tensor, grads: Tensor, opt: SGD, lr: float
+) -> None:
+    """Occurrences ``rows`` [N] with gradients ``grads`` [N, D] applied in order to ``weights`` [V, D]: one
+    ``index_add_`` of ``-lr * g``. On CPU ``index_add_`` adds each row's sources one after another in index
+    order, in float32, so this is bit-identical to the sequential loop."""
+    weights.index_add_(0, rows, grads * -lr)  # (-lr) * g == -(lr * g) exactly
+
+
+RECORD = KernelRecord(
+    SGD, native_kind=0, native_name="sgd", update_rows=update_rows, bounds=_bounds, in_order=apply_in_order_
+)

@@ -5,10 +5,10 @@ launch per table. Same contract as the other backends: every error is raised bef
 written, with the same messages.
 
 Host syncs: the lookup reads its status once (ids outside a table, non-finite activations); phase 1
-reads every table's row count, sum bound (or largest |summed gradient|) and input check in one transfer,
-which is also all the finiteness proof needs. Only a table whose bound proves nothing (its sums are then
-made exactly: one more sync), an update the proof cannot show finite (its dry run) and an update whose
-bounds compound (FTRL: its written maxima are read back) add a sync.
+reads every table's row count, sum bound (or largest |summed gradient|) and input check in one transfer.
+Phase 2 reads, per table, the bounds of the values its update reads (measured in the step that writes, so
+an edit the engine cannot see is in them); a table whose sum bound proves nothing (its sums are then made
+exactly) and an update the proof cannot show finite (its dry run) add one more.
 """
 
 from __future__ import annotations
