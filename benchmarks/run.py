@@ -21,6 +21,7 @@ The other benchmarks, each with its own --help (BENCHMARKS.md has their results)
     embtables bench noacc              use_gradient_accumulation=False
     embtables bench dynamic            dynamic vocabularies against fixed tables
     embtables bench gpu                the fused GPU kernels (embtables bench --device cuda)
+    embtables bench gpu-launches       the GPU step's launches and host syncs, counted on the CPU
 """
 
 from __future__ import annotations

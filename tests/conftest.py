@@ -54,27 +54,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
-def _patch_triton_interpreter() -> None:
-    """Triton's CPU interpreter (tests only) turns a scalar into an index with ``int(array)``, which NumPy 2
-    refuses for its one-element arrays; loop bounds loaded from memory then fail. Use ``.item()``."""
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        return
-    try:
-        from triton.runtime import interpreter
-    except ImportError:
-        return
-    original = getattr(interpreter, "_patch_lang_tensor", None)
-    if original is None:  # a Triton whose interpreter is organised differently: nothing to mend
-        return
+if os.environ.get("TRITON_INTERPRET") == "1":
+    from embtables.kernels.triton_interpreter import mend
 
-    def patched(tensor: object, scope: object) -> None:
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))  # type: ignore[attr-defined]
-
-    interpreter._patch_lang_tensor = patched
-
-
-_patch_triton_interpreter()
+    mend()  # NumPy 2 breaks a scalar-to-index conversion in Triton's interpreter
 
 
 def tol_for(optimizer_name: str) -> dict[str, float]:

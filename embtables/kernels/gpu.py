@@ -25,6 +25,7 @@ from embtables.kernels import native_library
 from embtables.kernels.clip_decay import clip_limits
 from embtables.kernels.record import KernelRecord
 from embtables.kernels.registry import record_of
+from embtables.kernels.triton_interpreter import interpreting
 
 _state: dict[str, Any] = {"module": None, "failed": False, "enabled": True, "on_cpu": False}
 F32_INF_BITS = 0x7F800000
@@ -63,10 +64,6 @@ def set_enabled(enabled: bool, *, on_cpu: bool = False) -> None:
     native_library.count_switch()  # a backend chosen before the switch is chosen again
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
 def usable(device: torch.device) -> bool:
     """True when tables on ``device`` take the fused GPU kernels."""
     if device.type != "cuda" and not _state["on_cpu"]:  # CPU tables: the first test (this runs every step)
@@ -74,8 +71,8 @@ def usable(device: torch.device) -> bool:
     if not _state["enabled"] or os.environ.get("EMBTABLES_GPU_KERNELS") == "0":
         return False
     if device.type == "cuda":
-        return not _interpreting() and _module() is not None
-    return device.type == "cpu" and _state["on_cpu"] and _interpreting() and _module() is not None
+        return not interpreting() and _module() is not None
+    return device.type == "cpu" and _state["on_cpu"] and interpreting() and _module() is not None
 
 
 def usable_for(table: Tensor) -> bool:
@@ -481,7 +478,7 @@ def update(
         FLAG0=params["FLAG0"],
         FLAG1=params["FLAG1"],
         POW_IS_SQRT=params["POW_IS_SQRT"],
-        LIBDEVICE=not _interpreting(),
+        LIBDEVICE=not interpreting(),
         WRITE=write,
         MEASURE=measure,
         **flags,

@@ -1,0 +1,108 @@
+"""Launches and host synchronisations of the GPU step, counted on the CPU (no GPU needed).
+
+    python -m embtables bench gpu-launches                      # T = 8 and 64 tables
+    python -m embtables bench gpu-launches --tables 8,26,64 --batch 128
+
+The fused GPU kernels run on CPU tensors through Triton's interpreter; ``benchmarks/launch_count.py`` counts
+every Triton launch, every torch operation a CUDA step would launch, and every operation that would make the
+host wait (see its docstring). One JSON line per (tables, what): a steady-state training step (lookup,
+backward, ``apply_gradients``; after two warm-up steps) and an eval lookup. Counts only: nothing is timed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before Triton is imported
+
+import torch
+
+if __package__ in (None, ""):
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks._harness import emit, emit_skip
+from benchmarks.launch_count import LaunchCounter
+
+
+def _module(tables: int, optimizer: str) -> Any:
+    import embtables as et
+
+    opt = {"adagrad": lambda: et.Adagrad(0.1), "sgd": lambda: et.SGD(0.1), "adam": lambda: et.Adam(0.01)}[optimizer]()
+    features = {
+        f"f{t}": et.FeatureConfig(et.TableConfig(500, 16, name=f"t{t}", initializer=et.TruncatedNormal(seed=t)))
+        for t in range(tables)
+    }
+    return et.DistributedEmbedding(features, opt, concat_activations=True)
+
+
+def _batch(tables: int, batch: int, pooling: int, step: int) -> dict[str, Any]:
+    import embtables as et
+
+    g = torch.Generator().manual_seed(step)
+    return {
+        f"f{t}": et.Ragged.from_lists(torch.randint(0, 500, (batch, pooling), generator=g).tolist())
+        for t in range(tables)
+    }
+
+
+def count(tables: int, batch: int, pooling: int, optimizer: str) -> list[dict[str, Any]]:
+    """The counts of one steady-state training step and one eval lookup over ``tables`` tables."""
+    from embtables.kernels import gpu, native
+    from embtables.kernels.triton_interpreter import mend
+
+    mend()
+    native.set_enabled(False)
+    gpu.set_enabled(True, on_cpu=True)
+    try:
+        if not gpu.usable(torch.device("cpu")):
+            raise RuntimeError("the GPU kernels need Triton (3.6 or later) and TRITON_INTERPRET=1")
+        emb = _module(tables, optimizer)
+        grad = torch.ones((batch, 16 * tables))
+        inputs = [_batch(tables, batch, pooling, s) for s in range(3)]
+        for s in range(2):  # warm-up: the first steps build what later steps reuse
+            emb(inputs[s])
+            emb.apply_gradients(grad)
+        train = LaunchCounter()
+        with train.counting():
+            emb(inputs[2])
+            emb.apply_gradients(grad)
+        emb.eval()
+        lookup = LaunchCounter()
+        with lookup.counting(), torch.no_grad():
+            emb(inputs[0])
+    finally:
+        native.set_enabled(True)
+        gpu.set_enabled(True)
+    common = {"bench": "gpu_launches", "tables": tables, "batch": batch, "pooling": pooling, "optimizer": optimizer}
+    return [{**common, "what": "train_step", **train.record()}, {**common, "what": "eval_lookup", **lookup.record()}]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="embtables bench gpu-launches", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    ap.add_argument("--tables", default="8,64", help="comma list of table counts")
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--pooling", type=int, default=2, help="ids per bag")
+    ap.add_argument("--optimizer", default="adagrad", choices=["adagrad", "sgd", "adam"])
+    args = ap.parse_args(argv)
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        emit_skip("gpu_launches", "embtables", "Triton is not installed")
+        return 0
+    for tables in (int(t) for t in args.tables.split(",")):
+        for record in count(tables, args.batch, args.pooling, args.optimizer):
+            emit(record)
+            sys.stderr.write(
+                f"T={tables:3d} {record['what']:12s} launches {record['launches']:4d} "
+                f"(Triton {record['triton_launches']}, torch {record['torch_launches']}), syncs {record['syncs']}\n"
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
