@@ -15,6 +15,7 @@ from mp_world import run_world
 
 import embtables as et
 from embtables.kernels import gpu, native
+from embtables.kernels.triton_interpreter import mend
 from embtables.tables.backends import GpuBackend
 
 BATCH = 4
@@ -59,8 +60,7 @@ def _train(emb: et.DistributedEmbedding, lo: int, hi: int) -> list[dict[str, tor
 
 
 def _rank(rank: int, world: int, sharding: str, ref_path: str) -> None:
-    import conftest  # noqa: F401  (a spawned rank: Triton's interpreter mended as in the test process)
-
+    mend()  # a spawned rank: Triton's interpreter mended as in the test process
     os.environ["EMBTABLES_SHM"] = "0"
     assert _gpu_on_cpu()
     calls = {"pool": 0, "prepare": 0}
