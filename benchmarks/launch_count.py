@@ -10,7 +10,8 @@ imported). ``LaunchCounter`` counts, while it is active:
   ``.cpu()`` / ``.numpy()``, and the operations whose output size depends on the data (``nonzero``,
   ``unique``, ``masked_select``, ``repeat_interleave`` without ``output_size``).
 
-Operations inside a Triton launch (the interpreter's own copies) are not counted.
+Operations inside a Triton launch (the interpreter's own copies) are not counted, nor reads of host tensors
+(made from Python values with ``torch.tensor``, and their views), which a CUDA step keeps on the host.
 """
 
 from __future__ import annotations
@@ -38,6 +39,9 @@ class LaunchCounter(TorchDispatchMode):
         self.torch: collections.Counter[str] = collections.Counter()
         self.syncs: collections.Counter[str] = collections.Counter()
         self._inside = 0  # inside a Triton launch: its own tensor copies are not the step's
+        # the storages of tensors made from Python values (host tensors on CUDA too), kept alive while counting
+        # so that no device tensor reuses their addresses
+        self._host: dict[int, Any] = {}
 
     @property
     def launches(self) -> int:
@@ -57,13 +61,26 @@ class LaunchCounter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        if not self._inside:
-            name = func.overloadpacket.__name__
+        out = func(*args, **kwargs)
+        name = func.overloadpacket.__name__
+        if name == "lift_fresh" and isinstance(out, torch.Tensor):  # ``torch.tensor(python values)``
+            storage = out.untyped_storage()
+            self._host[storage.data_ptr()] = storage
+        elif not self._inside and not self._on_host(args):
             if name in _SYNC or (name == "repeat_interleave" and kwargs.get("output_size") is None):
                 self.syncs[name] += 1
             elif not func.is_view and name not in _NO_LAUNCH:
                 self.torch[name] += 1
-        return func(*args, **kwargs)
+        return out
+
+    def _on_host(self, args: Any) -> bool:
+        """Whether an operation reads only host tensors (made from Python values)."""
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        return bool(tensors) and all(self._is_host(t) for t in tensors)
+
+    def _is_host(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` views the storage of a tensor made from Python values."""
+        return tensor.untyped_storage().data_ptr() in self._host
 
     @contextlib.contextmanager
     def counting(self) -> Iterator[LaunchCounter]:
@@ -85,7 +102,7 @@ class LaunchCounter(TorchDispatchMode):
 
         def host_read(name: str, real: Any) -> Any:
             def read(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-                if not counter._inside:
+                if not counter._inside and not counter._is_host(tensor):
                     counter.syncs[name] += 1
                 return real(tensor, *args, **kwargs)
 

@@ -41,6 +41,7 @@ def test_the_counter_counts_launches_and_syncs_of_known_operations() -> None:
         torch.nonzero(y > 3)  # a launch (gt) and a sync (nonzero: its size depends on the data)
         y.tolist()  # a sync
         flags = gpu.lookup_many([(table, ids, offsets, None)], [torch.empty(2, 4)])  # one Triton launch
+        assert gpu.bits_to_float([0x3F800000]) == (1.0,)  # a host tensor made from Python values: no sync
     assert counter.triton == {"lookup_kernel": 1}
     assert counter.torch["add"] == 1 and counter.torch["sum"] == 1 and counter.torch["gt"] == 1
     assert "view" not in counter.torch and "t" not in counter.torch and "empty" not in counter.torch
