@@ -197,17 +197,7 @@ class EmbeddingCollection:
         if backend.write_step(table_grads, lrs):  # the whole phase 2 in one call
             return
         in_one_call = all(tg.prepared is not None for tg in table_grads)
-        own: list[Any] = []  # the backend's, written together
-        rest: list[Any] = []  # the reference's
-        for tg in table_grads:
-            if tg.accumulated:
-                lr = lrs[tg.table.name]
-                decay = _decay(tg.table, lr)
-                write = backend.checked_update(tg, lr, decay, check_in_write=in_one_call)
-                if write is None:
-                    rest.append(self.reference.checked_update(tg, lr, decay))
-                else:
-                    own.append(write)
+        own, rest = self._checked_updates(table_grads, lrs, check_in_write=in_one_call)
         restores: list[Callable[[], None]] = []
         try:
             for tg in table_grads:
@@ -225,13 +215,23 @@ class EmbeddingCollection:
     def check(self, table_grads: Sequence[TableGradient], lrs: dict[str, float]) -> None:
         """Raise exactly as ``apply`` would, but write nothing (used for an update held back by
         pipelining, so its error surfaces at ``apply_gradients`` and not at a later lookup)."""
-        backend = self.backend
+        self._checked_updates(table_grads, lrs, check_in_write=False)
         for tg in table_grads:
-            lr = lrs[tg.table.name]
             if not tg.accumulated:
-                self._sequential(tg, lr)()
-            elif backend.checked_update(tg, lr, _decay(tg.table, lr), check_in_write=False) is None:
-                self.reference.checked_update(tg, lr, _decay(tg.table, lr))
+                self._sequential(tg, lrs[tg.table.name])()
+
+    def _checked_updates(
+        self, table_grads: Sequence[TableGradient], lrs: dict[str, float], *, check_in_write: bool
+    ) -> tuple[list[Any], list[Any]]:
+        """Check every accumulated update (writes nothing): the backend's (all tables together), then the
+        reference's for those it does not serve. Returns (the backend's writes, the reference's)."""
+        updates = [(tg, lrs[tg.table.name], _decay(tg.table, lrs[tg.table.name])) for tg in table_grads if
+                   tg.accumulated]  # fmt: skip
+        if not updates:
+            return [], []
+        own = self.backend.checked_updates(updates, check_in_write=check_in_write)
+        rest = [self.reference.checked_update(*u) for u, write in zip(updates, own) if write is None]
+        return [write for write in own if write is not None], rest
 
     def _sequential(self, tg: TableGradient, lr: float) -> Callable[[], None]:
         """A no-accumulation update, applied with a backup; returns what undoes it."""

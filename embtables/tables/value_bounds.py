@@ -22,6 +22,12 @@ from embtables.errors import InputError
 def rows_bounds(tensors: Sequence[Tensor], rows: Tensor | None) -> tuple[list[float], list[float]]:
     """Per tensor of ``tensors`` ([V, D] each: weights, *slots), the largest |value| (inf when any value is
     not finite) and the smallest value over rows ``rows`` [U] (None: every row). One host synchronisation."""
+    return read_bounds(bounds_tensor(tensors, rows))
+
+
+def bounds_tensor(tensors: Sequence[Tensor], rows: Tensor | None) -> Tensor:
+    """``rows_bounds`` as a [len(tensors), 2] float32 tensor on the tensors' device, not read (no sync):
+    several tables' bounds are read together (``read_bounds`` of their ``torch.cat``)."""
     stats = []
     for t in tensors:
         part = t if rows is None else t.index_select(0, rows)
@@ -32,7 +38,12 @@ def rows_bounds(tensors: Sequence[Tensor], rows: Tensor | None) -> tuple[list[fl
         finite = torch.isfinite(part).all()
         big = torch.where(finite, torch.maximum(mx.abs(), mn.abs()), torch.full_like(mx, float("inf")))
         stats.append(torch.stack((big, mn)))
-    values = torch.stack(stats).tolist() if stats else []
+    return torch.stack(stats) if stats else torch.zeros((0, 2), dtype=torch.float32)
+
+
+def read_bounds(stats: Tensor) -> tuple[list[float], list[float]]:
+    """(largest |value| per tensor, smallest value per tensor) of a ``bounds_tensor``: one host sync."""
+    values = stats.tolist()
     return [v[0] for v in values], [v[1] for v in values]
 
 

@@ -61,3 +61,12 @@ def test_the_benchmark_counts_a_training_step_and_an_eval_lookup() -> None:
     assert train["by_kernel"]["lookup_kernel"] == 1 and train["by_kernel"]["update_kernel"] == 2
     assert lookup["by_kernel"] == {"lookup_kernel": 1, "validate_kernel": 1}
     assert train["launches"] > lookup["launches"] > 0 and train["syncs"] >= lookup["syncs"] >= 1
+
+
+def test_a_training_steps_host_syncs_do_not_grow_with_the_table_count() -> None:
+    """Phase 2 reads the bounds of every table's update together: a step waits for the device four times
+    (input rules, lookup status, phase 1's statistics, the bounds), whatever the number of tables."""
+    from benchmarks.bench_gpu_launches import count
+
+    few, many = count(2, 8, 2, "adagrad")[0], count(6, 8, 2, "adagrad")[0]
+    assert few["syncs"] == many["syncs"] == 4, (few["by_sync"], many["by_sync"])

@@ -6,13 +6,14 @@ written, with the same messages.
 
 Host syncs: the lookup reads its status once (ids outside a table, non-finite activations); phase 1
 reads every table's row count, sum bound (or largest |summed gradient|) and input check in one transfer.
-Phase 2 reads, per table, the bounds of the values its update reads (measured in the step that writes, so
-an edit the engine cannot see is in them); a table whose sum bound proves nothing (its sums are then made
-exactly) and an update the proof cannot show finite (its dry run) add one more.
+Phase 2 reads the bounds of the values every table's update reads together, in one transfer (measured in
+the step that writes, so an edit the engine cannot see is in them); a table whose sum bound proves nothing
+(its sums are then made exactly) and an update the proof cannot show finite (its dry run) add one more.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -36,11 +37,13 @@ from embtables.tables.backends.interface import (
     Lookup,
     Prepared,
     Restore,
+    Update,
 )
 from embtables.tables.backends.table_set import TableSet
 from embtables.tables.inputs import FeatureBatch
+from embtables.tables.state import TableState
 from embtables.tables.table_gradient import TableGradient
-from embtables.tables.value_bounds import non_finite_gradient, non_finite_update
+from embtables.tables.value_bounds import bounds_tensor, non_finite_gradient, non_finite_update, read_bounds
 
 _F32_MAX = 3.4028234663852886e38
 
@@ -187,14 +190,27 @@ class GpuBackend:
     def write_step(self, table_grads: Sequence[TableGradient], lrs: dict[str, float]) -> bool:
         return False
 
-    def checked_update(
-        self, tg: TableGradient, lr: float, decay: float, *, check_in_write: bool = False
-    ) -> Callable[[], None]:
-        """Check one accumulated table update (writes nothing) and return the function that writes it:
-        proven finite from bounds on the rows it touches (one sync), else a dry run of the fused kernel."""
+    def checked_updates(self, updates: Sequence[Update], *, check_in_write: bool = False) -> list[Any | None]:
+        """Check every accumulated update (writes nothing) and return the functions that write them: proven
+        finite from bounds on the values each reads, measured now for every table and read back together
+        (one sync), else a dry run of the fused kernel (one more, for that table)."""
+        planned = [self._plan(tg, lr, decay) for tg, lr, decay in updates]
+        stats = [p.stats for p in planned]
+        values = read_bounds(torch.cat(stats)) if stats else ([], [])
+        out: list[Any | None] = []
+        at = 0
+        for p in planned:
+            n = p.stats.shape[0]
+            hi, lo = values[0][at : at + n], values[1][at : at + n]
+            at += n
+            out.append(p.checked(hi, lo))
+        return out
+
+    def _plan(self, tg: TableGradient, lr: float, decay: float) -> _GpuUpdate:
+        """One table's update before its check: its rows, sums (or the deferred sums it makes inline), the
+        bound on its gradient, its parameters, and the bounds of the values it reads (measured, not read)."""
         table, state = tg.table, self.tables.states[tg.table.name]
         opt = table.optimizer
-        slots = state.slot_tuple()
         deferred = tg.deferred if tg.grads is None else None
         inline = deferred if deferred is not None and deferred.sums is None and opt.lazy else None
         if inline is None:  # summed already (pickled, or an observer's flush), or not lazy: the sums
@@ -210,19 +226,9 @@ class GpuBackend:
         if gmax is None:
             assert grads is not None
             gmax = float(grads.abs().max()) if grads.numel() else 0.0
-        params = gpu.update_parameters(opt, lr, decay)
-        # bounds over exactly the rows the update reads, measured now (one sync)
-        hi, lo = self.tables.bounds(table, None if not opt.lazy else rows)
-        if not update_is_finite(opt, lr, decay, gmax, hi, lo):
-            bad, _ = gpu.update(rows, grads, state.weights, slots, params, write=False, measure=False, inline=inline)
-            row = table.vocabulary_size if bad is None else int(bad.item())
-            if row < table.vocabulary_size:
-                raise non_finite_update(table, row, lr)
-
-        def write() -> None:
-            gpu.update(rows, grads, state.weights, slots, params, write=True, measure=False, inline=inline)
-
-        return write
+        stats = bounds_tensor((state.weights, *state.slot_tuple()), None if not opt.lazy else rows)
+        return _GpuUpdate(table, state, rows, grads, inline, gpu.update_parameters(opt, lr, decay), lr, decay, gmax,
+                          stats)  # fmt: skip
 
     def write(self, writes: Sequence[Callable[[], None]]) -> None:
         for write in writes:
@@ -230,3 +236,37 @@ class GpuBackend:
 
     def sequential(self, tg: TableGradient, lr: float) -> Restore | None:
         return None  # occurrence by occurrence: the reference
+
+
+@dataclasses.dataclass(eq=False)
+class _GpuUpdate:
+    """One table's planned update (``GpuBackend._plan``), checked once its bounds are read."""
+
+    table: ResolvedTable
+    state: TableState
+    rows: Tensor
+    grads: Tensor | None
+    inline: gpu.RowSums | None
+    params: dict[str, Any]
+    lr: float
+    decay: float
+    gmax: float
+    stats: Tensor  # [1 + slots, 2]: bounds_tensor of the values the update reads
+
+    def checked(self, hi: list[float], lo: list[float]) -> Callable[[], None]:
+        """Raise when the update would write a non-finite value (a dry run when the bounds ``hi``, ``lo``
+        prove nothing); else the function that writes it."""
+        opt, state = self.table.optimizer, self.state
+        slots = state.slot_tuple()
+        if not update_is_finite(opt, self.lr, self.decay, self.gmax, hi, lo):
+            bad, _ = gpu.update(self.rows, self.grads, state.weights, slots, self.params, write=False, measure=False,
+                                inline=self.inline)  # fmt: skip
+            row = self.table.vocabulary_size if bad is None else int(bad.item())
+            if row < self.table.vocabulary_size:
+                raise non_finite_update(self.table, row, self.lr)
+        rows, grads, params, inline = self.rows, self.grads, self.params, self.inline
+
+        def write() -> None:
+            gpu.update(rows, grads, state.weights, slots, params, write=True, measure=False, inline=inline)
+
+        return write

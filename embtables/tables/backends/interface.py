@@ -27,6 +27,8 @@ BagPart = tuple[Tensor, Tensor, Tensor, Tensor | None]
 # (ids [N], offsets [S + 1], coeffs [N] or None, the bags' gradient [S, D]): one feature's share of phase 1
 GradientPart = tuple[Tensor, Tensor, Tensor | None, Tensor | None]
 Restore = Callable[[], None]
+# (an accumulated table gradient, its learning rate, its effective weight decay): one table's update
+Update = tuple[TableGradient, float, float]
 
 # ``pool`` statuses
 POOLED = 0  # every bag pooled
@@ -84,10 +86,10 @@ class Backend(Protocol):
         written); False when it did not (nothing written)."""
         ...
 
-    def checked_update(self, tg: TableGradient, lr: float, decay: float, *, check_in_write: bool) -> Any | None:
-        """Check one accumulated update (writes nothing) and return what ``write`` writes; None when this
-        backend does not serve it. ``check_in_write``: a check may be left to ``write``, which then checks
-        every update of the call before it writes any."""
+    def checked_updates(self, updates: Sequence[Update], *, check_in_write: bool) -> list[Any | None]:
+        """Check accumulated updates (writes nothing; the bounds of every table read together) and return,
+        per update, what ``write`` writes, or None when this backend does not serve it. ``check_in_write``: a
+        check may be left to ``write``, which then checks every update of the call before it writes any."""
         ...
 
     def write(self, writes: Sequence[Any]) -> None:

@@ -35,6 +35,7 @@ from embtables.tables.backends.interface import (
     Lookup,
     Prepared,
     Restore,
+    Update,
 )
 from embtables.tables.backends.native_fast_path import NativeFastPath
 from embtables.tables.backends.table_set import TableSet
@@ -198,9 +199,14 @@ class NativeBackend:
     def write_step(self, table_grads: Sequence[TableGradient], lrs: dict[str, float]) -> bool:
         return self.fast.apply(table_grads, lrs)
 
+    def checked_updates(self, updates: Sequence[Update], *, check_in_write: bool = False) -> list[Any | None]:
+        return [self.checked_update(tg, lr, decay, check_in_write=check_in_write) for tg, lr, decay in updates]
+
     def checked_update(
         self, tg: TableGradient, lr: float, decay: float, *, check_in_write: bool = False
     ) -> _NativeWrite | None:
+        """Check one accumulated update (writes nothing; its bounds measured in C over the rows it touches)
+        and return what ``write`` writes; None when the native kernels do not take its tensors."""
         state = self.tables.states[tg.table.name]
         opt = tg.table.optimizer
         slots = state.slot_tuple()

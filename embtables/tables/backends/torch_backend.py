@@ -9,6 +9,7 @@ touches.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -29,6 +30,7 @@ from embtables.tables.backends.interface import (
     Lookup,
     Prepared,
     Restore,
+    Update,
 )
 from embtables.tables.backends.table_set import TableSet
 from embtables.tables.inputs import FeatureBatch
@@ -122,9 +124,11 @@ class TorchBackend:
     def write_step(self, table_grads: Sequence[TableGradient], lrs: dict[str, float]) -> bool:
         return False
 
-    def checked_update(
-        self, tg: TableGradient, lr: float, decay: float, *, check_in_write: bool = False
-    ) -> Callable[[], None]:
+    def checked_updates(self, updates: Sequence[Update], *, check_in_write: bool = False) -> list[Any | None]:
+        return [self.checked_update(tg, lr, decay) for tg, lr, decay in updates]
+
+    def checked_update(self, tg: TableGradient, lr: float, decay: float) -> Callable[[], None]:
+        """Check one accumulated update (writes nothing); returns the function that writes it."""
         tg = tg.materialized()
         assert tg.rows is not None and tg.grads is not None
         state = self.tables.states[tg.table.name]
