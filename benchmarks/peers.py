@@ -15,6 +15,9 @@ Peers (exact configurations; see also the ``notes`` field each one reports):
   ``ComputeDevice.CPU``, ``EmbOptimType.EXACT_ADAGRAD`` (elementwise, eps=0, accumulator set to 0.1
   after construction since FBGEMM starts it at 0) or ``EXACT_SGD``. Adam and FTRL are not supported by
   FBGEMM on CPU (it asserts "not supported in CPU mode").
+* ``fbgemm-per-feature``: ``fbgemm`` with its [B, T x D] output split into one activation per table and the
+  per-feature dense side embtables' default (per-feature) step has, ``sum((a_t * g_t).sum())``: the like for
+  like of ``embtables`` (``fbgemm`` is the like for like of ``embtables-concat``).
 * ``fbgemm-rowwise``: the same with ``EXACT_ROWWISE_ADAGRAD`` (one accumulator per row: a different
   optimizer than TPU Adagrad, reported as ``adagrad_rowwise``).
 * ``torchrec``: ``torchrec.modules.fused_embedding_modules.FusedEmbeddingBagCollection`` with
@@ -167,8 +170,8 @@ def _fbgemm_fill_accumulators(emb: Any, value: float) -> None:
             states[0].fill_(value)
 
 
-def _fbgemm_factory(rowwise: bool) -> Factory:
-    who = "fbgemm-rowwise" if rowwise else "fbgemm"
+def _fbgemm_factory(rowwise: bool, per_feature: bool = False) -> Factory:
+    who = "fbgemm-rowwise" if rowwise else "fbgemm-per-feature" if per_feature else "fbgemm"
 
     def factory(wl: Workload, batches: list[Batch], opt: OptimizerSpec, mode: str) -> Impl:
         tbe_cls, optim_t, (loc_t, pool_t), dev_t = _fbgemm_modules()
@@ -201,8 +204,15 @@ def _fbgemm_factory(rowwise: bool) -> Factory:
             _fbgemm_fill_accumulators(emb, opt.initial_accumulator)
         grad = torch.from_numpy(activation_grad(wl))
 
+        grads = [g.contiguous() for g in grad.split(wl.dim, dim=1)]
+
         def step(i: int) -> None:
             (emb(idx[i % nb], offsets) * grad).sum().backward()
+
+        def per_feature_step(i: int) -> None:
+            acts = emb(idx[i % nb], offsets).split(wl.dim, dim=1)
+            loss: Any = sum((a * g).sum() for a, g in zip(acts, grads))
+            loss.backward()
 
         slot = {"EXACT_ADAGRAD": wl.dim * 4, "EXACT_ROWWISE_ADAGRAD": 4}.get(member, 0)
 
@@ -214,7 +224,7 @@ def _fbgemm_factory(rowwise: bool) -> Factory:
         impl = Impl(
             who,
             label,
-            step,
+            per_feature_step if per_feature else step,
             slot_bytes_per_row=slot,
             notes=f"SplitTableBatchedEmbeddingBagsCodegen HOST/CPU {member} eps={eps:g}, accumulator set to "
             f"{opt.initial_accumulator:g} after construction"
@@ -320,6 +330,7 @@ IMPLS: dict[str, Factory] = {
     "torch": torch_peer,
     "fbgemm": _fbgemm_factory(rowwise=False),
     "fbgemm-rowwise": _fbgemm_factory(rowwise=True),
+    "fbgemm-per-feature": _fbgemm_factory(rowwise=False, per_feature=True),
     "torchrec": torchrec_peer,
     "tensorflow": tensorflow_peer,
     "embtables-noacc": _embtables("embtables-noacc"),
