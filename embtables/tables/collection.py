@@ -59,9 +59,21 @@ class EmbeddingCollection:
         # The backend's scratch (C workspaces, ctypes blocks) belongs to this process: a copy or a pickle
         # chooses its backend again.
         state = self.__dict__.copy()
-        state["_backend"] = None
-        state["_lr_plan"] = None  # rebuilt from the config on demand
+        for built in ("_backend", "_lr_plan", "_tables", "reference"):  # rebuilt by __setstate__
+            state.pop(built, None)
         return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # A collection pickled by an earlier embtables holds its native scratch under other names and no
+        # TableSet: keep the tables, states and key maps, build the rest.
+        for stale in ("_workspaces", "_param_blocks", "_fast"):
+            state.pop(stale, None)
+        self.__dict__.update(state)
+        self._lr_plan = None
+        self._tables = TableSet(self.resolved, self.states)
+        self.reference = TorchBackend(self._tables)
+        self._backend = None
+        self._switches = -1
 
     # ------------------------------------------------------------------ forward
     def translate_keys(
