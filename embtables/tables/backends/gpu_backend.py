@@ -43,7 +43,7 @@ from embtables.tables.backends.table_set import TableSet
 from embtables.tables.inputs import FeatureBatch
 from embtables.tables.state import TableState
 from embtables.tables.table_gradient import TableGradient
-from embtables.tables.value_bounds import bounds_tensor, non_finite_gradient, non_finite_update, read_bounds
+from embtables.tables.value_bounds import bounds_of_many, non_finite_gradient, non_finite_update, read_bounds
 
 _F32_MAX = 3.4028234663852886e38
 
@@ -195,12 +195,12 @@ class GpuBackend:
         finite from bounds on the values each reads, measured now for every table and read back together
         (one sync), else a dry run of the fused kernel (one more, for that table)."""
         planned = [self._plan(tg, lr, decay) for tg, lr, decay in updates]
-        stats = [p.stats for p in planned]
+        stats = bounds_of_many([(p.tensors(), p.rows if p.table.optimizer.lazy else None) for p in planned])
         values = read_bounds(torch.cat(stats)) if stats else ([], [])
         out: list[Any | None] = []
         at = 0
-        for p in planned:
-            n = p.stats.shape[0]
+        for p, measured in zip(planned, stats):
+            n = measured.shape[0]
             hi, lo = values[0][at : at + n], values[1][at : at + n]
             at += n
             out.append(p.checked(hi, lo))
@@ -208,7 +208,7 @@ class GpuBackend:
 
     def _plan(self, tg: TableGradient, lr: float, decay: float) -> _GpuUpdate:
         """One table's update before its check: its rows, sums (or the deferred sums it makes inline), the
-        bound on its gradient, its parameters, and the bounds of the values it reads (measured, not read)."""
+        bound on its gradient and its parameters."""
         table, state = tg.table, self.tables.states[tg.table.name]
         opt = table.optimizer
         deferred = tg.deferred if tg.grads is None else None
@@ -226,9 +226,7 @@ class GpuBackend:
         if gmax is None:
             assert grads is not None
             gmax = float(grads.abs().max()) if grads.numel() else 0.0
-        stats = bounds_tensor((state.weights, *state.slot_tuple()), None if not opt.lazy else rows)
-        return _GpuUpdate(table, state, rows, grads, inline, gpu.update_parameters(opt, lr, decay), lr, decay, gmax,
-                          stats)  # fmt: skip
+        return _GpuUpdate(table, state, rows, grads, inline, gpu.update_parameters(opt, lr, decay), lr, decay, gmax)
 
     def write(self, writes: Sequence[Callable[[], None]]) -> None:
         for write in writes:
@@ -251,7 +249,10 @@ class _GpuUpdate:
     lr: float
     decay: float
     gmax: float
-    stats: Tensor  # [1 + slots, 2]: bounds_tensor of the values the update reads
+
+    def tensors(self) -> tuple[Tensor, ...]:
+        """The weights and slots the update reads (their bounds are measured for every table together)."""
+        return (self.state.weights, *self.state.slot_tuple())
 
     def checked(self, hi: list[float], lo: list[float]) -> Callable[[], None]:
         """Raise when the update would write a non-finite value (a dry run when the bounds ``hi``, ``lo``
