@@ -580,6 +580,7 @@ def _convert_many_on_gpu(
     out: list[FeatureBatch | None] = [None] * len(converters)
     if fast:
         flags = gpu.validate_inputs([(v, s, converters[i].fast_part[0]) for i, v, s in fast]).tolist()  # one sync
+        weighed: dict[str, list[tuple[int, Tensor, Tensor]]] = {}  # combiner -> (feature, ids, splits)
         for (i, ids, splits), flag in zip(fast, flags):
             if flag:
                 continue  # convert() finds the rule and names it
@@ -588,9 +589,17 @@ def _convert_many_on_gpu(
                 out[i] = FeatureBatch(ids=ids, offsets=offsets, coeffs=None, out_shape=tuple(xs[i].shape))
                 continue
             combiner = converters[i].table.config.combiner
-            # every coefficient, even where all are 1 (1/1 is exact): checking would cost a sync
-            coeffs = None if combiner == Combiner.SUM else _unit_coeffs(splits[1:] - splits[:-1], combiner, ids.numel())
-            out[i] = FeatureBatch(ids=ids, offsets=splits, coeffs=coeffs, out_shape=(splits.numel() - 1,))
+            if combiner == Combiner.SUM:
+                out[i] = FeatureBatch(ids=ids, offsets=splits, coeffs=None, out_shape=(splits.numel() - 1,))
+            else:
+                weighed.setdefault(combiner, []).append((i, ids, splits))
+        for combiner, group in weighed.items():
+            # every coefficient, even where all are 1 (1/1 is exact): checking would cost a sync; every feature
+            # of a combiner in the same few launches
+            counts = torch.cat([splits[1:] - splits[:-1] for _, _, splits in group])
+            coeffs = _unit_coeffs(counts, combiner, sum(ids.numel() for _, ids, _ in group))
+            for (i, ids, splits), c in zip(group, torch.split(coeffs, [ids.numel() for _, ids, _ in group])):
+                out[i] = FeatureBatch(ids=ids, offsets=splits, coeffs=c, out_shape=(splits.numel() - 1,))
     return [b if b is not None else conv.convert(x, w, device) for b, conv, x, w in zip(out, converters, xs, ws)]
 
 
