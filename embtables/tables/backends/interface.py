@@ -93,7 +93,7 @@ class Backend(Protocol):
         ...
 
     def write(self, writes: Sequence[Any]) -> None:
-        """Write updates its ``checked_update`` returned (raises, writing none, when a check left to the
+        """Write updates its ``checked_updates`` returned (raises, writing none, when a check left to the
         write finds a non-finite value)."""
         ...
 
