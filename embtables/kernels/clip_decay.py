@@ -49,3 +49,8 @@ def effective_weight_decay(factor: float | None, multiply_by_lr: bool, lr: float
     if not factor:
         return 0.0
     return times(factor, lr) if multiply_by_lr else as_float32(factor)
+
+
+def optimizer_decay(opt: Optimizer, lr: float) -> float:
+    """``effective_weight_decay`` of ``opt``'s decay settings at learning rate ``lr``."""
+    return effective_weight_decay(opt.weight_decay_factor, opt.weight_decay_multiplied_by_lr, lr)

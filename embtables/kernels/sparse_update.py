@@ -8,7 +8,7 @@ from __future__ import annotations
 from torch import Tensor
 
 from embtables.config.catalogue import Optimizer
-from embtables.kernels.clip_decay import clip_gradient, clip_weights, decay_weights, effective_weight_decay
+from embtables.kernels.clip_decay import clip_gradient, clip_weights, decay_weights, optimizer_decay
 from embtables.kernels.record import RowUpdateFn
 from embtables.kernels.registry import record_of
 
@@ -24,7 +24,7 @@ def update_rows(
     """The per-row pipeline on gathered rows ``w`` [U, D], ``slots`` [U, D] each, ``g`` [U, D]."""
     if clip_gradients:
         g = clip_gradient(g, *opt.gradient_clip_bounds)
-    decay = effective_weight_decay(opt.weight_decay_factor, opt.weight_decay_multiplied_by_lr, lr)
+    decay = optimizer_decay(opt, lr)
     w = decay_weights(w, decay)
     w, slots = get_row_update(opt)(w, slots, g, opt=opt, lr=lr)
     return clip_weights(w, opt.clip_weight_min, opt.clip_weight_max), slots

@@ -18,9 +18,8 @@ from torch import Tensor
 from embtables.config import ResolvedConfig, ResolvedTable
 from embtables.errors import InputError
 from embtables.kernels import native
-from embtables.kernels.clip_decay import effective_weight_decay
+from embtables.kernels.clip_decay import optimizer_decay
 from embtables.tables.backends import Backend, BagPart, GradientPart, Prepared, TableSet, TorchBackend, choose, switches
-from embtables.tables.backends.table_set import all_finite
 from embtables.tables.dynamic_vocabularies import Vocabularies
 from embtables.tables.inputs import FeatureBatch
 from embtables.tables.learning_rates import LearningRatePlan
@@ -121,8 +120,8 @@ class EmbeddingCollection:
         self._tables.check_finite(activations)
 
     def all_finite(self, tensors: Sequence[Tensor]) -> bool:
-        """Whether every value of the float32 ``tensors`` is finite."""
-        return all_finite(tensors)
+        """Whether every value of the float32 ``tensors`` is finite (one native pass over CPU tensors)."""
+        return native.all_finite(list(tensors))
 
     def pool(self, parts: Sequence[BagPart]) -> tuple[list[Tensor], int]:
         """Pooled bags [S, D] of ``parts`` (weights, ids, offsets, coeffs) and a status (``backends.interface``:
@@ -237,8 +236,8 @@ class EmbeddingCollection:
     ) -> tuple[list[Any], list[Any]]:
         """Check every accumulated update (writes nothing): the backend's (all tables together), then the
         reference's for those it does not serve. Returns (the backend's writes, the reference's)."""
-        updates = [(tg, lrs[tg.table.name], _decay(tg.table, lrs[tg.table.name])) for tg in table_grads if
-                   tg.accumulated]  # fmt: skip
+        rates = [(tg, lrs[tg.table.name]) for tg in table_grads if tg.accumulated]
+        updates = [(tg, lr, optimizer_decay(tg.table.optimizer, lr)) for tg, lr in rates]
         if not updates:
             return [], []
         own = self.backend.checked_updates(updates, check_in_write=check_in_write)
@@ -272,9 +271,3 @@ class EmbeddingCollection:
             for slot, t in state.tensors().items():
                 out[f"{name}/{slot}" if slot else name] = t
         return out
-
-
-def _decay(table: ResolvedTable, lr: float) -> float:
-    """The table's effective weight decay at learning rate ``lr``."""
-    opt = table.optimizer
-    return effective_weight_decay(opt.weight_decay_factor, opt.weight_decay_multiplied_by_lr, lr)

@@ -38,6 +38,7 @@ from embtables.tables.backends.interface import (
     Prepared,
     Restore,
     Update,
+    input_changed,
 )
 from embtables.tables.backends.table_set import TableSet
 from embtables.tables.inputs import FeatureBatch
@@ -55,9 +56,6 @@ class GpuBackend:
 
     def __init__(self, tables: TableSet) -> None:
         self.tables = tables
-
-    def forget(self) -> None:
-        """Nothing is built from the tensors."""
 
     def lookup(self, batches: Sequence[FeatureBatch], concat: bool) -> Lookup:
         """Every feature of a table without quantization in one launch (straight into the concatenated
@@ -144,10 +142,7 @@ class GpuBackend:
         out = {}
         for (table, rs), (count, maxbits, bad, *_) in zip(pending, values):
             if bad:
-                raise InputError(
-                    f"table {table.name!r}: ids or offsets changed after they were validated (an input buffer was "
-                    "written between the lookup and apply_gradients()); no table or slot was changed."
-                )
+                raise input_changed(f"table {table.name!r}")
             if table.name in bounds:
                 out[table.name] = TableGradient(
                     table, rs.rows[:count], None, accumulated=True, gradient_max_abs=bounds[table.name], deferred=rs

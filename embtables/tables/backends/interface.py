@@ -19,6 +19,7 @@ from typing import Any, Protocol
 from torch import Tensor
 
 from embtables.config import ResolvedTable
+from embtables.errors import InputError
 from embtables.tables.inputs import FeatureBatch
 from embtables.tables.table_gradient import TableGradient
 
@@ -40,6 +41,14 @@ PREPARED = 0
 GRADIENT_NOT_FINITE = 1
 OUT_OF_MEMORY = 2
 INPUT_CHANGED = 3  # ids or offsets changed after they were validated
+
+
+def input_changed(what: str) -> InputError:
+    """The error of phase 1 for ``INPUT_CHANGED`` (``what``: the table it names)."""
+    return InputError(
+        f"{what}: ids or offsets changed after they were validated (an input buffer was written between the "
+        "lookup and apply_gradients()); no table or slot was changed."
+    )
 
 
 @dataclasses.dataclass
@@ -111,8 +120,4 @@ class Backend(Protocol):
         """Phase 1 of ``parts`` (ids in [0, ``table.vocabulary_size``)) for the table named ``table.name``:
         distinct rows and float32 sums, the gradient also when a sum is not finite; None when not served.
         ``scratch``: a name for separate scratch memory (a prepared gradient lives until its update)."""
-        ...
-
-    def forget(self) -> None:
-        """Drop what this backend built from the tensors (after a device move or a load)."""
         ...

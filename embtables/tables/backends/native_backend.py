@@ -19,7 +19,7 @@ from torch import Tensor
 from embtables.config import ResolvedTable
 from embtables.errors import InputError
 from embtables.kernels import native
-from embtables.kernels.clip_decay import effective_weight_decay
+from embtables.kernels.clip_decay import optimizer_decay
 from embtables.kernels.finite_guard import update_is_finite
 from embtables.kernels.native_abi import decode
 from embtables.tables.backends.interface import (
@@ -36,6 +36,7 @@ from embtables.tables.backends.interface import (
     Prepared,
     Restore,
     Update,
+    input_changed,
 )
 from embtables.tables.backends.native_fast_path import NativeFastPath
 from embtables.tables.backends.table_set import TableSet
@@ -52,13 +53,6 @@ _PREPARE_STATUS = {"ok": PREPARED, "not_finite": GRADIENT_NOT_FINITE, "out_of_me
 # Updates of at most this many rows x D (about 170 rows of 24) are checked by the exact dry run in C rather
 # than proven finite in Python: at that size both cost about the same (10 us a table, measured).
 SMALL_UPDATE_ELEMENTS = 1 << 12
-
-
-def input_changed(what: str) -> InputError:
-    return InputError(
-        f"{what}: ids or offsets changed after they were validated (an input buffer was written between the "
-        "lookup and apply_gradients()); no table or slot was changed."
-    )
 
 
 class NativeBackend:
@@ -86,7 +80,7 @@ class NativeBackend:
         per (learning rate, decay): the config is frozen, so the block only changes with them."""
         opt = table.optimizer
         if decay is None:
-            decay = effective_weight_decay(opt.weight_decay_factor, opt.weight_decay_multiplied_by_lr, lr)
+            decay = optimizer_decay(opt, lr)
         key = (table.name, lr, decay)
         params = self._param_blocks.get(key)
         if params is None:
@@ -94,9 +88,6 @@ class NativeBackend:
                 self._param_blocks.clear()
             params = self._param_blocks[key] = native.opt_params(opt, lr, decay, clip_gradients=True)
         return params
-
-    def forget(self) -> None:
-        self.fast.forget()
 
     # ------------------------------------------------------------------ lookup
     def lookup(self, batches: Sequence[FeatureBatch], concat: bool) -> Lookup:
@@ -249,8 +240,7 @@ class NativeBackend:
         if tg.rows is None or tg.grads is None or not native.usable(state.weights, *slots, tg.rows, tg.grads):
             return None
         opt = tg.table.optimizer
-        decay = effective_weight_decay(opt.weight_decay_factor, opt.weight_decay_multiplied_by_lr, lr)
-        params = native.opt_params(opt, lr, decay, clip_gradients=False)
+        params = native.opt_params(opt, lr, optimizer_decay(opt, lr), clip_gradients=False)
 
         def run(rows: Tensor, grads: Tensor) -> None:
             native.apply_sequential(rows, grads.contiguous(), state.weights, slots, params)

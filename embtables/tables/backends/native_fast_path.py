@@ -50,12 +50,6 @@ class NativeFastPath:
         self._rates: tuple[tuple[float, ...], list[Any]] = ((), [])  # learning rates -> optimizer blocks
         self._dense = [0] * len(configs)  # lazy optimizers only: a non-lazy one updates every row
 
-    def forget(self) -> None:
-        """Drop the argument arrays and the prepared gradients (built from the tensors)."""
-        self._arrays = None
-        self._prepared = None
-        self._small = False
-
     def _tensors(self) -> list[Tensor]:
         """Every table's weights and slots, table by table."""
         states = self.set.states

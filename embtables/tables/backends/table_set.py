@@ -34,7 +34,7 @@ class TableSet:
 
     @property
     def device(self) -> torch.device:
-        return next(iter(self.states.values())).weights.device
+        return self.weights.device
 
     @property
     def weights(self) -> Tensor:
@@ -44,9 +44,6 @@ class TableSet:
     def table_of(self, feature_index: int) -> ResolvedTable:
         return self.tables[self.features[feature_index].table_index]
 
-    def state_of(self, feature_index: int) -> TableState:
-        return self.states[self.table_of(feature_index).name]
-
     def bounds(self, table: ResolvedTable, rows: Tensor | None) -> tuple[list[float], list[float]]:
         """``rows_bounds`` of the table's weights and slots over ``rows`` [U] (None: every row)."""
         state = self.states[table.name]
@@ -54,7 +51,7 @@ class TableSet:
 
     def check_finite(self, activations: Sequence[Tensor], checked: set[int] | None = None) -> None:
         """Raise naming the first feature whose activations are not all finite (skipping those ``checked``)."""
-        if not checked and all_finite(activations):  # one pass; the scan below only names the culprit
+        if not checked and native.all_finite(list(activations)):  # one pass; the scan below names the culprit
             return
         for i, acts in enumerate(activations):
             if checked is not None and i in checked:
@@ -66,8 +63,3 @@ class TableSet:
                     "overflow float32 (a sum of large rows or weights is not finite); no table or slot was changed. "
                     "Check the weights of this feature and the table's values."
                 )
-
-
-def all_finite(tensors: Sequence[Tensor]) -> bool:
-    """Whether every value of the float32 ``tensors`` is finite (one native pass over CPU tensors)."""
-    return native.all_finite(list(tensors))

@@ -179,9 +179,6 @@ class TorchBackend:
 
         return applied_with_backup(state, tg, lr, run)
 
-    def forget(self) -> None:
-        """Nothing is built from the tensors."""
-
 
 def applied_with_backup(
     state: TableState, tg: TableGradient, lr: float, run: Callable[[Tensor, Tensor], None]
