@@ -375,7 +375,7 @@ class Workspace:
                 threads(),
             )
         )
-        raise_for("et_check", bad, f"kind {params.kind}")
+        raise_for("et_check", bad, f"optimizer kind {params.kind}")
         return bad
 
     def touched_bounds(
@@ -505,6 +505,6 @@ def apply_sequential(
         ctypes.byref(params),
         threads(),
     )
-    raise_for("et_apply_sequential", status)
+    raise_for("et_apply_sequential", status, f"optimizer kind {params.kind}")
     if status != 0:
         raise NativeBufferError("embtables native kernel: a row id is outside the table.")

@@ -216,11 +216,12 @@ def decode(function: str, code: int) -> str:
     return FUNCTIONS[function].meaning(int(code))
 
 
-def raise_for(function: str, codes: Any, subject: str = "embtables") -> None:
+def raise_for(function: str, codes: Any, subject: str = "") -> None:
     """Raise for any status of ``codes`` (one code or an iterable of them, from C function ``function``)
     whose meaning the caller does not explain: ``MemoryError`` when out of memory, ``NativeBufferError``
-    for a buffer, an optimizer kind or a status the kernels refuse. ``subject`` names what was being done
-    (a table); nothing is written by a call that returns such a status."""
+    for a buffer, an optimizer kind or a status the kernels refuse. ``subject`` names what the call was
+    about (a table, an optimizer kind), in both errors; nothing is written by a call that returns such a
+    status."""
     quiet = _QUIET[function]
     for code in {codes} if isinstance(codes, int) else set(codes):  # a ctypes array iterates by index
         if code in quiet:  # every step: one set lookup per distinct code
@@ -229,6 +230,9 @@ def raise_for(function: str, codes: Any, subject: str = "embtables") -> None:
         if meaning in CALLER_MEANINGS:
             continue
         if meaning == "out_of_memory":
-            raise MemoryError(f"{subject}: out of memory in the native kernels ({function}); nothing was written.")
+            raise MemoryError(
+                f"{subject or 'embtables'}: out of memory in the native kernels ({function}); nothing was written."
+            )
         what = {"does_not_fit": "a prepared update does not fit its table", "unknown_kind": "unknown optimizer kind"}
-        raise NativeBufferError(f"embtables native kernel {function}: {what.get(meaning, f'status {code}')}.")
+        about = f" ({subject})" if subject else ""
+        raise NativeBufferError(f"embtables native kernel {function}: {what.get(meaning, f'status {code}')}{about}.")

@@ -111,3 +111,5 @@ def test_raise_for_raises_only_what_callers_do_not_explain() -> None:
         native_abi.raise_for("et_touched_bounds", -2)
     with pytest.raises(native.NativeBufferError, match="status 7"):
         native_abi.raise_for("et_lookup_many", 7)
+    with pytest.raises(native.NativeBufferError, match=r"unknown optimizer kind \(optimizer kind 99\)"):
+        native_abi.raise_for("et_check", -4, "optimizer kind 99")
