@@ -229,7 +229,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--warm-seconds", type=float, default=3.0, help="busy the GPU this long before timing")
     p.add_argument("--tiles", default="", help="also time the fused kernels with these FLOATSxUNROLL[xWARPS] tiles")
     p.add_argument("--lookups", default="", help="also time the lookup with these FLOATSxWARPS[xBLOCK_N] shapes")
-    p.add_argument("--defer", default="", help="also time the fused kernels with DEFER_SUMS=0 (sums in phase 1)")
+    p.add_argument("--immediate", action="store_true",
+                   help="also time the fused kernels with each error raised in its call (EMBTABLES_GPU_ERRORS="
+                   "immediate: one host sync a call) beside the default (raised at the next call: none)")  # fmt: skip
     p.add_argument("--profile", action="store_true", help="print torch.profiler's table of each embtables step")
     args = p.parse_args(argv)
     device = torch.device(args.device)
@@ -261,14 +263,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     knobs = {
         "tiles": ("_TILE_FLOATS", "_SUMS_UNROLL", "_TILE_WARPS"),
         "lookup": ("_LOOKUP_FLOATS", "_LOOKUP_WARPS", "_LOOKUP_BLOCK_N"),
-        "defer": ("DEFER_SUMS",),
     }
     defaults = {name: getattr(gpu, name) for names in knobs.values() for name in names}
     variants: dict[str, dict[str, int]] = {}
-    for kind, specs in (("tiles", args.tiles), ("lookup", args.lookups), ("defer", args.defer)):
+    for kind, specs in (("tiles", args.tiles), ("lookup", args.lookups)):
         for spec in filter(None, specs.split(",")):
             values = [int(v) for v in spec.split("x")]
             variants[f"embtables[{kind} {spec}]"] = dict(zip(knobs[kind], values))
+    if args.immediate:
+        variants["embtables[immediate]"] = {}
     impls = args.impls.split(",")
     if "embtables" in impls:
         at = impls.index("embtables") + 1
@@ -282,6 +285,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 base = None
                 for impl in impls:
                     gpu.set_enabled(impl != "embtables-torch")
+                    gpu.set_deferred_errors(impl != "embtables[immediate]")
                     for name, value in {**defaults, **variants.get(impl, {})}.items():
                         setattr(gpu, name, value)  # read at each launch
                     try:

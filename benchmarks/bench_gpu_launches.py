@@ -5,8 +5,10 @@
 
 The fused GPU kernels run on CPU tensors through Triton's interpreter; ``benchmarks/launch_count.py`` counts
 every Triton launch, every torch operation a CUDA step would launch, and every operation that would make the
-host wait (see its docstring). One JSON line per (tables, what): a steady-state training step (lookup,
-backward, ``apply_gradients``; after two warm-up steps) and an eval lookup. Counts only: nothing is timed.
+host wait (see its docstring). One JSON line per (errors, tables, what): a steady-state training step (lookup,
+backward, ``apply_gradients``; after two warm-up steps) and an eval lookup, with the step's errors raised at
+the next call (``deferred``, the default on a GPU: no sync) and in the call (``immediate``: one sync a call).
+Counts only: nothing is timed.
 """
 
 from __future__ import annotations
@@ -49,14 +51,16 @@ def _batch(tables: int, batch: int, pooling: int, step: int) -> dict[str, Any]:
     }
 
 
-def count(tables: int, batch: int, pooling: int, optimizer: str) -> list[dict[str, Any]]:
-    """The counts of one steady-state training step and one eval lookup over ``tables`` tables."""
+def count(tables: int, batch: int, pooling: int, optimizer: str, errors: str = "deferred") -> list[dict[str, Any]]:
+    """The counts of one steady-state training step and one eval lookup over ``tables`` tables, the step's
+    errors raised at the next call (``errors="deferred"``, the default) or in the call (``"immediate"``)."""
     from embtables.kernels import gpu, native
     from embtables.kernels.triton_interpreter import mend
 
     mend()
     native.set_enabled(False)
     gpu.set_enabled(True, on_cpu=True)
+    gpu.set_deferred_errors(errors == "deferred")
     try:
         if not gpu.usable(torch.device("cpu")):
             raise RuntimeError("the GPU kernels need Triton (3.6 or later) and TRITON_INTERPRET=1")
@@ -77,7 +81,9 @@ def count(tables: int, batch: int, pooling: int, optimizer: str) -> list[dict[st
     finally:
         native.set_enabled(True)
         gpu.set_enabled(True)
-    common = {"bench": "gpu_launches", "tables": tables, "batch": batch, "pooling": pooling, "optimizer": optimizer}
+        gpu.set_deferred_errors(None)
+    common = {"bench": "gpu_launches", "tables": tables, "batch": batch, "pooling": pooling, "optimizer": optimizer,
+              "errors": errors}  # fmt: skip
     return [{**common, "what": "train_step", **train.record()}, {**common, "what": "eval_lookup", **lookup.record()}]
 
 
@@ -88,19 +94,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--pooling", type=int, default=2, help="ids per bag")
     ap.add_argument("--optimizer", default="adagrad", choices=["adagrad", "sgd", "adam"])
+    ap.add_argument("--errors", default="deferred,immediate", help="comma list: deferred (raised at the next call, "
+                    "the default on a GPU), immediate (EMBTABLES_GPU_ERRORS=immediate)")  # fmt: skip
     args = ap.parse_args(argv)
     try:
         import triton  # noqa: F401
     except ImportError:
         emit_skip("gpu_launches", "embtables", "Triton is not installed")
         return 0
-    for tables in (int(t) for t in args.tables.split(",")):
-        for record in count(tables, args.batch, args.pooling, args.optimizer):
-            emit(record)
-            sys.stderr.write(
-                f"T={tables:3d} {record['what']:12s} launches {record['launches']:4d} "
-                f"(Triton {record['triton_launches']}, torch {record['torch_launches']}), syncs {record['syncs']}\n"
-            )
+    for errors in args.errors.split(","):
+        for tables in (int(t) for t in args.tables.split(",")):
+            for record in count(tables, args.batch, args.pooling, args.optimizer, errors):
+                emit(record)
+                sys.stderr.write(
+                    f"{errors:9s} T={tables:3d} {record['what']:12s} launches {record['launches']:4d} (Triton "
+                    f"{record['triton_launches']}, torch {record['torch_launches']}), syncs {record['syncs']}\n"
+                )
     return 0
 
 

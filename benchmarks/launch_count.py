@@ -11,7 +11,9 @@ imported). ``LaunchCounter`` counts, while it is active:
   ``unique``, ``masked_select``, ``repeat_interleave`` without ``output_size``).
 
 Operations inside a Triton launch (the interpreter's own copies) are not counted, nor reads of host tensors
-(made from Python values with ``torch.tensor``, and their views), which a CUDA step keeps on the host.
+(made from Python values with ``torch.tensor``, and their views), which a CUDA step keeps on the host, nor
+reads of the host copies of an earlier call's device flags (``DeviceChecks.post``: copied without waiting,
+read by the next call, which waits at most for the call before it).
 """
 
 from __future__ import annotations
@@ -100,9 +102,11 @@ class LaunchCounter(TorchDispatchMode):
             finally:
                 counter._inside -= 1
 
+        from embtables.tables.backends.device_checks import is_host_copy
+
         def host_read(name: str, real: Any) -> Any:
             def read(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-                if not counter._inside and not counter._is_host(tensor):
+                if not counter._inside and not counter._is_host(tensor) and not is_host_copy(tensor):
                     counter.syncs[name] += 1
                 return real(tensor, *args, **kwargs)
 

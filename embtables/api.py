@@ -219,7 +219,9 @@ class DistributedEmbedding(nn.Module):
         if training:
             self._persistence.refuse_if_torn("enqueue")
         try:
-            batches = self._inputs.stage(features, weights, self.device, self._pipeline.busy_pointers())
+            batches = self._inputs.stage(
+                features, weights, self.device, self._pipeline.busy_pointers(), self._engine.device_checks()
+            )
             if self._concat is not None:
                 self._concat.check_batches(batches)
         except (ValueError, TypeError) as exc:

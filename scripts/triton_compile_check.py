@@ -53,6 +53,7 @@ def variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any], int]]:
     lookup_types = {n: P for n in ("firsts", "table_ptrs", "dims", "vocabs", "id_ptrs", "id_counts",
                                    "offset_ptrs", "coeff_ptrs", "out_ptrs", "out_lds")}  # fmt: skip
     lookup_types["status"] = "*i32"
+    lookup_types["refused"] = P
     # the shapes gpu.lookup_many picks for bags of about ``pool`` ids of ``dim`` columns, F features
     for (pool, dim, features), mixed in itertools.product(
         ((20, 64, 32), (1, 64, 26), (1, 16, 8), (3, 512, 4), (100, 8, 2000), (20, 4096, 5), (4, 2500, 3)),
@@ -60,18 +61,29 @@ def variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any], int]]:
     ):
         bags, block_n, block_d, warps = gpu._lookup_shape(pool, dim, features)
         fp = gpu._pow2(features)
-        consts = dict(F=features, FP=fp, DIM=0 if mixed else dim, ALIGNED=not mixed and dim % 4 == 0, BAGS=bags,
-                      BLOCK_N=block_n, BLOCK_D=block_d)  # fmt: skip
-        out.append(("lookup", k.lookup_kernel, lookup_types, consts, warps))
+        for refuse in (False, True):
+            consts = dict(F=features, FP=fp, DIM=0 if mixed else dim, ALIGNED=not mixed and dim % 4 == 0, BAGS=bags,
+                          BLOCK_N=block_n, BLOCK_D=block_d, REFUSE=refuse)  # fmt: skip
+            out.append(("lookup", k.lookup_kernel, lookup_types, consts, warps))
+    stage_types = {n: P for n in ("id_ptrs", "id_counts", "vocabs", "split_ptrs", "split_counts", "modes", "seg_at",
+                                  "segs", "refused")}  # fmt: skip
+    stage_types.update({"coeffs": F, "flags": "*i32", "steps": "i64"})
+    for refuse in (False, True):
+        out.append(("stage", k.stage_kernel, stage_types, dict(BLOCK=1024, REFUSE=refuse), 4))
+    gather_types = {n: P for n in ("id_ptrs", "seg_ptrs", "coeff_ptrs", "counts", "at", "vocabs", "bases", "segs",
+                                   "feats", "stats")}  # fmt: skip
+    gather_types["coeffs"] = F
+    for key64, hc in itertools.product((False, True), (False, True)):
+        types = {**gather_types, "keys": P if key64 else "*i32"}
+        out.append(("gather", k.gather_kernel, types, dict(KEY64=key64, HAS_COEFFS=hc, BLOCK=1024), 4))
     grads = {"grad0": F, "grad_ld": "i64", "grad_nrows": "i64", "grad_ptrs": P, "grad_lds": P, "grad_rows": P}
     sums_types = {"runs1": P, "starts": P, "segs": P, "coeffs": F, "feats": P, **grads, "sums": F, "pieces": F,
                   "stats": P, "N": "i64", "D": "i64"}  # fmt: skip
     marks_types = {"sorted_keys": "*i32", "perm": P, "segs": P, "coeffs": F, "feats": P, "sorted_ids": P,
                    "is_start": P, "sorted_segs": P, "sorted_coeffs": F, "sorted_feats": P, "grad_nrows": "i64",
                    "grad_rows": P, "stats": P, "N": "i64", "V": "i64"}  # fmt: skip
-    update_types = {"rows": P, "sums": F, "starts": P, "segs": P, "coeffs": F, "feats": P, **grads, "pieces": F,
-                    "weights": F, "s0": F, "s1": F, "s2": F, "bad_row": P, "maxabs": "*i32", "U": "i64",
-                    "D": "i64", "V": "i64"}  # fmt: skip
+    update_types = {"rows": P, "stats": P, "bases": P, "tabs": P, "sums": F, "starts": P, "segs": P, "coeffs": F,
+                    "feats": P, **grads, "pieces": F, "refused": P, "found": P, "D": "i64"}  # fmt: skip
     update_types.update({n: "fp32" for n in ("lr", "decay", "glo", "ghi", "wlo", "whi", "c0", "c1", "c2", "c3", "c4",
                                              "c5")})  # fmt: skip
     for hc, multi in itertools.product((False, True), (False, True)):
@@ -86,17 +98,13 @@ def variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any], int]]:
     for (rows, block_d, warps), in_place in itertools.product(TILES, (False, True)):
         consts = dict(IN_PLACE=in_place, PIECE=128, UNROLL=8, ROWS=rows, BLOCK_D=block_d)
         out.append(("piece_join", k.piece_join_kernel, join_types, consts, warps))
-    for record, (rows, block_d, warps), (inline, hc, multi), write in itertools.product(
-        RECORDS, TILES[:3], ((False, False, False), (True, False, False), (True, True, True)), (False, True)
+    for record, (rows, block_d, warps), (inline, hc, multi), write, steps in itertools.product(
+        RECORDS, TILES[:3], ((False, False, False), (True, False, False), (True, True, True)), (False, True), (0, 6)
     ):
         consts = dict(KIND=record.native_kind, NSLOTS=len(record.config.SLOT_NAMES), FLAG0=False, FLAG1=False,
-                      POW_IS_SQRT=False, LIBDEVICE=True, WRITE=write, MEASURE=not write, INLINE=inline,
-                      HAS_COEFFS=hc, MULTI=multi, ALIGNED=True, PIECE=128, UNROLL=4, ROWS=rows,
-                      BLOCK_D=block_d)  # fmt: skip
+                      POW_IS_SQRT=False, LIBDEVICE=True, WRITE=write, INLINE=inline, HAS_COEFFS=hc, MULTI=multi,
+                      ALIGNED=True, T_STEPS=steps, PIECE=128, UNROLL=4, ROWS=rows, BLOCK_D=block_d)  # fmt: skip
         out.append((f"update {record.config.__name__}", k.update_kernel, update_types, consts, warps))
-    abs_types = {"grad": F, "ld": "i64", "S": "i64", "D": "i64", "out": P}
-    for rows, block_d, warps in TILES:
-        out.append(("max_abs", k.max_abs_kernel, abs_types, dict(ROWS=rows, BLOCK_D=block_d), warps))
     return out
 
 

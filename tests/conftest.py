@@ -92,6 +92,7 @@ def kernel_path(request: pytest.FixtureRequest) -> Iterator[str]:
         )
     native.set_enabled(path == "native")
     gpu.set_enabled(path == "gpu", on_cpu=path == "gpu" and not on_cuda)
+    gpu.set_deferred_errors(False)  # errors in the call that finds them, as on the other paths
     if path == "gpu" and not gpu.usable(TEST_DEVICE):
         native.set_enabled(True)
         gpu.set_enabled(True)
@@ -101,3 +102,4 @@ def kernel_path(request: pytest.FixtureRequest) -> Iterator[str]:
     finally:
         native.set_enabled(True)
         gpu.set_enabled(True)
+        gpu.set_deferred_errors(None)

@@ -12,6 +12,7 @@ Tests run the same kernels on CPU tensors through Triton's interpreter (``TRITON
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Sequence
 from types import ModuleType
@@ -27,7 +28,7 @@ from embtables.kernels.record import KernelRecord
 from embtables.kernels.registry import record_of
 from embtables.kernels.triton_interpreter import interpreting
 
-_state: dict[str, Any] = {"module": None, "failed": False, "enabled": True, "on_cpu": False}
+_state: dict[str, Any] = {"module": None, "failed": False, "enabled": True, "on_cpu": False, "deferred": None}
 F32_INF_BITS = 0x7F800000
 _MAX_GRID_Y = 65535
 _PIECE = 128  # occurrences of a run summed by one lane; longer runs are cut into pieces and joined
@@ -37,7 +38,6 @@ _TILE_WARPS = 0  # warps of a tile's program (0: one per 512 floats of the tile)
 _LOOKUP_FLOATS = 1024  # floats of table rows a lookup program loads at once (BAGS x BLOCK_N x BLOCK_D)
 _LOOKUP_WARPS = 1  # warps of a lookup program
 _LOOKUP_BLOCK_N = 32  # most ids of a bag a lookup program loads at once
-DEFER_SUMS = 1  # 1: a lazy table's per-row sums are made by its update (``row_sums(defer=True)``) when proven finite
 
 
 class GpuBufferError(RuntimeError):
@@ -62,6 +62,21 @@ def set_enabled(enabled: bool, *, on_cpu: bool = False) -> None:
     _state["enabled"] = bool(enabled)
     _state["on_cpu"] = bool(on_cpu)
     native_library.count_switch()  # a backend chosen before the switch is chosen again
+
+
+def set_deferred_errors(deferred: bool | None) -> None:
+    """Whether GPU backends chosen from now on raise a step's errors at the next call (no host sync in a
+    steady-state step; the default) or in the call itself (one sync per call). None: the default, or
+    ``EMBTABLES_GPU_ERRORS`` (``immediate`` / ``deferred``) when set."""
+    _state["deferred"] = deferred
+    native_library.count_switch()  # a backend chosen before the switch is chosen again
+
+
+def deferred_errors() -> bool:
+    """See ``set_deferred_errors``."""
+    if _state["deferred"] is not None:
+        return bool(_state["deferred"])
+    return os.environ.get("EMBTABLES_GPU_ERRORS", "deferred").strip().lower() != "immediate"
 
 
 def usable(device: torch.device) -> bool:
@@ -146,6 +161,11 @@ def _addresses(values: Sequence[int], device: torch.device) -> Tensor:
     return torch.tensor(list(values), dtype=torch.int64).to(device, non_blocking=True)
 
 
+def _check_refused(refused: Tensor | None, device: torch.device) -> None:
+    if refused is not None and _checked_contiguous(refused, "refused", torch.int64, device, 1).shape != (1,):
+        raise GpuBufferError("embtables GPU kernel: refused must be [1].")
+
+
 def _check_coefficients(coeffs: Tensor | None, ids: Tensor, device: torch.device) -> None:
     if coeffs is not None and _checked_contiguous(coeffs, "coefficients", torch.float32, device, 1).shape != ids.shape:
         raise GpuBufferError("embtables GPU kernel: coefficients must match the ids.")
@@ -154,10 +174,11 @@ def _check_coefficients(coeffs: Tensor | None, ids: Tensor, device: torch.device
 LookupPart = tuple[Tensor, Tensor, Tensor, "Tensor | None"]  # (table [V, D], ids [N], offsets [S+1], coeffs [N])
 
 
-def lookup_many(parts: Sequence[LookupPart], outs: Sequence[Tensor]) -> Tensor:
+def lookup_many(parts: Sequence[LookupPart], outs: Sequence[Tensor], refused: Tensor | None = None) -> Tensor:
     """Pool every feature in one launch: feature f reads ``parts[f]`` and writes ``outs[f]`` [S_f, D_f]
     (rows any stride apart, unit column stride). Returns the status [F] int32 (1: an id outside the table
-    or broken offsets, 2: a non-finite activation) without reading it (no sync)."""
+    or broken offsets, 2: a non-finite activation) without reading it (no sync); sets ``refused`` (int64
+    [1]) when a status is not 0."""
     k = _kernels()
     device = outs[0].device
     n = len(parts)
@@ -199,9 +220,11 @@ def lookup_many(parts: Sequence[LookupPart], outs: Sequence[Tensor]) -> Tensor:
     dims = {t.shape[1] for t, *_ in meta}
     aligned = all(_aligned(t, 0) and _aligned(o, o.stride(0)) for t, *_, o in meta)
     bags, block_n, block_d, warps = _lookup_shape(pool, block_d, n)
+    _check_refused(refused, device)
     k.lookup_kernel[(-(-firsts[-1] // bags),)](
         *views,
         status,
+        status if refused is None else refused,
         F=n,
         FP=_pow2(n),
         DIM=dims.pop() if len(dims) == 1 else 0,
@@ -209,54 +232,77 @@ def lookup_many(parts: Sequence[LookupPart], outs: Sequence[Tensor]) -> Tensor:
         BAGS=bags,
         BLOCK_N=block_n,
         BLOCK_D=block_d,
+        REFUSE=refused is not None,
         num_warps=warps,
         enable_fp_fusion=False,
     )
     return status
 
 
-GradPart = tuple[Tensor, Tensor, "Tensor | None", Tensor]  # (ids [N_f], seg [N_f], coeffs [N_f], grad [S_f, D])
+GradPart = tuple[Tensor, Tensor, "Tensor | None", Tensor, int]
+# (ids [N_f], seg [N_f], coeffs [N_f] or None, grad [S_f, D], the feature's table among the group's)
 
-
-STATS = 6  # a table's phase-1 statistics (``RowSums.stats``)
+STATS = 6  # a group's phase-1 statistics (``RowSums.stats``)
+NEVER = 2**63 - 1  # ``found``: no key
 
 
 class RowSums:
-    """One table's distinct rows and (summed or, deferred, summable) gradients on the device, before their
-    one sync. ``rows`` [N] holds ``stats[0]`` valid rows; ``sums`` [N, D] their summed gradients, or None
-    when deferred (the update sums them: ``update(..., inline=)``; ``materialize`` sums them here).
-    ``stats`` int64 [STATS]: the number of distinct rows U; the largest |sum| as float32 bits (>=
-    ``F32_INF_BITS``: not finite; deferred: of the runs longer than ``_PIECE`` only); 1 when an id or a
-    bag was outside the table or its gradient; the longest run (occurrences of one row); deferred: the
-    largest |gradient| and |coefficient| as float32 bits (0 without coefficients)."""
+    """Phase 1 of a group of tables of one width D on the device, before any sync. The group's rows are one
+    key space: table j's row r is key ``bases[j] + r``. ``rows`` [N] holds ``stats[0]`` valid keys (distinct,
+    ascending); ``sums`` [N, D] their summed gradients, or None when not yet summed (the update sums them:
+    ``update(..., inline=)``; ``materialize`` sums them here). ``stats`` int64 [STATS]: the number of distinct
+    keys U; the largest |sum| as float32 bits (>= ``F32_INF_BITS``: not finite; of the runs longer than
+    ``_PIECE`` only while not summed); 1 when an id or a bag was outside its table or gradient; the longest
+    run (occurrences of one key); unused; the largest |coefficient| as float32 bits."""
 
-    def __init__(self, rows: Tensor, sums: Tensor | None, stats: Tensor, sorted_: dict[str, Any]) -> None:
-        self.rows, self.sums, self.stats = rows, sums, stats
+    def __init__(self, rows: Tensor, sums: Tensor | None, stats: Tensor, bases: list[int], sorted_: dict[str, Any]):
+        self.rows, self.sums, self.stats, self.bases = rows, sums, stats, bases
         self.sorted = sorted_  # what the sums read: sorted occurrences, gradients, pieces, flags
 
-    def sum_bound(self, stats: Sequence[int]) -> float:
-        """Deferred: a bound on every |sum| from this table's ``stats`` (read back): the longest short run
-        times the largest |gradient| and |coefficient| (a float32 sum of n terms of at most m in size is at
-        most n m (1 + 2^-24)^n), and the long runs' exact largest |sum|; inf when not finite."""
-        longest, gbits, cbits = stats[3], stats[4], stats[5]
-        has_coeffs = self.sorted["has_coeffs"]
-        if gbits >= F32_INF_BITS or (has_coeffs and cbits >= F32_INF_BITS) or stats[1] >= F32_INF_BITS:
-            return float("inf")
-        g, c, joined = bits_to_float([gbits, cbits if has_coeffs else 0x3F800000, stats[1]])
-        return max(min(longest, _PIECE) * g * c * (1.0 + 2.0**-16), joined)
+    def table_rows(self, j: int) -> tuple[Tensor, Tensor]:
+        """Table j's distinct rows [U_j] and summed gradients [U_j, D] (sums them if needed; one sync)."""
+        sums = materialize(self)
+        u = int(self.stats[0].item())
+        keys = self.rows[:u]
+        lo, hi = self.bases[j], self.bases[j + 1]
+        mine = (keys >= lo) & (keys < hi)
+        return keys[mine] - lo, sums[:u][mine]
 
 
-def row_sums(
-    parts: Sequence[GradPart], vocabulary_size: int, dim: int, stats: Tensor | None = None, *, defer: bool = False
-) -> RowSums:
-    """Dedup the occurrences of one table's features (``parts``) and sum each distinct row's gradients
-    (occurrence order within a row), all on the device: no sync. ``stats``: a zeroed int64 [STATS] to
-    fill (one row of a [T, STATS] that the caller reads for every table at once), else one is made.
-    ``defer``: sum only the runs longer than ``_PIECE`` here (their pieces joined in place) and measure
-    the largest |gradient| instead; the update sums the others as it applies them."""
+@dataclasses.dataclass(frozen=True, eq=False)
+class TableShare:
+    """One table's part of a group's phase 1: table ``index`` of ``sums``."""
+
+    sums: RowSums
+    index: int
+
+
+def every_row(rs: RowSums) -> RowSums:
+    """The summed phase 1 ``rs`` of one table as an update of every row of the table: keys 0..V-1, a zero
+    sum where the batch has none (a non-lazy optimizer), ``rs``'s phase-1 flag kept. No sync."""
+    if len(rs.bases) != 2:
+        raise GpuBufferError("embtables GPU kernel: every_row takes the phase 1 of one table.")
+    device, dim, v = rs.rows.device, rs.sorted["dim"], rs.bases[1]
+    sums = materialize(rs)
+    full = torch.zeros((v + 1, dim), dtype=torch.float32, device=device)  # row V takes the keys past U
+    n = rs.rows.numel()
+    live = torch.arange(n, device=device) < rs.stats[0]
+    full.index_copy_(0, torch.where(live & (rs.rows >= 0), rs.rows, v), sums)
+    stats = rs.stats.clone()
+    stats[0] = v
+    sorted_ = {"n": v, "dim": dim, "has_coeffs": False}
+    return RowSums(torch.arange(v, device=device), full[:v], stats, rs.bases, sorted_)
+
+
+def row_sums(parts: Sequence[GradPart], vocabularies: Sequence[int], dim: int, *, summed: bool = True) -> RowSums:
+    """Dedup the occurrences of the features ``parts`` of a group of tables (``vocabularies``: each one's V)
+    and sum each distinct row's gradients (occurrence order within a row), all on the device in a fixed
+    number of launches, whatever the number of tables and features: no sync. ``summed=False``: sum only
+    the runs longer than ``_PIECE`` here (their pieces joined in place); the update sums the others as it
+    applies them."""
     k = _kernels()
     device = parts[0][3].device
-    for ids, seg, coeffs, grad in parts:
+    for ids, seg, coeffs, grad, j in parts:
         _checked_contiguous(ids, "ids", torch.int64, device, 1)
         if _checked_contiguous(seg, "segments", torch.int64, device, 1).shape != ids.shape:
             raise GpuBufferError("embtables GPU kernel: segments must match the ids.")
@@ -264,40 +310,62 @@ def row_sums(
         _check(grad, "a gradient", torch.float32, device, 2)
         if grad.shape[1] != dim or (dim > 1 and grad.stride(1) != 1) or (grad.shape[0] > 1 and grad.stride(0) < dim):
             raise GpuBufferError(f"embtables GPU kernel: a gradient must be [S, {dim}] with unit column stride.")
-    if stats is None:
-        stats = torch.zeros(STATS, dtype=torch.int64, device=device)
-    elif _checked_contiguous(stats, "stats", torch.int64, device, 1).shape != (STATS,):
-        raise GpuBufferError(f"embtables GPU kernel: stats must be [{STATS}].")
-    multi = len(parts) > 1
-    ids = torch.cat([p[0] for p in parts]) if multi else parts[0][0]
-    n = ids.numel()
+        if not 0 <= j < len(vocabularies):
+            raise GpuBufferError("embtables GPU kernel: a part names a table outside its group.")
+    if any(v <= 0 for v in vocabularies):
+        raise GpuBufferError("embtables GPU kernel: a table needs a positive vocabulary size.")
+    bases = [0]
+    for v in vocabularies:
+        bases.append(bases[-1] + int(v))
+    stats = torch.zeros(STATS, dtype=torch.int64, device=device)
+    counts = [p[0].numel() for p in parts]
+    n = sum(counts)
     rows = torch.empty(n, dtype=torch.int64, device=device)
     if n == 0:
         empty = {"n": 0, "dim": dim, "has_coeffs": False}
-        return RowSums(rows, None if defer else torch.empty((0, dim), device=device), stats, empty)
-    segs = torch.cat([p[1] for p in parts]) if multi else parts[0][1]
+        return RowSums(rows, torch.empty((0, dim), device=device) if summed else None, stats, bases, empty)
     has_coeffs = any(p[2] is not None for p in parts)
-    coeffs = (
-        torch.cat([p[2] if p[2] is not None else torch.ones_like(p[1], dtype=torch.float32) for p in parts])
-        if has_coeffs
-        else segs
-    )
-    feats = torch.cat([torch.full_like(p[0], i) for i, p in enumerate(parts)]) if multi else segs  # unused unless multi
+    key64 = bases[-1] > 2**31 - 1  # int32 keys sort in half the radix passes
+    keys = torch.empty(n, dtype=torch.int64 if key64 else torch.int32, device=device)
+    segs = torch.empty(n, dtype=torch.int64, device=device)
+    coeffs = torch.empty(n, dtype=torch.float32, device=device) if has_coeffs else segs
+    feats = torch.empty(n, dtype=torch.int64, device=device)
     grads = [p[3] for p in parts]
     pieces = torch.empty((2 * -(-n // _PIECE), dim), dtype=torch.float32, device=device)
-    grad_args = _gradient_arguments(grads, pieces, segs)
-    # int32 keys sort in half the radix passes; the sort is stable, so equal ids keep occurrence order
-    keys = ids.to(torch.int32) if vocabulary_size <= 2**31 - 1 else ids
-    sorted_keys, perm = torch.sort(keys, stable=True)
+    at = [0]
+    for c in counts[:-1]:
+        at.append(at[-1] + c)
+    columns = [
+        [p[0].data_ptr() for p in parts],
+        [p[1].data_ptr() for p in parts],
+        [0 if p[2] is None else p[2].data_ptr() for p in parts],
+        counts,
+        at,
+        [int(vocabularies[p[4]]) for p in parts],
+        [bases[p[4]] for p in parts],
+    ]
+    grad_meta = [] if len(grads) == 1 else [g.data_ptr() for g in grads] + [g.stride(0) for g in grads] + [
+        g.shape[0] for g in grads]  # fmt: skip
+    meta = _addresses([v for col in columns for v in col] + grad_meta, device)  # one copy to the device
+    nf = len(parts)
+    block = 1024
+    for lo in range(0, nf, _MAX_GRID_Y):  # a grid's second dimension holds at most 65535 programs
+        hi = min(nf, lo + _MAX_GRID_Y)
+        k.gather_kernel[(-(-max(counts[lo:hi]) // block), hi - lo)](
+            *(meta[i * nf + lo : i * nf + hi] for i in range(len(columns))), keys, segs, coeffs, feats, stats,
+            KEY64=key64, HAS_COEFFS=has_coeffs, BLOCK=block,
+        )  # fmt: skip
+    grad_args = _gradient_arguments(grads, pieces, segs, meta[len(columns) * nf :])
+    multi = len(grads) > 1
+    sorted_keys, perm = torch.sort(keys, stable=True)  # stable: equal keys keep occurrence order
     sorted_ids = torch.empty(n, dtype=torch.int64, device=device)
     is_start = torch.empty(n, dtype=torch.int64, device=device)
     sorted_segs = torch.empty(n, dtype=torch.int64, device=device)
     sorted_coeffs = torch.empty(n, dtype=torch.float32, device=device) if has_coeffs else sorted_segs
     sorted_feats = torch.empty(n, dtype=torch.int64, device=device) if multi else sorted_segs
-    block = 1024
     k.sort_marks_kernel[(-(-n // block),)](
         sorted_keys, perm, segs, coeffs, feats, sorted_ids, is_start, sorted_segs, sorted_coeffs, sorted_feats,
-        grad_args[2], grad_args[5], stats, n, vocabulary_size, HAS_COEFFS=has_coeffs, MULTI=multi, BLOCK=block,
+        grad_args[2], grad_args[5], stats, n, bases[-1], HAS_COEFFS=has_coeffs, MULTI=multi, BLOCK=block,
     )  # fmt: skip
     runs1 = torch.cumsum(is_start, 0)
     starts = torch.empty(n + 2, dtype=torch.int64, device=device)
@@ -314,33 +382,32 @@ def row_sums(
         "multi": multi,
         "aligned": dim % 4 == 0 and all(_aligned(g, g.stride(0)) for g in grads),
     }
-    rs = RowSums(rows, None, stats, sorted_)
-    if defer:
-        _sum_runs(rs, long_only=True)
-        tile_rows, block_d, warps = _tile(dim)
-        for g in (g for g in grads if g.shape[0] > 0):
-            k.max_abs_kernel[(-(-g.shape[0] // tile_rows),)](
-                g, g.stride(0), g.shape[0], dim, stats[4:5], ROWS=tile_rows, BLOCK_D=block_d, num_warps=warps
-            )
-    else:
+    rs = RowSums(rows, None, stats, bases, sorted_)
+    if summed:
         rs.sums = _sum_runs(rs, long_only=False)
+    else:
+        _sum_runs(rs, long_only=True)
     return rs
 
 
-def _gradient_arguments(grads: Sequence[Tensor], dummy: Tensor, segs: Tensor) -> tuple[Any, ...]:
+def _gradient_arguments(grads: Sequence[Tensor], dummy: Tensor, segs: Tensor, meta: Tensor | None = None) -> tuple[
+        Any, ...]:  # fmt: skip
     """The gradient arguments of the per-row sums (``grad0, grad_ld, grad_nrows, grad_ptrs, grad_lds,
     grad_rows``): one feature's gradient itself (no addresses to copy to the device), or several features'
-    addresses, row strides and rows (``dummy`` and ``segs``: float32 and int64 buffers never read)."""
+    addresses, row strides and rows (``meta``, when already on the device; ``dummy`` and ``segs``: float32
+    and int64 buffers never read)."""
     if len(grads) == 1:
         g = grads[0]
         return (g, g.stride(0), g.shape[0], segs, segs, segs)
-    columns = [g.data_ptr() for g in grads] + [g.stride(0) for g in grads] + [g.shape[0] for g in grads]
-    meta, nf = _addresses(columns, dummy.device), len(grads)
+    if meta is None:
+        columns = [g.data_ptr() for g in grads] + [g.stride(0) for g in grads] + [g.shape[0] for g in grads]
+        meta = _addresses(columns, dummy.device)
+    nf = len(grads)
     return (dummy, 0, 0, meta[:nf], meta[nf : 2 * nf], meta[2 * nf :])
 
 
 def own_gradients(rs: RowSums) -> None:
-    """Deferred ``rs`` reads copies of its gradients from now on, so that a caller may write into the
+    """Not yet summed ``rs`` reads copies of its gradients from now on, so that a caller may write into the
     gradients it passed (an update held back by pipelining lands after the next step's backward)."""
     s = rs.sorted
     if rs.sums is not None or s["n"] == 0:
@@ -375,8 +442,8 @@ def _sum_runs(rs: RowSums, *, long_only: bool) -> Tensor | None:
 
 
 def materialize(rs: RowSums) -> Tensor:
-    """The summed gradients [N, D] of deferred ``rs`` (launched here, no sync; ``rs.stats[1]`` then holds
-    the exact largest |sum|); the sums themselves when they were not deferred."""
+    """The summed gradients [N, D] of ``rs`` (launched here when not yet summed, no sync; ``rs.stats[1]``
+    then holds the exact largest |sum|)."""
     if rs.sums is None:
         if rs.sorted["n"] == 0:
             rs.sums = torch.empty((0, rs.sorted["dim"]), device=rs.rows.device)
@@ -411,67 +478,82 @@ def update_parameters(opt: Optimizer, lr: float, decay: float) -> dict[str, Any]
     }
 
 
+TableTensors = tuple[Tensor, Sequence[Tensor]]  # (weights [V, D], slots [V, D] each, in the optimizer's order)
+
+
+def step_flags(device: torch.device) -> tuple[Tensor, Tensor]:
+    """A fresh (refused int64 [1] = 0, found int64 [2] = ``NEVER``) for ``update``."""
+    return torch.zeros(1, dtype=torch.int64, device=device), torch.full((2,), NEVER, dtype=torch.int64, device=device)
+
+
 def update(
-    rows: Tensor,
-    sums: Tensor | None,
-    weights: Tensor,
-    slots: Sequence[Tensor],
+    rs: RowSums,
+    tables: Sequence[TableTensors | None],
     params: dict[str, Any],
     *,
     write: bool,
-    measure: bool,
-    inline: RowSums | None = None,
-) -> tuple[Tensor | None, Tensor | None]:
-    """The fused update of distinct ``rows`` [U] with ``sums`` [U, D] (``write=False``: the dry run), or
-    with ``inline`` (a deferred ``row_sums``, whose first U rows are ``rows``; ``sums`` None) summing
-    each row's gradients as it applies them.
-    Returns (bad_row [1] int64, the dry run's: the smallest row whose new values are not finite, V when
-    none; maxabs [4] int32 bits of max |new value| of (weights, *slots) when ``measure``), unread (no
-    sync); None for what was not asked (a proven write allocates nothing)."""
+    refused: Tensor,
+    found: Tensor | None = None,
+    inline: bool = False,
+) -> None:
+    """The fused update of the distinct keys of ``rs`` in one launch for every table of its group that
+    ``tables`` names (None: a table this launch leaves alone; every named one takes ``params``), with
+    ``rs.sums``, or with ``inline`` each row's gradients summed as it is applied (``rs`` not summed).
+    ``write=False`` is the dry run: it writes no table or slot, puts the first key whose gradient or new
+    values would not be finite in ``found`` [2] (``step_flags``; min over launches) and sets ``refused`` [1]
+    when there is one or when phase 1 flagged an input. ``write=True`` writes nothing when ``refused`` is
+    set. Nothing is read back (no sync)."""
     k = _kernels()
-    device = weights.device
-    _checked_contiguous(weights, "a table", torch.float32, device, 2)
-    v, dim = weights.shape
-    for s in slots:
-        if _checked_contiguous(s, "a slot", torch.float32, device, 2).shape != weights.shape:
-            raise GpuBufferError("embtables GPU kernel: every slot must have the table's shape.")
-    if len(slots) != params["NSLOTS"]:
-        raise GpuBufferError("embtables GPU kernel: the slots do not match the optimizer.")
-    u = _checked_contiguous(rows, "rows", torch.int64, device, 1).numel()
-    if inline is None:
-        if _checked_contiguous(sums, "gradient sums", torch.float32, device, 2).shape != (u, dim):
-            raise GpuBufferError(f"embtables GPU kernel: gradient sums must be [{u}, {dim}].")
-    elif (
-        sums is not None
-        or inline.sorted["dim"] != dim
-        or u > inline.sorted["n"]
-        or rows.data_ptr() != inline.rows.data_ptr()
-    ):
-        raise GpuBufferError("embtables GPU kernel: an inline update takes its row sums' rows and no sums.")
-    bad_row = None if write else torch.full((1,), v, dtype=torch.int64, device=device)
-    maxabs = torch.zeros(4, dtype=torch.int32, device=device) if measure else None
-    if u == 0 or dim == 0:
-        return bad_row, maxabs
-    if inline is None:
-        occurrences: tuple[Any, ...] = (weights,) * 11  # not read
-        flags = {"INLINE": False, "HAS_COEFFS": False, "MULTI": False, "ALIGNED": False}
+    device = rs.rows.device
+    dim = rs.sorted["dim"]
+    if len(tables) != len(rs.bases) - 1:
+        raise GpuBufferError("embtables GPU kernel: one entry per table of the group.")
+    addresses: list[int] = []
+    for j, entry in enumerate(tables):
+        if entry is None:
+            addresses += [0, 0, 0, 0]
+            continue
+        weights, slots = entry
+        _checked_contiguous(weights, "a table", torch.float32, device, 2)
+        if tuple(weights.shape) != (rs.bases[j + 1] - rs.bases[j], dim):
+            raise GpuBufferError(f"embtables GPU kernel: a table of the group must be [V, {dim}].")
+        for s in slots:
+            if _checked_contiguous(s, "a slot", torch.float32, device, 2).shape != weights.shape:
+                raise GpuBufferError("embtables GPU kernel: every slot must have the table's shape.")
+        if len(slots) != params["NSLOTS"]:
+            raise GpuBufferError("embtables GPU kernel: the slots do not match the optimizer.")
+        addresses += [weights.data_ptr(), *(s.data_ptr() for s in slots), *([weights.data_ptr()] * (3 - len(slots)))]
+    _check_refused(refused, device)
+    if not write and (found is None or _checked_contiguous(found, "found", torch.int64, device, 1).shape != (2,)):
+        raise GpuBufferError("embtables GPU kernel: a dry run needs found [2].")
+    n = rs.sorted["n"]
+    if inline and rs.sums is not None:
+        raise GpuBufferError("embtables GPU kernel: an inline update takes row sums not yet summed.")
+    if n == 0 or dim == 0:
+        return
+    if inline:
+        occurrences: tuple[Any, ...] = (rs.sorted["starts"], *rs.sorted["occurrences"], rs.sorted["pieces"])
+        srt = rs.sorted
+        flags = {"HAS_COEFFS": srt["has_coeffs"], "MULTI": srt["multi"], "ALIGNED": srt["aligned"]}
     else:
-        srt = inline.sorted
-        occurrences = (srt["starts"], *srt["occurrences"], srt["pieces"])
-        flags = {"INLINE": True, "HAS_COEFFS": srt["has_coeffs"], "MULTI": srt["multi"], "ALIGNED": srt["aligned"]}
-    spare = [*slots, weights, weights, weights][:3]  # slots the optimizer lacks: never read
+        if rs.sums is None or tuple(rs.sums.shape) != (n, dim):
+            raise GpuBufferError(f"embtables GPU kernel: gradient sums must be [{n}, {dim}].")
+        occurrences = (rs.rows,) * 11  # not read
+        flags = {"HAS_COEFFS": False, "MULTI": False, "ALIGNED": False}
+    steps = max(0, (len(rs.bases) - 2).bit_length())  # ceil(log2(T)) for T tables
+    padded = rs.bases + [rs.bases[-1]] * ((1 << steps) + 1 - len(rs.bases))
+    meta = _addresses(padded + addresses, device)
     tile_rows, block_d, warps = _tile(dim)
-    k.update_kernel[(-(-u // tile_rows),)](
-        rows,
-        weights if sums is None else sums,  # INLINE: not read
+    k.update_kernel[(-(-n // tile_rows),)](
+        rs.rows,
+        rs.stats,
+        meta[: len(padded)],
+        meta[len(padded) :],
+        rs.rows if rs.sums is None else rs.sums,  # INLINE: not read
         *occurrences,
-        weights,
-        *spare,
-        rows if bad_row is None else bad_row,  # not written unless asked for
-        weights if maxabs is None else maxabs,
-        u,
+        refused,
+        refused if found is None else found,  # written by the dry run only
         dim,
-        v,
         *params["scalars"],
         KIND=params["KIND"],
         NSLOTS=params["NSLOTS"],
@@ -480,8 +562,9 @@ def update(
         POW_IS_SQRT=params["POW_IS_SQRT"],
         LIBDEVICE=not interpreting(),
         WRITE=write,
-        MEASURE=measure,
+        INLINE=inline,
         **flags,
+        T_STEPS=steps,
         PIECE=_PIECE,
         UNROLL=_SUMS_UNROLL,
         ROWS=tile_rows,
@@ -489,7 +572,6 @@ def update(
         num_warps=warps,
         enable_fp_fusion=False,
     )
-    return bad_row, maxabs
 
 
 def bits_to_float(bits: Sequence[int]) -> tuple[float, ...]:
@@ -497,38 +579,63 @@ def bits_to_float(bits: Sequence[int]) -> tuple[float, ...]:
     return tuple(torch.tensor(list(bits), dtype=torch.int32).view(torch.float32).tolist())
 
 
-ValidatePart = tuple[Tensor, "Tensor | None", int]  # (ids [N], row splits [B+1] or None (dense), V)
+StagePart = tuple[Tensor, "Tensor | None", int, int, bool]
+# (ids [N], row splits [B+1] or None (dense), V, coefficient mode, whether negative ids are dropped)
 
 
-def validate_inputs(parts: Sequence[ValidatePart]) -> Tensor:
-    """The input rules of every feature in one launch: ids in [0, V), row splits that start at 0, never
-    decrease and end at N. Returns flags [F] int32 (0: every rule holds), unread (no sync)."""
+def stage_inputs(parts: Sequence[StagePart], refused: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """The input rules of every feature, each id's bag and its coefficient, in one launch (two when a feature
+    that drops negative ids has coefficients): ids in [0, V), row splits that start at 0, never decrease and
+    end at N; mode 1 (mean) writes 1/c and mode 2 (sqrtn) 1/sqrt(c) for an id of a bag of c ids (IEEE
+    division and square root: torch's bits). A feature that drops negative ids has them rewritten to -1 in
+    its ``ids`` (the lookup and phase 1 skip them; their coefficient is 0 and c counts the others) instead of
+    flagged. Returns (flags [F] int32, 0 where every rule holds; bags [sum N] int64 and coefficients [sum N]
+    float32, feature after feature, written for features with row splits and with a nonzero mode), unread
+    (no sync); sets ``refused`` (int64 [1]) when a flag is not 0."""
     k = _kernels()
     device = parts[0][0].device
+    _check_refused(refused, device)
     flags = torch.zeros(len(parts), dtype=torch.int32, device=device)
-    longest = 0
-    for ids, splits, vocab in parts:
+    longest, bags, at, bag_at = 0, 1, [0], [0]
+    for ids, splits, vocab, mode, _ in parts:
         _checked_contiguous(ids, "ids", torch.int64, device, 1)
         if splits is not None:
             _checked_contiguous(splits, "row splits", torch.int64, device, 1)
+            bags = max(bags, splits.numel() - 1)
         if vocab <= 0:
             raise GpuBufferError("embtables GPU kernel: a table needs a positive vocabulary size.")
+        if mode not in (0, 1, 2):
+            raise GpuBufferError("embtables GPU kernel: a coefficient mode is 0, 1 or 2.")
         longest = max(longest, ids.numel(), 0 if splits is None else splits.numel())
+        at.append(at[-1] + ids.numel())
+        bag_at.append(bag_at[-1] + (0 if splits is None else max(splits.numel() - 1, 0)))
+    segs = torch.empty(at[-1], dtype=torch.int64, device=device)
+    coeffs = torch.empty(at[-1], dtype=torch.float32, device=device)
     if longest == 0:
-        return flags
+        return flags, segs, coeffs
+    drops = any(p[4] for p in parts)
+    negs = torch.zeros(max(bag_at[-1], 1), dtype=torch.int64, device=device) if drops else segs
     columns = [
-        [i.data_ptr() for i, _, _ in parts],
-        [i.numel() for i, _, _ in parts],
-        [v for _, _, v in parts],
-        [0 if s is None else s.data_ptr() for _, s, _ in parts],
-        [0 if s is None else s.numel() for _, s, _ in parts],
+        [i.data_ptr() for i, *_ in parts],
+        [i.numel() for i, *_ in parts],
+        [p[2] for p in parts],
+        [0 if s is None else s.data_ptr() for _, s, *_ in parts],
+        [0 if s is None else s.numel() for _, s, *_ in parts],
+        [p[3] for p in parts],
+        [int(p[4]) for p in parts],
+        at[:-1],
+        bag_at[:-1],
     ]
     meta = _addresses([v for col in columns for v in col], device)
     n = len(parts)
     block = 1024
-    for lo in range(0, n, _MAX_GRID_Y):  # a grid's second dimension holds at most 65535 programs
-        hi = min(n, lo + _MAX_GRID_Y)
-        k.validate_kernel[(-(-longest // block), hi - lo)](
-            *(meta[i * n + lo : i * n + hi] for i in range(len(columns))), flags[lo:hi], BLOCK=block
-        )
-    return flags
+    passes = (0, 1) if drops and any(p[3] for p in parts) else (0,)
+    for stage_pass in passes:
+        for lo in range(0, n, _MAX_GRID_Y):  # a grid's second dimension holds at most 65535 programs
+            hi = min(n, lo + _MAX_GRID_Y)
+            k.stage_kernel[(-(-longest // block), hi - lo)](
+                *(meta[i * n + lo : i * n + hi] for i in range(len(columns))), segs, coeffs, negs, flags[lo:hi],
+                segs if refused is None else refused, bags.bit_length(), BLOCK=block, REFUSE=refused is not None,
+                DROPS=drops, PASS=stage_pass,
+            )  # fmt: skip
+    return flags, segs, coeffs

@@ -1,5 +1,5 @@
 """The fused GPU kernels (Triton): the pooled lookup of every feature in one launch, the per-row gradient
-sums of one table, and the fused sparse update of one table for every optimizer.
+sums of a group of tables, and the fused sparse update of a group of tables for every optimizer.
 
 Imported only through ``kernels/gpu.py``, which imports it when a CUDA table first needs it (Triton is
 optional). The row math follows the native C kernels (``csrc/embtables_native.c``) line by line: the
@@ -15,9 +15,9 @@ flags them instead), and a program past the last distinct row does nothing.
 
 from __future__ import annotations
 
-from embtables.kernels.triton_lookup import lookup_kernel, validate_kernel
+from embtables.kernels.triton_lookup import lookup_kernel, stage_kernel
 from embtables.kernels.triton_row_sums import (
-    max_abs_kernel,
+    gather_kernel,
     piece_join_kernel,
     piece_sums_kernel,
     run_starts_kernel,
@@ -26,12 +26,12 @@ from embtables.kernels.triton_row_sums import (
 from embtables.kernels.triton_update import update_kernel
 
 __all__ = [
+    "gather_kernel",
     "lookup_kernel",
-    "max_abs_kernel",
     "piece_join_kernel",
     "piece_sums_kernel",
     "run_starts_kernel",
     "sort_marks_kernel",
+    "stage_kernel",
     "update_kernel",
-    "validate_kernel",
 ]

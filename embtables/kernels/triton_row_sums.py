@@ -1,5 +1,6 @@
-"""The GPU per-row gradient sums of one table (Triton): the sorted occurrences marked and gathered, the runs
-of equal ids found, each run summed in occurrence order in pieces, long runs joined."""
+"""The GPU per-row gradient sums of a group of tables of one width (Triton): every feature's occurrences
+gathered as keys of one key space (table j's row r is key ``bases[j] + r``), sorted, marked and gathered,
+the runs of equal keys found, each run summed in occurrence order in pieces, long runs joined."""
 
 from __future__ import annotations
 
@@ -10,22 +11,68 @@ from embtables.kernels.triton_common import abs_bits, row_max_bits
 
 
 @triton.jit
+def gather_kernel(
+    id_ptrs,  # int64 [F]: address of each feature's ids [N_f] (int64)
+    seg_ptrs,  # int64 [F]: address of each feature's bag index of every id [N_f] (int64)
+    coeff_ptrs,  # int64 [F]: address of each feature's coefficients [N_f] (float32), 0 for none
+    counts,  # int64 [F]: N_f
+    at,  # int64 [F]: where feature f's occurrences begin in the outputs
+    vocabs,  # int64 [F]: V of each feature's table
+    bases,  # int64 [F]: the first key of each feature's table
+    keys,  # int32 or int64 [N] out: base + id, or -1 for an id outside [0, V) (-1 itself: dropped at staging)
+    segs,  # int64 [N] out
+    coeffs,  # float32 [N] out (written when HAS_COEFFS; 1 where a feature has none)
+    feats,  # int64 [N] out: the feature of each occurrence
+    stats,  # int64 [STATS]: [2] := 1 when an id is outside its table
+    KEY64: tl.constexpr,  # int64 keys (the group's rows do not fit int32)
+    HAS_COEFFS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """Every feature's occurrences of a group in one launch: program (b, f) gathers block b of feature f.
+    An id outside its table becomes key -1 (sorted first, a run the update never writes) and is flagged,
+    unless it is -1: an id the staging dropped."""
+    b = tl.program_id(0).to(tl.int64)
+    f = tl.program_id(1)
+    n = tl.load(counts + f)
+    o = b * BLOCK + tl.arange(0, BLOCK)
+    m = o < n
+    x = tl.load(tl.load(id_ptrs + f).to(tl.pointer_type(tl.int64)) + o, mask=m, other=0)
+    ok = (x >= 0) & (x < tl.load(vocabs + f))
+    key = tl.where(ok, x + tl.load(bases + f), -1)
+    ok = ok | (x == -1)  # an id dropped at staging: skipped, not flagged
+    out = tl.load(at + f) + o
+    if KEY64:
+        tl.store(keys + out, key, mask=m)
+    else:
+        tl.store(keys + out, key.to(tl.int32), mask=m)
+    seg = tl.load(tl.load(seg_ptrs + f).to(tl.pointer_type(tl.int64)) + o, mask=m, other=0)
+    tl.store(segs + out, seg, mask=m)
+    tl.store(feats + out, o * 0 + f, mask=m)
+    if HAS_COEFFS:
+        caddr = tl.load(coeff_ptrs + f)
+        c = tl.load(caddr.to(tl.pointer_type(tl.float32)) + o, mask=m & ((o * 0 + caddr) != 0), other=1.0)
+        tl.store(coeffs + out, c, mask=m)
+    if tl.max(tl.where(m & (~ok), 1, 0), axis=0) > 0:
+        tl.atomic_max(stats + 2, 1)
+
+
+@triton.jit
 def sort_marks_kernel(
-    sorted_keys,  # int32 or int64 [N]: the table's ids, sorted (stable: equal ids keep occurrence order)
+    sorted_keys,  # int32 or int64 [N]: the group's keys, sorted (stable: equal keys keep occurrence order)
     perm,  # int64 [N]: the occurrence of each sorted position
-    segs,  # int64 [N]: the bag of each occurrence (in occurrence order)
+    segs,  # int64 [N]: the bag of each occurrence (in gathered order)
     coeffs,  # float32 [N] (read when HAS_COEFFS)
     feats,  # int64 [N] (read when MULTI)
-    sorted_ids,  # int64 [N] out: the sorted ids
+    sorted_ids,  # int64 [N] out: the sorted keys
     is_start,  # int64 [N] out: 1 where a run of equal ids begins
     sorted_segs,  # int64 [N] out: segs in sorted order
     sorted_coeffs,  # float32 [N] out (written when HAS_COEFFS)
     sorted_feats,  # int64 [N] out (written when MULTI)
     grad_nrows,  # rows of the one feature's gradient (not MULTI)
     grad_rows,  # int64 [F_t] (MULTI): rows of each feature's gradient
-    stats,  # int64 [6]: [2] := 1 when an id is outside [0, V) or a bag outside its gradient; [5] max |coeff| bits
+    stats,  # int64 [6]: [2] := 1 when a key is outside [0, V) or a bag outside its gradient; [5] max |coeff| bits
     N,
-    V,
+    V,  # the group's keys: the sum of its tables' rows
     HAS_COEFFS: tl.constexpr,
     MULTI: tl.constexpr,
     BLOCK: tl.constexpr,
@@ -50,7 +97,7 @@ def sort_marks_kernel(
         nrows = tl.load(grad_rows + f, mask=km, other=0)
     else:
         nrows = grad_nrows
-    bad = km & ((row < 0) | (row >= V) | (seg < 0) | (seg >= nrows))
+    bad = km & ((row < -1) | (row >= V) | (seg < 0) | (seg >= nrows))  # key -1: dropped, or flagged by the gather
     if tl.max(bad.to(tl.int32), axis=0) > 0:
         tl.atomic_max(stats + 2, 1)
     if HAS_COEFFS:
@@ -300,21 +347,3 @@ def piece_join_kernel(
             else:
                 tl.store(sums + u[:, None] * D + d[None, :], acc, mask=m2)
             tl.atomic_max(stats + 1, tl.max(row_max_bits(acc, m2), axis=0).to(tl.int64))
-
-
-@triton.jit
-def max_abs_kernel(
-    grad,  # float32 [S, D], rows ``ld`` apart
-    ld,
-    S,
-    D,
-    out,  # int64 [1]: := max(out, max |grad| as bits) (>= F32_INF_BITS: not finite)
-    ROWS: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
-    """The largest |value| of a gradient, as float32 bits (a bound on the per-row sums without summing)."""
-    r = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-    d = tl.arange(0, BLOCK_D)
-    m = (r < S)[:, None] & (d < D)[None, :]
-    g = tl.load(grad + r[:, None] * ld + d[None, :], mask=m, other=0.0)
-    tl.atomic_max(out, tl.max(row_max_bits(g, m), axis=0).to(tl.int64))

@@ -1,6 +1,6 @@
 # ruff: noqa: SIM108  (Triton compiles if/else on constexpr flags; it gets no conditional expressions)
-"""The fused sparse update of one table on the GPU (Triton), every optimizer: the C kernels' row math
-element by element on [ROWS, BLOCK_D] tiles of distinct rows."""
+"""The fused sparse update of a group of tables on the GPU (Triton), every optimizer: the C kernels' row math
+element by element on [ROWS, BLOCK_D] tiles of distinct keys, each row's table found from its key."""
 
 from __future__ import annotations
 
@@ -28,10 +28,27 @@ from embtables.kernels.triton_row_sums import run_sums
 
 
 @triton.jit
+def _row_tables(row, um, bases, T_STEPS: tl.constexpr):
+    """The group table of each key ``row`` [ROWS]: the largest j with ``bases[j] <= row`` (a binary search of
+    T_STEPS = ceil(log2(T)) steps over the group's T tables)."""
+    lo = tl.zeros_like(row)
+    hi = lo + (1 << T_STEPS)
+    for _ in tl.static_range(T_STEPS):
+        mid = (lo + hi) // 2
+        go = tl.load(bases + mid, mask=um, other=0) <= row
+        lo = tl.where(go, mid, lo)
+        hi = tl.where(go, hi, mid)
+    return lo
+
+
+@triton.jit
 def update_kernel(
-    rows,  # int64 [U]: distinct rows
-    sums,  # float32 [U, D]: their summed gradients (not INLINE)
-    starts,  # INLINE: int64 [N + 2], the first sorted occurrence of each distinct row (run); N past the last
+    rows,  # int64 [N]: distinct keys (U valid): table j's row r is key bases[j] + r
+    stats,  # int64 [STATS]: [0] U; [2] 1 when phase 1 found an id or a bag outside its table or gradient
+    bases,  # int64 [2^T_STEPS + 1]: the first key of each table, then the total (repeated to the end)
+    tabs,  # int64 [T, 4]: addresses of each table's weights and slots [V_j, D] (float32); weights 0: not updated here
+    sums,  # float32 [N, D]: the summed gradient of each key (not INLINE)
+    starts,  # INLINE: int64 [N + 2], the first sorted occurrence of each distinct key (run); N past the last
     segs,  # INLINE: the per-row sums' sorted occurrences (``run_sums``), their gradients and pieces
     coeffs,
     feats,
@@ -42,15 +59,9 @@ def update_kernel(
     grad_lds,
     grad_rows,
     pieces,  # INLINE: float32, a run longer than PIECE: its joined sum in slot 2 (first // PIECE) + 1
-    weights,  # float32 [V, D]
-    s0,  # float32 [V, D] slots, in the optimizer's slot order (unused ones: any float32 buffer)
-    s1,
-    s2,
-    bad_row,  # int64 [1]: min over rows whose new values are not finite (V when none; the dry run only)
-    maxabs,  # int32 [4]: max |new value| bits of (weights, *slots) when MEASURE
-    U,
+    refused,  # int64 [1]: nonzero when the step is refused (the write then writes nothing); the dry run sets it
+    found,  # int64 [2] (the dry run): min key whose new values are not finite; min key whose gradient is not
     D,
-    V,
     lr,
     decay,
     glo,
@@ -70,40 +81,48 @@ def update_kernel(
     POW_IS_SQRT: tl.constexpr,
     LIBDEVICE: tl.constexpr,
     WRITE: tl.constexpr,
-    MEASURE: tl.constexpr,
     INLINE: tl.constexpr,  # sum each row's gradients here (runs of at most PIECE occurrences) instead of reading sums
     HAS_COEFFS: tl.constexpr,
     MULTI: tl.constexpr,
     ALIGNED: tl.constexpr,
+    T_STEPS: tl.constexpr,
     PIECE: tl.constexpr,
     UNROLL: tl.constexpr,
     ROWS: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    """ROWS distinct rows per program, as a [ROWS, BLOCK_D] tile: gradient clip -> decay -> optimizer ->
-    weight clip (the C kernels' ``et_row_*``, element by element). Each optimizer's branch names its constants
-    as its kernel record does (``constant_names``, in the record's order: ``update_parameters`` passes them as
-    ``c0..c5``; ``tests/numerics/test_kernel_records.py`` checks the names) and its flags (``FLAG0``/``FLAG1``)
-    in the record's ``flag_names`` order. WRITE=False is the dry run: it only finds the first row that would
-    not be finite.
+    """ROWS distinct keys per program, as a [ROWS, BLOCK_D] tile, of any tables of the group: gradient clip ->
+    decay -> optimizer -> weight clip (the C kernels' ``et_row_*``, element by element). Each optimizer's branch
+    names its constants as its kernel record does (``constant_names``, in the record's order:
+    ``update_parameters`` passes them as ``c0..c5``; ``tests/numerics/test_kernel_records.py`` checks the
+    names) and its flags (``FLAG0``/``FLAG1``) in the record's ``flag_names`` order.
+    WRITE=False is the dry run: it writes no table or slot, records the first key whose new values (or
+    gradient) would not be finite in ``found`` and refuses the step (``refused``) when one would not be, or
+    when phase 1 flagged its input. WRITE=True writes only when the step is not refused.
     INLINE: row u's gradient is summed here, in the order and with the additions of ``piece_sums_kernel``
     (the same bits), or read from its joined pieces when its run is longer than PIECE."""
     u = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-    um = u < U
+    um = u < tl.load(stats)
     row = tl.load(rows + u, mask=um, other=-1)
+    um = um & (row >= 0)  # key -1: an id outside its table (phase 1 flagged it)
+    t = _row_tables(row, um, bases, T_STEPS)
+    base = tl.load(bases + t, mask=um, other=0)
+    local = row - base
+    w_addr = tl.load(tabs + 4 * t, mask=um, other=0)
+    live = um & (w_addr != 0) & (local < tl.load(bases + t + 1, mask=um, other=0) - base)
     d = tl.arange(0, BLOCK_D)
-    # rows come from the per-row sums, which checked them: a guard
-    dm = (um & (row >= 0) & (row < V))[:, None] & (d < D)[None, :]
-    at = row[:, None] * D + d[None, :]
+    dm = live[:, None] & (d < D)[None, :]
+    at = local[:, None] * D + d[None, :]
+    weights = w_addr.to(tl.pointer_type(tl.float32))[:, None]
     if INLINE:
-        first = tl.load(starts + u, mask=um, other=0)
-        end = tl.load(starts + u + 1, mask=um, other=0)
-        short = um & (end - first <= PIECE)
+        first = tl.load(starts + u, mask=live, other=0)
+        end = tl.load(starts + u + 1, mask=live, other=0)
+        short = live & (end - first <= PIECE)
         g, _ = run_sums(
             first, tl.where(short, end - first, 0), segs, coeffs, feats, grad0, grad_ld, grad_nrows, grad_ptrs,
             grad_lds, grad_rows, d, d < D, HAS_COEFFS, MULTI, ALIGNED, UNROLL, ROWS, BLOCK_D,
         )  # fmt: skip
-        long = um & (end - first > PIECE)
+        long = live & (end - first > PIECE)
         if tl.max(long.to(tl.int32), axis=0) > 0:
             joined = tl.load(
                 pieces + ((first // PIECE) * 2 + 1)[:, None] * D + d[None, :], mask=long[:, None] & dm, other=0.0
@@ -111,6 +130,7 @@ def update_kernel(
             g = tl.where(long[:, None], joined, g)
     else:
         g = tl.load(sums + u[:, None] * D + d[None, :], mask=dm, other=0.0)
+    gbits = row_max_bits(g, dm)
     g = tl.where(g < glo, glo, g)
     g = tl.where(g > ghi, ghi, g)
     x = tl.load(weights + at, mask=dm, other=0.0)
@@ -119,10 +139,13 @@ def update_kernel(
     b = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
     c = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
     if NSLOTS >= 1:
+        s0 = tl.load(tabs + 4 * t + 1, mask=live, other=0).to(tl.pointer_type(tl.float32))[:, None]
         a = tl.load(s0 + at, mask=dm, other=0.0)
     if NSLOTS >= 2:
+        s1 = tl.load(tabs + 4 * t + 2, mask=live, other=0).to(tl.pointer_type(tl.float32))[:, None]
         b = tl.load(s1 + at, mask=dm, other=0.0)
     if NSLOTS >= 3:
+        s2 = tl.load(tabs + 4 * t + 3, mask=live, other=0).to(tl.pointer_type(tl.float32))[:, None]
         c = tl.load(s2 + at, mask=dm, other=0.0)
     if KIND == K_SGD:
         x = x - lr * g
@@ -222,34 +245,31 @@ def update_kernel(
         a = lr + tl.zeros_like(a)
     x = tl.where(x < wlo, wlo, x)
     x = tl.where(x > whi, whi, x)
-    bits = row_max_bits(x, dm)  # [ROWS]: each row's largest |value|, as bits
-    bits_a = row_max_bits(a, dm)
-    bits_b = row_max_bits(b, dm)
-    bits_c = row_max_bits(c, dm)
-    worst = bits
-    if NSLOTS >= 1:
-        worst = tl.maximum(worst, bits_a)
-    if NSLOTS >= 2:
-        worst = tl.maximum(worst, bits_b)
-    if NSLOTS >= 3:
-        worst = tl.maximum(worst, bits_c)
-    if not WRITE:  # the dry run: the first row that would not be finite
-        first_bad = tl.min(tl.where(worst >= F32_INF_BITS, row, V), axis=0)
-        if first_bad < V:
-            tl.atomic_min(bad_row, first_bad)
+    if not WRITE:  # the dry run: the first key whose gradient, or new values, would not be finite
+        worst = row_max_bits(x, dm)
+        if NSLOTS >= 1:
+            worst = tl.maximum(worst, row_max_bits(a, dm))
+        if NSLOTS >= 2:
+            worst = tl.maximum(worst, row_max_bits(b, dm))
+        if NSLOTS >= 3:
+            worst = tl.maximum(worst, row_max_bits(c, dm))
+        never = 9223372036854775807
+        first_bad = tl.min(tl.where(live & (worst >= F32_INF_BITS), row, never), axis=0)
+        first_nan = tl.min(tl.where(live & (gbits >= F32_INF_BITS), row, never), axis=0)
+        if first_bad < never:
+            tl.atomic_min(found, first_bad)
+        if first_nan < never:
+            tl.atomic_min(found + 1, first_nan)
+        if (first_bad < never) | (first_nan < never):
+            tl.atomic_max(refused, 1)
+        if (tl.program_id(0) == 0) & (tl.load(stats + 2) != 0):
+            tl.atomic_max(refused, 1)
     else:
-        tl.store(weights + at, x, mask=dm)
+        wm = dm & (tl.load(refused) == 0)  # a refused step writes nothing
+        tl.store(weights + at, x, mask=wm)
         if NSLOTS >= 1:
-            tl.store(s0 + at, a, mask=dm)
+            tl.store(s0 + at, a, mask=wm)
         if NSLOTS >= 2:
-            tl.store(s1 + at, b, mask=dm)
+            tl.store(s1 + at, b, mask=wm)
         if NSLOTS >= 3:
-            tl.store(s2 + at, c, mask=dm)
-    if MEASURE:
-        tl.atomic_max(maxabs, tl.max(bits, axis=0))
-        if NSLOTS >= 1:
-            tl.atomic_max(maxabs + 1, tl.max(bits_a, axis=0))
-        if NSLOTS >= 2:
-            tl.atomic_max(maxabs + 2, tl.max(bits_b, axis=0))
-        if NSLOTS >= 3:
-            tl.atomic_max(maxabs + 3, tl.max(bits_c, axis=0))
+            tl.store(s2 + at, c, mask=wm)

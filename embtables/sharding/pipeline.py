@@ -177,9 +177,11 @@ class StepPipeline:
         self.last = Lookup(batches, acts, context)
         if self.recorder is not None and self.recorder.should_sample(self.training_steps):
             b = batches
+            kept = [x.ids[x.ids >= 0] if x.dropped_in_place else x.ids for x in b]  # -1: dropped on the GPU
             self.recorder.record(
-                [x.ids for x in b], [x.out_shape[0] if x.out_shape else 1 for x in b], [x.dropped for x in b]
-            )
+                kept, [x.out_shape[0] if x.out_shape else 1 for x in b],
+                [x.dropped + x.ids.numel() - k.numel() for x, k in zip(b, kept)],
+            )  # fmt: skip
         self.training_steps += 1
         self._land()  # the pending update of the previous step lands after this step's lookup
         return acts

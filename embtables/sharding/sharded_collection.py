@@ -75,6 +75,10 @@ class ShardedEmbeddingCollection(LocalTables):
       placements: table name -> ``Placement`` (strategy, and the rank of a whole table).
     """
 
+    def device_checks(self) -> None:
+        """None: a sharded step raises its errors in the call (every rank agrees on them)."""
+        return None
+
     def __init__(
         self,
         resolved: ResolvedConfig,

@@ -18,8 +18,9 @@ import torch
 from torch import Tensor
 
 from embtables.config import ResolvedConfig, nest
-from embtables.kernels import native, native_step
+from embtables.kernels import gpu, native, native_step
 from embtables.tables import phase_profile
+from embtables.tables.gpu_inputs import convert_many_on_gpu
 from embtables.tables.input_nest import flatten_inputs, is_input_leaf
 from embtables.tables.inputs import FeatureBatch, InputConverter, convert_many, is_kjt
 from embtables.tables.ragged import Ragged
@@ -150,7 +151,7 @@ def _staged_batch(
     per feature per step)."""
     batch = FeatureBatch.__new__(FeatureBatch)
     batch.__dict__.update(ids=ids, offsets=offsets, coeffs=coeffs, out_shape=out_shape, seg_=None, dropped=0,
-                          weights=None, staged=staged)  # fmt: skip
+                          weights=None, staged=staged, dropped_in_place=False)  # fmt: skip
     return batch
 
 
@@ -173,9 +174,13 @@ class InputStager:
         self.vocab = (ctypes.c_int64 * n)(*[c.fast_part[0] for c in self.converters])
         self.codes = (ctypes.c_int32 * n)(*[c.fast_part[1] for c in self.converters])
 
-    def stage(self, features: Any, weights: Any, device: torch.device, busy: set[int]) -> list[FeatureBatch]:
+    def stage(
+        self, features: Any, weights: Any, device: torch.device, busy: set[int], checks: Any = None
+    ) -> list[FeatureBatch]:
         """The F batches of one call, every input rule checked (``ValueError``/``TypeError`` and nothing
-        staged otherwise); no staging buffer whose data pointer is in ``busy`` is written."""
+        staged otherwise); no staging buffer whose data pointer is in ``busy`` is written. ``checks``: a GPU
+        backend's deferred ``DeviceChecks``, which then checks the rules of the GPU's common inputs on the
+        device and raises at the next call (``tables/gpu_inputs.py``)."""
         with phase_profile.phase("enqueue: validate inputs"):
             flat_x, flat_w = flatten_inputs(self.feature_config, features, weights, self.flat)
             staging = self.staging
@@ -183,9 +188,12 @@ class InputStager:
                 every = self.stage_every_feature(flat_x, flat_w, busy)
                 if every is not None:
                     return every  # copies in the engine's own arena
-            converted = convert_many(
-                self.converters, flat_x, flat_w, device, lambda n, dtype: staging.arena(n, dtype, busy)
-            )
+            if gpu.usable(device):
+                converted = convert_many_on_gpu(self.converters, flat_x, flat_w, device, checks)
+            else:
+                converted = convert_many(
+                    self.converters, flat_x, flat_w, device, lambda n, dtype: staging.arena(n, dtype, busy)
+                )
             ours = staging.arena_storages()
             return [
                 b  # the fast path's copy, already the engine's own

@@ -209,6 +209,8 @@ class EmbeddingCollection:
             return
         in_one_call = all(tg.prepared is not None for tg in table_grads)
         own, rest = self._checked_updates(table_grads, lrs, check_in_write=in_one_call)
+        if rest or not all(tg.accumulated for tg in table_grads):
+            backend.settle()  # other writes come first: every check of the backend's must be read now
         restores: list[Callable[[], None]] = []
         try:
             for tg in table_grads:
@@ -227,6 +229,7 @@ class EmbeddingCollection:
         """Raise exactly as ``apply`` would, but write nothing (used for an update held back by
         pipelining, so its error surfaces at ``apply_gradients`` and not at a later lookup)."""
         self._checked_updates(table_grads, lrs, check_in_write=False)
+        self.backend.settle()
         for tg in table_grads:
             if not tg.accumulated:
                 self._sequential(tg, lrs[tg.table.name])()

@@ -71,6 +71,8 @@ class Engine(Protocol):
 
     def check_gradient(self, feature_index: int, batch: FeatureBatch, grad: Any) -> Tensor | None: ...
 
+    def device_checks(self) -> Any: ...
+
     def table_gradients(
         self,
         batches: Sequence[FeatureBatch],
@@ -194,6 +196,12 @@ class OneProcessEngine(LocalTables):
 
     def vocabulary_statistics(self) -> dict[str, dict[str, int]]:
         return {name: m.stats() for name, m in self.local.vocabularies.maps.items()}
+
+    def device_checks(self) -> Any:
+        """The GPU backend's deferred device checks, which the input staging reports to (its input rules
+        then read back at the next call, with the lookup's); None when errors are raised in each call."""
+        checks = getattr(self.local.backend, "checks", None)
+        return None if checks is None or checks.immediate else checks
 
     def lookup(
         self, batches: Sequence[FeatureBatch], refused: BaseException | None = None, concat: bool = False

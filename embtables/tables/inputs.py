@@ -20,7 +20,7 @@ from torch import Tensor
 
 from embtables.config import Combiner, ResolvedFeature, ResolvedTable
 from embtables.errors import InputError
-from embtables.kernels import gpu, native, native_inputs
+from embtables.kernels import native, native_inputs
 from embtables.kernels.native_step import StagedBags
 from embtables.kernels.segments import offsets_from_segments, segment_sum, segments_from_offsets
 from embtables.tables.ragged import Ragged
@@ -43,6 +43,9 @@ class FeatureBatch:
     dropped: int = 0  # ids of the input not looked up: negative, weight <= 0, or past max_sequence_length
     weights: Tensor | None = None  # [N]: a dynamic table's input weights, to combine over admitted keys (§11)
     staged: StagedBags | None = None  # every feature's bags staged in one native call (it holds this batch's views)
+    # the GPU's deferred staging: negative ids left in place as -1 (coefficient 0), which every GPU kernel
+    # skips, and not counted in ``dropped``
+    dropped_in_place: bool = False
 
     @property
     def num_segments(self) -> int:
@@ -515,9 +518,7 @@ def convert_many(
     never decrease and end at len(values)) checked there, for all features in one native call: the
     batch holds the copy that was checked. A feature whose input breaks a rule, or that is not on the
     fast path, goes through ``convert``, which drops what the rules drop and names what is wrong. Both
-    paths give the same batches."""
-    if gpu.usable(device):
-        return _convert_many_on_gpu(converters, xs, ws, device)
+    paths give the same batches. Tables on a GPU take ``gpu_inputs.convert_many_on_gpu`` instead."""
     fast: list[tuple[int, Tensor, Tensor | None]] = []
     values: Tensor
     splits: Tensor | None
@@ -546,60 +547,6 @@ def convert_many(
                 out[i] = FeatureBatch(ids=ids, offsets=offsets, coeffs=None, out_shape=tuple(xs[i].shape))
             else:
                 out[i] = FeatureBatch(ids=ids, offsets=offsets, coeffs=coeffs, out_shape=(offsets.numel() - 1,))
-    return [b if b is not None else conv.convert(x, w, device) for b, conv, x, w in zip(out, converters, xs, ws)]
-
-
-def _device_int64(t: object, device: torch.device) -> Tensor | None:
-    """``t`` as a contiguous 1-D int64 tensor on ``device`` (copied there if needed), or None when it is not
-    a plain int64 tensor."""
-    if not _strided_int64(t):
-        return None
-    return t.reshape(-1).to(device, non_blocking=True).contiguous()
-
-
-def _convert_many_on_gpu(
-    converters: list[InputConverter], xs: list[Any], ws: list[Any], device: torch.device
-) -> list[FeatureBatch]:
-    """``convert_many`` for tables on a GPU: the common inputs (int64 ``Ragged`` or dense ids without
-    weights, for non-sequence features of fixed tables without an ``output_shape``) are checked by one
-    kernel for every feature and read back in one sync; a feature that breaks a rule, and every other
-    input, goes through ``convert``, which drops what the rules drop and names what is wrong."""
-    fast: list[tuple[int, Tensor, Tensor | None]] = []
-    for i, (conv, x, w) in enumerate(zip(converters, xs, ws)):
-        if w is not None or not conv.fast_path or conv.fast_part[0] == 0:
-            continue
-        if type(x) is Ragged:
-            if x.values.dim() == 1 and x.row_splits.dim() == 1 and x.row_splits.numel() >= 1:
-                values, splits = _device_int64(x.values, device), _device_int64(x.row_splits, device)
-                if values is not None and splits is not None:
-                    fast.append((i, values, splits))
-        elif isinstance(x, Tensor) and x.dim() >= 1:
-            values = _device_int64(x, device)
-            if values is not None:
-                fast.append((i, values, None))
-    out: list[FeatureBatch | None] = [None] * len(converters)
-    if fast:
-        flags = gpu.validate_inputs([(v, s, converters[i].fast_part[0]) for i, v, s in fast]).tolist()  # one sync
-        weighed: dict[str, list[tuple[int, Tensor, Tensor]]] = {}  # combiner -> (feature, ids, splits)
-        for (i, ids, splits), flag in zip(fast, flags):
-            if flag:
-                continue  # convert() finds the rule and names it
-            if splits is None:  # dense: each element is its own lookup
-                offsets = torch.arange(ids.numel() + 1, device=device)
-                out[i] = FeatureBatch(ids=ids, offsets=offsets, coeffs=None, out_shape=tuple(xs[i].shape))
-                continue
-            combiner = converters[i].table.config.combiner
-            if combiner == Combiner.SUM:
-                out[i] = FeatureBatch(ids=ids, offsets=splits, coeffs=None, out_shape=(splits.numel() - 1,))
-            else:
-                weighed.setdefault(combiner, []).append((i, ids, splits))
-        for combiner, group in weighed.items():
-            # every coefficient, even where all are 1 (1/1 is exact): checking would cost a sync; every feature
-            # of a combiner in the same few launches
-            counts = torch.cat([splits[1:] - splits[:-1] for _, _, splits in group])
-            coeffs = _unit_coeffs(counts, combiner, sum(ids.numel() for _, ids, _ in group))
-            for (i, ids, splits), c in zip(group, torch.split(coeffs, [ids.numel() for _, ids, _ in group])):
-                out[i] = FeatureBatch(ids=ids, offsets=splits, coeffs=c, out_shape=(splits.numel() - 1,))
     return [b if b is not None else conv.convert(x, w, device) for b, conv, x, w in zip(out, converters, xs, ws)]
 
 

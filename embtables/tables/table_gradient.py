@@ -27,25 +27,24 @@ class TableGradient:
     accumulated: bool
     prepared: native.Workspace | None = None
     gradient_max_abs: float | None = None  # max |grads| (or a bound on it), when phase 1 measured it (GPU)
-    deferred: gpu.RowSums | None = None  # GPU: the sums not yet made (``grads`` None; the update sums them)
+    deferred: gpu.TableShare | None = None  # GPU: this table's share of its group's phase 1 (``rows``, ``grads`` None)
 
     def materialized(self) -> TableGradient:
         """The same gradient with rows [U] and sums [U, D] as tensors (copied out of C memory, or summed
         on the GPU)."""
         if self.deferred is not None and self.grads is None:
-            assert self.rows is not None
-            sums = gpu.materialize(self.deferred)[: self.rows.numel()]
-            return TableGradient(self.table, self.rows, sums, accumulated=True)
+            rows, sums = self.deferred.sums.table_rows(self.deferred.index)
+            return TableGradient(self.table, rows, sums, accumulated=True)
         if self.prepared is None:
             return self
         rows, grads = self.prepared.rows_and_grads()
         return TableGradient(self.table, rows, grads, accumulated=True)
 
     def owned(self) -> TableGradient:
-        """This gradient, reading only memory the engine owns: a deferred GPU gradient copies the activation
-        gradients it would read at its update (the caller may reuse them before a held-back update lands)."""
+        """This gradient, reading only memory the engine owns: a GPU share copies the activation gradients its
+        group's update would read (the caller may reuse them before a held-back update lands)."""
         if self.deferred is not None and self.grads is None:
-            gpu.own_gradients(self.deferred)
+            gpu.own_gradients(self.deferred.sums)
         return self
 
     def __reduce__(self) -> tuple[Any, ...]:

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from embtables.config import ResolvedTable
+from embtables.config import ResolvedFeature, ResolvedTable
 from embtables.errors import InputError
 
 
@@ -41,45 +41,6 @@ def bounds_tensor(tensors: Sequence[Tensor], rows: Tensor | None) -> Tensor:
     return torch.stack(stats) if stats else torch.zeros((0, 2), dtype=torch.float32)
 
 
-def bounds_of_many(groups: Sequence[tuple[Sequence[Tensor], Tensor | None]]) -> list[Tensor]:
-    """``bounds_tensor`` of every group ``(tensors, rows)``, not read (no sync). The groups with rows (a lazy
-    update's, a few rows of each table) are measured together: their rows gathered into one vector and
-    reduced per tensor by segment, a few launches for all tables instead of about ten per tensor; a group
-    without rows (every row of its tables) is measured in place, tensor by tensor, copying nothing."""
-    out: list[Tensor | None] = [None] * len(groups)
-    flat: list[Tensor] = []
-    sizes: list[int] = []
-    batched: list[tuple[int, int]] = []  # (group, how many tensors) measured together
-    for g, (tensors, rows) in enumerate(groups):
-        if rows is None:
-            out[g] = bounds_tensor(tensors, None)
-            continue
-        for t in tensors:
-            flat.append(t.index_select(0, rows).reshape(-1))
-            sizes.append(int(rows.numel()) * (t.shape[1] if t.dim() > 1 else 1))
-        batched.append((g, len(tensors)))
-    if flat:
-        device = flat[0].device
-        values = torch.cat(flat)
-        n = len(flat)
-        seg = torch.repeat_interleave(
-            torch.arange(n, device=device), torch.tensor(sizes, device=device), output_size=values.numel()
-        )
-        zeros = torch.zeros(n, dtype=torch.float32, device=device)
-        big = zeros.scatter_reduce(0, seg, values.abs(), "amax", include_self=False)  # 0 for an empty part
-        low = zeros.scatter_reduce(0, seg, values, "amin", include_self=False)
-        bad = zeros.index_add(0, seg, (~torch.isfinite(values)).to(torch.float32)) > 0
-        # a tensor with a value that is not finite proves nothing: inf and -inf (as aminmax's NaN would)
-        big = torch.where(bad, torch.full_like(big, float("inf")), big)
-        low = torch.where(bad, torch.full_like(low, float("-inf")), low)
-        stats = torch.stack((big, low), dim=1)
-        at = 0
-        for g, k in batched:
-            out[g] = stats[at : at + k]
-            at += k
-    return [o for o in out if o is not None]
-
-
 def read_bounds(stats: Tensor) -> tuple[list[float], list[float]]:
     """(largest |value| per tensor, smallest value per tensor) of a ``bounds_tensor``: one host sync."""
     values = stats.tolist()
@@ -103,6 +64,14 @@ def check_finite_rows(table: ResolvedTable, rows: Tensor, values: tuple[Tensor, 
         ok &= torch.isfinite(v).all(dim=1)
     if not bool(ok.all()):
         raise non_finite_update(table, int(rows[~ok][0]), lr)
+
+
+def non_finite_activations(feature: ResolvedFeature, table: ResolvedTable) -> InputError:
+    return InputError(
+        f"feature {feature.name!r} (table {table.name!r}): the looked-up activations overflow float32 (a sum of "
+        "large rows or weights is not finite); no table or slot was changed. Check the weights of this feature "
+        "and the table's values."
+    )
 
 
 def non_finite_gradient(table: ResolvedTable) -> InputError:

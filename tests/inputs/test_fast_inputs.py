@@ -146,3 +146,64 @@ def test_a_batch_awaiting_its_update_keeps_its_ids_while_the_next_is_staged(pipe
     assert fast.keys() == reference.keys()
     for k in fast:
         assert torch.equal(fast[k], reference[k]), k
+
+
+@pytest.mark.parametrize("validate", [True, False])
+def test_the_gpu_staging_gives_the_general_paths_batches_or_its_error(validate: bool) -> None:
+    """``gpu_inputs.convert_many_on_gpu`` (one copy and one ``stage_kernel`` for every feature, through Triton's
+    interpreter on CPU tensors): the general path's batches (their bags too) or its error; with deferred device
+    checks, no error at staging, and the checks name the general path's error."""
+    import os
+
+    from embtables.kernels import gpu
+    from embtables.tables.backends.device_checks import DeviceChecks
+    from embtables.tables.gpu_inputs import convert_many_on_gpu
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the GPU kernels on CPU tensors need Triton's interpreter (TRITON_INTERPRET=1)")
+    gpu.set_enabled(True, on_cpu=True)
+    try:
+        if not gpu.usable(torch.device("cpu")):
+            pytest.skip("Triton is not installed")
+        rng = random.Random(12)
+        convs = _converters(["sum", "mean", "sqrtn"], validate)
+        device = torch.device("cpu")
+        errors = 0
+        for _ in range(150):
+            xs = [_random_input(rng) for _ in convs]
+            ws = [None] * len(convs)
+            try:
+                expected = [c.convert(x, w, device) for c, x, w in zip(convs, xs, ws)]
+            except (ValueError, TypeError) as exc:
+                errors += 1
+                with pytest.raises(type(exc)) as got:
+                    convert_many_on_gpu(convs, xs, ws, device)
+                assert str(got.value) == str(exc)
+                # deferred: a general-path input raises at staging, a common one at the next call; either way
+                # with the general path's error for one of the broken features
+                messages = []
+                for c, x in zip(convs, xs):
+                    try:
+                        c.convert(x, None, device)
+                    except (ValueError, TypeError) as one:
+                        messages.append(str(one))
+                checks = DeviceChecks(device, immediate=False)
+                try:
+                    convert_many_on_gpu(convs, xs, ws, device, checks)
+                    checks.post("the lookup")
+                    checks.raise_pending()
+                except (ValueError, TypeError) as raised:
+                    assert any(m in str(raised) for m in messages), (str(raised), messages)
+                else:
+                    raise AssertionError(f"no error for {xs}: {messages}")
+                continue
+            got_batches = convert_many_on_gpu(convs, xs, ws, device)
+            for a, b in zip(got_batches, expected):
+                # a mean / sqrtn feature always has its coefficients on the GPU (finding them all 1 would cost a
+                # sync): the general path's None, every coefficient 1
+                coeffs = b.coeffs if b.coeffs is not None or a.coeffs is None else torch.ones_like(a.coeffs)
+                assert _same(a, FeatureBatch(b.ids, b.offsets, coeffs, b.out_shape, dropped=b.dropped)), xs
+                assert torch.equal(a.seg, b.seg)
+        assert errors > 10
+    finally:
+        gpu.set_enabled(True)

@@ -98,12 +98,12 @@ def test_row_sums_match_dedup_sum(multi: bool) -> None:
         seg = segments_from_offsets(offsets)
         coeffs = torch.rand(ids.numel(), generator=gen).to(DEVICE) if f == 0 else None
         grad = torch.randn(12, dim, generator=gen).to(DEVICE)
-        parts.append((ids, seg, coeffs, grad))
+        parts.append((ids, seg, coeffs, grad, 0))
         all_ids.append(ids)
         all_grads.append(occurrence_gradients(grad, seg, coeffs))
     # the CPU reference adds each row's occurrences one by one in occurrence order, as the kernel does
     rows, sums = dedup_sum(torch.cat(all_ids).cpu(), torch.cat(all_grads).cpu())
-    got = gpu.row_sums(parts, vocab, dim)
+    got = gpu.row_sums(parts, [vocab], dim)
     u, maxbits, bad, longest, *_ = got.stats.tolist()
     assert u == rows.numel() and bad == 0 and longest == int(torch.bincount(torch.cat(all_ids).cpu()).max())
     assert torch.equal(got.rows[:u].cpu(), rows)
@@ -111,20 +111,54 @@ def test_row_sums_match_dedup_sum(multi: bool) -> None:
     assert gpu.bits_to_float([maxbits])[0] == float(sums.abs().max())
 
 
-def test_validate_inputs_flags_each_broken_rule_per_feature() -> None:
+def test_stage_inputs_flags_each_broken_rule_per_feature() -> None:
     ids = torch.tensor([0, 4, 2, 3], device=DEVICE)
     good = torch.tensor([0, 1, 4], device=DEVICE)
     parts = [
-        (ids, good, 5),  # fine
-        (ids, None, 5),  # dense, fine
-        (ids, good, 4),  # id 4 outside a table of 4
-        (ids, torch.tensor([0, 3, 2, 4], device=DEVICE), 5),  # decreasing splits
-        (ids, torch.tensor([1, 4], device=DEVICE), 5),  # does not start at 0
-        (ids, torch.tensor([0, 3], device=DEVICE), 5),  # does not end at N
-        (torch.tensor([-1], device=DEVICE), None, 5),  # negative id
-        (torch.zeros(0, dtype=torch.int64, device=DEVICE), torch.zeros(1, dtype=torch.int64, device=DEVICE), 5),
-    ]
-    assert gpu.validate_inputs(parts).tolist() == [0, 0, 1, 2, 2, 2, 1, 0]
+        (ids, good, 5, 0, False),  # fine
+        (ids, None, 5, 0, False),  # dense, fine
+        (ids, good, 4, 0, False),  # id 4 outside a table of 4
+        (ids, torch.tensor([0, 3, 2, 4], device=DEVICE), 5, 1, False),  # decreasing splits
+        (ids, torch.tensor([1, 4], device=DEVICE), 5, 2, False),  # does not start at 0
+        (ids, torch.tensor([0, 3], device=DEVICE), 5, 0, False),  # does not end at N
+        (torch.tensor([-1], device=DEVICE), None, 5, 0, False),  # negative id
+        (torch.zeros(0, dtype=torch.int64, device=DEVICE), torch.zeros(1, dtype=torch.int64, device=DEVICE), 5, 1,
+         False),
+    ]  # fmt: skip
+    refused = torch.zeros(1, dtype=torch.int64, device=DEVICE)
+    flags, segs, coeffs = gpu.stage_inputs(parts, refused)
+    assert flags.tolist() == [0, 0, 1, 2, 2, 2, 1, 0] and refused.tolist() == [1]
+    assert segs[:4].tolist() == [0, 1, 1, 1]  # the bags of the first feature's ids
+    for bags, splits in ((12, 6), (1, 1), (300, 3), (4096, 2)):
+        gen = torch.Generator().manual_seed(bags)
+        ids_, offsets = _bags(gen, 9, bags, splits)
+        for mode, combiner in ((1, "mean"), (2, "sqrtn")):
+            flags, segs, coeffs = gpu.stage_inputs([(ids_, offsets, 9, mode, False)])
+            assert flags.tolist() == [0]
+            assert torch.equal(segs.cpu(), segments_from_offsets(offsets.cpu()))
+            counts = (offsets[1:] - offsets[:-1]).cpu().to(torch.float32)
+            den = counts if combiner == "mean" else torch.sqrt(counts)
+            expected = torch.repeat_interleave(torch.reciprocal(den), (offsets[1:] - offsets[:-1]).cpu())
+            assert torch.equal(coeffs.cpu(), expected), "torch's float32 division and square root: the same bits"
+
+
+@pytest.mark.parametrize("mode", [0, 1, 2])
+def test_stage_inputs_drops_negative_ids_in_place(mode: int) -> None:
+    """A dropping feature's negative ids are no error: rewritten -1, coefficient 0, not counted in their bag;
+    ids at V or beyond are still flagged; a feature that does not drop flags them."""
+    ids = torch.tensor([3, -1, -7, 2, -2, 1, 0], device=DEVICE)
+    splits = torch.tensor([0, 3, 3, 6, 7], device=DEVICE)  # bags [3, -1, -7], [], [2, -2, 1], [0]
+    dense = torch.tensor([-4, 2], device=DEVICE)
+    parts = [(ids, splits, 5, mode, True), (dense, None, 5, 0, True), (ids.clone(), splits, 5, mode, False)]
+    flags, segs, coeffs = gpu.stage_inputs(parts)
+    assert flags.tolist() == [0, 0, 1]
+    assert ids.tolist() == [3, -1, -1, 2, -1, 1, 0] and dense.tolist() == [-1, 2]
+    assert segs[:7].tolist() == [0, 0, 0, 2, 2, 2, 3]
+    if mode:
+        kept = {1: [1.0, 0.0, 0.0, 0.5, 0.0, 0.5, 1.0], 2: [1.0, 0.0, 0.0, 2**-0.5, 0.0, 2**-0.5, 1.0]}[mode]
+        assert torch.equal(coeffs[:7].cpu(), torch.tensor(kept, dtype=torch.float32))
+    flags, _, _ = gpu.stage_inputs([(torch.tensor([-1, 5], device=DEVICE), None, 5, 0, True)])
+    assert flags.tolist() == [1]  # 5 is outside a table of 5: still an error
 
 
 def test_row_sums_join_a_hot_row_from_pieces() -> None:
@@ -135,7 +169,7 @@ def test_row_sums_join_a_hot_row_from_pieces() -> None:
     ids = ids[torch.randperm(ids.numel(), generator=gen)].to(DEVICE)
     seg = torch.arange(ids.numel(), device=DEVICE)
     grad = torch.randn(ids.numel(), 6, generator=gen).to(DEVICE)
-    got = gpu.row_sums([(ids, seg, None, grad)], 50, 6)
+    got = gpu.row_sums([(ids, seg, None, grad, 0)], [50], 6)
     rows, sums = dedup_sum(ids.cpu(), grad.cpu())
     u, _, bad, longest, *_ = got.stats.tolist()
     assert torch.equal(got.rows[:u].cpu(), rows) and bad == 0 and longest == int(torch.bincount(ids.cpu()).max())
@@ -162,15 +196,15 @@ def test_row_sums_pieces_of_long_runs_meet_in_order(dim: int, multi: bool) -> No
     if multi:
         half = ids.numel() // 2
         grad2 = torch.randn(64, dim, generator=gen).to(DEVICE)
-        parts = [(ids[:half], seg[:half], coeffs[:half], grad), (ids[half:], seg[half:], None, grad2)]
+        parts = [(ids[:half], seg[:half], coeffs[:half], grad, 0), (ids[half:], seg[half:], None, grad2, 0)]
         occ = torch.cat([occurrence_gradients(grad, seg[:half], coeffs[:half]), grad2[seg[half:]]])
         occ64 = torch.cat([grad.cpu().double()[seg[:half].cpu()] * coeffs[:half].cpu().double()[:, None],
                            grad2.cpu().double()[seg[half:].cpu()]])  # fmt: skip
     else:
-        parts = [(ids, seg, coeffs, grad)]
+        parts = [(ids, seg, coeffs, grad, 0)]
         occ = occurrence_gradients(grad, seg, coeffs)
         occ64 = grad.cpu().double()[seg.cpu()] * coeffs.cpu().double()[:, None]
-    got = gpu.row_sums(parts, 60, dim)
+    got = gpu.row_sums(parts, [60], dim)
     rows, sums = dedup_sum(ids.cpu(), occ.cpu())
     u, maxbits, bad, longest, *_ = got.stats.tolist()
     assert torch.equal(got.rows[:u].cpu(), rows) and bad == 0 and longest == 300
@@ -190,7 +224,7 @@ def test_row_sums_and_update_for_wide_rows_and_tiny_batches(dim: int, n: int) ->
     ids = torch.randint(0, 7, (n,), generator=gen).to(DEVICE)
     seg = torch.arange(n, device=DEVICE)
     grad = torch.randn(n, dim, generator=gen).to(DEVICE)
-    got = gpu.row_sums([(ids, seg, None, grad)], 7, dim)
+    got = gpu.row_sums([(ids, seg, None, grad, 0)], [7], dim)
     rows, sums = dedup_sum(ids.cpu(), grad.cpu())
     u = got.stats.tolist()[0]
     assert torch.equal(got.rows[:u].cpu(), rows) and torch.equal(got.sums[:u].cpu(), sums)
@@ -199,29 +233,29 @@ def test_row_sums_and_update_for_wide_rows_and_tiny_batches(dim: int, n: int) ->
     w_exp, s_exp = update_rows(weights[got.rows[:u]], (slots[0][got.rows[:u]],), got.sums[:u], opt=opt, lr=0.1,
                                clip_gradients=True)  # fmt: skip
     params = gpu.update_parameters(opt, 0.1, 0.0)
-    bad, _ = gpu.update(got.rows[:u], got.sums[:u], weights, slots, params, write=False, measure=False)
-    assert bad is not None and bad.tolist() == [7]
-    gpu.update(got.rows[:u], got.sums[:u], weights, slots, params, write=True, measure=False)
+    refused, found = gpu.step_flags(DEVICE)
+    gpu.update(got, [(weights, slots)], params, write=False, refused=refused, found=found)
+    assert found.tolist() == [gpu.NEVER] * 2 and refused.tolist() == [0]
+    gpu.update(got, [(weights, slots)], params, write=True, refused=refused)
     torch.testing.assert_close(weights[got.rows[:u]], w_exp, rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(slots[0][got.rows[:u]], s_exp[0], rtol=1e-6, atol=1e-7)
 
 
 def test_row_sums_of_no_ids() -> None:
-    got = gpu.row_sums(
-        [(torch.zeros(0, dtype=torch.int64, device=DEVICE),) * 2 + (None, torch.zeros((0, 3), device=DEVICE))], 5, 3
-    )
+    none = torch.zeros(0, dtype=torch.int64, device=DEVICE)
+    got = gpu.row_sums([(none, none, None, torch.zeros((0, 3), device=DEVICE), 0)], [5], 3)
     assert got.stats.tolist() == [0] * gpu.STATS
 
 
 def test_row_sums_flag_rows_outside_the_table() -> None:
     ids = torch.tensor([3, 9], device=DEVICE)
-    got = gpu.row_sums([(ids, torch.tensor([0, 1], device=DEVICE), None, torch.ones((2, 2), device=DEVICE))], 5, 2)
+    got = gpu.row_sums([(ids, torch.tensor([0, 1], device=DEVICE), None, torch.ones((2, 2), device=DEVICE), 0)], [5], 2)
     assert got.stats.tolist()[2] == 1
 
 
 def test_row_sums_flag_bags_outside_the_gradient() -> None:
     ids = torch.tensor([3, 1], device=DEVICE)
-    got = gpu.row_sums([(ids, torch.tensor([0, 2], device=DEVICE), None, torch.ones((2, 2), device=DEVICE))], 5, 2)
+    got = gpu.row_sums([(ids, torch.tensor([0, 2], device=DEVICE), None, torch.ones((2, 2), device=DEVICE), 0)], [5], 2)
     assert got.stats.tolist()[2] == 1
     assert torch.equal(got.sums[: got.stats.tolist()[0]].cpu(), torch.tensor([[0.0, 0.0], [1.0, 1.0]]))
 
@@ -261,6 +295,13 @@ def _state(opt: Any, gen: torch.Generator, vocab: int, dim: int) -> tuple[torch.
     return weights.to(DEVICE), [s.to(DEVICE) for s in slots]
 
 
+def _given(rows: torch.Tensor, sums: torch.Tensor, vocab: int) -> gpu.RowSums:
+    """Phase 1 of one table as given distinct ``rows`` [U] and their ``sums`` [U, D]."""
+    stats = torch.zeros(gpu.STATS, dtype=torch.int64, device=DEVICE)
+    stats[0] = rows.numel()
+    return gpu.RowSums(rows, sums, stats, [0, vocab], {"n": rows.numel(), "dim": sums.shape[1], "has_coeffs": False})
+
+
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 def test_fused_update_matches_the_torch_row_math(name: str) -> None:
     opt = OPTIMIZERS[name]()
@@ -274,11 +315,11 @@ def test_fused_update_matches_the_torch_row_math(name: str) -> None:
     w_exp, s_exp = update_rows(weights[rows], tuple(s[rows] for s in slots), sums, opt=opt, lr=lr, clip_gradients=True)
     params = gpu.update_parameters(opt, lr, decay)
     before = weights.clone(), [s.clone() for s in slots]
-    bad, _ = gpu.update(rows, sums, weights, slots, params, write=False, measure=False)
-    assert bad.tolist() == [vocab]
+    refused, found = gpu.step_flags(DEVICE)
+    gpu.update(_given(rows, sums, vocab), [(weights, slots)], params, write=False, refused=refused, found=found)
+    assert found.tolist() == [gpu.NEVER] * 2 and refused.tolist() == [0]
     assert torch.equal(weights, before[0]) and all(torch.equal(a, b) for a, b in zip(slots, before[1]))
-    bad, maxabs = gpu.update(rows, sums, weights, slots, params, write=True, measure=True)
-    assert bad is None and maxabs is not None  # a write finds no bad rows (the dry run or the proof did)
+    gpu.update(_given(rows, sums, vocab), [(weights, slots)], params, write=True, refused=refused)
     # powf: libdevice against torch's pow differ by an ulp or two, and FTRL subtracts two nearby powers
     tol = {"adagrad_momentum": 2e-6, "ftrl_power": 2e-5}.get(name, 1e-6)
     torch.testing.assert_close(weights[rows], w_exp, rtol=tol, atol=1e-7 if tol < 1e-5 else tol)
@@ -287,21 +328,76 @@ def test_fused_update_matches_the_torch_row_math(name: str) -> None:
     untouched = torch.ones(vocab, dtype=torch.bool, device=DEVICE)
     untouched[rows] = False
     assert torch.equal(weights[untouched], before[0][untouched])
-    measured = gpu.bits_to_float(maxabs.tolist())
-    assert measured[0] == float(weights[rows].abs().max())
-    for i, s in enumerate(slots):
-        assert measured[1 + i] == float(s[rows].abs().max())
 
 
-def test_fused_update_finds_the_first_row_that_would_overflow() -> None:
+def test_fused_update_finds_the_first_row_that_would_overflow_and_a_refused_step_writes_nothing() -> None:
     opt = et.SGD(1e38)
     weights = torch.full((6, 2), -3e38, device=DEVICE)
     rows = torch.tensor([1, 4, 5], device=DEVICE)
     sums = torch.tensor([[0.0, 0.0], [1.0, 0.0], [2.0, 0.0]], device=DEVICE)
     params = gpu.update_parameters(opt, 1e38, 0.0)
-    bad, _ = gpu.update(rows, sums, weights, [], params, write=False, measure=False)
-    assert bad.tolist() == [4]
+    refused, found = gpu.step_flags(DEVICE)
+    gpu.update(_given(rows, sums, 6), [(weights, [])], params, write=False, refused=refused, found=found)
+    assert found.tolist() == [4, gpu.NEVER] and refused.tolist() == [1]
     assert torch.equal(weights, torch.full((6, 2), -3e38, device=DEVICE))
+    safe = torch.zeros((3, 2), device=DEVICE)  # a finite update, but the step is refused: nothing is written
+    gpu.update(_given(rows, safe, 6), [(weights, [])], gpu.update_parameters(et.SGD(0.1), 0.1, 0.0), write=True,
+               refused=refused)  # fmt: skip
+    assert torch.equal(weights, torch.full((6, 2), -3e38, device=DEVICE))
+
+
+def test_fused_update_flags_a_gradient_that_is_not_finite() -> None:
+    weights = torch.zeros((5, 2), device=DEVICE)
+    rows = torch.tensor([0, 2, 3], device=DEVICE)
+    sums = torch.tensor([[0.0, 1.0], [float("nan"), 0.0], [float("inf"), 0.0]], device=DEVICE)
+    refused, found = gpu.step_flags(DEVICE)
+    params = gpu.update_parameters(et.SGD(0.1), 0.1, 0.0)
+    gpu.update(_given(rows, sums, 5), [(weights, [])], params, write=False, refused=refused, found=found)
+    assert found.tolist() == [2, 2] and refused.tolist() == [1]
+
+
+@pytest.mark.parametrize("name", ["adagrad", "adam", "ftrl_power"])
+def test_a_group_of_tables_sums_and_updates_like_each_table_alone(name: str) -> None:
+    """Three tables of one width (V 30, 7 and 50; one without ids) as one key space: the same distinct rows and
+    sums per table, and one update launch writes what three single-table updates write, bit for bit; a table
+    left out of the launch (None) keeps its values."""
+    opt, dim = OPTIMIZERS[name](), 8
+    gen = torch.Generator().manual_seed(23)
+    vocabs = [30, 7, 50]
+    feats = [(0, 40), (2, 300), (0, 9)]  # (table, ids): table 1 has none
+    parts = []
+    for j, n in feats:
+        ids = torch.randint(0, vocabs[j], (n,), generator=gen).to(DEVICE)
+        seg = torch.randint(0, 16, (n,), generator=gen).to(DEVICE)
+        coeffs = torch.rand(n, generator=gen).to(DEVICE) if j == 2 else None
+        parts.append((ids, seg, coeffs, torch.randn(16, dim, generator=gen).to(DEVICE), j))
+    group = gpu.row_sums(parts, vocabs, dim)
+    assert group.bases == [0, 30, 37, 87]
+    lr = float(opt.learning_rate)
+    params = gpu.update_parameters(opt, lr, 0.0)
+    states = [_state(opt, gen, v, dim) for v in vocabs]
+    copies = [(w.clone(), [s.clone() for s in ss]) for w, ss in states]
+    for j, v in enumerate(vocabs):
+        alone = [(*p[:4], 0) for p in parts if p[4] == j]
+        rows, sums = group.table_rows(j)
+        if not alone:
+            assert rows.numel() == 0
+            continue
+        single = gpu.row_sums(alone, [v], dim)
+        u = int(single.stats[0])
+        assert torch.equal(rows, single.rows[:u]) and torch.equal(sums, single.sums[:u])
+        refused, _ = gpu.step_flags(DEVICE)
+        gpu.update(single, [copies[j]], params, write=True, refused=refused)
+    lazy = gpu.row_sums(parts, vocabs, dim, summed=False)
+    refused, found = gpu.step_flags(DEVICE)
+    gpu.update(lazy, states, params, write=False, refused=refused, found=found, inline=True)
+    assert found.tolist() == [gpu.NEVER] * 2
+    gpu.update(lazy, states, params, write=True, refused=refused, inline=True)
+    for (w, ss), (w2, ss2) in zip(states, copies):
+        assert torch.equal(w, w2) and all(torch.equal(a, b) for a, b in zip(ss, ss2))
+    kept = states[2][0].clone()
+    gpu.update(lazy, [states[0], None, None], params, write=True, refused=refused, inline=True)
+    assert torch.equal(states[2][0], kept)
 
 
 def _long_and_short_runs(dim: int, multi: bool) -> tuple[list[Any], int]:
@@ -316,74 +412,66 @@ def _long_and_short_runs(dim: int, multi: bool) -> tuple[list[Any], int]:
     coeffs = (torch.rand(ids.numel(), generator=gen) * 2 - 1).to(DEVICE)
     grad = torch.randn(32, dim, generator=gen).to(DEVICE)
     if not multi:
-        return [(ids, seg, coeffs, grad)], vocab
+        return [(ids, seg, coeffs, grad, 0)], vocab
     half = ids.numel() // 2
     grad2 = torch.randn(32, dim, generator=gen).to(DEVICE)
-    return [(ids[:half], seg[:half], coeffs[:half], grad), (ids[half:], seg[half:], None, grad2)], vocab
+    return [(ids[:half], seg[:half], coeffs[:half], grad, 0), (ids[half:], seg[half:], None, grad2, 0)], vocab
 
 
 @pytest.mark.parametrize("multi", [False, True])
 @pytest.mark.parametrize("name", ["sgd", "adagrad", "adam", "ftrl_power", "centered_rmsprop"])
-def test_deferred_sums_update_like_summed_ones_bit_for_bit(name: str, multi: bool) -> None:
+def test_inline_sums_update_like_summed_ones_bit_for_bit(name: str, multi: bool) -> None:
     """The update that sums each row's gradients itself (runs of at most 128 occurrences; longer ones
     joined in place beforehand) writes exactly what the update of the summed gradients writes, dry run
     included."""
     opt, dim = OPTIMIZERS[name](), 8
     parts, vocab = _long_and_short_runs(dim, multi)
-    summed = gpu.row_sums(parts, vocab, dim)
-    deferred = gpu.row_sums(parts, vocab, dim, defer=True)
-    assert deferred.sums is None
+    summed = gpu.row_sums(parts, [vocab], dim)
+    lazy = gpu.row_sums(parts, [vocab], dim, summed=False)
+    assert lazy.sums is None
     u = summed.stats.tolist()[0]
-    assert deferred.stats.tolist()[0] == u and torch.equal(deferred.rows[:u], summed.rows[:u])
+    assert lazy.stats.tolist()[0] == u and torch.equal(lazy.rows[:u], summed.rows[:u])
     gen = torch.Generator().manual_seed(4)
     weights, slots = _state(opt, gen, vocab, dim)
     weights2, slots2 = weights.clone(), [s.clone() for s in slots]
-    lr = float(opt.learning_rate)
-    params = gpu.update_parameters(opt, lr, 0.0)
-    bad, _ = gpu.update(deferred.rows[:u], None, weights2, slots2, params, write=False, measure=False, inline=deferred)
-    assert bad is not None and bad.tolist() == [vocab] and torch.equal(weights2, weights)
-    _, maxabs = gpu.update(summed.rows[:u], summed.sums[:u], weights, slots, params, write=True, measure=True)
-    _, maxabs2 = gpu.update(
-        deferred.rows[:u], None, weights2, slots2, params, write=True, measure=True, inline=deferred
-    )
+    params = gpu.update_parameters(opt, float(opt.learning_rate), 0.0)
+    refused, found = gpu.step_flags(DEVICE)
+    gpu.update(lazy, [(weights2, slots2)], params, write=False, refused=refused, found=found, inline=True)
+    assert found.tolist() == [gpu.NEVER] * 2 and torch.equal(weights2, weights)
+    gpu.update(summed, [(weights, slots)], params, write=True, refused=refused)
+    gpu.update(lazy, [(weights2, slots2)], params, write=True, refused=refused, inline=True)
     assert torch.equal(weights2, weights)
     assert all(torch.equal(a, b) for a, b in zip(slots2, slots))
-    assert maxabs is not None and maxabs2 is not None and maxabs2.tolist() == maxabs.tolist()
     with pytest.raises(gpu.GpuBufferError, match="inline"):
-        gpu.update(summed.rows[:u], summed.sums[:u], weights, slots, params, write=True, measure=False, inline=deferred)
+        gpu.update(summed, [(weights, slots)], params, write=True, refused=refused, inline=True)
 
 
-def test_deferred_sums_bound_every_sum_and_materialize_exactly() -> None:
-    """Deferred phase 1 measures the longest run, the largest |gradient| and |coefficient| and the long runs'
-    exact largest |sum|; the bound it gives covers every row's sum, and materializing gives the summed path's
-    bits."""
+def test_sums_left_to_the_update_measure_long_runs_and_materialize_exactly() -> None:
+    """Phase 1 that leaves the sums to the update still finds the longest run and joins the long ones;
+    materializing gives the summed path's bits and its largest |sum|."""
     parts, vocab = _long_and_short_runs(5, multi=True)
-    summed = gpu.row_sums(parts, vocab, 5)
-    deferred = gpu.row_sums(parts, vocab, 5, defer=True)
-    u, _, bad, longest, gbits, cbits = deferred.stats.tolist()
+    summed = gpu.row_sums(parts, [vocab], 5)
+    lazy = gpu.row_sums(parts, [vocab], 5, summed=False)
+    u, _, bad, longest, *_ = lazy.stats.tolist()
     assert bad == 0 and longest == 300
-    g, c = gpu.bits_to_float([gbits, cbits])
-    assert g == max(float(p[3].abs().max()) for p in parts)
-    assert c == 1.0  # the second feature has none: every coefficient 1
-    assert deferred.sum_bound(deferred.stats.tolist()) >= float(summed.sums[:u].abs().max())
-    sums = gpu.materialize(deferred)
+    sums = gpu.materialize(lazy)
     assert torch.equal(sums[:u], summed.sums[:u])
-    assert deferred.stats.tolist()[1] == summed.stats.tolist()[1]  # the exact largest |sum| now
+    assert lazy.stats.tolist()[1] == summed.stats.tolist()[1]  # the exact largest |sum| now
 
 
-def test_deferred_sums_read_their_own_gradients_once_owned() -> None:
+def test_sums_left_to_the_update_read_their_own_gradients_once_owned() -> None:
     """An update held back (pipelining) owns its gradients: the caller may write into the ones it passed."""
     opt, dim = et.Adagrad(0.1), 4
     parts, vocab = _long_and_short_runs(dim, multi=True)
-    summed = gpu.row_sums(parts, vocab, dim)
-    deferred = gpu.row_sums(parts, vocab, dim, defer=True)
-    gpu.own_gradients(deferred)
+    summed = gpu.row_sums(parts, [vocab], dim)
+    lazy = gpu.row_sums(parts, [vocab], dim, summed=False)
+    gpu.own_gradients(lazy)
     for p in parts:
         p[3].fill_(1e30)
-    u = summed.stats.tolist()[0]
     weights, slots = _state(opt, torch.Generator().manual_seed(1), vocab, dim)
     weights2, slots2 = weights.clone(), [s.clone() for s in slots]
     params = gpu.update_parameters(opt, 0.1, 0.0)
-    gpu.update(summed.rows[:u], summed.sums[:u], weights, slots, params, write=True, measure=False)
-    gpu.update(deferred.rows[:u], None, weights2, slots2, params, write=True, measure=False, inline=deferred)
+    refused, _ = gpu.step_flags(DEVICE)
+    gpu.update(summed, [(weights, slots)], params, write=True, refused=refused)
+    gpu.update(lazy, [(weights2, slots2)], params, write=True, refused=refused, inline=True)
     assert torch.equal(weights2, weights) and torch.equal(slots2[0], slots[0])

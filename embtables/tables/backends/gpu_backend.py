@@ -1,19 +1,18 @@
-"""``GpuBackend``: the fused GPU kernels (``kernels/gpu.py``) on CUDA tables: the lookup of every feature in
-one launch, phase 1 (dedup, and the per-row sums or a bound on them) per table in one sort, one cumulative
-sum and a few small kernels, phase 2 (the fused update, which sums a lazy table's rows itself) in one
-launch per table. Same contract as the other backends: every error is raised before any table or slot is
-written, with the same messages.
+"""``GpuBackend``: the fused GPU kernels (``kernels/gpu.py``) on CUDA tables, in a fixed number of launches
+whatever the number of tables: the lookup of every feature in one launch; phase 1 (every id of a group of
+tables of one width as one key space: gathered, sorted once, deduplicated, long runs summed) in about ten
+launches per group; phase 2 as one dry run and one write per group and optimizer setting, the update summing
+each row's gradients as it applies them. Same contract as the other backends: every error is raised before
+any table or slot is written, with the same messages.
 
-Host syncs: the lookup reads its status once (ids outside a table, non-finite activations); phase 1
-reads every table's row count, sum bound (or largest |summed gradient|) and input check in one transfer.
-Phase 2 reads the bounds of the values every table's update reads together, in one transfer (measured in
-the step that writes, so an edit the engine cannot see is in them); a table whose sum bound proves nothing
-(its sums are then made exactly) and an update the proof cannot show finite (its dry run) add one more.
+Host syncs: the lookup reads its status once (ids outside a table, non-finite activations); phase 2 reads
+what every dry run found (an input that changed, a gradient or an update that would not be finite) in one
+transfer. A write kernel writes nothing while ``refused`` is set on the device, which a dry run sets when it
+finds anything.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -23,8 +22,8 @@ from torch import Tensor
 from embtables.config import ResolvedTable
 from embtables.errors import InputError
 from embtables.kernels import gpu
-from embtables.kernels.finite_guard import update_is_finite
 from embtables.kernels.segments import segments_from_offsets
+from embtables.tables.backends.device_checks import DeviceChecks
 from embtables.tables.backends.interface import (
     GRADIENT_NOT_FINITE,
     INPUT_CHANGED,
@@ -44,9 +43,7 @@ from embtables.tables.backends.table_set import TableSet
 from embtables.tables.inputs import FeatureBatch
 from embtables.tables.state import TableState
 from embtables.tables.table_gradient import TableGradient
-from embtables.tables.value_bounds import bounds_of_many, non_finite_gradient, non_finite_update, read_bounds
-
-_F32_MAX = 3.4028234663852886e38
+from embtables.tables.value_bounds import non_finite_activations, non_finite_gradient, non_finite_update
 
 
 class GpuBackend:
@@ -56,10 +53,25 @@ class GpuBackend:
 
     def __init__(self, tables: TableSet) -> None:
         self.tables = tables
+        self.checks = DeviceChecks(tables.device, immediate=not gpu.deferred_errors())
+
+    @property
+    def refused(self) -> Tensor:
+        """int64 [1] on the tables' device: nonzero while a step is refused (every write then writes nothing)."""
+        return self.checks.refused
+
+    def settle(self) -> None:
+        """Raise every error the device found so far (one sync): before a write that does not read
+        ``refused``."""
+        self.checks.settle()
 
     def lookup(self, batches: Sequence[FeatureBatch], concat: bool) -> Lookup:
         """Every feature of a table without quantization in one launch (straight into the concatenated
-        activations with ``concat``); the others are left to the reference."""
+        activations with ``concat``); the others are left to the reference. The status of every feature is
+        checked on the device (``DeviceChecks``): raised at the next call, or before this one returns when
+        errors are immediate."""
+        checks = self.checks
+        checks.raise_pending()
         ts = self.tables
         features, tables, states = ts.features, ts.tables, ts.states
         device = ts.device
@@ -73,23 +85,30 @@ class GpuBackend:
             outs = [torch.empty((batches[i].num_segments, dims[i]), dtype=torch.float32, device=device) for i in fast]
         parts = [(states[tables[features[i].table_index].name].weights, batches[i].ids, batches[i].offsets,
                   batches[i].coeffs) for i in fast]  # fmt: skip
-        flags = gpu.lookup_many(parts, outs).tolist() if fast else []  # the lookup's one sync
-        for i, flag in zip(fast, flags):
-            if flag & OUT_OF_RANGE:
-                raise InputError(
-                    f"feature {features[i].name!r}: an id is outside its table or the offsets are broken (an input "
-                    "buffer was written after it was validated); nothing was looked up or changed. Do not modify "
-                    "input tensors between enqueue() and dequeue()."
-                )
-        checked = {i for i, flag in zip(fast, flags) if not flag & NOT_FINITE}
+        if fast:
+            status = gpu.lookup_many(parts, outs, checks.refused)
+            checks.add([status], lambda flags: self._lookup_error(fast, flags))
+        checks.post("the lookup")
         if wide is not None:
-            if len(checked) < len(fast):
-                ts.check_finite(outs, checked)
             return Lookup([], set(), wide)
         acts: list[Tensor | None] = [None] * len(batches)
         for i, out in zip(fast, outs):
             acts[i] = out.view(*batches[i].out_shape, dims[i])
-        return Lookup(acts, checked)
+        return Lookup(acts, set(fast))
+
+    def _lookup_error(self, fast: list[int], flags: list[int]) -> InputError | None:
+        features = self.tables.features
+        for i, flag in zip(fast, flags):
+            if flag & OUT_OF_RANGE:
+                return InputError(
+                    f"feature {features[i].name!r}: an id is outside its table or the offsets are broken (an input "
+                    "buffer was written after it was validated); nothing was looked up or changed. Do not modify "
+                    "input tensors between enqueue() and dequeue()."
+                )
+        for i, flag in zip(fast, flags):
+            if flag & NOT_FINITE:
+                return non_finite_activations(features[i], self.tables.table_of(i))
+        return None
 
     def pool(self, parts: Sequence[BagPart]) -> tuple[list[Tensor], int] | None:
         if not parts:
@@ -104,60 +123,31 @@ class GpuBackend:
     def table_gradients(
         self, batches: Sequence[FeatureBatch], grads: Sequence[Tensor | None]
     ) -> dict[str, TableGradient]:
-        """Phase 1 of every table with gradient accumulation: distinct rows and what bounds their summed
-        gradients, read back for every table in one sync. A lazy table's sums are deferred to its update
-        (which sums each row as it applies it) when the bound proves them finite; the others, and a
-        deferred table the bound does not clear, are summed here (one more sync for those). Raises before
-        anything is written."""
+        """Phase 1 of every table with gradient accumulation, in a fixed number of launches per group of
+        tables of one width (``gpu.row_sums``; a non-lazy table is a group of its own), with no sync: each
+        table's gradient is its share of its group's distinct keys. A lazy group's sums are left to its
+        update, which sums each row as it applies it; what phase 1 finds wrong (an id or a bag outside its
+        table or gradient) is raised by ``checked_updates``, before anything is written."""
+        self.checks.raise_pending()
         ts = self.tables
-        accumulated = [t for t in ts.tables if t.optimizer.use_gradient_accumulation]
-        if not accumulated:
-            return {}
-        stats = torch.zeros((len(accumulated), gpu.STATS), dtype=torch.int64, device=ts.device)  # one sync
-        pending: list[tuple[Any, gpu.RowSums]] = []
-        for i, table in enumerate(accumulated):
+        groups: dict[tuple[Any, ...], list[ResolvedTable]] = {}
+        for table in ts.tables:
+            if table.optimizer.use_gradient_accumulation:
+                lazy = table.optimizer.lazy
+                groups.setdefault((table.dim, True) if lazy else (table.dim, False, table.name), []).append(table)
+        out: dict[str, TableGradient] = {}
+        for (dim, lazy, *_), members in groups.items():
             parts = []
-            for f in table.feature_indices:
-                batch, g = batches[f], grads[f]
-                if g is None:
-                    g = torch.zeros((batch.num_segments, table.dim), dtype=torch.float32, device=ts.device)
-                parts.append((batch.ids, batch.seg, batch.coeffs, g))
-            defer = table.optimizer.lazy and bool(gpu.DEFER_SUMS)
-            rs = gpu.row_sums(parts, table.vocabulary_size, table.dim, stats[i], defer=defer)
-            pending.append((table, rs))
-        values = stats.tolist()
-        bounds: dict[str, float] = {}
-        summed_here = False
-        for (table, rs), row in zip(pending, values):
-            if rs.sums is not None or row[2]:
-                continue
-            bound = rs.sum_bound(row)
-            if bound < _F32_MAX:
-                bounds[table.name] = bound
-            else:  # a gradient too large (or not finite) for the bound to prove anything: the exact sums
-                gpu.materialize(rs)
-                summed_here = True
-        if summed_here:
-            values = stats.tolist()
-        out = {}
-        for (table, rs), (count, maxbits, bad, *_) in zip(pending, values):
-            if bad:
-                raise input_changed(f"table {table.name!r}")
-            if table.name in bounds:
-                out[table.name] = TableGradient(
-                    table, rs.rows[:count], None, accumulated=True, gradient_max_abs=bounds[table.name], deferred=rs
-                )
-                continue
-            if maxbits >= gpu.F32_INF_BITS:
-                raise non_finite_gradient(table)
-            assert rs.sums is not None
-            out[table.name] = TableGradient(
-                table,
-                rs.rows[:count],
-                rs.sums[:count],
-                accumulated=True,
-                gradient_max_abs=gpu.bits_to_float([maxbits])[0] if count else 0.0,
-            )
+            for j, table in enumerate(members):
+                for f in table.feature_indices:
+                    batch, g = batches[f], grads[f]
+                    if g is None:
+                        g = torch.zeros((batch.num_segments, dim), dtype=torch.float32, device=ts.device)
+                    parts.append((batch.ids, batch.seg, batch.coeffs, g, j))
+            rs = gpu.row_sums(parts, [t.vocabulary_size for t in members], dim, summed=not lazy)
+            rs.sorted["parts"] = parts  # read again only to name a flagged input
+            for j, table in enumerate(members):
+                out[table.name] = TableGradient(table, None, None, accumulated=True, deferred=gpu.TableShare(rs, j))
         return out
 
     def prepare(self, table: ResolvedTable, parts: Sequence[GradientPart], *, scratch: str = "") -> Prepared | None:
@@ -167,12 +157,11 @@ class GpuBackend:
         for ids, offsets, coeffs, g in parts:
             if g is None:
                 g = torch.zeros((offsets.numel() - 1, table.dim), dtype=torch.float32, device=device)
-            grad_parts.append((ids, segments_from_offsets(offsets, ids.numel()), coeffs, g.contiguous()))
+            grad_parts.append((ids, segments_from_offsets(offsets, ids.numel()), coeffs, g.contiguous(), 0))
         if not grad_parts:
             return None
-        stats = torch.zeros(gpu.STATS, dtype=torch.int64, device=device)
-        rs = gpu.row_sums(grad_parts, table.vocabulary_size, table.dim, stats)
-        count, maxbits, bad, *_ = stats.tolist()
+        rs = gpu.row_sums(grad_parts, [table.vocabulary_size], table.dim)
+        count, maxbits, bad, *_ = rs.stats.tolist()
         if bad:
             return Prepared(INPUT_CHANGED)
         if maxbits >= gpu.F32_INF_BITS:
@@ -186,83 +175,116 @@ class GpuBackend:
         return False
 
     def checked_updates(self, updates: Sequence[Update], *, check_in_write: bool = False) -> list[Any | None]:
-        """Check every accumulated update (writes nothing) and return the functions that write them: proven
-        finite from bounds on the values each reads, measured now for every table and read back together
-        (one sync), else a dry run of the fused kernel (one more, for that table)."""
-        planned = [self._plan(tg, lr, decay) for tg, lr, decay in updates]
-        stats = bounds_of_many([(p.tensors(), p.rows if p.table.optimizer.lazy else None) for p in planned])
-        values = read_bounds(torch.cat(stats)) if stats else ([], [])
+        """Check every accumulated update (writes nothing) and return the functions that write them: one dry
+        run per group and optimizer setting (``gpu.update(write=False)``), whatever the number of tables.
+        What the dry runs find is checked on the device (``DeviceChecks``; the writes write nothing while a
+        step is refused) and raised at the next call, or here when errors are immediate (one sync). A
+        gradient that is not a share of a group (a pickled one) is left to the reference."""
+        launches: dict[tuple[int, Any], _GroupUpdate] = {}
         out: list[Any | None] = []
-        at = 0
-        for p, measured in zip(planned, stats):
-            n = measured.shape[0]
-            hi, lo = values[0][at : at + n], values[1][at : at + n]
-            at += n
-            out.append(p.checked(hi, lo))
+        for tg, lr, decay in updates:
+            share = tg.deferred
+            if share is None:
+                out.append(None)
+                continue
+            params = gpu.update_parameters(tg.table.optimizer, lr, decay)
+            key = (id(share.sums), _frozen(params))
+            launch = launches.get(key)
+            if launch is None:
+                launch = launches[key] = _GroupUpdate(share.sums, params, self.refused)
+            launch.add(share.index, tg.table, self.tables.states[tg.table.name], lr)
+            out.append(launch)
+        for launch in launches.values():
+            launch.dry_run()
+        if launches:
+            found = list(launches.values())
+            self.checks.add([t for u in found for t in (u.found, u.sums.stats[2:3])], lambda v: self._found(found, v))
+            if self.checks.immediate:
+                self.checks.settle()
         return out
 
-    def _plan(self, tg: TableGradient, lr: float, decay: float) -> _GpuUpdate:
-        """One table's update before its check: its rows, sums (or the deferred sums it makes inline), the
-        bound on its gradient and its parameters."""
-        table, state = tg.table, self.tables.states[tg.table.name]
-        opt = table.optimizer
-        deferred = tg.deferred if tg.grads is None else None
-        inline = deferred if deferred is not None and deferred.sums is None and opt.lazy else None
-        if inline is None:  # summed already (pickled, or an observer's flush), or not lazy: the sums
-            tg = tg.materialized()
-        assert tg.rows is not None
-        rows, grads = tg.rows, tg.grads
-        if not opt.lazy:
-            assert grads is not None  # non-lazy Adam: every row, a zero gradient where the batch has none
-            full = torch.zeros((table.vocabulary_size, table.dim), dtype=torch.float32, device=grads.device)
-            grads = full.index_copy_(0, rows, grads)
-            rows = torch.arange(table.vocabulary_size, device=grads.device)
-        gmax = tg.gradient_max_abs
-        if gmax is None:
-            assert grads is not None
-            gmax = float(grads.abs().max()) if grads.numel() else 0.0
-        return _GpuUpdate(table, state, rows, grads, inline, gpu.update_parameters(opt, lr, decay), lr, decay, gmax)
+    def _found(self, launches: list[_GroupUpdate], values: list[int]) -> InputError | None:
+        """The first error the dry runs found, in table order: an input that changed, then a gradient that is
+        not finite, then an update that would not be (``values``: each launch's found [2] and phase-1 flag)."""
+        errors: list[tuple[int, int, InputError]] = []
+        for i, launch in enumerate(launches):
+            bad_key, nan_key, changed = values[3 * i : 3 * i + 3]
+            if changed:
+                table = launch.flagged_table()
+                errors.append((0, self.tables.tables.index(table), input_changed(f"table {table.name!r}")))
+            if nan_key != gpu.NEVER:
+                table, _ = launch.table_row(nan_key)
+                errors.append((1, self.tables.tables.index(table), non_finite_gradient(table)))
+            if bad_key != gpu.NEVER:
+                table, row = launch.table_row(bad_key)
+                error = non_finite_update(table, row, launch.lrs[table.name])
+                errors.append((2, self.tables.tables.index(table), error))
+        return min(errors, key=lambda e: e[:2])[2] if errors else None
 
     def write(self, writes: Sequence[Callable[[], None]]) -> None:
         for write in writes:
             write()
+        self.checks.post("apply_gradients")
 
     def sequential(self, tg: TableGradient, lr: float) -> Restore | None:
         return None  # occurrence by occurrence: the reference
 
 
-@dataclasses.dataclass(eq=False)
-class _GpuUpdate:
-    """One table's planned update (``GpuBackend._plan``), checked once its bounds are read."""
+def _frozen(params: dict[str, Any]) -> tuple[Any, ...]:
+    return tuple(sorted(params.items()))
 
-    table: ResolvedTable
-    state: TableState
-    rows: Tensor
-    grads: Tensor | None
-    inline: gpu.RowSums | None
-    params: dict[str, Any]
-    lr: float
-    decay: float
-    gmax: float
 
-    def tensors(self) -> tuple[Tensor, ...]:
-        """The weights and slots the update reads (their bounds are measured for every table together)."""
-        return (self.state.weights, *self.state.slot_tuple())
+class _GroupUpdate:
+    """The update of the tables of one group that share optimizer parameters: one dry run, then (called
+    once, however many of its tables' writes call it) one write."""
 
-    def checked(self, hi: list[float], lo: list[float]) -> Callable[[], None]:
-        """Raise when the update would write a non-finite value (a dry run when the bounds ``hi``, ``lo``
-        prove nothing); else the function that writes it."""
-        opt, state = self.table.optimizer, self.state
-        slots = state.slot_tuple()
-        if not update_is_finite(opt, self.lr, self.decay, self.gmax, hi, lo):
-            bad, _ = gpu.update(self.rows, self.grads, state.weights, slots, self.params, write=False, measure=False,
-                                inline=self.inline)  # fmt: skip
-            row = self.table.vocabulary_size if bad is None else int(bad.item())
-            if row < self.table.vocabulary_size:
-                raise non_finite_update(self.table, row, self.lr)
-        rows, grads, params, inline = self.rows, self.grads, self.params, self.inline
+    def __init__(self, sums: gpu.RowSums, params: dict[str, Any], refused: Tensor) -> None:
+        self.sums, self.params, self.refused = sums, params, refused
+        members = len(sums.bases) - 1
+        self.tables: list[ResolvedTable | None] = [None] * members
+        self.tensors: list[gpu.TableTensors | None] = [None] * members
+        self.lrs: dict[str, float] = {}
+        self.found = torch.empty(0)
+        self.done = False
 
-        def write() -> None:
-            gpu.update(rows, grads, state.weights, slots, params, write=True, measure=False, inline=inline)
+    def add(self, index: int, table: ResolvedTable, state: TableState, lr: float) -> None:
+        self.tables[index] = table
+        self.tensors[index] = (state.weights, state.slot_tuple())
+        self.lrs[table.name] = lr
 
-        return write
+    def _launch(self, write: bool) -> None:
+        rs = self.sums
+        gpu.update(rs, self.tensors, self.params, write=write, refused=self.refused, found=None if write else
+                   self.found, inline=rs.sums is None)  # fmt: skip
+
+    def dry_run(self) -> None:
+        table = next(t for t in self.tables if t is not None)
+        if not table.optimizer.lazy:  # every row of the (one) table, a zero gradient where the batch has none
+            self.sums = gpu.every_row(self.sums)
+        _, self.found = gpu.step_flags(self.refused.device)
+        self._launch(write=False)
+
+    def __call__(self) -> None:
+        if not self.done:
+            self.done = True
+            self._launch(write=True)
+
+    def table_row(self, key: int) -> tuple[ResolvedTable, int]:
+        """The table and row of a key of the group."""
+        bases = self.sums.bases
+        j = max(i for i in range(len(bases) - 1) if bases[i] <= key)
+        table = self.tables[j]
+        assert table is not None
+        return table, key - bases[j]
+
+    def flagged_table(self) -> ResolvedTable:
+        """The first table whose ids or bags phase 1 flagged (read on the host: an error path)."""
+        parts: list[gpu.GradPart] = self.sums.sorted["parts"]
+        for ids, seg, _, grad, j in parts:
+            table = self.tables[j]
+            if table is None:
+                continue
+            outside = (ids < -1) | (ids >= table.vocabulary_size) | (seg < 0) | (seg >= grad.shape[0])  # -1: dropped
+            if bool(outside.any()):
+                return table
+        return next(t for t in self.tables if t is not None)

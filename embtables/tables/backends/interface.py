@@ -101,6 +101,11 @@ class Backend(Protocol):
         check may be left to ``write``, which then checks every update of the call before it writes any."""
         ...
 
+    def settle(self) -> None:
+        """Raise now every error found so far and not yet raised (the GPU backend's device checks; one sync
+        there): called before a write that is not this backend's, so the step stays all or nothing."""
+        ...
+
     def write(self, writes: Sequence[Any]) -> None:
         """Write updates its ``checked_updates`` returned (raises, writing none, when a check left to the
         write finds a non-finite value)."""

@@ -226,6 +226,9 @@ class NativeBackend:
                 raise non_finite_update(tg.table, bad, lr)
         return _NativeWrite(tg.table, ws, state.weights, slots, params, dense, lr, check and check_in_write)
 
+    def settle(self) -> None:
+        return None  # every error is raised in the call that finds it
+
     def write(self, writes: Sequence[_NativeWrite]) -> None:
         if not writes:
             return

@@ -14,11 +14,10 @@ import torch
 from torch import Tensor
 
 from embtables.config import ResolvedConfig, ResolvedTable
-from embtables.errors import InputError
 from embtables.kernels import native
 from embtables.tables.concatenated import column_starts
 from embtables.tables.state import TableState
-from embtables.tables.value_bounds import rows_bounds
+from embtables.tables.value_bounds import non_finite_activations, rows_bounds
 
 
 class TableSet:
@@ -57,9 +56,4 @@ class TableSet:
             if checked is not None and i in checked:
                 continue
             if not bool(torch.isfinite(acts).all()):
-                feature = self.features[i]
-                raise InputError(
-                    f"feature {feature.name!r} (table {self.table_of(i).name!r}): the looked-up activations "
-                    "overflow float32 (a sum of large rows or weights is not finite); no table or slot was changed. "
-                    "Check the weights of this feature and the table's values."
-                )
+                raise non_finite_activations(self.features[i], self.table_of(i))

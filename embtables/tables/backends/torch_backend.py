@@ -159,6 +159,9 @@ class TorchBackend:
 
         return write
 
+    def settle(self) -> None:
+        return None  # every error is raised in the call that finds it
+
     def write(self, writes: Sequence[Callable[[], None]]) -> None:
         for write in writes:
             write()

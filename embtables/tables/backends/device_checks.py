@@ -1,0 +1,111 @@
+"""``DeviceChecks``: the errors a GPU step finds on the device, raised without making the host wait.
+
+The kernels of a step record what they find in small flag tensors on the device (an input that breaks a
+rule, an id outside its table, a non-finite activation, a gradient or an update that would not be finite)
+and set one sticky cell, ``refused``, that every kernel that writes a table or slot reads first: while it
+is set nothing is written, in this step or any later one. At the end of a call (a lookup, or the writes of
+``apply_gradients``) the flags are copied to host memory without waiting (``post``: one concatenation and
+one non-blocking copy, with an event). The next call reads that copy (``raise_pending``), waiting at most
+for the previous call's work, never for its own: when a flag is set it clears ``refused`` and raises the
+error, naming the call that found it. So a steady-state step makes no host synchronisation, and an error
+keeps its meaning: the step that raised it wrote nothing, nor did any step between it and the raise.
+
+``immediate`` (``EMBTABLES_GPU_ERRORS=immediate``, or ``gpu.set_deferred_errors(False)``): every call reads
+its own flags before it returns (one sync per call) and raises there, as the CPU backends do.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import Tensor
+
+# A decoder turns the values (Python ints) of the flags it was added with into the error to raise, or None
+Decoder = Callable[[list[int]], "Exception | None"]
+
+_HOST_COPIES: weakref.WeakSet[Tensor] = weakref.WeakSet()
+
+
+def is_host_copy(tensor: Tensor) -> bool:
+    """Whether ``tensor`` is a host copy of posted flags (reading it waits for no work of its own call)."""
+    return any(tensor.untyped_storage().data_ptr() == c.untyped_storage().data_ptr() for c in _HOST_COPIES)
+
+
+class DeviceChecks:
+    """The flags of the calls of one GPU backend on ``device`` (see the module docstring)."""
+
+    def __init__(self, device: torch.device, *, immediate: bool) -> None:
+        self.device = device
+        self.immediate = immediate
+        self.refused = torch.zeros(1, dtype=torch.int64, device=device)
+        self.calls = 0
+        self._pending: list[tuple[Tensor, Decoder]] = []
+        self._posted: tuple[Tensor, list[tuple[int, Decoder]], str, int, torch.cuda.Event | None] | None = None
+
+    def add(self, flags: Sequence[Tensor], decode: Decoder) -> None:
+        """Record ``flags`` (integer tensors on the device, unread) of the current call, decoded together by
+        ``decode``."""
+        flat = [f.reshape(-1) for f in flags]
+        self._pending.append((flat[0] if len(flat) == 1 else torch.cat(flat), decode))
+
+    def post(self, what: str) -> None:
+        """End of a call: copy its flags to the host without waiting (``immediate``: read them and raise)."""
+        self.calls += 1
+        if not self._pending:
+            return
+        pending, self._pending = self._pending, []
+        flat = pending[0][0] if len(pending) == 1 else torch.cat([f for f, _ in pending])
+        if flat.dtype != torch.int64:
+            flat = flat.to(torch.int64)
+        sizes, at = [], 0
+        for f, decode in pending:
+            sizes.append((at, decode))
+            at += f.numel()
+        if self.immediate:
+            self._raise(what, self.calls, flat.tolist(), sizes)  # the call's one sync
+            return
+        host = torch.empty(flat.shape, dtype=torch.int64, pin_memory=flat.is_cuda)
+        _HOST_COPIES.add(host)
+        host.copy_(flat, non_blocking=True)
+        event = None
+        if flat.is_cuda:
+            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            event.record()
+        self._posted = (host, sizes, what, self.calls, event)
+
+    def raise_pending(self) -> None:
+        """Start of a call: raise what the previous call's flags hold (waiting, at most, for that call)."""
+        posted, self._posted = self._posted, None
+        if posted is None:
+            return
+        host, sizes, what, call, event = posted
+        if event is not None:
+            event.synchronize()
+        self._raise(what, call, host.tolist(), sizes)
+
+    def settle(self) -> None:
+        """Raise now what the current call found so far and what earlier calls did (one sync): before a
+        write that does not read ``refused`` (the reference's, a pipelined check)."""
+        self.raise_pending()
+        if self._pending:
+            immediate, self.immediate = self.immediate, True
+            try:
+                self.post("this call")
+            finally:
+                self.immediate = immediate
+            self.calls -= 1  # the call goes on
+
+    def _raise(self, what: str, call: int, values: list[int], sizes: Sequence[tuple[int, Decoder]]) -> None:
+        bounds = [*(at for at, _ in sizes[1:]), len(values)]
+        for (at, decode), end in zip(sizes, bounds):
+            error = decode(values[at:end])
+            if error is not None:
+                self.refused.zero_()  # raised: the next step is not refused
+                if not self.immediate:
+                    error = type(error)(
+                        f"{error} (Found on the GPU by {what} of call {call} and raised at the next call; nothing was "
+                        "written since. EMBTABLES_GPU_ERRORS=immediate raises in the call itself.)"
+                    )
+                raise error
