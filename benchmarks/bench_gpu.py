@@ -261,7 +261,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # --tiles 2048x4,1024x2x2 / --lookups 4096x2,2048x1x16: the fused kernels once per variant, as impls
     # "embtables[tiles 2048x4]" ... (the default stays "embtables"); each sets knobs of kernels/gpu.py
     knobs = {
-        "tiles": ("_TILE_FLOATS", "_SUMS_UNROLL", "_TILE_WARPS"),
+        "tiles": ("_TILE_FLOATS", "SUMS_UNROLL", "_TILE_WARPS"),
         "lookup": ("_LOOKUP_FLOATS", "_LOOKUP_WARPS", "_LOOKUP_BLOCK_N"),
     }
     defaults = {name: getattr(gpu, name) for names in knobs.values() for name in names}

@@ -65,11 +65,12 @@ def variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any], int]]:
             consts = dict(F=features, FP=fp, DIM=0 if mixed else dim, ALIGNED=not mixed and dim % 4 == 0, BAGS=bags,
                           BLOCK_N=block_n, BLOCK_D=block_d, REFUSE=refuse)  # fmt: skip
             out.append(("lookup", k.lookup_kernel, lookup_types, consts, warps))
-    stage_types = {n: P for n in ("id_ptrs", "id_counts", "vocabs", "split_ptrs", "split_counts", "modes", "seg_at",
-                                  "segs", "refused")}  # fmt: skip
+    stage_types = {n: P for n in ("id_ptrs", "id_counts", "vocabs", "split_ptrs", "split_counts", "modes", "drops",
+                                  "seg_at", "bag_at", "segs", "negs", "refused")}  # fmt: skip
     stage_types.update({"coeffs": F, "flags": "*i32", "steps": "i64"})
-    for refuse in (False, True):
-        out.append(("stage", k.stage_kernel, stage_types, dict(BLOCK=1024, REFUSE=refuse), 4))
+    for refuse, (drops, stage_pass) in itertools.product((False, True), ((False, 0), (True, 0), (True, 1))):
+        consts = dict(BLOCK=1024, REFUSE=refuse, DROPS=drops, PASS=stage_pass)
+        out.append(("stage", k.stage_kernel, stage_types, consts, 4))
     gather_types = {n: P for n in ("id_ptrs", "seg_ptrs", "coeff_ptrs", "counts", "at", "vocabs", "bases", "segs",
                                    "feats", "stats")}  # fmt: skip
     gather_types["coeffs"] = F

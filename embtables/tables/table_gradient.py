@@ -9,7 +9,7 @@ from typing import Any
 from torch import Tensor
 
 from embtables.config import ResolvedTable
-from embtables.kernels import gpu, native
+from embtables.kernels import gpu_step, native
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -27,7 +27,9 @@ class TableGradient:
     accumulated: bool
     prepared: native.Workspace | None = None
     gradient_max_abs: float | None = None  # max |grads| (or a bound on it), when phase 1 measured it (GPU)
-    deferred: gpu.TableShare | None = None  # GPU: this table's share of its group's phase 1 (``rows``, ``grads`` None)
+    deferred: gpu_step.TableShare | None = (
+        None  # GPU: this table's share of its group's phase 1 (``rows``, ``grads`` None)
+    )
 
     def materialized(self) -> TableGradient:
         """The same gradient with rows [U] and sums [U, D] as tensors (copied out of C memory, or summed
@@ -44,7 +46,7 @@ class TableGradient:
         """This gradient, reading only memory the engine owns: a GPU share copies the activation gradients its
         group's update would read (the caller may reuse them before a held-back update lands)."""
         if self.deferred is not None and self.grads is None:
-            gpu.own_gradients(self.deferred.sums)
+            gpu_step.own_gradients(self.deferred.sums)
         return self
 
     def __reduce__(self) -> tuple[Any, ...]:

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import embtables as et
-from embtables.kernels import gpu
+from embtables.kernels import gpu, gpu_step
 from embtables.kernels.clip_decay import effective_weight_decay
 from embtables.kernels.lookup import occurrence_gradients, pooled_lookup
 from embtables.kernels.segments import dedup_sum, segments_from_offsets
@@ -103,7 +103,7 @@ def test_row_sums_match_dedup_sum(multi: bool) -> None:
         all_grads.append(occurrence_gradients(grad, seg, coeffs))
     # the CPU reference adds each row's occurrences one by one in occurrence order, as the kernel does
     rows, sums = dedup_sum(torch.cat(all_ids).cpu(), torch.cat(all_grads).cpu())
-    got = gpu.row_sums(parts, [vocab], dim)
+    got = gpu_step.row_sums(parts, [vocab], dim)
     u, maxbits, bad, longest, *_ = got.stats.tolist()
     assert u == rows.numel() and bad == 0 and longest == int(torch.bincount(torch.cat(all_ids).cpu()).max())
     assert torch.equal(got.rows[:u].cpu(), rows)
@@ -169,7 +169,7 @@ def test_row_sums_join_a_hot_row_from_pieces() -> None:
     ids = ids[torch.randperm(ids.numel(), generator=gen)].to(DEVICE)
     seg = torch.arange(ids.numel(), device=DEVICE)
     grad = torch.randn(ids.numel(), 6, generator=gen).to(DEVICE)
-    got = gpu.row_sums([(ids, seg, None, grad, 0)], [50], 6)
+    got = gpu_step.row_sums([(ids, seg, None, grad, 0)], [50], 6)
     rows, sums = dedup_sum(ids.cpu(), grad.cpu())
     u, _, bad, longest, *_ = got.stats.tolist()
     assert torch.equal(got.rows[:u].cpu(), rows) and bad == 0 and longest == int(torch.bincount(ids.cpu()).max())
@@ -204,7 +204,7 @@ def test_row_sums_pieces_of_long_runs_meet_in_order(dim: int, multi: bool) -> No
         parts = [(ids, seg, coeffs, grad, 0)]
         occ = occurrence_gradients(grad, seg, coeffs)
         occ64 = grad.cpu().double()[seg.cpu()] * coeffs.cpu().double()[:, None]
-    got = gpu.row_sums(parts, [60], dim)
+    got = gpu_step.row_sums(parts, [60], dim)
     rows, sums = dedup_sum(ids.cpu(), occ.cpu())
     u, maxbits, bad, longest, *_ = got.stats.tolist()
     assert torch.equal(got.rows[:u].cpu(), rows) and bad == 0 and longest == 300
@@ -224,7 +224,7 @@ def test_row_sums_and_update_for_wide_rows_and_tiny_batches(dim: int, n: int) ->
     ids = torch.randint(0, 7, (n,), generator=gen).to(DEVICE)
     seg = torch.arange(n, device=DEVICE)
     grad = torch.randn(n, dim, generator=gen).to(DEVICE)
-    got = gpu.row_sums([(ids, seg, None, grad, 0)], [7], dim)
+    got = gpu_step.row_sums([(ids, seg, None, grad, 0)], [7], dim)
     rows, sums = dedup_sum(ids.cpu(), grad.cpu())
     u = got.stats.tolist()[0]
     assert torch.equal(got.rows[:u].cpu(), rows) and torch.equal(got.sums[:u].cpu(), sums)
@@ -232,30 +232,34 @@ def test_row_sums_and_update_for_wide_rows_and_tiny_batches(dim: int, n: int) ->
     weights, slots = _state(opt, gen, 7, dim)
     w_exp, s_exp = update_rows(weights[got.rows[:u]], (slots[0][got.rows[:u]],), got.sums[:u], opt=opt, lr=0.1,
                                clip_gradients=True)  # fmt: skip
-    params = gpu.update_parameters(opt, 0.1, 0.0)
-    refused, found = gpu.step_flags(DEVICE)
-    gpu.update(got, [(weights, slots)], params, write=False, refused=refused, found=found)
-    assert found.tolist() == [gpu.NEVER] * 2 and refused.tolist() == [0]
-    gpu.update(got, [(weights, slots)], params, write=True, refused=refused)
+    params = gpu_step.update_parameters(opt, 0.1, 0.0)
+    refused, found = gpu_step.step_flags(DEVICE)
+    gpu_step.update(got, [(weights, slots)], params, write=False, refused=refused, found=found)
+    assert found.tolist() == [gpu_step.NEVER] * 2 and refused.tolist() == [0]
+    gpu_step.update(got, [(weights, slots)], params, write=True, refused=refused)
     torch.testing.assert_close(weights[got.rows[:u]], w_exp, rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(slots[0][got.rows[:u]], s_exp[0], rtol=1e-6, atol=1e-7)
 
 
 def test_row_sums_of_no_ids() -> None:
     none = torch.zeros(0, dtype=torch.int64, device=DEVICE)
-    got = gpu.row_sums([(none, none, None, torch.zeros((0, 3), device=DEVICE), 0)], [5], 3)
-    assert got.stats.tolist() == [0] * gpu.STATS
+    got = gpu_step.row_sums([(none, none, None, torch.zeros((0, 3), device=DEVICE), 0)], [5], 3)
+    assert got.stats.tolist() == [0] * gpu_step.STATS
 
 
 def test_row_sums_flag_rows_outside_the_table() -> None:
     ids = torch.tensor([3, 9], device=DEVICE)
-    got = gpu.row_sums([(ids, torch.tensor([0, 1], device=DEVICE), None, torch.ones((2, 2), device=DEVICE), 0)], [5], 2)
+    got = gpu_step.row_sums(
+        [(ids, torch.tensor([0, 1], device=DEVICE), None, torch.ones((2, 2), device=DEVICE), 0)], [5], 2
+    )
     assert got.stats.tolist()[2] == 1
 
 
 def test_row_sums_flag_bags_outside_the_gradient() -> None:
     ids = torch.tensor([3, 1], device=DEVICE)
-    got = gpu.row_sums([(ids, torch.tensor([0, 2], device=DEVICE), None, torch.ones((2, 2), device=DEVICE), 0)], [5], 2)
+    got = gpu_step.row_sums(
+        [(ids, torch.tensor([0, 2], device=DEVICE), None, torch.ones((2, 2), device=DEVICE), 0)], [5], 2
+    )
     assert got.stats.tolist()[2] == 1
     assert torch.equal(got.sums[: got.stats.tolist()[0]].cpu(), torch.tensor([[0.0, 0.0], [1.0, 1.0]]))
 
@@ -295,11 +299,13 @@ def _state(opt: Any, gen: torch.Generator, vocab: int, dim: int) -> tuple[torch.
     return weights.to(DEVICE), [s.to(DEVICE) for s in slots]
 
 
-def _given(rows: torch.Tensor, sums: torch.Tensor, vocab: int) -> gpu.RowSums:
+def _given(rows: torch.Tensor, sums: torch.Tensor, vocab: int) -> gpu_step.RowSums:
     """Phase 1 of one table as given distinct ``rows`` [U] and their ``sums`` [U, D]."""
-    stats = torch.zeros(gpu.STATS, dtype=torch.int64, device=DEVICE)
+    stats = torch.zeros(gpu_step.STATS, dtype=torch.int64, device=DEVICE)
     stats[0] = rows.numel()
-    return gpu.RowSums(rows, sums, stats, [0, vocab], {"n": rows.numel(), "dim": sums.shape[1], "has_coeffs": False})
+    return gpu_step.RowSums(
+        rows, sums, stats, [0, vocab], {"n": rows.numel(), "dim": sums.shape[1], "has_coeffs": False}
+    )
 
 
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
@@ -313,13 +319,13 @@ def test_fused_update_matches_the_torch_row_math(name: str) -> None:
     lr = float(opt.learning_rate)
     decay = effective_weight_decay(opt.weight_decay_factor, opt.weight_decay_multiplied_by_lr, lr)
     w_exp, s_exp = update_rows(weights[rows], tuple(s[rows] for s in slots), sums, opt=opt, lr=lr, clip_gradients=True)
-    params = gpu.update_parameters(opt, lr, decay)
+    params = gpu_step.update_parameters(opt, lr, decay)
     before = weights.clone(), [s.clone() for s in slots]
-    refused, found = gpu.step_flags(DEVICE)
-    gpu.update(_given(rows, sums, vocab), [(weights, slots)], params, write=False, refused=refused, found=found)
-    assert found.tolist() == [gpu.NEVER] * 2 and refused.tolist() == [0]
+    refused, found = gpu_step.step_flags(DEVICE)
+    gpu_step.update(_given(rows, sums, vocab), [(weights, slots)], params, write=False, refused=refused, found=found)
+    assert found.tolist() == [gpu_step.NEVER] * 2 and refused.tolist() == [0]
     assert torch.equal(weights, before[0]) and all(torch.equal(a, b) for a, b in zip(slots, before[1]))
-    gpu.update(_given(rows, sums, vocab), [(weights, slots)], params, write=True, refused=refused)
+    gpu_step.update(_given(rows, sums, vocab), [(weights, slots)], params, write=True, refused=refused)
     # powf: libdevice against torch's pow differ by an ulp or two, and FTRL subtracts two nearby powers
     tol = {"adagrad_momentum": 2e-6, "ftrl_power": 2e-5}.get(name, 1e-6)
     torch.testing.assert_close(weights[rows], w_exp, rtol=tol, atol=1e-7 if tol < 1e-5 else tol)
@@ -335,14 +341,14 @@ def test_fused_update_finds_the_first_row_that_would_overflow_and_a_refused_step
     weights = torch.full((6, 2), -3e38, device=DEVICE)
     rows = torch.tensor([1, 4, 5], device=DEVICE)
     sums = torch.tensor([[0.0, 0.0], [1.0, 0.0], [2.0, 0.0]], device=DEVICE)
-    params = gpu.update_parameters(opt, 1e38, 0.0)
-    refused, found = gpu.step_flags(DEVICE)
-    gpu.update(_given(rows, sums, 6), [(weights, [])], params, write=False, refused=refused, found=found)
-    assert found.tolist() == [4, gpu.NEVER] and refused.tolist() == [1]
+    params = gpu_step.update_parameters(opt, 1e38, 0.0)
+    refused, found = gpu_step.step_flags(DEVICE)
+    gpu_step.update(_given(rows, sums, 6), [(weights, [])], params, write=False, refused=refused, found=found)
+    assert found.tolist() == [4, gpu_step.NEVER] and refused.tolist() == [1]
     assert torch.equal(weights, torch.full((6, 2), -3e38, device=DEVICE))
     safe = torch.zeros((3, 2), device=DEVICE)  # a finite update, but the step is refused: nothing is written
-    gpu.update(_given(rows, safe, 6), [(weights, [])], gpu.update_parameters(et.SGD(0.1), 0.1, 0.0), write=True,
-               refused=refused)  # fmt: skip
+    sgd = gpu_step.update_parameters(et.SGD(0.1), 0.1, 0.0)
+    gpu_step.update(_given(rows, safe, 6), [(weights, [])], sgd, write=True, refused=refused)
     assert torch.equal(weights, torch.full((6, 2), -3e38, device=DEVICE))
 
 
@@ -350,9 +356,9 @@ def test_fused_update_flags_a_gradient_that_is_not_finite() -> None:
     weights = torch.zeros((5, 2), device=DEVICE)
     rows = torch.tensor([0, 2, 3], device=DEVICE)
     sums = torch.tensor([[0.0, 1.0], [float("nan"), 0.0], [float("inf"), 0.0]], device=DEVICE)
-    refused, found = gpu.step_flags(DEVICE)
-    params = gpu.update_parameters(et.SGD(0.1), 0.1, 0.0)
-    gpu.update(_given(rows, sums, 5), [(weights, [])], params, write=False, refused=refused, found=found)
+    refused, found = gpu_step.step_flags(DEVICE)
+    params = gpu_step.update_parameters(et.SGD(0.1), 0.1, 0.0)
+    gpu_step.update(_given(rows, sums, 5), [(weights, [])], params, write=False, refused=refused, found=found)
     assert found.tolist() == [2, 2] and refused.tolist() == [1]
 
 
@@ -371,10 +377,10 @@ def test_a_group_of_tables_sums_and_updates_like_each_table_alone(name: str) -> 
         seg = torch.randint(0, 16, (n,), generator=gen).to(DEVICE)
         coeffs = torch.rand(n, generator=gen).to(DEVICE) if j == 2 else None
         parts.append((ids, seg, coeffs, torch.randn(16, dim, generator=gen).to(DEVICE), j))
-    group = gpu.row_sums(parts, vocabs, dim)
+    group = gpu_step.row_sums(parts, vocabs, dim)
     assert group.bases == [0, 30, 37, 87]
     lr = float(opt.learning_rate)
-    params = gpu.update_parameters(opt, lr, 0.0)
+    params = gpu_step.update_parameters(opt, lr, 0.0)
     states = [_state(opt, gen, v, dim) for v in vocabs]
     copies = [(w.clone(), [s.clone() for s in ss]) for w, ss in states]
     for j, v in enumerate(vocabs):
@@ -383,20 +389,20 @@ def test_a_group_of_tables_sums_and_updates_like_each_table_alone(name: str) -> 
         if not alone:
             assert rows.numel() == 0
             continue
-        single = gpu.row_sums(alone, [v], dim)
+        single = gpu_step.row_sums(alone, [v], dim)
         u = int(single.stats[0])
         assert torch.equal(rows, single.rows[:u]) and torch.equal(sums, single.sums[:u])
-        refused, _ = gpu.step_flags(DEVICE)
-        gpu.update(single, [copies[j]], params, write=True, refused=refused)
-    lazy = gpu.row_sums(parts, vocabs, dim, summed=False)
-    refused, found = gpu.step_flags(DEVICE)
-    gpu.update(lazy, states, params, write=False, refused=refused, found=found, inline=True)
-    assert found.tolist() == [gpu.NEVER] * 2
-    gpu.update(lazy, states, params, write=True, refused=refused, inline=True)
+        refused, _ = gpu_step.step_flags(DEVICE)
+        gpu_step.update(single, [copies[j]], params, write=True, refused=refused)
+    lazy = gpu_step.row_sums(parts, vocabs, dim, summed=False)
+    refused, found = gpu_step.step_flags(DEVICE)
+    gpu_step.update(lazy, states, params, write=False, refused=refused, found=found, inline=True)
+    assert found.tolist() == [gpu_step.NEVER] * 2
+    gpu_step.update(lazy, states, params, write=True, refused=refused, inline=True)
     for (w, ss), (w2, ss2) in zip(states, copies):
         assert torch.equal(w, w2) and all(torch.equal(a, b) for a, b in zip(ss, ss2))
     kept = states[2][0].clone()
-    gpu.update(lazy, [states[0], None, None], params, write=True, refused=refused, inline=True)
+    gpu_step.update(lazy, [states[0], None, None], params, write=True, refused=refused, inline=True)
     assert torch.equal(states[2][0], kept)
 
 
@@ -426,35 +432,35 @@ def test_inline_sums_update_like_summed_ones_bit_for_bit(name: str, multi: bool)
     included."""
     opt, dim = OPTIMIZERS[name](), 8
     parts, vocab = _long_and_short_runs(dim, multi)
-    summed = gpu.row_sums(parts, [vocab], dim)
-    lazy = gpu.row_sums(parts, [vocab], dim, summed=False)
+    summed = gpu_step.row_sums(parts, [vocab], dim)
+    lazy = gpu_step.row_sums(parts, [vocab], dim, summed=False)
     assert lazy.sums is None
     u = summed.stats.tolist()[0]
     assert lazy.stats.tolist()[0] == u and torch.equal(lazy.rows[:u], summed.rows[:u])
     gen = torch.Generator().manual_seed(4)
     weights, slots = _state(opt, gen, vocab, dim)
     weights2, slots2 = weights.clone(), [s.clone() for s in slots]
-    params = gpu.update_parameters(opt, float(opt.learning_rate), 0.0)
-    refused, found = gpu.step_flags(DEVICE)
-    gpu.update(lazy, [(weights2, slots2)], params, write=False, refused=refused, found=found, inline=True)
-    assert found.tolist() == [gpu.NEVER] * 2 and torch.equal(weights2, weights)
-    gpu.update(summed, [(weights, slots)], params, write=True, refused=refused)
-    gpu.update(lazy, [(weights2, slots2)], params, write=True, refused=refused, inline=True)
+    params = gpu_step.update_parameters(opt, float(opt.learning_rate), 0.0)
+    refused, found = gpu_step.step_flags(DEVICE)
+    gpu_step.update(lazy, [(weights2, slots2)], params, write=False, refused=refused, found=found, inline=True)
+    assert found.tolist() == [gpu_step.NEVER] * 2 and torch.equal(weights2, weights)
+    gpu_step.update(summed, [(weights, slots)], params, write=True, refused=refused)
+    gpu_step.update(lazy, [(weights2, slots2)], params, write=True, refused=refused, inline=True)
     assert torch.equal(weights2, weights)
     assert all(torch.equal(a, b) for a, b in zip(slots2, slots))
     with pytest.raises(gpu.GpuBufferError, match="inline"):
-        gpu.update(summed, [(weights, slots)], params, write=True, refused=refused, inline=True)
+        gpu_step.update(summed, [(weights, slots)], params, write=True, refused=refused, inline=True)
 
 
 def test_sums_left_to_the_update_measure_long_runs_and_materialize_exactly() -> None:
     """Phase 1 that leaves the sums to the update still finds the longest run and joins the long ones;
     materializing gives the summed path's bits and its largest |sum|."""
     parts, vocab = _long_and_short_runs(5, multi=True)
-    summed = gpu.row_sums(parts, [vocab], 5)
-    lazy = gpu.row_sums(parts, [vocab], 5, summed=False)
+    summed = gpu_step.row_sums(parts, [vocab], 5)
+    lazy = gpu_step.row_sums(parts, [vocab], 5, summed=False)
     u, _, bad, longest, *_ = lazy.stats.tolist()
     assert bad == 0 and longest == 300
-    sums = gpu.materialize(lazy)
+    sums = gpu_step.materialize(lazy)
     assert torch.equal(sums[:u], summed.sums[:u])
     assert lazy.stats.tolist()[1] == summed.stats.tolist()[1]  # the exact largest |sum| now
 
@@ -463,15 +469,15 @@ def test_sums_left_to_the_update_read_their_own_gradients_once_owned() -> None:
     """An update held back (pipelining) owns its gradients: the caller may write into the ones it passed."""
     opt, dim = et.Adagrad(0.1), 4
     parts, vocab = _long_and_short_runs(dim, multi=True)
-    summed = gpu.row_sums(parts, [vocab], dim)
-    lazy = gpu.row_sums(parts, [vocab], dim, summed=False)
-    gpu.own_gradients(lazy)
+    summed = gpu_step.row_sums(parts, [vocab], dim)
+    lazy = gpu_step.row_sums(parts, [vocab], dim, summed=False)
+    gpu_step.own_gradients(lazy)
     for p in parts:
         p[3].fill_(1e30)
     weights, slots = _state(opt, torch.Generator().manual_seed(1), vocab, dim)
     weights2, slots2 = weights.clone(), [s.clone() for s in slots]
-    params = gpu.update_parameters(opt, 0.1, 0.0)
-    refused, _ = gpu.step_flags(DEVICE)
-    gpu.update(summed, [(weights, slots)], params, write=True, refused=refused)
-    gpu.update(lazy, [(weights2, slots2)], params, write=True, refused=refused, inline=True)
+    params = gpu_step.update_parameters(opt, 0.1, 0.0)
+    refused, _ = gpu_step.step_flags(DEVICE)
+    gpu_step.update(summed, [(weights, slots)], params, write=True, refused=refused)
+    gpu_step.update(lazy, [(weights2, slots2)], params, write=True, refused=refused, inline=True)
     assert torch.equal(weights2, weights) and torch.equal(slots2[0], slots[0])

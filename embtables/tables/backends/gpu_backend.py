@@ -21,7 +21,7 @@ from torch import Tensor
 
 from embtables.config import ResolvedTable
 from embtables.errors import InputError
-from embtables.kernels import gpu
+from embtables.kernels import gpu, gpu_step
 from embtables.kernels.segments import segments_from_offsets
 from embtables.tables.backends.device_checks import DeviceChecks
 from embtables.tables.backends.interface import (
@@ -124,7 +124,7 @@ class GpuBackend:
         self, batches: Sequence[FeatureBatch], grads: Sequence[Tensor | None]
     ) -> dict[str, TableGradient]:
         """Phase 1 of every table with gradient accumulation, in a fixed number of launches per group of
-        tables of one width (``gpu.row_sums``; a non-lazy table is a group of its own), with no sync: each
+        tables of one width (``gpu_step.row_sums``; a non-lazy table is a group of its own), with no sync: each
         table's gradient is its share of its group's distinct keys. A lazy group's sums are left to its
         update, which sums each row as it applies it; what phase 1 finds wrong (an id or a bag outside its
         table or gradient) is raised by ``checked_updates``, before anything is written."""
@@ -144,10 +144,11 @@ class GpuBackend:
                     if g is None:
                         g = torch.zeros((batch.num_segments, dim), dtype=torch.float32, device=ts.device)
                     parts.append((batch.ids, batch.seg, batch.coeffs, g, j))
-            rs = gpu.row_sums(parts, [t.vocabulary_size for t in members], dim, summed=not lazy)
+            rs = gpu_step.row_sums(parts, [t.vocabulary_size for t in members], dim, summed=not lazy)
             rs.sorted["parts"] = parts  # read again only to name a flagged input
             for j, table in enumerate(members):
-                out[table.name] = TableGradient(table, None, None, accumulated=True, deferred=gpu.TableShare(rs, j))
+                share = gpu_step.TableShare(rs, j)
+                out[table.name] = TableGradient(table, None, None, accumulated=True, deferred=share)
         return out
 
     def prepare(self, table: ResolvedTable, parts: Sequence[GradientPart], *, scratch: str = "") -> Prepared | None:
@@ -160,7 +161,7 @@ class GpuBackend:
             grad_parts.append((ids, segments_from_offsets(offsets, ids.numel()), coeffs, g.contiguous(), 0))
         if not grad_parts:
             return None
-        rs = gpu.row_sums(grad_parts, [table.vocabulary_size], table.dim)
+        rs = gpu_step.row_sums(grad_parts, [table.vocabulary_size], table.dim)
         count, maxbits, bad, *_ = rs.stats.tolist()
         if bad:
             return Prepared(INPUT_CHANGED)
@@ -176,7 +177,7 @@ class GpuBackend:
 
     def checked_updates(self, updates: Sequence[Update], *, check_in_write: bool = False) -> list[Any | None]:
         """Check every accumulated update (writes nothing) and return the functions that write them: one dry
-        run per group and optimizer setting (``gpu.update(write=False)``), whatever the number of tables.
+        run per group and optimizer setting (``gpu_step.update(write=False)``), whatever the number of tables.
         What the dry runs find is checked on the device (``DeviceChecks``; the writes write nothing while a
         step is refused) and raised at the next call, or here when errors are immediate (one sync). A
         gradient that is not a share of a group (a pickled one) is left to the reference."""
@@ -187,7 +188,7 @@ class GpuBackend:
             if share is None:
                 out.append(None)
                 continue
-            params = gpu.update_parameters(tg.table.optimizer, lr, decay)
+            params = gpu_step.update_parameters(tg.table.optimizer, lr, decay)
             key = (id(share.sums), _frozen(params))
             launch = launches.get(key)
             if launch is None:
@@ -212,10 +213,10 @@ class GpuBackend:
             if changed:
                 table = launch.flagged_table()
                 errors.append((0, self.tables.tables.index(table), input_changed(f"table {table.name!r}")))
-            if nan_key != gpu.NEVER:
+            if nan_key != gpu_step.NEVER:
                 table, _ = launch.table_row(nan_key)
                 errors.append((1, self.tables.tables.index(table), non_finite_gradient(table)))
-            if bad_key != gpu.NEVER:
+            if bad_key != gpu_step.NEVER:
                 table, row = launch.table_row(bad_key)
                 error = non_finite_update(table, row, launch.lrs[table.name])
                 errors.append((2, self.tables.tables.index(table), error))
@@ -238,11 +239,11 @@ class _GroupUpdate:
     """The update of the tables of one group that share optimizer parameters: one dry run, then (called
     once, however many of its tables' writes call it) one write."""
 
-    def __init__(self, sums: gpu.RowSums, params: dict[str, Any], refused: Tensor) -> None:
+    def __init__(self, sums: gpu_step.RowSums, params: dict[str, Any], refused: Tensor) -> None:
         self.sums, self.params, self.refused = sums, params, refused
         members = len(sums.bases) - 1
         self.tables: list[ResolvedTable | None] = [None] * members
-        self.tensors: list[gpu.TableTensors | None] = [None] * members
+        self.tensors: list[gpu_step.TableTensors | None] = [None] * members
         self.lrs: dict[str, float] = {}
         self.found = torch.empty(0)
         self.done = False
@@ -254,14 +255,14 @@ class _GroupUpdate:
 
     def _launch(self, write: bool) -> None:
         rs = self.sums
-        gpu.update(rs, self.tensors, self.params, write=write, refused=self.refused, found=None if write else
+        gpu_step.update(rs, self.tensors, self.params, write=write, refused=self.refused, found=None if write else
                    self.found, inline=rs.sums is None)  # fmt: skip
 
     def dry_run(self) -> None:
         table = next(t for t in self.tables if t is not None)
         if not table.optimizer.lazy:  # every row of the (one) table, a zero gradient where the batch has none
-            self.sums = gpu.every_row(self.sums)
-        _, self.found = gpu.step_flags(self.refused.device)
+            self.sums = gpu_step.every_row(self.sums)
+        _, self.found = gpu_step.step_flags(self.refused.device)
         self._launch(write=False)
 
     def __call__(self) -> None:
@@ -279,7 +280,7 @@ class _GroupUpdate:
 
     def flagged_table(self) -> ResolvedTable:
         """The first table whose ids or bags phase 1 flagged (read on the host: an error path)."""
-        parts: list[gpu.GradPart] = self.sums.sorted["parts"]
+        parts: list[gpu_step.GradPart] = self.sums.sorted["parts"]
         for ids, seg, _, grad, j in parts:
             table = self.tables[j]
             if table is None:
