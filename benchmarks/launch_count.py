@@ -6,6 +6,8 @@ imported). ``LaunchCounter`` counts, while it is active:
 - every Triton kernel launch (``kernel[grid](...)``: one launch, whatever its grid), by kernel name;
 - every torch operation a CUDA step would launch a kernel for: each ATen operation that reaches the
   dispatcher, except views (``is_view``) and allocations without a fill (``empty``), which launch nothing;
+- every copy of kernel arguments from the host to the device (``gpu.addresses``: a no-op on CPU tensors, a
+  ``cudaMemcpyAsync`` on CUDA), as the torch operation ``host_to_device``;
 - every host synchronisation a CUDA step would make: ``.item()`` (``_local_scalar_dense``), ``.tolist()``,
   ``.cpu()`` / ``.numpy()``, and the operations whose output size depends on the data (``nonzero``,
   ``unique``, ``masked_select``, ``repeat_interleave`` without ``output_size``).
@@ -112,6 +114,16 @@ class LaunchCounter(TorchDispatchMode):
 
             return read
 
+        from embtables.kernels import gpu
+
+        addresses = gpu.addresses
+
+        def copy_addresses(values: Any, device: Any) -> Any:
+            if not counter._inside:
+                counter.torch["host_to_device"] += 1
+            return addresses(values, device)
+
+        gpu.addresses = copy_addresses  # type: ignore[assignment]
         interpreter.GridExecutor.__call__ = launch  # type: ignore[method-assign]
         torch.Tensor.tolist = host_read("tolist", tolist)  # type: ignore[method-assign]
         torch.Tensor.cpu = host_read("cpu", cpu)  # type: ignore[method-assign]
@@ -121,4 +133,5 @@ class LaunchCounter(TorchDispatchMode):
                 yield self
         finally:
             interpreter.GridExecutor.__call__ = grid_call  # type: ignore[method-assign]
+            gpu.addresses = addresses  # type: ignore[assignment]
             torch.Tensor.tolist, torch.Tensor.cpu, torch.Tensor.numpy = tolist, cpu, numpy  # type: ignore[method-assign]

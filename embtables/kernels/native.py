@@ -124,6 +124,23 @@ def all_finite(tensors: list[Tensor]) -> bool:
     return bool(lib.et_all_finite(n, ptrs, (ctypes.c_int64 * n)(*[t.numel() for t in tensors])))
 
 
+def round_rows(values: Tensor, rows: Tensor, seed: int, step: int, table: int, dtype: torch.dtype) -> Tensor | None:
+    """``values`` [U, D] (float32) stochastically rounded to ``dtype`` (bfloat16 or float16) by the C kernels,
+    row u's random bits from (seed, step, table, ``rows[u]``, column): ``stochastic_rounding.round_to`` with
+    ``random_bits``, bit for bit (docs/spec.md §12). None when the native library is not built."""
+    lib = library()
+    if lib is None:
+        return None
+    if dtype not in (torch.bfloat16, torch.float16):
+        raise TypeError(f"round_rows: {dtype} is not a half type.")
+    require(values, "values", torch.float32, (-1, -1))
+    require(rows, "rows", torch.int64, (values.shape[0],))
+    out = torch.empty(values.shape, dtype=torch.int16)
+    lib.et_round_rows(values.data_ptr(), values.shape[0], values.shape[1], rows.data_ptr(), seed, step, table,
+                      0 if dtype == torch.bfloat16 else 1, out.data_ptr())  # fmt: skip
+    return out.view(dtype)
+
+
 class _Bags:
     """Several features' bags for one native call: each feature's ``ids [N]``, ``offsets [S+1]`` and
     ``coeffs [N] | None`` checked (the one place these rules live) and their addresses and sizes

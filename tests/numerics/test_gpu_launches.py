@@ -43,6 +43,7 @@ def test_the_counter_counts_launches_and_syncs_of_known_operations() -> None:
         flags = gpu.lookup_many([(table, ids, offsets, None)], [torch.empty(2, 4)])  # one Triton launch
         assert gpu.bits_to_float([0x3F800000]) == (1.0,)  # a host tensor made from Python values: no sync
     assert counter.triton == {"lookup_kernel": 1}
+    assert counter.torch["host_to_device"] == 1  # the lookup's argument table: a copy to the device on CUDA
     assert counter.torch["add"] == 1 and counter.torch["sum"] == 1 and counter.torch["gt"] == 1
     assert "view" not in counter.torch and "t" not in counter.torch and "empty" not in counter.torch
     assert counter.syncs == {"_local_scalar_dense": 1, "nonzero": 1, "tolist": 1}

@@ -81,3 +81,23 @@ def test_nearest_is_the_types_conversion_and_float16_overflow_is_infinite() -> N
     assert bool(torch.isnan(b16[5])) and b16[6] == float("inf")
     with pytest.raises(TypeError, match="half type"):
         sr.round_to(x, torch.float32, bits)
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_the_c_kernels_round_as_the_torch_reference_bit_for_bit(kind: str) -> None:
+    """``native.round_rows`` (``et_round_rows``: the hash and the rules in C, for the native update of half
+    tables) gives ``round_to(random_bits(...))``'s bits, NaN and infinities included."""
+    from embtables.kernels import native
+
+    gen = torch.Generator().manual_seed(13)
+    x = torch.cat([_values(gen), torch.tensor([float("nan"), float("inf"), -float("inf"), 7e4, -65505.0])])
+    x = x[: (x.numel() // 4) * 4].reshape(-1, 4).contiguous()
+    rows = torch.randint(0, 2**40, (x.shape[0],), generator=gen)
+    got = native.round_rows(x, rows, 99, 2**33 + 5, 6, KINDS[kind])
+    if got is None:
+        pytest.skip("the native library is not built")
+    want = sr.round_to(x, KINDS[kind], sr.random_bits(99, 2**33 + 5, 6, rows, 4))
+    finite = torch.isfinite(want.float())
+    assert torch.equal(got[finite], want[finite])
+    assert torch.equal(torch.isnan(got.float()), torch.isnan(want.float()))
+    assert torch.equal(got.float()[torch.isinf(want.float())], want.float()[torch.isinf(want.float())])

@@ -1643,3 +1643,74 @@ void et_apply_many(int64_t T, void *const *handles, float *const *W, float *cons
     if (!ok && proven)
         for (int64_t t = 0; t < T; ++t) proven[t] = 0; /* nothing was written */
 }
+
+/* ------------------------------------------------------------------ stochastic rounding to half types */
+/* spec §12: 32 random bits per written element from (seed, step, table, row, column) through the
+ * lowbias32 hash, and the rounding rules of kernels/stochastic_rounding.py, bit for bit. */
+static inline uint32_t et_lowbias32(uint32_t x) {
+    x ^= x >> 16;
+    x *= 0x7feb352du;
+    x ^= x >> 15;
+    x *= 0x846ca68bu;
+    x ^= x >> 16;
+    return x;
+}
+
+/* The hash state after (seed, step, table): every row of the table at that step continues from it. */
+static inline uint32_t et_round_prefix(uint64_t seed, uint64_t step, uint32_t table) {
+    uint32_t h = 0x243f6a88u;
+    h = et_lowbias32(h ^ (uint32_t)seed);
+    h = et_lowbias32(h ^ (uint32_t)(seed >> 32));
+    h = et_lowbias32(h ^ (uint32_t)step);
+    h = et_lowbias32(h ^ (uint32_t)(step >> 32));
+    return et_lowbias32(h ^ table);
+}
+
+static inline uint32_t et_round_row(uint32_t prefix, int64_t row) {
+    const uint64_t r = (uint64_t)row;
+    return et_lowbias32(et_lowbias32(prefix ^ (uint32_t)r) ^ (uint32_t)(r >> 32));
+}
+
+/* bfloat16 is float32's upper half: 16 random bits added below it carry into it with probability
+ * (the dropped bits) / 2^16. A NaN stays a (quiet) NaN, an infinity an infinity. */
+static inline uint16_t et_sr_bfloat16(float x, uint32_t r) {
+    uint32_t b;
+    memcpy(&b, &x, sizeof b);
+    if ((b & 0x7fffffffu) > ET_INF_BITS) return (uint16_t)((b >> 16) | 0x0040u);
+    if ((b & 0x7fffffffu) == ET_INF_BITS) return (uint16_t)(b >> 16);
+    return (uint16_t)((b + (r >> 16)) >> 16);
+}
+
+/* float16: away from zero when r / 2^32 * gap < |x| - |toward zero|; above 65504 in magnitude an infinity. */
+static inline uint16_t et_sr_float16(float x, uint32_t r) {
+    uint32_t b;
+    memcpy(&b, &x, sizeof b);
+    const uint32_t sign = (b >> 16) & 0x8000u, a = b & 0x7fffffffu;
+    if (a > ET_INF_BITS) return (uint16_t)(sign | 0x7e00u);
+    if (a > 0x477fe000u) return (uint16_t)(sign | 0x7c00u); /* |x| > 65504, or an infinity */
+    uint32_t low;
+    int up;
+    if (a >= 0x38800000u) { /* |x| >= 2^-14: a float16 normal, 13 bits dropped */
+        low = (((a >> 23) - 112u) << 10) | ((a >> 13) & 0x3ffu);
+        up = (uint64_t)r < ((uint64_t)(a & 0x1fffu) << 19);
+    } else { /* a float16 subnormal or zero: multiples of 2^-24 */
+        const float scaled = et_bits_float(a) * 16777216.0f; /* exact: a power of two */
+        low = (uint32_t)scaled;
+        up = (double)r < ((double)scaled - (double)low) * 4294967296.0;
+    }
+    return (uint16_t)(sign | (low + (uint32_t)up));
+}
+
+/* x [U, D] float32 rounded stochastically to bfloat16 (kind 0) or float16 (kind 1) into out [U, D] (the
+ * half patterns), row u's random bits from (seed, step, table, rows[u], column). */
+void et_round_rows(const float *x, int64_t U, int64_t D, const int64_t *rows, int64_t seed, int64_t step,
+                   int64_t table, int32_t kind, uint16_t *out) {
+    const uint32_t prefix = et_round_prefix((uint64_t)seed, (uint64_t)step, (uint32_t)table);
+    for (int64_t u = 0; u < U; ++u) {
+        const uint32_t h = et_round_row(prefix, rows[u]);
+        for (int64_t c = 0; c < D; ++c) {
+            const uint32_t r = et_lowbias32(h ^ (uint32_t)c);
+            out[u * D + c] = kind == 0 ? et_sr_bfloat16(x[u * D + c], r) : et_sr_float16(x[u * D + c], r);
+        }
+    }
+}
