@@ -50,6 +50,8 @@ class EmbeddingCollection:
         """The backend chosen for the tables' device (``tables.backends.choose``)."""
         backend = self._backend
         if backend is None or self._switches != switches():
+            if backend is not None:
+                backend.settle()  # what the old backend found is raised, not lost with it
             self._switches = switches()
             backend = self._backend = choose(self._tables)
         return backend
@@ -254,6 +256,8 @@ class EmbeddingCollection:
     # ------------------------------------------------------------------ torch integration
     def map_tensors(self, fn: Callable[[Tensor], Tensor]) -> None:
         """Replace every table and slot tensor ``t`` by ``fn(t)`` (used by ``Module.to``)."""
+        if self._backend is not None:
+            self._backend.settle()  # what the device found is raised before its backend goes
         for state in self.states.values():
             state.weights = fn(state.weights)
             state.slots = {k: fn(v) for k, v in state.slots.items()}

@@ -136,3 +136,11 @@ def test_a_step_with_writes_of_the_reference_reads_the_device_checks_first() -> 
     with pytest.raises(ValueError, match=r"table 'ta'.*non-finite"):
         emb.apply_gradients()
     assert _same(_tables(emb), before)
+
+
+def test_a_pending_error_is_raised_before_the_tables_move() -> None:
+    emb = _module(et.SGD(1e38))
+    _step(emb, GOOD)
+    _step(emb, GOOD, scale=1e30)
+    with pytest.raises(ValueError, match=r"non-finite.*apply_gradients of call"):
+        emb.to(TEST_DEVICE)  # a device move builds a new backend: the old one's finding is raised first
