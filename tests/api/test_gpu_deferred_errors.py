@@ -144,3 +144,32 @@ def test_a_pending_error_is_raised_before_the_tables_move() -> None:
     _step(emb, GOOD, scale=1e30)
     with pytest.raises(ValueError, match=r"non-finite.*apply_gradients of call"):
         emb.to(TEST_DEVICE)  # a device move builds a new backend: the old one's finding is raised first
+
+
+def test_tables_of_one_width_with_their_own_optimizers_train_as_the_torch_kernels() -> None:
+    """Four tables of one width are one group of phase 1; their optimizers (two SGD settings, Adagrad, lazy and
+    non-lazy Adam) split phase 2 into one launch pair each, every launch leaving the others' tables alone."""
+
+    def build() -> et.DistributedEmbedding:
+        opts = [et.SGD(0.1), et.SGD(0.3), et.Adagrad(0.2), et.Adam(0.05, lazy_adam=False)]
+        tables = [
+            et.TableConfig(15 + i, 4, name=f"t{i}", initializer=et.TruncatedNormal(seed=i), optimizer=o)
+            for i, o in enumerate(opts)
+        ]
+        features = {f"f{i}": et.FeatureConfig(t) for i, t in enumerate(tables)}
+        return et.DistributedEmbedding(features, et.Adam(0.01), device=TEST_DEVICE)
+
+    def train(emb: et.DistributedEmbedding) -> dict[str, torch.Tensor]:
+        for s in range(3):
+            batch = {f"f{i}": et.Ragged.from_lists([[s, i, 2], [3 + i], [s + 1, s + 1]]) for i in range(4)}
+            _step(emb, batch, scale=1.0 + s)
+        return _tables(emb)
+
+    on_gpu = build()
+    gpu_tables = train(on_gpu)
+    assert on_gpu._engine.local.backend.name == "gpu"
+    gpu.set_enabled(False)
+    torch_tables = train(build())
+    assert gpu_tables.keys() == torch_tables.keys()
+    for k in gpu_tables:
+        torch.testing.assert_close(gpu_tables[k], torch_tables[k], rtol=2e-6, atol=1e-7)
