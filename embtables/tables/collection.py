@@ -40,6 +40,7 @@ class EmbeddingCollection:
         self.reference = TorchBackend(self._tables)
         self._backend: Backend | None = None  # chosen at the first call, see backend
         self._switches = -1
+        self._sequential_tables = any(not t.optimizer.use_gradient_accumulation for t in resolved.tables)
 
     @property
     def device(self) -> torch.device:
@@ -75,6 +76,7 @@ class EmbeddingCollection:
         self.reference = TorchBackend(self._tables)
         self._backend = None
         self._switches = -1
+        self._sequential_tables = any(not t.optimizer.use_gradient_accumulation for t in self.resolved.tables)
 
     # ------------------------------------------------------------------ forward
     def translate_keys(
@@ -211,7 +213,7 @@ class EmbeddingCollection:
             return
         in_one_call = all(tg.prepared is not None for tg in table_grads)
         own, rest = self._checked_updates(table_grads, lrs, check_in_write=in_one_call)
-        if rest or not all(tg.accumulated for tg in table_grads):
+        if rest or self._sequential_tables:
             backend.settle()  # other writes come first: every check of the backend's must be read now
         restores: list[Callable[[], None]] = []
         try:
