@@ -318,6 +318,16 @@ class DistributedEmbedding(nn.Module):
         return self._persistence.restore(path, progress)
 
     @_locked
+    def changed_rows(self) -> dict[str, Tensor]:
+        """``{table name: global row ids [R]}`` (int64, CPU, ascending) of the rows this process's writes changed
+        since the last ``save`` or ``restore``: the rows of every applied update (every row of a non-lazy
+        optimizer's table), of a dynamic table's new keys, and every row after ``load_state_dict``; after a
+        pending pipelined update lands. Sharded: this rank's rows. Writes into the tensors the module hands
+        out are not seen. The base of incremental checkpoints and serving deltas (docs/checkpoints.md)."""
+        self._pipeline.local_shards()  # a pending pipelined update lands first
+        return self._engine.changed_rows()
+
+    @_locked
     def local_shards(self) -> dict[str, LocalShard]:
         """``{table name: LocalShard}``: the rows this process owns, with their global row ids, as
         live storage (after any pipelined update). In one process every table is one whole shard."""

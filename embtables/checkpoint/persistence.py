@@ -64,11 +64,13 @@ class Persistence:
         stale = {name: (shards[name].rows[rows.cpu()], old) for name, (rows, old) in pipeline.stale.items()}
         strategies = {n: p.strategy for n, p in engine.plans.items()}
         with progress_bar(progress, comm.get_rank(engine.group), "save") as tick:
-            return save(
+            out = save(
                 path, self.resolved, shards, pipeline.training_steps, strategies=strategies, extra=extra,
                 keep_last=keep_last, progress=tick, group=engine.group, stale=stale, settings=self.settings,
                 vocabularies=engine.vocabulary_shards(),
             )  # fmt: skip
+        engine.clear_changed()  # the rows changed since this checkpoint start afresh
+        return out
 
     def restore(self, path: str | os.PathLike[str], progress: Progress) -> dict[str, Any]:
         """Load a checkpoint into the tables (see ``DistributedEmbedding.restore``); returns its manifest."""
@@ -95,6 +97,7 @@ class Persistence:
             pipeline.replaced()
         pipeline.training_steps = int(manifest["step"])
         engine.vocabularies.load(manifest.pop("dynamic"), pipeline.training_steps)  # checked in pass 1
+        engine.clear_changed()  # the tables are the checkpoint's: nothing changed since it
         return manifest
 
     def state_dict_into(self, destination: dict[str, Any], prefix: str, keep_vars: bool) -> None:
@@ -143,6 +146,7 @@ class Persistence:
         self.torn = None if not missing else self.torn
         engine.load_logical(present)
         engine.load_vocabulary_state(vocabularies, pipeline.training_steps)
+        engine.mark_all_changed()  # loaded values: every row differs from the last checkpoint
 
     def _keys_to_owners(
         self,

@@ -277,6 +277,7 @@ def update(
     refused: Tensor,
     found: Tensor | None = None,
     inline: bool = False,
+    changed: Sequence[Tensor | None] | None = None,
 ) -> None:
     """The fused update of the distinct keys of ``rs`` in one launch for every table of its group that
     ``tables`` names (None: a table this launch leaves alone; every named one takes ``params``), with
@@ -284,7 +285,8 @@ def update(
     ``write=False`` is the dry run: it writes no table or slot, puts the first key whose gradient or new
     values would not be finite in ``found`` [2] (``step_flags``; min over launches) and sets ``refused`` [1]
     when there is one or when phase 1 flagged an input. ``write=True`` writes nothing when ``refused`` is
-    set. Nothing is read back (no sync)."""
+    set. ``changed``: per table, a bool [V] whose rows the write sets where it writes (None: none). Nothing
+    is read back (no sync)."""
     k = gpu.kernels()
     device = rs.rows.device
     dim = rs.sorted["dim"]
@@ -293,7 +295,7 @@ def update(
     addresses: list[int] = []
     for j, entry in enumerate(tables):
         if entry is None:
-            addresses += [0, 0, 0, 0]
+            addresses += [0, 0, 0, 0, 0]
             continue
         weights, slots = entry
         gpu.checked_contiguous(weights, "a table", torch.float32, device, 2)
@@ -304,7 +306,13 @@ def update(
                 raise gpu.GpuBufferError("embtables GPU kernel: every slot must have the table's shape.")
         if len(slots) != params["NSLOTS"]:
             raise gpu.GpuBufferError("embtables GPU kernel: the slots do not match the optimizer.")
+        marks = None if changed is None else changed[j]
+        if marks is not None and gpu.checked_contiguous(marks, "changed rows", torch.bool, device, 1).shape != (
+            weights.shape[0],
+        ):
+            raise gpu.GpuBufferError("embtables GPU kernel: changed rows must be [V] for every table.")
         addresses += [weights.data_ptr(), *(s.data_ptr() for s in slots), *([weights.data_ptr()] * (3 - len(slots)))]
+        addresses.append(0 if marks is None else marks.data_ptr())
     gpu.check_refused(refused, device)
     if not write and (found is None or gpu.checked_contiguous(found, "found", torch.int64, device, 1).shape != (2,)):
         raise gpu.GpuBufferError("embtables GPU kernel: a dry run needs found [2].")

@@ -8,6 +8,7 @@ tensors on other devices always take the torch path, which is the reference.
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -16,7 +17,7 @@ from torch import Tensor
 from embtables.config.catalogue import Optimizer
 from embtables.kernels.clip_decay import clip_limits
 from embtables.kernels.native_abi import NativeBufferError as NativeBufferError
-from embtables.kernels.native_abi import raise_for
+from embtables.kernels.native_abi import raise_for, unchecked
 from embtables.kernels.native_args import array
 from embtables.kernels.native_library import OptParams as _OptParams
 from embtables.kernels.native_library import library as library
@@ -139,6 +140,30 @@ def round_rows(values: Tensor, rows: Tensor, seed: int, step: int, table: int, d
     lib.et_round_rows(values.data_ptr(), values.shape[0], values.shape[1], rows.data_ptr(), seed, step, table,
                       0 if dtype == torch.bfloat16 else 1, out.data_ptr())  # fmt: skip
     return out.view(dtype)
+
+
+def changed_marker(items: list[tuple[Workspace, Tensor, bool]]) -> Callable[[], None]:
+    """For each (workspace, changed [V] bool, dense): the call that sets ``changed`` at every row the
+    workspace's latest update wrote (every row when ``dense``), all in one native call. The buffers are
+    checked here and the call's arguments built once: the marker may be called after every step while the
+    workspaces and flags stay these (it holds them)."""
+    lib = library()
+    assert lib is not None
+    n = len(items)
+    for _, changed, _ in items:
+        require(changed, "changed rows", torch.bool, (-1,))
+    handles = (ctypes.c_void_p * n)(*[ws.handle for ws, _, _ in items])
+    flags = (ctypes.c_void_p * n)(*[c.data_ptr() for _, c, _ in items])
+    vocab = (ctypes.c_int64 * n)(*[c.numel() for _, c, _ in items])
+    dense = (ctypes.c_int32 * n)(*[int(d) for *_, d in items])
+    count, fn = ctypes.c_int64(n), unchecked(lib).et_mark_changed
+    held = list(items)
+
+    def mark() -> None:
+        assert held  # the workspaces and flags stay alive while the marker does
+        fn(count, handles, flags, vocab, dense)
+
+    return mark
 
 
 class _Bags:

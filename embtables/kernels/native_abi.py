@@ -81,6 +81,7 @@ FUNCTIONS: dict[str, CFunction] = {
     for f in (
         _f("et_all_finite", "F:i64 x:p n:p", _I32),
         _f("et_round_rows", "x:p U:i64 D:i64 rows:p seed:i64 step:i64 table:i64 kind:i32 out:p"),
+        _f("et_mark_changed", "T:i64 handles:p changed:p V:p dense:p", fast=True),
         _f(
             "et_split_by_owner",
             "F:i64 ids:p N:p offsets:p S:p coeffs:p strategy:p V:p W:i64 out_ids:p "

@@ -46,7 +46,8 @@ def update_kernel(
     rows,  # int64 [N]: distinct keys (U valid): table j's row r is key bases[j] + r
     stats,  # int64 [STATS]: [0] U; [2] 1 when phase 1 found an id or a bag outside its table or gradient
     bases,  # int64 [2^T_STEPS + 1]: the first key of each table, then the total (repeated to the end)
-    tabs,  # int64 [T, 4]: addresses of each table's weights and slots [V_j, D] (float32); weights 0: not updated here
+    tabs,  # int64 [T, 5]: addresses of each table's weights and slots [V_j, D] (float32; weights 0: not updated
+    # here) and of its changed-rows flags [V_j] (bool: set for every row written; 0: none)
     sums,  # float32 [N, D]: the summed gradient of each key (not INLINE)
     starts,  # INLINE: int64 [N + 2], the first sorted occurrence of each distinct key (run); N past the last
     segs,  # INLINE: the per-row sums' sorted occurrences (``run_sums``), their gradients and pieces
@@ -108,7 +109,7 @@ def update_kernel(
     t = _row_tables(row, um, bases, T_STEPS)
     base = tl.load(bases + t, mask=um, other=0)
     local = row - base
-    w_addr = tl.load(tabs + 4 * t, mask=um, other=0)
+    w_addr = tl.load(tabs + 5 * t, mask=um, other=0)
     live = um & (w_addr != 0) & (local < tl.load(bases + t + 1, mask=um, other=0) - base)
     d = tl.arange(0, BLOCK_D)
     dm = live[:, None] & (d < D)[None, :]
@@ -139,13 +140,13 @@ def update_kernel(
     b = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
     c = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
     if NSLOTS >= 1:
-        s0 = tl.load(tabs + 4 * t + 1, mask=live, other=0).to(tl.pointer_type(tl.float32))[:, None]
+        s0 = tl.load(tabs + 5 * t + 1, mask=live, other=0).to(tl.pointer_type(tl.float32))[:, None]
         a = tl.load(s0 + at, mask=dm, other=0.0)
     if NSLOTS >= 2:
-        s1 = tl.load(tabs + 4 * t + 2, mask=live, other=0).to(tl.pointer_type(tl.float32))[:, None]
+        s1 = tl.load(tabs + 5 * t + 2, mask=live, other=0).to(tl.pointer_type(tl.float32))[:, None]
         b = tl.load(s1 + at, mask=dm, other=0.0)
     if NSLOTS >= 3:
-        s2 = tl.load(tabs + 4 * t + 3, mask=live, other=0).to(tl.pointer_type(tl.float32))[:, None]
+        s2 = tl.load(tabs + 5 * t + 3, mask=live, other=0).to(tl.pointer_type(tl.float32))[:, None]
         c = tl.load(s2 + at, mask=dm, other=0.0)
     if KIND == K_SGD:
         x = x - lr * g
@@ -273,3 +274,6 @@ def update_kernel(
             tl.store(s1 + at, b, mask=wm)
         if NSLOTS >= 3:
             tl.store(s2 + at, c, mask=wm)
+        c_addr = tl.load(tabs + 5 * t + 4, mask=live, other=0)
+        marked = live & (c_addr != 0) & (tl.load(refused) == 0)
+        tl.store(c_addr.to(tl.pointer_type(tl.int8)) + local, tl.full([ROWS], 1, tl.int8), mask=marked)

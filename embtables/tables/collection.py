@@ -20,6 +20,7 @@ from embtables.errors import InputError
 from embtables.kernels import native
 from embtables.kernels.clip_decay import optimizer_decay
 from embtables.tables.backends import Backend, BagPart, GradientPart, Prepared, TableSet, TorchBackend, choose, switches
+from embtables.tables.changed_rows import ChangedRows
 from embtables.tables.dynamic_vocabularies import Vocabularies
 from embtables.tables.inputs import FeatureBatch
 from embtables.tables.learning_rates import LearningRatePlan
@@ -36,11 +37,14 @@ class EmbeddingCollection:
         self.states: dict[str, TableState] = {t.name: create_table_state(t, device) for t in resolved.tables}
         self.vocabularies = Vocabularies(resolved)  # the key maps of dynamic tables (spec §11)
         self._lr_plan: LearningRatePlan | None = None  # built at the first step, see learning_rates()
-        self._tables = TableSet(resolved, self.states)
+        self.changed = ChangedRows(self.states)  # rows written since the last save
+        self._tables = TableSet(resolved, self.states, self.changed)
         self.reference = TorchBackend(self._tables)
         self._backend: Backend | None = None  # chosen at the first call, see backend
         self._switches = -1
         self._sequential_tables = any(not t.optimizer.use_gradient_accumulation for t in resolved.tables)
+        # the native marking call of the last step's workspaces (``_mark_written``), built once while they stay
+        self._mark_plan: tuple[list[Any], dict[str, Tensor], Callable[[], None] | None] | None = None
 
     @property
     def device(self) -> torch.device:
@@ -61,7 +65,7 @@ class EmbeddingCollection:
         # The backend's scratch (C workspaces, ctypes blocks) belongs to this process: a copy or a pickle
         # chooses its backend again.
         state = self.__dict__.copy()
-        for built in ("_backend", "_lr_plan", "_tables", "reference"):  # rebuilt by __setstate__
+        for built in ("_backend", "_lr_plan", "_tables", "reference", "_mark_plan"):  # rebuilt by __setstate__
             state.pop(built, None)
         return state
 
@@ -72,11 +76,15 @@ class EmbeddingCollection:
             state.pop(stale, None)
         self.__dict__.update(state)
         self._lr_plan = None
-        self._tables = TableSet(self.resolved, self.states)
+        if "changed" not in state:  # pickled before rows were tracked: every row counts as changed
+            self.changed = ChangedRows(self.states)
+            self.changed.mark_all()
+        self._tables = TableSet(self.resolved, self.states, self.changed)
         self.reference = TorchBackend(self._tables)
         self._backend = None
         self._switches = -1
         self._sequential_tables = any(not t.optimizer.use_gradient_accumulation for t in self.resolved.tables)
+        self._mark_plan = None
 
     # ------------------------------------------------------------------ forward
     def translate_keys(
@@ -101,8 +109,9 @@ class EmbeddingCollection:
         weights, slots = initial_rows(table, rows.numel(), self.device)
         with torch.no_grad():
             state.weights.index_copy_(0, rows, weights)
-            for name, values in slots.items():
-                state.slots[name].index_copy_(0, rows, values)
+            for slot, values in slots.items():
+                state.slots[slot].index_copy_(0, rows, values)
+        self.changed.mark(table.name, rows)
 
     def lookup(self, batches: Sequence[FeatureBatch], concat: bool = False) -> list[Tensor]:
         """Activations per feature, [*out_shape, D], in feature order; ``concat``: one tensor [B, sum(D)],
@@ -210,6 +219,7 @@ class EmbeddingCollection:
         """
         backend = self.backend
         if backend.write_step(table_grads, lrs):  # the whole phase 2 in one call
+            self._mark_written(table_grads)
             return
         in_one_call = all(tg.prepared is not None for tg in table_grads)
         own, rest = self._checked_updates(table_grads, lrs, check_in_write=in_one_call)
@@ -228,6 +238,36 @@ class EmbeddingCollection:
         # with check_in_write every update is the backend's, so nothing else was written before it
         self.reference.write(rest)
         backend.write(own)
+        self._mark_written(table_grads)
+
+    def _mark_written(self, table_grads: Sequence[TableGradient]) -> None:
+        """Record the rows a step's writes changed (``ChangedRows``): every row of a non-lazy optimizer's
+        table; the prepared native updates' rows in one native call (its arguments built once while the
+        step's workspaces and flags are the same objects, as they are from step to step); a GPU share's by
+        its write kernel (not when the step is refused); any other update's rows from its gradient."""
+        plan = self._mark_plan
+        flags = self.changed.flags
+        spaces = [tg.prepared for tg in table_grads]
+        if (
+            plan is None
+            or plan[1] is not flags
+            or len(plan[0]) != len(spaces)
+            or any(a is not b for a, b in zip(plan[0], spaces))
+        ):
+            prepared: list[tuple[Any, Tensor, bool]] = []
+            for tg in table_grads:
+                if tg.prepared is not None:
+                    dense = not tg.table.optimizer.lazy and tg.accumulated
+                    prepared.append((tg.prepared, flags[tg.table.name], dense))
+            plan = self._mark_plan = (spaces, flags, native.changed_marker(prepared) if prepared else None)
+        if plan[2] is not None:
+            plan[2]()
+        for tg in table_grads:
+            if tg.prepared is None and tg.deferred is None:
+                if not tg.table.optimizer.lazy and tg.accumulated:
+                    self.changed.mark_all(tg.table.name)
+                elif tg.rows is not None:
+                    self.changed.mark(tg.table.name, tg.rows)
 
     def check(self, table_grads: Sequence[TableGradient], lrs: dict[str, float]) -> None:
         """Raise exactly as ``apply`` would, but write nothing (used for an update held back by
@@ -263,6 +303,7 @@ class EmbeddingCollection:
         for state in self.states.values():
             state.weights = fn(state.weights)
             state.slots = {k: fn(v) for k, v in state.slots.items()}
+        self.changed.map(fn)
         self._backend = None  # chosen again for the new device
 
     def state_key_owners(self) -> dict[str, tuple[ResolvedTable, str]]:

@@ -73,6 +73,12 @@ class Engine(Protocol):
 
     def device_checks(self) -> Any: ...
 
+    def changed_rows(self) -> dict[str, Tensor]: ...
+
+    def clear_changed(self) -> None: ...
+
+    def mark_all_changed(self) -> None: ...
+
     def table_gradients(
         self,
         batches: Sequence[FeatureBatch],
@@ -138,6 +144,22 @@ class LocalTables:
 
     def learning_rates(self) -> dict[str, float]:
         return self.local.learning_rates()
+
+    def changed_rows(self) -> dict[str, Tensor]:
+        """Per table, the global ids [R] (int64, CPU, ascending) of this process's rows that the engine's writes
+        changed since the last save or restore (``ChangedRows``)."""
+        shards = self.local_shards()
+        out = {}
+        for name, local in self.local.changed.rows().items():
+            rows = shards[name].rows
+            out[name] = rows[local.to(rows.device)].cpu()
+        return out
+
+    def clear_changed(self) -> None:
+        self.local.changed.clear()
+
+    def mark_all_changed(self) -> None:
+        self.local.changed.mark_all()
 
     def map_tensors(self, fn: Callable[[Tensor], Tensor]) -> None:
         self.local.map_tensors(fn)

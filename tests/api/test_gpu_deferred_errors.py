@@ -78,9 +78,12 @@ def test_the_backend_defers_by_default_and_immediate_is_a_choice() -> None:
 def test_an_overflowing_update_is_raised_at_the_next_call_and_wrote_nothing() -> None:
     emb = _module(et.SGD(1e38))
     _step(emb, GOOD)
+    changed = {k: v.tolist() for k, v in emb.changed_rows().items()}
+    assert changed == {"ta": [1, 2, 3], "tb": [0, 4, 5]}  # marked by the write kernel
     before = _tables(emb)
-    _step(emb, GOOD, scale=1e30)  # returns: the dry run's finding is on the device
+    _step(emb, _batch([[9], [3]], [[8], [4]]), scale=1e30)  # returns: the dry run's finding is on the device
     assert _same(_tables(emb), before), "a refused step writes nothing"
+    assert {k: v.tolist() for k, v in emb.changed_rows().items()} == changed, "and marks nothing"
     with pytest.raises(ValueError, match=r"table 't[ab]'.*non-finite.*apply_gradients of call \d+"):
         emb(GOOD)
     assert _same(_tables(emb), before)

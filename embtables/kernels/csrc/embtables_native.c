@@ -1714,3 +1714,19 @@ void et_round_rows(const float *x, int64_t U, int64_t D, const int64_t *rows, in
         }
     }
 }
+
+/* ------------------------------------------------------------------ rows changed since the last save */
+/* changed[t][r] = 1 for every row r the prepared update of workspace t wrote (every row of a dense one:
+ * V[t]); the rows are the workspace's own, checked inside [0, V[t]) when it was prepared. */
+void et_mark_changed(int64_t T, void *const *handles, uint8_t *const *changed, const int64_t *V,
+                     const int32_t *dense) {
+    for (int64_t t = 0; t < T; ++t) {
+        if (dense[t]) {
+            memset(changed[t], 1, (size_t)V[t]);
+            continue;
+        }
+        const et_workspace *h = (const et_workspace *)handles[t];
+        for (int64_t u = 0; u < h->U; ++u)
+            if (h->rows[u] >= 0 && h->rows[u] < V[t]) changed[t][h->rows[u]] = 1;
+    }
+}

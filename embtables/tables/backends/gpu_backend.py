@@ -193,7 +193,8 @@ class GpuBackend:
             launch = launches.get(key)
             if launch is None:
                 launch = launches[key] = _GroupUpdate(share.sums, params, self.refused)
-            launch.add(share.index, tg.table, self.tables.states[tg.table.name], lr)
+            changed = None if self.tables.changed is None else self.tables.changed.flags[tg.table.name]
+            launch.add(share.index, tg.table, self.tables.states[tg.table.name], lr, changed)
             out.append(launch)
         for launch in launches.values():
             launch.dry_run()
@@ -244,19 +245,21 @@ class _GroupUpdate:
         members = len(sums.bases) - 1
         self.tables: list[ResolvedTable | None] = [None] * members
         self.tensors: list[gpu_step.TableTensors | None] = [None] * members
+        self.changed: list[Tensor | None] = [None] * members
         self.lrs: dict[str, float] = {}
         self.found = torch.empty(0)
         self.done = False
 
-    def add(self, index: int, table: ResolvedTable, state: TableState, lr: float) -> None:
+    def add(self, index: int, table: ResolvedTable, state: TableState, lr: float, changed: Tensor | None) -> None:
         self.tables[index] = table
         self.tensors[index] = (state.weights, state.slot_tuple())
+        self.changed[index] = changed
         self.lrs[table.name] = lr
 
     def _launch(self, write: bool) -> None:
         rs = self.sums
         gpu_step.update(rs, self.tensors, self.params, write=write, refused=self.refused, found=None if write else
-                   self.found, inline=rs.sums is None)  # fmt: skip
+                        self.found, inline=rs.sums is None, changed=self.changed)  # fmt: skip
 
     def dry_run(self) -> None:
         table = next(t for t in self.tables if t is not None)

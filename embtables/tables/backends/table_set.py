@@ -15,6 +15,7 @@ from torch import Tensor
 
 from embtables.config import ResolvedConfig, ResolvedTable
 from embtables.kernels import native
+from embtables.tables.changed_rows import ChangedRows
 from embtables.tables.concatenated import column_starts
 from embtables.tables.state import TableState
 from embtables.tables.value_bounds import non_finite_activations, rows_bounds
@@ -23,9 +24,12 @@ from embtables.tables.value_bounds import non_finite_activations, rows_bounds
 class TableSet:
     """The tables of ``resolved`` held in ``states`` (``{table name: TableState}``, shared with the caller)."""
 
-    def __init__(self, resolved: ResolvedConfig, states: dict[str, TableState]) -> None:
+    def __init__(
+        self, resolved: ResolvedConfig, states: dict[str, TableState], changed: ChangedRows | None = None
+    ) -> None:
         self.resolved = resolved
         self.states = states
+        self.changed = changed  # the rows written since the last save (the GPU's write kernel marks them)
         self.tables = resolved.tables
         self.features = resolved.features
         # column_starts of the config: where each feature's D columns start in the concatenated [B, W]
