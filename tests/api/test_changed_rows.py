@@ -17,13 +17,11 @@ import embtables as et
 
 
 def _module(optimizer: Any, *, accumulate: bool = True, sharding: str | None = None) -> et.DistributedEmbedding:
-    seq = et.SGD(0.1, use_gradient_accumulation=False)
+    b_opt = None if accumulate else et.SGD(0.1, use_gradient_accumulation=False)
+    tb = et.TableConfig(30, 8, name="tb", initializer=et.TruncatedNormal(seed=2), optimizer=b_opt)
     features = {
         "a": et.FeatureConfig(et.TableConfig(40, 4, name="ta", initializer=et.TruncatedNormal(seed=1))),
-        "b": et.FeatureConfig(
-            et.TableConfig(30, 8, name="tb", initializer=et.TruncatedNormal(seed=2), optimizer=None if accumulate
-                           else seq)  # fmt: skip
-        ),
+        "b": et.FeatureConfig(tb),
     }
     kwargs = {} if sharding is None else {"sharding": sharding}
     return et.DistributedEmbedding(features, optimizer, **kwargs)
