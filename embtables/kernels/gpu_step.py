@@ -72,7 +72,7 @@ def every_row(rs: RowSums) -> RowSums:
     full.index_copy_(0, torch.where(live & (rs.rows >= 0), rs.rows, v), sums)
     stats = rs.stats.clone()
     stats[0] = v
-    sorted_ = {"n": v, "dim": dim, "has_coeffs": False}
+    sorted_ = {"n": v, "dim": dim, "has_coeffs": False, "parts": rs.sorted.get("parts", [])}
     return RowSums(torch.arange(v, device=device), full[:v], stats, rs.bases, sorted_)
 
 

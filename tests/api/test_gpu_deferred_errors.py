@@ -176,3 +176,23 @@ def test_tables_of_one_width_with_their_own_optimizers_train_as_the_torch_kernel
     assert gpu_tables.keys() == torch_tables.keys()
     for k in gpu_tables:
         torch.testing.assert_close(gpu_tables[k], torch_tables[k], rtol=2e-6, atol=1e-7)
+
+
+def test_pipelined_training_defers_too_and_loses_no_error() -> None:
+    """Pipelined, a step's update lands after the next lookup (two calls posted before the host reads either):
+    the same tables as synchronous training, and an overflow is still raised, with nothing written."""
+    sync, piped = _module(et.Adagrad(0.3)), _module(et.Adagrad(0.3))
+    piped = et.DistributedEmbedding(piped._feature_config, et.Adagrad(0.3), pipeline_execution_with_tensor_core=True,
+                                    device=TEST_DEVICE)  # fmt: skip
+    for s in range(3):
+        batch = _batch([[s, 2], [3]], [[0], [4, s + 1]])
+        _step(sync, batch)
+        _step(piped, batch)
+    piped.flush()
+    assert _same(_tables(piped), _tables(sync))
+    bad = et.DistributedEmbedding(piped._feature_config, et.SGD(1e38), pipeline_execution_with_tensor_core=True,
+                                  device=TEST_DEVICE)  # fmt: skip
+    _step(bad, GOOD)
+    with pytest.raises(ValueError, match="non-finite"):
+        for _ in range(3):
+            _step(bad, GOOD, scale=1e30)

@@ -42,7 +42,8 @@ class DeviceChecks:
         self.refused = torch.zeros(1, dtype=torch.int64, device=device)
         self.calls = 0
         self._pending: list[tuple[Tensor, Decoder]] = []
-        self._posted: tuple[Tensor, list[tuple[int, Decoder]], str, int, torch.cuda.Event | None] | None = None
+        # posted calls not read yet, oldest first (two when a pipelined update lands after the next lookup)
+        self._posted: list[tuple[Tensor, list[tuple[int, Decoder]], str, int, torch.cuda.Event | None]] = []
 
     def add(self, flags: Sequence[Tensor], decode: Decoder) -> None:
         """Record ``flags`` (integer tensors on the device, unread) of the current call, decoded together by
@@ -73,17 +74,20 @@ class DeviceChecks:
         if flat.is_cuda:
             event = torch.cuda.Event()  # type: ignore[no-untyped-call]
             event.record()
-        self._posted = (host, sizes, what, self.calls, event)
+        self._posted.append((host, sizes, what, self.calls, event))
 
     def raise_pending(self) -> None:
-        """Start of a call: raise what the previous call's flags hold (waiting, at most, for that call)."""
-        posted, self._posted = self._posted, None
-        if posted is None:
-            return
-        host, sizes, what, call, event = posted
-        if event is not None:
-            event.synchronize()
-        self._raise(what, call, host.tolist(), sizes)
+        """Start of a call: raise what the earlier calls' flags hold, the oldest first (waiting, at most, for
+        those calls)."""
+        while self._posted:
+            host, sizes, what, call, event = self._posted.pop(0)
+            if event is not None:
+                event.synchronize()
+            try:
+                self._raise(what, call, host.tolist(), sizes)
+            except BaseException:
+                self._posted.clear()  # one error a raise: the later calls wrote nothing (refused)
+                raise
 
     def settle(self) -> None:
         """Raise now what the current call found so far and what earlier calls did (one sync): before a

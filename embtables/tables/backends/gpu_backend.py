@@ -1,14 +1,14 @@
-"""``GpuBackend``: the fused GPU kernels (``kernels/gpu.py``) on CUDA tables, in a fixed number of launches
-whatever the number of tables: the lookup of every feature in one launch; phase 1 (every id of a group of
-tables of one width as one key space: gathered, sorted once, deduplicated, long runs summed) in about ten
-launches per group; phase 2 as one dry run and one write per group and optimizer setting, the update summing
-each row's gradients as it applies them. Same contract as the other backends: every error is raised before
-any table or slot is written, with the same messages.
+"""``GpuBackend``: the fused GPU kernels (``kernels/gpu.py``, ``kernels/gpu_step.py``) on CUDA tables, in a
+fixed number of launches whatever the number of tables: the lookup of every feature in one launch; phase 1
+(every id of a group of tables of one width as one key space: gathered, sorted once, deduplicated, long runs
+summed) in about ten launches per group; phase 2 as one dry run and one write per group and optimizer
+setting, the update summing each row's gradients as it applies them.
 
-Host syncs: the lookup reads its status once (ids outside a table, non-finite activations); phase 2 reads
-what every dry run found (an input that changed, a gradient or an update that would not be finite) in one
-transfer. A write kernel writes nothing while ``refused`` is set on the device, which a dry run sets when it
-finds anything.
+Errors keep the other backends' meaning and messages (a step that finds one writes nothing), but the host
+does not wait for them: what the kernels find is kept on the device (``DeviceChecks``: flags, and a sticky
+``refused`` cell that every write kernel reads first) and raised at the next call, with no host sync in a
+steady-state step; with ``immediate`` checks (``EMBTABLES_GPU_ERRORS=immediate``) every call reads its own
+flags (one sync) and raises before it returns.
 """
 
 from __future__ import annotations
@@ -283,7 +283,7 @@ class _GroupUpdate:
 
     def flagged_table(self) -> ResolvedTable:
         """The first table whose ids or bags phase 1 flagged (read on the host: an error path)."""
-        parts: list[gpu_step.GradPart] = self.sums.sorted["parts"]
+        parts: list[gpu_step.GradPart] = self.sums.sorted.get("parts", [])
         for ids, seg, _, grad, j in parts:
             table = self.tables[j]
             if table is None:
