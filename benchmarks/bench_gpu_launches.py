@@ -2,6 +2,7 @@
 
     python -m embtables bench gpu-launches                      # T = 8 and 64 tables
     python -m embtables bench gpu-launches --tables 8,26,64 --batch 128
+    python -m embtables bench gpu-launches --device cuda        # on a GPU: the CUDA runtime calls, profiled
 
 The fused GPU kernels run on CPU tensors through Triton's interpreter; ``benchmarks/launch_count.py`` counts
 every Triton launch, every torch operation a CUDA step would launch, and every operation that would make the
@@ -14,12 +15,14 @@ Counts only: nothing is timed.
 from __future__ import annotations
 
 import argparse
+import collections
 import os
 import sys
 from collections.abc import Sequence
 from typing import Any
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before Triton is imported
+if not any(a == "--device" or a.startswith("--device=") for a in sys.argv):  # on a GPU the real kernels run
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before Triton is imported
 
 import torch
 
@@ -30,7 +33,7 @@ from benchmarks._harness import emit, emit_skip
 from benchmarks.launch_count import LaunchCounter
 
 
-def _module(tables: int, optimizer: str) -> Any:
+def _module(tables: int, optimizer: str, device: str = "cpu") -> Any:
     import embtables as et
 
     opt = {"adagrad": lambda: et.Adagrad(0.1), "sgd": lambda: et.SGD(0.1), "adam": lambda: et.Adam(0.01)}[optimizer]()
@@ -38,7 +41,7 @@ def _module(tables: int, optimizer: str) -> Any:
         f"f{t}": et.FeatureConfig(et.TableConfig(500, 16, name=f"t{t}", initializer=et.TruncatedNormal(seed=t)))
         for t in range(tables)
     }
-    return et.DistributedEmbedding(features, opt, concat_activations=True)
+    return et.DistributedEmbedding(features, opt, concat_activations=True, device=device)
 
 
 def _batch(tables: int, batch: int, pooling: int, step: int) -> dict[str, Any]:
@@ -87,6 +90,60 @@ def count(tables: int, batch: int, pooling: int, optimizer: str, errors: str = "
     return [{**common, "what": "train_step", **train.record()}, {**common, "what": "eval_lookup", **lookup.record()}]
 
 
+# CUDA runtime and driver calls, by what they do (``count_on_device``)
+_LAUNCH_CALLS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx")
+_COPY_CALLS = ("cudaMemcpyAsync", "cudaMemsetAsync")
+_SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpy")
+_WAIT_CALLS = ("cudaEventSynchronize",)  # the read of an earlier call's posted flags
+
+
+def count_on_device(
+    tables: int, batch: int, pooling: int, optimizer: str, errors: str = "deferred", device: str = "cuda"
+) -> list[dict[str, Any]]:
+    """The same step on real CUDA tables, counted from the CUDA runtime calls ``torch.profiler`` records:
+    kernel launches (torch's and Triton's), asynchronous copies and sets, host synchronisations (stream or
+    device synchronisation, a blocking ``cudaMemcpy``), and event waits (an earlier call's flags). On a
+    machine without CUDA every count is 0."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from embtables.kernels import gpu
+
+    gpu.set_deferred_errors(errors == "deferred")
+    try:
+        emb = _module(tables, optimizer, device)
+        grad = torch.ones((batch, 16 * tables), device=device)
+        inputs = [_batch(tables, batch, pooling, s) for s in range(4)]
+        for s in range(3):  # warm-up: compiled kernels, allocator pools
+            emb(inputs[s])
+            emb.apply_gradients(grad)
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+        records = []
+        for what in ("train_step", "eval_lookup"):
+            if what == "eval_lookup":
+                emb.eval()
+            with profile(activities=activities) as prof:
+                if what == "train_step":
+                    emb(inputs[3])
+                    emb.apply_gradients(grad)
+                else:
+                    with torch.no_grad():
+                        emb(inputs[0])
+            names = collections.Counter(e.name for e in prof.events())
+            records.append({
+                "bench": "gpu_launches_device", "device": device, "tables": tables, "batch": batch, "pooling": pooling,
+                "optimizer": optimizer, "errors": errors, "what": what,
+                "launches": sum(names[n] for n in _LAUNCH_CALLS), "copies": sum(names[n] for n in _COPY_CALLS),
+                "syncs": sum(names[n] for n in _SYNC_CALLS), "event_waits": sum(names[n] for n in _WAIT_CALLS),
+                "by_call": {n: names[n] for n in (*_LAUNCH_CALLS, *_COPY_CALLS, *_SYNC_CALLS, *_WAIT_CALLS)
+                            if names[n]},
+            })  # fmt: skip
+        return records
+    finally:
+        gpu.set_deferred_errors(None)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="embtables bench gpu-launches", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
@@ -96,7 +153,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--optimizer", default="adagrad", choices=["adagrad", "sgd", "adam"])
     ap.add_argument("--errors", default="deferred,immediate", help="comma list: deferred (raised at the next call, "
                     "the default on a GPU), immediate (EMBTABLES_GPU_ERRORS=immediate)")  # fmt: skip
+    ap.add_argument("--device", default="", help="cuda: count the CUDA runtime calls of the step on a real GPU "
+                    "(torch.profiler) instead of the interpreter's launches")  # fmt: skip
     args = ap.parse_args(argv)
+    if args.device:
+        for errors in args.errors.split(","):
+            for tables in (int(t) for t in args.tables.split(",")):
+                for record in count_on_device(tables, args.batch, args.pooling, args.optimizer, errors, args.device):
+                    emit(record)
+                    sys.stderr.write(
+                        f"{args.device} {errors:9s} T={tables:3d} {record['what']:12s} launches {record['launches']:4d}"
+                        f", copies {record['copies']}, syncs {record['syncs']}, event waits {record['event_waits']}\n"
+                    )
+        return 0
     try:
         import triton  # noqa: F401
     except ImportError:

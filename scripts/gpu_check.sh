@@ -29,4 +29,8 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
   fi
   timeout "${BENCH_TIMEOUT:-210}" python3 -m embtables bench --device cuda "$@" > "$OUT/$name.jsonl" 2> "$OUT/$name.err"
   echo "$name rc=$?"; grep -i "of copy bw\|error\|traceback" "$OUT/$name.err" | tail -40  # the profile: in the file
+  # the launch and sync counts of the CPU's interpreter, checked on the GPU: CUDA runtime calls, profiled
+  timeout "${LAUNCH_TIMEOUT:-90}" python3 -m embtables bench gpu-launches --device cuda --tables 8,64 --batch 4096 \
+    --pooling 20 > "$OUT/launches.jsonl" 2> "$OUT/launches.err"
+  echo "launches rc=$?"; grep -v "^{" "$OUT/launches.err" | tail -12
 fi
