@@ -59,6 +59,7 @@ class Persistence:
         pipeline = self.pipeline
         shards = pipeline.local_shards()  # a pending pipelined update lands, keeping its pre-update rows
         engine = pipeline.engine
+        engine.settle()  # a GPU step's error not raised yet is raised now, not lost behind a checkpoint
         pipeline.exchange("save", lambda: None)
         # Pre-update rows the next training lookup must read (pipelining): saved with global row ids.
         stale = {name: (shards[name].rows[rows.cpu()], old) for name, (rows, old) in pipeline.stale.items()}

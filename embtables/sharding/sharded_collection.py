@@ -121,7 +121,10 @@ class ShardedEmbeddingCollection(LocalTables):
             local = full.detach()[rows] if rows.numel() else torch.zeros(1, t.dim)
             config = dataclasses.replace(t.config, vocabulary_size=int(local.shape[0]), initializer=_Rows(local))
             local_tables.append(dataclasses.replace(t, config=config))
-        self.local = EmbeddingCollection(dataclasses.replace(resolved, tables=tuple(local_tables)), device)
+        # every rank raises the same error in the call that finds it: no error is left for a later call
+        self.local = EmbeddingCollection(
+            dataclasses.replace(resolved, tables=tuple(local_tables)), device, deferred_errors=False
+        )
         # Owned rows per table (local rows may add one placeholder row when a rank owns none).
         self._owned_rows = {t.name: self.plans[t.name].owned_rows(self.rank) for t in resolved.tables}
         # A summed gradient of an owner-pooled table overflowed here: ``check`` refuses the update on every rank.

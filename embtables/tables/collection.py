@@ -32,8 +32,10 @@ class EmbeddingCollection:
     """Tables of ``resolved`` on ``device``; single process. A plain object: the ``nn.Module``
     integration (``.to()``, ``state_dict``) lives in ``DistributedEmbedding``."""
 
-    def __init__(self, resolved: ResolvedConfig, device: torch.device) -> None:
+    def __init__(self, resolved: ResolvedConfig, device: torch.device, *, deferred_errors: bool = True) -> None:
         self.resolved = resolved
+        # False: a GPU backend raises every error in the call that finds it (the sharded engine's local tables)
+        self.deferred_errors = deferred_errors
         self.states: dict[str, TableState] = {t.name: create_table_state(t, device) for t in resolved.tables}
         self.vocabularies = Vocabularies(resolved)  # the key maps of dynamic tables (spec §11)
         self._lr_plan: LearningRatePlan | None = None  # built at the first step, see learning_rates()
@@ -58,7 +60,7 @@ class EmbeddingCollection:
             if backend is not None:
                 backend.settle()  # what the old backend found is raised, not lost with it
             self._switches = switches()
-            backend = self._backend = choose(self._tables)
+            backend = self._backend = choose(self._tables, deferred_errors=getattr(self, "deferred_errors", True))
         return backend
 
     def __getstate__(self) -> dict[str, Any]:

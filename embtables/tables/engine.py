@@ -77,6 +77,8 @@ class Engine(Protocol):
 
     def clear_changed(self) -> None: ...
 
+    def settle(self) -> None: ...
+
     def mark_all_changed(self) -> None: ...
 
     def table_gradients(
@@ -157,6 +159,10 @@ class LocalTables:
 
     def clear_changed(self) -> None:
         self.local.changed.clear()
+
+    def settle(self) -> None:
+        """Raise every error the backend found and has not raised yet (the GPU's deferred device checks)."""
+        self.local.backend.settle()
 
     def mark_all_changed(self) -> None:
         self.local.changed.mark_all()

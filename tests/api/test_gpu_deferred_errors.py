@@ -196,3 +196,13 @@ def test_pipelined_training_defers_too_and_loses_no_error() -> None:
     with pytest.raises(ValueError, match="non-finite"):
         for _ in range(3):
             _step(bad, GOOD, scale=1e30)
+
+
+def test_save_raises_a_pending_error_before_it_writes(tmp_path: Any) -> None:
+    emb = _module(et.SGD(1e38))
+    _step(emb, GOOD)
+    _step(emb, GOOD, scale=1e30)  # the last step of a loop: no later call would raise it
+    with pytest.raises(ValueError, match=r"non-finite.*apply_gradients of call"):
+        emb.save(tmp_path / "ckpts")
+    assert not (tmp_path / "ckpts").exists() or not any((tmp_path / "ckpts").iterdir())
+    emb.save(tmp_path / "ckpts")  # raised once: saved now

@@ -74,6 +74,7 @@ def _rank(rank: int, world: int, sharding: str, ref_path: str) -> None:
         setattr(GpuBackend, name, counted)
     emb = et.DistributedEmbedding(_config(), sharding=sharding)
     assert type(emb._engine.local.backend) is GpuBackend
+    assert emb._engine.local.backend.checks.immediate  # sharded: every error raised in its call, on every rank
     lo, hi = rank * BATCH // world, (rank + 1) * BATCH // world
     acts = _train(emb, lo, hi)
     assert calls["pool"] > 0 and calls["prepare"] > 0, calls

@@ -30,12 +30,14 @@ __all__ = [
 ]
 
 
-def choose(tables: TableSet) -> Backend:
+def choose(tables: TableSet, *, deferred_errors: bool = True) -> Backend:
     """The backend for the device of ``tables``: the GPU kernels where they run, the native kernels on CPU
-    tables when they are built, else the torch reference."""
+    tables when they are built, else the torch reference. ``deferred_errors=False``: the GPU backend raises
+    every error in the call that finds it (the sharded engine's local tables: every rank must agree in the
+    call)."""
     weights = tables.weights
     if gpu.usable_for(weights):
-        return GpuBackend(tables)
+        return GpuBackend(tables, immediate=not deferred_errors)
     if weights.is_cpu and native_library.library() is not None:
         return NativeBackend(tables)
     return TorchBackend(tables)

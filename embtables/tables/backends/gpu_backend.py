@@ -51,9 +51,9 @@ class GpuBackend:
 
     name = "gpu"
 
-    def __init__(self, tables: TableSet) -> None:
+    def __init__(self, tables: TableSet, *, immediate: bool = False) -> None:
         self.tables = tables
-        self.checks = DeviceChecks(tables.device, immediate=not gpu.deferred_errors())
+        self.checks = DeviceChecks(tables.device, immediate=immediate or not gpu.deferred_errors())
 
     @property
     def refused(self) -> Tensor:
