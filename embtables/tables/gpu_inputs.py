@@ -94,7 +94,7 @@ def convert_many_on_gpu(
             flags = flags_t.tolist()  # one sync
         else:
             flags = [0] * len(fast)
-            named = [(converters[i], ids, splits, xs[i]) for (i, _, _), (ids, splits) in zip(fast, views)]
+            named = [(converters[i], ids, splits, tuple(xs[i].shape)) for (i, _, _), (ids, splits) in zip(fast, views)]
             checks.add([flags_t], lambda values: _input_error(named, values, device))
         first = 0
         for (i, _, _), (ids, splits), mode, drop, flag in zip(fast, views, modes, drops, flags):
@@ -113,14 +113,14 @@ def convert_many_on_gpu(
     return [b if b is not None else conv.convert(x, w, device) for b, conv, x, w in zip(out, converters, xs, ws)]
 
 
-def _input_error(named: list[tuple[InputConverter, Tensor, Tensor | None, Any]], flags: list[int],
+def _input_error(named: list[tuple[InputConverter, Tensor, Tensor | None, tuple[int, ...]]], flags: list[int],
                  device: torch.device) -> Exception | None:  # fmt: skip
     """The error ``convert`` raises for the first feature whose flag is set, from the engine's copy of its input
-    (``named``: converter, ids, row splits or None, the input as given, for its shape)."""
-    for (conv, ids, splits, x), flag in zip(named, flags):
+    (``named``: converter, ids, row splits or None, the shape of the input as given)."""
+    for (conv, ids, splits, shape), flag in zip(named, flags):
         if not flag:
             continue
-        given = Ragged(ids, splits) if splits is not None else ids.reshape(x.shape)
+        given = Ragged(ids, splits) if splits is not None else ids.reshape(shape)
         try:
             conv.convert(given, None, device)
         except (ValueError, TypeError) as exc:
