@@ -94,7 +94,8 @@ def convert_many_on_gpu(
             flags = flags_t.tolist()  # one sync
         else:
             flags = [0] * len(fast)
-            named = [(converters[i], ids, splits, tuple(xs[i].shape)) for (i, _, _), (ids, splits) in zip(fast, views)]
+            named = [(converters[i], ids, splits, () if splits is not None else tuple(xs[i].shape))
+                     for (i, _, _), (ids, splits) in zip(fast, views)]  # fmt: skip
             checks.add([flags_t], lambda values: _input_error(named, values, device))
         first = 0
         for (i, _, _), (ids, splits), mode, drop, flag in zip(fast, views, modes, drops, flags):
