@@ -60,11 +60,13 @@ class TableShare:
 
 
 def every_row(rs: RowSums) -> RowSums:
-    """The summed phase 1 ``rs`` of one table as an update of every row of the table: keys 0..V-1, a zero
-    sum where the batch has none (a non-lazy optimizer), ``rs``'s phase-1 flag kept. No sync."""
-    if len(rs.bases) != 2:
-        raise gpu.GpuBufferError("embtables GPU kernel: every_row takes the phase 1 of one table.")
-    device, dim, v = rs.rows.device, rs.sorted["dim"], rs.bases[1]
+    """The summed phase 1 ``rs`` of a group as an update of every row of its tables: keys 0..sum(V)-1, a zero
+    sum where the batch has none (non-lazy optimizers), ``rs``'s phase-1 flag kept; made once per ``rs``. No
+    sync."""
+    made = rs.sorted.get("every_row")
+    if made is not None:
+        return made  # type: ignore[no-any-return]
+    device, dim, v = rs.rows.device, rs.sorted["dim"], rs.bases[-1]
     sums = materialize(rs)
     full = torch.zeros((v + 1, dim), dtype=torch.float32, device=device)  # row V takes the keys past U
     n = rs.rows.numel()
@@ -73,7 +75,8 @@ def every_row(rs: RowSums) -> RowSums:
     stats = rs.stats.clone()
     stats[0] = v
     sorted_ = {"n": v, "dim": dim, "has_coeffs": False, "parts": rs.sorted.get("parts", [])}
-    return RowSums(torch.arange(v, device=device), full[:v], stats, rs.bases, sorted_)
+    made = rs.sorted["every_row"] = RowSums(torch.arange(v, device=device), full[:v], stats, rs.bases, sorted_)
+    return made
 
 
 def row_sums(parts: Sequence[GradPart], vocabularies: Sequence[int], dim: int, *, summed: bool = True) -> RowSums:

@@ -150,11 +150,18 @@ def test_a_pending_error_is_raised_before_the_tables_move() -> None:
 
 
 def test_tables_of_one_width_with_their_own_optimizers_train_as_the_torch_kernels() -> None:
-    """Four tables of one width are one group of phase 1; their optimizers (two SGD settings, Adagrad, lazy and
-    non-lazy Adam) split phase 2 into one launch pair each, every launch leaving the others' tables alone."""
+    """Tables of one width: the lazy ones one group of phase 1, the non-lazy ones another; their optimizers (two
+    SGD settings, Adagrad; two non-lazy Adam settings) split phase 2 into one launch pair each, every launch
+    leaving the others' tables alone, the non-lazy group's updates over every row of its two tables."""
 
     def build() -> et.DistributedEmbedding:
-        opts = [et.SGD(0.1), et.SGD(0.3), et.Adagrad(0.2), et.Adam(0.05, lazy_adam=False)]
+        opts = [
+            et.SGD(0.1),
+            et.SGD(0.3),
+            et.Adagrad(0.2),
+            et.Adam(0.05, lazy_adam=False),
+            et.Adam(0.02, lazy_adam=False),
+        ]
         tables = [
             et.TableConfig(15 + i, 4, name=f"t{i}", initializer=et.TruncatedNormal(seed=i), optimizer=o)
             for i, o in enumerate(opts)
@@ -164,7 +171,7 @@ def test_tables_of_one_width_with_their_own_optimizers_train_as_the_torch_kernel
 
     def train(emb: et.DistributedEmbedding) -> dict[str, torch.Tensor]:
         for s in range(3):
-            batch = {f"f{i}": et.Ragged.from_lists([[s, i, 2], [3 + i], [s + 1, s + 1]]) for i in range(4)}
+            batch = {f"f{i}": et.Ragged.from_lists([[s, i, 2], [3 + i], [s + 1, s + 1]]) for i in range(5)}
             _step(emb, batch, scale=1.0 + s)
         return _tables(emb)
 

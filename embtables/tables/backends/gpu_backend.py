@@ -124,7 +124,7 @@ class GpuBackend:
         self, batches: Sequence[FeatureBatch], grads: Sequence[Tensor | None]
     ) -> dict[str, TableGradient]:
         """Phase 1 of every table with gradient accumulation, in a fixed number of launches per group of
-        tables of one width (``gpu_step.row_sums``; a non-lazy table is a group of its own), with no sync: each
+        tables of one width and laziness (``gpu_step.row_sums``), with no sync: each
         table's gradient is its share of its group's distinct keys. A lazy group's sums are left to its
         update, which sums each row as it applies it; what phase 1 finds wrong (an id or a bag outside its
         table or gradient) is raised by ``checked_updates``, before anything is written."""
@@ -134,9 +134,9 @@ class GpuBackend:
         for table in ts.tables:
             if table.optimizer.use_gradient_accumulation:
                 lazy = table.optimizer.lazy
-                groups.setdefault((table.dim, True) if lazy else (table.dim, False, table.name), []).append(table)
+                groups.setdefault((table.dim, lazy), []).append(table)
         out: dict[str, TableGradient] = {}
-        for (dim, lazy, *_), members in groups.items():
+        for (dim, lazy), members in groups.items():
             parts = []
             for j, table in enumerate(members):
                 for f in table.feature_indices:
@@ -263,7 +263,7 @@ class _GroupUpdate:
 
     def dry_run(self) -> None:
         table = next(t for t in self.tables if t is not None)
-        if not table.optimizer.lazy:  # every row of the (one) table, a zero gradient where the batch has none
+        if not table.optimizer.lazy:  # every row of the group's tables, a zero gradient where the batch has none
             self.sums = gpu_step.every_row(self.sums)
         _, self.found = gpu_step.step_flags(self.refused.device)
         self._launch(write=False)
