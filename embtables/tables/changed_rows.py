@@ -1,5 +1,5 @@
-"""``ChangedRows``: which rows of each table the engine's writes changed since the last save (issue 43's
-tracking, for incremental checkpoints and serving deltas): one byte a row, on the tables' device.
+"""``ChangedRows``: which rows of each table the engine's writes changed since the last save (the base of
+incremental checkpoints and serving deltas): one byte a row, on the tables' device.
 
 Marked by every write of a table's rows: a step's update (every row of a non-lazy optimizer's table), an
 update applied occurrence by occurrence, a dynamic table's rows given to new keys, a load of a state dict
