@@ -15,7 +15,7 @@ Tests run the same kernels on CPU tensors through Triton's interpreter (``TRITON
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from types import ModuleType
 from typing import Any
 
@@ -158,6 +158,15 @@ def addresses(values: Sequence[int], device: torch.device) -> Tensor:
     return torch.tensor(list(values), dtype=torch.int64).to(device, non_blocking=True)
 
 
+def feature_chunks(meta: Tensor, columns: int, n: int) -> Iterator[tuple[int, int, list[Tensor]]]:
+    """``(lo, hi, views)`` for features lo..hi-1 of ``meta`` (``columns`` columns of ``n`` per-feature values,
+    one column after another), in chunks of at most ``MAX_GRID_Y`` features: a grid's second dimension, one
+    program row per feature, holds at most 65535."""
+    for lo in range(0, n, MAX_GRID_Y):
+        hi = min(n, lo + MAX_GRID_Y)
+        yield lo, hi, [meta[i * n + lo : i * n + hi] for i in range(columns)]
+
+
 def check_refused(refused: Tensor | None, device: torch.device) -> None:
     if refused is not None and checked_contiguous(refused, "refused", torch.int64, device, 1).shape != (1,):
         raise GpuBufferError("embtables GPU kernel: refused must be [1].")
@@ -293,10 +302,9 @@ def stage_inputs(parts: Sequence[StagePart], refused: Tensor | None = None) -> t
     block = 1024
     passes = (0, 1) if drops and any(p[3] for p in parts) else (0,)
     for stage_pass in passes:
-        for lo in range(0, n, MAX_GRID_Y):  # a grid's second dimension holds at most 65535 programs
-            hi = min(n, lo + MAX_GRID_Y)
+        for lo, hi, views in feature_chunks(meta, len(columns), n):
             k.stage_kernel[(-(-longest // block), hi - lo)](
-                *(meta[i * n + lo : i * n + hi] for i in range(len(columns))), segs, coeffs, negs, flags[lo:hi],
+                *views, segs, coeffs, negs, flags[lo:hi],
                 segs if refused is None else refused, bags.bit_length(), BLOCK=block, REFUSE=refused is not None,
                 DROPS=drops, PASS=stage_pass,
             )  # fmt: skip

@@ -134,10 +134,9 @@ def row_sums(parts: Sequence[GradPart], vocabularies: Sequence[int], dim: int, *
     meta = gpu.addresses([v for col in columns for v in col] + grad_meta, device)  # one copy to the device
     nf = len(parts)
     block = 1024
-    for lo in range(0, nf, gpu.MAX_GRID_Y):  # a grid's second dimension holds at most 65535 programs
-        hi = min(nf, lo + gpu.MAX_GRID_Y)
+    for lo, hi, views in gpu.feature_chunks(meta, len(columns), nf):
         k.gather_kernel[(-(-max(counts[lo:hi]) // block), hi - lo)](
-            *(meta[i * nf + lo : i * nf + hi] for i in range(len(columns))), keys, segs, coeffs, feats, stats,
+            *views, keys, segs, coeffs, feats, stats,
             KEY64=key64, HAS_COEFFS=has_coeffs, BLOCK=block,
         )  # fmt: skip
     grad_args = _gradient_arguments(grads, pieces, segs, meta[len(columns) * nf :])

@@ -27,17 +27,10 @@ from torch import Tensor
 
 from embtables.config import Combiner
 from embtables.kernels import gpu
-from embtables.tables.inputs import FeatureBatch, InputConverter
+from embtables.tables.inputs import FeatureBatch, InputConverter, strided_int64
 from embtables.tables.ragged import Ragged
 
 _MODES: dict[str, int] = {Combiner.SUM: 0, Combiner.MEAN: 1, Combiner.SQRTN: 2}  # gpu.stage_inputs' modes
-
-
-def _plain_int64(t: object) -> Tensor | None:
-    """``t`` as a 1-D view when it is a plain (strided, not nested) int64 tensor, else None."""
-    if isinstance(t, Tensor) and t.dtype is torch.int64 and t.layout is torch.strided and not t.is_nested:
-        return t.reshape(-1)
-    return None
 
 
 def _one_copy(pieces: list[Tensor], device: torch.device) -> Tensor:
@@ -63,19 +56,18 @@ def convert_many_on_gpu(
         ):
             continue  # the reference looks it up or updates it: its ids are checked here
         if type(x) is Ragged:
-            if x.values.dim() == 1 and x.row_splits.dim() == 1 and x.row_splits.numel() >= 1:
-                values, splits = _plain_int64(x.values), _plain_int64(x.row_splits)
-                if values is not None and splits is not None:
-                    fast.append((i, values, splits))
-        elif isinstance(x, Tensor) and x.dim() >= 1:
-            values = _plain_int64(x)
-            if values is not None:
-                fast.append((i, values, None))
+            ids_in, splits_in = x.values, x.row_splits
+            if strided_int64(ids_in) and strided_int64(splits_in) and ids_in.dim() == 1 and splits_in.dim() == 1 \
+                    and splits_in.numel() >= 1:  # fmt: skip
+                fast.append((i, ids_in, splits_in))
+        elif strided_int64(x) and x.dim() >= 1:
+            fast.append((i, x.reshape(-1), None))
     out: list[FeatureBatch | None] = [None] * len(converters)
     if fast:
         pieces = [p for _, v, s in fast for p in ((v,) if s is None else (v, s))]
         flat = _one_copy(pieces, device)
-        views, at = [], 0
+        views: list[tuple[Tensor, Tensor | None]] = []
+        at = 0
         for _, v, s in fast:
             ids = flat[at : at + v.numel()]
             at += v.numel()

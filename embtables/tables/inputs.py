@@ -492,7 +492,7 @@ def _unweighted_coeffs(offsets: Tensor, combiner: str) -> Tensor | None:
     return _unit_coeffs(counts, combiner, None)
 
 
-def _strided_int64(t: object) -> TypeGuard[Tensor]:
+def strided_int64(t: object) -> TypeGuard[Tensor]:
     """``t`` is a plain (strided, not nested) int64 tensor, on any device."""
     # identity tests: this runs twice per feature per step
     return isinstance(t, Tensor) and t.dtype is torch.int64 and t.layout is torch.strided and not t.is_nested
@@ -500,7 +500,7 @@ def _strided_int64(t: object) -> TypeGuard[Tensor]:
 
 def _plain_int64(t: object) -> TypeGuard[Tensor]:
     """``t`` is a contiguous int64 CPU tensor (``is_cpu``: no device object)."""
-    return _strided_int64(t) and t.is_cpu and t.is_contiguous()
+    return strided_int64(t) and t.is_cpu and t.is_contiguous()
 
 
 def convert_many(
