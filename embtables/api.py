@@ -324,8 +324,8 @@ class DistributedEmbedding(nn.Module):
         optimizer's table), of a dynamic table's new keys, and every row after ``load_state_dict``; after a
         pending pipelined update lands. Sharded: this rank's rows. Writes into the tensors the module hands
         out are not seen. The base of incremental checkpoints and serving deltas (docs/checkpoints.md)."""
-        self._pipeline.local_shards()  # a pending pipelined update lands first
-        return self._engine.changed_rows()
+        shards = self._pipeline.local_shards()  # a pending pipelined update lands first
+        return self._engine.changed_rows(shards)
 
     @_locked
     def local_shards(self) -> dict[str, LocalShard]:

@@ -265,9 +265,14 @@ def update_parameters(opt: Optimizer, lr: float, decay: float) -> dict[str, Any]
 TableTensors = tuple[Tensor, Sequence[Tensor]]  # (weights [V, D], slots [V, D] each, in the optimizer's order)
 
 
+def found_cells(device: torch.device) -> Tensor:
+    """A fresh found int64 [2] = ``NEVER`` for a dry run of ``update``."""
+    return torch.full((2,), NEVER, dtype=torch.int64, device=device)
+
+
 def step_flags(device: torch.device) -> tuple[Tensor, Tensor]:
     """A fresh (refused int64 [1] = 0, found int64 [2] = ``NEVER``) for ``update``."""
-    return torch.zeros(1, dtype=torch.int64, device=device), torch.full((2,), NEVER, dtype=torch.int64, device=device)
+    return torch.zeros(1, dtype=torch.int64, device=device), found_cells(device)
 
 
 def update(

@@ -20,6 +20,7 @@ from torch import Tensor
 from embtables.config import ResolvedConfig, nest
 from embtables.kernels import gpu, native, native_step
 from embtables.tables import phase_profile
+from embtables.tables.backends.device_checks import DeviceChecks
 from embtables.tables.gpu_inputs import convert_many_on_gpu
 from embtables.tables.input_nest import flatten_inputs, is_input_leaf
 from embtables.tables.inputs import FeatureBatch, InputConverter, convert_many, is_kjt
@@ -175,7 +176,7 @@ class InputStager:
         self.codes = (ctypes.c_int32 * n)(*[c.fast_part[1] for c in self.converters])
 
     def stage(
-        self, features: Any, weights: Any, device: torch.device, busy: set[int], checks: Any = None
+        self, features: Any, weights: Any, device: torch.device, busy: set[int], checks: DeviceChecks | None = None
     ) -> list[FeatureBatch]:
         """The F batches of one call, every input rule checked (``ValueError``/``TypeError`` and nothing
         staged otherwise); no staging buffer whose data pointer is in ``busy`` is written. ``checks``: a GPU

@@ -60,7 +60,7 @@ class EmbeddingCollection:
             if backend is not None:
                 backend.settle()  # what the old backend found is raised, not lost with it
             self._switches = switches()
-            backend = self._backend = choose(self._tables, deferred_errors=getattr(self, "deferred_errors", True))
+            backend = self._backend = choose(self._tables, deferred_errors=self.deferred_errors)
         return backend
 
     def __getstate__(self) -> dict[str, Any]:
@@ -76,6 +76,7 @@ class EmbeddingCollection:
         # TableSet: keep the tables, states and key maps, build the rest.
         for stale in ("_workspaces", "_param_blocks", "_fast"):
             state.pop(stale, None)
+        state.setdefault("deferred_errors", True)  # pickled before the choice existed
         self.__dict__.update(state)
         self._lr_plan = None
         if "changed" not in state:  # pickled before rows were tracked: every row counts as changed

@@ -73,7 +73,7 @@ class Engine(Protocol):
 
     def device_checks(self) -> Any: ...
 
-    def changed_rows(self) -> dict[str, Tensor]: ...
+    def changed_rows(self, shards: dict[str, LocalShard]) -> dict[str, Tensor]: ...
 
     def clear_changed(self) -> None: ...
 
@@ -147,10 +147,9 @@ class LocalTables:
     def learning_rates(self) -> dict[str, float]:
         return self.local.learning_rates()
 
-    def changed_rows(self) -> dict[str, Tensor]:
+    def changed_rows(self, shards: dict[str, LocalShard]) -> dict[str, Tensor]:
         """Per table, the global ids [R] (int64, CPU, ascending) of this process's rows that the engine's writes
-        changed since the last save or restore (``ChangedRows``)."""
-        shards = self.local_shards()
+        changed since the last save or restore (``ChangedRows``); ``shards``: this engine's ``local_shards``."""
         out = {}
         for name, local in self.local.changed.rows().items():
             rows = shards[name].rows

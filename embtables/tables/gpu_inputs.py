@@ -27,6 +27,7 @@ from torch import Tensor
 
 from embtables.config import Combiner
 from embtables.kernels import gpu
+from embtables.tables.backends.device_checks import DeviceChecks
 from embtables.tables.inputs import FeatureBatch, InputConverter, strided_int64
 from embtables.tables.ragged import Ragged
 
@@ -44,7 +45,11 @@ def _one_copy(pieces: list[Tensor], device: torch.device) -> Tensor:
 
 
 def convert_many_on_gpu(
-    converters: list[InputConverter], xs: list[Any], ws: list[Any], device: torch.device, checks: Any = None
+    converters: list[InputConverter],
+    xs: list[Any],
+    ws: list[Any],
+    device: torch.device,
+    checks: DeviceChecks | None = None,
 ) -> list[FeatureBatch]:
     """The batches of every feature (see the module docstring)."""
     fast: list[tuple[int, Tensor, Tensor | None]] = []

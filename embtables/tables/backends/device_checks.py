@@ -54,6 +54,11 @@ class DeviceChecks:
     def post(self, what: str) -> None:
         """End of a call: copy its flags to the host without waiting (``immediate``: read them and raise)."""
         self.calls += 1
+        self._flush(what, self.calls, immediate=self.immediate)
+
+    def _flush(self, what: str, call: int, *, immediate: bool) -> None:
+        """The pending flags of ``call``: read and raised now (``immediate``), else copied to the host
+        without waiting, for ``raise_pending``."""
         if not self._pending:
             return
         pending, self._pending = self._pending, []
@@ -64,8 +69,8 @@ class DeviceChecks:
         for f, decode in pending:
             sizes.append((at, decode))
             at += f.numel()
-        if self.immediate:
-            self._raise(what, self.calls, flat.tolist(), sizes)  # the call's one sync
+        if immediate:
+            self._raise(what, call, flat.tolist(), sizes, deferred=False)  # the call's one sync
             return
         host = torch.empty(flat.shape, dtype=torch.int64, pin_memory=flat.is_cuda)
         _HOST_COPIES.add(host)
@@ -74,7 +79,7 @@ class DeviceChecks:
         if flat.is_cuda:
             event = torch.cuda.Event()  # type: ignore[no-untyped-call]
             event.record()
-        self._posted.append((host, sizes, what, self.calls, event))
+        self._posted.append((host, sizes, what, call, event))
 
     def raise_pending(self) -> None:
         """Start of a call: raise what the earlier calls' flags hold, the oldest first (waiting, at most, for
@@ -84,7 +89,7 @@ class DeviceChecks:
             if event is not None:
                 event.synchronize()
             try:
-                self._raise(what, call, host.tolist(), sizes)
+                self._raise(what, call, host.tolist(), sizes, deferred=True)
             except BaseException:
                 self._posted.clear()  # one error a raise: the later calls wrote nothing (refused)
                 raise
@@ -93,21 +98,17 @@ class DeviceChecks:
         """Raise now what the current call found so far and what earlier calls did (one sync): before a
         write that does not read ``refused`` (the reference's, a pipelined check)."""
         self.raise_pending()
-        if self._pending:
-            immediate, self.immediate = self.immediate, True
-            try:
-                self.post("this call")
-            finally:
-                self.immediate = immediate
-            self.calls -= 1  # the call goes on
+        self._flush("this call", self.calls + 1, immediate=True)  # the call goes on: not counted yet
 
-    def _raise(self, what: str, call: int, values: list[int], sizes: Sequence[tuple[int, Decoder]]) -> None:
+    def _raise(
+        self, what: str, call: int, values: list[int], sizes: Sequence[tuple[int, Decoder]], *, deferred: bool
+    ) -> None:
         bounds = [*(at for at, _ in sizes[1:]), len(values)]
         for (at, decode), end in zip(sizes, bounds):
             error = decode(values[at:end])
             if error is not None:
                 self.refused.zero_()  # raised: the next step is not refused
-                if not self.immediate:
+                if deferred:
                     error = type(error)(
                         f"{error} (Found on the GPU by {what} of call {call} and raised at the next call; nothing was "
                         "written since. EMBTABLES_GPU_ERRORS=immediate raises in the call itself.)"

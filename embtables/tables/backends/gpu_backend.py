@@ -265,7 +265,7 @@ class _GroupUpdate:
         table = next(t for t in self.tables if t is not None)
         if not table.optimizer.lazy:  # every row of the group's tables, a zero gradient where the batch has none
             self.sums = gpu_step.every_row(self.sums)
-        _, self.found = gpu_step.step_flags(self.refused.device)
+        self.found = gpu_step.found_cells(self.refused.device)
         self._launch(write=False)
 
     def __call__(self) -> None:
