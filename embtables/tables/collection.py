@@ -38,13 +38,17 @@ class EmbeddingCollection:
         self.deferred_errors = deferred_errors
         self.states: dict[str, TableState] = {t.name: create_table_state(t, device) for t in resolved.tables}
         self.vocabularies = Vocabularies(resolved)  # the key maps of dynamic tables (spec §11)
-        self._lr_plan: LearningRatePlan | None = None  # built at the first step, see learning_rates()
         self.changed = ChangedRows(self.states)  # rows written since the last save
-        self._tables = TableSet(resolved, self.states, self.changed)
+        self._build()
+
+    def _build(self) -> None:
+        """What the collection derives from its config, states and tracking (built again after unpickling)."""
+        self._lr_plan: LearningRatePlan | None = None  # built at the first step, see learning_rates()
+        self._tables = TableSet(self.resolved, self.states, self.changed)
         self.reference = TorchBackend(self._tables)
         self._backend: Backend | None = None  # chosen at the first call, see backend
         self._switches = -1
-        self._sequential_tables = any(not t.optimizer.use_gradient_accumulation for t in resolved.tables)
+        self._sequential_tables = any(not t.optimizer.use_gradient_accumulation for t in self.resolved.tables)
         # the native marking call of the last step's workspaces (``_mark_written``), built once while they stay
         self._mark_plan: tuple[list[Any], dict[str, Tensor], Callable[[], None] | None] | None = None
 
@@ -67,7 +71,7 @@ class EmbeddingCollection:
         # The backend's scratch (C workspaces, ctypes blocks) belongs to this process: a copy or a pickle
         # chooses its backend again.
         state = self.__dict__.copy()
-        for built in ("_backend", "_lr_plan", "_tables", "reference", "_mark_plan"):  # rebuilt by __setstate__
+        for built in ("_backend", "_lr_plan", "_tables", "reference", "_mark_plan"):  # rebuilt by _build
             state.pop(built, None)
         return state
 
@@ -78,16 +82,10 @@ class EmbeddingCollection:
             state.pop(stale, None)
         state.setdefault("deferred_errors", True)  # pickled before the choice existed
         self.__dict__.update(state)
-        self._lr_plan = None
         if "changed" not in state:  # pickled before rows were tracked: every row counts as changed
             self.changed = ChangedRows(self.states)
             self.changed.mark_all()
-        self._tables = TableSet(self.resolved, self.states, self.changed)
-        self.reference = TorchBackend(self._tables)
-        self._backend = None
-        self._switches = -1
-        self._sequential_tables = any(not t.optimizer.use_gradient_accumulation for t in self.resolved.tables)
-        self._mark_plan = None
+        self._build()
 
     # ------------------------------------------------------------------ forward
     def translate_keys(
