@@ -217,6 +217,28 @@ def profile(step: Callable[[], None], title: str) -> None:
     print(table.table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=48), file=sys.stderr)
 
 
+def host_profile(step: Callable[[], None], title: str, steps: int = 20) -> None:
+    """``steps`` steps under cProfile (the host's Python time, the device synchronized once at the end): the
+    top functions by own time and by cumulative time, on stderr."""
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        step()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    prof.disable()
+    out = io.StringIO()
+    stats = pstats.Stats(prof, stream=out)
+    stats.sort_stats("tottime").print_stats(25)
+    stats.sort_stats("cumulative").print_stats(25)
+    print(f"## host profile: {title} ({steps} steps)", file=sys.stderr)
+    print(out.getvalue(), file=sys.stderr)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="embtables bench --device cuda", description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda")
@@ -229,10 +251,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--warm-seconds", type=float, default=3.0, help="busy the GPU this long before timing")
     p.add_argument("--tiles", default="", help="also time the fused kernels with these FLOATSxUNROLL[xWARPS] tiles")
     p.add_argument("--lookups", default="", help="also time the lookup with these FLOATSxWARPS[xBLOCK_N] shapes")
+    p.add_argument("--knobs", default="",
+                   help="also time the fused kernels with these kernels/gpu.py settings, e.g. _ALIGN_HINTS=0 "
+                   "(variants separated by commas, settings of one variant by +)")  # fmt: skip
     p.add_argument("--immediate", action="store_true",
                    help="also time the fused kernels with each error raised in its call (EMBTABLES_GPU_ERRORS="
                    "immediate: one host sync a call) beside the default (raised at the next call: none)")  # fmt: skip
     p.add_argument("--profile", action="store_true", help="print torch.profiler's table of each embtables step")
+    p.add_argument("--host-profile", action="store_true", help="print cProfile's tables of 20 embtables steps")
     args = p.parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -270,6 +296,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         for spec in filter(None, specs.split(",")):
             values = [int(v) for v in spec.split("x")]
             variants[f"embtables[{kind} {spec}]"] = dict(zip(knobs[kind], values))
+    for spec in filter(None, args.knobs.split(",")):
+        settings = dict(item.split("=", 1) for item in spec.split("+"))
+        for name in settings:
+            if name not in defaults:
+                defaults[name] = getattr(gpu, name)  # AttributeError: no such knob
+        variants[f"embtables[{spec}]"] = {name: int(value) for name, value in settings.items()}
     if args.immediate:
         variants["embtables[immediate]"] = {}
     impls = args.impls.split(",")
@@ -296,6 +328,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     seconds = time_step(step, args.steps, args.warmup, device)
                     if args.profile and impl == "embtables":
                         profile(step, f"{wname} {opt} {mode}")
+                    if args.host_profile and impl == "embtables":
+                        host_profile(step, f"{wname} {opt} {mode}")
                     del step
                     gc.collect()  # the module's tables (GBs) go now, not when a cycle collector gets to them
                     if on_cuda:

@@ -104,7 +104,8 @@ def variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any], int]]:
     ):
         consts = dict(KIND=record.native_kind, NSLOTS=len(record.config.SLOT_NAMES), FLAG0=False, FLAG1=False,
                       POW_IS_SQRT=False, LIBDEVICE=True, WRITE=write, INLINE=inline, HAS_COEFFS=hc, MULTI=multi,
-                      ALIGNED=True, T_STEPS=steps, PIECE=128, UNROLL=4, ROWS=rows, BLOCK_D=block_d)  # fmt: skip
+                      ALIGNED=True, ALIGNED_TABLES=True, T_STEPS=steps, PIECE=128, UNROLL=4, ROWS=rows,
+                      BLOCK_D=block_d)  # fmt: skip
         out.append((f"update {record.config.__name__}", k.update_kernel, update_types, consts, warps))
     return out
 

@@ -35,6 +35,7 @@ _TILE_WARPS = 0  # warps of a tile's program (0: one per 512 floats of the tile)
 _LOOKUP_FLOATS = 1024  # floats of table rows a lookup program loads at once (BAGS x BLOCK_N x BLOCK_D)
 _LOOKUP_WARPS = 1  # warps of a lookup program
 _LOOKUP_BLOCK_N = 32  # most ids of a bag a lookup program loads at once
+_ALIGN_HINTS = True  # tell the sums and the update that aligned tables, slots and gradients are (16-byte loads)
 
 
 class GpuBufferError(RuntimeError):

@@ -202,6 +202,11 @@ def own_gradients(rs: RowSums) -> None:
     s["occurrences"] = (*s["occurrences"][:3], *_gradient_arguments(grads, s["pieces"], segs))
 
 
+def _aligned(sorted_: dict[str, Any]) -> bool:
+    """Whether the sums may load the gradients of ``sorted_`` 16 bytes at a time (``gpu._ALIGN_HINTS`` on)."""
+    return bool(sorted_["aligned"]) and bool(gpu._ALIGN_HINTS)
+
+
 def _sum_runs(rs: RowSums, *, long_only: bool) -> Tensor | None:
     """Launch the per-row sums of ``rs`` (no sync): every run's into a new [N, D] (returned), or with
     ``long_only`` the runs longer than ``gpu.PIECE`` only, joined in place in their pieces (None)."""
@@ -214,7 +219,7 @@ def _sum_runs(rs: RowSums, *, long_only: bool) -> Tensor | None:
     for first_pieces in (True, False):  # the later pieces' launch returns at once unless a run is long
         k.piece_sums_kernel[(-(-n // tile_rows),)](
             s["runs1"], s["starts"], *s["occurrences"], out, s["pieces"], rs.stats, n, dim,
-            HAS_COEFFS=s["has_coeffs"], MULTI=s["multi"], ALIGNED=s["aligned"], FIRST=first_pieces,
+            HAS_COEFFS=s["has_coeffs"], MULTI=s["multi"], ALIGNED=_aligned(s), FIRST=first_pieces,
             LONG_ONLY=long_only, PIECE=gpu.PIECE, UNROLL=gpu.SUMS_UNROLL, ROWS=tile_rows, BLOCK_D=block_d,
             num_warps=warps, enable_fp_fusion=False,
         )  # fmt: skip
@@ -300,6 +305,7 @@ def update(
     if len(tables) != len(rs.bases) - 1:
         raise gpu.GpuBufferError("embtables GPU kernel: one entry per table of the group.")
     addresses: list[int] = []
+    aligned_tables = bool(gpu._ALIGN_HINTS) and dim % 4 == 0
     for j, entry in enumerate(tables):
         if entry is None:
             addresses += [0, 0, 0, 0, 0]
@@ -318,6 +324,7 @@ def update(
             weights.shape[0],
         ):
             raise gpu.GpuBufferError("embtables GPU kernel: changed rows must be [V] for every table.")
+        aligned_tables = aligned_tables and all(t.data_ptr() % 16 == 0 for t in (weights, *slots))
         addresses += [weights.data_ptr(), *(s.data_ptr() for s in slots), *([weights.data_ptr()] * (3 - len(slots)))]
         addresses.append(0 if marks is None else marks.data_ptr())
     gpu.check_refused(refused, device)
@@ -331,7 +338,7 @@ def update(
     if inline:
         occurrences: tuple[Any, ...] = (rs.sorted["starts"], *rs.sorted["occurrences"], rs.sorted["pieces"])
         srt = rs.sorted
-        flags = {"HAS_COEFFS": srt["has_coeffs"], "MULTI": srt["multi"], "ALIGNED": srt["aligned"]}
+        flags = {"HAS_COEFFS": srt["has_coeffs"], "MULTI": srt["multi"], "ALIGNED": _aligned(srt)}
     else:
         if rs.sums is None or tuple(rs.sums.shape) != (n, dim):
             raise gpu.GpuBufferError(f"embtables GPU kernel: gradient sums must be [{n}, {dim}].")
@@ -363,6 +370,7 @@ def update(
         FLAG0=params["FLAG0"],
         FLAG1=params["FLAG1"],
         POW_IS_SQRT=params["POW_IS_SQRT"],
+        ALIGNED_TABLES=aligned_tables,
         LIBDEVICE=not interpreting(),
         WRITE=write,
         INLINE=inline,

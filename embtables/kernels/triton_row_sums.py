@@ -164,10 +164,9 @@ def _piece_gradients(
         nrows = grad_nrows
     ok = valid & (seg >= 0) & (seg < nrows)
     at = seg * ld
-    if ALIGNED:
+    if ALIGNED:  # every gradient 16-byte aligned, its rows too (checked by the caller)
         at = tl.multiple_of(at, 4)
-        if not MULTI:
-            grad = tl.multiple_of(grad, 16)
+        grad = tl.multiple_of(grad, 16)
     g = tl.load((grad + at)[:, None] + d[None, :], mask=ok[:, None] & dm[None, :], other=0.0)
     if HAS_COEFFS:
         g = g * tl.load(coeffs + k, mask=valid, other=1.0)[:, None]

@@ -86,6 +86,7 @@ def update_kernel(
     HAS_COEFFS: tl.constexpr,
     MULTI: tl.constexpr,
     ALIGNED: tl.constexpr,
+    ALIGNED_TABLES: tl.constexpr,
     T_STEPS: tl.constexpr,
     PIECE: tl.constexpr,
     UNROLL: tl.constexpr,
@@ -113,8 +114,13 @@ def update_kernel(
     live = um & (w_addr != 0) & (local < tl.load(bases + t + 1, mask=um, other=0) - base)
     d = tl.arange(0, BLOCK_D)
     dm = live[:, None] & (d < D)[None, :]
-    at = local[:, None] * D + d[None, :]
-    weights = w_addr.to(tl.pointer_type(tl.float32))[:, None]
+    row_at = local * D
+    weights = w_addr.to(tl.pointer_type(tl.float32))
+    if ALIGNED_TABLES:  # every table and slot 16-byte aligned and D % 4 == 0 (checked by the caller)
+        row_at = tl.multiple_of(row_at, 4)
+        weights = tl.multiple_of(weights, 16)
+    at = row_at[:, None] + d[None, :]
+    weights = weights[:, None]
     if INLINE:
         first = tl.load(starts + u, mask=live, other=0)
         end = tl.load(starts + u + 1, mask=live, other=0)
@@ -140,13 +146,22 @@ def update_kernel(
     b = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
     c = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
     if NSLOTS >= 1:
-        s0 = tl.load(tabs + 5 * t + 1, mask=live, other=0).to(tl.pointer_type(tl.float32))[:, None]
+        s0 = tl.load(tabs + 5 * t + 1, mask=live, other=0).to(tl.pointer_type(tl.float32))
+        if ALIGNED_TABLES:
+            s0 = tl.multiple_of(s0, 16)
+        s0 = s0[:, None]
         a = tl.load(s0 + at, mask=dm, other=0.0)
     if NSLOTS >= 2:
-        s1 = tl.load(tabs + 5 * t + 2, mask=live, other=0).to(tl.pointer_type(tl.float32))[:, None]
+        s1 = tl.load(tabs + 5 * t + 2, mask=live, other=0).to(tl.pointer_type(tl.float32))
+        if ALIGNED_TABLES:
+            s1 = tl.multiple_of(s1, 16)
+        s1 = s1[:, None]
         b = tl.load(s1 + at, mask=dm, other=0.0)
     if NSLOTS >= 3:
-        s2 = tl.load(tabs + 5 * t + 3, mask=live, other=0).to(tl.pointer_type(tl.float32))[:, None]
+        s2 = tl.load(tabs + 5 * t + 3, mask=live, other=0).to(tl.pointer_type(tl.float32))
+        if ALIGNED_TABLES:
+            s2 = tl.multiple_of(s2, 16)
+        s2 = s2[:, None]
         c = tl.load(s2 + at, mask=dm, other=0.0)
     if KIND == K_SGD:
         x = x - lr * g

@@ -5,10 +5,12 @@ rule, an id outside its table, a non-finite activation, a gradient or an update 
 and set one sticky cell, ``refused``, that every kernel that writes a table or slot reads first: while it
 is set nothing is written, in this step or any later one. At the end of a call (a lookup, or the writes of
 ``apply_gradients``) the flags are copied to host memory without waiting (``post``: one concatenation and
-one non-blocking copy, with an event). The next call reads that copy (``raise_pending``), waiting at most
-for the previous call's work, never for its own: when a flag is set it clears ``refused`` and raises the
-error, naming the call that found it. So a steady-state step makes no host synchronisation, and an error
-keeps its meaning: the step that raised it wrote nothing, nor did any step between it and the raise.
+one non-blocking copy, with an event). The next call reads that copy: at its start when the earlier work
+is already done (``raise_pending(wait=False)``), else at its end, once its own work is queued behind the
+earlier call's (``post`` waits for the earlier calls only, so the device never idles for it). When a flag
+is set it clears ``refused`` and raises the error, naming the call that found it. So a steady-state step
+makes no host synchronisation of its own, and an error keeps its meaning: the step that raised it wrote
+nothing, nor did any step between it and the raise.
 
 ``immediate`` (``EMBTABLES_GPU_ERRORS=immediate``, or ``gpu.set_deferred_errors(False)``): every call reads
 its own flags before it returns (one sync per call) and raises there, as the CPU backends do.
@@ -52,9 +54,13 @@ class DeviceChecks:
         self._pending.append((flat[0] if len(flat) == 1 else torch.cat(flat), decode))
 
     def post(self, what: str) -> None:
-        """End of a call: copy its flags to the host without waiting (``immediate``: read them and raise)."""
+        """End of a call: copy its flags to the host without waiting (``immediate``: read them and raise),
+        then raise what the earlier calls' flags hold (waiting for those calls, whose work ran before this
+        one's)."""
         self.calls += 1
+        before = len(self._posted)
         self._flush(what, self.calls, immediate=self.immediate)
+        self._read(keep=len(self._posted) - before)  # this call's posting stays for the next call
 
     def _flush(self, what: str, call: int, *, immediate: bool) -> None:
         """The pending flags of ``call``: read and raised now (``immediate``), else copied to the host
@@ -81,13 +87,20 @@ class DeviceChecks:
             event.record()
         self._posted.append((host, sizes, what, call, event))
 
-    def raise_pending(self) -> None:
-        """Start of a call: raise what the earlier calls' flags hold, the oldest first (waiting, at most, for
-        those calls)."""
-        while self._posted:
-            host, sizes, what, call, event = self._posted.pop(0)
-            if event is not None:
+    def raise_pending(self, *, wait: bool = True) -> None:
+        """Raise what the earlier calls' flags hold, the oldest first, waiting for those calls; with
+        ``wait=False`` (the start of a call) only what is already on the host (``post`` reads the rest)."""
+        self._read(keep=0, wait=wait)
+
+    def _read(self, *, keep: int, wait: bool = True) -> None:
+        """Read and raise the posted calls' flags, oldest first, all but the newest ``keep``."""
+        while len(self._posted) > keep:
+            host, sizes, what, call, event = self._posted[0]
+            if event is not None and not event.query():  # type: ignore[no-untyped-call]
+                if not wait:
+                    return
                 event.synchronize()
+            self._posted.pop(0)
             try:
                 self._raise(what, call, host.tolist(), sizes, deferred=True)
             except BaseException:

@@ -71,7 +71,7 @@ class GpuBackend:
         checked on the device (``DeviceChecks``): raised at the next call, or before this one returns when
         errors are immediate."""
         checks = self.checks
-        checks.raise_pending()
+        checks.raise_pending(wait=False)
         ts = self.tables
         features, tables, states = ts.features, ts.tables, ts.states
         device = ts.device
@@ -128,7 +128,7 @@ class GpuBackend:
         table's gradient is its share of its group's distinct keys. A lazy group's sums are left to its
         update, which sums each row as it applies it; what phase 1 finds wrong (an id or a bag outside its
         table or gradient) is raised by ``checked_updates``, before anything is written."""
-        self.checks.raise_pending()
+        self.checks.raise_pending(wait=False)
         ts = self.tables
         groups: dict[tuple[Any, ...], list[ResolvedTable]] = {}
         for table in ts.tables:
