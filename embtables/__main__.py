@@ -34,8 +34,8 @@ _COMMANDS = (
     (
         "bench",
         "the benchmark suite against the peers (embtables bench --help); embtables bench "
-        "latency | estimator | sharded | checkpoint | movielens | extra-optimizers | noacc | dynamic | gpu-launches "
-        "for the others; embtables bench --device cuda on a GPU",
+        "latency | estimator | sharded | checkpoint | movielens | extra-optimizers | noacc | dynamic | incremental | "
+        "gpu-launches for the others; embtables bench --device cuda on a GPU",
     ),
     ("stats", "print lookup statistics files (profile_data_directory) and draw per-shard load"),
     ("inspect", "what a checkpoint holds (tables, shapes, optimizer, step, size) and its checksum status"),
@@ -93,6 +93,7 @@ _BENCHES = {
     "extra-optimizers": "bench_extra_optimizers",
     "noacc": "bench_noacc",
     "dynamic": "bench_dynamic",
+    "incremental": "bench_incremental",
     "gpu": "bench_gpu",
     "gpu-launches": "bench_gpu_launches",
 }

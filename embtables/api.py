@@ -300,12 +300,20 @@ class DistributedEmbedding(nn.Module):
         keep_last: int | None = None,
         extra: dict[str, Any] | None = None,
         progress: Progress = None,
+        incremental: bool = False,
+        full_every: int | None = None,
     ) -> str:
         """Write a checkpoint under ``path`` (``path/ckpt-<step>``): the full logical tables and slots
         under TF's names, the step counter, the config as data, ``extra`` (JSON). Every rank writes
         only its own rows; the checkpoint restores into any number of ranks and any strategy.
-        Collective when sharded. A pending pipelined update is applied first. Returns the directory."""
-        out = self._persistence.save(path, keep_last, extra, progress)
+        Collective when sharded. A pending pipelined update is applied first. Returns the directory.
+
+        ``incremental=True``: only the rows changed since this module's last ``save`` or ``restore``
+        (``changed_rows``), on top of that checkpoint when it is the newest under ``path``; otherwise (the
+        first save, a restore from elsewhere, ``full_every`` increments in a row) a full checkpoint, logged.
+        ``restore`` resolves the chain; ``keep_last`` never deletes a checkpoint a kept one builds on.
+        Not for modules with dynamic tables (docs/checkpoints.md, "Incremental checkpoints")."""
+        out = self._persistence.save(path, keep_last, extra, progress, incremental=incremental, full_every=full_every)
         self.flush()
         return str(out)
 

@@ -9,6 +9,8 @@ from typing import Any
 
 import numpy as np
 
+from embtables.checkpoint import increments
+from embtables.checkpoint.file_names import CheckpointError
 from embtables.checkpoint.store import read_manifest
 
 
@@ -49,14 +51,29 @@ def summary(path: str) -> dict[str, Any]:
         }
         for name, t in manifest["config"]["tables"].items()
     }
+    try:
+        links = [
+            {
+                "name": link.name,
+                "step": m["step"],
+                "kind": "increment" if increments.chain_of(m, link) else "full",
+                "rows": sum(int(b["rows"]["count"]) for e in m["files"] for b in e["tables"].values()),
+                "bytes": sum(int(e["bytes"]) for e in m["files"]),
+            }
+            for link, m in increments.resolve_chain(where, manifest, read_manifest)
+        ]
+        chain: dict[str, Any] = {"links": links, "error": None}
+    except CheckpointError as exc:
+        chain = {"links": [], "error": str(exc)}
     return {
         "path": str(where),
+        "chain": chain,
         "step": manifest["step"],
         "world_size": manifest["world_size"],
         "tables": tables,
         "bytes": sum(f["bytes"] for f in files),
         "files": files,
-        "ok": all(f["status"] == "OK" for f in files),
+        "ok": all(f["status"] == "OK" for f in files) and chain["error"] is None,
     }
 
 
@@ -93,7 +110,17 @@ def run(args: argparse.Namespace) -> int:
     files = [["file", "MiB", "checksum"]] + [[f["file"], f"{f['bytes'] / 2**20:.1f}", f["status"]] for f in s["files"]]
     for line in _aligned(files, {1}):
         print(line)
-    print("checksums: OK" if s["ok"] else "checksums: BAD")
+    chain = s["chain"]
+    if chain["error"] is not None:
+        print(f"chain: BROKEN: {chain['error']}")
+    elif len(chain["links"]) > 1:
+        print("chain (restored in this order):")
+        rows = [["checkpoint", "step", "kind", "rows", "MiB"]] + [
+            [c["name"], str(c["step"]), c["kind"], str(c["rows"]), f"{c['bytes'] / 2**20:.1f}"] for c in chain["links"]
+        ]
+        for line in _aligned(rows, {1, 3, 4}):
+            print(line)
+    print("checksums: OK" if all(f["status"] == "OK" for f in s["files"]) else "checksums: BAD")
     return 0 if s["ok"] else 1
 
 

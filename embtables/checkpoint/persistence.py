@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from embtables.checkpoint import increments
 from embtables.checkpoint.progress import progress_bar
 from embtables.checkpoint.store import CheckpointError, restore, save
 from embtables.checkpoint.streaming_restore import TornRestore
@@ -43,6 +44,7 @@ class Persistence:
         self.pipeline = pipeline
         self.settings = settings
         self.torn: str | None = None  # a restore interrupted half-way: refuse to train or save until one succeeds
+        self.last_id: str | None = None  # the checkpoint the changed rows count from (saved or restored)
 
     def refuse_if_torn(self, what: str) -> None:
         if self.torn is not None:
@@ -52,10 +54,29 @@ class Persistence:
             )
 
     def save(
-        self, path: str | os.PathLike[str], keep_last: int | None, extra: dict[str, Any] | None, progress: Progress
+        self,
+        path: str | os.PathLike[str],
+        keep_last: int | None,
+        extra: dict[str, Any] | None,
+        progress: Progress,
+        *,
+        incremental: bool = False,
+        full_every: int | None = None,
     ) -> Path:
         """Write ``path/ckpt-<step>`` (see ``DistributedEmbedding.save``); returns the directory."""
         self.refuse_if_torn("save")
+        if not isinstance(incremental, bool):
+            raise TypeError(f"save: incremental must be True or False, got {incremental!r}.")
+        if full_every is not None and (
+            isinstance(full_every, bool) or not isinstance(full_every, int) or full_every < 1
+        ):
+            raise ValueError(f"save: full_every must be an int >= 1 or None, got {full_every!r}.")
+        dynamic = [t.name for t in self.resolved.tables if t.config.dynamic is not None]
+        if incremental and dynamic:
+            raise ValueError(
+                f"save(incremental=True): table {dynamic[0]!r} is dynamic, and increments do not record key-map "
+                "changes yet; save a full checkpoint (incremental=False)."
+            )
         pipeline = self.pipeline
         shards = pipeline.local_shards()  # a pending pipelined update lands, keeping its pre-update rows
         engine = pipeline.engine
@@ -64,13 +85,16 @@ class Persistence:
         # Pre-update rows the next training lookup must read (pipelining): saved with global row ids.
         stale = {name: (shards[name].rows[rows.cpu()], old) for name, (rows, old) in pipeline.stale.items()}
         strategies = {n: p.strategy for n, p in engine.plans.items()}
+        checkpoint_id = pipeline.exchange("save", lambda: comm.all_gather_object(increments.new_id(), engine.group)[0])
+        changed = (self.last_id, full_every, engine.changed_local) if incremental else None
         with progress_bar(progress, comm.get_rank(engine.group), "save") as tick:
             out = save(
                 path, self.resolved, shards, pipeline.training_steps, strategies=strategies, extra=extra,
                 keep_last=keep_last, progress=tick, group=engine.group, stale=stale, settings=self.settings,
-                vocabularies=engine.vocabulary_shards(),
+                vocabularies=engine.vocabulary_shards(), checkpoint_id=checkpoint_id, incremental=changed,
             )  # fmt: skip
         engine.clear_changed()  # the rows changed since this checkpoint start afresh
+        self.last_id = checkpoint_id
         return out
 
     def restore(self, path: str | os.PathLike[str], progress: Progress) -> dict[str, Any]:
@@ -99,6 +123,7 @@ class Persistence:
         pipeline.training_steps = int(manifest["step"])
         engine.vocabularies.load(manifest.pop("dynamic"), pipeline.training_steps)  # checked in pass 1
         engine.clear_changed()  # the tables are the checkpoint's: nothing changed since it
+        self.last_id = increments.manifest_id(manifest)
         return manifest
 
     def state_dict_into(self, destination: dict[str, Any], prefix: str, keep_vars: bool) -> None:
@@ -148,6 +173,7 @@ class Persistence:
         engine.load_logical(present)
         engine.load_vocabulary_state(vocabularies, pipeline.training_steps)
         engine.mark_all_changed()  # loaded values: every row differs from the last checkpoint
+        self.last_id = None
 
     def _keys_to_owners(
         self,

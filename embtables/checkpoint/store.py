@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from embtables.checkpoint import dynamic_restore, streaming_restore
+from embtables.checkpoint import dynamic_restore, increments, streaming_restore
 from embtables.checkpoint import manifest as manifest_io
 from embtables.checkpoint.file_names import CheckpointError as CheckpointError
 from embtables.checkpoint.manifest import Block
@@ -124,6 +124,8 @@ def _write_block(f: Any, array: np.ndarray[Any, Any], progress: Callable[[int], 
     """Write ``array``'s bytes in chunks straight from its memory; returns their CRC-32."""
     if array.size == 0:  # a rank may own no rows of a table
         return zlib.crc32(b"")
+    if isinstance(array, increments.RowSelection):
+        return array.write(f, _CHUNK, progress)
     view = np.ascontiguousarray(array).data.cast("B")
     crc = 0
     for start in range(0, len(view), _CHUNK):
@@ -163,16 +165,23 @@ def _plan(
     shards: dict[str, LocalShard],
     stale: dict[str, tuple[torch.Tensor, torch.Tensor]] | None,
     vocabularies: dict[str, dict[str, torch.Tensor]] | None = None,
+    changed: dict[str, torch.Tensor] | None = None,
 ) -> list[tuple[str, str, str, np.ndarray[Any, Any]]]:
     """Every block of this rank's file in order: (table, block kind, tensor name, array). A dynamic
-    table's vocabulary (``vocabularies[table][field]``, [N] by the shard's rows) is one block per field."""
+    table's vocabulary (``vocabularies[table][field]``, [N] by the shard's rows) is one block per field.
+    ``changed`` (an increment): per table, the local rows [R] (ascending) to write; the others are left out."""
     plan: list[tuple[str, str, str, np.ndarray[Any, Any]]] = []
     for t in resolved.tables:
         shard = shards[t.name]
-        plan.append((t.name, "rows", f"{t.name}#rows", shard.rows.detach().to("cpu", torch.int64).numpy()))
+        pick = None if changed is None else changed[t.name].to(shard.rows.device, torch.int64)
+        rows = shard.rows if pick is None else shard.rows[pick]
+        plan.append((t.name, "rows", f"{t.name}#rows", rows.detach().to("cpu", torch.int64).numpy()))
         for slot, tensor in shard.tensors.items():
             key = f"{t.name}/{slot}" if slot else t.name
-            array = tensor.detach().to("cpu").numpy().reshape(-1, t.dim)
+            if pick is None:
+                array: Any = tensor.detach().to("cpu").numpy().reshape(-1, t.dim)
+            else:
+                array = increments.RowSelection(tensor, pick, t.dim)
             plan.append((t.name, "state", key, array))
         for field, values in (vocabularies or {}).get(t.name, {}).items():
             plan.append((t.name, "vocabulary", f"{t.name}#{field}", values.detach().to("cpu", torch.int64).numpy()))
@@ -235,6 +244,8 @@ def save(
     stale: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None,
     settings: dict[str, Any] | None = None,
     vocabularies: dict[str, dict[str, torch.Tensor]] | None = None,
+    checkpoint_id: str | None = None,
+    incremental: tuple[str | None, int | None, Callable[[], dict[str, torch.Tensor]]] | None = None,
 ) -> Path:
     """Write a checkpoint of ``shards`` (this rank's rows of every table) and return its directory.
 
@@ -244,11 +255,16 @@ def save(
     ``keep_last=N`` then deletes all but the N newest checkpoints under ``root`` (by manifest step).
     ``stale`` holds, per table, global rows [U] and their values before a pipelined update [U, D] that
     the next training lookup must still read. ``settings`` (JSON) records module settings.
-    ``vocabularies`` holds each dynamic table's key map by the shard's rows (spec §11)."""
+    ``vocabularies`` holds each dynamic table's key map by the shard's rows (spec §11). ``checkpoint_id``:
+    the manifest's id (the same on every rank; a new one when None). ``incremental`` = (the id of the
+    checkpoint the tables' changed rows count from, at most that many increments in a row or None, a
+    function giving each table's changed local rows): an increment on the newest checkpoint under ``root``
+    when it is that one (``checkpoint.increments``), else a full checkpoint, logged."""
     rank, world = comm.get_rank(group), comm.get_world_size(group)
     base = Path(root)
+    own_id: str = checkpoint_id or increments.new_id()
 
-    def check_arguments() -> tuple[str, str]:
+    def check_arguments() -> tuple[str, str, str, dict[str, Any] | None]:
         if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
             raise ValueError(f"save: keep_last must be an int >= 1 or None, got {keep_last!r}.")
         try:
@@ -257,20 +273,37 @@ def save(
             raise ValueError(f"save: `extra` must be JSON data (dicts, lists, str, finite numbers): {exc}.") from exc
         if base.exists() and not base.is_dir():
             raise CheckpointError(f"save: {base} is a file, not a directory; pass a directory for the checkpoints.")
-        return os.path.abspath(base), temp_name("ckpt")
+        return os.path.abspath(base), temp_name("ckpt"), own_id, _chain(base, incremental, step)
 
+    picks = None if incremental is None else incremental[2]()  # this rank's changed local rows, per table
+    counts = (
+        (0, 0)
+        if picks is None
+        else (sum(int(p.numel()) for p in picks.values()), sum(s.rows.numel() for s in shards.values()))
+    )
     checked, error = _caught(check_arguments)
-    agreed = comm.all_gather_object(checked or (os.path.abspath(base), temp_name("ckpt")), group)
-    if error is None and world > 1 and len({w for w, _ in agreed}) > 1:
-        error = f"the ranks passed different paths ({', '.join(f'rank {r}: {w}' for r, (w, _) in enumerate(agreed))})"
-    tmp = base / agreed[0][1]
+    fallback = (os.path.abspath(base), temp_name("ckpt"), own_id, None)
+    agreed = comm.all_gather_object((*(checked or fallback), counts), group)
+    if error is None and world > 1 and len({w for w, *_ in agreed}) > 1:
+        error = f"the ranks passed different paths ({', '.join(f'rank {r}: {a[0]}' for r, a in enumerate(agreed))})"
+    if error is None and world > 1 and len({json.dumps(a[3], sort_keys=True) for a in agreed}) > 1:
+        error = (
+            "the ranks see different checkpoints to build an increment on (a root on storage the ranks do not share?)"
+        )
+    tmp, own_id, chain = base / agreed[0][1], agreed[0][2], agreed[0][3]
+    changed, total = sum(a[4][0] for a in agreed), sum(a[4][1] for a in agreed)
+    if chain is not None and changed > increments.FULL_ABOVE * total:
+        logger.info(
+            "embtables: save(incremental=True) writes a full checkpoint: %d of %d rows changed.", changed, total
+        )
+        chain = None
     lock = WriterLock(base, ".embtables-save.lock", f"save of step {step}")
     if error is None and rank == 0:
         _, error = _caught(lambda: _make_dirs(base, tmp, lock))
     try:
         agree(error, group, f"save of step {step} to {base}")
         tick = progress or (lambda n: None)
-        plan = _plan(resolved, shards, stale, vocabularies)
+        plan = _plan(resolved, shards, stale, vocabularies, None if chain is None else picks)
         data = tmp / f"rank-{rank:05d}.safetensors"
         mine, error = _caught(lambda: _write_rank_file(data, resolved, plan, rank, step, tick))
         gathered = comm.all_gather_object((error, mine), group)
@@ -279,7 +312,20 @@ def save(
         if rank == 0:
             files = [m for _, m in gathered]
             _, error = _caught(
-                lambda: _publish(base, tmp, step, world, resolved, strategies, extra, files, keep_last, settings)
+                lambda: _publish(
+                    base,
+                    tmp,
+                    step,
+                    world,
+                    resolved,
+                    strategies,
+                    extra,
+                    files,
+                    keep_last,
+                    settings,
+                    own_id,
+                    chain,
+                )
             )
         agree(error, group, f"save of step {step} to {base}")
     except BaseException:
@@ -291,6 +337,19 @@ def save(
     return checkpoint_dir(base, step)
 
 
+def _chain(base: Path, incremental: tuple[str | None, int | None, Any] | None, step: int) -> dict[str, Any] | None:
+    """The ``chain`` entry of the save (None: a full checkpoint; why is logged when an increment was asked)."""
+    if incremental is None:
+        return None
+    newest = published(base)
+    chain, why = increments.previous_for_increment(
+        newest[-1] if newest else None, incremental[0], incremental[1], read_manifest, step
+    )
+    if chain is None:
+        logger.info("embtables: save(incremental=True) writes a full checkpoint: %s.", why)
+    return chain
+
+
 def _make_dirs(base: Path, tmp: Path, lock: WriterLock) -> None:
     base.mkdir(parents=True, exist_ok=True)
     lock.acquire()  # one save into a root at a time: two writers would replace each other's steps
@@ -300,11 +359,13 @@ def _make_dirs(base: Path, tmp: Path, lock: WriterLock) -> None:
 def _publish(
     base: Path, tmp: Path, step: int, world: int, resolved: ResolvedConfig, strategies: dict[str, str] | None,
     extra: dict[str, Any] | None, files: list[dict[str, Any]], keep_last: int | None,
-    settings: dict[str, Any] | None,
+    settings: dict[str, Any] | None, checkpoint_id: str, chain: dict[str, Any] | None,
 ) -> Path:  # fmt: skip
-    """Rank 0: write the manifest, publish the directory atomically, apply ``keep_last``."""
-    manifest = {
+    """Rank 0: write the manifest, publish the directory atomically, apply ``keep_last`` (never to a
+    checkpoint that a kept one builds on)."""
+    manifest: dict[str, Any] = {
         "format_version": FORMAT_VERSION,
+        "id": checkpoint_id,
         "step": int(step),
         "world_size": world,
         "strategies": strategies or {t.name: "div" for t in resolved.tables},
@@ -313,6 +374,8 @@ def _publish(
         "extra": extra or {},
         "files": files,
     }
+    if chain is not None:
+        manifest["chain"] = chain
     with open(tmp / manifest_io.MANIFEST, "w") as f:
         json.dump(manifest, f, indent=1, sort_keys=True)
         f.flush()
@@ -324,8 +387,11 @@ def _publish(
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
     if keep_last is not None:
-        for stale_ckpt in published(base)[:-keep_last]:
-            shutil.rmtree(stale_ckpt, ignore_errors=True)
+        every = published(base)
+        kept = increments.needed(every[-keep_last:], read_manifest)
+        for stale_ckpt in every[:-keep_last]:
+            if stale_ckpt not in kept:
+                shutil.rmtree(stale_ckpt, ignore_errors=True)
     for kind in ("ckpt", "trash"):  # left by saves killed midway, on this host, by dead processes
         clean_dead_leftovers(base, kind)
     return final
@@ -422,11 +488,18 @@ def restore(
     def verify() -> tuple[dict[str, Any], list[Any]]:
         where, manifest = read_manifest(path)
         _check_config(manifest, resolved, where)
+        chain = increments.resolve_chain(where, manifest, read_manifest)
+        if len(chain) > 1 and any(t.config.dynamic is not None for t in resolved.tables):
+            raise CheckpointError(f"{where}: an incremental checkpoint cannot be restored into dynamic tables.")
         maps = open_rank_files(where, manifest)
-        files.update(streaming_restore.open_files(where, manifest))
         by_row = tuple(t for t in resolved.tables if t.config.dynamic is None)
         fixed = dataclasses.replace(resolved, tables=by_row)
-        plans = streaming_restore.verify(where, manifest, fixed, shards, files, tick)
+        plans = []
+        for i, (link, link_manifest) in enumerate(chain):  # the full checkpoint, then its increments in order
+            _check_config(link_manifest, resolved, link)
+            link_files = streaming_restore.open_files(link, link_manifest)
+            files.update({f"{link.name}/{name}": f for name, f in link_files.items()})
+            plans.append(streaming_restore.verify(link, link_manifest, fixed, shards, link_files, tick, partial=i > 0))
         restores = {}
         for t in resolved.tables:
             if t.config.dynamic is None:
@@ -454,8 +527,9 @@ def restore(
         agree(error, group, f"restore from {path}")
         manifest, plans = verified
 
-        def write() -> None:  # pass 2: into place
-            streaming_restore.write(plans, shards, tick)
+        def write() -> None:  # pass 2: into place, the full checkpoint first, then each increment
+            for link_plans in plans:
+                streaming_restore.write(link_plans, shards, tick)
             dynamic_restore.write(manifest["dynamic"], shards)
 
         _, error = _caught(write)

@@ -289,7 +289,8 @@ def _estimator(args: argparse.Namespace, data: SyntheticCTR, model_dir: Path) ->
         loss_fn=nn.functional.binary_cross_entropy_with_logits,
         predictions_fn=torch.sigmoid,
         eval_metrics={"auc": auc, "log_loss": log_loss},
-        save_checkpoints_steps=None,
+        save_checkpoints_steps=args.save_every,
+        incremental_checkpoints=args.incremental,
         log_step_count_steps=max(1, min(100, args.steps // 10)),
         progress=args.progress,
     )

@@ -61,6 +61,15 @@ def parser() -> argparse.ArgumentParser:
         help="keep: glibc keeps freed memory, no fresh page faults for every step's tensors (default); "
         "default: glibc's own thresholds",
     )  # fmt: skip
+    p.add_argument(
+        "--save-every", type=int, default=None, metavar="N",
+        help="also save a checkpoint every N training steps (synthetic and --data jobs; default: at the end only)",
+    )  # fmt: skip
+    p.add_argument(
+        "--incremental", action="store_true",
+        help="checkpoints after the first hold only the embedding rows changed since the one before "
+        "(docs/checkpoints.md, 'Incremental checkpoints')",
+    )  # fmt: skip
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
     p.add_argument("-v", "--verbose", action="store_true", help="log every metrics line")
     p.add_argument("--debug", action="store_true", help="show tracebacks (also EMBTABLES_DEBUG=1)")
@@ -92,6 +101,11 @@ def _check(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error("--data needs --schema (a JSON file naming the label and the feature columns)")
     if args.schema is not None and args.data is None:
         p.error("--schema goes with --data")
+    if args.save_every is not None and args.save_every < 1:
+        p.error(f"--save-every must be at least 1, got {args.save_every}")
+    if (args.save_every is not None or args.incremental) and args.data is None and args.dataset != "synthetic":
+        p.error(f"--save-every and --incremental apply to the synthetic job and --data jobs, not to {args.dataset} "
+                "(it trains its folds from scratch and saves each at its end)")  # fmt: skip
     for flag, path in (("--data", args.data), ("--schema", args.schema)):
         if path is not None and not Path(path).is_file():
             p.error(f"{flag} {path}: no such file")

@@ -331,7 +331,8 @@ def run(args: argparse.Namespace) -> int:
         loss_fn=nn.functional.binary_cross_entropy_with_logits if binary else nn.functional.mse_loss,
         predictions_fn=torch.sigmoid if binary else None,
         eval_metrics=metrics,
-        save_checkpoints_steps=None,
+        save_checkpoints_steps=args.save_every,
+        incremental_checkpoints=args.incremental,
         keep_checkpoint_max=1,
         progress=args.progress,
     )

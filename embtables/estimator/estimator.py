@@ -102,6 +102,9 @@ class Estimator:
       predictions_fn: maps ``model_fn``'s output to what ``predict`` and the metrics see (e.g.
         ``torch.sigmoid`` for logits); default identity.
       save_checkpoints_steps, keep_checkpoint_max, log_step_count_steps: as TF's ``RunConfig``.
+      incremental_checkpoints: the embedding checkpoints after the first hold only the rows changed since the
+        one before (``DistributedEmbedding.save(incremental=True)``; the dense file is whole every time);
+        ``full_checkpoint_every``: at most that many increments in a row (None: no limit).
       progress: show a progress bar (default: when stderr is a terminal).
       input_prefetch: batches read from ``input_fn`` and converted ahead, on a background thread, while
         the current step trains (0: none, each batch is read when its step starts); ``"auto"`` (default):
@@ -124,6 +127,8 @@ class Estimator:
         save_checkpoints_steps: int | None = 1000,
         keep_checkpoint_max: int = 3,
         log_step_count_steps: int = 100,
+        incremental_checkpoints: bool = False,
+        full_checkpoint_every: int | None = None,
         progress: bool | None = None,
         process_group: Any = None,
         input_prefetch: int | str = "auto",
@@ -146,6 +151,18 @@ class Estimator:
             raise ValueError(
                 f"Estimator: `save_checkpoints_steps` must be None or an int >= 1, got {save_checkpoints_steps!r}."
             )
+        if not isinstance(incremental_checkpoints, bool):
+            raise TypeError(f"Estimator: `incremental_checkpoints` must be a bool, got {incremental_checkpoints!r}.")
+        if full_checkpoint_every is not None and (
+            isinstance(full_checkpoint_every, bool)
+            or not isinstance(full_checkpoint_every, int)
+            or full_checkpoint_every < 1
+        ):
+            raise ValueError(
+                f"Estimator: `full_checkpoint_every` must be None or an int >= 1, got {full_checkpoint_every!r}."
+            )
+        self.incremental_checkpoints = incremental_checkpoints
+        self.full_checkpoint_every = full_checkpoint_every
         self.spec = embedding_config_spec
         self.input_prefetch = input_prefetch
         self._probes: dict[str, Probe] = {}  # input_prefetch="auto": per kind of call (train, predict)
@@ -173,6 +190,7 @@ class Estimator:
         self.progress = sys.stderr.isatty() if progress is None else progress
         self._restored = False
         self._interrupted = False
+        self._saved: tuple[int, str] | None = None  # (step, checkpoint) of this estimator's last save
         self._writer_lock: WriterLock | None = None
         self._writer: Any = None
         self.history: list[dict[str, float]] = []  # the rows of train_metrics.csv, in memory
@@ -254,8 +272,11 @@ class Estimator:
 
     def save(self) -> str:
         """Write a checkpoint of the current step into ``model_dir`` (every rank calls it). The dense
-        file is written and fsynced first; the embedding checkpoint's atomic publish commits both."""
+        file is written and fsynced first; the embedding checkpoint's atomic publish commits both. A step
+        this estimator already saved, still published, is not written again (nothing trains between)."""
         step = self.global_step
+        if self._saved is not None and self._saved[0] == step and Path(self._saved[1]).is_dir():
+            return self._saved[1]
         dense_name = f"dense-{step:010d}.pt"
         error = None
         if self.rank == 0:
@@ -272,6 +293,8 @@ class Estimator:
             keep_last=self.keep_checkpoint_max,
             extra={"global_step": step, "dense": dense_name},
             progress=self.progress,
+            incremental=self.incremental_checkpoints,
+            full_every=self.full_checkpoint_every,
         )
         if self.rank == 0:
             keep = set()
@@ -281,6 +304,7 @@ class Estimator:
             for f in self.model_dir.iterdir():
                 if DENSE_FILE.fullmatch(f.name) and f.name not in keep:
                     f.unlink(missing_ok=True)
+        self._saved = (step, path)
         return path
 
     # ------------------------------------------------------------------ steps

@@ -75,6 +75,8 @@ class Engine(Protocol):
 
     def changed_rows(self, shards: dict[str, LocalShard]) -> dict[str, Tensor]: ...
 
+    def changed_local(self) -> dict[str, Tensor]: ...
+
     def clear_changed(self) -> None: ...
 
     def settle(self) -> None: ...
@@ -155,6 +157,11 @@ class LocalTables:
             rows = shards[name].rows
             out[name] = rows[local.to(rows.device)].cpu()
         return out
+
+    def changed_local(self) -> dict[str, Tensor]:
+        """Per table, the positions [R] (ascending) in this engine's ``local_shards`` rows of the rows changed
+        since the last save or restore."""
+        return self.local.changed.rows()
 
     def clear_changed(self) -> None:
         self.local.changed.clear()

@@ -15,6 +15,7 @@ import pandas as pd
 import pytest
 
 from embtables.__main__ import main as cli
+from embtables.checkpoint import increments
 from embtables.data.movielens import find_movielens_100k, kfold, load_movielens_100k
 
 SMALL = ["--small", "--eval-size", "1024", "--batch-size", "128", "--no-progress", "--threads", "1"]
@@ -47,6 +48,25 @@ def test_dlrm_job_writes_every_artefact_and_resumes(tmp_path: Path, capsys: pyte
     assert cli(["export", str(tmp_path), str(tmp_path / "serving"), "--dtype", "int8"]) == 0
     assert (tmp_path / "serving" / "serving.json").is_file()
     assert cli(["inspect", str(tmp_path)]) == 0
+
+
+def test_dlrm_job_saves_incremental_checkpoints_and_resumes_from_the_chain(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(increments, "FULL_ABOVE", 1.0)  # the smoke job's small tables change most rows in 10 steps
+    job = ["train", *SMALL, "--eval-every", "20", "--save-every", "10", "--incremental", "--model-dir", str(tmp_path)]
+    assert cli([*job, "--steps", "30"]) == 0
+    manifests = [json.loads((tmp_path / f"ckpt-{s:08d}" / "manifest.json").read_text()) for s in (10, 20, 30)]
+    assert [m.get("chain", {}).get("increments", 0) for m in manifests] == [0, 1, 2]
+    capsys.readouterr()
+    assert cli(["inspect", str(tmp_path)]) == 0
+    assert "chain (restored in this order)" in capsys.readouterr().out
+    assert cli([*job, "--steps", "40"]) == 0  # resumes from the chain, adds an increment on it
+    assert json.loads((tmp_path / "summary.json").read_text())["steps_trained"] == 10
+    assert json.loads((tmp_path / "ckpt-00000040" / "manifest.json").read_text())["chain"]["increments"] == 3
+    with pytest.raises(SystemExit):
+        cli(["train", "--dataset", "movielens-100k", "--incremental", "--model-dir", str(tmp_path / "m")])
+    assert "apply to the synthetic job and --data jobs" in capsys.readouterr().err
 
 
 def test_small_is_a_smoke_test(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -16,6 +16,7 @@ from mp_world import run_world
 from torch import nn
 
 from embtables import estimator as est
+from embtables.checkpoint import increments, published, read_manifest
 
 N, USERS, ITEMS = 1200, 40, 60
 
@@ -98,6 +99,24 @@ def test_training_learns_and_resume_is_exact(tmp_path: Path) -> None:
     after = straight.evaluate(_input_fn(features, y))
     assert after["loss"] < before["loss"] and after["auc"] > max(0.6, before["auc"] + 0.05)
     assert after["global_step"] == 12.0
+
+
+def test_incremental_checkpoints_resume_exactly(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(increments, "FULL_ABOVE", 1.0)  # small tables: most rows change between saves
+    features, y = _data()
+    straight = _estimator(tmp_path / "straight")
+    straight.train(_input_fn(features, y), steps=12)
+    resumed = _estimator(tmp_path / "resumed", save_checkpoints_steps=2, incremental_checkpoints=True)
+    resumed.train(_input_fn(features, y), steps=7)
+    resumed.close()
+    chains = [read_manifest(p)[1].get("chain") for p in published(tmp_path / "resumed")]
+    assert chains[0] is None and any(c is not None for c in chains), chains  # a full checkpoint, then increments
+    again = _estimator(tmp_path / "resumed", incremental_checkpoints=True)  # restores the chain
+    again.train(lambda: (b for i, b in enumerate(_input_fn(features, y)()) if i >= 7), steps=5)
+    a, b = _state(straight), _state(again)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    with pytest.raises(ValueError, match="full_checkpoint_every"):
+        _estimator(tmp_path / "bad", full_checkpoint_every=0)
 
 
 def test_metrics_files_checkpoints_and_predict(tmp_path: Path) -> None:

@@ -1,0 +1,181 @@
+"""Incremental checkpoints: a checkpoint that holds only the rows changed since the checkpoint before it
+(``save(root, incremental=True)``), and the chain a restore resolves (the last full checkpoint, then every
+increment after it, in order).
+
+Every manifest written since increments exist carries an ``id`` (random, 32 hex digits). An increment's
+manifest adds ``chain``: the directory name, id and step of the checkpoint it was built on
+(``previous``, ``previous_id``, ``previous_step``) and how many increments the chain holds up to it
+(``increments``). Its rank files have the usual layout, with only the changed rows of each table (global
+row ids, ascending). A chain is read as a stranger's data: a link that is missing, replaced (another id),
+out of order, or of another config is refused, naming it, before anything is restored.
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+import zlib
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from embtables.checkpoint import manifest as manifest_io
+from embtables.checkpoint.file_names import CheckpointError, contained
+
+_ID = re.compile(r"[0-9a-f]{32}")
+_MAX_LINKS = 100_000  # a chain longer than this is refused as corrupt (a cycle, say)
+FULL_ABOVE = 0.5  # more of the rows changed than this: a full checkpoint (as large, faster to restore)
+
+
+def new_id() -> str:
+    """A fresh checkpoint id (32 hex digits)."""
+    return secrets.token_hex(16)
+
+
+def manifest_id(manifest: dict[str, Any]) -> str | None:
+    """The manifest's id, or None (written before ids, or not a well-formed one)."""
+    value = manifest.get("id")
+    return value if isinstance(value, str) and _ID.fullmatch(value) else None
+
+
+def chain_of(manifest: dict[str, Any], where: Path) -> dict[str, Any] | None:
+    """The checked ``chain`` entry of an increment's manifest (None for a full checkpoint)."""
+    chain = manifest.get("chain")
+    if chain is None:
+        return None
+    what = f"{where / manifest_io.MANIFEST}: its 'chain'"
+    if not isinstance(chain, dict):
+        raise CheckpointError(f"{what} must be a JSON object, got {type(chain).__name__}.")
+    previous, previous_id = chain.get("previous"), chain.get("previous_id")
+    step, increments = chain.get("previous_step"), chain.get("increments")
+    if not isinstance(previous, str) or not isinstance(previous_id, str) or not _ID.fullmatch(previous_id):
+        raise CheckpointError(f"{what} must name the checkpoint it builds on and its id, got {chain!r}.")
+    for name, value in (("previous_step", step), ("increments", increments)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < (1 if name == "increments" else 0):
+            raise CheckpointError(f"{what}.{name} must be a non-negative integer, got {value!r}.")
+    return {"previous": previous, "previous_id": previous_id, "previous_step": step, "increments": increments}
+
+
+def resolve_chain(
+    where: Path, manifest: dict[str, Any], read: Callable[[Path], tuple[Path, dict[str, Any]]]
+) -> list[tuple[Path, dict[str, Any]]]:
+    """The checkpoints a restore of ``where`` (its checked ``manifest``) reads, oldest first: the last full
+    checkpoint and every increment after it, ``where`` last (a full checkpoint: itself alone). ``read`` reads
+    and checks a manifest. ``CheckpointError`` naming the link for a missing, replaced or out-of-order one."""
+    links = [(where, manifest)]
+    while True:
+        here, current = links[-1]
+        chain = chain_of(current, here)
+        if chain is None:
+            break
+        if len(links) > _MAX_LINKS:
+            raise CheckpointError(f"{where}: its chain of increments is longer than {_MAX_LINKS} (corrupt).")
+        name = chain["previous"]
+        previous = contained(here.parent, name, f"the chain of {here.name}")
+        if not (previous / manifest_io.MANIFEST).is_file():
+            raise CheckpointError(
+                f"{here}: an incremental checkpoint built on {name} (step {chain['previous_step']}), which is missing "
+                f"from {here.parent}. A restore needs the whole chain: the last full checkpoint and every increment "
+                "after it. Nothing was restored."
+            )
+        _, before = read(previous)
+        if manifest_id(before) != chain["previous_id"]:
+            raise CheckpointError(
+                f"{here}: an incremental checkpoint built on {name}, but {previous} is another checkpoint (its id "
+                f"differs: it was saved again after this increment was written). Nothing was restored."
+            )
+        if int(before["step"]) != chain["previous_step"] or int(before["step"]) >= int(current["step"]):
+            raise CheckpointError(
+                f"{here}: an incremental checkpoint of step {current['step']} built on {name}, whose step is "
+                f"{before['step']} (expected {chain['previous_step']}, before its own): the chain is out of order. "
+                "Nothing was restored."
+            )
+        links.append((previous, before))
+    return links[::-1]
+
+
+def needed(kept: list[Path], read: Callable[[Path], tuple[Path, dict[str, Any]]]) -> set[Path]:
+    """Every checkpoint that the checkpoints ``kept`` need (themselves and their chains); a chain that cannot
+    be resolved keeps every checkpoint it names that exists."""
+    out: set[Path] = set()
+    for path in kept:
+        out.add(path)
+        here = path
+        seen = {path}
+        for _ in range(_MAX_LINKS):
+            try:
+                _, current = read(here)
+                chain = chain_of(current, here)
+            except CheckpointError:
+                break
+            if chain is None:
+                break
+            try:
+                here = contained(here.parent, chain["previous"], f"the chain of {here.name}")
+            except CheckpointError:
+                break
+            if here in seen:  # a cycle (a corrupt chain): what it names is kept, once
+                break
+            seen.add(here)
+            out.add(here)
+    return out
+
+
+def previous_for_increment(
+    latest: Path | None,
+    last_id: str | None,
+    full_every: int | None,
+    read: Callable[[Path], tuple[Path, dict[str, Any]]],
+    step: int,
+) -> tuple[dict[str, Any] | None, str]:
+    """The ``chain`` entry of an increment of ``step`` built on ``latest`` (the newest checkpoint under the
+    root), or None and why the save must be full: the module's changed rows count from its last save or
+    restore (``last_id``), so an increment is only correct on top of that very checkpoint, and of a later
+    step (a save of the same step replaces it); ``full_every``: at most that many increments in a row."""
+    if latest is None:
+        return None, "no checkpoint under the root yet"
+    if last_id is None:
+        return None, "this module has not saved or restored a checkpoint since its tables were set"
+    try:
+        _, manifest = read(latest)
+        chain = chain_of(manifest, latest)
+    except CheckpointError as exc:
+        return None, f"the newest checkpoint cannot be read ({exc})"
+    if manifest_id(manifest) != last_id:
+        return None, f"the newest checkpoint, {latest.name}, is not the one this module last saved or restored"
+    if int(manifest["step"]) >= step:
+        return None, f"the newest checkpoint, {latest.name}, is of step {manifest['step']}: this save replaces it"
+    increments = 1 + (0 if chain is None else int(chain["increments"]))
+    if full_every is not None and increments > full_every:
+        return None, f"{full_every} increments in a row (full_every={full_every})"
+    entry = {"previous": latest.name, "previous_id": last_id, "previous_step": int(manifest["step"])}
+    return {**entry, "increments": increments}, ""
+
+
+class RowSelection:
+    """The rows ``pick`` [R] (local, ascending) of ``tensor`` [N, D] as one block of an increment's file,
+    gathered a piece at a time as it is written (no copy of the selection in memory): what the block
+    writer reads of an array (``shape``, ``size``, ``itemsize``, ``dtype``, ``ndim``) and ``write``."""
+
+    def __init__(self, tensor: torch.Tensor, pick: torch.Tensor, dim: int) -> None:
+        self.tensor, self.pick, self.dim = tensor.detach().reshape(-1, dim), pick.to(tensor.device), dim
+        self.shape = (int(pick.numel()), dim)
+        self.size = self.shape[0] * dim
+        self.itemsize = 4
+        self.dtype = np.dtype(np.float32)
+        self.ndim = 2
+
+    def write(self, f: Any, chunk_bytes: int, progress: Callable[[int], None]) -> int:
+        """Write the selected rows in pieces of about ``chunk_bytes``; returns their CRC-32."""
+        crc = zlib.crc32(b"")
+        rows = max(1, chunk_bytes // (4 * max(1, self.dim)))
+        for start in range(0, self.shape[0], rows):
+            piece = self.tensor[self.pick[start : start + rows]].to("cpu", torch.float32).numpy()
+            data = np.ascontiguousarray(piece).data.cast("B")
+            f.write(data)
+            crc = zlib.crc32(data, crc)
+            progress(len(data))
+        return crc
