@@ -20,6 +20,7 @@ import os
 import shutil
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -61,6 +62,62 @@ def _peak_extra_mib(fn: Any) -> tuple[Any, float]:
     return out, max(0, kib("VmHWM") - before) / 1024
 
 
+def _emit(record: dict[str, Any]) -> dict[str, Any]:
+    record = {"bench": "incremental", **record}
+    emit(record)
+    return record
+
+
+def _serving(out: Path, wl: Any, seconds: float = 3.0) -> dict[str, Any]:
+    """Lookups a second of one reader thread on the export at ``out`` (its deltas held back), idle and over
+    a window of ``seconds`` in which the deltas are applied one by one (``ServingEmbedding.update``)."""
+    held = out.parent / f"{out.name}-held"
+    held.mkdir()
+    deltas = sorted(out.glob("delta-*"))
+    for d in deltas:
+        shutil.move(str(d), held / d.name)
+    serving = et.ServingEmbedding.load(out)
+    (batch,) = make_batches(wl.with_(num_batches=1, seed=10**6))
+    splits = torch.arange(0, wl.batch * wl.pooling + 1, wl.pooling)
+    query = {f"f{t}": et.Ragged(torch.from_numpy(batch.ids[t]), splits) for t in range(wl.tables)}
+    done = [0]
+    stop = threading.Event()
+
+    def reader() -> None:
+        while not stop.is_set():
+            serving(query)
+            done[0] += 1
+
+    def rate(during: bool) -> float:
+        stop.clear()
+        done[0] = 0
+        thread = threading.Thread(target=reader)
+        t0 = time.perf_counter()
+        thread.start()
+        if during:
+            time.sleep(seconds / (len(deltas) + 1))
+            for d in deltas:
+                shutil.move(str(held / d.name), out / d.name)
+                t1 = time.perf_counter()
+                serving.update()
+                updates.append(time.perf_counter() - t1)
+                time.sleep(seconds / (len(deltas) + 1))
+        else:
+            time.sleep(seconds)
+        stop.set()
+        thread.join()
+        return done[0] / (time.perf_counter() - t0)
+
+    updates: list[float] = []
+    idle = rate(during=False)
+    busy = rate(during=True)
+    held.rmdir()
+    return {
+        "lookups_per_s_idle": round(idle, 2), "lookups_per_s_during_updates": round(busy, 2),
+        "of_idle": round(busy / idle, 3), "update_seconds": [round(u, 3) for u in updates], "window_s": seconds,
+    }  # fmt: skip
+
+
 def _bytes(path: str | Path) -> int:
     return sum(p.stat().st_size for p in Path(path).iterdir() if p.is_file())
 
@@ -98,7 +155,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows_total = wl.tables * wl.rows
     lines = []
     try:
-        for every in [int(x) for x in args.every.split(",")]:
+        intervals = [int(x) for x in args.every.split(",")]
+        for every in intervals:
             emb = _module(wl)
             root = base / f"every-{every}"
             train(emb, every, f"every {every}: steps")
@@ -109,6 +167,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                       "bytes": _bytes(first), "seconds": round(full_s, 3)}  # fmt: skip
             emit(record)
             lines.append(record)
+            serve = base / f"serve-{every}" if every == intervals[0] else None
+            if serve is not None:
+                t0 = time.perf_counter()
+                et.export(root, serve)
+                lines.append(_emit({"every": every, "kind": "export", "seconds": round(time.perf_counter() - t0, 3),
+                                    "bytes": _bytes(serve)}))  # fmt: skip
             for k in range(args.increments):
                 train(emb, every, f"every {every}: steps")
                 changed = sum(int(r.numel()) for r in emb.changed_rows().values())
@@ -122,6 +186,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                 }  # fmt: skip
                 emit(record)
                 lines.append(record)
+                if serve is not None:
+                    t0 = time.perf_counter()
+                    report = et.export(root, serve, incremental=True)
+                    seconds = time.perf_counter() - t0
+                    lines.append(_emit({"every": every, "kind": "delta", "index": k + 1, "seconds": round(seconds, 3),
+                                        "bytes": _bytes(Path(str(report.delta)))}))  # fmt: skip
+            if serve is not None:
+                lines.append(_emit({"every": every, "kind": "serving", **_serving(serve, wl)}))
+                shutil.rmtree(serve, ignore_errors=True)
             t0 = time.perf_counter()
             full = emb.save(base / f"full-{every}")
             full_again_s = time.perf_counter() - t0
@@ -148,7 +221,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             shutil.rmtree(base, ignore_errors=True)
     print("every  kind        rows changed   bytes (MiB)  seconds  of a full save", file=sys.stderr)
     for r in lines:
-        if r["kind"] == "restore":
+        if r["kind"] in ("export", "delta"):
+            print(f"{r['every']:5d}  {r['kind']:10s} {'':20s} {r['bytes'] / 2**20:9.1f}  {r['seconds']:7.2f}",
+                  file=sys.stderr)  # fmt: skip
+        elif r["kind"] == "serving":
+            print(f"{r['every']:5d}  serving     {r['lookups_per_s_idle']:.1f} lookups/s idle, "
+                  f"{r['lookups_per_s_during_updates']:.1f} while {len(r['update_seconds'])} deltas were applied "
+                  f"({r['of_idle']:.0%}; updates {r['update_seconds']} s)", file=sys.stderr)  # fmt: skip
+        elif r["kind"] == "restore":
             print(f"{r['every']:5d}  restore     chain of {r['links']}: {r['chain_seconds']:.2f} s, "
                   f"one full checkpoint: {r['full_seconds']:.2f} s", file=sys.stderr)  # fmt: skip
         else:

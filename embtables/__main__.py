@@ -21,7 +21,7 @@ from typing import NoReturn
 
 import embtables
 from embtables.checkpoint import export, inspect
-from embtables.checkpoint.serving import DTYPES
+from embtables.checkpoint.serving_codec import DTYPES
 from embtables.cli import quickstart, stats, train
 from embtables.cli.job_runner import DEBUG_ENV, ROUTINE, Parser, debugging, fail
 
@@ -62,11 +62,19 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("checkpoint", help="a checkpoint directory (or a folder of them: the latest is used)")
     e.add_argument("out", help="a new or empty directory, or an earlier export (replaced atomically)")
     e.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="storage type (default float32)")
+    e.add_argument(
+        "--incremental", action="store_true",
+        help="when OUT is an export of an earlier checkpoint of the same chain: write only a delta of the rows "
+        "changed since (ServingEmbedding.update applies it)",
+    )  # fmt: skip
     return p
 
 
 def _export(args: argparse.Namespace) -> int:
-    report = export(args.checkpoint, args.out, dtype=args.dtype)
+    report = export(args.checkpoint, args.out, dtype=args.dtype, incremental=args.incremental)
+    if args.incremental and not report.max_abs_error:
+        print(f"{report.path}: {report.dtype}, " + (f"delta {report.delta}" if report.delta else "nothing new"))
+        return 0
     print(f"{report.path}: {report.dtype}")
     for name, err in report.max_abs_error.items():
         bad = report.nonfinite.get(name, 0)

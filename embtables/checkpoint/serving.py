@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import shutil
-import tokenize
 import warnings
 from pathlib import Path
 from typing import Any
@@ -28,8 +28,10 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from embtables.checkpoint import increments, serving_deltas
 from embtables.checkpoint.file_names import CheckpointError, contained, table_file_stem
 from embtables.checkpoint.owned_dirs import clean_dead_leftovers, fsync_dir, publish, temp_name
+from embtables.checkpoint.serving_codec import DTYPES, MARKER, encode_rows, load_array, store_dtype
 from embtables.checkpoint.store import open_rank_files, read_block, read_manifest, row_ids
 from embtables.config import Combiner, DynamicVocabulary, FeatureConfig, QuantizationConfig, TableConfig, nest, resolve
 from embtables.config.optimizers import SGD
@@ -39,10 +41,8 @@ from embtables.tables.dynamic_vocabularies import with_rows
 from embtables.tables.input_nest import flatten_inputs
 from embtables.tables.inputs import InputConverter
 
+logger = logging.getLogger("embtables")
 FORMAT_VERSION = 2  # 2: files named by table index (serving.json maps names to files); 1 is still read
-DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": None, "int8": np.uint8}
-MARKER = ".embtables-export"  # lists every file an export wrote: only such a directory is ever replaced
-_LIMITS = {"float16": float(np.finfo(np.float16).max), "bfloat16": 3.3895313892515355e38}
 _CHUNK_ROWS = 1 << 16
 
 
@@ -57,6 +57,7 @@ class ExportReport:
     max_abs_error: dict[str, float]
     relative_error: dict[str, float]
     nonfinite: dict[str, int] = dataclasses.field(default_factory=dict)
+    delta: str | None = None  # ``incremental=True``: the delta written (None: a full export, or nothing new)
 
 
 def _check_out(target: Path) -> None:
@@ -84,19 +85,42 @@ def _check_out(target: Path) -> None:
         )
 
 
-def export(checkpoint: str | os.PathLike[str], out: str | os.PathLike[str], dtype: str = "float32") -> ExportReport:
+def export(
+    checkpoint: str | os.PathLike[str],
+    out: str | os.PathLike[str],
+    dtype: str = "float32",
+    *,
+    incremental: bool = False,
+) -> ExportReport:
     """Write a serving artifact of ``checkpoint``'s tables (no slots) in ``dtype`` into ``out``: a new
     or empty directory, or an earlier export, which is replaced atomically (anything else is refused
-    and left untouched)."""
+    and left untouched). ``incremental=True``: when ``out`` is an export in ``dtype`` of a checkpoint in
+    ``checkpoint``'s chain, only a delta of the rows changed since (``serving_deltas``; nothing when
+    there are none), applied by ``ServingEmbedding.update``; else a full export, logged."""
     if dtype not in DTYPES:
         raise ValueError(f"export: dtype must be one of {sorted(DTYPES)}, got {dtype!r}.")
     where, manifest = read_manifest(checkpoint)
     config = manifest["config"]
     if "structure" not in config:
         raise CheckpointError(f"{where}: this checkpoint has no feature structure (written by an older embtables).")
-    maps = open_rank_files(where, manifest)  # every rank file checked against the manifest, once
+    chain = increments.resolve_chain(where, manifest, read_manifest)  # an increment: its full checkpoint first
+    if len(chain) > 1 and any(t.get("dynamic") is not None for t in config["tables"].values()):
+        raise CheckpointError(f"{where}: an incremental checkpoint of dynamic tables cannot be exported.")
+    # every rank file of every link checked against its manifest, once
+    links = [(link, m, open_rank_files(link, m)) for link, m in chain]
+    maps = links[-1][2]
     target = Path(out)
     _check_out(target)
+    if incremental:
+        base, why = _export_to_extend(target, dtype)
+        if base is not None:
+            current, _ = serving_deltas.version(base, target)
+            ids = [increments.manifest_id(m) for _, m, _ in links]
+            if current in ids:
+                delta = serving_deltas.write(target, base, links, ids.index(current), config["tables"], dtype)
+                return ExportReport(str(target), dtype, {}, {}, {}, None if delta is None else str(delta))
+            why = f"the export at {target} serves a checkpoint that is not in the chain of {where}"
+        logger.info("embtables: export(incremental=True) writes a full export: %s.", why)
     target.parent.mkdir(parents=True, exist_ok=True)
     for kind in ("export", "trash"):
         clean_dead_leftovers(target.parent, kind)
@@ -118,10 +142,11 @@ def export(checkpoint: str | os.PathLike[str], out: str | os.PathLike[str], dtyp
             if t.get("dynamic") is not None:  # a dynamic table's live keys and their rows (spec §11)
                 files[name]["keys"] = f"{stem}.keys.npy"
                 _export_keys(where, manifest, maps, name, int(t["vocabulary_size"]), tmp / files[name]["keys"])
-            errors[name], relative[name], nonfinite[name] = _export_table(
-                where, manifest, maps, name, t, tmp, files[name], dtype
-            )
-        doc = {"format_version": FORMAT_VERSION, "dtype": dtype, "step": manifest["step"], "files": files, **config}
+            errors[name], relative[name], nonfinite[name] = _export_table(links, name, t, tmp, files[name], dtype)
+        doc = {
+            "format_version": FORMAT_VERSION, "dtype": dtype, "step": manifest["step"], "files": files, **config,
+            "export_id": increments.new_id(), "checkpoint_id": increments.manifest_id(manifest),
+        }  # fmt: skip
         _write_synced(tmp / "serving.json", json.dumps(doc, indent=1, sort_keys=True))
         written = ["serving.json", *(f for pair in files.values() for f in pair.values())]
         _write_synced(tmp / MARKER, json.dumps({"format": "embtables serving export", "files": written}))
@@ -137,6 +162,19 @@ def export(checkpoint: str | os.PathLike[str], out: str | os.PathLike[str], dtyp
     return ExportReport(str(target), dtype, errors, relative, nonfinite)
 
 
+def _export_to_extend(target: Path, dtype: str) -> tuple[dict[str, Any] | None, str]:
+    """The ``serving.json`` of the export at ``target`` when a delta may extend it, else None and why."""
+    try:
+        doc = json.loads((target / "serving.json").read_text())
+    except (OSError, ValueError, RecursionError):
+        return None, f"no readable export at {target}"
+    if not isinstance(doc, dict) or not isinstance(doc.get("export_id"), str):
+        return None, f"the export at {target} was written before serving deltas"
+    if doc.get("dtype") != dtype:
+        return None, f"the export at {target} is in {doc.get('dtype')!r:.20}, not {dtype}"
+    return doc, ""
+
+
 def _write_synced(path: Path, text: str) -> None:
     with open(path, "w") as f:
         f.write(text)
@@ -145,12 +183,14 @@ def _write_synced(path: Path, text: str) -> None:
 
 
 def _export_table(
-    where: Path, manifest: dict[str, Any], maps: dict[str, np.ndarray[Any, Any]], name: str, table: dict[str, Any],
+    links: list[tuple[Path, dict[str, Any], dict[str, np.ndarray[Any, Any]]]], name: str, table: dict[str, Any],
     out: Path, files: dict[str, str], dtype: str,
 ) -> tuple[float, float, int]:  # fmt: skip
-    """Stream one table's blocks into its files; returns (max abs error, relative error, non-finite count)."""
+    """Stream one table's blocks into its files; returns (max abs error, relative error, non-finite count).
+    ``links``: the checkpoints of a chain, oldest first (one for a full checkpoint), each (directory, checked
+    manifest, rank file maps); every row is read from the newest link that holds it."""
     v, d = int(table["vocabulary_size"]), int(table["dim"])
-    store = np.uint16 if dtype == "bfloat16" else DTYPES[dtype]
+    store = store_dtype(dtype)
     data = np.lib.format.open_memmap(out / files["data"], mode="w+", dtype=store, shape=(v, d))
     scales = None
     if "scales" in files:
@@ -158,17 +198,22 @@ def _export_table(
     filled = np.zeros(v, dtype=bool)
     worst = biggest = 0.0
     bad = 0
-    for entry in manifest["checked_files"]:
-        file, mm = where / entry["file"], maps[entry["file"]]
+    where = links[-1][0]
+    entries = [(link / e["file"], maps[e["file"]], e) for link, m, maps in reversed(links) for e in m["checked_files"]]
+    for file, mm, entry in entries:
         blocks = entry["blocks"][name]
         rows = row_ids(mm, blocks.rows, file, name, v)
         if rows.size == 0:
             continue
         weights = read_block(mm, blocks.state[name], file, name)
+        newest = ~filled[rows]  # rows a newer link already wrote are skipped
         for start in range(0, rows.size, _CHUNK_ROWS):  # bounded memory: 64k rows at a time
-            w = np.asarray(weights[start : start + _CHUNK_ROWS])
-            r = rows[start : start + _CHUNK_ROWS]
-            stored, back, scale_bias, finite = _encode(w, dtype, name, r)
+            keep = newest[start : start + _CHUNK_ROWS]
+            if not keep.any():
+                continue
+            w = np.asarray(weights[start : start + _CHUNK_ROWS])[keep]
+            r = rows[start : start + _CHUNK_ROWS][keep]
+            stored, back, scale_bias, finite = encode_rows(w, dtype, name, r)
             data[r] = stored
             if scale_bias is not None and scales is not None:
                 scales[r] = scale_bias
@@ -212,48 +257,6 @@ def _export_keys(
     if pairs.shape[0] > 1 and not bool((np.diff(pairs[:, 0]) > 0).all()):
         raise CheckpointError(f"{where}: table {name!r}: a key holds two rows (the checkpoint is corrupt).")
     np.save(out, pairs.astype(np.int64))
-
-
-def _encode(
-    w: np.ndarray[Any, Any], dtype: str, table: str, rows: np.ndarray[Any, Any]
-) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any], np.ndarray[Any, Any] | None, np.ndarray[Any, Any]]:
-    """Stored values, their float32 decoding, (int8) the per-row [scale, bias], and which values are
-    finite. Refuses finite values that ``dtype`` cannot hold (they would be served as Inf or NaN)."""
-    finite = np.isfinite(w)
-    limit = _LIMITS.get(dtype)
-    if limit is not None:
-        over = finite & (np.abs(w) > limit)
-        if over.any():
-            r, c = np.argwhere(over)[0]
-            raise ValueError(
-                f"export: table {table!r}, row {int(rows[r])}: the value {float(w[r, c])!r} exceeds {dtype}'s "
-                f"largest value {limit:.6g} and would be served as Inf; export as float32. Nothing was exported."
-            )
-    if dtype == "float32":
-        return w, w, None, finite
-    if dtype == "float16":
-        h = w.astype(np.float16)
-        return h, h.astype(np.float32), None, finite
-    if dtype == "bfloat16":
-        b = torch.from_numpy(np.array(w, dtype=np.float32)).to(torch.bfloat16)  # a writable copy
-        return b.view(torch.int16).numpy().view(np.uint16), b.to(torch.float32).numpy(), None, finite
-    lo, hi = w.min(axis=1, keepdims=True), w.max(axis=1, keepdims=True)  # [N, 1] each
-    span = hi[:, 0].astype(np.float64) - lo[:, 0].astype(np.float64)  # [N]
-    unfit = ~finite.all(axis=1) | (span > 0.99 * float(np.finfo(np.float32).max))  # [N]: q * scale stays finite
-    if unfit.shape != (w.shape[0],):
-        raise AssertionError(f"export: a per-row mask of shape {unfit.shape} for {w.shape[0]} rows")
-    if unfit.any():
-        r = int(np.flatnonzero(unfit)[0])
-        raise ValueError(
-            f"export: table {table!r}, row {int(rows[r])}: its values (from {float(lo[r, 0])!r} to "
-            f"{float(hi[r, 0])!r}) cannot be quantised to int8 (not finite, or a range beyond float32); "
-            "export as float32. Nothing was exported."
-        )
-    scale = ((hi - lo) / np.float32(255)).astype(np.float32)
-    safe = np.where(scale > 0, scale, np.float32(1))
-    q = np.clip(np.rint((w - lo) / safe), 0, 255).astype(np.uint8)
-    back = (q.astype(np.float32) * scale + lo).astype(np.float32)
-    return q, back, np.concatenate([scale, lo], axis=1), finite
 
 
 def _rebuild(structure: Any, features: list[FeatureConfig], used: set[int]) -> Any:
@@ -333,44 +336,13 @@ def _require_finite(data: Tensor, scales: Tensor | None, dtype: str) -> None:
 
 def _load_keys(path: Path, vocabulary_size: int) -> tuple[Tensor, Tensor]:
     """A dynamic table's keys file: its keys [L] (strictly increasing) and their rows [L] (in [0, V))."""
-    pairs = _load_array(path, np.int64, (-1, 2), mmap=False, max_rows=vocabulary_size)
+    pairs = load_array(path, np.int64, (-1, 2), mmap=False, max_rows=vocabulary_size)
     keys, rows = pairs[:, 0], pairs[:, 1]
     if (keys.size > 1 and not bool((np.diff(keys) > 0).all())) or (
         rows.size and (int(rows.min()) < 0 or int(rows.max()) >= vocabulary_size)
     ):
         raise ValueError(f"{path.name}: keys are not increasing, or a row is outside [0, {vocabulary_size})")
     return torch.from_numpy(keys.copy()), torch.from_numpy(rows.copy())
-
-
-def _load_array(
-    path: Path, dtype: Any, shape: tuple[int, int], mmap: bool, max_rows: int | None = None
-) -> np.ndarray[Any, Any]:
-    """A ``.npy`` file of exactly ``dtype`` and ``shape`` whose size matches its header (checked
-    before a byte of data is read or any memory is allocated). ``shape[0] = -1``: any row count up to
-    ``max_rows``."""
-    fmt = np.lib.format
-    with open(path, "rb") as f:
-        version = fmt.read_magic(f)
-        if version not in ((1, 0), (2, 0)):
-            raise ValueError(f"{path.name}: .npy format version {version} is not one export writes")
-        read_header = fmt.read_array_header_1_0 if version == (1, 0) else fmt.read_array_header_2_0
-        try:  # numpy parses the header as a Python literal: a mangled one raises SyntaxError or TokenError
-            got_shape, fortran, got_dtype = read_header(f)
-        except (SyntaxError, tokenize.TokenError, TypeError, RecursionError) as exc:
-            raise ValueError(f"{path.name}: its .npy header is not readable ({type(exc).__name__})") from None
-        start, size = f.tell(), os.fstat(f.fileno()).st_size
-    if shape[0] == -1 and len(got_shape) == 2 and 0 <= got_shape[0] <= (max_rows or 0):
-        shape = (int(got_shape[0]), shape[1])
-    if tuple(got_shape) != shape or np.dtype(got_dtype) != np.dtype(dtype) or fortran:
-        wanted = shape if shape[0] != -1 else f"[at most {max_rows}, {shape[1]}]"
-        raise ValueError(
-            f"{path.name} holds {got_dtype} {tuple(got_shape)}, serving.json says {np.dtype(dtype)} {wanted}"
-        )
-    if size != start + shape[0] * shape[1] * np.dtype(dtype).itemsize:
-        raise ValueError(
-            f"{path.name} has {size} bytes, not the {start} + {shape[0]} x {shape[1]} values its header says"
-        )
-    return np.load(path, mmap_mode="r" if mmap else None, allow_pickle=False)  # type: ignore[no-any-return]
 
 
 class ServingEmbedding(nn.Module):
@@ -383,6 +355,10 @@ class ServingEmbedding(nn.Module):
     def __init__(self, doc: dict[str, Any], root: Path, mmap: bool = False) -> None:
         super().__init__()
         self.dtype, self.mmap, self.root = doc["dtype"], mmap, root
+        self._lock = serving_deltas.ReadWriteLock()  # lookups read, update writes
+        self.export_id = doc.get("export_id") if isinstance(doc.get("export_id"), str) else None
+        self.version = doc.get("checkpoint_id") if isinstance(doc.get("checkpoint_id"), str) else None
+        self.step = int(doc["step"]) if type(doc.get("step")) is int else 0
         try:
             tables = _table_configs(doc)
             features = _feature_configs(doc, tables)
@@ -403,17 +379,17 @@ class ServingEmbedding(nn.Module):
         self._data: dict[str, Tensor] = {}
         self._scales: dict[str, Tensor] = {}
         self._keys: dict[str, tuple[Tensor, Tensor]] = {}  # dynamic tables: sorted keys [L], their rows [L]
-        store = np.uint16 if self.dtype == "bfloat16" else DTYPES[self.dtype]
+        store = store_dtype(self.dtype)
         with warnings.catch_warnings():  # read-only memory maps: torch warns that it cannot write them
             warnings.simplefilter("ignore", UserWarning)
             for t in self.resolved.tables:
                 paths = files[t.name]
                 try:
                     self._data[t.name] = torch.from_numpy(
-                        _load_array(paths["data"], store, (t.vocabulary_size, t.dim), mmap)
+                        load_array(paths["data"], store, (t.vocabulary_size, t.dim), mmap)
                     )
                     if self.dtype == "int8":
-                        scales = _load_array(paths["scales"], np.float32, (t.vocabulary_size, 2), mmap)
+                        scales = load_array(paths["scales"], np.float32, (t.vocabulary_size, 2), mmap)
                         self._scales[t.name] = torch.from_numpy(scales)
                     if not mmap:  # a mapped table is not read at load; its lookups check what they serve
                         _require_finite(self._data[t.name], self._scales.get(t.name), self.dtype)
@@ -439,7 +415,60 @@ class ServingEmbedding(nn.Module):
             raise CheckpointError(f"ServingEmbedding.load: {root}: unknown format_version {version!r:.40}.")
         if not isinstance(doc.get("dtype"), str) or doc["dtype"] not in DTYPES:
             raise CheckpointError(f"ServingEmbedding.load: {root}: unknown dtype {doc.get('dtype')!r:.40}.")
-        return cls(doc, root, mmap=mmap)
+        emb = cls(doc, root, mmap=mmap)
+        if emb.export_id is not None and any(p.is_dir() for p in root.glob("delta-*")):
+            if mmap:
+                raise CheckpointError(
+                    f"ServingEmbedding.load: {root} has serving deltas, which a memory-mapped export cannot take in "
+                    "(its files are served as they are): load it without mmap, or export fully (incremental=False)."
+                )
+            emb.update()  # the export and every delta after it
+        return emb
+
+    def update(self) -> int:
+        """Apply the export's deltas newer than what this module serves (``export(..., incremental=True)``),
+        in order, all of them at once for lookups: a lookup running alongside sees the tables before this
+        call or after it, never a mix (it waits while the rows are written). Every delta is checked before
+        any row is written; a missing, out-of-order or malformed delta, or an export replaced by a full one,
+        raises ``CheckpointError`` and changes nothing. Rows are written in place: no second copy of a
+        table. Returns the step now served."""
+        if self.mmap:
+            raise CheckpointError(
+                f"ServingEmbedding.update: {self.root} is served memory-mapped (mmap=True), and its files are never "
+                "changed in place; load it without mmap to take updates."
+            )
+        try:
+            doc = json.loads((self.root / "serving.json").read_text())
+        except (OSError, ValueError, RecursionError) as exc:
+            raise CheckpointError(
+                f"ServingEmbedding.update: {self.root / 'serving.json'} is unreadable ({exc})."
+            ) from exc
+        if not isinstance(doc, dict) or doc.get("export_id") != self.export_id or self.export_id is None:
+            raise CheckpointError(
+                f"ServingEmbedding.update: {self.root} is not the export this module loaded any more (a full export "
+                "replaced it, or it was written before serving deltas); load it again. Nothing was applied."
+            )
+        shapes = {t.name: (t.vocabulary_size, t.dim) for t in self.resolved.tables}
+        deltas = serving_deltas.pending(self.root, doc, self.version, self.step, shapes)
+        if not deltas:
+            return self.step
+        with self._lock.write():
+            for delta in deltas:
+                for name, (rows, data, scales) in delta.tables.items():
+                    self._data[name].numpy()[rows] = data
+                    if scales is not None:
+                        self._scales[name].numpy()[rows] = scales
+                self.version, self.step = delta.to_id, delta.to_step
+        return self.step
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state.pop("_lock", None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)  # type: ignore[no-untyped-call]
+        self._lock = serving_deltas.ReadWriteLock()
 
     def _rows(self, table: str, ids: Tensor) -> Tensor:
         """Float32 rows [U, D] of ``ids`` [U]."""
@@ -464,6 +493,10 @@ class ServingEmbedding(nn.Module):
         return f"{str(self.root)!r}, dtype={self.dtype}, mmap={self.mmap}, tables=[{tables}], features=[{features}]"
 
     def forward(self, features: Any, weights: Any = None) -> Any:
+        with self._lock.read():  # a concurrent update applies whole, before or after this lookup
+            return self._forward(features, weights)
+
+    def _forward(self, features: Any, weights: Any) -> Any:
         flat_x, flat_w = flatten_inputs(self.feature_config, features, weights)
         out = []
         for conv, x, w in zip(self._converters, flat_x, flat_w):

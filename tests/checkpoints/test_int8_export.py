@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import embtables as et
-from embtables.checkpoint import serving
+from embtables.checkpoint import serving_codec
 
 
 def test_the_int8_mask_is_one_entry_per_row() -> None:
@@ -19,7 +19,7 @@ def test_the_int8_mask_is_one_entry_per_row() -> None:
     rng = np.random.default_rng(0)
     w = rng.standard_normal((4096, 8)).astype(np.float32)
     tracemalloc.start()
-    stored, back, scale_bias, finite = serving._encode(w, "int8", "t", np.arange(4096))
+    stored, back, scale_bias, finite = serving_codec.encode_rows(w, "int8", "t", np.arange(4096))
     _, peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()
     assert stored.shape == (4096, 8) and stored.dtype == np.uint8

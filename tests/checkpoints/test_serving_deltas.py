@@ -1,0 +1,196 @@
+"""Serving deltas (docs/checkpoints.md, "Serving deltas"): ``export(chain, out, incremental=True)`` writes only
+the rows changed since the checkpoint ``out`` serves; ``ServingEmbedding.update`` applies them in place so
+that it serves what a full export of the same step serves, bit for bit, in every storage type; a lookup
+running during an update sees all of it or none; a missing or out-of-order delta, or an export replaced
+since, is refused with nothing changed."""
+
+from __future__ import annotations
+
+import shutil
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import embtables as et
+from embtables.__main__ import main as cli
+from embtables.checkpoint import CheckpointError, increments
+
+DTYPES = ["float32", "float16", "bfloat16", "int8"]
+
+
+@pytest.fixture(autouse=True)
+def _always_increments(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(increments, "FULL_ABOVE", 1.0)  # small tables: most rows change between saves
+
+
+def _module() -> et.DistributedEmbedding:
+    t = et.TableConfig(400, 8, name="t", initializer=et.TruncatedNormal(seed=1))
+    u = et.TableConfig(30, 4, name="u", combiner="sum", initializer=et.TruncatedNormal(seed=2))
+    return et.DistributedEmbedding({"a": et.FeatureConfig(t), "b": et.FeatureConfig(u)}, et.Adagrad(0.1))
+
+
+def _train(emb: et.DistributedEmbedding, steps: range) -> None:
+    for step in steps:
+        g = torch.Generator().manual_seed(step)
+        acts = emb({"a": torch.randint(0, 400, (8,), generator=g), "b": torch.randint(0, 30, (8,), generator=g)})
+        emb.apply_gradients({k: torch.randn(v.shape, generator=g) for k, v in acts.items()})
+
+
+QUERY = {"a": torch.arange(400), "b": torch.arange(30)}  # every row of every table
+
+
+def _served(serving: et.ServingEmbedding) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in serving(QUERY).items()}
+
+
+def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_an_updated_server_serves_what_a_full_export_of_the_same_step_serves(dtype: str, tmp_path: Path) -> None:
+    emb = _module()
+    _train(emb, range(2))
+    emb.save(tmp_path / "ckpts", incremental=True)
+    out = tmp_path / "serve"
+    first = et.export(tmp_path / "ckpts", out, dtype, incremental=True)  # nothing there yet: a full export
+    assert first.delta is None and first.max_abs_error
+    serving = et.ServingEmbedding.load(out)
+    before = _served(serving)
+    for lo in (2, 4):
+        _train(emb, range(lo, lo + 2))
+        emb.save(tmp_path / "ckpts", incremental=True)
+        report = et.export(tmp_path / "ckpts", out, dtype, incremental=True)
+        assert report.delta is not None and Path(report.delta).name == f"delta-{lo + 2:010d}"
+    assert et.export(tmp_path / "ckpts", out, dtype, incremental=True).delta is None  # nothing new
+    assert _same(_served(serving), before)  # nothing applied until update
+    assert serving.update() == 6 and serving.step == 6
+    et.export(tmp_path / "ckpts", tmp_path / "full", dtype)
+    full = _served(et.ServingEmbedding.load(tmp_path / "full"))
+    assert _same(_served(serving), full)
+    assert _same(_served(et.ServingEmbedding.load(out)), full)  # a fresh load applies the deltas too
+    assert serving.update() == 6  # nothing newer: nothing changes
+
+
+def test_lookups_during_an_update_see_all_of_it_or_none(tmp_path: Path) -> None:
+    emb = _module()
+    _train(emb, range(2))
+    emb.save(tmp_path / "ckpts", incremental=True)
+    out = tmp_path / "serve"
+    et.export(tmp_path / "ckpts", out)
+    old = _served(et.ServingEmbedding.load(out))
+    for lo in range(2, 12, 2):
+        _train(emb, range(lo, lo + 2))
+        emb.save(tmp_path / "ckpts", incremental=True)
+        et.export(tmp_path / "ckpts", out, incremental=True)
+    new = _served(et.ServingEmbedding.load(out))
+    assert not _same(old, new)
+    for _ in range(5):
+        shutil.rmtree(tmp_path / "copy", ignore_errors=True)
+        shutil.copytree(out, tmp_path / "copy")
+        for delta in (tmp_path / "copy").glob("delta-*"):
+            shutil.move(str(delta), tmp_path / delta.name)  # held back: the copy loads as the base export
+        serving = et.ServingEmbedding.load(tmp_path / "copy")
+        assert _same(_served(serving), old)
+        for delta in tmp_path.glob("delta-*"):
+            shutil.move(str(delta), tmp_path / "copy" / delta.name)
+        seen: list[str] = []
+        stop = threading.Event()
+        threads = [threading.Thread(target=_reader, args=(serving, old, new, seen, stop)) for _ in range(3)]
+        for t in threads:
+            t.start()
+        _wait_for(seen, 6)  # the readers are running before the update starts
+        serving.update()
+        done = len(seen)
+        _wait_for(seen, done + 6)  # and after it ends
+        stop.set()
+        for t in threads:
+            t.join()
+        assert "mixed" not in seen and seen[0] == "old" and seen[-1] == "new" and _same(_served(serving), new)
+
+
+def _wait_for(seen: list[str], lookups: int) -> None:
+    deadline = time.monotonic() + 60
+    while len(seen) < lookups:
+        assert time.monotonic() < deadline, "the reader threads stopped"
+        time.sleep(0.001)
+
+
+def _reader(
+    serving: et.ServingEmbedding, old: dict[str, torch.Tensor], new: dict[str, torch.Tensor], seen: list[str],
+    stop: threading.Event,
+) -> None:  # fmt: skip
+    while not stop.is_set():
+        got = _served(serving)
+        seen.append("old" if _same(got, old) else "new" if _same(got, new) else "mixed")
+
+
+def test_a_lookup_waits_while_an_update_writes(tmp_path: Path) -> None:
+    emb = _module()
+    emb.save(tmp_path / "ckpts", incremental=True)
+    et.export(tmp_path / "ckpts", tmp_path / "serve")
+    serving = et.ServingEmbedding.load(tmp_path / "serve")
+    done = threading.Event()
+    with serving._lock.write():  # what update holds while it writes rows
+        reader = threading.Thread(target=lambda: (serving(QUERY), done.set()))
+        reader.start()
+        assert not done.wait(0.3)  # the lookup waits for the writer
+    assert done.wait(30)
+    reader.join()
+
+
+def test_a_missing_delta_an_export_replaced_or_a_mapped_export_is_refused(tmp_path: Path) -> None:
+    emb = _module()
+    _train(emb, range(2))
+    emb.save(tmp_path / "ckpts", incremental=True)
+    out = tmp_path / "serve"
+    et.export(tmp_path / "ckpts", out, "int8")
+    serving = et.ServingEmbedding.load(out)
+    before = _served(serving)
+    mapped = et.ServingEmbedding.load(out, mmap=True)
+    deltas = []
+    for lo in (2, 4):
+        _train(emb, range(lo, lo + 2))
+        emb.save(tmp_path / "ckpts", incremental=True)
+        deltas.append(Path(str(et.export(tmp_path / "ckpts", out, "int8", incremental=True).delta)))
+    with pytest.raises(CheckpointError, match="mmap"):
+        mapped.update()
+    with pytest.raises(CheckpointError, match="has serving deltas"):
+        et.ServingEmbedding.load(out, mmap=True)
+    shutil.move(str(deltas[0]), tmp_path / "held")
+    with pytest.raises(CheckpointError, match=r"delta-0000000006: a delta from step 4 to 6.*missing or out of order"):
+        serving.update()
+    assert _same(_served(serving), before) and serving.step == 2
+    shutil.move(str(tmp_path / "held"), deltas[0])
+    data = deltas[1] / "t0.data.npy"
+    raw = data.read_bytes()
+    data.write_bytes(raw[:-3])
+    with pytest.raises(CheckpointError, match=r"delta-0000000006: table 't'.*bytes"):
+        serving.update()
+    assert _same(_served(serving), before)  # the first delta was checked, not applied: all or nothing
+    data.write_bytes(raw)
+    assert serving.update() == 6
+    et.export(tmp_path / "ckpts", out, "int8")  # a full export replaces the artifact and its deltas
+    assert not list(out.glob("delta-*"))
+    with pytest.raises(CheckpointError, match="not the export this module loaded"):
+        serving.update()
+    other = _module()
+    _train(other, range(3))
+    other.save(tmp_path / "elsewhere")  # not in the chain of what out serves: a full export, logged
+    assert et.export(tmp_path / "elsewhere", out, "int8", incremental=True).delta is None
+
+
+def test_the_export_command_writes_deltas(tmp_path: Path, capsys: Any) -> None:
+    emb = _module()
+    _train(emb, range(2))
+    emb.save(tmp_path / "ckpts", incremental=True)
+    assert cli(["export", str(tmp_path / "ckpts"), str(tmp_path / "serve"), "--incremental"]) == 0
+    _train(emb, range(2, 4))
+    emb.save(tmp_path / "ckpts", incremental=True)
+    capsys.readouterr()
+    assert cli(["export", str(tmp_path / "ckpts"), str(tmp_path / "serve"), "--incremental"]) == 0
+    assert "delta-0000000004" in capsys.readouterr().out
