@@ -312,7 +312,7 @@ class DistributedEmbedding(nn.Module):
         (``changed_rows``), on top of that checkpoint when it is the newest under ``path``; otherwise (the
         first save, a restore from elsewhere, ``full_every`` increments in a row) a full checkpoint, logged.
         ``restore`` resolves the chain; ``keep_last`` never deletes a checkpoint a kept one builds on.
-        Not for modules with dynamic tables (docs/checkpoints.md, "Incremental checkpoints")."""
+        A dynamic table goes whole into each increment (docs/checkpoints.md, "Incremental checkpoints")."""
         out = self._persistence.save(path, keep_last, extra, progress, incremental=incremental, full_every=full_every)
         self.flush()
         return str(out)

@@ -71,12 +71,6 @@ class Persistence:
             isinstance(full_every, bool) or not isinstance(full_every, int) or full_every < 1
         ):
             raise ValueError(f"save: full_every must be an int >= 1 or None, got {full_every!r}.")
-        dynamic = [t.name for t in self.resolved.tables if t.config.dynamic is not None]
-        if incremental and dynamic:
-            raise ValueError(
-                f"save(incremental=True): table {dynamic[0]!r} is dynamic, and increments do not record key-map "
-                "changes yet; save a full checkpoint (incremental=False)."
-            )
         pipeline = self.pipeline
         shards = pipeline.local_shards()  # a pending pipelined update lands, keeping its pre-update rows
         engine = pipeline.engine

@@ -104,8 +104,7 @@ def export(
     if "structure" not in config:
         raise CheckpointError(f"{where}: this checkpoint has no feature structure (written by an older embtables).")
     chain = increments.resolve_chain(where, manifest, read_manifest)  # an increment: its full checkpoint first
-    if len(chain) > 1 and any(t.get("dynamic") is not None for t in config["tables"].values()):
-        raise CheckpointError(f"{where}: an incremental checkpoint of dynamic tables cannot be exported.")
+    dynamic = [name for name, t in config["tables"].items() if t.get("dynamic") is not None]
     # every rank file of every link checked against its manifest, once
     links = [(link, m, open_rank_files(link, m)) for link, m in chain]
     maps = links[-1][2]
@@ -113,6 +112,8 @@ def export(
     _check_out(target)
     if incremental:
         base, why = _export_to_extend(target, dtype)
+        if dynamic:  # its keys move between rows: served from a whole export
+            base, why = None, f"table {dynamic[0]!r} is dynamic, and serving deltas hold rows of fixed tables only"
         if base is not None:
             current, _ = serving_deltas.version(base, target)
             ids = [increments.manifest_id(m) for _, m, _ in links]

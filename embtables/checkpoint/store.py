@@ -173,7 +173,7 @@ def _plan(
     plan: list[tuple[str, str, str, np.ndarray[Any, Any]]] = []
     for t in resolved.tables:
         shard = shards[t.name]
-        pick = None if changed is None else changed[t.name].to(shard.rows.device, torch.int64)
+        pick = None if changed is None or t.name not in changed else changed[t.name].to(shard.rows.device, torch.int64)
         rows = shard.rows if pick is None else shard.rows[pick]
         plan.append((t.name, "rows", f"{t.name}#rows", rows.detach().to("cpu", torch.int64).numpy()))
         for slot, tensor in shard.tensors.items():
@@ -275,13 +275,17 @@ def save(
             raise CheckpointError(f"save: {base} is a file, not a directory; pass a directory for the checkpoints.")
         return os.path.abspath(base), temp_name("ckpt"), own_id, _chain(base, incremental, step)
 
-    picks = None if incremental is None else incremental[2]()  # this rank's changed local rows, per table
-    counts = (
-        (0, 0)
-        if picks is None
-        else (sum(int(p.numel()) for p in picks.values()), sum(s.rows.numel() for s in shards.values()))
-    )
-    checked, error = _caught(check_arguments)
+    # this rank's changed local rows, per fixed table; a dynamic table goes whole into an increment (its key
+    # map with it: the rows of keys admitted and evicted since, and every key's row, as a full checkpoint has)
+    dynamic = {t.name for t in resolved.tables if t.config.dynamic is not None}
+    changed_rows, error = _caught(lambda: None if incremental is None else incremental[2]())
+    picks = None if changed_rows is None else {n: p for n, p in changed_rows.items() if n not in dynamic}
+    counts = (0, 0)
+    if picks is not None:
+        whole = sum(shards[n].rows.numel() for n in dynamic)
+        counts = (whole + sum(int(p.numel()) for p in picks.values()), sum(s.rows.numel() for s in shards.values()))
+    checked, arguments_error = _caught(check_arguments)
+    error = error or arguments_error
     fallback = (os.path.abspath(base), temp_name("ckpt"), own_id, None)
     agreed = comm.all_gather_object((*(checked or fallback), counts), group)
     if error is None and world > 1 and len({w for w, *_ in agreed}) > 1:
@@ -489,8 +493,7 @@ def restore(
         where, manifest = read_manifest(path)
         _check_config(manifest, resolved, where)
         chain = increments.resolve_chain(where, manifest, read_manifest)
-        if len(chain) > 1 and any(t.config.dynamic is not None for t in resolved.tables):
-            raise CheckpointError(f"{where}: an incremental checkpoint cannot be restored into dynamic tables.")
+        # a dynamic table is whole in every link: it is read from ``where`` alone (below); fixed tables by link
         maps = open_rank_files(where, manifest)
         by_row = tuple(t for t in resolved.tables if t.config.dynamic is None)
         fixed = dataclasses.replace(resolved, tables=by_row)

@@ -208,12 +208,44 @@ def test_keep_last_keeps_every_checkpoint_a_kept_one_builds_on(tmp_path: Path) -
     assert_same(snapshot(emb), snapshot(again))
 
 
-def test_dynamic_tables_refuse_increments_before_writing(tmp_path: Path) -> None:
-    t = et.TableConfig(50, 4, name="d", dynamic=et.DynamicVocabulary(), optimizer=et.Adagrad(0.1))
-    emb = et.DistributedEmbedding({"a": et.FeatureConfig(t)})
-    with pytest.raises(ValueError, match=r"table 'd' is dynamic.*incremental=False"):
-        emb.save(tmp_path, incremental=True)
-    assert not tmp_path.exists() or not list(tmp_path.iterdir())
+def test_a_chain_with_a_dynamic_table_restores_and_exports_as_a_full_checkpoint(tmp_path: Path) -> None:
+    def module() -> et.DistributedEmbedding:
+        policy = et.DynamicVocabulary(admit_after=1, eviction="lru")
+        user = et.TableConfig(12, 3, name="user", dynamic=policy, initializer=et.TruncatedNormal(seed=4))
+        item = et.TableConfig(200, 3, name="item", initializer=et.TruncatedNormal(seed=5))
+        return et.DistributedEmbedding({"u": et.FeatureConfig(user), "i": et.FeatureConfig(item)}, et.Adagrad(0.1))
+
+    def train(emb: et.DistributedEmbedding, steps: range) -> None:
+        for step in steps:
+            g = torch.Generator().manual_seed(step)
+            users = torch.randint(0, 40, (6,), generator=g) * 10**12  # 40 keys for 12 rows: admissions, evictions
+            acts = emb({"u": users, "i": torch.randint(0, 200, (6,), generator=g)})
+            emb.apply_gradients({k: torch.randn(v.shape, generator=g) for k, v in acts.items()})
+
+    emb = module()
+    for lo in range(0, 12, 4):
+        train(emb, range(lo, lo + 4))
+        where = Path(emb.save(tmp_path / "chain", incremental=True))
+    emb.save(tmp_path / "full")
+    stats = emb.vocabulary_statistics()["user"]
+    assert stats["admitted"] > 12 and stats["evicted"] > 0  # keys came and went between the saves
+    manifest = json.loads((where / "manifest.json").read_text())
+    assert manifest["chain"]["increments"] == 2
+    tables = manifest["files"][0]["tables"]
+    assert tables["user"]["rows"]["count"] == 12 and tables["item"]["rows"]["count"] < 200  # dynamic: whole
+    from_chain, from_full = module(), module()
+    from_chain.restore(tmp_path / "chain")
+    from_full.restore(tmp_path / "full")
+    assert_same(snapshot(from_full), snapshot(from_chain))
+    for a, b in ((from_chain, from_full), (from_chain, emb)):
+        assert all(torch.equal(x, y) for x, y in zip(a.vocabulary("user"), b.vocabulary("user")))
+    train(from_chain, range(12, 16))  # admissions and evictions go on as in the uninterrupted run
+    train(emb, range(12, 16))
+    assert_same(snapshot(emb), snapshot(from_chain))
+    et.export(tmp_path / "chain", tmp_path / "e-chain")
+    et.export(tmp_path / "full", tmp_path / "e-full")
+    for f in sorted((tmp_path / "e-full").glob("*.npy")):
+        assert (tmp_path / "e-chain" / f.name).read_bytes() == f.read_bytes(), f.name
     with pytest.raises(ValueError, match="full_every"):
         et.DistributedEmbedding(_config()).save(tmp_path, incremental=True, full_every=0)
 
@@ -267,6 +299,57 @@ def _restore_chain(rank: int, world: int, root: str, sharding: str) -> None:
     expected = torch.load(os.path.join(root, "expected.pt"))
     got = emb.state_dict()
     assert all(torch.equal(got[k], expected[k]) for k in expected), (world, sharding)
+
+
+def _dynamic_module(sharding: str = "div") -> et.DistributedEmbedding:
+    policy = et.DynamicVocabulary(admit_after=1, eviction="lru")
+    user = et.TableConfig(16, 3, name="user", dynamic=policy, initializer=et.TruncatedNormal(seed=4))
+    item = et.TableConfig(200, 3, name="item", initializer=et.TruncatedNormal(seed=5))
+    features = {"u": et.FeatureConfig(user), "i": et.FeatureConfig(item)}
+    return et.DistributedEmbedding(features, et.Adagrad(0.1), sharding=sharding)
+
+
+def _dynamic_steps(emb: et.DistributedEmbedding, steps: range, rank: int, world: int) -> None:
+    for step in steps:
+        g = torch.Generator().manual_seed(step * 10 + rank)
+        users = torch.randint(0, 30, (4,), generator=g) * 10**12 + rank  # more keys than rows: keys come and go
+        acts = emb({"u": users, "i": torch.randint(0, 200, (4,), generator=g)})
+        emb.apply_gradients({k: torch.randn(v.shape, generator=g) for k, v in acts.items()})
+
+
+def _save_dynamic_chain(rank: int, world: int, root: str) -> None:
+    emb = _dynamic_module()
+    for lo in range(0, 9, 3):
+        _dynamic_steps(emb, range(lo, lo + 3), rank, world)
+        emb.save(root, incremental=True)
+    state = emb.state_dict()
+    keys = torch.sort(emb.vocabulary("user")[0]).values
+    emb.eval()  # a lookup of every live key: its row's values, whichever rank and row hold it
+    with torch.no_grad():
+        served = emb({"u": keys, "i": torch.zeros_like(keys)})["u"]
+    if rank == 0:
+        torch.save((state, keys, served), os.path.join(root, "expected.pt"))
+
+
+def _restore_dynamic_chain(rank: int, world: int, root: str) -> None:
+    emb = _dynamic_module("mod")
+    emb.restore(root)
+    state, keys, served = torch.load(os.path.join(root, "expected.pt"))
+    assert torch.equal(torch.sort(emb.vocabulary("user")[0]).values, keys)
+    emb.eval()
+    with torch.no_grad():
+        assert torch.equal(emb({"u": keys, "i": torch.zeros_like(keys)})["u"], served)
+    got = emb.state_dict()
+    assert torch.equal(got["item"], state["item"]) and torch.equal(got["item/accumulators"], state["item/accumulators"])
+
+
+@pytest.mark.distributed
+def test_a_chain_with_a_dynamic_table_written_by_two_ranks_restores_into_another_strategy(tmp_path: Path) -> None:
+    root = tmp_path / "dyn"
+    run_world(_save_dynamic_chain, 2, str(root))
+    assert [json.loads((p / "manifest.json").read_text()).get("chain", {}).get("increments", 0)
+            for p in published(root)] == [0, 1, 2]  # fmt: skip
+    run_world(_restore_dynamic_chain, 2, str(root))
 
 
 @pytest.mark.distributed

@@ -98,24 +98,27 @@ def test_lookups_during_an_update_see_all_of_it_or_none(tmp_path: Path) -> None:
         assert _same(_served(serving), old)
         for delta in tmp_path.glob("delta-*"):
             shutil.move(str(delta), tmp_path / "copy" / delta.name)
-        seen: list[str] = []
+        seen: list[list[str]] = [[], [], []]  # per reader thread, in the order its lookups returned
         stop = threading.Event()
-        threads = [threading.Thread(target=_reader, args=(serving, old, new, seen, stop)) for _ in range(3)]
+        threads = [threading.Thread(target=_reader, args=(serving, old, new, mine, stop)) for mine in seen]
         for t in threads:
             t.start()
-        _wait_for(seen, 6)  # the readers are running before the update starts
+        _wait_for(seen, 2)  # every reader is running before the update starts
         serving.update()
-        done = len(seen)
-        _wait_for(seen, done + 6)  # and after it ends
+        _wait_for(seen, max(len(mine) for mine in seen) + 2)  # and goes on after it ends
         stop.set()
         for t in threads:
             t.join()
-        assert "mixed" not in seen and seen[0] == "old" and seen[-1] == "new" and _same(_served(serving), new)
+        for mine in seen:  # never a mix, and once a lookup saw the update none saw the tables before it
+            assert mine[0] == "old" and mine[-1] == "new", mine
+            assert "mixed" not in mine and "old" not in mine[mine.index("new") :], mine
+        assert _same(_served(serving), new)
 
 
-def _wait_for(seen: list[str], lookups: int) -> None:
+def _wait_for(seen: list[list[str]], lookups: int) -> None:
+    """Until every reader has made ``lookups`` lookups (the readers stopped: an assertion after 60 s)."""
     deadline = time.monotonic() + 60
-    while len(seen) < lookups:
+    while min(len(mine) for mine in seen) < lookups:
         assert time.monotonic() < deadline, "the reader threads stopped"
         time.sleep(0.001)
 
