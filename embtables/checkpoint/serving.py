@@ -110,6 +110,9 @@ def export(
     maps = links[-1][2]
     target = Path(out)
     _check_out(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    for kind in ("export", "trash", "delta"):  # left beside the export by writers that died
+        clean_dead_leftovers(target.parent, kind)
     if incremental:
         base, why = _export_to_extend(target, dtype)
         if dynamic:  # its keys move between rows: served from a whole export
@@ -122,9 +125,6 @@ def export(
                 return ExportReport(str(target), dtype, {}, {}, {}, None if delta is None else str(delta))
             why = f"the export at {target} serves a checkpoint that is not in the chain of {where}"
         logger.info("embtables: export(incremental=True) writes a full export: %s.", why)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    for kind in ("export", "trash"):
-        clean_dead_leftovers(target.parent, kind)
     tmp = target.parent / temp_name("export")
     try:
         tmp.mkdir()

@@ -106,7 +106,7 @@ def write(
     head, head_manifest, _ = links[-1]
     from_manifest = links[start][1]
     name = f"delta-{int(head_manifest['step']):010d}"
-    tmp = target / temp_name("delta")
+    tmp = target.parent / temp_name("delta")  # beside the export: a writer killed leaves nothing in it
     tmp.mkdir()
     try:
         files: dict[str, dict[str, Any]] = {}
@@ -145,7 +145,7 @@ def write(
             with open(p, "rb+") as fh:
                 os.fsync(fh.fileno())
         fsync_dir(tmp)
-        _list_in_marker(target, name)  # first: a delta published is always one the export owns
+        _list_in_marker(target, name, tmp)  # first: a delta published is always one the export owns
         final = target / name
         if final.exists():
             shutil.rmtree(final)  # the same step exported again (listed in the marker: written by export)
@@ -181,11 +181,12 @@ def _newest_rows(links: list[Link], table: str, v: int, d: int) -> tuple[np.ndar
     return rows[order], np.concatenate(value_parts)[order].astype(np.float32, copy=False)
 
 
-def _list_in_marker(target: Path, name: str) -> None:
-    """Add the delta directory ``name`` to the export's marker (replaced atomically)."""
+def _list_in_marker(target: Path, name: str, scratch: Path) -> None:
+    """Add the delta directory ``name`` to the export's marker (replaced atomically; the new one is written
+    in ``scratch``, the delta's own temporary directory, first)."""
     marker = json.loads((target / MARKER).read_text())
     files = [f for f in marker["files"] if f != name] + [name]
-    tmp = target / f"{MARKER}.tmp"
+    tmp = scratch / MARKER
     with open(tmp, "w") as f:
         json.dump({**marker, "files": files}, f)
         f.flush()

@@ -6,7 +6,10 @@ since, is refused with nothing changed."""
 
 from __future__ import annotations
 
+import json
 import shutil
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -18,6 +21,8 @@ import torch
 import embtables as et
 from embtables.__main__ import main as cli
 from embtables.checkpoint import CheckpointError, increments
+from embtables.checkpoint.owned_dirs import temp_name
+from embtables.checkpoint.serving_codec import MARKER
 
 DTYPES = ["float32", "float16", "bfloat16", "int8"]
 
@@ -185,6 +190,30 @@ def test_a_missing_delta_an_export_replaced_or_a_mapped_export_is_refused(tmp_pa
     _train(other, range(3))
     other.save(tmp_path / "elsewhere")  # not in the chain of what out serves: a full export, logged
     assert et.export(tmp_path / "elsewhere", out, "int8", incremental=True).delta is None
+
+
+def test_what_a_killed_delta_writer_leaves_is_cleaned_and_harmless(tmp_path: Path) -> None:
+    emb = _module()
+    _train(emb, range(2))
+    emb.save(tmp_path / "ckpts", incremental=True)
+    out = tmp_path / "serve"
+    et.export(tmp_path / "ckpts", out)
+    serving = et.ServingEmbedding.load(out)
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    prefix, _, tail = temp_name("delta").rsplit("-", 2)
+    leftover = tmp_path / f"{prefix}-{int(dead.stdout)}-{tail}"  # a delta writer killed half-way: beside the export
+    leftover.mkdir()
+    (leftover / "t0.data.npy").write_bytes(b"partial")
+    marker = json.loads((out / MARKER).read_text())
+    marker["files"].append("delta-0000000099")  # killed after listing its delta, before publishing it
+    (out / MARKER).write_text(json.dumps(marker))
+    _train(emb, range(2, 4))
+    emb.save(tmp_path / "ckpts", incremental=True)
+    assert et.export(tmp_path / "ckpts", out, incremental=True).delta is not None
+    assert not leftover.exists()  # a dead writer's directory is removed by the next export
+    assert serving.update() == 4
+    et.export(tmp_path / "ckpts", out)  # the full export still recognises the directory as its own
+    assert not list(out.glob("delta-*"))
 
 
 def test_the_export_command_writes_deltas(tmp_path: Path, capsys: Any) -> None:
