@@ -171,6 +171,8 @@ def _export_to_extend(target: Path, dtype: str) -> tuple[dict[str, Any] | None, 
         return None, f"no readable export at {target}"
     if not isinstance(doc, dict) or not isinstance(doc.get("export_id"), str):
         return None, f"the export at {target} was written before serving deltas"
+    if type(doc.get("step")) is not int or not isinstance(doc.get("tables"), dict):
+        return None, f"the serving.json of {target} is malformed"
     if doc.get("dtype") != dtype:
         return None, f"the export at {target} is in {doc.get('dtype')!r:.20}, not {dtype}"
     return doc, ""
@@ -444,7 +446,13 @@ class ServingEmbedding(nn.Module):
             raise CheckpointError(
                 f"ServingEmbedding.update: {self.root / 'serving.json'} is unreadable ({exc})."
             ) from exc
-        if not isinstance(doc, dict) or doc.get("export_id") != self.export_id or self.export_id is None:
+        if (
+            not isinstance(doc, dict)
+            or self.export_id is None
+            or doc.get("export_id") != self.export_id
+            or doc.get("dtype") != self.dtype
+            or not isinstance(doc.get("tables"), dict)
+        ):
             raise CheckpointError(
                 f"ServingEmbedding.update: {self.root} is not the export this module loaded any more (a full export "
                 "replaced it, or it was written before serving deltas); load it again. Nothing was applied."

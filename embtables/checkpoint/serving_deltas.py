@@ -88,7 +88,8 @@ class Delta:
 def version(doc: dict[str, Any], root: Path) -> tuple[str | None, int]:
     """The checkpoint id and step the export at ``root`` (its ``serving.json``, ``doc``) serves with its
     deltas applied: the last delta's (a chain of them from the export's own), else the export's."""
-    current, step = doc.get("checkpoint_id"), int(doc.get("step", 0))
+    current, step = doc.get("checkpoint_id"), doc.get("step")
+    step = step if type(step) is int else 0
     for delta in _listed(root, doc):
         if delta["from"]["id"] == current and delta["to"]["step"] > step:
             current, step = delta["to"]["id"], delta["to"]["step"]
@@ -223,8 +224,8 @@ def _problem(meta: Any, doc: dict[str, Any]) -> str | None:
         part = meta.get(side)
         if not isinstance(part, dict) or not isinstance(part.get("id"), str) or type(part.get("step")) is not int:
             return f"its {side!r} version is malformed"
-    tables = meta.get("tables")
-    if not isinstance(tables, dict) or set(tables) != set(doc["tables"]):
+    tables, expected = meta.get("tables"), doc.get("tables")
+    if not isinstance(tables, dict) or not isinstance(expected, dict) or set(tables) != set(expected):
         return "its tables are not the export's"
     return None
 

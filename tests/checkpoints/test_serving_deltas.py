@@ -226,3 +226,29 @@ def test_the_export_command_writes_deltas(tmp_path: Path, capsys: Any) -> None:
     capsys.readouterr()
     assert cli(["export", str(tmp_path / "ckpts"), str(tmp_path / "serve"), "--incremental"]) == 0
     assert "delta-0000000004" in capsys.readouterr().out
+
+
+def test_a_malformed_serving_json_or_delta_json_is_refused_or_exported_whole(tmp_path: Path) -> None:
+    emb = _module()
+    _train(emb, range(2))
+    emb.save(tmp_path / "ckpts", incremental=True)
+    out = tmp_path / "serve"
+    et.export(tmp_path / "ckpts", out)
+    serving = et.ServingEmbedding.load(out)
+    _train(emb, range(2, 4))
+    emb.save(tmp_path / "ckpts", incremental=True)
+    delta = Path(str(et.export(tmp_path / "ckpts", out, incremental=True).delta))
+    meta = json.loads((delta / "delta.json").read_text())
+    for bad in ({**meta, "tables": {"t": meta["tables"]["t"]}}, {**meta, "to": {"id": 3, "step": "x"}}, [1]):
+        (delta / "delta.json").write_text(json.dumps(bad))
+        with pytest.raises(CheckpointError, match=r"delta-0000000004: .*nothing was applied"):
+            serving.update()
+    (delta / "delta.json").write_text(json.dumps(meta))
+    doc = json.loads((out / "serving.json").read_text())
+    (out / "serving.json").write_text(json.dumps({**doc, "dtype": "int8"}))
+    with pytest.raises(CheckpointError, match="not the export this module loaded"):
+        serving.update()
+    (out / "serving.json").write_text(json.dumps({**doc, "step": "four"}))
+    _train(emb, range(4, 6))
+    emb.save(tmp_path / "ckpts", incremental=True)
+    assert et.export(tmp_path / "ckpts", out, incremental=True).delta is None  # malformed: exported whole
