@@ -12,6 +12,7 @@ out of order, or of another config is refused, naming it, before anything is res
 
 from __future__ import annotations
 
+import logging
 import re
 import secrets
 import zlib
@@ -25,6 +26,7 @@ import torch
 from embtables.checkpoint import manifest as manifest_io
 from embtables.checkpoint.file_names import CheckpointError, contained
 
+logger = logging.getLogger("embtables")
 _ID = re.compile(r"[0-9a-f]{32}")
 _MAX_LINKS = 100_000  # a chain longer than this is refused as corrupt (a cycle, say)
 FULL_ABOVE = 0.5  # more of the rows changed than this: a full checkpoint (as large, faster to restore)
@@ -130,11 +132,25 @@ def previous_for_increment(
     full_every: int | None,
     read: Callable[[Path], tuple[Path, dict[str, Any]]],
     step: int,
-) -> tuple[dict[str, Any] | None, str]:
+) -> dict[str, Any] | None:
     """The ``chain`` entry of an increment of ``step`` built on ``latest`` (the newest checkpoint under the
-    root), or None and why the save must be full: the module's changed rows count from its last save or
+    root), or None (a full checkpoint; why is logged): the module's changed rows count from its last save or
     restore (``last_id``), so an increment is only correct on top of that very checkpoint, and of a later
     step (a save of the same step replaces it); ``full_every``: at most that many increments in a row."""
+    chain, why = _previous(latest, last_id, full_every, read, step)
+    if chain is None:
+        logger.info("embtables: save(incremental=True) writes a full checkpoint: %s.", why)
+    return chain
+
+
+def _previous(
+    latest: Path | None,
+    last_id: str | None,
+    full_every: int | None,
+    read: Callable[[Path], tuple[Path, dict[str, Any]]],
+    step: int,
+) -> tuple[dict[str, Any] | None, str]:
+    """``previous_for_increment``'s answer, and why when it is None."""
     if latest is None:
         return None, "no checkpoint under the root yet"
     if last_id is None:

@@ -273,7 +273,11 @@ def save(
             raise ValueError(f"save: `extra` must be JSON data (dicts, lists, str, finite numbers): {exc}.") from exc
         if base.exists() and not base.is_dir():
             raise CheckpointError(f"save: {base} is a file, not a directory; pass a directory for the checkpoints.")
-        return os.path.abspath(base), temp_name("ckpt"), own_id, _chain(base, incremental, step)
+        newest = published(base) if incremental is not None else []
+        chain = None if incremental is None else increments.previous_for_increment(
+            newest[-1] if newest else None, incremental[0], incremental[1], read_manifest, step
+        )  # fmt: skip
+        return os.path.abspath(base), temp_name("ckpt"), own_id, chain
 
     # this rank's changed local rows, per fixed table; a dynamic table goes whole into an increment (its key
     # map with it: the rows of keys admitted and evicted since, and every key's row, as a full checkpoint has)
@@ -339,19 +343,6 @@ def save(
     finally:
         lock.release()
     return checkpoint_dir(base, step)
-
-
-def _chain(base: Path, incremental: tuple[str | None, int | None, Any] | None, step: int) -> dict[str, Any] | None:
-    """The ``chain`` entry of the save (None: a full checkpoint; why is logged when an increment was asked)."""
-    if incremental is None:
-        return None
-    newest = published(base)
-    chain, why = increments.previous_for_increment(
-        newest[-1] if newest else None, incremental[0], incremental[1], read_manifest, step
-    )
-    if chain is None:
-        logger.info("embtables: save(incremental=True) writes a full checkpoint: %s.", why)
-    return chain
 
 
 def _make_dirs(base: Path, tmp: Path, lock: WriterLock) -> None:
