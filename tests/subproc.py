@@ -4,9 +4,11 @@ of killing pytest. The child sees this checkout first on ``sys.path``."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -32,3 +34,18 @@ def run_python(code: str, *, timeout: float = 120, env: dict[str, str] | None = 
         f"--- stdout\n{proc.stdout[-3000:]}\n--- stderr\n{proc.stderr[-3000:]}"
     )
     return proc.stdout
+
+
+def kill_while_writing(code: str, root: Path, pattern: str = ".embtables-tmp-ckpt-*/rank-00000.safetensors") -> None:
+    """Run ``code`` (a writer given ``root`` as ``sys.argv[1]``, printing "ready" before it writes) in a fresh
+    process and SIGKILL it once a file matching ``pattern`` under ``root`` is being written (or after 60 s)."""
+    proc = subprocess.Popen([sys.executable, "-c", code, str(root)], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        files = list(root.glob(pattern))
+        if files and files[0].stat().st_size > 0:
+            break
+        time.sleep(0.002)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()

@@ -202,14 +202,7 @@ def _export_table(
     worst = biggest = 0.0
     bad = 0
     where = links[-1][0]
-    entries = [(link / e["file"], maps[e["file"]], e) for link, m, maps in reversed(links) for e in m["checked_files"]]
-    for file, mm, entry in entries:
-        blocks = entry["blocks"][name]
-        rows = row_ids(mm, blocks.rows, file, name, v)
-        if rows.size == 0:
-            continue
-        weights = read_block(mm, blocks.state[name], file, name)
-        newest = ~filled[rows]  # rows a newer link already wrote are skipped
+    for rows, weights, newest in serving_deltas.newest_blocks(links, name, v, filled):  # a newer link's row wins
         for start in range(0, rows.size, _CHUNK_ROWS):  # bounded memory: 64k rows at a time
             keep = newest[start : start + _CHUNK_ROWS]
             if not keep.any():
@@ -224,7 +217,6 @@ def _export_table(
             if finite.any():
                 worst = max(worst, float(np.abs(back[finite] - w[finite]).max()))
                 biggest = max(biggest, float(np.abs(w[finite]).max()))
-        filled[rows] = True
     if not filled.all():
         missing = np.flatnonzero(~filled)
         raise CheckpointError(

@@ -158,11 +158,12 @@ def write(
     return final
 
 
-def _newest_rows(links: list[Link], table: str, v: int, d: int) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]:
-    """Rows [R] (ascending) of ``table`` in ``links`` and their float32 values [R, D], each row's from the
-    newest link that holds it."""
-    filled = np.zeros(v, dtype=bool)
-    rows_parts, value_parts = [], []
+def newest_blocks(
+    links: list[Link], table: str, v: int, filled: np.ndarray[Any, Any]
+) -> Iterator[tuple[np.ndarray[Any, Any], np.ndarray[Any, Any], np.ndarray[Any, Any]]]:
+    """Per rank file of ``links`` (oldest first), newest link first: its rows [N] of ``table`` (checked), their
+    weights [N, D] (mapped, not read) and which of them no newer link holds [N] bool. ``filled`` [V] bool marks
+    every row seen, as the files are gone through."""
     for where, manifest, maps in reversed(links):
         for entry in manifest["checked_files"]:
             file, mm = where / entry["file"], maps[entry["file"]]
@@ -170,11 +171,17 @@ def _newest_rows(links: list[Link], table: str, v: int, d: int) -> tuple[np.ndar
             rows = row_ids(mm, blocks.rows, file, table, v)
             if rows.size == 0:
                 continue
-            keep = ~filled[rows]
-            weights = read_block(mm, blocks.state[table], file, table)
-            rows_parts.append(rows[keep])
-            value_parts.append(np.asarray(weights)[keep])
+            yield rows, read_block(mm, blocks.state[table], file, table), ~filled[rows]
             filled[rows] = True
+
+
+def _newest_rows(links: list[Link], table: str, v: int, d: int) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]:
+    """Rows [R] (ascending) of ``table`` in ``links`` and their float32 values [R, D], each row's from the
+    newest link that holds it."""
+    rows_parts, value_parts = [], []
+    for rows, weights, newest in newest_blocks(links, table, v, np.zeros(v, dtype=bool)):
+        rows_parts.append(rows[newest])
+        value_parts.append(np.asarray(weights)[newest])
     if not rows_parts:
         return np.zeros(0, dtype=np.int64), np.zeros((0, d), dtype=np.float32)
     rows = np.concatenate(rows_parts)

@@ -6,10 +6,8 @@ from __future__ import annotations
 
 import os
 import re
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +15,7 @@ import pytest
 import torch
 from mp_world import run_world
 from statecheck import assert_same, snapshot
+from subproc import kill_while_writing
 
 import embtables as et
 from embtables.checkpoint import CheckpointError, published
@@ -144,16 +143,7 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint_intact(tmp_path: Pa
     emb = et.DistributedEmbedding({"a": et.FeatureConfig(small)})
     emb.save(tmp_path)  # step 0, published
     os.utime(tmp_path)
-    proc = subprocess.Popen([sys.executable, "-c", _WRITER, str(tmp_path)], stdout=subprocess.PIPE, text=True)
-    assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:  # kill it once its data file is being written
-        files = list(tmp_path.glob(".embtables-tmp-ckpt-*/rank-00000.safetensors"))
-        if files and files[0].stat().st_size > 0:
-            break
-        time.sleep(0.002)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    kill_while_writing(_WRITER, tmp_path)  # killed once its data file is being written
     assert [p.name for p in published(tmp_path)] == ["ckpt-00000000"]
     fresh = et.DistributedEmbedding({"a": et.FeatureConfig(small)})
     with torch.no_grad():

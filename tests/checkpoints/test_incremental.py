@@ -9,10 +9,8 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +18,7 @@ import pytest
 import torch
 from mp_world import run_world
 from statecheck import assert_same, snapshot
+from subproc import kill_while_writing
 
 import embtables as et
 from embtables.checkpoint import CheckpointError, increments, published
@@ -264,16 +263,7 @@ print("saved", flush=True)
 
 
 def test_a_writer_killed_during_an_increment_leaves_the_chain_restorable(tmp_path: Path) -> None:
-    proc = subprocess.Popen([sys.executable, "-c", _WRITER, str(tmp_path)], stdout=subprocess.PIPE, text=True)
-    assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:  # kill it once its data file is being written
-        files = list(tmp_path.glob(".embtables-tmp-ckpt-*/rank-00000.safetensors"))
-        if files and files[0].stat().st_size > 0:
-            break
-        time.sleep(0.002)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    kill_while_writing(_WRITER, tmp_path)  # killed once its data file is being written
     assert [p.name for p in published(tmp_path)] == ["ckpt-00000000"]
     t = et.TableConfig(
         1_000_000, 32, name="big", initializer=et.Constant(0.25), optimizer=et.Adam(0.1, lazy_adam=False)

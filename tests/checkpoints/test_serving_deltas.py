@@ -45,6 +45,21 @@ def _train(emb: et.DistributedEmbedding, steps: range) -> None:
         emb.apply_gradients({k: torch.randn(v.shape, generator=g) for k, v in acts.items()})
 
 
+def _save(emb: et.DistributedEmbedding, tmp_path: Path, steps: range) -> None:
+    """Train ``steps`` and save an increment of them under ``tmp_path/ckpts``."""
+    _train(emb, steps)
+    emb.save(tmp_path / "ckpts", incremental=True)
+
+
+def _exported(tmp_path: Path, dtype: str = "float32") -> tuple[et.DistributedEmbedding, Path, et.ServingEmbedding]:
+    """A module trained two steps and saved, its full export at ``tmp_path/serve``, and a server of it."""
+    emb = _module()
+    _save(emb, tmp_path, range(2))
+    out = tmp_path / "serve"
+    et.export(tmp_path / "ckpts", out, dtype)
+    return emb, out, et.ServingEmbedding.load(out)
+
+
 QUERY = {"a": torch.arange(400), "b": torch.arange(30)}  # every row of every table
 
 
@@ -59,16 +74,14 @@ def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_an_updated_server_serves_what_a_full_export_of_the_same_step_serves(dtype: str, tmp_path: Path) -> None:
     emb = _module()
-    _train(emb, range(2))
-    emb.save(tmp_path / "ckpts", incremental=True)
+    _save(emb, tmp_path, range(2))
     out = tmp_path / "serve"
     first = et.export(tmp_path / "ckpts", out, dtype, incremental=True)  # nothing there yet: a full export
     assert first.delta is None and first.max_abs_error
     serving = et.ServingEmbedding.load(out)
     before = _served(serving)
     for lo in (2, 4):
-        _train(emb, range(lo, lo + 2))
-        emb.save(tmp_path / "ckpts", incremental=True)
+        _save(emb, tmp_path, range(lo, lo + 2))
         report = et.export(tmp_path / "ckpts", out, dtype, incremental=True)
         assert report.delta is not None and Path(report.delta).name == f"delta-{lo + 2:010d}"
     assert et.export(tmp_path / "ckpts", out, dtype, incremental=True).delta is None  # nothing new
@@ -82,15 +95,10 @@ def test_an_updated_server_serves_what_a_full_export_of_the_same_step_serves(dty
 
 
 def test_lookups_during_an_update_see_all_of_it_or_none(tmp_path: Path) -> None:
-    emb = _module()
-    _train(emb, range(2))
-    emb.save(tmp_path / "ckpts", incremental=True)
-    out = tmp_path / "serve"
-    et.export(tmp_path / "ckpts", out)
-    old = _served(et.ServingEmbedding.load(out))
+    emb, out, first = _exported(tmp_path)
+    old = _served(first)
     for lo in range(2, 12, 2):
-        _train(emb, range(lo, lo + 2))
-        emb.save(tmp_path / "ckpts", incremental=True)
+        _save(emb, tmp_path, range(lo, lo + 2))
         et.export(tmp_path / "ckpts", out, incremental=True)
     new = _served(et.ServingEmbedding.load(out))
     assert not _same(old, new)
@@ -138,10 +146,7 @@ def _reader(
 
 
 def test_a_lookup_waits_while_an_update_writes(tmp_path: Path) -> None:
-    emb = _module()
-    emb.save(tmp_path / "ckpts", incremental=True)
-    et.export(tmp_path / "ckpts", tmp_path / "serve")
-    serving = et.ServingEmbedding.load(tmp_path / "serve")
+    _, _, serving = _exported(tmp_path)
     done = threading.Event()
     with serving._lock.write():  # what update holds while it writes rows
         reader = threading.Thread(target=lambda: (serving(QUERY), done.set()))
@@ -152,18 +157,12 @@ def test_a_lookup_waits_while_an_update_writes(tmp_path: Path) -> None:
 
 
 def test_a_missing_delta_an_export_replaced_or_a_mapped_export_is_refused(tmp_path: Path) -> None:
-    emb = _module()
-    _train(emb, range(2))
-    emb.save(tmp_path / "ckpts", incremental=True)
-    out = tmp_path / "serve"
-    et.export(tmp_path / "ckpts", out, "int8")
-    serving = et.ServingEmbedding.load(out)
+    emb, out, serving = _exported(tmp_path, "int8")
     before = _served(serving)
     mapped = et.ServingEmbedding.load(out, mmap=True)
     deltas = []
     for lo in (2, 4):
-        _train(emb, range(lo, lo + 2))
-        emb.save(tmp_path / "ckpts", incremental=True)
+        _save(emb, tmp_path, range(lo, lo + 2))
         deltas.append(Path(str(et.export(tmp_path / "ckpts", out, "int8", incremental=True).delta)))
     with pytest.raises(CheckpointError, match="mmap"):
         mapped.update()
@@ -193,12 +192,7 @@ def test_a_missing_delta_an_export_replaced_or_a_mapped_export_is_refused(tmp_pa
 
 
 def test_what_a_killed_delta_writer_leaves_is_cleaned_and_harmless(tmp_path: Path) -> None:
-    emb = _module()
-    _train(emb, range(2))
-    emb.save(tmp_path / "ckpts", incremental=True)
-    out = tmp_path / "serve"
-    et.export(tmp_path / "ckpts", out)
-    serving = et.ServingEmbedding.load(out)
+    emb, out, serving = _exported(tmp_path)
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     prefix, _, tail = temp_name("delta").rsplit("-", 2)
     leftover = tmp_path / f"{prefix}-{int(dead.stdout)}-{tail}"  # a delta writer killed half-way: beside the export
@@ -207,8 +201,7 @@ def test_what_a_killed_delta_writer_leaves_is_cleaned_and_harmless(tmp_path: Pat
     marker = json.loads((out / MARKER).read_text())
     marker["files"].append("delta-0000000099")  # killed after listing its delta, before publishing it
     (out / MARKER).write_text(json.dumps(marker))
-    _train(emb, range(2, 4))
-    emb.save(tmp_path / "ckpts", incremental=True)
+    _save(emb, tmp_path, range(2, 4))
     assert et.export(tmp_path / "ckpts", out, incremental=True).delta is not None
     assert not leftover.exists()  # a dead writer's directory is removed by the next export
     assert serving.update() == 4
@@ -218,25 +211,17 @@ def test_what_a_killed_delta_writer_leaves_is_cleaned_and_harmless(tmp_path: Pat
 
 def test_the_export_command_writes_deltas(tmp_path: Path, capsys: Any) -> None:
     emb = _module()
-    _train(emb, range(2))
-    emb.save(tmp_path / "ckpts", incremental=True)
+    _save(emb, tmp_path, range(2))
     assert cli(["export", str(tmp_path / "ckpts"), str(tmp_path / "serve"), "--incremental"]) == 0
-    _train(emb, range(2, 4))
-    emb.save(tmp_path / "ckpts", incremental=True)
+    _save(emb, tmp_path, range(2, 4))
     capsys.readouterr()
     assert cli(["export", str(tmp_path / "ckpts"), str(tmp_path / "serve"), "--incremental"]) == 0
     assert "delta-0000000004" in capsys.readouterr().out
 
 
 def test_a_malformed_serving_json_or_delta_json_is_refused_or_exported_whole(tmp_path: Path) -> None:
-    emb = _module()
-    _train(emb, range(2))
-    emb.save(tmp_path / "ckpts", incremental=True)
-    out = tmp_path / "serve"
-    et.export(tmp_path / "ckpts", out)
-    serving = et.ServingEmbedding.load(out)
-    _train(emb, range(2, 4))
-    emb.save(tmp_path / "ckpts", incremental=True)
+    emb, out, serving = _exported(tmp_path)
+    _save(emb, tmp_path, range(2, 4))
     delta = Path(str(et.export(tmp_path / "ckpts", out, incremental=True).delta))
     meta = json.loads((delta / "delta.json").read_text())
     for bad in ({**meta, "tables": {"t": meta["tables"]["t"]}}, {**meta, "to": {"id": 3, "step": "x"}}, [1]):
@@ -249,6 +234,5 @@ def test_a_malformed_serving_json_or_delta_json_is_refused_or_exported_whole(tmp
     with pytest.raises(CheckpointError, match="not the export this module loaded"):
         serving.update()
     (out / "serving.json").write_text(json.dumps({**doc, "step": "four"}))
-    _train(emb, range(4, 6))
-    emb.save(tmp_path / "ckpts", incremental=True)
+    _save(emb, tmp_path, range(4, 6))
     assert et.export(tmp_path / "ckpts", out, incremental=True).delta is None  # malformed: exported whole
