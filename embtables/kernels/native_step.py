@@ -67,6 +67,8 @@ class StagedBags:
         self.base, self.coef_base = arena.data_ptr(), coef_arena.data_ptr()
         self.views = tuple(views)
         self.n_ids, self.n_bags = sizes
+        counts = list(self.n_bags)
+        self.alike_bags = counts[0] if counts and counts.count(counts[0]) == len(counts) else -1  # S of all, or -1
         self.ids, self.offsets, self.coeffs = addresses
         self.ends = ends  # the arena elements every address lies in (checked at staging, re-checked per call)
 
@@ -362,7 +364,8 @@ class TableArrays:
 
 def lookup(tables: TableArrays, bags: StagedBags, outs: Sequence[Tensor], starts: Sequence[int] | None) -> int:
     """Every feature's pooled activations in one call: into column blocks ``out[:, starts[f] : starts[f] + D_f]``
-    of ``outs[0]`` [S, W] (``starts`` given; every feature has S bags), else into ``outs[f]`` [S_f, D_f].
+    of ``outs[0]`` [S, W] (``starts`` given; every feature has S bags), into ``outs[0][f]`` of one block
+    [F, S, D] (no ``starts``; every feature has S bags and width D), else into ``outs[f]`` [S_f, D_f].
     Returns 0, 1 (an id outside [0, V) or bad offsets) or 2 (a non-finite activation)."""
     calls = _calls()
     bags.check()
@@ -380,6 +383,15 @@ def lookup(tables: TableArrays, bags: StagedBags, outs: Sequence[Tensor], starts
         if ld is None:
             raise NativeBufferError("embtables native kernel: the output columns do not fit the shared buffer.")
         out_ptr = (_VP * f_count)(*[base + 4 * s for s in starts])
+    elif len(outs) == 1 and outs[0].dim() == 3:  # one block [F, S, D]: feature f's output is block[f]
+        dims = tables.fdims
+        block = require(outs[0], "output", torch.float32, (f_count, -1, -1))
+        _, rows, dim = block.shape
+        if any(n != rows for n in n_bags) or any(d != dim for d in dims):
+            raise NativeBufferError("embtables native kernel: the features' outputs are not all [S, D] alike.")
+        base, step = block.data_ptr(), 4 * rows * dim
+        out_ptr = (_VP * f_count)(*range(base, base + step * f_count, step)) if step else (_VP * f_count)()
+        ld = dims
     else:
         if len(outs) != f_count:
             raise NativeBufferError("embtables native kernel: one output per staged feature is needed.")
@@ -405,10 +417,16 @@ def prepare(tables: TableArrays, bags: StagedBags, grads: Sequence[Tensor | None
     if type(grads) is ColumnBlocks:  # read in place through the whole gradient's address, no view per feature
         g_ptr, ld = _column_block_pointers(tables, bags, grads)
     else:
-        for f, g in enumerate(grads):
-            dim = tables.fdims[f]
-            g_ptr.append(None if g is None else g.data_ptr())
-            ld.append(dim if g is None else gradient_stride(g, bags.n_bags[f], dim))
+        f32 = torch.float32
+        for g, n, dim in zip(grads, bags.n_bags, tables.fdims):
+            if g is None:
+                g_ptr.append(None)
+                ld.append(dim)
+                continue
+            # the common case inline (a contiguous float32 CPU [S, D] gradient), else gradient_stride's checks
+            fits = type(g) is Tensor and g.dtype is f32 and g.is_cpu and g.is_contiguous() and g.shape == (n, dim)
+            ld.append(dim if fits else gradient_stride(g, n, dim))
+            g_ptr.append(g.data_ptr())
     if len(g_ptr) != f_count:
         raise NativeBufferError("embtables native kernel: one gradient per staged feature is needed.")
     if tables.grouped:

@@ -280,7 +280,7 @@ class StepPipeline:
                 checked = flat_g  # read in place (``ColumnBlocks``: no view per feature unless asked for)
             else:
                 with phase_profile.phase("backward: check gradients"):
-                    checked = [engine.check_gradient(i, b, g) for i, (b, g) in enumerate(zip(last.batches, flat_g))]
+                    checked = engine.check_gradients(last.batches, flat_g)
         except (ValueError, TypeError) as exc:
             if engine.world == 1:
                 raise

@@ -16,12 +16,12 @@ import torch
 from torch import Tensor
 
 from embtables.config import ResolvedConfig, ResolvedTable
-from embtables.errors import InputError
 from embtables.kernels import native
 from embtables.kernels.clip_decay import optimizer_decay
 from embtables.tables.backends import Backend, BagPart, GradientPart, Prepared, TableSet, TorchBackend, choose, switches
 from embtables.tables.changed_rows import ChangedRows
 from embtables.tables.dynamic_vocabularies import Vocabularies
+from embtables.tables.gradient_checks import GradientChecks
 from embtables.tables.inputs import FeatureBatch
 from embtables.tables.learning_rates import LearningRatePlan
 from embtables.tables.state import TableState, create_table_state, initial_rows
@@ -49,6 +49,7 @@ class EmbeddingCollection:
         self._backend: Backend | None = None  # chosen at the first call, see backend
         self._switches = -1
         self._sequential_tables = any(not t.optimizer.use_gradient_accumulation for t in self.resolved.tables)
+        self._gradients = GradientChecks(self._tables)
         # the native marking call of the last step's workspaces (``_mark_written``), built once while they stay
         self._mark_plan: tuple[list[Any], dict[str, Tensor], Callable[[], None] | None] | None = None
 
@@ -71,7 +72,7 @@ class EmbeddingCollection:
         # The backend's scratch (C workspaces, ctypes blocks) belongs to this process: a copy or a pickle
         # chooses its backend again.
         state = self.__dict__.copy()
-        for built in ("_backend", "_lr_plan", "_tables", "reference", "_mark_plan"):  # rebuilt by _build
+        for built in ("_backend", "_lr_plan", "_tables", "reference", "_mark_plan", "_gradients"):  # see _build
             state.pop(built, None)
         return state
 
@@ -143,50 +144,11 @@ class EmbeddingCollection:
         return self.backend.pool(parts) or self.reference.pool(parts)
 
     # ------------------------------------------------------------------ backward, phase 1
-    def check_gradient(
-        self, feature_index: int, batch: FeatureBatch, grad: Any, *, column_block: bool = False
-    ) -> Tensor | None:
-        """Validate one activation gradient (None is allowed); returns it as [S, D] float32, contiguous,
-        or with ``column_block`` also a column block of a wider gradient (rows further apart, unit column
-        stride: a feature's columns of the concatenated activations' gradient, which phase 1 reads in
-        place)."""
-        if grad is None:
-            return None
-        feature = self.resolved.features[feature_index]
-        table = self.resolved.tables[feature.table_index]
-        weights = self.states[table.name].weights
-        if (  # the common case: already what phase 1 reads
-            type(grad) is Tensor
-            and grad.dtype is torch.float32
-            and len(batch.out_shape) == 1
-            and (grad.is_cpu if weights.is_cpu else grad.device == weights.device)
-            and grad.layout is torch.strided
-            and not grad.is_nested  # a strided nested tensor has no shape to compare
-            and grad.shape == (batch.out_shape[0], table.dim)
-            and not grad.requires_grad
-            and (grad.is_contiguous() or (column_block and native.gradient_rows(grad, table.dim) is not None))
-        ):
-            return grad
-        expected = (*batch.out_shape, table.dim)
-        if not isinstance(grad, Tensor):
-            raise TypeError(
-                f"feature {feature.name!r}: the gradient must be a Tensor or None, got {type(grad).__name__}."
-            )
-        if grad.layout != torch.strided or grad.is_nested:
-            raise TypeError(
-                f"feature {feature.name!r} (table {table.name!r}): the gradient must be a dense (strided) tensor, "
-                f"got layout {grad.layout}{' (nested)' if grad.is_nested else ''}. Pass grad.to_dense()."
-            )
-        if tuple(grad.shape) != expected:
-            raise InputError(
-                f"feature {feature.name!r} (table {table.name!r}): gradient shape {list(grad.shape)} does not "
-                f"match the activation shape {list(expected)} (output_shape + [dim]). Pass d(loss)/d(activation)."
-            )
-        if not torch.is_floating_point(grad):
-            raise TypeError(f"feature {feature.name!r}: the gradient must be floating point, got {grad.dtype}.")
-        # contiguous(): the native update reads raw rows; a transposed or sliced gradient must not
-        # silently send the table down the slower torch path.
-        return grad.detach().to(self.device, torch.float32).reshape(batch.num_segments, table.dim).contiguous()
+    def check_gradients(
+        self, batches: Sequence[FeatureBatch], grads: Sequence[Any], *, column_block: bool = False
+    ) -> list[Tensor | None]:
+        """Every feature's activation gradient validated (``GradientChecks.check_all``)."""
+        return self._gradients.check_all(batches, grads, column_block=column_block)
 
     def table_gradients(self, batches: Sequence[FeatureBatch], grads: Sequence[Tensor | None]) -> list[TableGradient]:
         """Per-table gradients from per-feature activation gradients [S, D] (None = zero), in table order."""

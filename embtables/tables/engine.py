@@ -69,7 +69,7 @@ class Engine(Protocol):
         self, batches: Sequence[FeatureBatch], refused: BaseException | None = None, concat: bool = False
     ) -> tuple[list[Tensor], Any]: ...
 
-    def check_gradient(self, feature_index: int, batch: FeatureBatch, grad: Any) -> Tensor | None: ...
+    def check_gradients(self, batches: Sequence[FeatureBatch], grads: Sequence[Any]) -> list[Tensor | None]: ...
 
     def device_checks(self) -> Any: ...
 
@@ -134,8 +134,8 @@ class LocalTables:
         """This process's rows of every table (local row ids; see ``local_shards`` for the global ones)."""
         return self.local.states
 
-    def check_gradient(self, feature_index: int, batch: FeatureBatch, grad: Any) -> Tensor | None:
-        return self.local.check_gradient(feature_index, batch, grad)
+    def check_gradients(self, batches: Sequence[FeatureBatch], grads: Sequence[Any]) -> list[Tensor | None]:
+        return self.local.check_gradients(batches, grads)
 
     def vocabulary_shards(self) -> dict[str, dict[str, Tensor]]:
         """Per dynamic table, this process's vocabulary arrays by its rows (``local_shards``' rows), for
@@ -204,9 +204,9 @@ class OneProcessEngine(LocalTables):
     def check_phase(self, phase: str, step: int) -> None:
         """Nothing to agree on with no other rank."""
 
-    def check_gradient(self, feature_index: int, batch: FeatureBatch, grad: Any) -> Tensor | None:
+    def check_gradients(self, batches: Sequence[FeatureBatch], grads: Sequence[Any]) -> list[Tensor | None]:
         # one process: phase 1 reads a feature's columns of a concatenated gradient in place
-        return self.local.check_gradient(feature_index, batch, grad, column_block=True)
+        return self.local.check_gradients(batches, grads, column_block=True)
 
     def translate_keys(
         self,

@@ -286,6 +286,6 @@ def test_non_contiguous_gradients_take_the_native_path() -> None:
     emb({"x": torch.tensor([1, 2, 3])})
     grad = torch.randn(4, 3).t()  # [3, 4], not contiguous
     assert not grad.is_contiguous()
-    checked = emb._engine.check_gradient(0, emb._pipeline.last.batches[0], grad)  # type: ignore[union-attr]
+    (checked,) = emb._engine.check_gradients(emb._pipeline.last.batches, [grad])  # type: ignore[union-attr]
     assert checked is not None and checked.is_contiguous() and torch.equal(checked, grad)
     emb.apply_gradients({"x": grad})

@@ -318,6 +318,48 @@ def test_the_untyped_calls_refuse_arrays_that_are_not_one_per_feature() -> None:
         native_step.prepare(arrays, fewer, [None, None])
 
 
+def test_features_of_one_width_share_one_output_block_and_stay_separate_leaves() -> None:
+    """Every feature [S, D] alike: the fast lookup writes one [F, S, D] block in one call; each activation is
+    a contiguous leaf that requires grad, gets its own ``.grad``, and trains the general path's bits."""
+
+    def alike() -> Any:
+        tables = [et.TableConfig(40 + i, 4, initializer=et.Constant(0.01 * (i + 1)), name=f"t{i}") for i in range(3)]
+        features = {f"f{i}": et.FeatureConfig(t) for i, t in enumerate(tables)}
+        return et.DistributedEmbedding(features, et.Adagrad(0.1, initial_accumulator_value=0.1))
+
+    fast, general = alike(), alike()
+    acts = fast(batch(fast, 0, torch.int64, False))
+    flat = [acts[k] for k in sorted(acts)]
+    assert all(a._base is not None and a._base is flat[0]._base for a in flat)  # one block
+    assert all(a.is_leaf and a.requires_grad and a.is_contiguous() and a.shape == (6, 4) for a in flat)
+    sum((a * (i + 1)).sum() for i, a in enumerate(flat)).backward()
+    for i, a in enumerate(flat):
+        assert torch.equal(a.grad, torch.full((6, 4), float(i + 1)))
+    flat[0].data.fill_(7.0)  # the caller's own activations: another feature's block is untouched
+    assert not torch.equal(flat[1], flat[0])
+    fast.apply_gradients()
+    general(batch(general, 0, torch.int32, False))
+    general.apply_gradients({k: torch.full((6, 4), float(i + 1)) for i, k in enumerate(sorted(acts))})
+    assert_same(snapshot(fast), snapshot(general))
+    seen_fast, seen_general = train(fast, 4, torch.int64, False), train(general, 4, torch.int32, False)
+    assert all(torch.equal(a, b) for a, b in zip(seen_fast, seen_general, strict=True))
+    assert_same(snapshot(fast), snapshot(general))
+
+    # the block is checked in the call that hands it to C: its F, S and D
+    inputs = batch(fast, 9, torch.int64, False)
+    stager = fast._inputs
+    keys = sorted(inputs)
+    arena = lambda n, dtype: torch.empty(n, dtype=dtype)  # noqa: E731
+    bags = native_step.stage([inputs[k].values for k in keys], [inputs[k].row_splits for k in keys], stager.vocab,
+                             stager.codes, arena)  # fmt: skip
+    assert bags is not None and bags.alike_bags == 6
+    arrays = fast._engine.local.backend.fast.arrays()
+    assert native_step.lookup(arrays, bags, [torch.empty(3, 6, 4)], None) == 0
+    for wrong in (torch.empty(2, 6, 4), torch.empty(3, 6, 5), torch.empty(3, 5, 4), torch.empty(3, 6, 4).double()):
+        with pytest.raises(native.NativeBufferError):
+            native_step.lookup(arrays, bags, [wrong], None)
+
+
 def _c_proof(opt: Any, lr: float, decay: float, gmax: float, hi: list[float], lo: list[float]) -> list[float] | None:
     params = native.opt_params(opt, lr, decay, clip_gradients=True)
     arr = ctypes.c_double * 4

@@ -49,6 +49,8 @@ class NativeFastPath:
         self._small = False  # every update of the last phase 1 here is checked as it is written (see apply)
         self._rates: tuple[tuple[float, ...], list[Any]] = ((), [])  # learning rates -> optimizer blocks
         self._dense = [0] * len(configs)  # lazy optimizers only: a non-lazy one updates every row
+        self._alike_for: TableArrays | None = None
+        self._alike_dims = False
 
     def _tensors(self) -> list[Tensor]:
         """Every table's weights and slots, table by table."""
@@ -103,11 +105,25 @@ class NativeFastPath:
             if native_step.lookup(arrays, bags, [into], starts) != 0:
                 return None
             return [into]
-        outs = [torch.empty((b.offsets.numel() - 1, int(arrays.fdims[f])), dtype=torch.float32) for f, b in
-                enumerate(batches)]  # fmt: skip
-        if native_step.lookup(arrays, bags, outs, None) != 0:
-            return None
-        return [o.reshape(*b.out_shape, o.shape[1]) for o, b in zip(outs, batches)]
+        n_bags = bags.n_bags
+        if bags.alike_bags >= 0 and self._alike(arrays):
+            # every output [S, D] alike: one block [F, S, D], each feature's activations a contiguous block[f]
+            block = torch.empty((len(batches), bags.alike_bags, int(arrays.fdims[0])), dtype=torch.float32)
+            if native_step.lookup(arrays, bags, [block], None) != 0:
+                return None
+            outs = list(block.unbind(0))
+        else:
+            outs = [torch.empty((n, int(d)), dtype=torch.float32) for n, d in zip(n_bags, arrays.fdims)]
+            if native_step.lookup(arrays, bags, outs, None) != 0:
+                return None
+        return [o if len(b.out_shape) == 1 else o.reshape(*b.out_shape, o.shape[1]) for o, b in zip(outs, batches)]
+
+    def _alike(self, arrays: TableArrays) -> bool:
+        """Whether every feature of ``arrays`` has the same width D (decided once per arrays)."""
+        if self._alike_for is not arrays:
+            dims = list(arrays.fdims)
+            self._alike_for, self._alike_dims = arrays, bool(dims) and dims.count(dims[0]) == len(dims)
+        return self._alike_dims
 
     def table_gradients(
         self, batches: Sequence[FeatureBatch], grads: Sequence[Tensor | None]
