@@ -85,6 +85,7 @@ class Impl:
     optimizer: str  # what really ran, e.g. "adagrad" or "adagrad_rowwise"
     run: Callable[[int], None]
     slot_bytes_per_row: int = 0
+    value_bytes: int = 4  # bytes of one stored table value (2: a bfloat16 / float16 table)
     notes: str = ""
     read_weights: Callable[[], list[np.ndarray]] | None = None  # for the correctness check only
     set_weights: Callable[[list[np.ndarray]], None] | None = None  # for the correctness check only
@@ -95,9 +96,10 @@ class Impl:
 Factory = Callable[[Workload, list[Batch], OptimizerSpec, str], Impl]
 
 
-def useful_bytes(wl: Workload, batch: Batch, slot_bytes_per_row: int, mode: str) -> int:
-    """Bytes of table traffic one step cannot avoid (formula in the module docstring)."""
-    row = wl.dim * 4
+def useful_bytes(wl: Workload, batch: Batch, slot_bytes_per_row: int, mode: str, value_bytes: int = 4) -> int:
+    """Bytes of table traffic one step cannot avoid (formula in the module docstring; a half-precision
+    table's rows are ``dim * 2`` bytes)."""
+    row = wl.dim * value_bytes
     gathered = wl.ids_per_step * row
     if mode == "lookup":
         return gathered
@@ -359,7 +361,7 @@ def bench_impl(
     assert best is not None
     other_cpus, times = best
     stats = summarize(times)
-    ub = statistics.mean(useful_bytes(wl, b, impl.slot_bytes_per_row, mode) for b in batches)
+    ub = statistics.mean(useful_bytes(wl, b, impl.slot_bytes_per_row, mode, impl.value_bytes) for b in batches)
     med_s = stats["median_ms"] / 1e3
     rec: dict[str, Any] = {
         "bench": bench,

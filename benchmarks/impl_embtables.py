@@ -12,6 +12,8 @@ Impls:
   gradient back, as FBGEMM's TBE gives (the harness step is ``(acts * grad).sum().backward()`` on it).
 * ``embtables-seq``: sequence features (``max_sequence_length = pooling``): activations ``[B, M, D]``,
   one row per position, no combining. No peer has this mode.
+* ``embtables-bf16`` / ``embtables-bf16-slots``: the tables' rows (and the slots) stored in bfloat16,
+  stochastically rounded (``TableConfig(dtype=torch.bfloat16, slot_dtype=...)``, spec §12).
 
 Imports only embtables' public names.
 """
@@ -55,10 +57,15 @@ def _factory(variant: str) -> Factory:
         if variant != "plain" and mode == "lookup":
             raise Skip(f"embtables-{variant} is a training-mode variation")
         seq = variant == "seq"
+        half = torch.bfloat16 if variant.startswith("bf16") else None
+        slot_half = torch.bfloat16 if variant == "bf16-slots" else None
         tables = [
-            et.TableConfig(wl.rows, wl.dim, initializer=et.Constant(0.01), combiner="sum", name=f"t{t}")
+            et.TableConfig(
+                wl.rows, wl.dim, initializer=et.Constant(0.01), combiner="sum", name=f"t{t}", dtype=half,
+                slot_dtype=slot_half,
+            )
             for t in range(wl.tables)
-        ]
+        ]  # fmt: skip
         features = {
             f"f{t}": et.FeatureConfig(tables[t], max_sequence_length=wl.pooling if seq else 0) for t in range(wl.tables)
         }
@@ -76,6 +83,7 @@ def _factory(variant: str) -> Factory:
         notes += ", use_gradient_accumulation=False" if variant == "noacc" else ""
         notes += f", max_sequence_length={wl.pooling}" if seq else ""
         notes += ", concat_activations=True" if variant == "concat" else ""
+        notes += f", dtype=bfloat16{', slot_dtype=bfloat16' if slot_half else ''}" if half else ""
         notes += ") native CPU kernels"
         if mode == "lookup":
             emb.eval()
@@ -110,7 +118,7 @@ def _factory(variant: str) -> Factory:
             emb.apply_gradients()
 
         def read() -> list[np.ndarray]:
-            return [emb.embedding_tables[f"t{t}"].numpy().copy() for t in range(wl.tables)]
+            return [emb.embedding_tables[f"t{t}"].float().numpy().copy() for t in range(wl.tables)]
 
         def set_weights(ws: list[np.ndarray]) -> None:
             for t, w in enumerate(ws):
@@ -120,7 +128,8 @@ def _factory(variant: str) -> Factory:
             f"embtables{'' if variant == 'plain' else '-' + variant}",
             label,
             concat_step if variant == "concat" else step,
-            slot_bytes_per_row=slots * wl.dim * 4,
+            slot_bytes_per_row=slots * wl.dim * (2 if slot_half else 4),
+            value_bytes=2 if half else 4,
             notes=notes,
             read_weights=read,
             set_weights=set_weights,
@@ -142,4 +151,6 @@ EMBTABLES_IMPLS: dict[str, Factory] = {
     "embtables-noacc": _factory("noacc"),
     "embtables-concat": _factory("concat"),
     "embtables-seq": _factory("seq"),
+    "embtables-bf16": _factory("bf16"),
+    "embtables-bf16-slots": _factory("bf16-slots"),
 }

@@ -336,6 +336,8 @@ IMPLS: dict[str, Factory] = {
     "embtables-noacc": _embtables("embtables-noacc"),
     "embtables-seq": _embtables("embtables-seq"),
     "embtables-concat": _embtables("embtables-concat"),
+    "embtables-bf16": _embtables("embtables-bf16"),
+    "embtables-bf16-slots": _embtables("embtables-bf16-slots"),
 }
 
 

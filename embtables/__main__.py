@@ -35,7 +35,7 @@ _COMMANDS = (
         "bench",
         "the benchmark suite against the peers (embtables bench --help); embtables bench "
         "latency | estimator | sharded | checkpoint | movielens | extra-optimizers | noacc | dynamic | incremental | "
-        "gpu-launches for the others; embtables bench --device cuda on a GPU",
+        "precision | gpu-launches for the others; embtables bench --device cuda on a GPU",
     ),
     ("stats", "print lookup statistics files (profile_data_directory) and draw per-shard load"),
     ("inspect", "what a checkpoint holds (tables, shapes, optimizer, step, size) and its checksum status"),
@@ -102,6 +102,7 @@ _BENCHES = {
     "noacc": "bench_noacc",
     "dynamic": "bench_dynamic",
     "incremental": "bench_incremental",
+    "precision": "bench_precision",
     "gpu": "bench_gpu",
     "gpu-launches": "bench_gpu_launches",
 }

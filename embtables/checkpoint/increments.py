@@ -172,13 +172,15 @@ def _previous(
 
 
 class RowSelection:
-    """The rows ``pick`` [R] (local, ascending) of ``tensor`` [N, D] as one block of an increment's file,
-    gathered a piece at a time as it is written (no copy of the selection in memory): what the block
-    writer reads of an array (``shape``, ``size``, ``itemsize``, ``dtype``, ``ndim``) and ``write``."""
+    """The rows ``pick`` [R] (local, ascending; None: every row) of ``tensor`` [N, D] as one float32 block of a
+    checkpoint's file, gathered and converted a piece at a time as it is written (no copy of the selection in
+    memory: an increment's changed rows, a half-precision table's rows): what the block writer reads of an
+    array (``shape``, ``size``, ``itemsize``, ``dtype``, ``ndim``) and ``write``."""
 
-    def __init__(self, tensor: torch.Tensor, pick: torch.Tensor, dim: int) -> None:
-        self.tensor, self.pick, self.dim = tensor.detach().reshape(-1, dim), pick.to(tensor.device), dim
-        self.shape = (int(pick.numel()), dim)
+    def __init__(self, tensor: torch.Tensor, pick: torch.Tensor | None, dim: int) -> None:
+        self.tensor, self.dim = tensor.detach().reshape(-1, dim), dim
+        self.pick = None if pick is None else pick.to(tensor.device)
+        self.shape = (int(self.tensor.shape[0] if self.pick is None else self.pick.numel()), dim)
         self.size = self.shape[0] * dim
         self.itemsize = 4
         self.dtype = np.dtype(np.float32)
@@ -189,7 +191,10 @@ class RowSelection:
         crc = zlib.crc32(b"")
         rows = max(1, chunk_bytes // (4 * max(1, self.dim)))
         for start in range(0, self.shape[0], rows):
-            piece = self.tensor[self.pick[start : start + rows]].to("cpu", torch.float32).numpy()
+            part = (
+                self.tensor[start : start + rows] if self.pick is None else self.tensor[self.pick[start : start + rows]]
+            )
+            piece = part.to("cpu", torch.float32).numpy()
             data = np.ascontiguousarray(piece).data.cast("B")
             f.write(data)
             crc = zlib.crc32(data, crc)

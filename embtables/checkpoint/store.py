@@ -178,9 +178,9 @@ def _plan(
         plan.append((t.name, "rows", f"{t.name}#rows", rows.detach().to("cpu", torch.int64).numpy()))
         for slot, tensor in shard.tensors.items():
             key = f"{t.name}/{slot}" if slot else t.name
-            if pick is None:
+            if pick is None and tensor.dtype == torch.float32:
                 array: Any = tensor.detach().to("cpu").numpy().reshape(-1, t.dim)
-            else:
+            else:  # an increment's rows, or a half-precision table's as float32 (exact), a piece at a time
                 array = increments.RowSelection(tensor, pick, t.dim)
             plan.append((t.name, "state", key, array))
         for field, values in (vocabularies or {}).get(t.name, {}).items():
@@ -401,6 +401,7 @@ def config_as_data(resolved: ResolvedConfig) -> dict[str, Any]:
         d["combiner_value"] = str(t.config.combiner)
         q = t.config.quantization_config
         d["quantization"] = None if q is None else [q.num_buckets, float(q.lower), float(q.upper)]
+        d["dtype"], d["slot_dtype"] = t.config.storage, t.config.slot_storage  # the blocks themselves are float32
         d.pop("strategy", None)
         d.pop("table_rank", None)
     described["feature_list"] = [
@@ -459,6 +460,16 @@ def _check_config(manifest: dict[str, Any], resolved: ResolvedConfig, where: Pat
             )
     if problems:
         raise CheckpointError(f"{where}: the checkpoint does not match this model: " + "; ".join(problems) + ".")
+    for t in resolved.tables:  # another storage type: the float32 blocks are converted as they load
+        stored: dict[str, Any] = saved[t.name]
+        for kind, here in (("dtype", t.config.storage), ("slot_dtype", t.config.slot_storage)):
+            theirs = str(stored.get(kind, "float32"))
+            if theirs != here:
+                how = "exactly" if here == "float32" else "rounded to nearest"
+                logger.info(
+                    "%s: table %r: %s %s in the checkpoint, %s here: converted %s as it loads.",
+                    where, t.name, kind, theirs, here, how,
+                )  # fmt: skip
 
 
 def restore(

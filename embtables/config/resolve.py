@@ -129,6 +129,12 @@ def resolve(feature_config: object, optimizer: Optimizer | None) -> ResolvedConf
                 f"DistributedEmbedding: table {name!r} has no optimizer. Pass `optimizer=` to "
                 "DistributedEmbedding or set TableConfig.optimizer."
             )
+        if cfg.half and not opt.use_gradient_accumulation:
+            raise ConfigError(
+                f"DistributedEmbedding: table {name!r} is stored as {cfg.storage} and its optimizer has "
+                "use_gradient_accumulation=False: occurrence-by-occurrence updates of half-precision rows are not "
+                "supported (each occurrence would round). Use use_gradient_accumulation=True, or float32 rows."
+            )
         tables.append(
             ResolvedTable(index=t, name=name, config=cfg, optimizer=opt, feature_indices=tuple(table_features[t]))
         )

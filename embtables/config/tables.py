@@ -36,6 +36,20 @@ def _is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
+STORAGE_TYPES = ("float32", "bfloat16", "float16")  # what a table's rows and slots may be stored as
+ROUNDING_MODES = ("stochastic", "nearest")
+
+
+def storage_name(dtype: object) -> str | None:
+    """The name in ``STORAGE_TYPES`` of ``dtype`` (``torch.bfloat16`` or ``"bfloat16"``), or None. The config
+    layer imports no torch: a torch dtype is known by its ``str``, ``torch.<name>``."""
+    name = dtype if isinstance(dtype, str) else str(dtype) if type(dtype).__name__ == "dtype" else None
+    if name is None:
+        return None
+    name = name.removeprefix("torch.")
+    return name if name in STORAGE_TYPES else None
+
+
 @dataclasses.dataclass(frozen=True)
 class QuantizationConfig:
     """Simulated quantization of looked-up rows (spec §2.1).
@@ -75,6 +89,14 @@ class TableConfig:
       quantization_config: optional simulated quantization of looked-up rows.
       dynamic: a ``DynamicVocabulary`` makes the table keyed by any int64 id, ``vocabulary_size`` being
         its capacity in rows (spec §12); None (default) is a fixed table with ids in [0, V).
+      dtype: how the rows are stored: ``torch.float32`` (None, the default: exact to TF), ``torch.bfloat16``
+        or ``torch.float16`` (half the memory; lookups and updates compute in float32 and every written
+        value is rounded to the type, spec §12).
+      slot_dtype: how the optimizer's slots are stored: None (float32, the default) or a half type; only
+        with a half ``dtype``.
+      rounding: how a half table's written values are rounded: "stochastic" (default; unbiased, seeded by
+        ``rounding_seed``, the step, the table, the row and the column) or "nearest" (ties to even).
+      rounding_seed: the seed of the stochastic rounding (an int >= 0).
     """
 
     vocabulary_size: int
@@ -85,6 +107,25 @@ class TableConfig:
     name: str | None = None
     quantization_config: QuantizationConfig | None = None
     dynamic: DynamicVocabulary | None = None
+    dtype: Any = None
+    slot_dtype: Any = None
+    rounding: str = "stochastic"
+    rounding_seed: int = 0
+
+    @property
+    def storage(self) -> str:
+        """The rows' storage type, a name in ``STORAGE_TYPES``."""
+        return storage_name(self.dtype) or "float32"
+
+    @property
+    def slot_storage(self) -> str:
+        """The slots' storage type, a name in ``STORAGE_TYPES``."""
+        return storage_name(self.slot_dtype) or "float32"
+
+    @property
+    def half(self) -> bool:
+        """Whether the rows (and maybe the slots) are stored in a half type."""
+        return self.storage != "float32"
 
     def __post_init__(self) -> None:
         who = f"TableConfig {self.name!r}" if self.name is not None else "TableConfig"
@@ -120,6 +161,29 @@ class TableConfig:
         if self.dynamic is not None and not isinstance(self.dynamic, DynamicVocabulary):
             raise ConfigError(
                 f"{who}: `dynamic` must be an embtables.DynamicVocabulary or None, got {type(self.dynamic).__name__}."
+            )
+        self._check_storage(who)
+
+    def _check_storage(self, who: str) -> None:
+        """The rules of ``dtype``, ``slot_dtype``, ``rounding`` and ``rounding_seed``."""
+        allowed = "torch.float32, torch.bfloat16 or torch.float16"
+        for arg in ("dtype", "slot_dtype"):
+            value = getattr(self, arg)
+            if value is not None and storage_name(value) is None:
+                raise ConfigError(f"{who}: `{arg}` must be {allowed} (or None: float32), got {value!r}.")
+        if self.slot_storage != "float32" and not self.half:
+            raise ConfigError(
+                f"{who}: `slot_dtype={self.slot_storage}` needs half-precision rows: pass `dtype` too (e.g. "
+                f"dtype=torch.{self.slot_storage}), or leave `slot_dtype` None."
+            )
+        if self.rounding not in ROUNDING_MODES:
+            raise ConfigError(f"{who}: `rounding` must be 'stochastic' or 'nearest', got {self.rounding!r}.")
+        if not _is_int(self.rounding_seed) or not 0 <= self.rounding_seed < 2**63:
+            raise ConfigError(f"{who}: `rounding_seed` must be an int in [0, 2^63), got {self.rounding_seed!r}.")
+        if self.half and self.quantization_config is not None:
+            raise ConfigError(
+                f"{who}: `dtype={self.storage}` with `quantization_config`: simulated quantization is for float32 "
+                "tables. Drop one of them."
             )
 
 

@@ -57,9 +57,9 @@ def advise(t: Tensor) -> bool:
     return int(madvise(start, end - start, _MADV_HUGEPAGE)) == 0
 
 
-def empty_float32(shape: tuple[int, ...], device: torch.device) -> Tensor:
-    """An uninitialised float32 tensor of ``shape`` on ``device``; on the CPU, large ones in huge pages
-    (``advise``) before their first write."""
-    out = torch.empty(shape, dtype=torch.float32, device=device)
+def empty_float32(shape: tuple[int, ...], device: torch.device, dtype: torch.dtype = torch.float32) -> Tensor:
+    """An uninitialised tensor of ``shape`` on ``device`` (float32, or ``dtype``: a table's storage type); on
+    the CPU, large ones in huge pages (``advise``) before their first write."""
+    out = torch.empty(shape, dtype=dtype, device=device)
     advise(out)
     return out

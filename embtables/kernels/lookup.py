@@ -28,9 +28,15 @@ def pooled_lookup(
     *,
     quantization: tuple[int, float, float] | None = None,
 ) -> Tensor:
-    """``out[s] = sum_{k in s} coeffs[k] * table[ids[k]]``: [S, D] from ``table`` [V, D]; empty -> 0."""
+    """``out[s] = sum_{k in s} coeffs[k] * table[ids[k]]``: [S, D] float32 from ``table`` [V, D]; empty -> 0.
+    A half-precision table's rows are read as float32 and pooled in float32, in the order a float32 table's
+    are (the gathered rows [N, D] pooled as a table of their own)."""
     num_segments = offsets.numel() - 1
     if quantization is None:
+        if table.dtype != torch.float32:
+            rows = table.index_select(0, ids).to(torch.float32)
+            ids = torch.arange(ids.numel(), dtype=torch.int64, device=ids.device)
+            return F.embedding_bag(ids, rows, offsets, mode="sum", per_sample_weights=coeffs, include_last_offset=True)
         return F.embedding_bag(ids, table, offsets, mode="sum", per_sample_weights=coeffs, include_last_offset=True)
     rows = quantize(table.index_select(0, ids), *quantization)
     if coeffs is not None:

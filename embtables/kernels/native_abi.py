@@ -81,6 +81,20 @@ FUNCTIONS: dict[str, CFunction] = {
     for f in (
         _f("et_all_finite", "F:i64 x:p n:p", _I32),
         _f("et_round_rows", "x:p U:i64 D:i64 rows:p seed:i64 step:i64 table:i64 kind:i32 out:p"),
+        _f(
+            "et_lookup_half",
+            "W:p kind:i32 D:i64 V:i64 ids:p N:i64 offsets:p S:i64 coeffs:p out:p nthreads:i32",
+            _I32,
+            _LOOKUP,
+        ),
+        _f(
+            "et_apply_half",
+            "handle:p W:p S0:p S1:p S2:p wkind:i32 skind:i32 V:i64 D:i64 p:opt grows:p nglobal:i64 seed:i64 "
+            "step:i64 table:i64 stochastic:i32 write:i32 nthreads:i32",
+            _I64,
+            _CHECK,
+            counts=True,
+        ),
         _f("et_mark_changed", "T:i64 handles:p changed:p V:p dense:p", fast=True),
         _f(
             "et_split_by_owner",

@@ -65,6 +65,7 @@ class PendingUpdate:
 
     table_grads: list[TableGradient]
     lrs: dict[str, float]
+    step: int = 0  # the training step it belongs to (half-precision tables round with it, spec §12)
 
 
 # Pre-update values of the rows an observer-triggered flush updated early: {table: (rows [U], weights [U, D])}.
@@ -209,7 +210,7 @@ class StepPipeline:
         def land() -> None:
             held = update()
             with phase_profile.phase("update"):
-                engine.apply(held.table_grads, held.lrs, agreed=True)
+                engine.apply(held.table_grads, held.lrs, agreed=True, step=held.step)
 
         self.landing = self.worker.submit(land)
 
@@ -293,15 +294,15 @@ class StepPipeline:
             table_grads = self.exchange(
                 "apply_gradients", lambda: engine.table_gradients(last.batches, checked, last.context, refused)
             )
-        update = PendingUpdate(table_grads, engine.learning_rates())
+        update = PendingUpdate(table_grads, engine.learning_rates(), self.training_steps)
         if self.pipelined:
             # Nothing changes the tables before this update lands, so check it now: a non-finite
             # update raises here, like in a synchronous run, instead of at the next lookup.
-            self.run(lambda: engine.check(update.table_grads, update.lrs))
-            self.pending = PendingUpdate([tg.owned() for tg in table_grads], update.lrs)
+            self.run(lambda: engine.check(update.table_grads, update.lrs, step=update.step))
+            self.pending = PendingUpdate([tg.owned() for tg in table_grads], update.lrs, update.step)
         else:
             with phase_profile.phase("update"):
-                self.run(lambda: engine.apply(update.table_grads, update.lrs))
+                self.run(lambda: engine.apply(update.table_grads, update.lrs, step=update.step))
         self.last = None
 
     def _apply_in_background(
@@ -321,13 +322,13 @@ class StepPipeline:
         self._wait_landing()  # the previous update's refusal, found in the background, raises here
         self.exchange("apply_gradients", lambda: engine.agree_gradients(refused))
         owned = [_owned(g, src) for g, src in zip(checked, given)]  # the caller may reuse its tensors
-        lrs = engine.learning_rates()
+        lrs, step = engine.learning_rates(), self.training_steps
 
         def summed() -> PendingUpdate:
             with phase_profile.phase("backward"):
                 table_grads = engine.table_gradients(last.batches, owned, last.context)
-            engine.check(table_grads, lrs)
-            return PendingUpdate([tg.owned() for tg in table_grads], lrs)
+            engine.check(table_grads, lrs, step=step)
+            return PendingUpdate([tg.owned() for tg in table_grads], lrs, step)
 
         assert self.worker is not None and self.pending is None and self.summing is None
         self.summing, self.summing_step = self.worker.submit(summed), self.training_steps
@@ -359,7 +360,8 @@ class StepPipeline:
                     assert touched is not None
                     rows = torch.unique(touched).to(weights.device)
                 stale[tg.table.name] = (rows, weights.index_select(0, rows))
-        self.engine.apply(pending.table_grads, pending.lrs, agreed=True)  # the ranks agreed at apply_gradients
+        # the ranks agreed at apply_gradients
+        self.engine.apply(pending.table_grads, pending.lrs, agreed=True, step=pending.step)
         self.stale.update({k: v for k, v in stale.items() if k not in self.stale})
 
     @contextlib.contextmanager
@@ -418,8 +420,13 @@ class StepPipeline:
         self.flush(observer=True)
         if self.enqueued is not None and self.enqueued.prefetch is not None:
             self.enqueued.prefetch = None  # looked up on the old device: look up again at dequeue
-        self.engine.map_tensors(fn)
-        self.stale = {k: (fn(rows), fn(old)) for k, (rows, old) in self.stale.items()}
+
+        def keep(t: Tensor) -> Tensor:  # a half-precision table or slot keeps its storage type (``.float()``)
+            moved = fn(t)
+            return moved if moved.dtype == t.dtype or not t.is_floating_point() else moved.to(t.dtype)
+
+        self.engine.map_tensors(keep)
+        self.stale = {k: (keep(rows), keep(old)) for k, (rows, old) in self.stale.items()}
         if self.last is not None and probe.device != self.last.activations[0].device:
             self.last = None
             logger.warning(

@@ -127,6 +127,13 @@ class ShardedEmbeddingCollection(LocalTables):
         )
         # Owned rows per table (local rows may add one placeholder row when a rank owns none).
         self._owned_rows = {t.name: self.plans[t.name].owned_rows(self.rank) for t in resolved.tables}
+        # a half-precision table rounds each row's update with the row's global id (spec §12): the same bits
+        # for any W and strategy (the placeholder row, never written, gets the id V)
+        half = [t for t in resolved.tables if t.config.half and t.config.dynamic is None]
+        owned = {t.name: self.plans[t.name].global_rows(self.rank) for t in half}
+        self.local.set_global_rows(
+            {t.name: owned[t.name] if owned[t.name].numel() else torch.tensor([t.vocabulary_size]) for t in half}
+        )
         # A summed gradient of an owner-pooled table overflowed here: ``check`` refuses the update on every rank.
         self._sums_overflow = False
         self.row_tables = [t for t in resolved.tables if t.name not in pooled]
@@ -469,7 +476,7 @@ class ShardedEmbeddingCollection(LocalTables):
         row_grads, _ = comm.all_to_all_v(per_id[order][by_owner], counts, self.group, recv_counts=recv_counts)
         return rows, row_grads
 
-    def check(self, table_grads: Sequence[TableGradient], lrs: dict[str, float]) -> None:
+    def check(self, table_grads: Sequence[TableGradient], lrs: dict[str, float], *, step: int = 0) -> None:
         """Raise on every rank, writing nothing, when the update is refused on any rank's rows."""
         error: Exception | None = None
         if self._sums_overflow:
@@ -479,7 +486,7 @@ class ShardedEmbeddingCollection(LocalTables):
             )
         else:
             try:
-                self.local.check(table_grads, lrs)
+                self.local.check(table_grads, lrs, step=step)
             except (ValueError, TypeError, RuntimeError) as exc:
                 error = exc
         if comm.any_rank(error is not None, self.group):
@@ -487,14 +494,16 @@ class ShardedEmbeddingCollection(LocalTables):
                 raise error
             raise InputError("the update was refused on another rank; no table or slot was changed on any rank.")
 
-    def apply(self, table_grads: Sequence[TableGradient], lrs: dict[str, float], *, agreed: bool = False) -> None:
+    def apply(
+        self, table_grads: Sequence[TableGradient], lrs: dict[str, float], *, agreed: bool = False, step: int = 0
+    ) -> None:
         """The fused update of this rank's rows; every rank applies or none does. ``agreed=True``: the
         ranks already agreed through ``check`` (a pipelined update), so no message is needed."""
         if not agreed:
             with phase_profile.phase("update: agreement"):
-                self.check(table_grads, lrs)
+                self.check(table_grads, lrs, step=step)
         with phase_profile.phase("update: apply"):
-            self.local.apply(table_grads, lrs)
+            self.local.apply(table_grads, lrs, step=step)
 
     # ------------------------------------------------------------------ state
     def state_key_owners(self) -> dict[str, tuple[ResolvedTable, str]]:

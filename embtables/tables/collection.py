@@ -53,6 +53,11 @@ class EmbeddingCollection:
         # the native marking call of the last step's workspaces (``_mark_written``), built once while they stay
         self._mark_plan: tuple[list[Any], dict[str, Tensor], Callable[[], None] | None] | None = None
 
+    def set_global_rows(self, rows: dict[str, Tensor]) -> None:
+        """Per sharded half-precision table, the global row id [V_local] of every local row: what its updates
+        are rounded with (``TableSet.global_ids``)."""
+        self._tables.global_rows = dict(rows)
+
     @property
     def device(self) -> torch.device:
         return self._tables.device
@@ -170,8 +175,9 @@ class EmbeddingCollection:
             plan = self._lr_plan = LearningRatePlan(self.resolved)
         return plan.rates()
 
-    def apply(self, table_grads: Sequence[TableGradient], lrs: dict[str, float]) -> None:
-        """Apply validated gradients: the fused sparse update of every table, all or nothing.
+    def apply(self, table_grads: Sequence[TableGradient], lrs: dict[str, float], *, step: int = 0) -> None:
+        """Apply validated gradients: the fused sparse update of every table, all or nothing. ``step``: the
+        training step of the update (a half-precision table's rounding depends on it, spec §12).
 
         Each table's update is first checked to write only finite rows and slots (proven from bounds on the
         values it reads, else a dry run that writes nothing; tables updated occurrence by occurrence are
@@ -180,6 +186,7 @@ class EmbeddingCollection:
         prepared natively, the dry runs happen in the same native call that writes (checked for all tables
         first).
         """
+        self._tables.step = step
         backend = self.backend
         if backend.write_step(table_grads, lrs):  # the whole phase 2 in one call
             self._mark_written(table_grads)
@@ -232,9 +239,10 @@ class EmbeddingCollection:
                 elif tg.rows is not None:
                     self.changed.mark(tg.table.name, tg.rows)
 
-    def check(self, table_grads: Sequence[TableGradient], lrs: dict[str, float]) -> None:
+    def check(self, table_grads: Sequence[TableGradient], lrs: dict[str, float], *, step: int = 0) -> None:
         """Raise exactly as ``apply`` would, but write nothing (used for an update held back by
         pipelining, so its error surfaces at ``apply_gradients`` and not at a later lookup)."""
+        self._tables.step = step
         self._checked_updates(table_grads, lrs, check_in_write=False)
         self.backend.settle()
         for tg in table_grads:

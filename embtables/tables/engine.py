@@ -97,9 +97,11 @@ class Engine(Protocol):
 
     def learning_rates(self) -> dict[str, float]: ...
 
-    def check(self, table_grads: Sequence[TableGradient], lrs: dict[str, float]) -> None: ...
+    def check(self, table_grads: Sequence[TableGradient], lrs: dict[str, float], *, step: int = 0) -> None: ...
 
-    def apply(self, table_grads: Sequence[TableGradient], lrs: dict[str, float], *, agreed: bool = False) -> None: ...
+    def apply(
+        self, table_grads: Sequence[TableGradient], lrs: dict[str, float], *, agreed: bool = False, step: int = 0
+    ) -> None: ...
 
     def full_state(self) -> dict[str, Tensor]: ...
 
@@ -264,11 +266,13 @@ class OneProcessEngine(LocalTables):
         if refused is not None:
             raise refused
 
-    def check(self, table_grads: Sequence[TableGradient], lrs: dict[str, float]) -> None:
-        self.local.check(table_grads, lrs)
+    def check(self, table_grads: Sequence[TableGradient], lrs: dict[str, float], *, step: int = 0) -> None:
+        self.local.check(table_grads, lrs, step=step)
 
-    def apply(self, table_grads: Sequence[TableGradient], lrs: dict[str, float], *, agreed: bool = False) -> None:
-        self.local.apply(table_grads, lrs)
+    def apply(
+        self, table_grads: Sequence[TableGradient], lrs: dict[str, float], *, agreed: bool = False, step: int = 0
+    ) -> None:
+        self.local.apply(table_grads, lrs, step=step)
 
     def full_state(self) -> dict[str, Tensor]:
         """``{"<table>" | "<table>/<slot>": [V, D]}``: the live tensors (no copy in one process)."""

@@ -1,4 +1,5 @@
-"""Per-table state: the (V, D) float32 weights and the optimizer's slots, created from a resolved table."""
+"""Per-table state: the (V, D) weights and the optimizer's slots, created from a resolved table: float32, or
+the table's half type (``TableConfig.dtype`` / ``slot_dtype``, spec §12)."""
 
 from __future__ import annotations
 
@@ -55,10 +56,18 @@ def check_loaded_value(table: ResolvedTable, slot: str, value: Tensor) -> str | 
     FTRL's allow_zero_accumulator), AdagradMomentum's accumulators and Adam's velocities >= 0."""
     if value.numel() == 0:
         return None
-    # One pass over the values as the float32 they become: beyond 3.4e38 turns into inf, 1e-46 into 0.
-    smallest, largest = (float(v) for v in torch.aminmax(value.detach().to(torch.float32)))
+    # One pass over the values as the float32 they become: beyond 3.4e38 turns into inf, 1e-46 into 0; a
+    # half-precision table's as the half values they become (float16: beyond 65504 is inf).
+    stored = storage_dtypes(table)[1 if slot else 0]
+    as_stored = value.detach().to(torch.float32)
+    if stored is not torch.float32:
+        as_stored = as_stored.to(stored)
+    smallest, largest = (float(v) for v in torch.aminmax(as_stored))
     if not (math.isfinite(smallest) and math.isfinite(largest)):
-        return "must be finite float32 values (NaN, Inf or beyond 3.4e38 found; the checkpoint is corrupt)"
+        if stored is torch.float32:
+            return "must be finite float32 values (NaN, Inf or beyond 3.4e38 found; the checkpoint is corrupt)"
+        name = str(stored).removeprefix("torch.")
+        return f"must be finite {name} values (NaN, Inf or beyond {name}'s range found; the checkpoint is corrupt)"
     opt = table.optimizer
     domain = dict(zip(opt.slot_names, record_of(opt).slot_domains(opt))).get(slot, "any")
     if domain == "positive" and not smallest > 0:
@@ -79,13 +88,20 @@ def _checked(table: ResolvedTable, what: str, t: object, shape: tuple[int, int] 
 _MAX_TABLE_BYTES = 1 << 46  # 64 TiB: more is a typo, not a table
 
 
-def _owned(t: Tensor, device: torch.device) -> Tensor:
-    """Plain leaf storage of its own: detached from any graph (a pretrained nn.Parameter), float32,
-    contiguous (the native kernels need it), never sharing memory with the caller's tensor; a large
-    CPU table in huge pages (``kernels/huge_pages.py``)."""
-    out = t.detach().to(device, torch.float32)
+def storage_dtypes(table: ResolvedTable) -> tuple[torch.dtype, torch.dtype]:
+    """The torch dtypes the table's rows and slots are stored in (``TableConfig.storage``, ``slot_storage``)."""
+    config = table.config
+    return getattr(torch, config.storage), getattr(torch, config.slot_storage)
+
+
+def _owned(t: Tensor, device: torch.device, dtype: torch.dtype = torch.float32) -> Tensor:
+    """Plain leaf storage of its own: detached from any graph (a pretrained nn.Parameter), of the table's
+    storage ``dtype`` (float32 values are rounded to nearest into a half type: initial values, not an
+    update), contiguous (the native kernels need it), never sharing memory with the caller's tensor; a
+    large CPU table in huge pages (``kernels/huge_pages.py``)."""
+    out = t.detach().to(device, torch.float32).to(dtype)
     if out.data_ptr() == t.data_ptr() or not out.is_contiguous():
-        out = huge_pages.empty_float32(tuple(out.shape), out.device).copy_(out)
+        out = huge_pages.empty_float32(tuple(out.shape), out.device, dtype).copy_(out)
     return out
 
 
@@ -93,11 +109,14 @@ def create_table_state(table: ResolvedTable, device: torch.device) -> TableState
     """Initialise weights with the table's initializer (TF's truncated normal by default) and the
     slots with the optimizer's constants, or with ``slot_variable_creation_fn`` when given."""
     shape = (table.vocabulary_size, table.dim)
-    nbytes = table.vocabulary_size * table.dim * 4 * (1 + len(table.optimizer.slot_names))
+    row_dtype, slot_dtype = storage_dtypes(table)
+    per_value = row_dtype.itemsize + slot_dtype.itemsize * len(table.optimizer.slot_names)
+    nbytes = table.vocabulary_size * table.dim * per_value
     if nbytes > _MAX_TABLE_BYTES:
         raise ConfigError(
             f"table {table.name!r}: vocabulary_size={table.vocabulary_size} x dim={table.dim} needs "
-            f"{nbytes / 2**40:.1f} TiB for the weights and {len(table.optimizer.slot_names)} slot(s) in float32. "
+            f"{nbytes / 2**40:.1f} TiB for the weights and {len(table.optimizer.slot_names)} slot(s) "
+            f"({table.config.storage} rows, {table.config.slot_storage} slots). "
             "Check vocabulary_size and dim (hash ids into a smaller vocabulary)."
         )
     try:
@@ -108,7 +127,8 @@ def create_table_state(table: ResolvedTable, device: torch.device) -> TableState
         raise MemoryError(
             f"table {table.name!r}: could not allocate {nbytes / 2**30:.2f} GiB for vocabulary_size="
             f"{table.vocabulary_size} x dim={table.dim} (weights and {len(table.optimizer.slot_names)} slot(s), "
-            "float32). Reduce vocabulary_size or dim, or shard the table over more processes."
+            f"{table.config.storage} rows, {table.config.slot_storage} slots). Reduce vocabulary_size or dim, store "
+            "the table in half precision (dtype=torch.bfloat16), or shard it over more processes."
         ) from exc
 
 
@@ -128,14 +148,17 @@ def _initial_values(
     table: ResolvedTable, shape: tuple[int, int], device: torch.device
 ) -> tuple[Tensor, dict[str, Tensor]]:
     init = table.config.initializer or default_initializer(table.dim)
+    row_dtype, slot_dtype = storage_dtypes(table)
     # An initializer may return an existing tensor (pretrained weights): never train it in place.
-    weights = _owned(_checked(table, "the initializer", init(shape, torch.float32), shape), device)
+    weights = _owned(_checked(table, "the initializer", init(shape, torch.float32), shape), device, row_dtype)
     opt = table.optimizer
     names = list(opt.slot_names)
     inits = [Constant(v) for v in opt.slot_initial_values()]
     creation_fn = getattr(opt, "slot_variable_creation_fn", None)
     if creation_fn is None:
-        slots = {n: huge_pages.empty_float32(shape, device).fill_(float(i.value)) for n, i in zip(names, inits)}
+        slots = {
+            n: huge_pages.empty_float32(shape, device, slot_dtype).fill_(float(i.value)) for n, i in zip(names, inits)
+        }
     else:
         made = creation_fn(weights, names, inits)
         if not isinstance(made, dict) or sorted(made) != sorted(names):
@@ -150,5 +173,5 @@ def _initial_values(
                 f"table {table.name!r}: slot_variable_creation_fn returned tensors that share memory with each "
                 "other or with the table; each slot needs its own storage."
             )
-        slots = {n: _owned(t, device) for n, t in slots.items()}
+        slots = {n: _owned(t, device, slot_dtype) for n, t in slots.items()}
     return weights, slots

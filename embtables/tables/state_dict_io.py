@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import sys
 from collections.abc import Mapping
 from typing import Any
@@ -10,7 +11,9 @@ import torch
 from torch import Tensor, nn
 
 from embtables.config import ResolvedTable, TableConfig
-from embtables.tables.state import check_loaded_value
+from embtables.tables.state import check_loaded_value, storage_dtypes
+
+logger = logging.getLogger("embtables")
 
 
 class TableDict(dict[str, Any]):
@@ -82,5 +85,8 @@ def validate_state_dict(
             errors.append(f"{full!r}: {problem}")
         else:
             present[key] = value
+            stored = storage_dtypes(owners[key][0])[1 if owners[key][1] else 0]
+            if value.dtype != stored and stored != torch.float32:
+                logger.info("%r: %s values loaded into %s storage, rounded to nearest.", full, value.dtype, stored)
     unexpected = [k for k in state_dict if k.startswith(prefix) and k[len(prefix) :] not in shapes]
     return present, errors, missing, unexpected

@@ -37,7 +37,7 @@ def bounds_tensor(tensors: Sequence[Tensor], rows: Tensor | None) -> Tensor:
         mn, mx = torch.aminmax(part)
         finite = torch.isfinite(part).all()
         big = torch.where(finite, torch.maximum(mx.abs(), mn.abs()), torch.full_like(mx, float("inf")))
-        stats.append(torch.stack((big, mn)))
+        stats.append(torch.stack((big, mn)).to(torch.float32))  # a half-precision table's bounds as float32
     return torch.stack(stats) if stats else torch.zeros((0, 2), dtype=torch.float32)
 
 
@@ -49,9 +49,11 @@ def read_bounds(stats: Tensor) -> tuple[list[float], list[float]]:
 
 def non_finite_update(table: ResolvedTable, row: int, lr: float) -> InputError:
     slots = ", ".join(table.optimizer.slot_names) or "no slots"
+    kinds = {table.config.storage, table.config.slot_storage if table.optimizer.slot_names else "float32"}
+    overflow = " or ".join(f"{k} overflow{' (|value| > 65504)' if k == 'float16' else ''}" for k in sorted(kinds))
     return InputError(
         f"table {table.name!r}: the update of row {row} would write a non-finite value (NaN or Inf) into the "
-        f"weights or slots ({slots}) at learning rate {lr:g}: float32 overflow; no table or slot was changed. "
+        f"weights or slots ({slots}) at learning rate {lr:g}: {overflow}; no table or slot was changed. "
         "Lower the learning rate, clip the gradients (clipvalue=...) or check the table's values."
     )
 

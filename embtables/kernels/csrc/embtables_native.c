@@ -1730,3 +1730,168 @@ void et_mark_changed(int64_t T, void *const *handles, uint8_t *const *changed, c
             if (h->rows[u] >= 0 && h->rows[u] < V[t]) changed[t][h->rows[u]] = 1;
     }
 }
+
+/* ------------------------------------------------------------------ half-precision tables */
+/* spec §12: rows (and slots) stored as bfloat16 (kind 0), float16 (kind 1) or float32 (kind 2), read into
+ * float32, updated by the optimizer's float32 row function, and rounded back as they are written:
+ * stochastically with the bits of (seed, step, table, global row, column) (column c < D: the weights'; (k+1)
+ * D + c: slot k's), or to nearest, ties to even (the types' own conversion). */
+static inline float et_half_float(uint16_t h, int kind) {
+    if (kind == 0) return et_bits_float((uint32_t)h << 16);
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
+    if (e == 31) return et_bits_float(sign | 0x7f800000u | (m << 13));           /* inf, NaN */
+    if (e == 0) return (sign ? -1.0f : 1.0f) * (float)m * 5.9604644775390625e-8f; /* m * 2^-24, exact */
+    return et_bits_float(sign | ((e + 112u) << 23) | (m << 13));
+}
+
+/* to nearest, ties to even */
+static inline uint16_t et_rn_half(float x, int kind) {
+    uint32_t b;
+    memcpy(&b, &x, sizeof b);
+    const uint32_t a = b & 0x7fffffffu;
+    if (kind == 0) {
+        if (a > ET_INF_BITS) return (uint16_t)((b >> 16) | 0x0040u);
+        return (uint16_t)((b + 0x7fffu + ((b >> 16) & 1u)) >> 16); /* an infinity stays one */
+    }
+    const uint32_t sign = (b >> 16) & 0x8000u;
+    if (a > ET_INF_BITS) return (uint16_t)(sign | 0x7e00u);
+    if (a >= 0x47800000u) return (uint16_t)(sign | 0x7c00u); /* >= 65536, or an infinity */
+    uint32_t low;
+    int up;
+    if (a >= 0x38800000u) {
+        low = (((a >> 23) - 112u) << 10) | ((a >> 13) & 0x3ffu);
+        const uint32_t d = a & 0x1fffu;
+        up = d > 0x1000u || (d == 0x1000u && (low & 1u)); /* a carry past 65504 gives the infinity */
+    } else {
+        const float scaled = et_bits_float(a) * 16777216.0f;
+        low = (uint32_t)scaled;
+        const float frac = scaled - (float)low; /* exact */
+        up = frac > 0.5f || (frac == 0.5f && (low & 1u));
+    }
+    return (uint16_t)(sign | (low + (uint32_t)up));
+}
+
+static inline int et_half_finite(uint16_t h, int kind) {
+    return kind == 0 ? (h & 0x7f80u) != 0x7f80u : (h & 0x7c00u) != 0x7c00u;
+}
+
+/* Row r of a table of ``kind`` into D floats. */
+static inline void et_load_row(const void *T, int kind, int64_t r, int64_t D, float *dst) {
+    if (kind == 2) {
+        memcpy(dst, (const float *)T + r * D, sizeof(float) * (size_t)D);
+        return;
+    }
+    const uint16_t *src = (const uint16_t *)T + r * D;
+    for (int64_t d = 0; d < D; ++d) dst[d] = et_half_float(src[d], kind);
+}
+
+/* D floats rounded into the half patterns out (kind 0 or 1), columns col0 + d of a row whose hash is h (when
+ * stochastic); returns 1 when every rounded value is finite. */
+static inline int et_round_into(const float *x, int kind, int64_t D, uint32_t h, int64_t col0, int stochastic,
+                                uint16_t *out) {
+    int ok = 1;
+    for (int64_t d = 0; d < D; ++d) {
+        uint16_t v;
+        if (stochastic) {
+            const uint32_t r = et_lowbias32(h ^ (uint32_t)(col0 + d));
+            v = kind == 0 ? et_sr_bfloat16(x[d], r) : et_sr_float16(x[d], r);
+        } else {
+            v = et_rn_half(x[d], kind);
+        }
+        out[d] = v;
+        ok &= et_half_finite(v, kind);
+    }
+    return ok;
+}
+
+/* Lookup from a half table (kind 0 or 1) W [V, D]: out [S, D] float32, out[s] = sum_k coeffs[k] * W[ids[k]]
+ * in float32, each row read as float32, in the order of the float32 lookup's sums. Returns 0, 1 bad offsets or
+ * an id outside [0, V) (the output is then garbage), 2 a non-finite activation. */
+int et_lookup_half(const uint16_t *W, int32_t kind, int64_t D, int64_t V, const int64_t *ids, int64_t N,
+                   const int64_t *offsets, int64_t S, const float *coeffs, float *out, int nthreads) {
+    if (kind != 0 && kind != 1) return 1;
+    if (!et_offsets_ok(offsets, S, N)) return 1;
+    int bad = 0, nonfinite = 0;
+#pragma omp parallel for num_threads(nthreads) schedule(static, 64) reduction(| : bad, nonfinite)
+    for (int64_t s = 0; s < S; ++s) {
+        float *restrict o = out + s * D;
+        for (int64_t d = 0; d < D; ++d) o[d] = 0.0f;
+        for (int64_t k = offsets[s]; k < offsets[s + 1]; ++k) {
+            const int64_t id = ids[k];
+            if ((uint64_t)id >= (uint64_t)V) {
+                bad = 1;
+                continue;
+            }
+            const uint16_t *restrict row = W + id * D;
+            const float c = coeffs ? coeffs[k] : 1.0f;
+            for (int64_t d = 0; d < D; ++d) o[d] += c * et_half_float(row[d], kind);
+        }
+        nonfinite |= et_maxbits(o, D, 0) >= ET_INF_BITS;
+    }
+    return bad ? 1 : (nonfinite ? 2 : 0);
+}
+
+/* Phase 2 of a lazy update of a half table from its prepared workspace: weights of kind wkind (0 or 1), slots
+ * of kind skind (0, 1 or 2: float32), row u's random bits from (seed, step, table, grows[rows[u]]) (grows NULL:
+ * the rows themselves are global; else [nglobal], one per local row). write == 0: a dry run that writes nothing
+ * and returns -1 when every rounded value is finite, else the largest row whose update is not; write != 0: the
+ * update written (returns -1). -2: a workspace or row map that does not fit the table; -3 out of memory; -4 an
+ * unknown optimizer or kind. */
+int64_t et_apply_half(const void *handle, void *W, void *S0, void *S1, void *S2, int32_t wkind, int32_t skind,
+                      int64_t V, int64_t D, const et_opt *p, const int64_t *grows, int64_t nglobal, int64_t seed,
+                      int64_t step, int64_t table, int32_t stochastic, int32_t write, int nthreads) {
+    const et_workspace *h = (const et_workspace *)handle;
+    if (!et_prepared_ok(h, V, D)) return -2;
+    if (grows && nglobal < V) return -2;
+    if ((wkind != 0 && wkind != 1) || skind < 0 || skind > 2) return -4;
+    const et_row_fn fn = et_row_function(p->kind);
+    if (!fn) return -4;
+    void *S[3] = {S0, S1, S2};
+    const uint32_t prefix = et_round_prefix((uint64_t)seed, (uint64_t)step, (uint32_t)table);
+    const int64_t U = h->U;
+    int64_t bad = -1;
+    int oom = 0;
+#pragma omp parallel num_threads(nthreads) reduction(max : bad) reduction(| : oom)
+    {
+        float *buf = (float *)malloc(sizeof(float) * (size_t)(4 * D));
+        uint16_t *half = (uint16_t *)malloc(sizeof(uint16_t) * (size_t)(4 * D));
+        if (!buf || !half) {
+            oom = 1;
+        } else {
+#pragma omp for schedule(static, 256)
+            for (int64_t u = 0; u < U; ++u) {
+                const int64_t r = h->rows[u];
+                float *c[4] = {buf, buf + D, buf + 2 * D, buf + 3 * D};
+                et_load_row(W, wkind, r, D, c[0]);
+                for (int k = 0; k < 3; ++k)
+                    if (S[k]) et_load_row(S[k], skind, r, D, c[k + 1]);
+                fn(p, c[0], S0 ? c[1] : NULL, S1 ? c[2] : NULL, S2 ? c[3] : NULL, h->G + u * D, D);
+                const uint32_t hr = et_round_row(prefix, grows ? grows[r] : r);
+                int ok = et_round_into(c[0], wkind, D, hr, 0, stochastic, half);
+                for (int k = 0; k < 3; ++k) {
+                    if (!S[k]) continue;
+                    if (skind == 2) {
+                        ok &= et_maxbits(c[k + 1], D, 0) < ET_INF_BITS;
+                    } else {
+                        ok &= et_round_into(c[k + 1], skind, D, hr, (k + 1) * D, stochastic, half + (k + 1) * D);
+                    }
+                }
+                if (!write) {
+                    if (!ok && r > bad) bad = r;
+                    continue;
+                }
+                memcpy((uint16_t *)W + r * D, half, sizeof(uint16_t) * (size_t)D);
+                for (int k = 0; k < 3; ++k) {
+                    if (!S[k]) continue;
+                    if (skind == 2)
+                        memcpy((float *)S[k] + r * D, c[k + 1], sizeof(float) * (size_t)D);
+                    else
+                        memcpy((uint16_t *)S[k] + r * D, half + (k + 1) * D, sizeof(uint16_t) * (size_t)D);
+                }
+            }
+        }
+        free(buf);
+        free(half);
+    }
+    return oom ? -3 : bad;
+}

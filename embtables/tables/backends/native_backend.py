@@ -1,4 +1,5 @@
-"""``NativeBackend``: the C kernels (``kernels/native.py``) on float32 CPU tables.
+"""``NativeBackend``: the C kernels (``kernels/native.py``) on CPU tables: float32, and half-precision ones
+(``kernels/native_half.py``: their lookups and lazy updates; spec §12).
 
 Lookups of every feature in one parallel region; phase 1 (dedup, float32 sums, finiteness) of every
 accumulated table in one call into per-table scratch workspaces; phase 2 of every table in one call.
@@ -18,7 +19,7 @@ from torch import Tensor
 
 from embtables.config import ResolvedTable
 from embtables.errors import InputError
-from embtables.kernels import native
+from embtables.kernels import native, native_half
 from embtables.kernels.clip_decay import optimizer_decay
 from embtables.kernels.finite_guard import update_is_finite
 from embtables.kernels.native_abi import decode
@@ -102,17 +103,21 @@ class NativeBackend:
         features, tables, states = ts.features, ts.tables, ts.states
         fast: list[int] = []
         parts = []
+        out: list[Tensor | None] = [None] * len(batches)
+        checked: set[int] = set()
         for i, (feature, batch) in enumerate(zip(features, batches)):
             table = tables[feature.table_index]
             weights = states[table.name].weights
-            if table.config.quantization_config is None and native.usable(
+            if table.config.half:
+                if weights.is_cpu and native.usable(batch.ids, batch.offsets, batch.coeffs):
+                    out[i] = self._half_lookup(i, weights, batch, checked)
+            elif table.config.quantization_config is None and native.usable(
                 weights, batch.ids, batch.offsets, batch.coeffs
             ):
                 fast.append(i)
                 parts.append((weights, batch.ids, batch.offsets, batch.coeffs))
-        out: list[Tensor | None] = [None] * len(batches)
         if not fast:
-            return Lookup(out, set())
+            return Lookup(out, checked)
         wide = None
         if concat and len(fast) == len(batches):
             wide = torch.empty((batches[0].out_shape[0], ts.width), dtype=torch.float32)
@@ -132,7 +137,22 @@ class NativeBackend:
             return Lookup([], set(), wide)
         for i, acts in zip(fast, acts_list):
             out[i] = acts.reshape(*batches[i].out_shape, tables[features[i].table_index].dim)
-        return Lookup(out, set(fast) if finite else set())
+        return Lookup(out, checked | set(fast) if finite else checked)
+
+    def _half_lookup(self, i: int, weights: Tensor, batch: FeatureBatch, checked: set[int]) -> Tensor:
+        """Feature ``i``'s activations from its half-precision table (``native_half.lookup_half``); ``i`` joins
+        ``checked`` when they are all finite (else the caller's check names the feature)."""
+        acts, code = native_half.lookup_half(weights, batch.ids, batch.offsets, batch.coeffs)
+        status = _POOL_STATUS[decode("et_lookup_half", code)]
+        if status == OUT_OF_RANGE:
+            raise InputError(
+                f"feature {self.tables.features[i].name!r}: ids or offsets changed after they were validated (an "
+                "input buffer was written while the batch was staged); nothing was looked up or changed. Do not "
+                "modify input tensors between enqueue() and dequeue()."
+            )
+        if status == POOLED:
+            checked.add(i)
+        return acts.reshape(*batch.out_shape, weights.shape[1])
 
     def pool(self, parts: Sequence[BagPart]) -> tuple[list[Tensor], int] | None:
         if not parts or not all(native.usable(w, ids, offsets, coeffs) for w, ids, offsets, coeffs in parts):
@@ -155,8 +175,12 @@ class NativeBackend:
                 continue
             parts = [(batches[f].ids, batches[f].offsets, batches[f].coeffs, grads[f]) for f in table.feature_indices]
             # the collection checked the gradients: float32 on this device, contiguous or column blocks (which
-            # phase 1 reads in place); prepare_many checks every buffer again
-            if native.usable(self.tables.states[table.name].weights, *(t for part in parts for t in part[:3])):
+            # phase 1 reads in place); prepare_many checks every buffer again. Phase 1 reads no table: a half
+            # table's is summed here too, and its update written by ``native_half``.
+            weights = self.tables.states[table.name].weights
+            if (weights.is_cpu if table.config.half else native.usable(weights)) and native.usable(
+                *(t for part in parts for t in part[:3])
+            ):
                 eligible.append((table, parts))
         if not eligible:
             return {}
@@ -195,16 +219,20 @@ class NativeBackend:
 
     def checked_update(
         self, tg: TableGradient, lr: float, decay: float, *, check_in_write: bool = False
-    ) -> _NativeWrite | None:
+    ) -> _NativeWrite | _HalfWrite | None:
         """Check one accumulated update (writes nothing; its bounds measured in C over the rows it touches)
         and return what ``write`` writes; None when the native kernels do not take its tensors."""
         state = self.tables.states[tg.table.name]
         opt = tg.table.optimizer
         slots = state.slot_tuple()
         dense = not opt.lazy
+        half = tg.table.config.half
+        if half and (dense or not state.weights.is_cpu):
+            return None  # the reference updates every row of a non-lazy half table
         ws = tg.prepared
         if ws is None:
-            if tg.rows is None or tg.grads is None or not native.usable(state.weights, *slots, tg.rows, tg.grads):
+            tensors = (tg.rows, tg.grads) if half else (state.weights, *slots, tg.rows, tg.grads)
+            if tg.rows is None or tg.grads is None or not native.usable(*tensors):
                 return None
             ws = self.workspace(tg.table)
             meaning = decode("et_workspace_load", ws.load(tg.rows, tg.grads.contiguous(), tg.table.vocabulary_size))
@@ -213,6 +241,8 @@ class NativeBackend:
             if meaning != "ok":
                 raise InputError(f"table {tg.table.name!r}: the update's rows are out of range or repeated.")
         params = self.params(tg.table, lr, decay)
+        if half:
+            return self._half_update(tg.table, ws, params, lr)
         rows = tg.table.vocabulary_size if dense else ws.num_rows
         if check_in_write and rows * tg.table.dim <= SMALL_UPDATE_ELEMENTS:
             # A dry run of a few rows costs less than the proof: check exactly in the writing call.
@@ -226,16 +256,33 @@ class NativeBackend:
                 raise non_finite_update(tg.table, bad, lr)
         return _NativeWrite(tg.table, ws, state.weights, slots, params, dense, lr, check and check_in_write)
 
+    def _half_update(self, table: ResolvedTable, ws: native.Workspace, params: Any, lr: float) -> _HalfWrite:
+        """A half-precision table's lazy update, checked by its dry run in C (the rounded values; no proof:
+        it bounds float32 results), and what writes it."""
+        state = self.tables.states[table.name]
+        config = table.config
+        write = _HalfWrite(
+            table, ws, state.weights, state.slot_tuple(), params, self.tables.global_rows.get(table.name),
+            (config.rounding_seed, self.tables.step, table.index, config.rounding == "stochastic"), lr,
+        )  # fmt: skip
+        bad = write.run(write=False)
+        if bad >= 0:
+            raise non_finite_update(table, bad, lr)
+        return write
+
     def settle(self) -> None:
         return None  # every error is raised in the call that finds it
 
-    def write(self, writes: Sequence[_NativeWrite]) -> None:
-        if not writes:
-            return
-        bad_rows = native.apply_many([(w.ws, w.weights, w.slots, w.params, w.dense, w.check) for w in writes])
-        for w, bad in zip(writes, bad_rows):
-            if bad >= 0:  # found by a dry run in the writing call: nothing was written
-                raise non_finite_update(w.table, bad, w.lr)
+    def write(self, writes: Sequence[_NativeWrite | _HalfWrite]) -> None:
+        whole = [w for w in writes if isinstance(w, _NativeWrite)]
+        if whole:  # first: its dry runs in the writing call may still refuse, with nothing written anywhere
+            bad_rows = native.apply_many([(w.ws, w.weights, w.slots, w.params, w.dense, w.check) for w in whole])
+            for w, bad in zip(whole, bad_rows):
+                if bad >= 0:  # found by a dry run in the writing call: nothing was written
+                    raise non_finite_update(w.table, bad, w.lr)
+        for half in writes:
+            if isinstance(half, _HalfWrite):
+                half.run(write=True)  # checked by its dry run
 
     def sequential(self, tg: TableGradient, lr: float) -> Restore | None:
         state = self.tables.states[tg.table.name]
@@ -263,3 +310,21 @@ class _NativeWrite:
     dense: bool
     lr: float
     check: bool = False  # the exact dry run runs in the writing call
+
+
+@dataclasses.dataclass(eq=False)
+class _HalfWrite:
+    """A checked update of a half-precision table (``native_half.apply_half``), not yet written."""
+
+    table: ResolvedTable
+    ws: native.Workspace
+    weights: Tensor
+    slots: tuple[Tensor, ...]
+    params: Any
+    global_rows: Tensor | None
+    rounding: tuple[int, int, int, bool]  # (seed, step, table index, stochastic)
+    lr: float
+
+    def run(self, *, write: bool) -> int:
+        grows = None if self.global_rows is None else self.global_rows.to(torch.int64).contiguous()
+        return native_half.apply_half(self.ws, self.weights, self.slots, self.params, grows, self.rounding, write=write)

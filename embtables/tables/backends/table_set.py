@@ -34,6 +34,16 @@ class TableSet:
         self.features = resolved.features
         # column_starts of the config: where each feature's D columns start in the concatenated [B, W]
         self.starts, self.width = column_starts(resolved)
+        # half-precision tables (spec §12): the step an update is written at, and each sharded table's global
+        # row id of every local row (absent: local rows are global)
+        self.step = 0
+        self.global_rows: dict[str, Tensor] = {}
+        self.half = any(t.config.half for t in resolved.tables)
+
+    def global_ids(self, table: ResolvedTable, rows: Tensor) -> Tensor:
+        """The global row ids [U] of local ``rows`` [U] of ``table``."""
+        mapping = self.global_rows.get(table.name)
+        return rows if mapping is None else mapping.to(rows.device)[rows]
 
     @property
     def device(self) -> torch.device:

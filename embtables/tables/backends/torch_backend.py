@@ -33,6 +33,7 @@ from embtables.tables.backends.interface import (
     Update,
 )
 from embtables.tables.backends.table_set import TableSet
+from embtables.tables.half_rows import as_float32, rounded_update
 from embtables.tables.inputs import FeatureBatch
 from embtables.tables.state import TableState
 from embtables.tables.table_gradient import TableGradient
@@ -136,20 +137,24 @@ class TorchBackend:
         rows, grads = tg.rows, tg.grads
         if not opt.lazy:  # every row is updated: bounds over the whole table
             gmax = float(grads.abs().max()) if grads.numel() else 0.0
-            if not update_is_finite(opt, lr, decay, gmax, *self.tables.bounds(tg.table, None)):
-                dense_update(state, tg.table, rows, grads, lr, write=False)
-            return lambda: dense_update(state, tg.table, rows, grads, lr, write=True)
+            rounded = self._rounded if tg.table.config.half else None
+            # a half table's rounded values are always checked: the proof bounds float32 results only
+            if rounded is not None or not update_is_finite(opt, lr, decay, gmax, *self.tables.bounds(tg.table, None)):
+                dense_update(state, tg.table, rows, grads, lr, write=False, rounded=rounded)
+            return lambda: dense_update(state, tg.table, rows, grads, lr, write=True, rounded=rounded)
         if rows.numel() == 0:
             return _nothing
         slots = state.slot_tuple()
         w_new, s_new = update_rows(
-            state.weights.index_select(0, rows),
-            tuple(s.index_select(0, rows) for s in slots),
+            as_float32(state.weights.index_select(0, rows)),
+            tuple(as_float32(s.index_select(0, rows)) for s in slots),
             grads,
             opt=opt,
             lr=lr,
             clip_gradients=True,
         )
+        if tg.table.config.half:  # rounded to the storage types, then checked (float16 overflows to inf)
+            w_new, s_new = self._rounded(tg.table, rows, w_new, s_new)
         check_finite_rows(tg.table, rows, (w_new, *s_new), lr)
 
         def write() -> None:
@@ -158,6 +163,15 @@ class TorchBackend:
                 dst.index_copy_(0, rows, src)
 
         return write
+
+    def _rounded(
+        self, table: ResolvedTable, rows: Tensor, weights: Tensor, slots: Sequence[Tensor]
+    ) -> tuple[Tensor, tuple[Tensor, ...]]:
+        """A half table's float32 update of local ``rows`` rounded to its storage types (``half_rows``)."""
+        state = self.tables.states[table.name]
+        slot_dtype = state.slot_tuple()[0].dtype if slots else torch.float32
+        grows = self.tables.global_ids(table, rows)
+        return rounded_update(table, grows, self.tables.step, weights, slots, state.weights.dtype, slot_dtype)
 
     def settle(self) -> None:
         return None  # every error is raised in the call that finds it
@@ -206,12 +220,22 @@ def applied_with_backup(
     return restore
 
 
+Rounding = Callable[[ResolvedTable, Tensor, Tensor, Sequence[Tensor]], tuple[Tensor, tuple[Tensor, ...]]]
+
+
 def dense_update(
-    state: TableState, table: ResolvedTable, rows: Tensor, grads: Tensor, lr: float, *, write: bool
+    state: TableState,
+    table: ResolvedTable,
+    rows: Tensor,
+    grads: Tensor,
+    lr: float,
+    *,
+    write: bool,
+    rounded: Rounding | None = None,
 ) -> None:
     """Non-lazy update of every row of ``state`` [V, D] from the summed gradients ``grads`` [U, D] of ``rows``
     [U], in chunks of rows so the temporaries stay a small fraction of the table; ``write=False`` only checks
-    that every result is finite."""
+    that every result is finite. ``rounded``: a half table's rounding of a chunk's rows (``_rounded``)."""
     slots = state.slot_tuple()
     vocab, dim = state.weights.shape
     order = torch.argsort(rows)
@@ -223,13 +247,15 @@ def dense_update(
         g = torch.zeros((stop - start, dim), dtype=torch.float32, device=state.weights.device)
         g.index_copy_(0, rows[lo:hi] - start, grads[lo:hi])
         w_new, s_new = update_rows(
-            state.weights[start:stop],
-            tuple(s[start:stop] for s in slots),
+            as_float32(state.weights[start:stop]),
+            tuple(as_float32(s[start:stop]) for s in slots),
             g,
             opt=table.optimizer,
             lr=lr,
             clip_gradients=True,
         )
+        if rounded is not None:
+            w_new, s_new = rounded(table, torch.arange(start, stop, device=rows.device), w_new, s_new)
         if write:
             state.weights[start:stop] = w_new
             for dst, src in zip(slots, s_new):

@@ -1,0 +1,351 @@
+"""Half-precision tables (``TableConfig(dtype=, slot_dtype=)``, docs/spec.md §12): rows (and slots) stored in
+bfloat16 / float16, lookups and updates computed in float32, every written value rounded to the storage type,
+stochastically with the bits of (rounding_seed, step, table, global row, column).
+
+Checked against the NumPy oracle (``tests/oracle``): each written value is one of the two half values around
+the oracle's update of the stored row, and exactly ``np_rounding.stochastic_round`` of it wherever the float32
+update is not within float32 error of a rounding boundary. Reproducible bit for bit: twice, pipelined or not,
+after a save/restore in the middle, with the C or the torch rounding, and sharded over W = 2.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from mp_world import run_world
+from oracle import np_rounding
+from oracle.np_optimizers import update_row
+
+import embtables as et
+from embtables.errors import ConfigError, InputError
+from embtables.kernels import native_library
+
+HALF = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+OPTIMIZERS: dict[str, tuple[Any, dict[str, Any]]] = {
+    # (the module's optimizer, the oracle's optimizer dict; the learning rate is LR)
+    "sgd": (lambda: et.SGD(0.3), {"name": "SGD"}),
+    "adagrad": (
+        lambda: et.Adagrad(0.2, initial_accumulator_value=0.1),
+        {"name": "Adagrad", "initial_accumulator_value": 0.1},
+    ),
+    "adam": (lambda: et.Adam(0.05), {"name": "Adam"}),
+    "ftrl": (
+        lambda: et.FTRL(0.2, l1_regularization_strength=0.01),
+        {"name": "FTRL", "l1_regularization_strength": 0.01},
+    ),
+}
+V, D, B = 40, 6, 8
+
+
+def _module(
+    opt: str, dtype: Any, slot_dtype: Any = None, *, rounding: str = "stochastic", seed: int = 3, **kwargs: Any
+) -> Any:
+    table = et.TableConfig(
+        V, D, name="t", combiner="sum", initializer=et.TruncatedNormal(seed=1), dtype=dtype, slot_dtype=slot_dtype,
+        rounding=rounding, rounding_seed=seed,
+    )  # fmt: skip
+    return et.DistributedEmbedding({"f": et.FeatureConfig(table)}, OPTIMIZERS[opt][0](), **kwargs)
+
+
+def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + step)
+    ids = torch.randint(0, V, (B,), generator=g)
+    grad = torch.randn(B, D, generator=g) * 0.7
+    return ids, grad
+
+
+def _step(emb: Any, step: int) -> None:
+    ids, grad = _batch(step)
+    emb({"f": ids})
+    emb.apply_gradients({"f": grad})
+
+
+def _stored(emb: Any) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in emb.state_dict().items()}
+
+
+def test_the_config_refuses_what_half_tables_cannot_do() -> None:
+    with pytest.raises(ConfigError, match=r"`dtype` must be torch\.float32, torch\.bfloat16 or torch\.float16"):
+        et.TableConfig(4, 2, dtype=torch.int8)
+    with pytest.raises(ConfigError, match="`slot_dtype=bfloat16` needs half-precision rows"):
+        et.TableConfig(4, 2, slot_dtype=torch.bfloat16)
+    with pytest.raises(ConfigError, match="`rounding` must be"):
+        et.TableConfig(4, 2, dtype=torch.bfloat16, rounding="up")
+    with pytest.raises(ConfigError, match="`rounding_seed`"):
+        et.TableConfig(4, 2, dtype=torch.bfloat16, rounding_seed=-1)
+    with pytest.raises(ConfigError, match="quantization_config"):
+        et.TableConfig(4, 2, dtype=torch.float16, quantization_config=et.QuantizationConfig(4, 0.0, 1.0))
+    table = et.TableConfig(4, 2, dtype="bfloat16")
+    with pytest.raises(ConfigError, match="use_gradient_accumulation=False"):
+        et.DistributedEmbedding({"f": et.FeatureConfig(table)}, et.SGD(0.1, use_gradient_accumulation=False))
+    assert table.storage == "bfloat16" and table.slot_storage == "float32" and et.TableConfig(4, 2).storage == "float32"
+
+
+@pytest.mark.parametrize("slot", [None, "same"])
+def test_storage_takes_half_the_bytes(slot: str | None) -> None:
+    full = _module("adagrad", None)
+    half = _module("adagrad", torch.bfloat16, torch.bfloat16 if slot else None)
+    sizes = {k: v.numel() * v.element_size() for k, v in half.state_dict().items()}
+    full_sizes = {k: v.numel() * v.element_size() for k, v in full.state_dict().items()}
+    assert half.embedding_tables["t"].dtype == torch.bfloat16
+    assert sizes["t"] * 2 == full_sizes["t"]
+    assert sizes["t/accumulators"] * (2 if slot else 1) == full_sizes["t/accumulators"]
+    # the initial values are the float32 table's rounded to nearest
+    assert torch.equal(half.embedding_tables["t"], full.embedding_tables["t"].to(torch.bfloat16))
+
+
+def _oracle_step(
+    opt: str, kind: str, slot_kind: str | None, before: dict[str, torch.Tensor], ids: torch.Tensor,
+    grad: torch.Tensor, step: int, seed: int,
+) -> tuple[dict[int, np.ndarray], dict[int, np.ndarray]]:  # fmt: skip
+    """The oracle's float64 update of every touched row from the stored (half) values ``before``: per row, the
+    weights and slots (concatenated) it gives, and the random bits of their columns."""
+    oracle_opt = OPTIMIZERS[opt][1]
+    slot_names = [k.split("/", 1)[1] for k in before if "/" in k]
+    sums: dict[int, np.ndarray] = {}
+    for i, r in enumerate(ids.tolist()):
+        sums[r] = sums.get(r, 0.0) + grad[i].double().numpy()
+    out, bits = {}, {}
+    for r, g in sums.items():
+        w = before["t"][r].double().numpy()
+        slots = {n: before[f"t/{n}"][r].double().numpy() for n in slot_names}
+        w_new, s_new = update_row(oracle_opt, w, slots, g.astype(np.float32).astype(np.float64), 0.0 + _lr(opt))
+        out[r] = np.concatenate([w_new, *[s_new[n] for n in slot_names]])
+        bits[r] = np_rounding.random_bits(seed, step, 0, np.array([r]), D * (1 + len(slot_names)))[0]
+    return out, bits
+
+
+LR = {"sgd": 0.3, "adagrad": 0.2, "adam": 0.05, "ftrl": 0.2}
+
+
+def _lr(opt: str) -> float:
+    return float(np.float32(LR[opt]))
+
+
+@pytest.mark.parametrize("opt", sorted(OPTIMIZERS))
+@pytest.mark.parametrize("kind, slot_kind", [("bfloat16", None), ("float16", None), ("bfloat16", "bfloat16")])
+def test_every_written_value_is_the_oracles_update_rounded(opt: str, kind: str, slot_kind: str | None) -> None:
+    seed = 11
+    emb = _module(opt, HALF[kind], HALF[slot_kind] if slot_kind else None, seed=seed)
+    exact = checked = 0
+    for step in range(1, 5):
+        before = _stored(emb)
+        ids, grad = _batch(step)
+        emb({"f": ids})
+        emb.apply_gradients({"f": grad})
+        after = _stored(emb)
+        want, bits = _oracle_step(opt, kind, slot_kind, before, ids, grad, step, seed)
+        keys = ["t", *[k for k in after if "/" in k]]
+        for r in range(V):
+            got = np.concatenate([after[k][r].double().numpy() for k in keys])
+            if r not in want:
+                assert np.array_equal(got, np.concatenate([before[k][r].double().numpy() for k in keys]))
+                continue
+            for c, (g, x) in enumerate(zip(got, want[r])):
+                col_kind = kind if c < D else (slot_kind or "float32")
+                if col_kind == "float32":
+                    assert g == pytest.approx(x, rel=1e-5, abs=1e-6)
+                    continue
+                lo, hi = np_rounding.neighbours(float(np.float32(x)), col_kind)
+                tol = 4e-7 * abs(x) + 1e-30  # the float32 update against the float64 oracle
+                around = {*np_rounding.neighbours(x - tol, col_kind), *np_rounding.neighbours(x + tol, col_kind)}
+                assert g in around | {lo, hi}, (step, r, c, g, x)
+                x32 = float(np.float32(x))
+                if np_rounding.neighbours(x - tol, col_kind) == np_rounding.neighbours(x + tol, col_kind):
+                    # no rounding boundary within float32 error: the stochastic choice itself is checked
+                    assert g == np_rounding.stochastic_round(x32, col_kind, int(bits[r][c])), (step, r, c)
+                    exact += 1
+                checked += 1
+    assert checked > 100 and exact > 0.5 * checked
+
+
+def test_rounding_to_nearest_is_the_types_own_conversion_of_the_update() -> None:
+    a = _module("sgd", torch.bfloat16, rounding="nearest")
+    f = _module("sgd", None)
+    f.load_state_dict({"t": a.embedding_tables["t"].float()})
+    for step in range(3):
+        _step(a, step)
+        _step(f, step)
+        assert torch.equal(a.embedding_tables["t"], f.embedding_tables["t"].to(torch.bfloat16))
+        f.load_state_dict({"t": a.embedding_tables["t"].float()})  # SGD: the next update starts from it
+
+
+def test_lookups_pool_half_rows_in_float32_as_a_float32_table_of_the_same_values() -> None:
+    half = _module("adagrad", torch.float16)
+    full = _module("adagrad", None)
+    full.load_state_dict({"t": half.embedding_tables["t"].float()}, strict=False)
+    ids = et.Ragged.from_lengths(torch.randint(0, V, (20,)), torch.tensor([3, 0, 5, 2, 4, 6]))
+    half.eval()
+    full.eval()
+    got, want = half({"f": ids})["f"], full({"f": ids})["f"]
+    assert got.dtype == torch.float32 and torch.equal(got, want)
+
+
+@pytest.mark.parametrize("slot", [None, torch.bfloat16])
+def test_the_same_seed_gives_the_same_bits_and_another_seed_other_bits(slot: Any) -> None:
+    a, b, c = (_module("adagrad", torch.bfloat16, slot, seed=s) for s in (5, 5, 6))
+    for step in range(4):
+        for m in (a, b, c):
+            _step(m, step)
+    assert all(torch.equal(x, y) for x, y in zip(_stored(a).values(), _stored(b).values()))
+    assert not torch.equal(a.embedding_tables["t"], c.embedding_tables["t"])
+
+
+def test_pipelined_training_rounds_with_each_updates_own_step() -> None:
+    plain = _module("adam", torch.bfloat16, torch.bfloat16)
+    piped = _module("adam", torch.bfloat16, torch.bfloat16, pipeline_execution_with_tensor_core=True)
+    for step in range(5):
+        _step(plain, step)
+        _step(piped, step)
+    assert all(torch.equal(x, y) for x, y in zip(_stored(plain).values(), _stored(piped).values()))
+
+
+def test_a_save_and_restore_in_the_middle_gives_the_same_bits(tmp_path: Path) -> None:
+    straight = _module("adagrad", torch.float16, torch.float16)
+    first = _module("adagrad", torch.float16, torch.float16)
+    for step in range(3):
+        _step(straight, step)
+        _step(first, step)
+    first.save(tmp_path)
+    second = _module("adagrad", torch.float16, torch.float16)
+    second.restore(tmp_path)
+    for step in range(3, 6):
+        _step(straight, step)
+        _step(second, step)
+    assert all(torch.equal(x, y) for x, y in zip(_stored(straight).values(), _stored(second).values()))
+
+
+@pytest.mark.parametrize("opt", sorted(OPTIMIZERS))
+@pytest.mark.parametrize("kind, slot_kind", [("bfloat16", None), ("float16", "float16"), ("bfloat16", "float16")])
+@pytest.mark.parametrize("rounding", ["stochastic", "nearest"])
+def test_the_native_kernels_and_the_torch_reference_give_the_same_bits(
+    opt: str, kind: str, slot_kind: str | None, rounding: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if native_library.library() is None:
+        pytest.skip("the native kernels are not built here")
+    from embtables.kernels import native_half
+
+    calls = {"lookup_half": 0, "apply_half": 0}
+    for name in calls:
+        real = getattr(native_half, name)
+        monkeypatch.setattr(native_half, name, lambda *a, _r=real, _n=name, **k: calls.__setitem__(_n, calls[_n] + 1)
+                            or _r(*a, **k))  # fmt: skip
+    dtypes = HALF[kind], HALF[slot_kind] if slot_kind else None
+    with_c = _module(opt, *dtypes, rounding=rounding)
+    seen_c = []
+    for step in range(4):
+        ids, grad = _batch(step)
+        seen_c.append(with_c({"f": ids})["f"].detach().clone())
+        with_c.apply_gradients({"f": grad})
+    assert calls["lookup_half"] == 4 and calls["apply_half"] == 8  # a dry run and a write a step
+    native_library.set_enabled(False)
+    try:
+        without = _module(opt, *dtypes, rounding=rounding)
+        seen_torch = []
+        for step in range(4):
+            ids, grad = _batch(step)
+            seen_torch.append(without({"f": ids})["f"].detach().clone())
+            without.apply_gradients({"f": grad})
+    finally:
+        native_library.set_enabled(True)
+    assert calls["apply_half"] == 8
+    assert all(torch.equal(a, b) for a, b in zip(seen_c, seen_torch))
+    assert all(torch.equal(x, y) for x, y in zip(_stored(with_c).values(), _stored(without).values()))
+
+
+def test_a_float16_overflow_is_refused_with_nothing_written() -> None:
+    emb = _module("sgd", torch.float16)
+    before = _stored(emb)
+    ids = torch.tensor([1, 2])
+    emb({"f": ids})
+    with pytest.raises(InputError, match=r"float16 overflow \(\|value\| > 65504\)"):
+        emb.apply_gradients({"f": torch.full((2, D), -1e6)})  # w - 0.3 * (-1e6) > 65504
+    assert all(torch.equal(x, y) for x, y in zip(before.values(), _stored(emb).values()))
+    with pytest.raises(RuntimeError, match="must be finite float16 values"):
+        emb.load_state_dict({"t": torch.full((V, D), 7e4)}, strict=False)
+    assert torch.equal(before["t"], emb.embedding_tables["t"])
+
+
+def test_checkpoints_convert_between_storage_types(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    full = _module("adagrad", None)
+    _step(full, 0)
+    full.save(tmp_path / "f32")
+    half = _module("adagrad", torch.bfloat16, torch.bfloat16)
+    with caplog.at_level(logging.INFO, logger="embtables"):
+        half.restore(tmp_path / "f32")
+    assert "dtype float32 in the checkpoint, bfloat16 here: converted rounded to nearest" in caplog.text
+    for key, value in _stored(full).items():
+        assert torch.equal(_stored(half)[key], value.to(torch.bfloat16))
+    _step(half, 1)
+    half.save(tmp_path / "bf16")
+    back = _module("adagrad", None)
+    back.restore(tmp_path / "bf16")  # bfloat16 values are float32 values: exact
+    for key, value in _stored(half).items():
+        assert torch.equal(_stored(back)[key], value.float())
+
+
+def test_module_float_keeps_half_storage() -> None:
+    emb = _module("adagrad", torch.bfloat16).float()
+    assert emb.embedding_tables["t"].dtype == torch.bfloat16
+
+
+# ---------------------------------------------------------------------------------------- sharded, W = 2
+def _distinct_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A global batch of 2B distinct ids: every row's summed gradient is one occurrence's, exact on any W."""
+    g = torch.Generator().manual_seed(200 + step)
+    ids = torch.randperm(V, generator=g)[: 2 * B]
+    return ids, torch.randn(2 * B, D, generator=g)
+
+
+def _sharded(rank: int, world: int, sharding: str, want_path: str) -> None:
+    want = torch.load(want_path)
+    emb = _module("adagrad", torch.bfloat16, torch.bfloat16, sharding=sharding)
+    lo, hi = rank * 2 * B // world, (rank + 1) * 2 * B // world
+    for step in range(3):
+        ids, grad = _distinct_batch(step)
+        emb({"f": ids[lo:hi]})
+        emb.apply_gradients({"f": grad[lo:hi]})
+    got = emb.state_dict()
+    for key, value in want.items():
+        assert torch.equal(got[key], value), (rank, sharding, key)
+
+
+@pytest.mark.parametrize("sharding", ["div", "mod"])
+def test_sharded_training_gives_one_processs_bits(sharding: str, tmp_path: Path) -> None:
+    one = _module("adagrad", torch.bfloat16, torch.bfloat16)
+    for step in range(3):
+        ids, grad = _distinct_batch(step)
+        one({"f": ids})
+        one.apply_gradients({"f": grad})
+    path = tmp_path / "want.pt"
+    torch.save(_stored(one), path)
+    run_world(_sharded, 2, sharding, str(path))
+
+
+def test_where_the_gpu_kernels_run_half_tables_take_the_reference_with_the_same_bits() -> None:
+    from embtables.kernels import gpu, native
+    from embtables.tables.backends import GpuBackend, TorchBackend
+
+    cpu = _module("adagrad", torch.bfloat16)
+    for step in range(2):
+        _step(cpu, step)
+    native.set_enabled(False)
+    gpu.set_enabled(True, on_cpu=True)  # the fused kernels through Triton's interpreter, where installed
+    try:
+        if not gpu.usable(torch.device("cpu")):
+            pytest.skip("Triton is not installed here")
+        emb = _module("adagrad", torch.bfloat16)
+        float32 = _module("adagrad", None)
+        assert isinstance(emb._engine.local.backend, TorchBackend)
+        assert isinstance(float32._engine.local.backend, GpuBackend)
+        for step in range(2):
+            _step(emb, step)
+    finally:
+        native.set_enabled(True)
+        gpu.set_enabled(True)
+    assert torch.equal(emb.embedding_tables["t"], cpu.embedding_tables["t"])
