@@ -144,4 +144,6 @@ def write(restores: dict[str, DynamicTableRestore], shards: dict[str, LocalShard
         for name, r in restores.items():
             for slot, target in shards[name].tensors.items():
                 if r.local_rows.numel():
-                    target.index_copy_(0, r.local_rows.to(target.device), r.values[slot].to(target.device))
+                    target.index_copy_(
+                        0, r.local_rows.to(target.device), r.values[slot].to(target.device, target.dtype)
+                    )

@@ -48,6 +48,8 @@ def summary(path: str) -> dict[str, Any]:
             "slots": t["slots"],
             "strategy": manifest["strategies"].get(name),
             "dynamic": t.get("dynamic"),
+            "dtype": str(t.get("dtype", "float32")),  # the storage types of the model that saved it
+            "slot_dtype": str(t.get("slot_dtype", "float32")),
         }
         for name, t in manifest["config"]["tables"].items()
     }
@@ -100,11 +102,12 @@ def _aligned(rows: list[list[str]], right: set[int]) -> list[str]:
 def run(args: argparse.Namespace) -> int:
     s = summary(args.checkpoint)  # a missing or malformed checkpoint raises CheckpointError: exit code 2
     print(f"{s['path']}: step {s['step']}, written by {s['world_size']} rank(s), {s['bytes'] / 2**20:.1f} MiB")
-    rows = [["table", "rows", "dim", "optimizer", "slots", "placement", "dynamic"]]
+    rows = [["table", "rows", "dim", "dtype", "optimizer", "slots", "placement", "dynamic"]]
     for name, t in s["tables"].items():
         slots = ", ".join(t["slots"]) or "-"
-        rows.append([name, str(t["shape"][0]), str(t["shape"][1]), str(t["optimizer"]), slots, str(t["strategy"]),
-                     _dynamic(t["dynamic"])])  # fmt: skip
+        stored = t["dtype"] if t["slot_dtype"] == "float32" or not t["slots"] else f"{t['dtype']}/{t['slot_dtype']}"
+        rows.append([name, str(t["shape"][0]), str(t["shape"][1]), stored, str(t["optimizer"]), slots,
+                     str(t["strategy"]), _dynamic(t["dynamic"])])  # fmt: skip
     for line in _aligned(rows, {1, 2}):
         print(line)
     files = [["file", "MiB", "checksum"]] + [[f["file"], f"{f['bytes'] / 2**20:.1f}", f["status"]] for f in s["files"]]

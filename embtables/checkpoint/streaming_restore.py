@@ -240,7 +240,7 @@ def _copy_block(
                 target[int(dst[0]) : int(dst[0]) + dst.size].copy_(torch.from_numpy(values))
             else:
                 index = torch.from_numpy(dst).to(target.device)
-                target.index_copy_(0, index, torch.from_numpy(values[src]).to(target.device))
+                target.index_copy_(0, index, torch.from_numpy(values[src]).to(target.device, target.dtype))
             tick(dst.size * dim * 4)
         if crc != block.crc32 or rows_crc != plan.blocks.rows.crc32:
             raise _torn(plan.file.path, key)

@@ -73,6 +73,8 @@ class Hyper:
     initial_accumulator: float = 1e-6  # far below the squared per-row gradients: Adagrad then adapts at once
     dense_lr: float = 2e-3
     init_stddev: float = 0.05
+    dtype: str = "float32"  # the tables' rows and slots (``--dtype``, ``--slot-dtype``)
+    slot_dtype: str = "float32"
 
 
 def columns(train: Adult, hp: Hyper) -> list[Any]:
@@ -88,7 +90,7 @@ def columns(train: Adult, hp: Hyper) -> list[Any]:
             cats.append(categorical_column_with_vocabulary_list(name, vocab, num_oov_buckets=1))
     cats += [bucketized_column(numeric_column(name), bounds) for name, bounds in BOUNDARIES.items()]
     cats.append(categorical_column_with_identity("education_num", 17, default_value=0))
-    return [embedding_column(c, k, initializer=init) for c in cats]
+    return [embedding_column(c, k, initializer=init, dtype=hp.dtype, slot_dtype=hp.slot_dtype) for c in cats]
 
 
 class WideDeep(nn.Module):
@@ -202,7 +204,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """The Adult job; prints per-epoch metrics, the peers and a JSON summary; writes results.json and a plot."""
     log = logging.getLogger("embtables")
-    hp = Hyper() if args.epochs is None else dataclasses.replace(Hyper(), epochs=args.epochs)
+    hp = dataclasses.replace(
+        Hyper(), epochs=args.epochs or Hyper.epochs, dtype=getattr(args, "dtype", "float32"),
+        slot_dtype=getattr(args, "slot_dtype", "float32"),
+    )  # fmt: skip
     train, test = load_adult(args.data_dir)  # a missing or wrong file: one line and exit code 2 (job_runner)
     out_dir = Path(args.model_dir)
     train_idx = np.arange(len(train))

@@ -94,10 +94,16 @@ def _with_user_keys(features: dict[str, Ragged]) -> dict[str, Ragged]:
 
 
 def spec_for(
-    data: SyntheticCTR, dim: int, step: Any, profile_dir: str | None, dynamic_user: int | None = None
+    data: SyntheticCTR,
+    dim: int,
+    step: Any,
+    profile_dir: str | None,
+    dynamic_user: int | None = None,
+    stored: tuple[str, str] = ("float32", "float32"),
 ) -> EmbeddingConfigSpec:
     """The ``EmbeddingConfigSpec`` (dicts form: per-table optimizers) of the job; ``dynamic_user`` makes the
-    user table dynamic with that many rows (admitted at a key's second lookup, LRU eviction)."""
+    user table dynamic with that many rows (admitted at a key's second lookup, LRU eviction); ``stored``: the
+    tables' (row, slot) storage types."""
     features = data.feature_configs(dim=dim)
     optimizers = table_optimizers(step)
     tables = {}
@@ -111,8 +117,9 @@ def spec_for(
         if t.name == "user" and dynamic_user is not None:
             dynamic, rows = embtables.DynamicVocabulary(admit_after=2, eviction="lru"), dynamic_user
         tables[t.name] = embtables.TableConfig(
-            rows, t.dim, initializer=init, optimizer=optimizers[t.name], name=t.name, dynamic=dynamic
-        )
+            rows, t.dim, initializer=init, optimizer=optimizers[t.name], name=t.name, dynamic=dynamic,
+            dtype=stored[0], slot_dtype=stored[1],
+        )  # fmt: skip
     feature_dict = {
         name: embtables.FeatureConfig(
             tables[f.table.name or name], max_sequence_length=HISTORY if name == "item_history" else 0, name=name
@@ -280,7 +287,8 @@ def _estimator(args: argparse.Namespace, data: SyntheticCTR, model_dir: Path) ->
     def step() -> int:
         return estimator.global_step if estimator is not None else 0
 
-    spec = spec_for(data, args.dim, step, str(model_dir / "lookup_stats"), args.dynamic_user)
+    stored = (getattr(args, "dtype", "float32"), getattr(args, "slot_dtype", "float32"))
+    spec = spec_for(data, args.dim, step, str(model_dir / "lookup_stats"), args.dynamic_user, stored)
     estimator = Estimator(
         DLRM(sorted(f.name for f in data.config.features), args.dim),
         spec,

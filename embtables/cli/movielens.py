@@ -76,6 +76,8 @@ class Hyper:
     initial_accumulator: float = 1e-6
     eval_every: int = 4
     fields: tuple[str, ...] = DEFAULT_FIELDS
+    dtype: str = "float32"  # the tables' rows and slots (``--dtype``, ``--slot-dtype``)
+    slot_dtype: str = "float32"
 
 
 def prepare(data: MovieLens) -> dict[str, np.ndarray]:
@@ -133,7 +135,11 @@ def columns(hp: Hyper) -> list[Any]:
             categorical_column_with_identity("genres", len(GENRES)), k, initializer=init, learning_rate_fn=side
         ),
     ]
-    return [c for c, field in zip(every, FIELDS) if field in hp.fields]
+    return [
+        dataclasses.replace(c, dtype=hp.dtype, slot_dtype=hp.slot_dtype)
+        for c, field in zip(every, FIELDS)
+        if field in hp.fields
+    ]
 
 
 class _PairwiseFM(torch.autograd.Function):
@@ -408,7 +414,10 @@ def run(args: argparse.Namespace) -> int:
         )
         return 2
     fields = tuple(f for f in FIELDS if f in fields)
-    hp = dataclasses.replace(Hyper(), epochs=args.epochs or Hyper.epochs, factors=args.factors, fields=fields)
+    hp = dataclasses.replace(
+        Hyper(), epochs=args.epochs or Hyper.epochs, factors=args.factors, fields=fields,
+        dtype=getattr(args, "dtype", "float32"), slot_dtype=getattr(args, "slot_dtype", "float32"),
+    )  # fmt: skip
     if not 1 <= args.folds <= 5:
         print("embtables train: --folds must be in 1..5", file=sys.stderr)
         return 2

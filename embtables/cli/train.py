@@ -70,6 +70,15 @@ def parser() -> argparse.ArgumentParser:
         help="checkpoints after the first hold only the embedding rows changed since the one before "
         "(docs/checkpoints.md, 'Incremental checkpoints')",
     )  # fmt: skip
+    p.add_argument(
+        "--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
+        help="how every embedding table's rows are stored (default float32; half types: half the memory, updates "
+        "stochastically rounded, docs/spec.md section 12)",
+    )  # fmt: skip
+    p.add_argument(
+        "--slot-dtype", choices=("float32", "bfloat16", "float16"), default="float32",
+        help="how the optimizer's slots are stored (default float32; a half type needs a half --dtype)",
+    )  # fmt: skip
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
     p.add_argument("-v", "--verbose", action="store_true", help="log every metrics line")
     p.add_argument("--debug", action="store_true", help="show tracebacks (also EMBTABLES_DEBUG=1)")

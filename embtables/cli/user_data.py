@@ -111,9 +111,12 @@ def _column(name: str, kind: str, f: dict[str, Any]) -> Any:
     return bucketized_column(numeric_column(name), bounds)
 
 
-def columns_from_schema(schema: dict[str, Any], available: set[str]) -> tuple[list[Any], dict[str, str]]:
+def columns_from_schema(
+    schema: dict[str, Any], available: set[str], stored: tuple[str, str] = ("float32", "float32")
+) -> tuple[list[Any], dict[str, str]]:
     """The embedding columns the schema describes, and its numeric features ``{column: normalize}``,
-    checked against the file's columns. Errors name the feature, its schema type and the field."""
+    checked against the file's columns; ``stored``: the tables' (row, slot) storage types. Errors name the
+    feature, its schema type and the field."""
     if not isinstance(schema.get("features"), dict) or not schema["features"]:
         raise SchemaError("schema: `features` must be a non-empty object {column: {type: ...}}.")
     dim = schema.get("dim", 16)
@@ -136,7 +139,14 @@ def columns_from_schema(schema: dict[str, Any], available: set[str]) -> tuple[li
         try:
             cat = _column(name, kind, f)
             cols.append(
-                embedding_column(cat, int(f.get("dim", dim)), combiner=f.get("combiner", "mean"), initializer=init)
+                embedding_column(
+                    cat,
+                    int(f.get("dim", dim)),
+                    combiner=f.get("combiner", "mean"),
+                    initializer=init,
+                    dtype=stored[0],
+                    slot_dtype=stored[1],
+                )
             )
         except KeyError as exc:
             raise SchemaError(f"schema: {kind} feature {name!r} needs the field {exc}.") from None
@@ -292,7 +302,8 @@ def run(args: argparse.Namespace) -> int:
     if task not in TASKS:
         raise SchemaError(f"schema task must be one of {TASKS}, got {task!r}")
     try:
-        cols, numeric = columns_from_schema(schema, set(data) - {label})
+        stored = (getattr(args, "dtype", "float32"), getattr(args, "slot_dtype", "float32"))
+        cols, numeric = columns_from_schema(schema, set(data) - {label}, stored)
     except (KeyError, TypeError) as exc:
         raise SchemaError(f"schema: a feature entry is incomplete ({type(exc).__name__}: {exc})") from None
     y = labels_of(data[label], label, args.data)

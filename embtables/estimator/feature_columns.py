@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from embtables.config import DynamicVocabulary
+from embtables.config.tables import storage_name
 from embtables.errors import ConfigError, InputError
 from embtables.estimator.hashing import stable_hash
 from embtables.estimator.raw_inputs import flatten_values, single_lengths
@@ -444,9 +445,18 @@ class EmbeddingColumn:
     learning_rate_fn: Callable[[int], float] | None = None
     dynamic: DynamicVocabulary | None = None
     capacity: int | None = None
+    dtype: Any = None
+    slot_dtype: Any = None
 
     def __post_init__(self) -> None:
         who = "embedding_column"
+        for arg in ("dtype", "slot_dtype"):
+            value = getattr(self, arg)
+            if value is not None and storage_name(value) is None:
+                raise ConfigError(
+                    f"{who}: `{arg}` must be torch.float32, torch.bfloat16 or torch.float16 (or None: float32), "
+                    f"got {value!r}."
+                )
         if not isinstance(self.categorical_column, _ANY_CATEGORICAL):
             raise TypeError(
                 f"{who}: `categorical_column` must be a categorical column (categorical_column_with_*, "
@@ -515,16 +525,20 @@ def embedding_column(
     *,
     dynamic: DynamicVocabulary | None = None,
     capacity: int | None = None,
+    dtype: Any = None,
+    slot_dtype: Any = None,
 ) -> EmbeddingColumn:
     """An embedding of ``categorical_column``: a table of ``num_buckets`` x ``dimension``. A sequence
     column (``max_sequence_length > 0``) gives ``[B, max_sequence_length, dimension]``, else
     ``[B, dimension]`` combined with ``combiner``. ``learning_rate_fn(global_step)`` overrides the
     optimizer's learning rate for this table. ``dynamic`` makes the table keyed by the column's ids
     (spec §11), with ``capacity`` rows (default: the column's bucket count; required for
-    ``categorical_column_with_hash_bucket(key, None)``)."""
+    ``categorical_column_with_hash_bucket(key, None)``). ``dtype`` / ``slot_dtype``: the table's rows and
+    slots in half precision (``TableConfig``'s arguments, spec §12)."""
     return EmbeddingColumn(
-        categorical_column, dimension, combiner, initializer, max_sequence_length, learning_rate_fn, dynamic, capacity
-    )
+        categorical_column, dimension, combiner, initializer, max_sequence_length, learning_rate_fn, dynamic, capacity,
+        dtype, slot_dtype,
+    )  # fmt: skip
 
 
 def shared_embedding_columns(
@@ -535,9 +549,12 @@ def shared_embedding_columns(
     shared_embedding_collection_name: str | None = None,
     max_sequence_lengths: Sequence[int] | None = None,
     learning_rate_fn: Callable[[int], float] | None = None,
+    *,
+    dtype: Any = None,
+    slot_dtype: Any = None,
 ) -> list[SharedEmbeddingColumn]:
     """One table shared by every column of ``categorical_columns`` (same ``num_buckets``), one
-    activation per column."""
+    activation per column; ``dtype`` / ``slot_dtype`` as ``embedding_column``'s."""
     columns = list(categorical_columns)
     if not columns:
         raise ConfigError("shared_embedding_columns: `categorical_columns` must not be empty.")
@@ -558,7 +575,19 @@ def shared_embedding_columns(
         )
     name = shared_embedding_collection_name or "_".join(sorted(c.name for c in columns)) + "_shared_embedding"
     return [
-        SharedEmbeddingColumn(c, dimension, combiner, initializer, m, learning_rate_fn, None, None, name)
+        SharedEmbeddingColumn(
+            c,
+            dimension,
+            combiner,
+            initializer,
+            m,
+            learning_rate_fn,
+            None,
+            None,
+            dtype,
+            slot_dtype,
+            shared_embedding_collection_name=name,
+        )
         for c, m in zip(columns, lengths)
     ]
 

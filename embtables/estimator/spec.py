@@ -177,6 +177,8 @@ class EmbeddingConfigSpec:
                     combiner=c.combiner,
                     name=c.table_name,
                     dynamic=c.dynamic,
+                    dtype=c.dtype,
+                    slot_dtype=c.slot_dtype,
                 )
                 tables[c.table_name] = table
             elif table.dim != c.dimension or table.vocabulary_size != c.vocabulary_size:

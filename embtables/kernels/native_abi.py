@@ -90,7 +90,7 @@ FUNCTIONS: dict[str, CFunction] = {
         _f(
             "et_apply_half",
             "handle:p W:p S0:p S1:p S2:p wkind:i32 skind:i32 V:i64 D:i64 p:opt grows:p nglobal:i64 seed:i64 "
-            "step:i64 table:i64 stochastic:i32 write:i32 nthreads:i32",
+            "step:i64 table:i64 stochastic:i32 mode:i32 out:p sout:p scratch_rows:i64 nthreads:i32",
             _I64,
             _CHECK,
             counts=True,

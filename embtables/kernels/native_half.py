@@ -53,45 +53,109 @@ def lookup_half(table: Tensor, ids: Tensor, offsets: Tensor, coeffs: Tensor | No
     return out, int(status)
 
 
-def apply_half(
-    ws: Workspace,
-    weights: Tensor,
-    slots: tuple[Tensor, ...],
-    params: Any,
-    global_rows: Tensor | None,
-    rounding: tuple[int, int, int, bool],
-    *,
-    write: bool,
-) -> int:
-    """Phase 2 of a lazy update of a half-precision table from its prepared workspace ``ws``: ``weights``
-    [V, D] (bfloat16 / float16), ``slots`` (each [V, D], one storage type: half or float32), ``params`` the
-    optimizer's C block, ``global_rows`` [V] the global id of every local row (None: the rows are global),
-    ``rounding`` = (seed, step, table index, stochastic). ``write=False``: a dry run (nothing written);
-    returns -1 when every rounded value is finite, else the largest row whose update is not. ``write=True``:
-    the update written (-1)."""
-    lib = library()
-    assert lib is not None
-    wkind = half_kind(weights)
-    require(weights, "weights", weights.dtype, (-1, ws.dim))
-    vocab = weights.shape[0]
-    if len(slots) > 3 or len({s.dtype for s in slots}) > 1:
-        raise NativeBufferError("embtables native kernel: at most 3 slots, all of one storage type.")
-    skind = KINDS.get(slots[0].dtype, -1) if slots else 2
-    if skind < 0:
-        raise NativeBufferError(f"embtables native kernel: slots of {slots[0].dtype} are not stored by the kernels.")
-    ptrs: list[int | None] = [None, None, None]
-    for i, s in enumerate(slots):
-        require(s, f"slot {i}", s.dtype, tuple(weights.shape))
-        ptrs[i] = s.data_ptr()
-    if global_rows is not None:
-        require(global_rows, "global rows", torch.int64, (vocab,))
-    seed, step, table, stochastic = rounding
-    result = lib.et_apply_half(
-        ws.handle, weights.data_ptr(), *ptrs, wkind, skind, vocab, ws.dim, ctypes.byref(params),
-        None if global_rows is None else global_rows.data_ptr(), vocab if global_rows is not None else 0,
-        seed, step, table, int(stochastic), int(write), threads(),
-    )  # fmt: skip
-    bad = int(result)
-    if bad < -1:
-        raise_for("et_apply_half", bad)
-    return bad
+class HalfUpdate:
+    """Phase 2 of a lazy update of a half-precision table from its prepared workspace ``ws``: ``compute`` (the
+    rounded rows into scratch; the table unchanged) then ``write`` (the scratch into the table), or
+    ``apply_in_place`` (one pass, the stored rows kept in scratch) and, when refused, ``put_back``.
+    ``weights`` [V, D] are bfloat16 / float16, ``slots`` (each [V, D]) all of one storage type (half or
+    float32), ``params`` the optimizer's C block, ``global_rows`` [V] the global id of every local row (None:
+    the rows are global), ``rounding`` = (seed, step, table index, stochastic)."""
+
+    def __init__(
+        self,
+        ws: Workspace,
+        weights: Tensor,
+        slots: tuple[Tensor, ...],
+        params: Any,
+        global_rows: Tensor | None,
+        rounding: tuple[int, int, int, bool],
+    ) -> None:
+        self.ws, self.weights, self.slots, self.params = ws, weights, slots, params
+        self.global_rows, self.rounding = global_rows, rounding
+        self.out: Tensor | None = None
+        self.sout: Tensor | None = None
+
+    def compute(self, scratch: dict[str, Tensor] | None = None) -> int:
+        """Every prepared row's update, rounded, into scratch: -1 when every value is finite, else the largest
+        row whose update is not (nothing is ever written by this call). ``scratch``: buffers kept by the
+        caller between steps (``"out"``, ``"sout"``: grown here when too small, their first rows used)."""
+        self._scratch(scratch)
+        return self._call(0)
+
+    def _scratch(self, scratch: dict[str, Tensor] | None) -> None:
+        ws, slots = self.ws, self.slots
+        rows = ws.num_rows
+        float_slots = bool(slots) and slots[0].dtype == torch.float32
+        wide = ws.dim * (1 if float_slots else 1 + len(slots))
+        self.out = _rows_of(scratch, "out", rows * wide, torch.int16).view(rows, wide)
+        self.sout = (
+            _rows_of(scratch, "sout", rows * len(slots) * ws.dim, torch.float32).view(rows, len(slots), ws.dim)
+            if float_slots
+            else None
+        )
+
+    def write(self) -> None:
+        """The scratch of ``compute`` into the table (its rows and the workspace unchanged since)."""
+        if self.out is None:
+            raise NativeBufferError("embtables native kernel: a half-precision update is written before computed.")
+        self._call(1)
+
+    def apply_in_place(self, scratch: dict[str, Tensor] | None = None) -> int:
+        """The update written in place, each row's stored values kept in scratch first: -1 when every written
+        value is finite, else the largest row whose update is not (then ``put_back`` must run)."""
+        self._scratch(scratch)
+        return self._call(2)
+
+    def put_back(self) -> None:
+        """The rows ``apply_in_place`` changed, back to what they held (the workspace unchanged since)."""
+        if self.out is None:
+            raise NativeBufferError("embtables native kernel: a half-precision update is put back before applied.")
+        self._call(3)
+
+    def _call(self, mode: int) -> int:
+        lib = library()
+        assert lib is not None
+        ws, weights, slots = self.ws, self.weights, self.slots
+        wkind = half_kind(weights)
+        require(weights, "weights", weights.dtype, (-1, ws.dim))
+        vocab = weights.shape[0]
+        if len(slots) > 3 or len({s.dtype for s in slots}) > 1:
+            raise NativeBufferError("embtables native kernel: at most 3 slots, all of one storage type.")
+        skind = KINDS.get(slots[0].dtype, -1) if slots else 2
+        if skind < 0:
+            raise NativeBufferError(
+                f"embtables native kernel: slots of {slots[0].dtype} are not stored by the kernels."
+            )
+        ptrs: list[int | None] = [None, None, None]
+        for i, s in enumerate(slots):
+            require(s, f"slot {i}", s.dtype, tuple(weights.shape))
+            ptrs[i] = s.data_ptr()
+        grows = self.global_rows
+        if grows is not None:
+            require(grows, "global rows", torch.int64, (vocab,))
+        out = require(self.out, "scratch", torch.int16, (-1, ws.dim * (1 if skind == 2 else 1 + len(slots))))
+        sout = self.sout
+        if skind == 2 and slots:
+            sout = require(sout, "slot scratch", torch.float32, (out.shape[0], len(slots), ws.dim))
+        seed, step, table, stochastic = self.rounding
+        result = lib.et_apply_half(
+            ws.handle, weights.data_ptr(), *ptrs, wkind, skind, vocab, ws.dim, ctypes.byref(self.params),
+            None if grows is None else grows.data_ptr(), vocab if grows is not None else 0, seed, step, table,
+            int(stochastic), mode, out.data_ptr(), None if sout is None else sout.data_ptr(), out.shape[0],
+            threads(),
+        )  # fmt: skip
+        bad = int(result)
+        if bad < -1:
+            raise_for("et_apply_half", bad)
+        return bad
+
+
+def _rows_of(scratch: dict[str, Tensor] | None, name: str, n: int, dtype: torch.dtype) -> Tensor:
+    """n elements of ``dtype`` [n]: the front of ``scratch[name]`` (grown to at least 1.5 n when smaller), or a
+    new tensor without ``scratch``."""
+    if scratch is None:
+        return torch.empty(n, dtype=dtype)
+    held = scratch.get(name)
+    if held is None or held.dtype != dtype or held.numel() < n:
+        held = scratch[name] = torch.empty(max(n + n // 2, 1), dtype=dtype)
+    return held[:n]

@@ -99,9 +99,9 @@ def _owned(t: Tensor, device: torch.device, dtype: torch.dtype = torch.float32) 
     storage ``dtype`` (float32 values are rounded to nearest into a half type: initial values, not an
     update), contiguous (the native kernels need it), never sharing memory with the caller's tensor; a
     large CPU table in huge pages (``kernels/huge_pages.py``)."""
-    out = t.detach().to(device, torch.float32).to(dtype)
-    if out.data_ptr() == t.data_ptr() or not out.is_contiguous():
-        out = huge_pages.empty_float32(tuple(out.shape), out.device, dtype).copy_(out)
+    out = t.detach().to(device, torch.float32)
+    if dtype != torch.float32 or out.data_ptr() == t.data_ptr() or not out.is_contiguous():
+        out = huge_pages.empty_float32(tuple(out.shape), out.device, dtype).copy_(out)  # copy_ rounds to nearest
     return out
 
 

@@ -108,3 +108,19 @@ def test_adult_columns_bucketize_as_tf_does() -> None:
         col.ids({"age": np.array([1.0, np.inf])})  # NaN is a missing value (raw_inputs): an empty bag
     with pytest.raises(InputError, match="must be numbers"):
         col.ids({"age": np.array(["x"])})
+
+
+@needs_adult
+def test_the_job_trains_half_precision_tables_and_inspect_shows_them(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    rc = cli(["train", "--dataset", "adult", "--epochs", "1", "--no-peers", "--no-progress", "--dtype", "bfloat16",
+              "--slot-dtype", "bfloat16", "--model-dir", str(tmp_path)])  # fmt: skip
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert json.loads(out.strip().splitlines()[-1])["accuracy"] > 0.8
+    assert cli(["inspect", str(tmp_path / "model")]) == 0
+    shown = capsys.readouterr().out
+    assert "bfloat16/bfloat16" in shown and " dtype " in shown
+    assert cli(["train", "--dataset", "adult", "--slot-dtype", "bfloat16", "--epochs", "1", "--no-peers"]) == 2
+    assert "`slot_dtype=bfloat16` needs half-precision rows" in capsys.readouterr().err

@@ -175,11 +175,19 @@ def test_rounding_to_nearest_is_the_types_own_conversion_of_the_update() -> None
         f.load_state_dict({"t": a.embedding_tables["t"].float()})  # SGD: the next update starts from it
 
 
-def test_lookups_pool_half_rows_in_float32_as_a_float32_table_of_the_same_values() -> None:
-    half = _module("adagrad", torch.float16)
-    full = _module("adagrad", None)
+@pytest.mark.parametrize(
+    "kind, dim, combiner", [("float16", 6, "sum"), ("bfloat16", 64, "mean"), ("bfloat16", 70, "sqrtn")]
+)
+def test_lookups_pool_half_rows_in_float32_as_a_float32_table_of_the_same_values(
+    kind: str, dim: int, combiner: str
+) -> None:
+    def make(dtype: Any) -> Any:
+        table = et.TableConfig(V, dim, name="t", combiner=combiner, initializer=et.TruncatedNormal(seed=1), dtype=dtype)
+        return et.DistributedEmbedding({"f": et.FeatureConfig(table)}, et.Adagrad(0.1))
+
+    half, full = make(HALF[kind]), make(None)
     full.load_state_dict({"t": half.embedding_tables["t"].float()}, strict=False)
-    ids = et.Ragged.from_lengths(torch.randint(0, V, (20,)), torch.tensor([3, 0, 5, 2, 4, 6]))
+    ids = et.Ragged.from_lengths(torch.randint(0, V, (60,)), torch.tensor([3, 0, 5, 2, 4, 6, 20, 20]))
     half.eval()
     full.eval()
     got, want = half({"f": ids})["f"], full({"f": ids})["f"]
@@ -230,7 +238,7 @@ def test_the_native_kernels_and_the_torch_reference_give_the_same_bits(
         pytest.skip("the native kernels are not built here")
     from embtables.kernels import native_half
 
-    calls = {"lookup_half": 0, "apply_half": 0}
+    calls = {"lookup_half": 0, "HalfUpdate": 0}
     for name in calls:
         real = getattr(native_half, name)
         monkeypatch.setattr(native_half, name, lambda *a, _r=real, _n=name, **k: calls.__setitem__(_n, calls[_n] + 1)
@@ -242,7 +250,7 @@ def test_the_native_kernels_and_the_torch_reference_give_the_same_bits(
         ids, grad = _batch(step)
         seen_c.append(with_c({"f": ids})["f"].detach().clone())
         with_c.apply_gradients({"f": grad})
-    assert calls["lookup_half"] == 4 and calls["apply_half"] == 8  # a dry run and a write a step
+    assert calls["lookup_half"] == 4 and calls["HalfUpdate"] == 4  # one update a step
     native_library.set_enabled(False)
     try:
         without = _module(opt, *dtypes, rounding=rounding)
@@ -253,7 +261,7 @@ def test_the_native_kernels_and_the_torch_reference_give_the_same_bits(
             without.apply_gradients({"f": grad})
     finally:
         native_library.set_enabled(True)
-    assert calls["apply_half"] == 8
+    assert calls["HalfUpdate"] == 4
     assert all(torch.equal(a, b) for a, b in zip(seen_c, seen_torch))
     assert all(torch.equal(x, y) for x, y in zip(_stored(with_c).values(), _stored(without).values()))
 
@@ -302,7 +310,7 @@ def _distinct_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, torch.randn(2 * B, D, generator=g)
 
 
-def _sharded(rank: int, world: int, sharding: str, want_path: str) -> None:
+def _sharded(rank: int, world: int, sharding: str, want_path: str, ckpt: str) -> None:
     want = torch.load(want_path)
     emb = _module("adagrad", torch.bfloat16, torch.bfloat16, sharding=sharding)
     lo, hi = rank * 2 * B // world, (rank + 1) * 2 * B // world
@@ -313,6 +321,11 @@ def _sharded(rank: int, world: int, sharding: str, want_path: str) -> None:
     got = emb.state_dict()
     for key, value in want.items():
         assert torch.equal(got[key], value), (rank, sharding, key)
+    emb.save(ckpt)  # restored into the other strategy: each rank's rows read from the other layout
+    other = _module("adagrad", torch.bfloat16, torch.bfloat16, sharding="mod" if sharding == "div" else "div")
+    other.restore(ckpt)
+    for key, value in other.state_dict().items():
+        assert torch.equal(value, want[key]), (rank, sharding, key)
 
 
 @pytest.mark.parametrize("sharding", ["div", "mod"])
@@ -324,7 +337,7 @@ def test_sharded_training_gives_one_processs_bits(sharding: str, tmp_path: Path)
         one.apply_gradients({"f": grad})
     path = tmp_path / "want.pt"
     torch.save(_stored(one), path)
-    run_world(_sharded, 2, sharding, str(path))
+    run_world(_sharded, 2, sharding, str(path), str(tmp_path / "ckpt"))
 
 
 def test_where_the_gpu_kernels_run_half_tables_take_the_reference_with_the_same_bits() -> None:
@@ -349,3 +362,68 @@ def test_where_the_gpu_kernels_run_half_tables_take_the_reference_with_the_same_
         native.set_enabled(True)
         gpu.set_enabled(True)
     assert torch.equal(emb.embedding_tables["t"], cpu.embedding_tables["t"])
+
+
+@pytest.mark.parametrize("kind", sorted(HALF))
+def test_a_half_table_exports_as_itself_and_serves_what_it_trained(kind: str, tmp_path: Path) -> None:
+    emb = _module("adagrad", HALF[kind])
+    for step in range(3):
+        _step(emb, step)
+    emb.save(tmp_path / "ckpts")
+    et.export(tmp_path / "ckpts", tmp_path / "serve", kind)  # the table's own type: exact
+    served = et.ServingEmbedding.load(tmp_path / "serve")
+    query = {"f": torch.arange(V)}
+    emb.eval()
+    assert torch.equal(served(query)["f"], emb(query)["f"])
+    et.export(tmp_path / "ckpts", tmp_path / "serve32")  # converted to float32: exact too
+    assert torch.equal(et.ServingEmbedding.load(tmp_path / "serve32")(query)["f"], emb(query)["f"])
+
+
+def test_the_estimators_embedding_columns_take_the_storage_types() -> None:
+    from embtables.estimator import EmbeddingConfigSpec, categorical_column_with_identity, embedding_column
+
+    col = embedding_column(categorical_column_with_identity("x", 10), 4, dtype=torch.bfloat16, slot_dtype="bfloat16")
+    spec = EmbeddingConfigSpec(feature_columns=[col], optimization_parameters=et.Adagrad(0.1))
+    (table,) = {f.table.name: f.table for f in spec.feature_config(lambda: 0).values()}.values()
+    assert table.storage == "bfloat16" and table.slot_storage == "bfloat16"
+    with pytest.raises(ConfigError, match="`dtype` must be"):
+        embedding_column(categorical_column_with_identity("x", 10), 4, dtype=torch.float64)
+
+
+def test_a_dynamic_half_table_trains_and_restores(tmp_path: Path) -> None:
+    def make() -> Any:
+        table = et.TableConfig(20, 4, name="u", combiner="sum", dtype=torch.bfloat16, slot_dtype=torch.bfloat16,
+                               dynamic=et.DynamicVocabulary(admit_after=1, eviction="lru"))  # fmt: skip
+        return et.DistributedEmbedding({"f": et.FeatureConfig(table)}, et.Adagrad(0.1))
+
+    emb = make()
+    g = torch.Generator().manual_seed(0)
+    for _ in range(20):  # keys beyond the 20 rows: rows are reused
+        emb({"f": torch.randint(0, 10**12, (8,), generator=g)})
+        emb.apply_gradients({"f": torch.randn(8, 4, generator=g)})
+    assert emb.vocabulary_statistics()["u"]["evicted"] > 0
+    emb.save(tmp_path)
+    back = make()
+    back.restore(tmp_path)
+    assert all(torch.equal(x, y) for x, y in zip(_stored(emb).values(), _stored(back).values()))
+    assert back.embedding_tables["u"].dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("refusing", ["half", "float32"])
+def test_a_refusal_by_either_table_leaves_both_as_they_were(refusing: str) -> None:
+    """The half table is written in place as it is checked; a refusal by the float32 table written after it
+    (its dry run in the same call) puts the half table's rows back."""
+    half = et.TableConfig(V, D, name="h", combiner="sum", initializer=et.Constant(0.5), dtype=torch.float16)
+    full = et.TableConfig(V, D, name="w", combiner="sum", initializer=et.Constant(0.5))
+    emb = et.DistributedEmbedding({"a": et.FeatureConfig(half), "b": et.FeatureConfig(full)}, et.SGD(0.3))
+    emb.load_state_dict({"w": torch.full((V, D), 3e38)}, strict=False)
+    for _ in range(2):  # ordinary steps first: the rows hold updated values
+        emb({"a": torch.tensor([1, 2]), "b": torch.tensor([3, 4])})
+        emb.apply_gradients({"a": torch.full((2, D), 0.1), "b": torch.zeros(2, D)})
+    before = _stored(emb)
+    emb({"a": torch.tensor([1, 2]), "b": torch.tensor([3, 4])})
+    big_a = torch.full((2, D), -1e6 if refusing == "half" else 0.25)
+    big_b = torch.full((2, D), -3e38 if refusing == "float32" else 0.0)
+    with pytest.raises(InputError, match=f"table '{'h' if refusing == 'half' else 'w'}'"):
+        emb.apply_gradients({"a": big_a, "b": big_b})
+    assert all(torch.equal(x, y) for x, y in zip(before.values(), _stored(emb).values()))

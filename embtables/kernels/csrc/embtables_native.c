@@ -1771,37 +1771,118 @@ static inline uint16_t et_rn_half(float x, int kind) {
     return (uint16_t)(sign | (low + (uint32_t)up));
 }
 
-static inline int et_half_finite(uint16_t h, int kind) {
-    return kind == 0 ? (h & 0x7f80u) != 0x7f80u : (h & 0x7c00u) != 0x7c00u;
-}
-
-/* Row r of a table of ``kind`` into D floats. */
-static inline void et_load_row(const void *T, int kind, int64_t r, int64_t D, float *dst) {
+/* Row r of a table of ``kind`` into D floats (a loop per kind, so each vectorises). */
+static inline void et_load_row(const void *T, int kind, int64_t r, int64_t D, float *restrict dst) {
     if (kind == 2) {
         memcpy(dst, (const float *)T + r * D, sizeof(float) * (size_t)D);
-        return;
+    } else if (kind == 0) {
+        const uint16_t *restrict src = (const uint16_t *)T + r * D;
+        uint32_t *restrict u = (uint32_t *)dst;
+        for (int64_t d = 0; d < D; ++d) u[d] = (uint32_t)src[d] << 16;
+    } else {
+        const uint16_t *restrict src = (const uint16_t *)T + r * D;
+        for (int64_t d = 0; d < D; ++d) dst[d] = et_half_float(src[d], 1);
     }
-    const uint16_t *src = (const uint16_t *)T + r * D;
-    for (int64_t d = 0; d < D; ++d) dst[d] = et_half_float(src[d], kind);
 }
 
-/* D floats rounded into the half patterns out (kind 0 or 1), columns col0 + d of a row whose hash is h (when
- * stochastic); returns 1 when every rounded value is finite. */
-static inline int et_round_into(const float *x, int kind, int64_t D, uint32_t h, int64_t col0, int stochastic,
-                                uint16_t *out) {
+/* bfloat16 rounding of D floats, stochastic (bits of row hash h, columns col0 + d) or to nearest, without
+ * branches (it vectorises); returns 1 when every result is finite. */
+static inline int et_round_bf16(const float *restrict x, int64_t D, uint32_t h, uint32_t col0, int stochastic,
+                                uint16_t *restrict out) {
+    const uint32_t *restrict b = (const uint32_t *)x;
+    uint32_t bad = 0;
+    for (int64_t d = 0; d < D; ++d) {
+        const uint32_t v = b[d], a = v & 0x7fffffffu;
+        const uint32_t add = stochastic ? et_lowbias32(h ^ (col0 + (uint32_t)d)) >> 16 : 0x7fffu + ((v >> 16) & 1u);
+        const uint32_t rounded = (v + add) >> 16;
+        const uint32_t special = (v >> 16) | (a > ET_INF_BITS ? 0x0040u : 0u); /* NaN stays NaN, inf inf */
+        const uint32_t o = a >= ET_INF_BITS ? special : rounded;
+        out[d] = (uint16_t)o;
+        bad |= (uint32_t)((o & 0x7f80u) == 0x7f80u);
+    }
+    return !bad;
+}
+
+/* float16 rounding of D floats; returns 1 when every result is finite. */
+static inline int et_round_f16(const float *restrict x, int64_t D, uint32_t h, uint32_t col0, int stochastic,
+                               uint16_t *restrict out) {
     int ok = 1;
     for (int64_t d = 0; d < D; ++d) {
-        uint16_t v;
-        if (stochastic) {
-            const uint32_t r = et_lowbias32(h ^ (uint32_t)(col0 + d));
-            v = kind == 0 ? et_sr_bfloat16(x[d], r) : et_sr_float16(x[d], r);
-        } else {
-            v = et_rn_half(x[d], kind);
-        }
+        const uint16_t v = stochastic ? et_sr_float16(x[d], et_lowbias32(h ^ (col0 + (uint32_t)d)))
+                                      : et_rn_half(x[d], 1);
         out[d] = v;
-        ok &= et_half_finite(v, kind);
+        ok &= (v & 0x7c00u) != 0x7c00u;
     }
     return ok;
+}
+
+static inline int et_round_into(const float *x, int kind, int64_t D, uint32_t h, int64_t col0, int stochastic,
+                                uint16_t *out) {
+    return kind == 0 ? et_round_bf16(x, D, h, (uint32_t)col0, stochastic, out)
+                     : et_round_f16(x, D, h, (uint32_t)col0, stochastic, out);
+}
+
+static inline void et_prefetch_half(const uint16_t *row, int64_t D) {
+    __builtin_prefetch(row, 0, 3);
+    if (D > 32) __builtin_prefetch(row + 32, 0, 3);
+}
+
+/* One bag, one 64-column block of a bfloat16 table: the accumulator in registers, as et_bag_block64. */
+static inline void et_bag_bf16_block64(const uint16_t *W, int64_t D, int64_t V, const int64_t *ids, int64_t k0,
+                                       int64_t k1, const float *coeffs, float *out, int64_t pf_end, int *bad) {
+    float acc[64];
+    for (int j = 0; j < 64; ++j) acc[j] = 0.0f;
+    for (int64_t k = k0; k < k1; ++k) {
+        if (k + ET_LOOKUP_PF < pf_end) et_prefetch_half(W + ids[k + ET_LOOKUP_PF] * D, D);
+        const int64_t id = ids[k];
+        if ((uint64_t)id >= (uint64_t)V) {
+            *bad = 1;
+            continue;
+        }
+        const uint16_t *restrict row = W + id * D;
+        const float c = coeffs ? coeffs[k] : 1.0f;
+        for (int j = 0; j < 64; ++j) {
+            const uint32_t u = (uint32_t)row[j] << 16;
+            float f;
+            memcpy(&f, &u, sizeof f);
+            acc[j] += c * f;
+        }
+    }
+    memcpy(out, acc, sizeof acc);
+}
+
+/* One bag of a half table into o [D] float32: the float32 lookup's sums (0 + c * row, in id order). */
+static inline void et_bag_half(const uint16_t *W, int kind, int64_t D, int64_t V, const int64_t *ids, int64_t k0,
+                               int64_t k1, int64_t total, const float *coeffs, float *restrict o, int *bad) {
+    if (kind == 0 && D % 64 == 0) {
+        for (int64_t d0 = 0; d0 < D; d0 += 64)
+            et_bag_bf16_block64(W + d0, D, V, ids, k0, k1, coeffs, o + d0, d0 == 0 ? total : 0, bad);
+        return;
+    }
+    for (int64_t d = 0; d < D; ++d) o[d] = 0.0f;
+    for (int64_t k = k0; k < k1; ++k) {
+        if (k + ET_LOOKUP_PF < total) {
+            const int64_t ahead = ids[k + ET_LOOKUP_PF];
+            if ((uint64_t)ahead < (uint64_t)V) et_prefetch_half(W + ahead * D, D);
+        }
+        const int64_t id = ids[k];
+        if ((uint64_t)id >= (uint64_t)V) {
+            *bad = 1;
+            continue;
+        }
+        const uint16_t *restrict row = W + id * D;
+        const float c = coeffs ? coeffs[k] : 1.0f;
+        if (kind == 0) {
+            for (int64_t d = 0; d < D; ++d) {
+                const uint32_t u = (uint32_t)row[d] << 16;
+                float f;
+                memcpy(&f, &u, sizeof f);
+                o[d] += c * f;
+            }
+        } else {
+            for (int64_t d = 0; d < D; ++d) o[d] += c * et_half_float(row[d], 1);
+        }
+    }
 }
 
 /* Lookup from a half table (kind 0 or 1) W [V, D]: out [S, D] float32, out[s] = sum_k coeffs[k] * W[ids[k]]
@@ -1811,87 +1892,122 @@ int et_lookup_half(const uint16_t *W, int32_t kind, int64_t D, int64_t V, const 
                    const int64_t *offsets, int64_t S, const float *coeffs, float *out, int nthreads) {
     if (kind != 0 && kind != 1) return 1;
     if (!et_offsets_ok(offsets, S, N)) return 1;
+    const int64_t total = offsets[S];
     int bad = 0, nonfinite = 0;
 #pragma omp parallel for num_threads(nthreads) schedule(static, 64) reduction(| : bad, nonfinite)
     for (int64_t s = 0; s < S; ++s) {
         float *restrict o = out + s * D;
-        for (int64_t d = 0; d < D; ++d) o[d] = 0.0f;
-        for (int64_t k = offsets[s]; k < offsets[s + 1]; ++k) {
-            const int64_t id = ids[k];
-            if ((uint64_t)id >= (uint64_t)V) {
-                bad = 1;
-                continue;
-            }
-            const uint16_t *restrict row = W + id * D;
-            const float c = coeffs ? coeffs[k] : 1.0f;
-            for (int64_t d = 0; d < D; ++d) o[d] += c * et_half_float(row[d], kind);
-        }
+        et_bag_half(W, kind, D, V, ids, offsets[s], offsets[s + 1], total, coeffs, o, &bad);
         nonfinite |= et_maxbits(o, D, 0) >= ET_INF_BITS;
     }
     return bad ? 1 : (nonfinite ? 2 : 0);
 }
 
-/* Phase 2 of a lazy update of a half table from its prepared workspace: weights of kind wkind (0 or 1), slots
- * of kind skind (0, 1 or 2: float32), row u's random bits from (seed, step, table, grows[rows[u]]) (grows NULL:
- * the rows themselves are global; else [nglobal], one per local row). write == 0: a dry run that writes nothing
- * and returns -1 when every rounded value is finite, else the largest row whose update is not; write != 0: the
- * update written (returns -1). -2: a workspace or row map that does not fit the table; -3 out of memory; -4 an
- * unknown optimizer or kind. */
+/* Phase 2 of a lazy update of a half table from its prepared workspace. Every prepared row's update is computed
+ * in float32 from its stored values (weights of kind wkind, 0 or 1; slots of kind skind, 0, 1 or 2: float32)
+ * and rounded, row u's random bits from (seed, step, table, grows[rows[u]]) (grows NULL: the rows are global;
+ * else [nglobal], one per local row). The scratch is out [U, (1 + K) x D] (2-byte patterns; with K float32
+ * slots out holds the weights [U, D] and sout [U, K x D] floats). mode 0: the rounded rows into the scratch,
+ * nothing in the table changes; mode 1: the scratch of a mode-0 call written into the rows (returns -1);
+ * mode 2: the rows updated in place, each row's stored values kept in the scratch first; mode 3: the rows a
+ * mode-2 call changed put back from the scratch (returns -1). Modes 0 and 2 return -1 when every rounded value
+ * is finite, else the largest row whose update is not (after mode 2 the caller must then put the rows back).
+ * -2: a workspace, row map or scratch that does not fit; -3 out of memory; -4 an unknown optimizer or kind. */
 int64_t et_apply_half(const void *handle, void *W, void *S0, void *S1, void *S2, int32_t wkind, int32_t skind,
                       int64_t V, int64_t D, const et_opt *p, const int64_t *grows, int64_t nglobal, int64_t seed,
-                      int64_t step, int64_t table, int32_t stochastic, int32_t write, int nthreads) {
+                      int64_t step, int64_t table, int32_t stochastic, int32_t mode, uint16_t *out, float *sout,
+                      int64_t scratch_rows, int nthreads) {
     const et_workspace *h = (const et_workspace *)handle;
     if (!et_prepared_ok(h, V, D)) return -2;
     if (grows && nglobal < V) return -2;
-    if ((wkind != 0 && wkind != 1) || skind < 0 || skind > 2) return -4;
+    if ((wkind != 0 && wkind != 1) || skind < 0 || skind > 2 || mode < 0 || mode > 3) return -4;
     const et_row_fn fn = et_row_function(p->kind);
     if (!fn) return -4;
     void *S[3] = {S0, S1, S2};
+    const int K = (S0 != NULL) + (S1 != NULL) + (S2 != NULL);
+    if ((S0 == NULL && K > 0) || (S1 == NULL && S2 != NULL)) return -2;
+    const int64_t U = h->U, wide = skind == 2 ? D : (1 + K) * D; /* 2-byte values per row of out */
+    if (scratch_rows < U || (skind == 2 && K > 0 && sout == NULL)) return -2;
+    const int64_t sb = skind == 2 ? 4 : 2; /* bytes of one slot value */
+    if (mode == 3) { /* the rows a mode-2 call overwrote, back from their copies in out / sout */
+#pragma omp parallel for num_threads(nthreads) schedule(static, 256)
+        for (int64_t u = 0; u < U; ++u) {
+            const int64_t r = h->rows[u];
+            memcpy((uint16_t *)W + r * D, out + u * wide, sizeof(uint16_t) * (size_t)D);
+            for (int k = 0; k < K; ++k) {
+                const char *from = skind == 2 ? (const char *)(sout + (u * K + k) * D)
+                                              : (const char *)(out + u * wide + (k + 1) * D);
+                memcpy((char *)S[k] + r * D * sb, from, (size_t)(D * sb));
+            }
+        }
+        return -1;
+    }
+    if (mode == 1) {
+#pragma omp parallel for num_threads(nthreads) schedule(static, 256)
+        for (int64_t u = 0; u < U; ++u) {
+            const int64_t r = h->rows[u];
+            memcpy((uint16_t *)W + r * D, out + u * wide, sizeof(uint16_t) * (size_t)D);
+            for (int k = 0; k < K; ++k) {
+                if (skind == 2)
+                    memcpy((float *)S[k] + r * D, sout + (u * K + k) * D, sizeof(float) * (size_t)D);
+                else
+                    memcpy((uint16_t *)S[k] + r * D, out + u * wide + (k + 1) * D, sizeof(uint16_t) * (size_t)D);
+            }
+        }
+        return -1;
+    }
     const uint32_t prefix = et_round_prefix((uint64_t)seed, (uint64_t)step, (uint32_t)table);
-    const int64_t U = h->U;
     int64_t bad = -1;
     int oom = 0;
 #pragma omp parallel num_threads(nthreads) reduction(max : bad) reduction(| : oom)
     {
         float *buf = (float *)malloc(sizeof(float) * (size_t)(4 * D));
-        uint16_t *half = (uint16_t *)malloc(sizeof(uint16_t) * (size_t)(4 * D));
-        if (!buf || !half) {
+        if (!buf) {
             oom = 1;
         } else {
 #pragma omp for schedule(static, 256)
             for (int64_t u = 0; u < U; ++u) {
-                const int64_t r = h->rows[u];
-                float *c[4] = {buf, buf + D, buf + 2 * D, buf + 3 * D};
-                et_load_row(W, wkind, r, D, c[0]);
-                for (int k = 0; k < 3; ++k)
-                    if (S[k]) et_load_row(S[k], skind, r, D, c[k + 1]);
-                fn(p, c[0], S0 ? c[1] : NULL, S1 ? c[2] : NULL, S2 ? c[3] : NULL, h->G + u * D, D);
-                const uint32_t hr = et_round_row(prefix, grows ? grows[r] : r);
-                int ok = et_round_into(c[0], wkind, D, hr, 0, stochastic, half);
-                for (int k = 0; k < 3; ++k) {
-                    if (!S[k]) continue;
-                    if (skind == 2) {
-                        ok &= et_maxbits(c[k + 1], D, 0) < ET_INF_BITS;
-                    } else {
-                        ok &= et_round_into(c[k + 1], skind, D, hr, (k + 1) * D, stochastic, half + (k + 1) * D);
+                if (u + ET_PF < U) { /* every 64-byte line of the row ET_PF ahead, weights and slots */
+                    const int64_t ahead = h->rows[u + ET_PF];
+                    const int64_t wbytes = 2 * D, sbytes = skind == 2 ? 4 * D : 2 * D;
+                    const char *w = (const char *)W + ahead * wbytes;
+                    for (int64_t b = 0; b < wbytes; b += 64) __builtin_prefetch(w + b, 0, 3);
+                    for (int k = 0; k < K; ++k) {
+                        const char *sr = (const char *)S[k] + ahead * sbytes;
+                        for (int64_t b = 0; b < sbytes; b += 64) __builtin_prefetch(sr + b, 0, 3);
                     }
                 }
-                if (!write) {
-                    if (!ok && r > bad) bad = r;
-                    continue;
+                const int64_t r = h->rows[u];
+                float *c[4] = {buf, buf + D, buf + 2 * D, buf + 3 * D};
+                uint16_t *o = out + u * wide;
+                uint16_t *wrow = (uint16_t *)W + r * D;
+                if (mode == 2) { /* the stored row first, to put back (mode 3) */
+                    memcpy(o, wrow, sizeof(uint16_t) * (size_t)D);
+                    for (int k = 0; k < K; ++k) {
+                        char *to = skind == 2 ? (char *)(sout + (u * K + k) * D) : (char *)(o + (k + 1) * D);
+                        memcpy(to, (const char *)S[k] + r * D * sb, (size_t)(D * sb));
+                    }
                 }
-                memcpy((uint16_t *)W + r * D, half, sizeof(uint16_t) * (size_t)D);
-                for (int k = 0; k < 3; ++k) {
-                    if (!S[k]) continue;
-                    if (skind == 2)
-                        memcpy((float *)S[k] + r * D, c[k + 1], sizeof(float) * (size_t)D);
-                    else
-                        memcpy((uint16_t *)S[k] + r * D, half + (k + 1) * D, sizeof(uint16_t) * (size_t)D);
+                et_load_row(W, wkind, r, D, c[0]);
+                for (int k = 0; k < K; ++k) et_load_row(S[k], skind, r, D, c[k + 1]);
+                fn(p, c[0], K > 0 ? c[1] : NULL, K > 1 ? c[2] : NULL, K > 2 ? c[3] : NULL, h->G + u * D, D);
+                const uint32_t hr = et_round_row(prefix, grows ? grows[r] : r);
+                /* mode 0: the rounded row into out / sout; mode 2: into the table, in place */
+                int ok = et_round_into(c[0], wkind, D, hr, 0, stochastic, mode == 2 ? wrow : o);
+                for (int k = 0; k < K; ++k) {
+                    if (skind == 2) {
+                        float *to = mode == 2 ? (float *)S[k] + r * D : sout + (u * K + k) * D;
+                        memcpy(to, c[k + 1], sizeof(float) * (size_t)D);
+                        ok &= et_maxbits(c[k + 1], D, 0) < ET_INF_BITS;
+                    } else {
+                        uint16_t *to = mode == 2 ? (uint16_t *)S[k] + r * D : o + (k + 1) * D;
+                        ok &= et_round_into(c[k + 1], skind, D, hr, (k + 1) * D, stochastic, to);
+                    }
                 }
+                if (!ok && r > bad) bad = r;
             }
+            free(buf);
         }
-        free(buf);
-        free(half);
     }
     return oom ? -3 : bad;
 }

@@ -66,6 +66,7 @@ class NativeBackend:
         self.tables = tables
         self._workspaces: dict[str, native.Workspace] = {}
         self._param_blocks: dict[tuple[str, float, float], Any] = {}
+        self._half_scratch: dict[str, dict[str, Tensor]] = {}  # a half table's rounded rows between check and write
         self.fast = NativeFastPath(tables, self.workspace, self.params)
 
     def workspace(self, table: ResolvedTable, scratch: str = "") -> native.Workspace:
@@ -242,7 +243,7 @@ class NativeBackend:
                 raise InputError(f"table {tg.table.name!r}: the update's rows are out of range or repeated.")
         params = self.params(tg.table, lr, decay)
         if half:
-            return self._half_update(tg.table, ws, params, lr)
+            return self._half_update(tg.table, ws, params, lr, check_in_write)
         rows = tg.table.vocabulary_size if dense else ws.num_rows
         if check_in_write and rows * tg.table.dim <= SMALL_UPDATE_ELEMENTS:
             # A dry run of a few rows costs less than the proof: check exactly in the writing call.
@@ -256,33 +257,55 @@ class NativeBackend:
                 raise non_finite_update(tg.table, bad, lr)
         return _NativeWrite(tg.table, ws, state.weights, slots, params, dense, lr, check and check_in_write)
 
-    def _half_update(self, table: ResolvedTable, ws: native.Workspace, params: Any, lr: float) -> _HalfWrite:
-        """A half-precision table's lazy update, checked by its dry run in C (the rounded values; no proof:
-        it bounds float32 results), and what writes it."""
+    def _half_update(
+        self, table: ResolvedTable, ws: native.Workspace, params: Any, lr: float, check_in_write: bool
+    ) -> _HalfWrite:
+        """A half-precision table's lazy update and what writes it: with ``check_in_write``, checked as it is
+        written in place (``write``); else computed and checked now, by the rounded values (no proof: it
+        bounds float32 results), and written from scratch."""
         state = self.tables.states[table.name]
         config = table.config
-        write = _HalfWrite(
-            table, ws, state.weights, state.slot_tuple(), params, self.tables.global_rows.get(table.name),
-            (config.rounding_seed, self.tables.step, table.index, config.rounding == "stochastic"), lr,
-        )  # fmt: skip
-        bad = write.run(write=False)
+        grows = self.tables.global_rows.get(table.name)
+        rounding = (config.rounding_seed, self.tables.step, table.index, config.rounding == "stochastic")
+        grows = None if grows is None else grows.to(torch.int64).contiguous()
+        update = native_half.HalfUpdate(ws, state.weights, state.slot_tuple(), params, grows, rounding)
+        scratch = self._half_scratch.setdefault(table.name, {})
+        if check_in_write:
+            return _HalfWrite(table, update, scratch, lr, computed=False)
+        bad = update.compute(scratch)
         if bad >= 0:
             raise non_finite_update(table, bad, lr)
-        return write
+        return _HalfWrite(table, update, scratch, lr, computed=True)
 
     def settle(self) -> None:
         return None  # every error is raised in the call that finds it
 
     def write(self, writes: Sequence[_NativeWrite | _HalfWrite]) -> None:
+        """All or nothing: the half tables checked as they are written go first, in place, each row's values
+        kept; then the float32 tables (their dry runs in the writing call); a refusal by either puts those
+        half tables back. The half tables checked before (written from scratch) cannot refuse: last."""
         whole = [w for w in writes if isinstance(w, _NativeWrite)]
-        if whole:  # first: its dry runs in the writing call may still refuse, with nothing written anywhere
-            bad_rows = native.apply_many([(w.ws, w.weights, w.slots, w.params, w.dense, w.check) for w in whole])
-            for w, bad in zip(whole, bad_rows):
-                if bad >= 0:  # found by a dry run in the writing call: nothing was written
-                    raise non_finite_update(w.table, bad, w.lr)
-        for half in writes:
-            if isinstance(half, _HalfWrite):
-                half.run(write=True)  # checked by its dry run
+        halves = [w for w in writes if isinstance(w, _HalfWrite)]
+        done: list[_HalfWrite] = []
+        try:
+            for half in halves:
+                if not half.computed:
+                    done.append(half)
+                    bad = half.update.apply_in_place(half.scratch)
+                    if bad >= 0:
+                        raise non_finite_update(half.table, bad, half.lr)
+            if whole:
+                bad_rows = native.apply_many([(w.ws, w.weights, w.slots, w.params, w.dense, w.check) for w in whole])
+                for w, bad in zip(whole, bad_rows):
+                    if bad >= 0:  # found by a dry run in the writing call: nothing of it was written
+                        raise non_finite_update(w.table, bad, w.lr)
+        except BaseException:
+            for half in reversed(done):
+                half.update.put_back()
+            raise
+        for half in halves:
+            if half.computed:
+                half.update.write()  # computed and checked in ``checked_update``
 
     def sequential(self, tg: TableGradient, lr: float) -> Restore | None:
         state = self.tables.states[tg.table.name]
@@ -314,17 +337,11 @@ class _NativeWrite:
 
 @dataclasses.dataclass(eq=False)
 class _HalfWrite:
-    """A checked update of a half-precision table (``native_half.apply_half``), not yet written."""
+    """An update of a half-precision table, not yet written: ``computed`` (rounded into ``scratch`` and checked)
+    or to be checked as it is written in place."""
 
     table: ResolvedTable
-    ws: native.Workspace
-    weights: Tensor
-    slots: tuple[Tensor, ...]
-    params: Any
-    global_rows: Tensor | None
-    rounding: tuple[int, int, int, bool]  # (seed, step, table index, stochastic)
+    update: native_half.HalfUpdate
+    scratch: dict[str, Tensor]
     lr: float
-
-    def run(self, *, write: bool) -> int:
-        grows = None if self.global_rows is None else self.global_rows.to(torch.int64).contiguous()
-        return native_half.apply_half(self.ws, self.weights, self.slots, self.params, grows, self.rounding, write=write)
+    computed: bool
