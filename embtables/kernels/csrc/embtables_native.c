@@ -1736,6 +1736,8 @@ void et_mark_changed(int64_t T, void *const *handles, uint8_t *const *changed, c
  * float32, updated by the optimizer's float32 row function, and rounded back as they are written:
  * stochastically with the bits of (seed, step, table, global row, column) (column c < D: the weights'; (k+1)
  * D + c: slot k's), or to nearest, ties to even (the types' own conversion). */
+typedef uint16_t et_h8v __attribute__((vector_size(16), aligned(2))); /* 8 half patterns */
+
 static inline float et_half_float(uint16_t h, int kind) {
     if (kind == 0) return et_bits_float((uint32_t)h << 16);
     const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
@@ -1778,7 +1780,14 @@ static inline void et_load_row(const void *T, int kind, int64_t r, int64_t D, fl
     } else if (kind == 0) {
         const uint16_t *restrict src = (const uint16_t *)T + r * D;
         uint32_t *restrict u = (uint32_t *)dst;
-        for (int64_t d = 0; d < D; ++d) u[d] = (uint32_t)src[d] << 16;
+        int64_t d = 0;
+        for (; d + 8 <= D; d += 8) {
+            et_h8v h;
+            memcpy(&h, src + d, sizeof h);
+            const et_u8v w = __builtin_convertvector(h, et_u8v) << 16;
+            memcpy(u + d, &w, sizeof w);
+        }
+        for (; d < D; ++d) u[d] = (uint32_t)src[d] << 16;
     } else {
         const uint16_t *restrict src = (const uint16_t *)T + r * D;
         for (int64_t d = 0; d < D; ++d) dst[d] = et_half_float(src[d], 1);
@@ -1787,11 +1796,40 @@ static inline void et_load_row(const void *T, int kind, int64_t r, int64_t D, fl
 
 /* bfloat16 rounding of D floats, stochastic (bits of row hash h, columns col0 + d) or to nearest, without
  * branches (it vectorises); returns 1 when every result is finite. */
+static inline et_u8v et_lowbias32_v(et_u8v x) {
+    x ^= x >> 16;
+    x *= 0x7feb352du;
+    x ^= x >> 15;
+    x *= 0x846ca68bu;
+    x ^= x >> 16;
+    return x;
+}
+
+/* The scalar rule below on 8 values at a time (GCC vector extensions: the same bits, whole vectors). */
 static inline int et_round_bf16(const float *restrict x, int64_t D, uint32_t h, uint32_t col0, int stochastic,
                                 uint16_t *restrict out) {
     const uint32_t *restrict b = (const uint32_t *)x;
-    uint32_t bad = 0;
-    for (int64_t d = 0; d < D; ++d) {
+    const et_u8v lane = {0, 1, 2, 3, 4, 5, 6, 7};
+    et_u8v badv = {0, 0, 0, 0, 0, 0, 0, 0};
+    int64_t d0 = 0;
+    for (; d0 + 8 <= D; d0 += 8) {
+        et_u8v v;
+        memcpy(&v, b + d0, sizeof v);
+        const et_u8v a = v & 0x7fffffffu;
+        const et_u8v add = stochastic ? et_lowbias32_v(h ^ (col0 + (uint32_t)d0 + lane)) >> 16
+                                      : 0x7fffu + ((v >> 16) & 1u);
+        const et_u8v rounded = (v + add) >> 16;
+        const et_u8v special = (v >> 16) | ((et_u8v)(a > ET_INF_BITS) & 0x0040u);
+        const et_u8v keep = (et_u8v)(a >= ET_INF_BITS);
+        const et_u8v o = (special & keep) | (rounded & ~keep);
+        badv |= (et_u8v)((o & 0x7f80u) == 0x7f80u);
+        const et_h8v o16 = __builtin_convertvector(o, et_h8v);
+        memcpy(out + d0, &o16, sizeof o16);
+    }
+    uint64_t q[4];
+    memcpy(q, &badv, sizeof q);
+    uint32_t bad = (q[0] | q[1] | q[2] | q[3]) != 0;
+    for (int64_t d = d0; d < D; ++d) {
         const uint32_t v = b[d], a = v & 0x7fffffffu;
         const uint32_t add = stochastic ? et_lowbias32(h ^ (col0 + (uint32_t)d)) >> 16 : 0x7fffu + ((v >> 16) & 1u);
         const uint32_t rounded = (v + add) >> 16;
