@@ -124,7 +124,7 @@ def test_keep_last_and_inspect(tmp_path: Path) -> None:
     assert [p.name for p in published(tmp_path)] == ["ckpt-00000003", "ckpt-00000004"]
     out = subprocess.run([sys.executable, "-m", "embtables", "inspect", str(tmp_path)], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
-    assert "step 4" in out.stdout and re.search(r" 13 +4 +Adagrad +accumulators ", out.stdout), out.stdout
+    assert "step 4" in out.stdout and re.search(r" 13 +4 +float32 +Adagrad +accumulators ", out.stdout), out.stdout
     assert "checksums: OK" in out.stdout
 
 
