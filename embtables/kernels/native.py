@@ -166,7 +166,7 @@ def changed_marker(items: list[tuple[Workspace, Tensor, bool]]) -> Callable[[], 
     return mark
 
 
-class _Bags:
+class Bags:
     """Several features' bags for one native call: each feature's ``ids [N]``, ``offsets [S+1]`` and
     ``coeffs [N] | None`` checked (the one place these rules live) and their addresses and sizes
     collected, in call order."""
@@ -209,7 +209,7 @@ def lookup_many(
     n = len(parts)
     f32 = torch.float32
     w_ptr, dims, vocab = [], [], []  # type: list[int], list[int], list[int]
-    bags_in = _Bags()
+    bags_in = Bags()
     n_bags = bags_in.n_bags
     checked: set[int] = set()  # tables already checked in this call (features sharing a table)
     for table, ids, offsets, coeffs in parts:
@@ -493,7 +493,7 @@ def prepare_many(tables: list[tuple[Workspace, int, list[FeaturePart]]]) -> list
     lib = library()
     assert lib is not None
     first = [0]
-    bags_in = _Bags()
+    bags_in = Bags()
     g_ptr, strides = [], []  # type: list[int | None], list[int]
     for ws, _, table_parts in tables:
         dim = ws.dim

@@ -88,6 +88,12 @@ FUNCTIONS: dict[str, CFunction] = {
             _LOOKUP,
         ),
         _f(
+            "et_lookup_half_many",
+            "F:i64 W:p kind:p D:p V:p ids:p N:p offsets:p S:p coeffs:p out:p nthreads:i32",
+            _I32,
+            _LOOKUP,
+        ),
+        _f(
             "et_apply_half",
             "handle:p W:p S0:p S1:p S2:p wkind:i32 skind:i32 V:i64 D:i64 p:opt grows:p nglobal:i64 seed:i64 "
             "step:i64 table:i64 stochastic:i32 mode:i32 out:p sout:p scratch_rows:i64 nthreads:i32",

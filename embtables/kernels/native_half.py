@@ -15,8 +15,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from embtables.kernels.native import Workspace, library, require, threads
+from embtables.kernels.native import Bags, Workspace, library, require, threads
 from embtables.kernels.native_abi import NativeBufferError, raise_for
+from embtables.kernels.native_args import array
 
 KINDS = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}  # C's storage kinds
 
@@ -27,6 +28,33 @@ def half_kind(t: Tensor) -> int:
     if kind not in (0, 1):
         raise NativeBufferError(f"embtables native kernel: {t.dtype} is not a half type.")
     return kind
+
+
+def lookup_half_many(parts: list[tuple[Tensor, Tensor, Tensor, Tensor | None]]) -> tuple[list[Tensor], int]:
+    """Several features' pooled activations [S_f, D_f] float32 in one parallel region: for each ``(table [V, D]
+    half, ids [N], offsets [S+1], coeffs [N] | None)``, as ``lookup_half``. Returns the outputs and a status:
+    0 ok, 1 an id outside [0, V) or bad offsets (the outputs are unusable), 2 a non-finite activation."""
+    lib = library()
+    assert lib is not None
+    bags = Bags()
+    w_ptr, kinds, dims, vocab = [], [], [], []  # type: list[int], list[int], list[int], list[int]
+    for table, ids, offsets, coeffs in parts:
+        kinds.append(half_kind(table))
+        require(table, "table", table.dtype, (-1, -1))
+        bags.add(ids, offsets, coeffs)
+        w_ptr.append(table.data_ptr())
+        vocab.append(table.shape[0])
+        dims.append(table.shape[1])
+    outs = [torch.empty((n, d), dtype=torch.float32) for n, d in zip(bags.n_bags, dims)]
+    vp, c64 = ctypes.c_void_p, ctypes.c_int64
+    status = lib.et_lookup_half_many(
+        len(parts), array("half.w", vp, w_ptr), array("half.kinds", ctypes.c_int32, kinds),
+        array("half.dims", c64, dims), array("half.vocab", c64, vocab), array("half.ids", vp, bags.ids),
+        array("half.n_ids", c64, bags.n_ids), array("half.offsets", vp, bags.offsets),
+        array("half.n_bags", c64, bags.n_bags), array("half.coeffs", vp, bags.coeffs),
+        array("half.out", vp, [o.data_ptr() for o in outs]), threads(),
+    )  # fmt: skip
+    return outs, int(status)
 
 
 def lookup_half(table: Tensor, ids: Tensor, offsets: Tensor, coeffs: Tensor | None) -> tuple[Tensor, int]:

@@ -40,6 +40,7 @@ from embtables.kernels.native import (
 from embtables.kernels.native_abi import raise_for, unchecked
 
 _VP, _I64, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
+_HALF = (torch.bfloat16, torch.float16)
 
 # Updates of at most this many values (unique rows x D) per table are checked exactly as they are written, by
 # ``apply_checked``: below it that costs less than proving the update finite from the tables' value bounds
@@ -263,7 +264,9 @@ def stage(
 class TableArrays:
     """T tables' weights [V_t, D_t] and slots (at most 3, each like its weights) with their addresses, sizes
     and native workspaces, and the table of each of F features, as ctypes arrays for the fast calls.
-    ``current`` says whether they still describe ``tensors``; else the caller builds new ones."""
+    ``current`` says whether they still describe ``tensors``; else the caller builds new ones. ``half``: some
+    table is stored in a half type (spec §12); phase 1 (``prepare``) serves it, the lookup and phase 2 of
+    these calls read float32 rows only and refuse such arrays."""
 
     def __init__(
         self,
@@ -273,9 +276,20 @@ class TableArrays:
     ) -> None:
         held: list[Tensor] = []
         w_ptr, s_ptr = [], ([], [], [])  # type: list[int], tuple[list[int | None], list[int | None], list[int | None]]
+        self.half = False
         for (weights, slots), ws in zip(tensors, workspaces, strict=True):
-            require(weights, "weights", torch.float32, (-1, ws.dim))
-            checked = slot_tensors(weights, slots)
+            if weights.dtype in _HALF:
+                self.half = True
+                require(weights, "weights", weights.dtype, (-1, ws.dim))
+                stored = [require(t, "slot", t.dtype, tuple(weights.shape)) for t in slots]
+                if len(stored) > 3 or any(t.dtype not in (torch.float32, *_HALF) for t in stored):
+                    raise NativeBufferError(
+                        "embtables native kernel: a half table's slots are not stored by the kernels."
+                    )
+                checked: tuple[Tensor | None, ...] = (*stored, *([None] * (3 - len(stored))))  # one per s_ptr
+            else:
+                require(weights, "weights", torch.float32, (-1, ws.dim))
+                checked = slot_tensors(weights, slots)
             held += [weights, *slots]
             w_ptr.append(weights.data_ptr())
             for i, s in enumerate(checked):
@@ -368,6 +382,8 @@ def lookup(tables: TableArrays, bags: StagedBags, outs: Sequence[Tensor], starts
     [F, S, D] (no ``starts``; every feature has S bags and width D), else into ``outs[f]`` [S_f, D_f].
     Returns 0, 1 (an id outside [0, V) or bad offsets) or 2 (a non-finite activation)."""
     calls = _calls()
+    if tables.half:
+        raise NativeBufferError("embtables native kernel: the fast lookup reads float32 tables only.")
     bags.check()
     f_count = len(bags.views)
     if f_count != tables.features:
@@ -497,6 +513,8 @@ def apply_checked(tables: TableArrays, params: Sequence[Any], dense: Sequence[in
     a non-lazy table. Returns per table the row whose update is not finite (-1: none; when any is not -1,
     nothing was written)."""
     calls = _calls()
+    if tables.half:
+        raise NativeBufferError("embtables native kernel: the fast update writes float32 tables only.")
     t_count = tables.count
     if len(params) != t_count or len(dense) != t_count:
         raise NativeBufferError("embtables native kernel: one parameter block per table is needed.")

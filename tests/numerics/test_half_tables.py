@@ -238,7 +238,7 @@ def test_the_native_kernels_and_the_torch_reference_give_the_same_bits(
         pytest.skip("the native kernels are not built here")
     from embtables.kernels import native_half
 
-    calls = {"lookup_half": 0, "HalfUpdate": 0}
+    calls = {"lookup_half_many": 0, "HalfUpdate": 0}
     for name in calls:
         real = getattr(native_half, name)
         monkeypatch.setattr(native_half, name, lambda *a, _r=real, _n=name, **k: calls.__setitem__(_n, calls[_n] + 1)
@@ -250,7 +250,7 @@ def test_the_native_kernels_and_the_torch_reference_give_the_same_bits(
         ids, grad = _batch(step)
         seen_c.append(with_c({"f": ids})["f"].detach().clone())
         with_c.apply_gradients({"f": grad})
-    assert calls["lookup_half"] == 4 and calls["HalfUpdate"] == 4  # one update a step
+    assert calls["lookup_half_many"] == 4 and calls["HalfUpdate"] == 4  # one update a step
     native_library.set_enabled(False)
     try:
         without = _module(opt, *dtypes, rounding=rounding)

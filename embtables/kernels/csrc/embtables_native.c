@@ -1923,6 +1923,69 @@ static inline void et_bag_half(const uint16_t *W, int kind, int64_t D, int64_t V
     }
 }
 
+typedef float et_f8v __attribute__((vector_size(32), aligned(4)));
+
+/* One bag of a bfloat16 table with D a multiple of 8, 8 columns at a time: each block's sums in a register,
+ * 0 + c * row in id order (the float32 lookup's sums; no fused multiply-add: -ffp-contract=off). */
+static inline void et_bag_bf16_v8(const uint16_t *W, int64_t D, int64_t V, const int64_t *ids, int64_t k0,
+                                  int64_t k1, int64_t total, const float *coeffs, float *restrict o, int *bad) {
+    for (int64_t d0 = 0; d0 < D; d0 += 8) {
+        et_f8v acc = {0, 0, 0, 0, 0, 0, 0, 0};
+        for (int64_t k = k0; k < k1; ++k) {
+            if (d0 == 0 && k + ET_LOOKUP_PF < total) et_prefetch_half(W + ids[k + ET_LOOKUP_PF] * D, D);
+            const int64_t id = ids[k];
+            if ((uint64_t)id >= (uint64_t)V) {
+                *bad = 1;
+                continue;
+            }
+            et_h8v h;
+            memcpy(&h, W + id * D + d0, sizeof h);
+            const et_u8v bits = __builtin_convertvector(h, et_u8v) << 16;
+            et_f8v f;
+            memcpy(&f, &bits, sizeof f);
+            acc += (coeffs ? coeffs[k] : 1.0f) * f;
+        }
+        memcpy(o + d0, &acc, sizeof acc);
+    }
+}
+
+/* Lookups of F features from half tables, one parallel region over every feature's bags: feature f reads
+ * W[f] [V[f], D[f]] of kind[f] (0 bfloat16, 1 float16) and writes out[f] [S[f], D[f]] float32, as
+ * et_lookup_half. Returns 0, 1 bad offsets or an id outside [0, V) (the outputs are then garbage), 2 a
+ * non-finite activation. */
+int et_lookup_half_many(int64_t F, const uint16_t *const *W, const int32_t *kind, const int64_t *D,
+                        const int64_t *V, const int64_t *const *ids, const int64_t *N,
+                        const int64_t *const *offsets, const int64_t *S, const float *const *coeffs,
+                        float *const *out, int nthreads) {
+    int64_t first[F + 1];
+    first[0] = 0;
+    for (int64_t f = 0; f < F; ++f) {
+        if ((kind[f] != 0 && kind[f] != 1) || !et_offsets_ok(offsets[f], S[f], N[f])) return 1;
+        first[f + 1] = first[f] + S[f];
+    }
+    const int64_t all = first[F];
+    int bad = 0, nonfinite = 0;
+#pragma omp parallel num_threads(nthreads) reduction(| : bad, nonfinite)
+    {
+        int64_t f = 0;
+#pragma omp for schedule(static, 256)
+        for (int64_t i = 0; i < all; ++i) {
+            while (i >= first[f + 1]) ++f;
+            while (i < first[f]) --f;
+            const int64_t s = i - first[f], d = D[f];
+            float *restrict o = out[f] + s * d;
+            if (kind[f] == 0 && d % 8 == 0)
+                et_bag_bf16_v8(W[f], d, V[f], ids[f], offsets[f][s], offsets[f][s + 1], offsets[f][S[f]], coeffs[f],
+                               o, &bad);
+            else
+                et_bag_half(W[f], kind[f], d, V[f], ids[f], offsets[f][s], offsets[f][s + 1], offsets[f][S[f]],
+                            coeffs[f], o, &bad);
+            nonfinite |= et_maxbits(o, d, 0) >= ET_INF_BITS;
+        }
+    }
+    return bad ? 1 : (nonfinite ? 2 : 0);
+}
+
 /* Lookup from a half table (kind 0 or 1) W [V, D]: out [S, D] float32, out[s] = sum_k coeffs[k] * W[ids[k]]
  * in float32, each row read as float32, in the order of the float32 lookup's sums. Returns 0, 1 bad offsets or
  * an id outside [0, V) (the output is then garbage), 2 a non-finite activation. */

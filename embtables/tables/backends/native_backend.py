@@ -106,17 +106,20 @@ class NativeBackend:
         parts = []
         out: list[Tensor | None] = [None] * len(batches)
         checked: set[int] = set()
+        half: list[int] = []
         for i, (feature, batch) in enumerate(zip(features, batches)):
             table = tables[feature.table_index]
             weights = states[table.name].weights
             if table.config.half:
                 if weights.is_cpu and native.usable(batch.ids, batch.offsets, batch.coeffs):
-                    out[i] = self._half_lookup(i, weights, batch, checked)
+                    half.append(i)
             elif table.config.quantization_config is None and native.usable(
                 weights, batch.ids, batch.offsets, batch.coeffs
             ):
                 fast.append(i)
                 parts.append((weights, batch.ids, batch.offsets, batch.coeffs))
+        if half:
+            self._half_lookups(half, batches, out, checked)
         if not fast:
             return Lookup(out, checked)
         wide = None
@@ -140,20 +143,30 @@ class NativeBackend:
             out[i] = acts.reshape(*batches[i].out_shape, tables[features[i].table_index].dim)
         return Lookup(out, checked | set(fast) if finite else checked)
 
-    def _half_lookup(self, i: int, weights: Tensor, batch: FeatureBatch, checked: set[int]) -> Tensor:
-        """Feature ``i``'s activations from its half-precision table (``native_half.lookup_half``); ``i`` joins
-        ``checked`` when they are all finite (else the caller's check names the feature)."""
-        acts, code = native_half.lookup_half(weights, batch.ids, batch.offsets, batch.coeffs)
-        status = _POOL_STATUS[decode("et_lookup_half", code)]
+    def _half_lookups(
+        self, half: list[int], batches: Sequence[FeatureBatch], out: list[Tensor | None], checked: set[int]
+    ) -> None:
+        """The activations of features ``half`` from their half-precision tables, in one call
+        (``native_half.lookup_half_many``), into ``out``; they join ``checked`` when all are finite (else the
+        caller's check names the feature)."""
+        ts = self.tables
+        parts = []
+        for i in half:
+            b = batches[i]
+            parts.append((ts.states[ts.table_of(i).name].weights, b.ids, b.offsets, b.coeffs))
+        acts, code = native_half.lookup_half_many(parts)
+        status = _POOL_STATUS[decode("et_lookup_half_many", code)]
         if status == OUT_OF_RANGE:
+            names = ", ".join(repr(ts.features[i].name) for i in half)
             raise InputError(
-                f"feature {self.tables.features[i].name!r}: ids or offsets changed after they were validated (an "
-                "input buffer was written while the batch was staged); nothing was looked up or changed. Do not "
-                "modify input tensors between enqueue() and dequeue()."
+                f"features {names}: ids or offsets changed after they were validated (an input buffer was written "
+                "while the batch was staged); nothing was looked up or changed. Do not modify input tensors "
+                "between enqueue() and dequeue()."
             )
+        for i, a in zip(half, acts):
+            out[i] = a.reshape(*batches[i].out_shape, a.shape[1])
         if status == POOLED:
-            checked.add(i)
-        return acts.reshape(*batch.out_shape, weights.shape[1])
+            checked.update(half)
 
     def pool(self, parts: Sequence[BagPart]) -> tuple[list[Tensor], int] | None:
         if not parts or not all(native.usable(w, ids, offsets, coeffs) for w, ids, offsets, coeffs in parts):

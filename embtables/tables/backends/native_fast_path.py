@@ -23,6 +23,8 @@ from embtables.tables.backends.table_set import TableSet
 from embtables.tables.inputs import FeatureBatch
 from embtables.tables.table_gradient import TableGradient
 
+_HALF = (torch.bfloat16, torch.float16)
+
 
 class NativeFastPath:
     """The fast path over ``tables``: the tables' phase-1 workspaces and optimizer blocks are the native
@@ -76,7 +78,9 @@ class NativeFastPath:
         tensors = self._tensors()
         if arrays is not None and arrays.current(tensors):
             return arrays
-        if not native.usable(*tensors):
+        if not native.usable(*(t for t in tensors if t.dtype not in _HALF)) or not all(
+            t.is_cpu and t.is_contiguous() for t in tensors if t.dtype in _HALF
+        ):
             return None
         tables = self.resolved.tables
         pairs = [(states[t.name].weights, states[t.name].slot_tuple()) for t in tables]
@@ -99,7 +103,7 @@ class NativeFastPath:
         found anything wrong."""
         bags = self.bags_of(batches)
         arrays = None if bags is None else self.arrays(weights_only=True)
-        if bags is None or arrays is None:
+        if bags is None or arrays is None or arrays.half:  # half tables: the general lookup (native_half)
             return None
         if into is not None:
             if native_step.lookup(arrays, bags, [into], starts) != 0:
@@ -159,8 +163,8 @@ class NativeFastPath:
             if tg is not ours:
                 return False
         arrays = prepared[0]
-        if arrays is not self._arrays or not arrays.current(self._tensors()):
-            return False
+        if arrays.half or arrays is not self._arrays or not arrays.current(self._tensors()):
+            return False  # half tables: the general phase 2 (native_half) from this path's phase 1
         tables = self.resolved.tables
         rates = tuple(lrs[t.name] for t in tables)
         if rates != self._rates[0]:  # the optimizer blocks at these learning rates (the backend's cache)
