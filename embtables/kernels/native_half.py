@@ -32,8 +32,9 @@ def half_kind(t: Tensor) -> int:
 
 def lookup_half_many(parts: list[tuple[Tensor, Tensor, Tensor, Tensor | None]]) -> tuple[list[Tensor], int]:
     """Several features' pooled activations [S_f, D_f] float32 in one parallel region: for each ``(table [V, D]
-    half, ids [N], offsets [S+1], coeffs [N] | None)``, as ``lookup_half``. Returns the outputs and a status:
-    0 ok, 1 an id outside [0, V) or bad offsets (the outputs are unusable), 2 a non-finite activation."""
+    half, ids [N], offsets [S+1], coeffs [N] | None)``: each row read as float32, the bags summed in float32 in
+    the float32 lookup's order. Returns the outputs and a status: 0 ok, 1 an id outside [0, V) or bad offsets
+    (the outputs are unusable), 2 a non-finite activation."""
     lib = library()
     assert lib is not None
     bags = Bags()
@@ -55,30 +56,6 @@ def lookup_half_many(parts: list[tuple[Tensor, Tensor, Tensor, Tensor | None]]) 
         array("half.out", vp, [o.data_ptr() for o in outs]), threads(),
     )  # fmt: skip
     return outs, int(status)
-
-
-def lookup_half(table: Tensor, ids: Tensor, offsets: Tensor, coeffs: Tensor | None) -> tuple[Tensor, int]:
-    """The pooled activations [S, D] float32 of ``ids`` [N] in bags ``offsets`` [S+1] (``coeffs`` [N] | None)
-    from a half-precision ``table`` [V, D]. Returns the output and a status: 0 ok, 1 an id outside [0, V) or
-    bad offsets (the output is unusable), 2 a non-finite activation."""
-    lib = library()
-    assert lib is not None
-    kind = half_kind(table)
-    require(table, "table", table.dtype, (-1, -1))
-    require(ids, "ids", torch.int64, (-1,))
-    require(offsets, "offsets", torch.int64, (-1,))
-    if coeffs is not None:
-        require(coeffs, "coefficients", torch.float32, (ids.numel(),))
-    if offsets.numel() < 1:
-        raise NativeBufferError("embtables native kernel: offsets need at least one entry.")
-    vocab, dim = table.shape
-    bags = offsets.numel() - 1
-    out = torch.empty((bags, dim), dtype=torch.float32)
-    status = lib.et_lookup_half(
-        table.data_ptr(), kind, dim, vocab, ids.data_ptr(), ids.numel(), offsets.data_ptr(), bags,
-        None if coeffs is None else coeffs.data_ptr(), out.data_ptr(), threads(),
-    )  # fmt: skip
-    return out, int(status)
 
 
 class HalfUpdate:

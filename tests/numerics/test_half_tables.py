@@ -251,6 +251,8 @@ def test_the_native_kernels_and_the_torch_reference_give_the_same_bits(
         seen_c.append(with_c({"f": ids})["f"].detach().clone())
         with_c.apply_gradients({"f": grad})
     assert calls["lookup_half_many"] == 4 and calls["HalfUpdate"] == 4  # one update a step
+    arrays = with_c._engine.local.backend.fast._arrays  # phase 1 took the fast path's one call
+    assert arrays is not None and arrays.half
     native_library.set_enabled(False)
     try:
         without = _module(opt, *dtypes, rounding=rounding)
@@ -311,7 +313,14 @@ def _distinct_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _sharded(rank: int, world: int, sharding: str, want_path: str, ckpt: str) -> None:
+    from embtables.kernels import native_half
+
     want = torch.load(want_path)
+    calls = {"lookup_half_many": 0, "HalfUpdate": 0}
+    for name in calls:
+        real = getattr(native_half, name)
+        setattr(native_half, name, lambda *a, _r=real, _n=name, **k: calls.__setitem__(_n, calls[_n] + 1)
+                or _r(*a, **k))  # fmt: skip
     emb = _module("adagrad", torch.bfloat16, torch.bfloat16, sharding=sharding)
     lo, hi = rank * 2 * B // world, (rank + 1) * 2 * B // world
     for step in range(3):
@@ -321,6 +330,8 @@ def _sharded(rank: int, world: int, sharding: str, want_path: str, ckpt: str) ->
     got = emb.state_dict()
     for key, value in want.items():
         assert torch.equal(got[key], value), (rank, sharding, key)
+    # the owners pooled and updated in C (an update is computed at the ranks' agreement, then written)
+    assert calls["lookup_half_many"] == 3 and calls["HalfUpdate"] == 6, calls
     emb.save(ckpt)  # restored into the other strategy: each rank's rows read from the other layout
     other = _module("adagrad", torch.bfloat16, torch.bfloat16, sharding="mod" if sharding == "div" else "div")
     other.restore(ckpt)

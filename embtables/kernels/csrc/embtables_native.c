@@ -1950,9 +1950,9 @@ static inline void et_bag_bf16_v8(const uint16_t *W, int64_t D, int64_t V, const
 }
 
 /* Lookups of F features from half tables, one parallel region over every feature's bags: feature f reads
- * W[f] [V[f], D[f]] of kind[f] (0 bfloat16, 1 float16) and writes out[f] [S[f], D[f]] float32, as
- * et_lookup_half. Returns 0, 1 bad offsets or an id outside [0, V) (the outputs are then garbage), 2 a
- * non-finite activation. */
+ * W[f] [V[f], D[f]] of kind[f] (0 bfloat16, 1 float16) and writes out[f] [S[f], D[f]] float32: each row read as
+ * float32 and the bags summed in float32 in the float32 lookup's order. Returns 0, 1 bad offsets or an id outside
+ * [0, V) (the outputs are then garbage), 2 a non-finite activation. */
 int et_lookup_half_many(int64_t F, const uint16_t *const *W, const int32_t *kind, const int64_t *D,
                         const int64_t *V, const int64_t *const *ids, const int64_t *N,
                         const int64_t *const *offsets, const int64_t *S, const float *const *coeffs,
@@ -1982,24 +1982,6 @@ int et_lookup_half_many(int64_t F, const uint16_t *const *W, const int32_t *kind
                             coeffs[f], o, &bad);
             nonfinite |= et_maxbits(o, d, 0) >= ET_INF_BITS;
         }
-    }
-    return bad ? 1 : (nonfinite ? 2 : 0);
-}
-
-/* Lookup from a half table (kind 0 or 1) W [V, D]: out [S, D] float32, out[s] = sum_k coeffs[k] * W[ids[k]]
- * in float32, each row read as float32, in the order of the float32 lookup's sums. Returns 0, 1 bad offsets or
- * an id outside [0, V) (the output is then garbage), 2 a non-finite activation. */
-int et_lookup_half(const uint16_t *W, int32_t kind, int64_t D, int64_t V, const int64_t *ids, int64_t N,
-                   const int64_t *offsets, int64_t S, const float *coeffs, float *out, int nthreads) {
-    if (kind != 0 && kind != 1) return 1;
-    if (!et_offsets_ok(offsets, S, N)) return 1;
-    const int64_t total = offsets[S];
-    int bad = 0, nonfinite = 0;
-#pragma omp parallel for num_threads(nthreads) schedule(static, 64) reduction(| : bad, nonfinite)
-    for (int64_t s = 0; s < S; ++s) {
-        float *restrict o = out + s * D;
-        et_bag_half(W, kind, D, V, ids, offsets[s], offsets[s + 1], total, coeffs, o, &bad);
-        nonfinite |= et_maxbits(o, D, 0) >= ET_INF_BITS;
     }
     return bad ? 1 : (nonfinite ? 2 : 0);
 }

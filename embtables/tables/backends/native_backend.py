@@ -46,6 +46,8 @@ from embtables.tables.inputs import FeatureBatch
 from embtables.tables.table_gradient import TableGradient
 from embtables.tables.value_bounds import non_finite_gradient, non_finite_update
 
+_HALF = (torch.bfloat16, torch.float16)
+
 # The C statuses' meanings (``native_abi``) as the interface's statuses.
 _POOL_STATUS = {"ok": POOLED, "out_of_range": OUT_OF_RANGE, "not_finite": NOT_FINITE}
 _PREPARE_STATUS = {"ok": PREPARED, "not_finite": GRADIENT_NOT_FINITE, "out_of_memory": OUT_OF_MEMORY,
@@ -169,6 +171,9 @@ class NativeBackend:
             checked.update(half)
 
     def pool(self, parts: Sequence[BagPart]) -> tuple[list[Tensor], int] | None:
+        if parts and all(w.dtype in _HALF and w.is_cpu and native.usable(i, o, c) for w, i, o, c in parts):
+            outs, code = native_half.lookup_half_many(list(parts))  # a sharded half table's partial lookups
+            return outs, _POOL_STATUS[decode("et_lookup_half_many", code)]
         if not parts or not all(native.usable(w, ids, offsets, coeffs) for w, ids, offsets, coeffs in parts):
             return None
         outs, code = native.lookup_many(list(parts))
@@ -215,7 +220,10 @@ class NativeBackend:
 
     def prepare(self, table: ResolvedTable, parts: Sequence[GradientPart], *, scratch: str = "") -> Prepared | None:
         weights = self.tables.states[table.name].weights
-        if not native.usable(weights, *(x for p in parts for x in p)):
+        # phase 1 reads no table: a half one is summed here too
+        if not (weights.is_cpu if table.config.half else native.usable(weights)) or not native.usable(
+            *(x for p in parts for x in p)
+        ):
             return None
         ws = self.workspace(table, scratch)
         (code,) = native.prepare_many([(ws, table.vocabulary_size, list(parts))])
