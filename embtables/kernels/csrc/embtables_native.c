@@ -1974,7 +1974,7 @@ int et_lookup_half_many(int64_t F, const uint16_t *const *W, const int32_t *kind
             while (i < first[f]) --f;
             const int64_t s = i - first[f], d = D[f];
             float *restrict o = out[f] + s * d;
-            if (kind[f] == 0 && d % 8 == 0)
+            if (kind[f] == 0 && d % 8 == 0 && d % 64 != 0) /* 64-column blocks: et_bag_half's registers */
                 et_bag_bf16_v8(W[f], d, V[f], ids[f], offsets[f][s], offsets[f][s + 1], offsets[f][S[f]], coeffs[f],
                                o, &bad);
             else
