@@ -438,3 +438,14 @@ def test_a_refusal_by_either_table_leaves_both_as_they_were(refusing: str) -> No
     with pytest.raises(InputError, match=f"table '{'h' if refusing == 'half' else 'w'}'"):
         emb.apply_gradients({"a": big_a, "b": big_b})
     assert all(torch.equal(x, y) for x, y in zip(before.values(), _stored(emb).values()))
+
+
+def test_a_tf_bundle_of_a_half_table_holds_its_values_as_float32(tmp_path: Path) -> None:
+    from embtables.checkpoint import read_tf_checkpoint, write_tf_checkpoint
+
+    emb = _module("adagrad", torch.bfloat16, torch.bfloat16)
+    _step(emb, 0)
+    write_tf_checkpoint(tmp_path / "tf" / "ckpt", emb.state_dict())
+    back = read_tf_checkpoint(tmp_path / "tf" / "ckpt")
+    for key, value in _stored(emb).items():
+        assert back[key].dtype == torch.float32 and torch.equal(back[key], value.float())
