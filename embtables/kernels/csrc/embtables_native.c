@@ -1995,7 +1995,8 @@ int et_lookup_half_many(int64_t F, const uint16_t *const *W, const int32_t *kind
  * mode 2: the rows updated in place, each row's stored values kept in the scratch first; mode 3: the rows a
  * mode-2 call changed put back from the scratch (returns -1). Modes 0 and 2 return -1 when every rounded value
  * is finite, else the largest row whose update is not (after mode 2 the caller must then put the rows back).
- * -2: a workspace, row map or scratch that does not fit; -3 out of memory; -4 an unknown optimizer or kind. */
+ * -2: a workspace, row map or scratch that does not fit; -3 out of memory (nothing written); -4 an unknown optimizer
+ * or kind. */
 int64_t et_apply_half(const void *handle, void *W, void *S0, void *S1, void *S2, int32_t wkind, int32_t skind,
                       int64_t V, int64_t D, const et_opt *p, const int64_t *grows, int64_t nglobal, int64_t seed,
                       int64_t step, int64_t table, int32_t stochastic, int32_t mode, uint16_t *out, float *sout,
@@ -2040,14 +2041,15 @@ int64_t et_apply_half(const void *handle, void *W, void *S0, void *S1, void *S2,
         return -1;
     }
     const uint32_t prefix = et_round_prefix((uint64_t)seed, (uint64_t)step, (uint32_t)table);
+    /* every thread's row buffer before any row is touched: out of memory here changes nothing */
+    const int nt = nthreads > 0 ? nthreads : 1;
+    float *bufs = (float *)malloc(sizeof(float) * (size_t)(4 * D) * (size_t)nt);
+    if (!bufs) return -3;
     int64_t bad = -1;
-    int oom = 0;
-#pragma omp parallel num_threads(nthreads) reduction(max : bad) reduction(| : oom)
+#pragma omp parallel num_threads(nt) reduction(max : bad)
     {
-        float *buf = (float *)malloc(sizeof(float) * (size_t)(4 * D));
-        if (!buf) {
-            oom = 1;
-        } else {
+        float *buf = bufs + (size_t)omp_get_thread_num() * (size_t)(4 * D);
+        {
 #pragma omp for schedule(static, 256)
             for (int64_t u = 0; u < U; ++u) {
                 if (u + ET_PF < U) { /* every 64-byte line of the row ET_PF ahead, weights and slots */
@@ -2089,8 +2091,8 @@ int64_t et_apply_half(const void *handle, void *W, void *S0, void *S1, void *S2,
                 }
                 if (!ok && r > bad) bad = r;
             }
-            free(buf);
         }
     }
-    return oom ? -3 : bad;
+    free(bufs);
+    return bad;
 }

@@ -311,8 +311,8 @@ class NativeBackend:
         try:
             for half in halves:
                 if not half.computed:
+                    bad = half.update.apply_in_place(half.scratch)  # raising, it wrote nothing
                     done.append(half)
-                    bad = half.update.apply_in_place(half.scratch)
                     if bad >= 0:
                         raise non_finite_update(half.table, bad, half.lr)
             if whole:
