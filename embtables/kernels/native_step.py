@@ -38,9 +38,9 @@ from embtables.kernels.native import (
     threads,
 )
 from embtables.kernels.native_abi import raise_for, unchecked
+from embtables.kernels.stochastic_rounding import HALF_TYPES
 
 _VP, _I64, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
-_HALF = (torch.bfloat16, torch.float16)
 
 # Updates of at most this many values (unique rows x D) per table are checked exactly as they are written, by
 # ``apply_checked``: below it that costs less than proving the update finite from the tables' value bounds
@@ -278,11 +278,11 @@ class TableArrays:
         w_ptr, s_ptr = [], ([], [], [])  # type: list[int], tuple[list[int | None], list[int | None], list[int | None]]
         self.half = False
         for (weights, slots), ws in zip(tensors, workspaces, strict=True):
-            if weights.dtype in _HALF:
+            if weights.dtype in HALF_TYPES:
                 self.half = True
                 require(weights, "weights", weights.dtype, (-1, ws.dim))
                 stored = [require(t, "slot", t.dtype, tuple(weights.shape)) for t in slots]
-                if len(stored) > 3 or any(t.dtype not in (torch.float32, *_HALF) for t in stored):
+                if len(stored) > 3 or any(t.dtype not in (torch.float32, *HALF_TYPES) for t in stored):
                     raise NativeBufferError(
                         "embtables native kernel: a half table's slots are not stored by the kernels."
                     )

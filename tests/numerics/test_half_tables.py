@@ -65,6 +65,16 @@ def _step(emb: Any, step: int) -> None:
     emb.apply_gradients({"f": grad})
 
 
+def _lookups_of_steps(emb: Any, steps: int) -> list[torch.Tensor]:
+    """The activations of ``steps`` training steps (``_batch``), each step applied."""
+    seen = []
+    for step in range(steps):
+        ids, grad = _batch(step)
+        seen.append(emb({"f": ids})["f"].detach().clone())
+        emb.apply_gradients({"f": grad})
+    return seen
+
+
 def _stored(emb: Any) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in emb.state_dict().items()}
 
@@ -245,22 +255,14 @@ def test_the_native_kernels_and_the_torch_reference_give_the_same_bits(
                             or _r(*a, **k))  # fmt: skip
     dtypes = HALF[kind], HALF[slot_kind] if slot_kind else None
     with_c = _module(opt, *dtypes, rounding=rounding)
-    seen_c = []
-    for step in range(4):
-        ids, grad = _batch(step)
-        seen_c.append(with_c({"f": ids})["f"].detach().clone())
-        with_c.apply_gradients({"f": grad})
+    seen_c = _lookups_of_steps(with_c, 4)
     assert calls["lookup_half_many"] == 4 and calls["HalfUpdate"] == 4  # one update a step
     arrays = with_c._engine.local.backend.fast._arrays  # phase 1 took the fast path's one call
     assert arrays is not None and arrays.half
     native_library.set_enabled(False)
     try:
         without = _module(opt, *dtypes, rounding=rounding)
-        seen_torch = []
-        for step in range(4):
-            ids, grad = _batch(step)
-            seen_torch.append(without({"f": ids})["f"].detach().clone())
-            without.apply_gradients({"f": grad})
+        seen_torch = _lookups_of_steps(without, 4)
     finally:
         native_library.set_enabled(True)
     assert calls["HalfUpdate"] == 4

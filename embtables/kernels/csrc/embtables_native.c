@@ -1647,12 +1647,17 @@ void et_apply_many(int64_t T, void *const *handles, float *const *W, float *cons
 /* ------------------------------------------------------------------ stochastic rounding to half types */
 /* spec §12: 32 random bits per written element from (seed, step, table, row, column) through the
  * lowbias32 hash, and the rounding rules of kernels/stochastic_rounding.py, bit for bit. */
+#define ET_LOWBIAS32(x) /* the hash's rounds, on a uint32_t or on a vector of them (et_lowbias32_v) */      \
+    do {                                                                                                       \
+        x ^= x >> 16;                                                                                          \
+        x *= 0x7feb352du;                                                                                      \
+        x ^= x >> 15;                                                                                          \
+        x *= 0x846ca68bu;                                                                                      \
+        x ^= x >> 16;                                                                                          \
+    } while (0)
+
 static inline uint32_t et_lowbias32(uint32_t x) {
-    x ^= x >> 16;
-    x *= 0x7feb352du;
-    x ^= x >> 15;
-    x *= 0x846ca68bu;
-    x ^= x >> 16;
+    ET_LOWBIAS32(x);
     return x;
 }
 
@@ -1794,18 +1799,14 @@ static inline void et_load_row(const void *T, int kind, int64_t r, int64_t D, fl
     }
 }
 
-/* bfloat16 rounding of D floats, stochastic (bits of row hash h, columns col0 + d) or to nearest, without
- * branches (it vectorises); returns 1 when every result is finite. */
 static inline et_u8v et_lowbias32_v(et_u8v x) {
-    x ^= x >> 16;
-    x *= 0x7feb352du;
-    x ^= x >> 15;
-    x *= 0x846ca68bu;
-    x ^= x >> 16;
+    ET_LOWBIAS32(x);
     return x;
 }
 
-/* The scalar rule below on 8 values at a time (GCC vector extensions: the same bits, whole vectors). */
+/* bfloat16 rounding of D floats, stochastic (bits of row hash h, columns col0 + d) or to nearest: the rules of
+ * et_sr_bfloat16 and et_rn_half on 8 values at a time without branches (GCC vector extensions: the same bits,
+ * whole vectors), the rest of the row through them; returns 1 when every result is finite. */
 static inline int et_round_bf16(const float *restrict x, int64_t D, uint32_t h, uint32_t col0, int stochastic,
                                 uint16_t *restrict out) {
     const uint32_t *restrict b = (const uint32_t *)x;
@@ -1830,12 +1831,9 @@ static inline int et_round_bf16(const float *restrict x, int64_t D, uint32_t h, 
     memcpy(q, &badv, sizeof q);
     uint32_t bad = (q[0] | q[1] | q[2] | q[3]) != 0;
     for (int64_t d = d0; d < D; ++d) {
-        const uint32_t v = b[d], a = v & 0x7fffffffu;
-        const uint32_t add = stochastic ? et_lowbias32(h ^ (col0 + (uint32_t)d)) >> 16 : 0x7fffu + ((v >> 16) & 1u);
-        const uint32_t rounded = (v + add) >> 16;
-        const uint32_t special = (v >> 16) | (a > ET_INF_BITS ? 0x0040u : 0u); /* NaN stays NaN, inf inf */
-        const uint32_t o = a >= ET_INF_BITS ? special : rounded;
-        out[d] = (uint16_t)o;
+        const uint16_t o = stochastic ? et_sr_bfloat16(x[d], et_lowbias32(h ^ (col0 + (uint32_t)d)))
+                                      : et_rn_half(x[d], 0);
+        out[d] = o;
         bad |= (uint32_t)((o & 0x7f80u) == 0x7f80u);
     }
     return !bad;

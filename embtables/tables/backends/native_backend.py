@@ -23,6 +23,7 @@ from embtables.kernels import native, native_half
 from embtables.kernels.clip_decay import optimizer_decay
 from embtables.kernels.finite_guard import update_is_finite
 from embtables.kernels.native_abi import decode
+from embtables.kernels.stochastic_rounding import HALF_TYPES
 from embtables.tables.backends.interface import (
     GRADIENT_NOT_FINITE,
     INPUT_CHANGED,
@@ -45,8 +46,6 @@ from embtables.tables.backends.torch_backend import applied_with_backup
 from embtables.tables.inputs import FeatureBatch
 from embtables.tables.table_gradient import TableGradient
 from embtables.tables.value_bounds import non_finite_gradient, non_finite_update
-
-_HALF = (torch.bfloat16, torch.float16)
 
 # The C statuses' meanings (``native_abi``) as the interface's statuses.
 _POOL_STATUS = {"ok": POOLED, "out_of_range": OUT_OF_RANGE, "not_finite": NOT_FINITE}
@@ -171,7 +170,7 @@ class NativeBackend:
             checked.update(half)
 
     def pool(self, parts: Sequence[BagPart]) -> tuple[list[Tensor], int] | None:
-        if parts and all(w.dtype in _HALF and w.is_cpu and native.usable(i, o, c) for w, i, o, c in parts):
+        if parts and all(w.dtype in HALF_TYPES and w.is_cpu and native.usable(i, o, c) for w, i, o, c in parts):
             outs, code = native_half.lookup_half_many(list(parts))  # a sharded half table's partial lookups
             return outs, _POOL_STATUS[decode("et_lookup_half_many", code)]
         if not parts or not all(native.usable(w, ids, offsets, coeffs) for w, ids, offsets, coeffs in parts):

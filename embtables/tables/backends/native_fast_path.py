@@ -19,11 +19,10 @@ from torch import Tensor
 from embtables.config import ResolvedTable
 from embtables.kernels import native, native_step
 from embtables.kernels.native_step import StagedBags, TableArrays
+from embtables.kernels.stochastic_rounding import HALF_TYPES
 from embtables.tables.backends.table_set import TableSet
 from embtables.tables.inputs import FeatureBatch
 from embtables.tables.table_gradient import TableGradient
-
-_HALF = (torch.bfloat16, torch.float16)
 
 
 class NativeFastPath:
@@ -78,8 +77,8 @@ class NativeFastPath:
         tensors = self._tensors()
         if arrays is not None and arrays.current(tensors):
             return arrays
-        if not native.usable(*(t for t in tensors if t.dtype not in _HALF)) or not all(
-            t.is_cpu and t.is_contiguous() for t in tensors if t.dtype in _HALF
+        if not native.usable(*(t for t in tensors if t.dtype not in HALF_TYPES)) or not all(
+            t.is_cpu and t.is_contiguous() for t in tensors if t.dtype in HALF_TYPES
         ):
             return None
         tables = self.resolved.tables
