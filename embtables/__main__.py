@@ -35,7 +35,7 @@ _COMMANDS = (
         "bench",
         "the benchmark suite against the peers (embtables bench --help); embtables bench "
         "latency | estimator | sharded | checkpoint | movielens | extra-optimizers | noacc | dynamic | incremental | "
-        "precision | gpu-launches for the others; embtables bench --device cuda on a GPU",
+        "precision | subnormals | gpu-launches for the others; embtables bench --device cuda on a GPU",
     ),
     ("stats", "print lookup statistics files (profile_data_directory) and draw per-shard load"),
     ("inspect", "what a checkpoint holds (tables, shapes, optimizer, step, size) and its checksum status"),
@@ -103,6 +103,7 @@ _BENCHES = {
     "dynamic": "bench_dynamic",
     "incremental": "bench_incremental",
     "precision": "bench_precision",
+    "subnormals": "bench_subnormals",
     "gpu": "bench_gpu",
     "gpu-launches": "bench_gpu_launches",
 }

@@ -17,9 +17,8 @@ def clip_gradient(g: Tensor, lower: float | None, upper: float | None) -> Tensor
 
 
 def decay_weights(w: Tensor, factor: float) -> Tensor:
-    """``w - factor * w`` for updated rows [U, D] (decoupled weight decay); factor 0 is a no-op."""
-    if not factor:
-        return w
+    """``w - factor * w`` for updated rows [U, D] (decoupled weight decay), computed with factor 0 too, as the C
+    and GPU kernels do: it changes only the sign of a zero (-0 - 0 * -0 = +0)."""
     return w - factor * w
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from embtables.config.catalogue import Optimizer
-from embtables.kernels.record import SAFE, bounded
+from embtables.kernels.record import F32_MIN_NORMAL, SAFE, bounded
 from embtables.kernels.registry import record_of
 
 __all__ = ["SAFE", "update_bounds", "update_is_finite"]
@@ -42,8 +42,12 @@ def update_bounds(
       gmax: max |summed gradient| over the updated rows (0 for rows with no gradient).
       hi: bound on max |value| of (weights, *slots), in ``opt.slot_names`` order.
       lo: bound on min value of (weights, *slots) (used for accumulators that divide).
+
+    A positive ``lo`` below the smallest normal float32 counts as 0: the kernels read subnormals as zero (spec
+    §1.5), so such an accumulator divides by zero.
     """
-    hi_, lo_ = tuple(hi), tuple(lo)
+    hi_ = tuple(hi)
+    lo_ = tuple(0.0 if 0 < v < F32_MIN_NORMAL else v for v in lo)
     if not bounded(lr, decay, gmax, *hi_):
         return None
     glo, ghi = opt.gradient_clip_bounds

@@ -22,12 +22,17 @@ def one_minus(x: float) -> float:
 
 
 def times(*xs: float) -> float:
-    """The product of ``xs`` in float32, left to right."""
+    """The product of ``xs`` in float32, left to right, subnormal operands and products flushed to zero as the
+    kernels' arithmetic flushes them (spec §1.5)."""
     out = np.float32(1.0)
     with np.errstate(over="ignore", under="ignore"):
         for i, x in enumerate(xs):
-            out = np.float32(x) if i == 0 else out * np.float32(x)
+            out = _flushed(np.float32(x)) if i == 0 else _flushed(out * _flushed(np.float32(x)))
     return float(out)
+
+
+def _flushed(x: np.float32) -> np.float32:
+    return x * np.float32(0.0) if abs(x) < np.float32(2.0**-126) else x
 
 
 def neg_reciprocal(x: float) -> float:

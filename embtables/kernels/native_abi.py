@@ -80,6 +80,7 @@ FUNCTIONS: dict[str, CFunction] = {
     f.name: f
     for f in (
         _f("et_all_finite", "F:i64 x:p n:p", _I32),
+        _f("et_flushes_subnormals", "", _I32),
         _f("et_round_rows", "x:p U:i64 D:i64 rows:p seed:i64 step:i64 table:i64 kind:i32 out:p"),
         _f(
             "et_lookup_half_many",

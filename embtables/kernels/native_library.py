@@ -134,8 +134,15 @@ def _compile() -> ctypes.CDLL | None:
                 return None
             os.replace(out, target)  # atomic: concurrent processes never load a half-written file
         logger.info("embtables: compiled native kernels into %s", target)
-    lib = ctypes.CDLL(str(target))
-    return native_abi.bind(lib)
+    lib = native_abi.bind(ctypes.CDLL(str(target)))
+    if not lib.et_flushes_subnormals():
+        logger.warning(
+            "embtables: the native kernels cannot flush subnormals to zero on this CPU (%s); using the pure-torch "
+            "kernels, which do (docs/spec.md §1.5).",
+            platform.machine(),
+        )
+        return None
+    return lib
 
 
 def library(*, required: bool = False) -> ctypes.CDLL | None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from embtables.kernels.subnormals import flush
+
 
 def offsets_from_segments(seg: Tensor, num_segments: int) -> Tensor:
     """Offsets [S+1] of a non-decreasing segment index ``seg`` [N] over ``num_segments`` (S) segments."""
@@ -30,11 +32,12 @@ def segment_sum(values: Tensor, seg: Tensor, num_segments: int) -> Tensor:
 
 
 def dedup_sum(ids: Tensor, grads: Tensor) -> tuple[Tensor, Tensor]:
-    """Unique rows [U] (sorted) and the float32 sum of ``grads`` [N, D] per unique row [U, D]."""
+    """Unique rows [U] (sorted) and the float32 sum of ``grads`` [N, D] per unique row [U, D], subnormal
+    operands and sums flushed to zero (spec §1.5)."""
     rows, inverse = torch.unique(ids, sorted=True, return_inverse=True)
     summed = torch.zeros((rows.numel(), grads.shape[1]), dtype=torch.float32, device=grads.device)
-    summed.index_add_(0, inverse, grads.to(torch.float32))
-    return rows, summed
+    summed.index_add_(0, inverse, flush(grads.to(torch.float32)))
+    return rows, flush(summed)
 
 
 def occurrence_rounds(ids: Tensor) -> list[Tensor]:

@@ -11,6 +11,7 @@ from embtables.config.catalogue import Optimizer
 from embtables.kernels.clip_decay import clip_gradient, clip_weights, decay_weights, optimizer_decay
 from embtables.kernels.record import RowUpdateFn
 from embtables.kernels.registry import record_of
+from embtables.kernels.subnormals import flush, flushing
 
 
 def get_row_update(opt: object) -> RowUpdateFn:
@@ -21,13 +22,16 @@ def get_row_update(opt: object) -> RowUpdateFn:
 def update_rows(
     w: Tensor, slots: tuple[Tensor, ...], g: Tensor, *, opt: Optimizer, lr: float, clip_gradients: bool
 ) -> tuple[Tensor, tuple[Tensor, ...]]:
-    """The per-row pipeline on gathered rows ``w`` [U, D], ``slots`` [U, D] each, ``g`` [U, D]."""
-    if clip_gradients:
-        g = clip_gradient(g, *opt.gradient_clip_bounds)
-    decay = optimizer_decay(opt, lr)
-    w = decay_weights(w, decay)
-    w, slots = get_row_update(opt)(w, slots, g, opt=opt, lr=lr)
-    return clip_weights(w, opt.clip_weight_min, opt.clip_weight_max), slots
+    """The per-row pipeline on gathered rows ``w`` [U, D], ``slots`` [U, D] each, ``g`` [U, D], float32, with
+    subnormal operands and results flushed to zero at every operation as the C kernels do (spec §1.5)."""
+    w, g, slots = flush(w), flush(g), tuple(flush(s) for s in slots)
+    with flushing():
+        if clip_gradients:
+            g = clip_gradient(g, *opt.gradient_clip_bounds)
+        decay = optimizer_decay(opt, lr)
+        w = decay_weights(w, decay)
+        w, slots = get_row_update(opt)(w, slots, g, opt=opt, lr=lr)
+        return clip_weights(w, opt.clip_weight_min, opt.clip_weight_max), slots
 
 
 def sparse_update_(

@@ -1,5 +1,5 @@
 """What the fused GPU kernels (Triton) share: the optimizer kinds as the kernel records number them, float32
-bit constants and the small element-wise helpers (|x| bits, ``powf``, the proximal step)."""
+bit constants and the small element-wise helpers (|x| bits, ``powf``, the proximal step, the flush of subnormals)."""
 
 from __future__ import annotations
 
@@ -53,8 +53,16 @@ def powf(x, e, LIBDEVICE: tl.constexpr):
 
 
 @triton.jit
+def z(x):
+    """``x`` with every subnormal value flushed to a zero of its sign (spec §1.5): the GPU kernels apply it to
+    every float32 operand they load and every result they compute, as the CPU's flush-to-zero modes do in the C
+    kernels."""
+    return tl.where(tl.abs(x) < 1.1754943508222875e-38, x * 0.0, x)
+
+
+@triton.jit
 def proximal(prox, lr_t, l1, l2):
-    """sign(prox) max(|prox| - lr_t l1, 0) / (1 + lr_t l2), with C's copysignf."""
-    sh = tl.maximum(tl.abs(prox) - lr_t * l1, 0.0)
+    """sign(prox) max(|prox| - lr_t l1, 0) / (1 + lr_t l2), with C's copysignf; subnormals flushed (``z``)."""
+    sh = tl.maximum(z(tl.abs(prox) - z(lr_t * l1)), 0.0)
     signed = (sh.to(tl.int32, bitcast=True) | (prox.to(tl.int32, bitcast=True) & SIGN_BIT)).to(tl.float32, bitcast=True)
-    return tl.div_rn(signed, 1.0 + lr_t * l2)
+    return z(tl.div_rn(signed, z(1.0 + z(lr_t * l2))))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from embtables.kernels.triton_common import F32_INF_BITS, row_max_bits
+from embtables.kernels.triton_common import F32_INF_BITS, row_max_bits, z
 
 
 @triton.jit
@@ -81,7 +81,9 @@ def lookup_kernel(
         vals = tl.load(
             table[:, None, None] + at[:, :, None] + d[None, None, :], mask=ok[:, :, None] & dm[:, None, :], other=0.0
         )
-        acc += tl.sum(vals * c[:, :, None], axis=1)
+        # subnormal rows, coefficients, products and block sums flushed (spec §1.5); the sum of a block of BLOCK_N
+        # products is a tree, as its order is (within float32 rounding of the C kernels' running sum)
+        acc = z(acc + z(tl.sum(z(z(vals) * z(c)[:, :, None]), axis=1)))
     out_at = s * ld
     if ALIGNED:
         out_at = tl.multiple_of(out_at, 4)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from embtables.kernels.triton_common import abs_bits, row_max_bits
+from embtables.kernels.triton_common import abs_bits, row_max_bits, z
 
 
 @triton.jit
@@ -167,9 +167,9 @@ def _piece_gradients(
     if ALIGNED:  # every gradient 16-byte aligned, its rows too (checked by the caller)
         at = tl.multiple_of(at, 4)
         grad = tl.multiple_of(grad, 16)
-    g = tl.load((grad + at)[:, None] + d[None, :], mask=ok[:, None] & dm[None, :], other=0.0)
-    if HAS_COEFFS:
-        g = g * tl.load(coeffs + k, mask=valid, other=1.0)[:, None]
+    g = z(tl.load((grad + at)[:, None] + d[None, :], mask=ok[:, None] & dm[None, :], other=0.0))
+    if HAS_COEFFS:  # subnormal operands and products flushed (spec §1.5)
+        g = z(g * z(tl.load(coeffs + k, mask=valid, other=1.0))[:, None])
     return g, tl.where(valid & (~ok), 1, 0)
 
 
@@ -209,7 +209,7 @@ def run_sums(
                 grad_rows, d, dm, HAS_COEFFS, MULTI, ALIGNED,
             )  # fmt: skip
             bad += outside
-            acc += g  # a masked-off occurrence adds +0.0: exact
+            acc = z(acc + g)  # a masked-off occurrence adds +0.0: exact
     return acc, bad
 
 
@@ -339,7 +339,7 @@ def piece_join_kernel(
                     at = first + i * PIECE
                     slot = (at // PIECE) * 2 + tl.where(end - at >= PIECE, 1, 0)
                     m = (i < count)[:, None] & dm[None, :]
-                    acc += tl.load(pieces + slot[:, None] * D + d[None, :], mask=m, other=0.0)
+                    acc = z(acc + tl.load(pieces + slot[:, None] * D + d[None, :], mask=m, other=0.0))
             m2 = joined[:, None] & dm[None, :]
             if IN_PLACE:  # the lane read its first piece's slot above; no other lane reads or writes it
                 tl.store(pieces + ((first // PIECE) * 2 + 1)[:, None] * D + d[None, :], acc, mask=m2)

@@ -23,6 +23,7 @@ from embtables.kernels.triton_common import (
     powf,
     proximal,
     row_max_bits,
+    z,
 )
 from embtables.kernels.triton_row_sums import run_sums
 
@@ -138,10 +139,13 @@ def update_kernel(
     else:
         g = tl.load(sums + u[:, None] * D + d[None, :], mask=dm, other=0.0)
     gbits = row_max_bits(g, dm)
+    # Subnormals (spec §1.5): every operand loaded and every arithmetic result is flushed (``z``), in the C
+    # kernels' order of operations, so the bits are theirs on any GPU and in Triton's CPU interpreter.
+    g = z(g)
     g = tl.where(g < glo, glo, g)
     g = tl.where(g > ghi, ghi, g)
-    x = tl.load(weights + at, mask=dm, other=0.0)
-    x = x - decay * x
+    x = z(tl.load(weights + at, mask=dm, other=0.0))
+    x = z(x - z(decay * x))
     a = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
     b = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
     c = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
@@ -150,113 +154,113 @@ def update_kernel(
         if ALIGNED_TABLES:
             s0 = tl.multiple_of(s0, 16)
         s0 = s0[:, None]
-        a = tl.load(s0 + at, mask=dm, other=0.0)
+        a = z(tl.load(s0 + at, mask=dm, other=0.0))
     if NSLOTS >= 2:
         s1 = tl.load(tabs + 5 * t + 2, mask=live, other=0).to(tl.pointer_type(tl.float32))
         if ALIGNED_TABLES:
             s1 = tl.multiple_of(s1, 16)
         s1 = s1[:, None]
-        b = tl.load(s1 + at, mask=dm, other=0.0)
+        b = z(tl.load(s1 + at, mask=dm, other=0.0))
     if NSLOTS >= 3:
         s2 = tl.load(tabs + 5 * t + 3, mask=live, other=0).to(tl.pointer_type(tl.float32))
         if ALIGNED_TABLES:
             s2 = tl.multiple_of(s2, 16)
         s2 = s2[:, None]
-        c = tl.load(s2 + at, mask=dm, other=0.0)
+        c = z(tl.load(s2 + at, mask=dm, other=0.0))
     if KIND == K_SGD:
-        x = x - lr * g
+        x = z(x - z(lr * g))
     elif KIND == K_ADAGRAD:
-        a = a + g * g
-        x = x - tl.div_rn(lr * g, tl.sqrt_rn(a))
+        a = z(a + z(g * g))
+        x = z(x - z(tl.div_rn(z(lr * g), tl.sqrt_rn(a))))
     elif KIND == K_ADAGRAD_MOMENTUM:  # FLAG0 use_nesterov, FLAG1 beta2_is_one
         momentum, neg_inv_exponent, beta2, one_minus_beta2, epsilon = c0, c1, c2, c3, c4
         if FLAG1:  # beta2 == 1: a plain sum
-            a = a + g * g
+            a = z(a + z(g * g))
         else:
-            a = beta2 * a + one_minus_beta2 * (g * g)
-        scaled = powf(a + epsilon, neg_inv_exponent, LIBDEVICE) * g
-        b = momentum * b + scaled
+            a = z(z(beta2 * a) + z(one_minus_beta2 * z(g * g)))
+        scaled = z(z(powf(z(a + epsilon), neg_inv_exponent, LIBDEVICE)) * g)
+        b = z(z(momentum * b) + scaled)
         if FLAG0:  # Nesterov
-            x = x - lr * (momentum * b + scaled)
+            x = z(x - z(lr * z(z(momentum * b) + scaled)))
         else:
-            x = x - lr * b
+            x = z(x - z(lr * b))
     elif KIND == K_ADAM:  # FLAG0 sum_inside_sqrt
         beta_1, one_minus_beta_1, beta_2, one_minus_beta_2, epsilon_squared, epsilon = c0, c1, c2, c3, c4, c5
-        a = beta_1 * a + one_minus_beta_1 * g
-        b = beta_2 * b + one_minus_beta_2 * (g * g)
+        a = z(z(beta_1 * a) + z(one_minus_beta_1 * g))
+        b = z(z(beta_2 * b) + z(one_minus_beta_2 * z(g * g)))
         if FLAG0:  # sum_inside_sqrt
-            den = tl.sqrt_rn(b + epsilon_squared)
+            den = tl.sqrt_rn(z(b + epsilon_squared))
         else:
-            den = tl.sqrt_rn(b) + epsilon
-        x = x - tl.div_rn(lr * a, den)
+            den = z(tl.sqrt_rn(b) + epsilon)
+        x = z(x - z(tl.div_rn(z(lr * a), den)))
     elif KIND == K_FTRL:  # FLAG0 multiply_linear_by_learning_rate, FLAG1 allow_zero_accumulator
         power, l1, beta, two_l2 = c0, c1, c2, c3
-        nn = a + g * g
+        nn = z(a + z(g * g))
         if POW_IS_SQRT:
             pw_new = tl.sqrt_rn(nn)
             pw_old = tl.sqrt_rn(a)
         else:
-            pw_new = powf(nn, power, LIBDEVICE)
-            pw_old = powf(a, power, LIBDEVICE)
+            pw_new = z(powf(nn, power, LIBDEVICE))
+            pw_old = z(powf(a, power, LIBDEVICE))
         if FLAG1:  # allow_zero_accumulator
             pw_new = tl.where(nn == 0.0, 0.0, pw_new)
             pw_old = tl.where(a == 0.0, 0.0, pw_old)
-        delta = pw_new - pw_old
+        delta = z(pw_new - pw_old)
         if FLAG0:
-            b = b + lr * g - delta * x
-            den = pw_new + two_l2 + beta
+            b = z(z(b + z(lr * g)) - z(delta * x))
+            den = z(z(pw_new + two_l2) + beta)
         else:
-            b = b + g - tl.div_rn(delta, lr + tl.zeros_like(delta)) * x
-            den = tl.div_rn(pw_new + beta, lr + tl.zeros_like(pw_new)) + two_l2
-        numer = tl.where(b < -l1, -l1, tl.where(b > l1, l1, b)) - b
+            b = z(z(b + g) - z(z(tl.div_rn(delta, lr + tl.zeros_like(delta))) * x))
+            den = z(z(tl.div_rn(z(pw_new + beta), lr + tl.zeros_like(pw_new))) + two_l2)
+        numer = z(tl.where(b < -l1, -l1, tl.where(b > l1, l1, b)) - b)
         a = nn
-        x = tl.div_rn(numer, den)
+        x = z(tl.div_rn(numer, den))
         if FLAG1:
             x = tl.where(numer == 0.0, 0.0, x)
     elif KIND == K_PROXIMAL_ADAGRAD:
         l1, l2 = c0, c1
-        a = a + g * g
-        lr_t = tl.div_rn(lr + tl.zeros_like(a), tl.sqrt_rn(a))
-        x = proximal(x - lr_t * g, lr_t, l1, l2)
+        a = z(a + z(g * g))
+        lr_t = z(tl.div_rn(lr + tl.zeros_like(a), tl.sqrt_rn(a)))
+        x = proximal(z(x - z(lr_t * g)), lr_t, l1, l2)
     elif KIND == K_MOMENTUM:  # FLAG0 use_nesterov
         momentum = c0
-        a = momentum * a + g
+        a = z(z(momentum * a) + g)
         if FLAG0:
-            x = x - lr * (g + momentum * a)
+            x = z(x - z(lr * z(g + z(momentum * a))))
         else:
-            x = x - lr * a
+            x = z(x - z(lr * a))
     elif KIND == K_RMSPROP:
         rho, one_minus_rho, momentum, epsilon = c0, c1, c2, c3
-        a = rho * a + one_minus_rho * (g * g)
-        b = momentum * b + tl.div_rn(lr * g, tl.sqrt_rn(a + epsilon))
-        x = x - b
+        a = z(z(rho * a) + z(one_minus_rho * z(g * g)))
+        b = z(z(momentum * b) + z(tl.div_rn(z(lr * g), tl.sqrt_rn(z(a + epsilon)))))
+        x = z(x - b)
     elif KIND == K_CENTERED_RMSPROP:  # slots ms, mom, mg
         rho, one_minus_rho, momentum, epsilon = c0, c1, c2, c3
-        a = rho * a + one_minus_rho * (g * g)
-        c = rho * c + one_minus_rho * g
-        b = momentum * b + tl.div_rn(lr * g, tl.sqrt_rn(a - c * c + epsilon))
-        x = x - b
+        a = z(z(rho * a) + z(one_minus_rho * z(g * g)))
+        c = z(z(rho * c) + z(one_minus_rho * g))
+        b = z(z(momentum * b) + z(tl.div_rn(z(lr * g), tl.sqrt_rn(z(z(a - z(c * c)) + epsilon)))))
+        x = z(x - b)
     elif KIND == K_ADADELTA:
         rho, one_minus_rho, epsilon = c0, c1, c2
-        a = rho * a + one_minus_rho * (g * g)
-        step = tl.div_rn(tl.sqrt_rn(b + epsilon), tl.sqrt_rn(a + epsilon)) * g
-        b = rho * b + one_minus_rho * (step * step)
-        x = x - lr * step
+        a = z(z(rho * a) + z(one_minus_rho * z(g * g)))
+        step = z(z(tl.div_rn(tl.sqrt_rn(z(b + epsilon)), tl.sqrt_rn(z(a + epsilon)))) * g)
+        b = z(z(rho * b) + z(one_minus_rho * z(step * step)))
+        x = z(x - z(lr * step))
     elif KIND == K_PROXIMAL_YOGI:  # slots v, m
         beta_1, one_minus_beta_1, one_minus_beta_2, epsilon, l1, l2 = c0, c1, c2, c3, c4, c5
-        g2 = g * g
-        b = beta_1 * b + one_minus_beta_1 * g
-        diff = a - g2
-        step = one_minus_beta_2 * g2
-        a = tl.where(diff > 0.0, a - step, tl.where(diff < 0.0, a + step, a - 0.0 * g2))
-        lr_t = tl.div_rn(lr + tl.zeros_like(a), tl.sqrt_rn(a) + epsilon)
-        x = proximal(x - lr_t * b, lr_t, l1, l2)
+        g2 = z(g * g)
+        b = z(z(beta_1 * b) + z(one_minus_beta_1 * g))
+        diff = z(a - g2)
+        step = z(one_minus_beta_2 * g2)
+        a = tl.where(diff > 0.0, z(a - step), tl.where(diff < 0.0, z(a + step), z(a - z(0.0 * g2))))
+        lr_t = z(tl.div_rn(lr + tl.zeros_like(a), z(tl.sqrt_rn(a) + epsilon)))
+        x = proximal(z(x - z(lr_t * b)), lr_t, l1, l2)
     else:  # K_FREQUENCY_ESTIMATOR: lr is the global step
         max_delta, outlier_threshold, one_minus_tau, tau = c0, c1, c2, c3
-        delta = lr - a
+        delta = z(lr - a)
         dc = tl.where(delta > max_delta, max_delta, delta)
-        smoothed = x * one_minus_tau + dc * tau
-        threshold = outlier_threshold * x
+        smoothed = z(z(x * one_minus_tau) + z(dc * tau))
+        threshold = z(outlier_threshold * x)
         x = tl.where(delta >= threshold, dc, smoothed)
         a = lr + tl.zeros_like(a)
     x = tl.where(x < wlo, wlo, x)

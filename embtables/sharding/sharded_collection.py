@@ -34,6 +34,7 @@ from embtables.config import ResolvedConfig, ResolvedTable
 from embtables.errors import ConfigError, InputError
 from embtables.kernels.lookup import occurrence_gradients, pooled_lookup
 from embtables.kernels.segments import dedup_sum
+from embtables.kernels.subnormals import flush
 from embtables.sharding import comm, dynamic_keys, owner_pooling, routing
 from embtables.sharding.fingerprint import describe_config, differences, fingerprint
 from embtables.sharding.plan import Placement, TablePlan
@@ -424,7 +425,7 @@ class ShardedEmbeddingCollection(LocalTables):
                 rows, row_sums = summed.rows, summed.grads
                 s.index_copy_(0, route.ids.position[torch.searchsorted(route.ids.unique, rows)], row_sums)
             else:
-                s.index_add_(0, route.ids.inverse, self._occurrence_grads(t, batches, grads))
+                s = flush(s.index_add_(0, route.ids.inverse, self._occurrence_grads(t, batches, grads)))
                 if not bool(torch.isfinite(s).all()):
                     return None
             out.append(s)

@@ -23,6 +23,7 @@ from embtables.errors import InputError
 from embtables.kernels import native, native_inputs
 from embtables.kernels.native_step import StagedBags
 from embtables.kernels.segments import offsets_from_segments, segment_sum, segments_from_offsets
+from embtables.kernels.subnormals import flush
 from embtables.tables.ragged import Ragged
 
 logger = logging.getLogger("embtables")
@@ -467,18 +468,20 @@ class InputConverter:
 
 def combiner_coeffs(combiner: Combiner | str, batch: FeatureBatch, weights: Tensor | None) -> Tensor | None:
     """``s_b * w_k`` per id (spec §2.1) for ``batch``'s bags and the ids' ``weights`` [N] (None: 1 each);
-    a zero denominator gives s_b = 0."""
+    a zero denominator gives s_b = 0. Subnormal weights, squares, sums and products are flushed to zero (spec
+    §1.5)."""
+    if weights is None:  # unweighted: the denominators are the bag sizes, no segment index needed
+        return None if combiner == Combiner.SUM else _unweighted_coeffs(batch.offsets, combiner)
+    weights = flush(weights)
     if combiner == Combiner.SUM:
         return weights
-    if weights is None:  # unweighted: the denominators are the bag sizes, no segment index needed
-        return _unweighted_coeffs(batch.offsets, combiner)
     seg, num_segments = batch.seg, batch.num_segments
     if combiner == Combiner.MEAN:
-        den = segment_sum(weights, seg, num_segments)
+        den = flush(segment_sum(weights, seg, num_segments))
     else:
-        den = torch.sqrt(segment_sum(weights * weights, seg, num_segments))
+        den = flush(torch.sqrt(flush(segment_sum(flush(weights * weights), seg, num_segments))))
     scale = torch.where(den != 0, 1.0 / torch.where(den != 0, den, torch.ones_like(den)), torch.zeros_like(den))
-    return weights * scale.index_select(0, seg)
+    return flush(weights * flush(scale).index_select(0, seg))
 
 
 def _unweighted_coeffs(offsets: Tensor, combiner: str) -> Tensor | None:

@@ -131,8 +131,9 @@ def _three_tables() -> et.DistributedEmbedding:
     "key, value, match",
     [
         ("ada", torch.full((4, 2), 1e39, dtype=torch.float64), r"'ada'.*finite float32"),
-        ("ada/accumulators", torch.zeros(4, 2), r"'ada/accumulators'.*must be > 0"),
-        ("ada/accumulators", torch.full((4, 2), 1e-46, dtype=torch.float64), r"must be > 0"),  # 0 in float32
+        ("ada/accumulators", torch.zeros(4, 2), r"'ada/accumulators'.*must be >= 1.1754944e-38"),
+        ("ada/accumulators", torch.full((4, 2), 1e-46, dtype=torch.float64), r"must be >= 1.17"),  # 0 in float32
+        ("ada/accumulators", torch.full((4, 2), 1e-39), r"must be >= 1.17.*subnormal"),  # read as 0 (spec §1.5)
         ("adam/velocities", -torch.ones(4, 2), r"'adam/velocities'.*must be >= 0"),
         ("ftrl/accumulators", -torch.ones(4, 2), r"'ftrl/accumulators'.*must be >= 0"),
     ],

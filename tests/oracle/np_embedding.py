@@ -13,6 +13,8 @@ import math
 
 import numpy as np
 
+from .np_subnormals import flush
+
 Ids = list[list[int]]
 Weights = list[list[float]] | None
 Quantization = tuple[int, float, float] | None
@@ -73,12 +75,12 @@ def combiner_scale(combiner: str, sample_weights: list[float]) -> float:
     if combiner == "mean":
         denominator = 0.0
         for w in sample_weights:
-            denominator += w
+            denominator += flush(w)
         return 0.0 if denominator == 0.0 else 1.0 / denominator
     if combiner == "sqrtn":
         sum_sq = 0.0
         for w in sample_weights:
-            sum_sq += w * w
+            sum_sq += flush(flush(w) * flush(w))
         denominator = math.sqrt(sum_sq)
         return 0.0 if denominator == 0.0 else 1.0 / denominator
     raise ValueError(f"unknown combiner {combiner!r}; expected one of {COMBINERS}")
@@ -108,7 +110,7 @@ def lookup(
     quantization: Quantization = None,
 ) -> np.ndarray:
     """Activations of one feature: [B, D] pooled (max_sequence_length == 0) or [B, M, D] sequence."""
-    table = np.asarray(table, dtype=np.float64)
+    table = flush(table)  # spec §1.5: subnormal rows read as zero, subnormal activations written as zero
     V, D = table.shape
     B = len(ids)
     M = int(max_sequence_length)
@@ -124,7 +126,7 @@ def lookup(
             for k, row_id, _ in kept[b]:
                 if k < M:
                     out[b, k] = quantize(table[row_id], quantization)
-        return out
+        return flush(out)
 
     # spec §2.1 pooled feature: a_b = s_b * sum_k w_k * T[id_k]; zero vector when the denominator is 0.
     out = np.zeros((B, D), dtype=np.float64)
@@ -132,8 +134,8 @@ def lookup(
         s_b = combiner_scale(combiner, [w for _, _, w in kept[b]])
         total = np.zeros(D, dtype=np.float64)
         for _, row_id, w in kept[b]:
-            total += w * quantize(table[row_id], quantization)
-        out[b] = s_b * total
+            total = flush(total + flush(flush(s_b * flush(w)) * quantize(table[row_id], quantization)))
+        out[b] = total
     return out
 
 
@@ -175,5 +177,5 @@ def occurrences(
         else:
             s_b = combiner_scale(combiner, [w for _, _, w in kept[b]])
             for k, row_id, w in kept[b]:
-                result.append((b, k, row_id, s_b * w * grad_out[b]))
+                result.append((b, k, row_id, flush(flush(s_b * flush(w)) * flush(grad_out[b]))))
     return result

@@ -12,6 +12,7 @@ import numpy as np
 
 from .np_embedding import COMBINERS, Ids, Weights, lookup, occurrences
 from .np_optimizers import has_gradient_clip, init_slots, optimizer_name, param, update_row
+from .np_subnormals import flush
 
 FeatureInput = tuple[Ids, Weights]
 # One occurrence reaching a table: (sample b, feature index, position k, row id, gradient (D,)).
@@ -155,7 +156,7 @@ class OracleEngine:
             for _, _, _, row_id, g in occ_list:
                 if row_id not in sums:
                     sums[row_id] = np.zeros_like(g)
-                sums[row_id] = sums[row_id] + g
+                sums[row_id] = flush(sums[row_id] + g)  # spec §1.5: a subnormal partial sum is zero
             for row_id, g_sum in sums.items():
                 if not np.all(np.isfinite(g_sum)):
                     raise ValueError(f"table {name!r}: non-finite accumulated gradient for id {row_id}")

@@ -16,6 +16,8 @@ from typing import Any
 
 import numpy as np
 
+from .np_subnormals import flush, flushing, plain
+
 Opt = dict[str, Any]
 
 OPTIMIZER_NAMES: tuple[str, ...] = (
@@ -187,9 +189,9 @@ def has_gradient_clip(opt: Opt) -> bool:
 def _f32(*xs: float) -> float:
     """The float32 product of ``xs`` (left to right): TF derives every constant from float32
     hyper-parameters in float32 arithmetic (spec: all arithmetic is float32)."""
-    out = np.float32(xs[0])
+    out = np.float32(flush(float(np.float32(xs[0]))))
     for x in xs[1:]:
-        out = np.float32(out * np.float32(x))
+        out = np.float32(flush(float(np.float32(out * np.float32(flush(float(np.float32(x))))))))
     return float(out)
 
 
@@ -408,13 +410,19 @@ def update_row(
 
     ``w`` and ``g`` have shape (D,); ``slots`` maps each slot name to its (D,) row. Returns new arrays
     (float64); the inputs are not modified. ``lr`` is this step's learning rate for the table.
+    Subnormals (spec §1.5): every operand and result of every operation with float32 subnormals as zero.
     """
-    name = optimizer_name(opt)
-    w = np.asarray(w, dtype=np.float64)
-    g = np.asarray(g, dtype=np.float64)
-    slots = {k: np.asarray(v, dtype=np.float64) for k, v in slots.items()}
-    lr = float(lr)
+    w_new, new_slots = _update_row(
+        opt, flushing(w), {k: flushing(v) for k, v in slots.items()}, flushing(g), flush(float(lr))
+    )
+    return plain(w_new), {k: plain(v) for k, v in new_slots.items()}
 
+
+def _update_row(
+    opt: Opt, w: np.ndarray, slots: dict[str, np.ndarray], g: np.ndarray, lr: float
+) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    name = optimizer_name(opt)
+    lr = float(lr)
     # Step 4: gradient clip, elementwise, of the (accumulated) gradient.
     lower, upper = gradient_clip_bounds(opt)
     g_clipped = np.minimum(np.maximum(g, lower), upper)

@@ -17,6 +17,43 @@
 #include <omp.h>
 #endif
 
+/* Subnormals (docs/spec.md §1.5): every kernel that computes with float32 values runs with the CPU's
+ * flush-to-zero and denormals-are-zero modes on, as TF's CPU kernels and TPUs do: a subnormal operand reads as
+ * zero and a subnormal result is written as zero, in every operation (and no operation takes the slow microcode
+ * path subnormals take on many x86 CPUs). ET_FLUSH_SUBNORMALS turns both modes on in the calling thread until the
+ * end of the enclosing block, then puts the thread's own modes back: it opens every exported function that
+ * computes and every OpenMP parallel region (each thread of a team has its own control register), and leaves
+ * nothing set for the Python and torch code that shares the threads. et_flushes_subnormals() says whether this
+ * build can (x86-64 and AArch64 can; Python refuses to load a build that cannot). */
+#if defined(__x86_64__) || defined(__i386__)
+#include <xmmintrin.h>
+typedef unsigned int et_fp_mode;
+static inline et_fp_mode et_flush_on(void) {
+    const et_fp_mode saved = _mm_getcsr();
+    _mm_setcsr(saved | 0x8040u); /* FTZ (bit 15) | DAZ (bit 6) */
+    return saved;
+}
+static inline void et_flush_restore(const et_fp_mode *saved) { _mm_setcsr(*saved); }
+int et_flushes_subnormals(void) { return 1; }
+#elif defined(__aarch64__)
+typedef uint64_t et_fp_mode;
+static inline et_fp_mode et_flush_on(void) {
+    et_fp_mode saved;
+    __asm__ __volatile__("mrs %0, fpcr" : "=r"(saved));
+    __asm__ __volatile__("msr fpcr, %0" : : "r"(saved | ((et_fp_mode)1 << 24)) : "memory"); /* FZ: inputs and results */
+    return saved;
+}
+static inline void et_flush_restore(const et_fp_mode *saved) { __asm__ __volatile__("msr fpcr, %0" : : "r"(*saved) : "memory"); }
+int et_flushes_subnormals(void) { return 1; }
+#else
+typedef int et_fp_mode;
+static inline et_fp_mode et_flush_on(void) { return 0; }
+static inline void et_flush_restore(const et_fp_mode *saved) { (void)saved; }
+int et_flushes_subnormals(void) { return 0; }
+#endif
+#define ET_FLUSH_SUBNORMALS                                                                                            \
+    const et_fp_mode et_saved_fp_mode __attribute__((cleanup(et_flush_restore), unused)) = et_flush_on()
+
 enum {
     ET_SGD = 0,
     ET_ADAGRAD = 1,
@@ -284,6 +321,7 @@ int et_split_by_owner(int64_t F, const int64_t *const *ids, const int64_t *N, co
 int et_lookup_many(int64_t F, const float *const *W, const int64_t *D, const int64_t *V, const int64_t *const *ids,
                    const int64_t *N, const int64_t *const *offsets, const int64_t *S, const float *const *coeffs,
                    float *const *out, const int64_t *ld, int nthreads) {
+    ET_FLUSH_SUBNORMALS;
     int64_t first[F + 1];
     first[0] = 0;
     for (int64_t f = 0; f < F; ++f) {
@@ -299,15 +337,20 @@ int et_lookup_many(int64_t F, const float *const *W, const int64_t *D, const int
     for (int64_t f = 0; f < F && shared; ++f) shared = S[f] == S[0] && ld[f] > D[f];
     if (shared) {
         const int64_t rows = S[0];
-#pragma omp parallel for num_threads(nthreads) schedule(static, 64) reduction(| : bad, nonfinite)
-        for (int64_t s = 0; s < rows; ++s)
-            for (int64_t f = 0; f < F; ++f)
-                nonfinite |= et_bag(W[f], D[f], V[f], ids[f], offsets[f], s, offsets[f][S[f]], coeffs[f], out[f], ld[f],
-                                    &bad);
+#pragma omp parallel num_threads(nthreads) reduction(| : bad, nonfinite)
+        {
+            ET_FLUSH_SUBNORMALS;
+#pragma omp for schedule(static, 64)
+            for (int64_t s = 0; s < rows; ++s)
+                for (int64_t f = 0; f < F; ++f)
+                    nonfinite |= et_bag(W[f], D[f], V[f], ids[f], offsets[f], s, offsets[f][S[f]], coeffs[f], out[f],
+                                        ld[f], &bad);
+        }
         return bad ? 1 : (nonfinite ? 2 : 0);
     }
 #pragma omp parallel num_threads(nthreads) reduction(| : bad, nonfinite)
     {
+        ET_FLUSH_SUBNORMALS;
         int64_t f = 0;
 #pragma omp for schedule(static, 256)
         for (int64_t i = 0; i < all; ++i) {
@@ -889,26 +932,30 @@ static uint32_t et_sum_rows(et_workspace *h, int64_t D, int scan, int nthreads) 
     const float *const *occ_g = (const float *const *)h->occ_g;
     const float *occ_c = h->occ_c;
     uint32_t gbits = 0;
-#pragma omp parallel for num_threads(nthreads) schedule(static, 256) reduction(max : gbits)
-    for (int64_t u = 0; u < U; ++u) {
-        float *restrict acc = h->G + u * D;
-        for (int64_t d = 0; d < D; ++d) acc[d] = 0.0f;
-        for (int64_t i = start[u]; i < start[u + 1]; ++i) {
-            const float *restrict g = occ_g[i];
-            if (!g) {
-                for (int64_t d = 0; d < D; ++d) acc[d] += 0.0f;
-                continue;
+#pragma omp parallel num_threads(nthreads) reduction(max : gbits)
+    {
+        ET_FLUSH_SUBNORMALS;
+#pragma omp for schedule(static, 256)
+        for (int64_t u = 0; u < U; ++u) {
+            float *restrict acc = h->G + u * D;
+            for (int64_t d = 0; d < D; ++d) acc[d] = 0.0f;
+            for (int64_t i = start[u]; i < start[u + 1]; ++i) {
+                const float *restrict g = occ_g[i];
+                if (!g) {
+                    for (int64_t d = 0; d < D; ++d) acc[d] += 0.0f;
+                    continue;
+                }
+                const float cf = occ_c[i];
+                if (cf == 1.0f) {
+                    for (int64_t d = 0; d < D; ++d) acc[d] += g[d];
+                } else {
+                    for (int64_t d = 0; d < D; ++d) acc[d] += g[d] * cf;
+                }
             }
-            const float cf = occ_c[i];
-            if (cf == 1.0f) {
-                for (int64_t d = 0; d < D; ++d) acc[d] += g[d];
-            } else {
-                for (int64_t d = 0; d < D; ++d) acc[d] += g[d] * cf;
+            if (scan) {
+                const uint32_t m = et_maxbits(acc, D, 0);
+                gbits = m > gbits ? m : gbits;
             }
-        }
-        if (scan) {
-            const uint32_t m = et_maxbits(acc, D, 0);
-            gbits = m > gbits ? m : gbits;
         }
     }
     return gbits;
@@ -1000,12 +1047,17 @@ void et_prepare_many(int64_t T, const int64_t *first, const int64_t *const *ids,
                      const int64_t *const *offsets, const int64_t *nbags, const float *const *coeffs,
                      const float *const *grads, const int64_t *ld, const int64_t *dims, const int64_t *V,
                      int nthreads, void **workspaces, int *statuses) {
+    ET_FLUSH_SUBNORMALS;
     if (T >= nthreads && nthreads > 1) {
-#pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1)
-        for (int64_t t = 0; t < T; ++t) {
-            const int64_t f0 = first[t], nf = first[t + 1] - first[t];
-            et_prepare_one((et_workspace *)workspaces[t], nf, ids + f0, nids + f0, offsets + f0, nbags + f0,
-                           coeffs + f0, grads + f0, ld + f0, dims[t], V[t], 1, statuses + t);
+#pragma omp parallel num_threads(nthreads)
+        {
+            ET_FLUSH_SUBNORMALS;
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t t = 0; t < T; ++t) {
+                const int64_t f0 = first[t], nf = first[t + 1] - first[t];
+                et_prepare_one((et_workspace *)workspaces[t], nf, ids + f0, nids + f0, offsets + f0, nbags + f0,
+                               coeffs + f0, grads + f0, ld + f0, dims[t], V[t], 1, statuses + t);
+            }
         }
         return;
     }
@@ -1109,6 +1161,7 @@ static int et_prepared_ok(const et_workspace *h, int64_t V, int64_t D) {
 int64_t et_check(const void *handle, const float *W, const float *S0, const float *S1, const float *S2, int64_t V,
                  int64_t D,
                  const et_opt *p, int dense, int nthreads) {
+    ET_FLUSH_SUBNORMALS;
     const et_workspace *h = (const et_workspace *)handle;
     if (!et_prepared_ok(h, V, D)) return -2;
     const int64_t U = h->U, n = dense ? V : U;
@@ -1119,6 +1172,7 @@ int64_t et_check(const void *handle, const float *W, const float *S0, const floa
     int oom = 0;
 #pragma omp parallel num_threads(nthreads) reduction(max : bad) reduction(| : oom)
     {
+        ET_FLUSH_SUBNORMALS;
         float *buf = (float *)malloc(sizeof(float) * (size_t)(4 * D));
         if (!buf) {
             oom = 1;
@@ -1152,6 +1206,7 @@ int64_t et_check(const void *handle, const float *W, const float *S0, const floa
  * Returns 0, or -2 (nothing written) for a workspace that does not fit the table. */
 int et_apply(const void *handle, float *W, float *S0, float *S1, float *S2, int64_t V, int64_t D, const et_opt *p,
              int dense, int nthreads, float *maxabs) {
+    ET_FLUSH_SUBNORMALS;
     const et_workspace *h = (const et_workspace *)handle;
     if (!et_prepared_ok(h, V, D)) return -2;
     const int64_t U = h->U;
@@ -1160,45 +1215,61 @@ int et_apply(const void *handle, float *W, float *S0, float *S1, float *S2, int6
     const int measure = maxabs != NULL;
     uint32_t mw = 0, m0 = 0, m1 = 0, m2 = 0;
     if (!dense && !measure && et_in_row_order(h, V)) { /* the hot path over most of a small table */
-#pragma omp parallel for num_threads(nthreads) schedule(static, 256)
-        for (int64_t r = 0; r < V; ++r) {
-            const int32_t u = h->dmap[r];
-            if (u < 0) continue;
-            const int64_t o = r * D;
-            fn(p, W + o, S0 ? S0 + o : NULL, S1 ? S1 + o : NULL, S2 ? S2 + o : NULL, h->G + (int64_t)u * D, D);
+#pragma omp parallel num_threads(nthreads)
+        {
+            ET_FLUSH_SUBNORMALS;
+#pragma omp for schedule(static, 256)
+            for (int64_t r = 0; r < V; ++r) {
+                const int32_t u = h->dmap[r];
+                if (u < 0) continue;
+                const int64_t o = r * D;
+                fn(p, W + o, S0 ? S0 + o : NULL, S1 ? S1 + o : NULL, S2 ? S2 + o : NULL, h->G + (int64_t)u * D, D);
+            }
         }
     } else if (!dense && !measure) { /* the hot path: exactly the plain fused pass */
-#pragma omp parallel for num_threads(nthreads) schedule(static, 256)
-        for (int64_t u = 0; u < U; ++u) {
-            if (u + ET_PF < U) et_prefetch_state(W, S0, S1, S2, h->rows[u + ET_PF] * D, D, 1);
-            const int64_t r = h->rows[u] * D;
-            fn(p, W + r, S0 ? S0 + r : NULL, S1 ? S1 + r : NULL, S2 ? S2 + r : NULL, h->G + u * D, D);
+#pragma omp parallel num_threads(nthreads)
+        {
+            ET_FLUSH_SUBNORMALS;
+#pragma omp for schedule(static, 256)
+            for (int64_t u = 0; u < U; ++u) {
+                if (u + ET_PF < U) et_prefetch_state(W, S0, S1, S2, h->rows[u + ET_PF] * D, D, 1);
+                const int64_t r = h->rows[u] * D;
+                fn(p, W + r, S0 ? S0 + r : NULL, S1 ? S1 + r : NULL, S2 ? S2 + r : NULL, h->G + u * D, D);
+            }
         }
     } else if (!dense) {
-#pragma omp parallel for num_threads(nthreads) schedule(static, 256) reduction(max : mw, m0, m1, m2)
-        for (int64_t u = 0; u < U; ++u) {
-            if (u + ET_PF < U) et_prefetch_state(W, S0, S1, S2, h->rows[u + ET_PF] * D, D, 1);
-            const int64_t r = h->rows[u] * D;
-            fn(p, W + r, S0 ? S0 + r : NULL, S1 ? S1 + r : NULL, S2 ? S2 + r : NULL, h->G + u * D, D);
-            if (measure) {
-                mw = et_maxbits(W + r, D, mw);
-                if (S0) m0 = et_maxbits(S0 + r, D, m0);
-                if (S1) m1 = et_maxbits(S1 + r, D, m1);
-                if (S2) m2 = et_maxbits(S2 + r, D, m2);
+#pragma omp parallel num_threads(nthreads) reduction(max : mw, m0, m1, m2)
+        {
+            ET_FLUSH_SUBNORMALS;
+#pragma omp for schedule(static, 256)
+            for (int64_t u = 0; u < U; ++u) {
+                if (u + ET_PF < U) et_prefetch_state(W, S0, S1, S2, h->rows[u + ET_PF] * D, D, 1);
+                const int64_t r = h->rows[u] * D;
+                fn(p, W + r, S0 ? S0 + r : NULL, S1 ? S1 + r : NULL, S2 ? S2 + r : NULL, h->G + u * D, D);
+                if (measure) {
+                    mw = et_maxbits(W + r, D, mw);
+                    if (S0) m0 = et_maxbits(S0 + r, D, m0);
+                    if (S1) m1 = et_maxbits(S1 + r, D, m1);
+                    if (S2) m2 = et_maxbits(S2 + r, D, m2);
+                }
             }
         }
     } else {
         const int shift = et_shift(h->mask);
-#pragma omp parallel for num_threads(nthreads) schedule(static, 1024) reduction(max : mw, m0, m1, m2)
-        for (int64_t r = 0; r < V; ++r) {
-            const int64_t u = U ? et_find(h, r, shift) : -1;
-            fn(p, W + r * D, S0 ? S0 + r * D : NULL, S1 ? S1 + r * D : NULL, S2 ? S2 + r * D : NULL,
-               u >= 0 ? h->G + u * D : NULL, D);
-            if (measure) {
-                mw = et_maxbits(W + r * D, D, mw);
-                if (S0) m0 = et_maxbits(S0 + r * D, D, m0);
-                if (S1) m1 = et_maxbits(S1 + r * D, D, m1);
-                if (S2) m2 = et_maxbits(S2 + r * D, D, m2);
+#pragma omp parallel num_threads(nthreads) reduction(max : mw, m0, m1, m2)
+        {
+            ET_FLUSH_SUBNORMALS;
+#pragma omp for schedule(static, 1024)
+            for (int64_t r = 0; r < V; ++r) {
+                const int64_t u = U ? et_find(h, r, shift) : -1;
+                fn(p, W + r * D, S0 ? S0 + r * D : NULL, S1 ? S1 + r * D : NULL, S2 ? S2 + r * D : NULL,
+                   u >= 0 ? h->G + u * D : NULL, D);
+                if (measure) {
+                    mw = et_maxbits(W + r * D, D, mw);
+                    if (S0) m0 = et_maxbits(S0 + r * D, D, m0);
+                    if (S1) m1 = et_maxbits(S1 + r * D, D, m1);
+                    if (S2) m2 = et_maxbits(S2 + r * D, D, m2);
+                }
             }
         }
     }
@@ -1262,12 +1333,14 @@ int et_workspace_load(void *handle, const int64_t *rows, const float *G, int64_t
 /* written) when a row is outside [0, V).                                                             */
 int et_apply_sequential(const int64_t *rows, const float *G, int64_t N, float *W, float *S0, float *S1, float *S2,
                         int64_t V, int64_t D, const et_opt *p, int nthreads) {
+    ET_FLUSH_SUBNORMALS;
     for (int64_t k = 0; k < N; ++k)
         if ((uint64_t)rows[k] >= (uint64_t)V) return 3;
     const et_row_fn fn = et_row_function(p->kind);
     if (!fn) return 4;
 #pragma omp parallel num_threads(nthreads)
     {
+        ET_FLUSH_SUBNORMALS;
         int t = 0, T = 1;
 #ifdef _OPENMP
         t = omp_get_thread_num();
@@ -1294,6 +1367,7 @@ int et_apply_sequential(const int64_t *rows, const float *G, int64_t N, float *W
 int64_t et_stage_inputs_many(int64_t F, const int64_t *const *ids, const int64_t *N, const int64_t *const *splits,
                              const int64_t *S, const int64_t *V, int64_t *dst, int64_t cap, int32_t *status,
                              int32_t *single, const int32_t *combiner, float *coef, int64_t coef_cap) {
+    ET_FLUSH_SUBNORMALS;
     int64_t need = 0, coef_need = 0;
     for (int64_t f = 0; f < F; ++f) {
         if (N[f] < 0 || V[f] < 0 || (S[f] >= 0 && !splits[f]) || combiner[f] < 0 || combiner[f] > 2) return -1;
@@ -1567,7 +1641,8 @@ int et_prove_update(const et_opt *p, double gmax, const double *hi, const double
         out[1] = m_new;
         out[2] = hi[2] + g * g + eps * eps;
     } else {
-        if (!(lo[1] > 0)) return 0; /* the update divides by sqrt(accumulator) */
+        /* the update divides by sqrt(accumulator); a subnormal accumulator reads as zero (ET_FLUSH_SUBNORMALS) */
+        if (!(lo[1] >= 1.1754944e-38)) return 0;
         const double ratio = fmax(1.001, 2e-19 / sqrt(lo[1])); /* |g| / sqrt(a + g^2), adagrad.step_ratio_bound */
         out[0] = w_dec + fabs(lr) * ratio;
         out[1] = hi[1] + g * g;
@@ -1595,6 +1670,7 @@ void et_apply_many(int64_t T, void *const *handles, float *const *W, float *cons
                    float *const *S2, const int64_t *V, const int64_t *D, const et_opt *const *p, const int32_t *dense,
                    const int32_t *measure, const int32_t *check, int nthreads, float *maxabs, int32_t *status,
                    int64_t *bad, double *hi, double *lo, int32_t *proven) {
+    ET_FLUSH_SUBNORMALS;
     int ok = 1;
     int64_t written[T > 0 ? T : 1]; /* rows written with a backup, per table (-1: not written that way) */
     double next[T > 0 ? T : 1][4];  /* a proven table's bounds after its update */
@@ -1710,6 +1786,7 @@ static inline uint16_t et_sr_float16(float x, uint32_t r) {
  * half patterns), row u's random bits from (seed, step, table, rows[u], column). */
 void et_round_rows(const float *x, int64_t U, int64_t D, const int64_t *rows, int64_t seed, int64_t step,
                    int64_t table, int32_t kind, uint16_t *out) {
+    ET_FLUSH_SUBNORMALS;
     const uint32_t prefix = et_round_prefix((uint64_t)seed, (uint64_t)step, (uint32_t)table);
     for (int64_t u = 0; u < U; ++u) {
         const uint32_t h = et_round_row(prefix, rows[u]);
@@ -1955,6 +2032,7 @@ int et_lookup_half_many(int64_t F, const uint16_t *const *W, const int32_t *kind
                         const int64_t *V, const int64_t *const *ids, const int64_t *N,
                         const int64_t *const *offsets, const int64_t *S, const float *const *coeffs,
                         float *const *out, int nthreads) {
+    ET_FLUSH_SUBNORMALS;
     int64_t first[F + 1];
     first[0] = 0;
     for (int64_t f = 0; f < F; ++f) {
@@ -1965,6 +2043,7 @@ int et_lookup_half_many(int64_t F, const uint16_t *const *W, const int32_t *kind
     int bad = 0, nonfinite = 0;
 #pragma omp parallel num_threads(nthreads) reduction(| : bad, nonfinite)
     {
+        ET_FLUSH_SUBNORMALS;
         int64_t f = 0;
 #pragma omp for schedule(static, 256)
         for (int64_t i = 0; i < all; ++i) {
@@ -1999,6 +2078,7 @@ int64_t et_apply_half(const void *handle, void *W, void *S0, void *S1, void *S2,
                       int64_t V, int64_t D, const et_opt *p, const int64_t *grows, int64_t nglobal, int64_t seed,
                       int64_t step, int64_t table, int32_t stochastic, int32_t mode, uint16_t *out, float *sout,
                       int64_t scratch_rows, int nthreads) {
+    ET_FLUSH_SUBNORMALS;
     const et_workspace *h = (const et_workspace *)handle;
     if (!et_prepared_ok(h, V, D)) return -2;
     if (grows && nglobal < V) return -2;
@@ -2012,28 +2092,36 @@ int64_t et_apply_half(const void *handle, void *W, void *S0, void *S1, void *S2,
     if (scratch_rows < U || (skind == 2 && K > 0 && sout == NULL)) return -2;
     const int64_t sb = skind == 2 ? 4 : 2; /* bytes of one slot value */
     if (mode == 3) { /* the rows a mode-2 call overwrote, back from their copies in out / sout */
-#pragma omp parallel for num_threads(nthreads) schedule(static, 256)
-        for (int64_t u = 0; u < U; ++u) {
-            const int64_t r = h->rows[u];
-            memcpy((uint16_t *)W + r * D, out + u * wide, sizeof(uint16_t) * (size_t)D);
-            for (int k = 0; k < K; ++k) {
-                const char *from = skind == 2 ? (const char *)(sout + (u * K + k) * D)
-                                              : (const char *)(out + u * wide + (k + 1) * D);
-                memcpy((char *)S[k] + r * D * sb, from, (size_t)(D * sb));
+#pragma omp parallel num_threads(nthreads)
+        {
+            ET_FLUSH_SUBNORMALS;
+#pragma omp for schedule(static, 256)
+            for (int64_t u = 0; u < U; ++u) {
+                const int64_t r = h->rows[u];
+                memcpy((uint16_t *)W + r * D, out + u * wide, sizeof(uint16_t) * (size_t)D);
+                for (int k = 0; k < K; ++k) {
+                    const char *from = skind == 2 ? (const char *)(sout + (u * K + k) * D)
+                                                  : (const char *)(out + u * wide + (k + 1) * D);
+                    memcpy((char *)S[k] + r * D * sb, from, (size_t)(D * sb));
+                }
             }
         }
         return -1;
     }
     if (mode == 1) {
-#pragma omp parallel for num_threads(nthreads) schedule(static, 256)
-        for (int64_t u = 0; u < U; ++u) {
-            const int64_t r = h->rows[u];
-            memcpy((uint16_t *)W + r * D, out + u * wide, sizeof(uint16_t) * (size_t)D);
-            for (int k = 0; k < K; ++k) {
-                if (skind == 2)
-                    memcpy((float *)S[k] + r * D, sout + (u * K + k) * D, sizeof(float) * (size_t)D);
-                else
-                    memcpy((uint16_t *)S[k] + r * D, out + u * wide + (k + 1) * D, sizeof(uint16_t) * (size_t)D);
+#pragma omp parallel num_threads(nthreads)
+        {
+            ET_FLUSH_SUBNORMALS;
+#pragma omp for schedule(static, 256)
+            for (int64_t u = 0; u < U; ++u) {
+                const int64_t r = h->rows[u];
+                memcpy((uint16_t *)W + r * D, out + u * wide, sizeof(uint16_t) * (size_t)D);
+                for (int k = 0; k < K; ++k) {
+                    if (skind == 2)
+                        memcpy((float *)S[k] + r * D, sout + (u * K + k) * D, sizeof(float) * (size_t)D);
+                    else
+                        memcpy((uint16_t *)S[k] + r * D, out + u * wide + (k + 1) * D, sizeof(uint16_t) * (size_t)D);
+                }
             }
         }
         return -1;
@@ -2046,6 +2134,7 @@ int64_t et_apply_half(const void *handle, void *W, void *S0, void *S1, void *S2,
     int64_t bad = -1;
 #pragma omp parallel num_threads(nt) reduction(max : bad)
     {
+        ET_FLUSH_SUBNORMALS;
         float *buf = bufs + (size_t)omp_get_thread_num() * (size_t)(4 * D);
         {
 #pragma omp for schedule(static, 256)

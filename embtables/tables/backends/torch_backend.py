@@ -186,8 +186,7 @@ class TorchBackend:
 
         def run(rows: Tensor, grads: Tensor) -> None:
             slots = state.slot_tuple()
-            if has_vectorised_form(opt):
-                apply_in_order_(state.weights, slots, rows, grads, opt=opt, lr=lr)
+            if has_vectorised_form(opt) and apply_in_order_(state.weights, slots, rows, grads, opt=opt, lr=lr):
                 return
             for positions in occurrence_rounds(rows):
                 sparse_update_(
