@@ -35,7 +35,7 @@ _COMMANDS = (
         "bench",
         "the benchmark suite against the peers (embtables bench --help); embtables bench "
         "latency | estimator | sharded | checkpoint | movielens | extra-optimizers | noacc | dynamic | incremental | "
-        "precision | subnormals | gpu-launches for the others; embtables bench --device cuda on a GPU",
+        "precision | subnormals | gpu-launches for the others; on a GPU: embtables bench --device cuda",
     ),
     ("stats", "print lookup statistics files (profile_data_directory) and draw per-shard load"),
     ("inspect", "what a checkpoint holds (tables, shapes, optimizer, step, size) and its checksum status"),
