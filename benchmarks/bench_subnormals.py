@@ -67,14 +67,18 @@ def _measure(case: str, args: argparse.Namespace) -> float:
     scale = 1e-20 if case == "tiny_gradients" else 0.01
     times = []
     for step in range(args.warmup + args.steps):
+        lengths = torch.full((args.batch,), args.pooling, dtype=torch.int64)
         ids = {
-            f"f{i}": torch.randint(0, args.rows, (args.batch, args.pooling), generator=gen) for i in range(args.tables)
+            f"f{i}": et.Ragged.from_lengths(
+                torch.randint(0, args.rows, (args.batch * args.pooling,), generator=gen), lengths
+            )
+            for i in range(args.tables)
         }
         grads = {k: torch.randn(args.batch, args.dim, generator=gen) * scale for k in ids}
         if case == "subnormal_rows":
             with torch.no_grad():
                 for i, v in enumerate(ids.values()):
-                    emb.embedding_tables[f"t{i}"].data[v.reshape(-1)] = 1e-39
+                    emb.embedding_tables[f"t{i}"].data[v.values] = 1e-39
         start = time.perf_counter()
         emb(ids)
         emb.apply_gradients(grads)
