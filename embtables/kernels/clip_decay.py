@@ -17,8 +17,10 @@ def clip_gradient(g: Tensor, lower: float | None, upper: float | None) -> Tensor
 
 
 def decay_weights(w: Tensor, factor: float) -> Tensor:
-    """``w - factor * w`` for updated rows [U, D] (decoupled weight decay), computed with factor 0 too, as the C
-    and GPU kernels do: it changes only the sign of a zero (-0 - 0 * -0 = +0)."""
+    """``w - factor * w`` for updated rows [U, D] (decoupled weight decay). With factor 0 that is ``w + 0``, as
+    the C and GPU kernels compute it: it changes only the sign of a zero (-0 - 0 * -0 = +0)."""
+    if not factor:
+        return w + 0.0
     return w - factor * w
 
 

@@ -40,16 +40,15 @@ def pooled_lookup(
         rows = flush(rows * flush(coeffs).unsqueeze(1))
     if _sums_stay_normal(rows):
         positions = torch.arange(ids.numel(), dtype=torch.int64, device=ids.device)
-        return flush(F.embedding_bag(positions, rows, offsets, mode="sum", include_last_offset=True))
+        return F.embedding_bag(positions, rows, offsets, mode="sum", include_last_offset=True)
     return _summed_in_rounds(rows, seg, offsets)
 
 
 def _sums_stay_normal(products: Tensor) -> bool:
     """Whether every nonzero magnitude of ``products`` [N, D] is at least 2^-100: float32 values that large
-    are multiples of 2^-123, so no partial sum of them is a nonzero subnormal and a plain sum flushes as the
-    C kernels' running sum does."""
-    magnitude = products.abs()
-    return not bool(((magnitude < 2.0**-100) & (magnitude != 0)).any())
+    are multiples of 2^-123, so no partial sum of them (nor the sum) is a nonzero subnormal, and a plain sum
+    is what the C kernels' running sum with every result flushed gives."""
+    return not bool((F.hardshrink(products, 2.0**-100) != products).any())
 
 
 def _summed_in_rounds(products: Tensor, seg: Tensor, offsets: Tensor) -> Tensor:

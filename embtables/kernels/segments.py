@@ -32,11 +32,11 @@ def segment_sum(values: Tensor, seg: Tensor, num_segments: int) -> Tensor:
 
 
 def dedup_sum(ids: Tensor, grads: Tensor) -> tuple[Tensor, Tensor]:
-    """Unique rows [U] (sorted) and the float32 sum of ``grads`` [N, D] per unique row [U, D], subnormal
-    operands and sums flushed to zero (spec §1.5)."""
+    """Unique rows [U] (sorted) and the float32 sum of ``grads`` [N, D] per unique row [U, D], subnormal sums
+    flushed to zero (spec §1.5; ``grads`` are flushed already: ``lookup.occurrence_gradients``)."""
     rows, inverse = torch.unique(ids, sorted=True, return_inverse=True)
     summed = torch.zeros((rows.numel(), grads.shape[1]), dtype=torch.float32, device=grads.device)
-    summed.index_add_(0, inverse, flush(grads.to(torch.float32)))
+    summed.index_add_(0, inverse, grads.to(torch.float32))
     return rows, flush(summed)
 
 

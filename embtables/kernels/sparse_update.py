@@ -25,10 +25,10 @@ def update_rows(
     """The per-row pipeline on gathered rows ``w`` [U, D], ``slots`` [U, D] each, ``g`` [U, D], float32, with
     subnormal operands and results flushed to zero at every operation as the C kernels do (spec §1.5)."""
     w, g, slots = flush(w), flush(g), tuple(flush(s) for s in slots)
+    if clip_gradients:
+        g = clip_gradient(g, *opt.gradient_clip_bounds)
+    decay = optimizer_decay(opt, lr)
     with flushing():
-        if clip_gradients:
-            g = clip_gradient(g, *opt.gradient_clip_bounds)
-        decay = optimizer_decay(opt, lr)
         w = decay_weights(w, decay)
         w, slots = get_row_update(opt)(w, slots, g, opt=opt, lr=lr)
         return clip_weights(w, opt.clip_weight_min, opt.clip_weight_max), slots

@@ -15,11 +15,13 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
 SMALLEST_NORMAL = 2.0**-126
 """The smallest positive normal float32 (``torch.finfo(torch.float32).tiny``); anything smaller is flushed."""
+_LARGEST_SUBNORMAL = 2.0**-126 - 2.0**-149
 
 
 def flush(t: Tensor) -> Tensor:
@@ -27,7 +29,8 @@ def flush(t: Tensor) -> Tensor:
     itself when it is not float32). No host synchronisation: a new tensor every time."""
     if t.dtype is not torch.float32:
         return t
-    return torch.where(t.abs() < SMALLEST_NORMAL, t * 0.0, t)
+    # hardshrink keeps |x| > the largest subnormal, zeroes the rest as +0; copysign gives the zero its sign
+    return torch.copysign(F.hardshrink(t, _LARGEST_SUBNORMAL), t)
 
 
 def flush_scalar(x: float) -> float:
@@ -35,17 +38,34 @@ def flush_scalar(x: float) -> float:
     return x * 0.0 if abs(x) < SMALLEST_NORMAL else x
 
 
+# Operations whose float32 result is never a nonzero subnormal when their operands are flushed floats: they
+# select, compare, copy or move a value, or (sqrt) take it toward 1. Every other operation's result is flushed.
+_EXACT = frozenset(
+    "__get__ __getitem__ abs __abs__ neg __neg__ clamp clamp_min clamp_max maximum minimum where sign sqrt "
+    "ge gt le lt eq ne __ge__ __gt__ __le__ __lt__ __eq__ __ne__ double full_like zeros_like ones_like "
+    "contiguous clone detach view reshape unsqueeze squeeze expand index_select cat stack".split()
+)
+
+
 class _Flushing(TorchFunctionMode):
-    """Every float32 tensor result flushed; Python float operands read as the hardware reads them."""
+    """Every float32 tensor result flushed (but those of ``_EXACT`` operations and in-place ones); Python float
+    operands read as the hardware reads them."""
 
     def __torch_function__(
         self, func: Callable[..., Any], types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
     ) -> Any:
         args = tuple(flush_scalar(a) if type(a) is float else a for a in args)
         out = func(*args, **(kwargs or {}))
-        if isinstance(out, Tensor) and out.dtype is torch.float32 and not getattr(func, "__name__", "").endswith("_"):
-            return flush(out)
+        if isinstance(out, Tensor) and out.dtype is torch.float32:
+            name = getattr(func, "__name__", "")
+            if name not in _EXACT and not name.endswith("_") and not _adds_zero(name, args):
+                return flush(out)
         return out
+
+
+def _adds_zero(name: str, args: tuple[Any, ...]) -> bool:
+    """``t + 0.0``: the operand itself, or +0 for -0."""
+    return name in ("add", "__add__", "__radd__") and len(args) == 2 and type(args[1]) is float and args[1] == 0.0
 
 
 @contextmanager
