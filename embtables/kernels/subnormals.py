@@ -40,11 +40,12 @@ def flush_scalar(x: float) -> float:
 
 # Operations whose float32 result is never a nonzero subnormal when their operands are flushed floats: they
 # select, compare, copy or move a value, or (sqrt) take it toward 1. Every other operation's result is flushed.
-_EXACT = frozenset(
-    "__get__ __getitem__ abs __abs__ neg __neg__ clamp clamp_min clamp_max maximum minimum where sign sqrt "
-    "ge gt le lt eq ne __ge__ __gt__ __le__ __lt__ __eq__ __ne__ double full_like zeros_like ones_like "
-    "contiguous clone detach view reshape unsqueeze squeeze expand index_select cat stack".split()
+_EXACT_NAMES = (
+    "__get__ __getitem__ abs __abs__ neg __neg__ clamp clamp_min clamp_max maximum minimum where sign "
+    "sqrt ge gt le lt eq ne __ge__ __gt__ __le__ __lt__ __eq__ __ne__ double full_like zeros_like "
+    "ones_like contiguous clone detach view reshape unsqueeze squeeze expand index_select cat stack"
 )
+_EXACT = frozenset(_EXACT_NAMES.split())
 
 
 class _Flushing(TorchFunctionMode):
