@@ -146,6 +146,7 @@ class EmbeddingCollection:
     def pool(self, parts: Sequence[BagPart]) -> tuple[list[Tensor], int]:
         """Pooled bags [S, D] of ``parts`` (weights, ids, offsets, coeffs) and a status (``backends.interface``:
         0 pooled, 1 an id outside its weights, 2 a non-finite output): the sharded engine's partial lookups."""
+        self._tables.check_storage()
         return self.backend.pool(parts) or self.reference.pool(parts)
 
     # ------------------------------------------------------------------ backward, phase 1
@@ -188,9 +189,10 @@ class EmbeddingCollection:
         """
         self._tables.step = step
         backend = self.backend
-        if backend.write_step(table_grads, lrs):  # the whole phase 2 in one call
+        if backend.write_step(table_grads, lrs):  # the whole phase 2 in one call (its tensors checked current)
             self._mark_written(table_grads)
             return
+        self._tables.check_storage()
         in_one_call = all(tg.prepared is not None for tg in table_grads)
         own, rest = self._checked_updates(table_grads, lrs, check_in_write=in_one_call)
         if rest or self._sequential_tables:
@@ -243,6 +245,7 @@ class EmbeddingCollection:
         """Raise exactly as ``apply`` would, but write nothing (used for an update held back by
         pipelining, so its error surfaces at ``apply_gradients`` and not at a later lookup)."""
         self._tables.step = step
+        self._tables.check_storage()
         self._checked_updates(table_grads, lrs, check_in_write=False)
         self.backend.settle()
         for tg in table_grads:

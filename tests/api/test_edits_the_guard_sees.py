@@ -9,6 +9,7 @@ here wrote NaN or Inf into the table before; now the step is refused and nothing
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -183,3 +184,48 @@ def test_edits_are_seen_on_the_gpu_kernels(how: str) -> None:
         native.set_enabled(True)
         gpu.set_enabled(True)
         gpu.set_deferred_errors(None)
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+@pytest.mark.parametrize(
+    "replacement, what",
+    [
+        (lambda t: t.double(), "float64"),
+        (lambda t: t.to(torch.bfloat16), "bfloat16"),
+        (lambda t: t[:-1].clone(), "one row short"),  # the shape is named
+    ],
+    ids=["float64", "bfloat16", "shorter"],
+)
+@pytest.mark.parametrize("tensor", ["weights", "accumulators"])
+def test_a_table_tensor_replaced_through_data_is_refused_naming_the_table(
+    path: str, replacement: Any, what: str, tensor: str
+) -> None:
+    """``.data = other`` replaces the storage a table's kernels read: another dtype or shape (torch refuses another
+    device there) is refused by the next lookup (weights) or update (weights and slots) with the table's name,
+    and nothing changes; put back, training goes on. (A non-contiguous float32 tensor of the same shape is served
+    as it is.)"""
+    emb = _module(path, et.Adagrad(0.1))
+    _step(emb, path, 0.5)
+    held = emb.embedding_tables["t"] if tensor == "weights" else emb.slot_variables["t"]["accumulators"]
+    original = held.data
+    before = snapshot(emb)
+    held.data = replacement(original)
+    if what == "one row short":
+        what = rf"\[{original.shape[0] - 1}, "
+    name = "weights" if tensor == "weights" else "slot 'accumulators'"
+    refused = rf"table 't': its {name} were replaced by .*{what}"
+    try:
+        emb({"f": _ids(path)})
+        assert tensor != "weights", "a lookup reads the weights: it must refuse them"
+    except et.errors.InputError as error:  # a general-path lookup checks the slots too (the fast one reads none)
+        assert re.search(refused, str(error)), error
+    held.data = original
+    assert_same(snapshot(emb), before)
+    acts = emb({"f": _ids(path)})["f"]
+    held.data = replacement(original)
+    with pytest.raises(et.errors.InputError, match=refused):
+        emb.apply_gradients({"f": torch.full_like(acts, 0.5)})
+    held.data = original
+    assert_same(snapshot(emb), before)
+    emb.apply_gradients({"f": torch.full_like(acts, 0.5)})
+    assert not torch.equal(emb.embedding_tables["t"], before["t"])

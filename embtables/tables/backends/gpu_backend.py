@@ -73,6 +73,7 @@ class GpuBackend:
         checks = self.checks
         checks.raise_pending(wait=False)
         ts = self.tables
+        ts.check_storage()
         features, tables, states = ts.features, ts.tables, ts.states
         device = ts.device
         fast = [i for i, f in enumerate(features) if tables[f.table_index].config.quantization_config is None]

@@ -102,6 +102,7 @@ class NativeBackend:
                 if concat:
                     return Lookup([], set(), done[0])
                 return Lookup(list(done), set(), complete=True)
+        ts.check_storage()
         features, tables, states = ts.features, ts.tables, ts.states
         fast: list[int] = []
         parts = []

@@ -77,6 +77,7 @@ class NativeFastPath:
         tensors = self._tensors()
         if arrays is not None and arrays.current(tensors):
             return arrays
+        self.set.check_storage()  # a tensor changed: one replaced by another dtype or shape is refused, named
         if not native.usable(*(t for t in tensors if t.dtype not in HALF_TYPES)) or not all(
             t.is_cpu and t.is_contiguous() for t in tensors if t.dtype in HALF_TYPES
         ):

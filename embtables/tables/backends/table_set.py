@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from embtables.config import ResolvedConfig, ResolvedTable
+from embtables.errors import InputError
 from embtables.kernels import native
 from embtables.tables.changed_rows import ChangedRows
 from embtables.tables.concatenated import column_starts
@@ -39,6 +40,33 @@ class TableSet:
         self.step = 0
         self.global_rows: dict[str, Tensor] = {}
         self.half = any(t.config.half for t in resolved.tables)
+        # what each table's tensors must stay: per table its state, then (dtype, shape) of its weights and slots
+        self._kept = [
+            (table, states[table.name], [(t.dtype, t.shape) for t in states[table.name].tensors().values()])
+            for table in self.tables
+        ]
+
+    def check_storage(self) -> None:
+        """Raise ``InputError`` naming the first table whose weights or a slot is no longer a tensor of the dtype
+        and shape it was made with (``.data`` assigned another tensor; torch refuses another device there): the
+        kernels would misread it. Nothing is read or written before this check, so nothing changes."""
+        for table, state, kept in self._kept:
+            weights = state.weights
+            dtype, shape = kept[0]
+            if weights.dtype is not dtype or weights.shape != shape:
+                self._replaced(table, "weights", weights, dtype, shape)
+            for (dtype, shape), (name, slot) in zip(kept[1:], state.slots.items()):
+                if slot.dtype is not dtype or slot.shape != shape:
+                    self._replaced(table, f"slot {name!r}", slot, dtype, shape)
+
+    @staticmethod
+    def _replaced(table: ResolvedTable, what: str, t: Tensor, dtype: torch.dtype, shape: torch.Size) -> None:
+        raise InputError(
+            f"table {table.name!r}: its {what} were replaced by a {str(t.dtype).removeprefix('torch.')} "
+            f"{list(t.shape)} tensor (through .data?); they must stay {str(dtype).removeprefix('torch.')} "
+            f"{list(shape)}. Write values into the tensor instead (tensor.data.copy_(values), or "
+            "load_state_dict). Nothing was changed by this call."
+        )
 
     def global_ids(self, table: ResolvedTable, rows: Tensor) -> Tensor:
         """The global row ids [U] of local ``rows`` [U] of ``table``."""

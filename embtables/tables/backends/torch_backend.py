@@ -52,6 +52,7 @@ class TorchBackend:
 
     # ------------------------------------------------------------------ lookup
     def lookup(self, batches: Sequence[FeatureBatch], concat: bool) -> Lookup:
+        self.tables.check_storage()
         return Lookup([self.lookup_feature(i, b) for i, b in enumerate(batches)], set())
 
     def lookup_feature(self, i: int, batch: FeatureBatch) -> Tensor:
