@@ -108,6 +108,7 @@ def translate_sharded(
         recv_keys = recv_keys.to("cpu", torch.int64).contiguous()
         if training:
             local, reset = key_map.train(recv_keys, step, pin_from)
+            vocabularies.note(t.name, recv_keys, local)
             if reset.numel():
                 reset_rows(t.name, reset)
         else:

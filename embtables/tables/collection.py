@@ -45,6 +45,7 @@ class EmbeddingCollection:
         """What the collection derives from its config, states and tracking (built again after unpickling)."""
         self._lr_plan: LearningRatePlan | None = None  # built at the first step, see learning_rates()
         self._tables = TableSet(self.resolved, self.states, self.changed)
+        self._tables.global_rows.update(self.vocabularies.row_keys)  # a dynamic half table rounds by key
         self.reference = TorchBackend(self._tables)
         self._backend: Backend | None = None  # chosen at the first call, see backend
         self._switches = -1
@@ -56,7 +57,7 @@ class EmbeddingCollection:
     def set_global_rows(self, rows: dict[str, Tensor]) -> None:
         """Per sharded half-precision table, the global row id [V_local] of every local row: what its updates
         are rounded with (``TableSet.global_ids``)."""
-        self._tables.global_rows = dict(rows)
+        self._tables.global_rows.update(rows)
 
     @property
     def device(self) -> torch.device:

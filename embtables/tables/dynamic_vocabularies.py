@@ -60,9 +60,14 @@ class Vocabularies:
     def __init__(self, resolved: ResolvedConfig) -> None:
         self.resolved = resolved
         self.maps: dict[str, KeyMap] = {}
+        # per dynamic half-precision table, the key [V] int64 each row holds (what its updates are rounded with,
+        # spec §12.1: the same bits for any W), kept current by every training lookup (``note``)
+        self.row_keys: dict[str, Tensor] = {}
         for t in resolved.tables:
             if t.config.dynamic is not None:
                 self.maps[t.name] = KeyMap(t.vocabulary_size, t.config.dynamic)
+                if t.config.half:
+                    self.row_keys[t.name] = vocabulary_arrays(self.maps[t.name].export())["keys"].clone()
 
     def __bool__(self) -> bool:
         return bool(self.maps)
@@ -83,7 +88,8 @@ class Vocabularies:
             ordered = [k if o is None else k[o].contiguous() for k, o in zip(keys, orders)]
             trained = KeyMap.train_many([self.maps[t.name] for t in tables], ordered, step, pin_from)
             found = []
-            for t, p, o, (rows, reset) in zip(tables, parts, orders, trained):
+            for t, p, o, k, (rows, reset) in zip(tables, parts, orders, ordered, trained):
+                self.note(t.name, k, rows)
                 resets[t.name] = reset.to(p[0].ids.device)
                 found.append(rows if o is None else torch.empty_like(rows).index_copy_(0, o, rows))
         else:
@@ -97,6 +103,13 @@ class Vocabularies:
                 start += n
         return out, resets
 
+    def note(self, name: str, keys: Tensor, rows: Tensor) -> None:
+        """The rows [N] (-1: none) a training lookup gave ``keys`` [N] of table ``name``: what ``row_keys`` holds."""
+        held = self.row_keys.get(name)
+        if held is not None:
+            given = rows >= 0
+            held.index_copy_(0, rows[given].to(torch.int64), keys[given].to(torch.int64))
+
     def arrays(self) -> dict[str, dict[str, Tensor]]:
         """``{table: {field: [V] int64}}`` (``VOCABULARY_FIELDS``) for every dynamic table."""
         return {name: vocabulary_arrays(m.export()) for name, m in self.maps.items()}
@@ -105,6 +118,8 @@ class Vocabularies:
         """Replace the named tables' vocabularies with checked ``arrays`` (ages count back from ``step``)."""
         for name, arrays in values.items():
             self.maps[name].load(key_map_state(arrays, step))
+            if name in self.row_keys:
+                self.row_keys[name].copy_(vocabulary_arrays(self.maps[name].export())["keys"])
 
 
 # The state of a dynamic table beside its weights and slots (state dict keys "<table>/<field>", checkpoint

@@ -406,6 +406,7 @@ def test_the_estimators_embedding_columns_take_the_storage_types() -> None:
 def test_a_dynamic_half_table_trains_and_restores(tmp_path: Path) -> None:
     def make() -> Any:
         table = et.TableConfig(20, 4, name="u", combiner="sum", dtype=torch.bfloat16, slot_dtype=torch.bfloat16,
+                               initializer=et.Constant(0.3),  # a reused row starts alike in both
                                dynamic=et.DynamicVocabulary(admit_after=1, eviction="lru"))  # fmt: skip
         return et.DistributedEmbedding({"f": et.FeatureConfig(table)}, et.Adagrad(0.1))
 
@@ -420,6 +421,12 @@ def test_a_dynamic_half_table_trains_and_restores(tmp_path: Path) -> None:
     back.restore(tmp_path)
     assert all(torch.equal(x, y) for x, y in zip(_stored(emb).values(), _stored(back).values()))
     assert back.embedding_tables["u"].dtype == torch.bfloat16
+    for _ in range(5):  # the restored table rounds with the same keys' bits as the one that went on
+        ids, grad = torch.randint(0, 10**12, (8,), generator=g), torch.randn(8, 4, generator=g)
+        for m in (emb, back):
+            m({"f": ids})
+            m.apply_gradients({"f": grad})
+    assert all(torch.equal(x, y) for x, y in zip(_stored(emb).values(), _stored(back).values()))
 
 
 @pytest.mark.parametrize("refusing", ["half", "float32"])
@@ -451,3 +458,55 @@ def test_a_tf_bundle_of_a_half_table_holds_its_values_as_float32(tmp_path: Path)
     back = read_tf_checkpoint(tmp_path / "tf" / "ckpt")
     for key, value in _stored(emb).items():
         assert back[key].dtype == torch.float32 and torch.equal(back[key], value.float())
+
+
+def _dynamic_half() -> Any:
+    table = et.TableConfig(200, D, name="u", combiner="sum", dtype=torch.bfloat16, slot_dtype=torch.bfloat16,
+                           initializer=et.Constant(0.3),  # a new key's row starts alike on any W
+                           dynamic=et.DynamicVocabulary(admit_after=1, eviction="lru"))  # fmt: skip
+    return et.DistributedEmbedding({"f": et.FeatureConfig(table)}, et.Adagrad(0.2))
+
+
+def _dynamic_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """2B distinct keys from a space far larger than the table: every key's summed gradient is one occurrence's."""
+    g = torch.Generator().manual_seed(300 + step)
+    keys = torch.unique(torch.randint(0, 10**15, (4 * B,), generator=g))[: 2 * B]
+    return keys[torch.randperm(keys.numel(), generator=g)], torch.randn(2 * B, D, generator=g)
+
+
+def _by_key(emb: Any) -> dict[int, tuple[list[int], ...]]:
+    """Each live key's stored bits: {key: (weights row bits, accumulator row bits)}."""
+    sd = emb.state_dict()
+    live = sd["u/counts"] > 0
+    keys = sd["u/keys"][live].tolist()
+    w, a = sd["u"][live].view(torch.int16), sd["u/accumulators"][live].view(torch.int16)
+    return {k: (w[i].tolist(), a[i].tolist()) for i, k in enumerate(keys)}
+
+
+def _dynamic_sharded(rank: int, world: int, want_path: str) -> None:
+    want = torch.load(want_path)
+    emb = _dynamic_half()
+    lo, hi = rank * 2 * B // world, (rank + 1) * 2 * B // world
+    for step in range(3):
+        keys, grad = _dynamic_batch(step)
+        emb({"f": keys[lo:hi]})
+        emb.apply_gradients({"f": grad[lo:hi]})
+    got = _by_key(emb)
+    assert got.keys() == want.keys(), rank
+    for key, bits in want.items():
+        assert got[key] == bits, (rank, key)
+
+
+def test_a_dynamic_half_table_rounds_by_key_the_same_bits_on_any_world_size(tmp_path: Path) -> None:
+    """A dynamic table's rows are numbered differently on W = 1 and W = 2 (each owner its own key map): the
+    rounding's bits come from each row's key (spec §12.1), so every key's stored values are the same bits."""
+    one = _dynamic_half()
+    for step in range(3):
+        keys, grad = _dynamic_batch(step)
+        one({"f": keys})
+        one.apply_gradients({"f": grad})
+    want = _by_key(one)
+    assert len(want) == 3 * 2 * B
+    path = tmp_path / "want.pt"
+    torch.save(want, path)
+    run_world(_dynamic_sharded, 2, str(path))
