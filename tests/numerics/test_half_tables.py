@@ -510,3 +510,26 @@ def test_a_dynamic_half_table_rounds_by_key_the_same_bits_on_any_world_size(tmp_
     path = tmp_path / "want.pt"
     torch.save(want, path)
     run_world(_dynamic_sharded, 2, str(path))
+
+
+def _accumulators_after(rounding: str, slot_dtype: Any, steps: int = 400) -> torch.Tensor:
+    table = et.TableConfig(64, 8, name="t", combiner="sum", initializer=et.Constant(0.5), dtype=torch.bfloat16,
+                           slot_dtype=slot_dtype, rounding=rounding)  # fmt: skip
+    emb = et.DistributedEmbedding({"f": et.FeatureConfig(table)}, et.Adagrad(0.001, initial_accumulator_value=0.1))
+    ids, grad = torch.arange(64), torch.full((64, 8), 0.01)
+    for _ in range(steps):
+        emb({"f": ids})
+        emb.apply_gradients({"f": grad})
+    return emb.slot_variables["t"]["accumulators"].float()
+
+
+def test_a_bfloat16_accumulator_stalls_rounded_to_nearest_and_grows_rounded_stochastically() -> None:
+    """spec §12.1, half slots: g^2 = 1e-4 is below half a bfloat16 ulp of 0.1 (2.4e-4), so round-to-nearest
+    never moves the accumulator; stochastic rounding adds 1e-4 per step in expectation, as float32 does."""
+    exact = _accumulators_after("stochastic", None)  # float32 slots
+    assert exact.mean().item() == pytest.approx(0.14, rel=1e-3)
+    nearest = _accumulators_after("nearest", torch.bfloat16)
+    assert torch.equal(nearest, torch.full_like(nearest, float(torch.tensor(0.1).bfloat16())))  # stalled
+    stochastic = _accumulators_after("stochastic", torch.bfloat16)
+    assert stochastic.mean().item() == pytest.approx(0.14, rel=0.01)
+    assert stochastic.std().item() < 0.01  # 0.0049 measured
