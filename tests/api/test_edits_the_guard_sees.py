@@ -213,7 +213,7 @@ def test_a_table_tensor_replaced_through_data_is_refused_naming_the_table(
     if what == "one row short":
         what = rf"\[{original.shape[0] - 1}, "
     name = "weights" if tensor == "weights" else "slot 'accumulators'"
-    refused = rf"table 't': its {name} were replaced by .*{what}"
+    refused = rf"table 't': its {name} are now a .*{what}"
     try:
         emb({"f": _ids(path)})
         assert tensor != "weights", "a lookup reads the weights: it must refuse them"

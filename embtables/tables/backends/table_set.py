@@ -62,8 +62,8 @@ class TableSet:
     @staticmethod
     def _replaced(table: ResolvedTable, what: str, t: Tensor, dtype: torch.dtype, shape: torch.Size) -> None:
         raise InputError(
-            f"table {table.name!r}: its {what} were replaced by a {str(t.dtype).removeprefix('torch.')} "
-            f"{list(t.shape)} tensor (through .data?); they must stay {str(dtype).removeprefix('torch.')} "
+            f"table {table.name!r}: its {what} are now a {str(t.dtype).removeprefix('torch.')} {list(t.shape)} "
+            f"tensor (replaced through .data, or resized); they must stay {str(dtype).removeprefix('torch.')} "
             f"{list(shape)}. Write values into the tensor instead (tensor.data.copy_(values), or "
             "load_state_dict). Nothing was changed by this call."
         )
