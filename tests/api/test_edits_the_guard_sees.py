@@ -60,7 +60,8 @@ def _zero(t: torch.Tensor, how: str) -> None:
 
 def _edit_accumulators(emb: et.DistributedEmbedding, how: str) -> None:
     """Set every Adagrad accumulator of table t to 0 (a zero gradient then divides 0 by 0). ``load_state_dict``
-    and ``restore`` refuse accumulators <= 0 outright; the writes below are the ones they cannot refuse."""
+    refuses accumulators below 2^-126 outright (``restore`` loads a checkpoint's values as saved); the writes
+    below are the ones it cannot refuse."""
     if how == "state_dict-view":
         _zero(emb.state_dict()["t/accumulators"].data, "data")
     else:
