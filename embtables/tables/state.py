@@ -12,8 +12,8 @@ from torch import Tensor
 from embtables.config import ResolvedTable
 from embtables.errors import ConfigError
 from embtables.kernels import huge_pages
-from embtables.kernels.record import F32_MIN_NORMAL
 from embtables.kernels.registry import record_of
+from embtables.kernels.subnormals import SMALLEST_NORMAL
 from embtables.tables.initializers import Constant, default_initializer
 
 
@@ -71,7 +71,7 @@ def check_loaded_value(table: ResolvedTable, slot: str, value: Tensor) -> str | 
         return f"must be finite {name} values (NaN, Inf or beyond {name}'s range found; the checkpoint is corrupt)"
     opt = table.optimizer
     domain = dict(zip(opt.slot_names, record_of(opt).slot_domains(opt))).get(slot, "any")
-    if domain == "positive" and not smallest >= F32_MIN_NORMAL:
+    if domain == "positive" and not smallest >= SMALLEST_NORMAL:  # exactly 2^-126 (float32's value is normal)
         return (
             f"holds {smallest!r} (as float32), but {type(opt).__name__}'s {slot} must be >= 1.1754944e-38, the "
             "smallest normal float32 (the update divides by it, and the kernels read a subnormal as zero)"

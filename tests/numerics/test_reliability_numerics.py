@@ -148,6 +148,15 @@ def test_loaded_values_are_checked_as_float32_and_in_their_slot_domain(key: str,
     assert_same(snapshot(m), before)
 
 
+def test_the_smallest_normal_accumulator_loads() -> None:
+    """2^-126 is the smallest normal float32: a positive slot may hold it (spec §1.5)."""
+    m = _three_tables()
+    sd = {k: v.clone() for k, v in m.state_dict().items()}
+    sd["ada/accumulators"] = torch.full((4, 2), torch.finfo(torch.float32).tiny)
+    m.load_state_dict(sd)
+    assert torch.equal(m.state_dict()["ada/accumulators"], sd["ada/accumulators"])
+
+
 def test_ftrl_allow_zero_accumulator_loads_zero_and_agrees_on_both_paths() -> None:
     results = {}
     for path in ("native", "torch"):
