@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from embtables.config.optimizers import as_float32 as as_float32  # the one float32 rounding
+from embtables.kernels.subnormals import flush_scalar
 
 
 def one_minus(x: float) -> float:
@@ -27,12 +28,9 @@ def times(*xs: float) -> float:
     out = np.float32(1.0)
     with np.errstate(over="ignore", under="ignore"):
         for i, x in enumerate(xs):
-            out = _flushed(np.float32(x)) if i == 0 else _flushed(out * _flushed(np.float32(x)))
+            operand = np.float32(flush_scalar(float(np.float32(x))))
+            out = operand if i == 0 else np.float32(flush_scalar(float(out * operand)))
     return float(out)
-
-
-def _flushed(x: np.float32) -> np.float32:
-    return x * np.float32(0.0) if abs(x) < np.float32(2.0**-126) else x
 
 
 def neg_reciprocal(x: float) -> float:

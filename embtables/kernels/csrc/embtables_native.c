@@ -43,7 +43,9 @@ static inline et_fp_mode et_flush_on(void) {
     __asm__ __volatile__("msr fpcr, %0" : : "r"(saved | ((et_fp_mode)1 << 24)) : "memory"); /* FZ: inputs and results */
     return saved;
 }
-static inline void et_flush_restore(const et_fp_mode *saved) { __asm__ __volatile__("msr fpcr, %0" : : "r"(*saved) : "memory"); }
+static inline void et_flush_restore(const et_fp_mode *saved) {
+    __asm__ __volatile__("msr fpcr, %0" : : "r"(*saved) : "memory");
+}
 int et_flushes_subnormals(void) { return 1; }
 #else
 typedef int et_fp_mode;
@@ -219,6 +221,25 @@ static int et_offsets_ok(const int64_t *offsets, int64_t S, int64_t N) {
     return 1;
 }
 
+/* The bags of F features as one index space: first[f] [F + 1] is feature f's first bag (first[F] all of them),
+ * every feature's offsets checked (et_offsets_ok). Returns 0 when one is bad. */
+static int et_bag_index(int64_t F, const int64_t *const *offsets, const int64_t *S, const int64_t *N, int64_t *first) {
+    first[0] = 0;
+    for (int64_t f = 0; f < F; ++f) {
+        if (!et_offsets_ok(offsets[f], S[f], N[f])) return 0;
+        first[f + 1] = first[f] + S[f];
+    }
+    return 1;
+}
+
+/* The feature of bag i of that index space, from the feature f of a nearby bag (a thread walks its bags in
+ * order: a step or two at most). */
+static inline int64_t et_feature_of(const int64_t *first, int64_t i, int64_t f) {
+    while (i >= first[f + 1]) ++f;
+    while (i < first[f]) --f;
+    return f;
+}
+
 /* 1 when every value of the F float32 buffers x[f] [n[f]] is finite (no NaN, no Inf), else 0. */
 int et_all_finite(int64_t F, const float *const *x, const int64_t *n) {
     uint32_t m = 0;
@@ -323,11 +344,7 @@ int et_lookup_many(int64_t F, const float *const *W, const int64_t *D, const int
                    float *const *out, const int64_t *ld, int nthreads) {
     ET_FLUSH_SUBNORMALS;
     int64_t first[F + 1];
-    first[0] = 0;
-    for (int64_t f = 0; f < F; ++f) {
-        if (!et_offsets_ok(offsets[f], S[f], N[f])) return 1;
-        first[f + 1] = first[f] + S[f];
-    }
+    if (!et_bag_index(F, offsets, S, N, first)) return 1;
     const int64_t all = first[F];
     int bad = 0, nonfinite = 0;
     /* Column blocks of one shared output (every feature S bags, rows ld > D apart): bag by bag, every feature's
@@ -354,8 +371,7 @@ int et_lookup_many(int64_t F, const float *const *W, const int64_t *D, const int
         int64_t f = 0;
 #pragma omp for schedule(static, 256)
         for (int64_t i = 0; i < all; ++i) {
-            while (i >= first[f + 1]) ++f;
-            while (i < first[f]) --f;
+            f = et_feature_of(first, i, f);
             nonfinite |= et_bag(W[f], D[f], V[f], ids[f], offsets[f], i - first[f], offsets[f][S[f]], coeffs[f],
                                 out[f], ld[f], &bad);
         }
@@ -2033,12 +2049,10 @@ int et_lookup_half_many(int64_t F, const uint16_t *const *W, const int32_t *kind
                         const int64_t *const *offsets, const int64_t *S, const float *const *coeffs,
                         float *const *out, int nthreads) {
     ET_FLUSH_SUBNORMALS;
+    for (int64_t f = 0; f < F; ++f)
+        if (kind[f] != 0 && kind[f] != 1) return 1;
     int64_t first[F + 1];
-    first[0] = 0;
-    for (int64_t f = 0; f < F; ++f) {
-        if ((kind[f] != 0 && kind[f] != 1) || !et_offsets_ok(offsets[f], S[f], N[f])) return 1;
-        first[f + 1] = first[f] + S[f];
-    }
+    if (!et_bag_index(F, offsets, S, N, first)) return 1;
     const int64_t all = first[F];
     int bad = 0, nonfinite = 0;
 #pragma omp parallel num_threads(nthreads) reduction(| : bad, nonfinite)
@@ -2047,8 +2061,7 @@ int et_lookup_half_many(int64_t F, const uint16_t *const *W, const int32_t *kind
         int64_t f = 0;
 #pragma omp for schedule(static, 256)
         for (int64_t i = 0; i < all; ++i) {
-            while (i >= first[f + 1]) ++f;
-            while (i < first[f]) --f;
+            f = et_feature_of(first, i, f);
             const int64_t s = i - first[f], d = D[f];
             float *restrict o = out[f] + s * d;
             if (kind[f] == 0 && d % 8 == 0 && d % 64 != 0) /* 64-column blocks: et_bag_half's registers */
