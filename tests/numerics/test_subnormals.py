@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from conftest import tol_for
+from conftest import TEST_DEVICE, tol_for
 from oracle.np_engine import OracleEngine
 from oracle.np_optimizers import _update_row, update_row
 from oracle.np_subnormals import SMALLEST_NORMAL
@@ -71,7 +71,7 @@ def _engine(opt: Any) -> et.DistributedEmbedding:
     table = et.TableConfig(
         V, D, name="t", combiner="sum", initializer=lambda shape, dtype=torch.float32: torch.from_numpy(init).to(dtype)
     )
-    return et.DistributedEmbedding({"f": et.FeatureConfig(table)}, opt)
+    return et.DistributedEmbedding({"f": et.FeatureConfig(table)}, opt, device=TEST_DEVICE)
 
 
 def _oracle(opt: Any) -> OracleEngine:
@@ -80,14 +80,14 @@ def _oracle(opt: Any) -> OracleEngine:
 
 
 def _step(emb: et.DistributedEmbedding) -> torch.Tensor:
-    acts = emb({"f": et.Ragged.from_lists(IDS)})["f"].detach().clone()
-    emb.apply_gradients({"f": torch.from_numpy(GRADS.copy())})
+    acts = emb({"f": et.Ragged.from_lists(IDS)})["f"].detach().cpu()
+    emb.apply_gradients({"f": torch.from_numpy(GRADS.copy()).to(TEST_DEVICE)})
     return acts
 
 
 def _assert_flushed_close(actual: torch.Tensor, expected: np.ndarray, rtol: float, what: str) -> None:
     """Relative closeness with no absolute slack: where the oracle flushed to zero, the engine must hold 0."""
-    a = actual.detach().double().numpy()
+    a = actual.detach().double().cpu().numpy()
     written = a if a.shape[0] != V else a[TOUCHED]  # a row no update touches keeps what it held
     assert not np.any((np.abs(written) < SMALLEST_NORMAL) & (written != 0)), f"{what}: a subnormal value was written"
     np.testing.assert_allclose(a, expected, rtol=rtol, atol=0, err_msg=what)
@@ -160,7 +160,7 @@ def test_lookups_and_weighted_combiners_flush(combiner: str, path: str) -> None:
         combiner=combiner,
         initializer=lambda shape, dtype=torch.float32: torch.from_numpy(init).to(dtype),
     )
-    emb = et.DistributedEmbedding({"f": et.FeatureConfig(table)}, et.SGD(0.1))
+    emb = et.DistributedEmbedding({"f": et.FeatureConfig(table)}, et.SGD(0.1), device=TEST_DEVICE)
     ids = [[0, 8], [4, 5], [4], [9, 1], [2]]
     weights = [[1.0, 2e-39], [0.5, 0.25], [0.5], [3e-38, 1e-39], [1e-39]]
     acts = emb({"f": et.Ragged.from_lists(ids)}, {"f": et.Ragged.from_lists(weights, dtype=torch.float32)})["f"]
@@ -180,7 +180,7 @@ def test_a_subnormal_accumulator_edited_in_place_is_not_proven_positive(path: st
     before = {k: v.clone() for k, v in emb.state_dict().items()}
     emb({"f": et.Ragged.from_lists([[8], [9]])})
     with pytest.raises(Exception, match="finite"):
-        emb.apply_gradients({"f": torch.tensor([[1e-20, 0.0, 0.0, 0.0], [0.1, 0.1, 0.1, 0.1]])})
+        emb.apply_gradients({"f": torch.tensor([[1e-20, 0.0, 0.0, 0.0], [0.1, 0.1, 0.1, 0.1]], device=TEST_DEVICE)})
     for k, v in emb.state_dict().items():
         assert torch.equal(v, before[k]), k
 
@@ -190,11 +190,11 @@ def test_half_tables_read_bfloat16_subnormals_as_zero_and_keep_float16_subnormal
     out = {}
     for dtype in (torch.bfloat16, torch.float16):
         table = et.TableConfig(2, D, name="t", combiner="sum", dtype=dtype, rounding="nearest")
-        emb = et.DistributedEmbedding({"f": et.FeatureConfig(table)}, et.SGD(0.5))
+        emb = et.DistributedEmbedding({"f": et.FeatureConfig(table)}, et.SGD(0.5), device=TEST_DEVICE)
         emb.load_state_dict({"t": rows if dtype is torch.bfloat16 else torch.tensor([[1e-6, -3e-7, 0.5, 0.0]] * 2)})
         acts = emb({"f": torch.tensor([0, 1])})["f"].detach()
-        emb.apply_gradients({"f": torch.tensor([[0.0, 0.0, 0.0, 1e-6], [0.0, 0.0, 0.0, 0.0]])})
-        out[dtype] = (acts, emb.embedding_tables["t"].float())
+        emb.apply_gradients({"f": torch.tensor([[0.0, 0.0, 0.0, 1e-6], [0.0, 0.0, 0.0, 0.0]], device=TEST_DEVICE)})
+        out[dtype] = (acts.cpu(), emb.embedding_tables["t"].float().cpu())
     acts, stored = out[torch.bfloat16]
     assert acts[0, :2].tolist() == [0.0, 0.0] and acts[1, 1].item() == 0.0  # bfloat16 subnormals read as zero
     assert acts[1, 0].item() == pytest.approx(2e-38, rel=1e-2)
