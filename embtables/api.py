@@ -188,6 +188,14 @@ class DistributedEmbedding(nn.Module):
         (summed over the ranks when sharded: collective)."""
         return self._pipeline.exchange("state read", self._engine.vocabulary_statistics)
 
+    @_locked
+    def offload_statistics(self) -> dict[str, dict[str, float]]:
+        """Per offloaded table (``TableConfig.offload``, docs/offload.md), since construction: rows looked up,
+        cache ``hits`` (rows already in memory), rows and bytes read from and written to its files, seconds
+        waiting for the disk, rows initialized, groups evicted; ``resident_rows`` and ``cache_rows`` now. Summed
+        over the ranks when sharded (collective)."""
+        return self._pipeline.exchange("state read", self._engine.offload_statistics)
+
     def _dynamic_table(self, table: str | TableConfig) -> str:
         name = self._names_by_config.get(id(table), "") if isinstance(table, TableConfig) else table
         if name not in self._engine.vocabularies.maps:

@@ -11,6 +11,7 @@ from embtables.config.extra_optimizers import (
     ProximalYogi,
     RMSProp,
 )
+from embtables.config.offload import Offload
 from embtables.config.optimizers import FTRL, SGD, Adagrad, AdagradMomentum, Adam
 from embtables.config.resolve import ResolvedConfig, ResolvedFeature, ResolvedTable, resolve
 from embtables.config.tables import Combiner, FeatureConfig, QuantizationConfig, TableConfig
@@ -29,6 +30,7 @@ __all__ = [
     "FeatureConfig",
     "FrequencyEstimator",
     "Momentum",
+    "Offload",
     "Optimizer",
     "ProximalAdagrad",
     "ProximalYogi",

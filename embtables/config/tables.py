@@ -16,6 +16,7 @@ from typing import Any
 
 from embtables.config.catalogue import OPTIMIZER_TYPES, Optimizer
 from embtables.config.dynamic_vocabulary import DynamicVocabulary
+from embtables.config.offload import Offload
 from embtables.errors import ConfigError
 
 logger = logging.getLogger("embtables")
@@ -97,6 +98,8 @@ class TableConfig:
       rounding: how a half table's written values are rounded: "stochastic" (default; unbiased, seeded by
         ``rounding_seed``, the step, the table, the row and the column) or "nearest" (ties to even).
       rounding_seed: the seed of the stochastic rounding (an int >= 0).
+      offload: an ``Offload`` keeps the rows and slots in files under a local directory with at most
+        ``cache_rows`` rows in memory (docs/offload.md); None (default) keeps the table in memory.
     """
 
     vocabulary_size: int
@@ -111,6 +114,7 @@ class TableConfig:
     slot_dtype: Any = None
     rounding: str = "stochastic"
     rounding_seed: int = 0
+    offload: Offload | None = None
 
     @property
     def storage(self) -> str:
@@ -163,6 +167,27 @@ class TableConfig:
                 f"{who}: `dynamic` must be an embtables.DynamicVocabulary or None, got {type(self.dynamic).__name__}."
             )
         self._check_storage(who)
+        self._check_offload(who)
+
+    def _check_offload(self, who: str) -> None:
+        """The rules of ``offload``: an initializer that draws any block of rows on its own, no dynamic keys."""
+        if self.offload is None:
+            return
+        if not isinstance(self.offload, Offload):
+            got = type(self.offload).__name__
+            raise ConfigError(f"{who}: `offload` must be an embtables.Offload or None, got {got}.")
+        if self.dynamic is not None:
+            raise ConfigError(
+                f"{who}: `offload` with `dynamic`: a dynamic vocabulary over an offloaded table is not supported (its "
+                "key map and row reuse are in memory). Drop one of them: an offloaded table of ids in [0, V), or an "
+                "in-memory dynamic table."
+            )
+        if self.initializer is not None and not callable(getattr(self.initializer, "block", None)):
+            raise ConfigError(
+                f"{who}: `offload` needs an initializer that can draw any block of rows on its own (rows are "
+                f"initialized when first read): embtables.TruncatedNormal, Constant or RowIdInitializer, or an object "
+                f"with a `block(start, shape, seed)` method; got {self.initializer!r}."
+            )
 
     def _check_storage(self, who: str) -> None:
         """The rules of ``dtype``, ``slot_dtype``, ``rounding`` and ``rounding_seed``."""

@@ -44,6 +44,7 @@ from embtables.tables.collection import EmbeddingCollection
 from embtables.tables.engine import LocalTables
 from embtables.tables.initializers import default_initializer
 from embtables.tables.inputs import FeatureBatch
+from embtables.tables.offload_cache import OffloadShard, table_seed
 from embtables.tables.state import LocalShard
 from embtables.tables.table_gradient import TableGradient
 
@@ -92,7 +93,10 @@ class ShardedEmbeddingCollection(LocalTables):
         self.resolved = resolved
         self.group = group
         self.rank, self.world = comm.get_rank(group), comm.get_world_size(group)
-        eligible = {t.name for t in resolved.tables if owner_pooling.owner_pooled(t, resolved)}
+        # an offloaded table returns rows: its owner brings them into memory before it answers (``lookup``)
+        eligible = {
+            t.name for t in resolved.tables if owner_pooling.owner_pooled(t, resolved) and t.config.offload is None
+        }
         pooled = eligible if owner_pooled is None else eligible & set(owner_pooled)
         # Which tables pool on their owners changes the float32 summation order: every rank must agree.
         checked = {**(settings or {}), "owner_pooled": sorted(pooled)}
@@ -108,10 +112,17 @@ class ShardedEmbeddingCollection(LocalTables):
                 )
         self.plans: dict[str, TablePlan] = {}
         local_tables = []
+        offload: dict[str, OffloadShard] = {}
         for t in resolved.tables:
             plan = TablePlan.of(placements[t.name], t.vocabulary_size, self.world)
             self.plans[t.name] = plan
             rows = plan.global_rows(self.rank)
+            if t.config.offload is not None:  # its files hold this rank's rows, initialized when first read
+                config = dataclasses.replace(t.config, vocabulary_size=max(1, int(rows.numel())))
+                where = rows if rows.numel() else torch.zeros(1, dtype=torch.int64)
+                offload[t.name] = OffloadShard(t, f"w{self.world}r{self.rank}", where, table_seed(t))
+                local_tables.append(dataclasses.replace(t, config=config))
+                continue
             if t.config.dynamic is not None:  # rows get their initial values when given to a key (spec §11)
                 config = dataclasses.replace(t.config, vocabulary_size=max(1, int(rows.numel())))
                 local_tables.append(dataclasses.replace(t, config=config))
@@ -124,8 +135,9 @@ class ShardedEmbeddingCollection(LocalTables):
             local_tables.append(dataclasses.replace(t, config=config))
         # every rank raises the same error in the call that finds it: no error is left for a later call
         self.local = EmbeddingCollection(
-            dataclasses.replace(resolved, tables=tuple(local_tables)), device, deferred_errors=False
+            dataclasses.replace(resolved, tables=tuple(local_tables)), device, deferred_errors=False, offload=offload
         )
+        self._admission = (0, 0, False)  # (step, pin_from, training) of the lookup being translated
         # Owned rows per table (local rows may add one placeholder row when a rank owns none).
         self._owned_rows = {t.name: self.plans[t.name].owned_rows(self.rank) for t in resolved.tables}
         # a half-precision table rounds each row's update with the row's global id (spec §12): the same bits
@@ -161,6 +173,7 @@ class ShardedEmbeddingCollection(LocalTables):
     ) -> list[FeatureBatch]:
         """Dynamic features' keys turned into global rows by their owners' key maps (collective; every
         rank raises when any rank refused its batch, before any map changes)."""
+        self._admission = (step, pin_from, training)
         out, refusing = dynamic_keys.translate_sharded(
             self.resolved, self.plans, self.local.vocabularies, self.local.reset_rows, batches, training, step,
             pin_from, refused is not None, self.group,
@@ -180,6 +193,11 @@ class ShardedEmbeddingCollection(LocalTables):
         self.local.vocabularies.load(
             dynamic_keys.local_vocabularies(values, self.plans, self.local.vocabularies, self.rank), step
         )
+
+    def offload_statistics(self) -> dict[str, dict[str, float]]:
+        """Per offloaded table, every counter summed over the ranks (collective)."""
+        everyone = comm.all_gather_object(self.local.offload_statistics(), self.group)
+        return {name: {k: sum(r[name][k] for r in everyone) for k in everyone[0][name]} for name in everyone[0]}
 
     def vocabulary_statistics(self) -> dict[str, dict[str, int]]:
         """Per dynamic table, every counter summed over the ranks (collective); ``capacity`` is V."""
@@ -206,6 +224,7 @@ class ShardedEmbeddingCollection(LocalTables):
         out: list[Tensor | None] = [None] * len(self.resolved.features)
         if tables:  # the row-returning tables (their exchange carries the refusal agreement)
             routes = self._routes(batches, refused)
+            self._admit_offloaded(tables, routes)
             answers = []
             with phase_profile.phase("lookup: answer rows"):
                 for t, route in zip(tables, routes):
@@ -254,6 +273,24 @@ class ShardedEmbeddingCollection(LocalTables):
         if refusing:
             self._raise_refused(refused, refusing, "batch")
         return [routing.TableRoute(r, recv_rows, recv_counts) for r, (recv_rows, recv_counts) in zip(routed, asked)]
+
+    def _admit_offloaded(self, tables: Sequence[ResolvedTable], routes: Sequence[routing.TableRoute]) -> None:
+        """Bring the rows other ranks asked for into this rank's row caches (offloaded tables); every rank
+        raises when any rank's cache refused (one exchange, only with offloaded tables)."""
+        if not self.local.offloaded:
+            return
+        step, pin_from, training = self._admission
+        error: str | None = None
+        for t, route in zip(tables, routes):
+            try:
+                self.local.admit_offloaded(t.name, route.recv_rows, step, pin_from, training)
+            except (InputError, OSError) as exc:
+                error = f"{type(exc).__name__}: {exc}"
+                break
+        errors = comm.all_gather_object(error, self.group)
+        refusing = [r for r, e in enumerate(errors) if e is not None]
+        if refusing:
+            raise InputError(f"rank {refusing[0]} refused the lookup: {errors[refusing[0]]}")
 
     def _check_activations(self, result: list[Tensor]) -> None:
         self.local.check_activations(result)
@@ -518,6 +555,7 @@ class ShardedEmbeddingCollection(LocalTables):
 
     def full_state(self) -> dict[str, Tensor]:
         """``{"<table>" | "<table>/<slot>": full logical [V, D] tensor}`` gathered on every rank (collective)."""
+        self.local.whole_tables()
         out = {}
         for key, (t, slot) in self.state_key_owners().items():
             plan = self.plans[t.name]
@@ -532,6 +570,7 @@ class ShardedEmbeddingCollection(LocalTables):
     def load_logical(self, values: dict[str, Tensor]) -> None:
         """Keep this rank's rows of full logical tables/slots ``{key: [V, D]}`` (already validated)."""
         owners = self.state_key_owners()
+        self.local.whole_tables()
         with torch.no_grad():
             for key, value in values.items():
                 t, slot = owners[key]
@@ -544,6 +583,7 @@ class ShardedEmbeddingCollection(LocalTables):
 
     def local_shards(self) -> dict[str, LocalShard]:
         """``{table: LocalShard}``: this rank's rows with their global row ids, as live storage."""
+        self.local.whole_tables()
         out = {}
         for t in self.resolved.tables:
             n = self._owned_rows[t.name]

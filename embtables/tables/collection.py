@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from embtables.config import ResolvedConfig, ResolvedTable
+from embtables.errors import ConfigError
 from embtables.kernels import native
 from embtables.kernels.clip_decay import optimizer_decay
 from embtables.tables.backends import Backend, BagPart, GradientPart, Prepared, TableSet, TorchBackend, choose, switches
@@ -24,6 +25,7 @@ from embtables.tables.dynamic_vocabularies import Vocabularies
 from embtables.tables.gradient_checks import GradientChecks
 from embtables.tables.inputs import FeatureBatch
 from embtables.tables.learning_rates import LearningRatePlan
+from embtables.tables.offload_cache import OffloadedRows, OffloadShard
 from embtables.tables.state import TableState, create_table_state, initial_rows
 from embtables.tables.table_gradient import TableGradient
 
@@ -32,11 +34,33 @@ class EmbeddingCollection:
     """Tables of ``resolved`` on ``device``; single process. A plain object: the ``nn.Module``
     integration (``.to()``, ``state_dict``) lives in ``DistributedEmbedding``."""
 
-    def __init__(self, resolved: ResolvedConfig, device: torch.device, *, deferred_errors: bool = True) -> None:
+    def __init__(
+        self,
+        resolved: ResolvedConfig,
+        device: torch.device,
+        *,
+        deferred_errors: bool = True,
+        offload: dict[str, OffloadShard] | None = None,
+    ) -> None:
         self.resolved = resolved
         # False: a GPU backend raises every error in the call that finds it (the sharded engine's local tables)
         self.deferred_errors = deferred_errors
-        self.states: dict[str, TableState] = {t.name: create_table_state(t, device) for t in resolved.tables}
+        self.states: dict[str, TableState] = {}
+        # offloaded tables (``TableConfig.offload``): their files and row cache; ``offload`` says which shard
+        self.offloaded: dict[str, OffloadedRows] = {}
+        try:
+            for t in resolved.tables:
+                made = create_table_state(t, device, (offload or {}).get(t.name))
+                if isinstance(made, OffloadedRows):
+                    self.offloaded[t.name] = made
+                    weights, slots = made.state_tensors()
+                    made_state = TableState(weights=weights, slots=slots)
+                else:
+                    made_state = made
+                self.states[t.name] = made_state
+        except BaseException:
+            self.close()
+            raise
         self.vocabularies = Vocabularies(resolved)  # the key maps of dynamic tables (spec §11)
         self.changed = ChangedRows(self.states)  # rows written since the last save
         self._build()
@@ -74,7 +98,32 @@ class EmbeddingCollection:
             backend = self._backend = choose(self._tables, deferred_errors=self.deferred_errors)
         return backend
 
+    def close(self) -> None:
+        """Close the offloaded tables' files (their locks released)."""
+        for rows in self.offloaded.values():
+            rows.close()
+
+    # ------------------------------------------------------------------ offloaded tables (docs/offload.md)
+    def admit_offloaded(self, name: str, rows: Tensor, step: int, pin_from: int, training: bool) -> None:
+        """Bring local rows [any] of offloaded table ``name`` into memory before a lookup reads them."""
+        cache = self.offloaded.get(name)
+        if cache is not None:
+            cache.admit(rows, step, pin_from, training)
+
+    def whole_tables(self) -> None:
+        """Every offloaded table initialized in full before its tensors are read or written whole."""
+        for cache in self.offloaded.values():
+            cache.materialize()
+
+    def offload_statistics(self) -> dict[str, dict[str, float]]:
+        return {name: cache.statistics() for name, cache in self.offloaded.items()}
+
     def __getstate__(self) -> dict[str, Any]:
+        if self.offloaded:
+            raise TypeError(
+                f"an embedding collection with offloaded tables ({sorted(self.offloaded)}) keeps its rows in files "
+                "it has locked; it cannot be copied or pickled. Save a checkpoint (save/restore) instead."
+            )
         # The backend's scratch (C workspaces, ctypes blocks) belongs to this process: a copy or a pickle
         # chooses its backend again.
         state = self.__dict__.copy()
@@ -100,6 +149,12 @@ class EmbeddingCollection:
     ) -> list[FeatureBatch]:
         """Batches whose dynamic features hold rows instead of keys (spec §11); the rows a training lookup
         gave to new keys are reset to the table's initial values first. Other batches pass unchanged."""
+        if self.offloaded:
+            for name, cache in self.offloaded.items():
+                index = self.resolved.table_names.index(name)
+                ids = [batches[f].ids for f in self.resolved.tables[index].feature_indices]
+                if ids:
+                    cache.admit(torch.cat(ids), step, pin_from, training)
         if not self.vocabularies:
             return list(batches)
         out, resets = self.vocabularies.translate(batches, training, step, pin_from)
@@ -273,6 +328,12 @@ class EmbeddingCollection:
     # ------------------------------------------------------------------ torch integration
     def map_tensors(self, fn: Callable[[Tensor], Tensor]) -> None:
         """Replace every table and slot tensor ``t`` by ``fn(t)`` (used by ``Module.to``)."""
+        for name, state in self.states.items():
+            if name in self.offloaded and (fn(state.weights[:0]).device != state.weights.device):
+                raise ConfigError(
+                    f"table {name!r} is offloaded (its rows in files on this machine): it stays on the CPU; "
+                    "the module cannot move to another device. Drop `offload` to train it on a GPU."
+                )
         if self._backend is not None:
             self._backend.settle()  # what the device found is raised before its backend goes
         for state in self.states.values():

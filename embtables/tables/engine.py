@@ -63,6 +63,8 @@ class Engine(Protocol):
 
     def vocabulary_statistics(self) -> dict[str, dict[str, int]]: ...
 
+    def offload_statistics(self) -> dict[str, dict[str, float]]: ...
+
     def vocabulary_shards(self) -> dict[str, dict[str, Tensor]]: ...
 
     def lookup(
@@ -233,6 +235,10 @@ class OneProcessEngine(LocalTables):
     def vocabulary_statistics(self) -> dict[str, dict[str, int]]:
         return {name: m.stats() for name, m in self.local.vocabularies.maps.items()}
 
+    def offload_statistics(self) -> dict[str, dict[str, float]]:
+        """Per offloaded table, its row cache's counters (``OffloadedRows.statistics``)."""
+        return self.local.offload_statistics()
+
     def device_checks(self) -> Any:
         """The GPU backend's deferred device checks, which the input staging reports to (its input rules
         then read back at the next call, with the lookup's); None when errors are raised in each call."""
@@ -276,6 +282,7 @@ class OneProcessEngine(LocalTables):
 
     def full_state(self) -> dict[str, Tensor]:
         """``{"<table>" | "<table>/<slot>": [V, D]}``: the live tensors (no copy in one process)."""
+        self.local.whole_tables()
         return self.local.state_keys()
 
     def logical_shapes(self) -> dict[str, tuple[int, int]]:
@@ -286,6 +293,7 @@ class OneProcessEngine(LocalTables):
 
     def load_logical(self, values: dict[str, Tensor]) -> None:
         """Copy full logical tables/slots ``{key: [V, D]}`` (already validated) into place."""
+        self.local.whole_tables()
         expected = self.local.state_keys()
         with torch.no_grad():
             for key, value in values.items():
@@ -293,6 +301,7 @@ class OneProcessEngine(LocalTables):
 
     def local_shards(self) -> dict[str, LocalShard]:
         """Every table as one whole shard (rows ``arange(V)``), as live storage."""
+        self.local.whole_tables()
         out = {}
         for t in self.resolved.tables:
             state = self.local.states[t.name]

@@ -37,6 +37,10 @@ class TruncatedNormal:
         out.clamp_(self.mean + lo * self.stddev, self.mean + hi * self.stddev)
         return out.to(dtype)
 
+    def block(self, start: int, shape: tuple[int, int], seed: int) -> Tensor:
+        """Rows [start, start + shape[0]) of an offloaded table: drawn from ``seed``, the block's own seed."""
+        return dataclasses.replace(self, seed=seed)(shape)
+
 
 @dataclasses.dataclass(frozen=True)
 class Constant:
@@ -46,6 +50,10 @@ class Constant:
 
     def __call__(self, shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> Tensor:
         return torch.full(shape, float(self.value), dtype=dtype)
+
+    def block(self, start: int, shape: tuple[int, int], seed: int) -> Tensor:
+        """Rows [start, start + shape[0]) of an offloaded table."""
+        return self(shape)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +65,10 @@ class RowIdInitializer:
     def __call__(self, shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> Tensor:
         rows = torch.arange(shape[0], dtype=torch.float64) + self.offset
         return rows.reshape(-1, *([1] * (len(shape) - 1))).expand(shape).to(dtype).clone()
+
+    def block(self, start: int, shape: tuple[int, int], seed: int) -> Tensor:
+        """Rows [start, start + shape[0]) of an offloaded table: ``offset + start + i``."""
+        return RowIdInitializer(self.offset + start)(shape)
 
 
 def default_initializer(dim: int) -> TruncatedNormal:

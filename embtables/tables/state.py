@@ -15,6 +15,7 @@ from embtables.kernels import huge_pages
 from embtables.kernels.registry import record_of
 from embtables.kernels.subnormals import SMALLEST_NORMAL
 from embtables.tables.initializers import Constant, default_initializer
+from embtables.tables.offload_cache import OffloadedRows, OffloadShard, table_seed
 
 
 @dataclasses.dataclass(eq=False)
@@ -109,9 +110,15 @@ def _owned(t: Tensor, device: torch.device, dtype: torch.dtype = torch.float32) 
     return out
 
 
-def create_table_state(table: ResolvedTable, device: torch.device) -> TableState:
+def create_table_state(
+    table: ResolvedTable, device: torch.device, offload: OffloadShard | None = None
+) -> TableState | OffloadedRows:
     """Initialise weights with the table's initializer (TF's truncated normal by default) and the
-    slots with the optimizer's constants, or with ``slot_variable_creation_fn`` when given."""
+    slots with the optimizer's constants, or with ``slot_variable_creation_fn`` when given. An offloaded
+    table (``TableConfig.offload``) gets its files instead, its rows initialized when first read
+    (``offload``: which shard; None: the whole table)."""
+    if table.config.offload is not None:
+        return _offloaded(table, device, offload)
     shape = (table.vocabulary_size, table.dim)
     row_dtype, slot_dtype = storage_dtypes(table)
     per_value = row_dtype.itemsize + slot_dtype.itemsize * len(table.optimizer.slot_names)
@@ -134,6 +141,31 @@ def create_table_state(table: ResolvedTable, device: torch.device) -> TableState
             f"{table.config.storage} rows, {table.config.slot_storage} slots). Reduce vocabulary_size or dim, store "
             "the table in half precision (dtype=torch.bfloat16), or shard it over more processes."
         ) from exc
+
+
+def _offloaded(table: ResolvedTable, device: torch.device, where: OffloadShard | None) -> OffloadedRows:
+    if device.type != "cpu":
+        raise ConfigError(
+            f"table {table.name!r}: an offloaded table (TableConfig.offload) lives on the CPU, its rows in files; "
+            f"device={device} is not supported. Drop `offload`, or keep the module on the CPU."
+        )
+    opt = table.optimizer
+    if getattr(opt, "slot_variable_creation_fn", None) is not None:
+        raise ConfigError(
+            f"table {table.name!r}: an offloaded table initializes its slots when their rows are first read, from "
+            "the optimizer's initial values; slot_variable_creation_fn (which builds whole slots) is not supported."
+        )
+    if not opt.lazy:
+        raise ConfigError(
+            f"table {table.name!r}: {type(opt).__name__} with lazy_adam=False updates every row at every step, "
+            "which would read and write the whole offloaded table per step. Use lazy_adam=True (TF's default) for "
+            "an offloaded table."
+        )
+    row_dtype, slot_dtype = storage_dtypes(table)
+    parts = {"": row_dtype, **dict.fromkeys(opt.slot_names, slot_dtype)}
+    slot_values = {n: float(v) for n, v in zip(opt.slot_names, opt.slot_initial_values())}
+    where = where or OffloadShard(table, "w1r0", None, table_seed(table))
+    return OffloadedRows(table, where, parts, slot_values)
 
 
 def _create(table: ResolvedTable, shape: tuple[int, int], device: torch.device) -> TableState:

@@ -1,0 +1,290 @@
+"""``OffloadedRows``: one offloaded table shard's rows and slots in files, with at most ``cache_rows`` rows in
+memory (docs/offload.md).
+
+The tensors the engine computes on are shared memory maps of the files ([N, D] each: weights, slots), so every
+kernel, optimizer, combiner and input type runs unchanged and gives the bits of an in-memory table. What is
+in memory is managed here, in groups of G rows (whole pages of every file):
+
+* **admission** (before a lookup reads rows): the batch's rows that were never initialized get their initial
+  values (the initializer's draw for their block of ``INIT_BLOCK`` global rows, from the table's seed: the same
+  values for any cache, shard layout or order of first reads), written with ``pwrite``; the groups not in
+  memory are read in (timed: the disk wait); least recently used groups are written back (``msync``) and
+  dropped (``MADV_DONTNEED`` and ``POSIX_FADV_DONTNEED``: neither the process nor the page cache keeps them)
+  until at most ``cache_rows`` rows are in memory. Groups used at or after ``pin_from`` (the current batch, and
+  the previous one while its update is pending) are never dropped; when they alone exceed the cache, the lookup
+  is refused before anything changes.
+* **whole-table access** (``state_dict``, ``save``, ``restore``, ``embedding_tables``): every block is
+  initialized first (``materialize``); the next admission writes back and drops everything (``release``).
+
+Shapes: N the shard's rows, D the width, G rows a group, U distinct rows of a batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import mmap
+import time
+
+import torch
+from torch import Tensor
+
+from embtables.config import ResolvedTable
+from embtables.config.offload import Offload
+from embtables.errors import InputError
+from embtables.tables.initializers import default_initializer
+from embtables.tables.offload_files import ShardFiles
+
+INIT_BLOCK = 1024  # global rows drawn together by the initializer (a property of the table, not of the cache)
+_PAGE = mmap.PAGESIZE
+# Linux maps up to 16 pages around a read fault (fault-around) when they are in the page cache: the cache's unit
+# is that aligned 64 KiB window of every file, so no page is mapped that the cache does not count.
+_WINDOW = max(_PAGE, 1 << 16)
+
+
+def table_seed(table: ResolvedTable) -> int:
+    """An offloaded table's initializer seed: its initializer's own ``seed`` when set, else one draw from
+    torch's global generator (as an in-memory table's initial values are), made when the tables are created."""
+    init = table.config.initializer or default_initializer(table.dim)
+    own = getattr(init, "seed", None)
+    if isinstance(own, int) and not isinstance(own, bool):
+        return own % 2**63
+    return int(torch.randint(0, 2**62, (1,), dtype=torch.int64))
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class OffloadShard:
+    """Which part of an offloaded table a process holds: the whole table's config (``logical``), the files'
+    shard tag (``w<W>r<rank>``), the global row of every local row (None: local row i is global row i) and the
+    initializer seed."""
+
+    logical: ResolvedTable
+    shard: str
+    global_rows: Tensor | None
+    seed: int
+
+
+def block_seed(seed: int, block: int) -> int:
+    """The seed of the initializer's draw for global block ``block`` (splitmix64 of the pair, 63 bits)."""
+    z = (seed * 0x9E3779B97F4A7C15 + block + 1) & (2**64 - 1)
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & (2**64 - 1)
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & (2**64 - 1)
+    return (z ^ (z >> 31)) >> 1
+
+
+def initial_weights(table: ResolvedTable, global_rows: Tensor, seed: int) -> Tensor:
+    """The initial float32 weights [U, D] of ``global_rows`` [U] of an offloaded table: row r is row
+    ``r % INIT_BLOCK`` of the initializer's ``block`` for global block ``r // INIT_BLOCK``."""
+    init = table.config.initializer or default_initializer(table.dim)
+    out = torch.empty((global_rows.numel(), table.dim), dtype=torch.float32)
+    blocks = torch.div(global_rows, INIT_BLOCK, rounding_mode="floor")
+    for block in torch.unique(blocks).tolist():
+        start = block * INIT_BLOCK
+        n = min(INIT_BLOCK, table.vocabulary_size - start)
+        values = init.block(start, (n, table.dim), block_seed(seed, block))  # type: ignore[union-attr]
+        if not isinstance(values, Tensor) or tuple(values.shape) != (n, table.dim):
+            got = f"{tuple(values.shape)}" if isinstance(values, Tensor) else type(values).__name__
+            raise InputError(
+                f"table {table.name!r}: the initializer's block() must return a [{n}, {table.dim}] tensor, got {got}."
+            )
+        where = blocks == block
+        out[where] = values.to(torch.float32)[global_rows[where] - start]
+    return out
+
+
+def _group_rows(dim: int, itemsizes: list[int]) -> int:
+    """G: the fewest rows whose bytes are whole 64 KiB windows in every file."""
+    g = 1
+    for size in itemsizes:
+        row = dim * size
+        g = math.lcm(g, _WINDOW // math.gcd(_WINDOW, row))
+    return g
+
+
+class OffloadedRows:
+    """The files, cache and counters of one offloaded table shard (see the module docstring).
+
+    Args:
+      table: the shard's resolved table (``vocabulary_size`` = N); ``where``: which shard it is.
+      parts: ``{"" (weights) or slot name: storage dtype}``; ``slot_values``: each slot's initial value.
+    """
+
+    def __init__(
+        self, table: ResolvedTable, where: OffloadShard, parts: dict[str, torch.dtype], slot_values: dict[str, float]
+    ) -> None:
+        offload = table.config.offload
+        assert isinstance(offload, Offload)
+        self.table, self.logical, self.seed = table, where.logical, where.seed
+        self.rows, self.dim = table.vocabulary_size, table.dim
+        self.global_rows = where.global_rows
+        self.slot_values = slot_values
+        logical, shard = where.logical, where.shard
+        self.group = _group_rows(self.dim, [d.itemsize for d in parts.values()])
+        self.block = -(-INIT_BLOCK // self.group) * self.group  # local rows initialized together
+        if offload.cache_rows < self.group:
+            raise InputError(
+                f"table {table.name!r}: Offload(cache_rows={offload.cache_rows}) holds less than one page group of "
+                f"{self.group} rows (whole {_WINDOW}-byte windows of every file). Raise cache_rows to at least "
+                f"{self.group}."
+            )
+        self.budget = offload.cache_rows // self.group  # groups in memory at most
+        self.files = ShardFiles(str(offload.directory), logical.name, shard, self.rows, self.dim, parts)
+        self.tensors = self.files.tensors
+        groups = -(-self.rows // self.group)
+        self._initialized = torch.zeros(-(-self.rows // self.block), dtype=torch.bool)
+        self._resident = torch.zeros(groups, dtype=torch.bool)
+        self._dirty = torch.zeros(groups, dtype=torch.bool)
+        self._last_use = torch.full((groups,), -(2**62), dtype=torch.int64)
+        self._untracked = False  # a whole-table access mapped pages the cache does not count
+        self.counters: dict[str, int] = dict.fromkeys(
+            ("rows_looked_up", "hits", "rows_read", "rows_written", "bytes_read", "bytes_written", "evictions"), 0
+        )
+        self.counters["initialized_rows"] = 0
+        self.disk_wait_s = 0.0
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one row in every file together."""
+        return sum(t.element_size() * self.dim for t in self.tensors.values())
+
+    # ------------------------------------------------------------------ initialization
+    def _init_blocks(self, blocks: Tensor) -> None:
+        """Write initial values into local blocks ``blocks`` (never initialized) of every file."""
+        for b in blocks.tolist():
+            lo, hi = b * self.block, min((b + 1) * self.block, self.rows)
+            self._init_range(lo, hi)
+            self._initialized[b] = True
+            self.counters["initialized_rows"] += hi - lo
+
+    def _init_range(self, lo: int, hi: int) -> None:
+        rows = torch.arange(lo, hi) if self.global_rows is None else self.global_rows[lo:hi]
+        weights = initial_weights(self.logical, rows, self.seed)
+        for part, tensor in self.tensors.items():
+            dtype = tensor.dtype
+            if part == "":
+                values = weights.to(dtype)  # rounded to nearest into a half type, as an in-memory table's
+            else:
+                values = torch.full((hi - lo, self.dim), self.slot_values[part], dtype=dtype)  # as an in-memory fill_
+            data = values.contiguous().view(torch.uint8).numpy().tobytes()
+            self.files.write(part, lo * self.dim * tensor.element_size(), data)
+
+    def materialize(self) -> None:
+        """Initialize every block never read: the files then hold every row (before a whole-table access)."""
+        todo = torch.nonzero(~self._initialized).flatten()
+        if todo.numel():
+            self._init_blocks(todo)
+        self._untracked = True
+
+    def mark_untracked(self) -> None:
+        """Pages were mapped outside admissions (a whole-table read or write): released at the next one."""
+        self._untracked = True
+
+    # ------------------------------------------------------------------ the cache
+    def admit(self, rows: Tensor, step: int, pin_from: int, training: bool) -> None:
+        """Bring local rows ``rows`` [any] into memory (initialized) before a lookup at ``step``: refuses
+        (changing nothing) when the groups used since ``pin_from`` and these exceed the cache."""
+        if self._untracked:
+            self.release()
+        rows = rows.reshape(-1).to("cpu", torch.int64)
+        rows = torch.unique(rows[(rows >= 0) & (rows < self.rows)])  # ids are validated later, by the lookup
+        if rows.numel() == 0:
+            return
+        groups = torch.unique(torch.div(rows, self.group, rounding_mode="floor"))
+        missing = groups[~self._resident[groups]]
+        over = int(self._resident.sum()) + missing.numel() - self.budget
+        if over > 0:
+            candidates = torch.nonzero(self._resident & (self._last_use < pin_from)).flatten()
+            candidates = candidates[~torch.isin(candidates, groups)]
+            if candidates.numel() < over:
+                needed = (int(self._resident.sum()) - candidates.numel() + missing.numel()) * self.group
+                raise InputError(
+                    f"table {self.logical.name!r}: this lookup and the rows still in use need {needed} rows in "
+                    f"memory ({groups.numel()} groups of {self.group} rows for this batch's {rows.numel()} rows), "
+                    f"more than Offload(cache_rows={self.budget * self.group}). Raise cache_rows (to at least "
+                    f"{needed}; a pipelined step also keeps the previous batch's rows) or use smaller batches. "
+                    "Nothing was changed."
+                )
+            oldest = torch.topk(self._last_use[candidates], over, largest=False).indices
+            self._evict(torch.sort(candidates[oldest]).values)
+        blocks = torch.unique(torch.div(rows, self.block, rounding_mode="floor"))
+        fresh = blocks[~self._initialized[blocks]]
+        if fresh.numel():
+            self._init_blocks(fresh)
+        self.counters["rows_looked_up"] += rows.numel()
+        self.counters["hits"] += int(self._resident[torch.div(rows, self.group, rounding_mode="floor")].sum())
+        if missing.numel():
+            self._read_in(missing)
+        self._resident[groups] = True
+        self._last_use[groups] = step
+        if training:
+            self._dirty[groups] = True
+
+    def _read_in(self, groups: Tensor) -> None:
+        """Fault the pages of ``groups`` in now (timed: the disk wait), not inside a kernel."""
+        start = time.perf_counter()
+        rows = ((groups * self.group)[:, None] + torch.arange(self.group)[None, :]).reshape(-1)
+        rows = rows[rows < self.rows]
+        for tensor in self.tensors.values():
+            tensor.index_select(0, rows)  # every page of the groups read
+        self.disk_wait_s += time.perf_counter() - start
+        self.counters["rows_read"] += rows.numel()
+        self.counters["bytes_read"] += rows.numel() * self.row_bytes
+
+    def _evict(self, groups: Tensor) -> None:
+        """Write back (when written since read) and drop ``groups`` (sorted) from memory."""
+        dirty = self._dirty[groups]
+        for run_start, run_len, run_dirty in _runs(groups, dirty):
+            lo = run_start * self.group
+            hi = min((run_start + run_len) * self.group, self.rows)
+            for part, tensor in self.tensors.items():
+                size = self.dim * tensor.element_size()
+                length = -(-(hi - lo) * size // _PAGE) * _PAGE  # the file's last window may be short
+                self.files.drop(part, lo * size, length, dirty=run_dirty)
+            if run_dirty:
+                self.counters["rows_written"] += hi - lo
+                self.counters["bytes_written"] += (hi - lo) * self.row_bytes
+        self._resident[groups] = False
+        self._dirty[groups] = False
+        self.counters["evictions"] += groups.numel()
+
+    def release(self) -> None:
+        """Write back and drop every row from memory."""
+        written = int(self._dirty.sum()) * self.group
+        for part, tensor in self.tensors.items():
+            length = -(-self.rows * self.dim * tensor.element_size() // _PAGE) * _PAGE
+            self.files.drop(part, 0, length, dirty=True)
+        self.counters["rows_written"] += written
+        self.counters["bytes_written"] += written * self.row_bytes
+        self._resident.zero_()
+        self._dirty.zero_()
+        self._untracked = False
+
+    def resident_rows(self) -> int:
+        return int(self._resident.sum()) * self.group
+
+    def statistics(self) -> dict[str, float]:
+        """Counters since construction: rows looked up, cache hits, rows and bytes read and written, seconds
+        waiting for the disk, rows initialized, evictions; ``resident_rows`` and ``cache_rows`` now."""
+        out: dict[str, float] = dict(self.counters)
+        out["disk_wait_s"] = self.disk_wait_s
+        out["resident_rows"] = self.resident_rows()
+        out["cache_rows"] = self.budget * self.group
+        return out
+
+    def state_tensors(self) -> tuple[Tensor, dict[str, Tensor]]:
+        """(weights [N, D], {slot: [N, D]}): the live tensors over the files."""
+        return self.tensors[""], {k: v for k, v in self.tensors.items() if k}
+
+    def close(self) -> None:
+        self.files.close()
+
+
+def _runs(groups: Tensor, dirty: Tensor) -> list[tuple[int, int, bool]]:
+    """Maximal runs of consecutive ``groups`` [K] (sorted) with the same ``dirty``: (first, length, dirty)."""
+    if groups.numel() == 0:
+        return []
+    breaks = torch.ones(groups.numel(), dtype=torch.bool)
+    breaks[1:] = (groups[1:] != groups[:-1] + 1) | (dirty[1:] != dirty[:-1])
+    starts = torch.nonzero(breaks).flatten()
+    ends = torch.cat((starts[1:], torch.tensor([groups.numel()])))
+    return [(int(groups[s]), int(e - s), bool(dirty[s])) for s, e in zip(starts.tolist(), ends.tolist())]

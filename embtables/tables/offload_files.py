@@ -1,0 +1,216 @@
+"""The working files of an offloaded table shard (docs/offload.md): one file of rows per tensor (weights and
+each slot), a JSON record of what embtables wrote, and a lock held while the files are open.
+
+    <directory>/<table>.<shard>.meta.json   what embtables wrote (magic, table, shard, files, shape, dtypes)
+    <directory>/<table>.<shard>.lock        flock'ed by the process that has the files open
+    <directory>/<table>.<shard>.<part>.rows  [N, D] rows of one tensor, row-major, created sparse
+
+A directory holding any file that no valid record lists is refused: embtables never overwrites or deletes a
+file it did not write. The row files are scratch: a new module starts them afresh (``save``/``restore`` keep a
+table). Rows are read and written through a shared memory map of each file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import hashlib
+import json
+import mmap
+import os
+import time
+import urllib.parse
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from embtables.errors import ConfigError
+
+MAGIC = "embtables-offload-v1"
+META = ".meta.json"
+
+
+def file_stem(table: str, shard: str) -> str:
+    """``<table>.<shard>`` with the table's name made a safe file name (percent-encoded; long names hashed)."""
+    safe = urllib.parse.quote(table, safe="-_")
+    if len(safe) > 100:
+        safe = safe[:60] + "-" + hashlib.sha256(table.encode()).hexdigest()[:16]
+    return f"{safe}.{shard}"
+
+
+def _read_record(path: str) -> dict[str, Any] | None:
+    """The record at ``path`` when embtables wrote it (a small JSON object with the magic), else None."""
+    try:
+        if os.path.getsize(path) > 1 << 20:
+            return None
+        with open(path, encoding="utf-8") as f:
+            record = json.load(f)
+    except (OSError, ValueError, UnicodeDecodeError):
+        return None
+    if not isinstance(record, dict) or record.get("magic") != MAGIC:
+        return None
+    files = record.get("files")
+    if not isinstance(files, dict) or not all(isinstance(v, str) for v in files.values()):
+        return None
+    if not isinstance(record.get("lock"), str):
+        return None
+    return record
+
+
+def _ours(directory: str) -> tuple[set[str], list[str]]:
+    """(the names in ``directory`` that embtables wrote, the others)."""
+    names = sorted(os.listdir(directory))
+    ours: set[str] = set()
+    for name in names:
+        for suffix in (META, META + ".tmp"):
+            if name.endswith(suffix):
+                record = _read_record(os.path.join(directory, name))
+                if record is not None:
+                    ours.add(name)
+                    ours.update(os.path.basename(f) for f in record["files"].values())
+                    ours.add(os.path.basename(record["lock"]))
+    return ours, [n for n in names if n not in ours]
+
+
+class ShardFiles:
+    """The files of one table shard, open and locked: ``tensors[part]`` [rows, dim] views their rows.
+
+    Args:
+      directory: the ``Offload`` directory (created when missing).
+      table: the table's name; ``shard``: which shard of it (``w<W>r<rank>``).
+      parts: ``{part: dtype}``, "" for the weights and each slot's TF name.
+    """
+
+    def __init__(self, directory: str, table: str, shard: str, rows: int, dim: int, parts: dict[str, torch.dtype]):
+        self.directory = directory
+        self.table = table
+        self._lock_fd = -1
+        self._fds: dict[str, int] = {}
+        self._maps: dict[str, mmap.mmap] = {}
+        self.tensors: dict[str, Tensor] = {}
+        try:
+            os.makedirs(directory, exist_ok=True)
+            if not os.path.isdir(directory):
+                raise ConfigError(f"table {table!r}: offload directory {directory!r} is not a directory.")
+            foreign = _ours(directory)[1]
+            for _ in range(100):  # another rank's record being written (its .tmp renamed a moment later)
+                if not foreign or not all(n.endswith(META + ".tmp") for n in foreign):
+                    break
+                time.sleep(0.01)
+                foreign = _ours(directory)[1]
+        except OSError as exc:
+            raise ConfigError(f"table {table!r}: cannot use offload directory {directory!r}: {exc}") from exc
+        if foreign:
+            more = f" and {len(foreign) - 5} more" if len(foreign) > 5 else ""
+            listed = ", ".join(repr(n) for n in foreign[:5]) + more
+            raise ConfigError(
+                f"table {table!r}: offload directory {directory!r} holds files embtables did not write ({listed}); "
+                "embtables never overwrites or deletes them. Give the table an empty directory of its own."
+            )
+        stem = file_stem(table, shard)
+        self.names = {p: f"{stem}.{urllib.parse.quote(p, safe='-_') if p else 'weights'}.rows" for p in parts}
+        lock_name = f"{stem}.lock"
+        record = {
+            "magic": MAGIC,
+            "table": table,
+            "shard": shard,
+            "rows": rows,
+            "dim": dim,
+            "dtypes": {part: str(dtype).removeprefix("torch.") for part, dtype in parts.items()},
+            "files": self.names,
+            "lock": lock_name,
+        }
+        meta = os.path.join(directory, stem + META)
+        existing = _read_record(meta) if os.path.exists(meta) else None
+        try:
+            if existing is not None:
+                self._lock(os.path.join(directory, existing["lock"]))  # its files are another process's until locked
+            self._write_record(meta, record)
+            if existing is None:
+                self._lock(os.path.join(directory, lock_name))
+            for part, dtype in parts.items():
+                self._open_rows(part, rows, dim, dtype)
+        except BaseException:
+            self.close()
+            raise
+
+    def _lock(self, path: str) -> None:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            os.close(fd)
+            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise ConfigError(
+                    f"table {self.table!r}: offload directory {self.directory!r} is in use by another module or "
+                    f"process ({os.path.basename(path)} is locked). Two trainers cannot share one table's files: give "
+                    "each its own directory, or close the other first."
+                ) from None
+            raise
+        self._lock_fd = fd
+
+    @staticmethod
+    def _write_record(path: str, record: dict[str, Any]) -> None:
+        tmp = path + ".tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(record, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+
+    def _open_rows(self, part: str, rows: int, dim: int, dtype: torch.dtype) -> None:
+        path = os.path.join(self.directory, self.names[part])
+        nbytes = rows * dim * dtype.itemsize
+        # A file of an earlier module (listed by this shard's record) is unlinked, never truncated: tensors that
+        # still map it (a state_dict kept past its module) keep their pages; a truncated mapping would fault.
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        self._fds[part] = fd
+        os.ftruncate(fd, nbytes)  # sparse: no block is written until a row is
+        mapped = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        self._maps[part] = mapped
+        with contextlib.suppress(AttributeError, OSError):
+            mapped.madvise(mmap.MADV_RANDOM)  # a fault reads its page, not a readahead window beyond the cache
+        self.tensors[part] = torch.frombuffer(mapped, dtype=dtype, count=rows * dim).view(rows, dim)
+
+    def write(self, part: str, offset: int, data: bytes | memoryview) -> None:
+        """Write ``data`` at byte ``offset`` of ``part``'s file with ``pwrite`` (a full disk raises
+        ``OSError`` here, never a fault inside a kernel later), one page a call: a larger write puts the bytes
+        in one large page-cache folio, which a later fault maps whole, past what the row cache counts."""
+        fd = self._fds[part]
+        view = memoryview(data)
+        page = mmap.PAGESIZE
+        while view.nbytes:
+            n = os.pwrite(fd, view[: page - offset % page], offset)
+            view, offset = view[n:], offset + n
+
+    def drop(self, part: str, offset: int, length: int, *, dirty: bool) -> None:
+        """Write back (``dirty``) and drop bytes [offset, offset + length) of ``part`` from memory: the
+        mapping's pages and the page cache's (page-aligned ranges)."""
+        mapped = self._maps[part]
+        length = min(length, len(mapped) - offset)  # the kernel rounds the file's last page up itself
+        if length <= 0:
+            return
+        if dirty:
+            mapped.flush(offset, length)  # msync: an I/O error raises OSError
+        mapped.madvise(mmap.MADV_DONTNEED, offset, length)
+        os.posix_fadvise(self._fds[part], offset, length, os.POSIX_FADV_DONTNEED)
+
+    def close(self) -> None:
+        """Close the files and release the lock. The maps are never closed here: a tensor over one (torch holds
+        a reference, not a buffer export) would read unmapped memory; each is unmapped with its last tensor."""
+        self.tensors = {}
+        for fd in self._fds.values():
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self._maps, self._fds = {}, {}
+        if self._lock_fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(self._lock_fd)
+            self._lock_fd = -1
+
+    def __del__(self) -> None:
+        self.close()

@@ -1,0 +1,154 @@
+"""An offloaded table (``TableConfig.offload``, docs/offload.md) trains to the same bits as the same table in
+memory: every optimizer, combiner and input type, pipelined or not, float32 and half-precision rows, with a
+cache far smaller than the rows a step touches, so rows are written back and read again at every step.
+
+The in-memory reference starts from the offloaded table's initial state (its ``state_dict``), then both take
+the same batches and gradients; activations, tables and slots are compared bit for bit after every step.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import embtables as et
+
+OPTIMIZERS: dict[str, Any] = {
+    "sgd": lambda: et.SGD(0.3),
+    "sgd-noacc": lambda: et.SGD(0.3, use_gradient_accumulation=False),
+    "adagrad": lambda: et.Adagrad(0.2, clipvalue=1.5),
+    "adagrad-noacc": lambda: et.Adagrad(0.2, use_gradient_accumulation=False),
+    "adagrad-momentum": lambda: et.AdagradMomentum(0.1, momentum=0.9),
+    "adam": lambda: et.Adam(0.05),
+    "ftrl": lambda: et.FTRL(0.2, l1_regularization_strength=0.01, l2_regularization_strength=0.01),
+    "proximal-adagrad": lambda: et.ProximalAdagrad(0.1, l1_regularization_strength=0.01),
+    "momentum": lambda: et.Momentum(0.2, momentum=0.5),
+    "rmsprop": lambda: et.RMSProp(0.05, momentum=0.5),
+    "centered-rmsprop": lambda: et.CenteredRMSProp(0.05, momentum=0.5),
+    "adadelta": lambda: et.Adadelta(1.0),
+    "proximal-yogi": lambda: et.ProximalYogi(0.05),
+    "decay": lambda: et.Adagrad(0.2, weight_decay_factor=0.01),
+}
+V, D = 100_000, 64  # 256 rows a 64 KiB group: a step reads 30-45 groups, the cache holds 64
+
+
+def _features(directory: Path | None, opt: Any, dtype: Any = None, cache_rows: int = 16384) -> dict[str, Any]:
+    offload = et.Offload(directory, cache_rows) if directory is not None else None
+    big = et.TableConfig(V, D, name="big", combiner="sum", optimizer=opt, offload=offload, dtype=dtype)
+    whole = et.Offload(directory, 2048) if directory is not None else None  # its one group of 2048 rows
+    small = et.TableConfig(
+        500, 8, name="small", combiner="sqrtn", optimizer=opt, offload=whole, initializer=et.TruncatedNormal(seed=3)
+    )
+    return {
+        "a": et.FeatureConfig(big),  # pooled, weighted
+        "b": et.FeatureConfig(big, max_sequence_length=3),  # a sequence feature on the same table
+        "c": et.FeatureConfig(small),  # dense [B, 2] input
+    }
+
+
+def _batch(step: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    g = torch.Generator().manual_seed(10 + step)
+    a = [torch.randint(0, V, (int(torch.randint(0, 4, (1,), generator=g)),), generator=g).tolist() for _ in range(8)]
+    a[0] += [a[0][0]] if a[0] else [5]  # a duplicate id in one bag
+    b = [torch.randint(0, V, (2,), generator=g).tolist() for _ in range(8)]
+    c = torch.randint(0, 500, (8, 2), generator=g)
+    weights = [[0.5 + 0.25 * k for k in range(len(row))] for row in a]
+    feats = {"a": et.Ragged.from_lists(a), "b": et.Ragged.from_lists(b), "c": c}
+    return feats, {"a": et.Ragged.from_lists(weights, dtype=torch.float32), "b": None, "c": None}
+
+
+def _grads(step: int, acts: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + step)
+    return {k: torch.randn(v.shape, generator=g) for k, v in sorted(acts.items())}
+
+
+def _same(x: torch.Tensor, y: torch.Tensor, what: object) -> None:
+    assert x.dtype == y.dtype and x.shape == y.shape, what
+    assert torch.equal(x.view(torch.int16) if x.element_size() == 2 else x.view(torch.int32),
+                       y.view(torch.int16) if y.element_size() == 2 else y.view(torch.int32)), what  # fmt: skip
+
+
+def _train_side_by_side(
+    tmp_path: Path,
+    opt_name: str,
+    *,
+    pipelined: bool = False,
+    dtype: Any = None,
+    state_every_step: bool = False,
+    cache_rows: int = 16384,
+) -> Any:
+    torch.manual_seed(0)
+    off = et.DistributedEmbedding(
+        _features(tmp_path / "off", OPTIMIZERS[opt_name](), dtype, cache_rows),
+        pipeline_execution_with_tensor_core=pipelined,
+    )
+    torch.manual_seed(0)  # a twin with the same seed gives the reference its initial rows: the trained
+    twin = et.DistributedEmbedding(_features(tmp_path / "twin", OPTIMIZERS[opt_name](), dtype))  # one reads lazily
+    ref = et.DistributedEmbedding(
+        _features(None, OPTIMIZERS[opt_name](), dtype), pipeline_execution_with_tensor_core=pipelined
+    )
+    ref.load_state_dict(twin.state_dict())
+    del twin
+    for step in range(4):
+        feats, weights = _batch(step)
+        got, want = off(feats, weights), ref(feats, weights)
+        for k in want:
+            _same(got[k], want[k], (opt_name, step, k))
+        grads = _grads(step, want)
+        off.apply_gradients(grads)
+        ref.apply_gradients(grads)
+        if state_every_step:  # a whole-table read: the cache writes everything back and starts empty
+            for key, value in ref.state_dict().items():
+                _same(off.state_dict()[key], value, (opt_name, step, key))
+    for key, value in ref.state_dict().items():
+        _same(off.state_dict()[key], value, (opt_name, "end", key))
+    return off
+
+
+@pytest.mark.parametrize("opt_name", sorted(OPTIMIZERS))
+def test_an_offloaded_table_trains_to_the_bits_of_the_table_in_memory(opt_name: str, tmp_path: Path) -> None:
+    off = _train_side_by_side(tmp_path, opt_name)
+    stats = off.offload_statistics()["big"]
+    assert stats["evictions"] > 0 and stats["rows_written"] > 0 and stats["rows_read"] > 0, stats
+    assert stats["resident_rows"] <= stats["cache_rows"] <= 16384, stats
+
+
+def test_reading_the_whole_table_between_steps_changes_nothing(tmp_path: Path) -> None:
+    off = _train_side_by_side(tmp_path, "ftrl", state_every_step=True)
+    assert off.offload_statistics()["big"]["rows_written"] > 0
+
+
+def test_pipelined_training_of_an_offloaded_table_is_exact(tmp_path: Path) -> None:
+    _train_side_by_side(tmp_path, "adagrad", pipelined=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_rows_on_disk_are_exact(dtype: torch.dtype, tmp_path: Path) -> None:
+    off = _train_side_by_side(tmp_path, "adam", dtype=dtype, cache_rows=32768)  # 512 rows a group
+    assert off.embedding_tables["big"].dtype == dtype
+    weights = next(
+        p for p in (tmp_path / "off").iterdir() if p.name.startswith("big.") and p.name.endswith("weights.rows")
+    )
+    assert weights.stat().st_size == V * D * 2  # the file holds half-precision rows
+
+
+def test_the_initial_rows_do_not_depend_on_the_cache_or_the_order_rows_are_first_read(tmp_path: Path) -> None:
+    """Row r's initial values are the initializer's draw for its block, from the table's seed."""
+    states = []
+    for k, (cache, first) in enumerate([(16384, [V - 1, 17]), (65536, [17, 1500, V - 1])]):
+        torch.manual_seed(0)
+        emb = et.DistributedEmbedding(_features(tmp_path / str(k), et.Adagrad(0.1), cache_rows=cache), et.SGD(0.1))
+        emb({"a": torch.tensor([first]), "b": et.Ragged.from_lists([[0]]), "c": torch.tensor([[0, 1]])})
+        states.append(emb.state_dict())
+    for key in states[0]:
+        assert torch.equal(states[0][key], states[1][key]), key
+    weights = states[0]["big"]
+    assert weights.std().item() == pytest.approx(1 / D**0.5 * 0.88, rel=0.05)  # TF's truncated normal
+    assert not torch.equal(weights[:1024], weights[1024:2048])  # every block its own draw
+    torch.manual_seed(1)  # another global seed: other values
+    other = et.DistributedEmbedding(_features(tmp_path / "other", et.Adagrad(0.1)), et.SGD(0.1))
+    assert not torch.equal(other.state_dict()["big"], weights)
+    assert torch.equal(other.state_dict()["small"], states[0]["small"])  # its initializer has its own seed

@@ -1,0 +1,177 @@
+"""An offloaded table's files (docs/offload.md): created sparse and initialized lazily, locked against a
+second trainer, never written over another program's files; the memory it keeps is bounded by its cache; what
+it cannot do is refused at construction with the rule and the fix; its checkpoints restore anywhere."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from subproc import run_python
+
+import embtables as et
+
+
+def _module(
+    directory: Path, vocabulary_size: int = 30_000, cache_rows: int = 8192, **kw: Any
+) -> et.DistributedEmbedding:
+    """A 64-wide Adagrad table: 256 rows a 64 KiB group."""
+    offload = et.Offload(directory, cache_rows)
+    table = et.TableConfig(vocabulary_size, 64, name="t", combiner="sum", offload=offload, **kw)
+    return et.DistributedEmbedding({"f": et.FeatureConfig(table)}, et.Adagrad(0.1))
+
+
+def test_a_huge_table_is_created_sparse_and_its_rows_initialized_when_first_read(tmp_path: Path) -> None:
+    emb = _module(tmp_path, vocabulary_size=50_000_000)  # 12.8 GB of weights and 12.8 GB of accumulators
+    files = sorted(p for p in tmp_path.iterdir() if p.name.endswith(".rows"))
+    assert [p.stat().st_size for p in files] == [50_000_000 * 64 * 4] * 2
+    assert sum(p.stat().st_blocks * 512 for p in files) < 1 << 20  # nothing written yet
+    acts = emb({"f": torch.tensor([[7, 49_999_999]])})["f"]
+    emb.apply_gradients({"f": torch.ones_like(acts)})
+    stats = emb.offload_statistics()["t"]
+    assert stats["initialized_rows"] == 1024 + 50_000_000 % 1024  # the blocks of 1024 rows of the two ids
+    assert sum(p.stat().st_blocks * 512 for p in files) < 16 << 20
+    assert 0 < acts.abs().max().item() < 1  # TF's truncated normal rows, not the sparse file's zeros
+
+
+def test_a_directory_with_files_embtables_did_not_write_is_refused_and_left_alone(tmp_path: Path) -> None:
+    mine = tmp_path / "notes.txt"
+    mine.write_text("keep me")
+    fake = tmp_path / "t.w1r0.weights.rows"  # our name, but no record of ours lists it
+    fake.write_bytes(b"x" * 10)
+    with pytest.raises(ValueError, match=r"files embtables did not write.*'notes.txt'.*empty directory"):
+        _module(tmp_path)
+    assert mine.read_text() == "keep me" and fake.read_bytes() == b"x" * 10
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt", "t.w1r0.weights.rows"]
+
+
+def test_a_record_that_is_not_ours_does_not_vouch_for_files(tmp_path: Path) -> None:
+    (tmp_path / "t.w1r0.meta.json").write_text('{"magic": "something else", "files": {}, "lock": "x"}')
+    with pytest.raises(ValueError, match=r"did not write.*t.w1r0.meta.json"):
+        _module(tmp_path)
+
+
+def test_two_trainers_on_one_table_directory_are_refused(tmp_path: Path) -> None:
+    first = _module(tmp_path)
+    first({"f": torch.tensor([[1, 2]])})
+    with pytest.raises(ValueError, match="in use by another module or process"):
+        _module(tmp_path)
+    code = f"""
+        import embtables as et
+        t = et.TableConfig(30_000, 64, name="t", offload=et.Offload({str(tmp_path)!r}, 8192))
+        try:
+            et.DistributedEmbedding({{"f": et.FeatureConfig(t)}}, et.SGD(0.1))
+        except ValueError as exc:
+            print("refused:", exc)
+    """
+    assert "in use by another module or process" in run_python(code)
+    before = first.state_dict()["t"].clone()
+    del first
+    import gc
+
+    gc.collect()
+    second = _module(tmp_path)  # the first module is gone: its lock with it; the files start afresh
+    assert second.offload_statistics()["t"]["initialized_rows"] == 0
+    assert before.abs().max() > 0  # a state_dict kept past its module still reads (its file was unlinked)
+
+
+def test_a_batch_whose_rows_do_not_fit_the_cache_is_refused_and_changes_nothing(tmp_path: Path) -> None:
+    emb = _module(tmp_path, cache_rows=512)  # 2 groups of 256 rows
+    emb({"f": et.Ragged.from_lists([[0, 1]])})
+    emb.apply_gradients({"f": torch.ones(1, 64)})
+    before = {k: v.clone() for k, v in emb.state_dict().items()}
+    with pytest.raises(ValueError, match=r"need 1024 rows in memory.*cache_rows=512.*Raise cache_rows"):
+        emb({"f": et.Ragged.from_lists([[0, 300, 600, 900]])})
+    for k, v in emb.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    emb({"f": et.Ragged.from_lists([[0, 300]])})  # a batch that fits goes on
+    emb.apply_gradients({"f": torch.ones(1, 64)})
+
+
+def test_resident_memory_stays_bounded_by_the_cache(tmp_path: Path) -> None:
+    """A 400k x 64 Adagrad table (205 MB of rows and slots) with an 8192-row cache (4 MB): every step reads
+    and writes back new rows; the process's resident memory grows by far less than the table."""
+    code = f"""
+        import torch, embtables as et
+        def rss():
+            with open("/proc/self/statm") as f:
+                return int(f.read().split()[1]) * 4096
+        t = et.TableConfig(400_000, 64, name="t", combiner="sum", offload=et.Offload({str(tmp_path)!r}, 8192))
+        emb = et.DistributedEmbedding({{"f": et.FeatureConfig(t)}}, et.Adagrad(0.1))
+        g = torch.Generator().manual_seed(0)
+        for step in range(3):  # warm up the allocator and the step's buffers
+            a = emb({{"f": torch.randint(0, 400_000, (8, 2), generator=g)}})["f"]
+            emb.apply_gradients({{"f": torch.ones_like(a)}})
+        start = rss()
+        for step in range(300):  # 4800 rows looked up: most of the table's 1563 groups read and written
+            a = emb({{"f": torch.randint(0, 400_000, (8, 2), generator=g)}})["f"]
+            emb.apply_gradients({{"f": torch.ones_like(a)}})
+        s = emb.offload_statistics()["t"]
+        print((rss() - start) >> 20, s["resident_rows"], s["rows_written"], s["evictions"])
+    """
+    grown_mb, resident, written, evictions = (int(float(x)) for x in run_python(code, timeout=300).split())
+    assert resident <= 8192 and written > 200_000 and evictions > 1000
+    assert grown_mb < 40, grown_mb  # the table is 205 MB: the pages touched would show without eviction
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"dynamic": et.DynamicVocabulary()}, "dynamic vocabulary over an offloaded table is not supported"),
+        ({"initializer": lambda shape, dtype: torch.zeros(shape)}, "draw any block of rows on its own"),
+    ],
+)
+def test_what_an_offloaded_table_cannot_do_is_refused_at_table_config(kwargs: dict[str, object], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        et.TableConfig(10, 4, offload=et.Offload("/tmp/x", 100), **kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("args", "match"),
+    [(("", 10), "non-empty path"), (("/tmp/x", 0), "cache_rows"), (("/tmp/x", True), "cache_rows")],
+)
+def test_offload_arguments_are_validated(args: tuple[object, object], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        et.Offload(*args)  # type: ignore[arg-type]
+
+
+def test_non_lazy_adam_gpu_tables_and_copies_are_refused(tmp_path: Path) -> None:
+    table = et.TableConfig(100, 64, name="t", offload=et.Offload(tmp_path / "a", 256))
+    with pytest.raises(ValueError, match="lazy_adam=True"):
+        et.DistributedEmbedding({"f": et.FeatureConfig(table)}, et.Adam(0.1, lazy_adam=False))
+    with pytest.raises(ValueError, match="lives on the CPU"):
+        et.DistributedEmbedding({"f": et.FeatureConfig(table)}, et.SGD(0.1), device="meta")
+    emb = et.DistributedEmbedding({"f": et.FeatureConfig(table)}, et.SGD(0.1))
+    with pytest.raises(ValueError, match="stays on the CPU"):
+        emb.to("meta")
+    import copy
+
+    with pytest.raises(TypeError, match="cannot be copied or pickled"):
+        copy.deepcopy(emb)
+    assert os.listdir(tmp_path / "a")  # the module still works after the refusals
+    emb({"f": torch.tensor([[1]])})
+
+
+def test_checkpoints_of_an_offloaded_table_restore_in_memory_and_back(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    off = _module(tmp_path / "rows", cache_rows=16384)
+    for _ in range(3):
+        a = off({"f": torch.randint(0, 30_000, (16, 3))})["f"]
+        off.apply_gradients({"f": torch.randn(a.shape)})
+    path = off.save(tmp_path / "ckpt")
+    mem = et.DistributedEmbedding(
+        {"f": et.FeatureConfig(et.TableConfig(30_000, 64, name="t", combiner="sum"))}, et.Adagrad(0.1)
+    )
+    mem.restore(path)
+    want = off.state_dict()
+    for k, v in mem.state_dict().items():
+        assert torch.equal(v, want[k]), k
+    again = _module(tmp_path / "rows2", cache_rows=16384)
+    again.restore(path)
+    for k, v in again.state_dict().items():
+        assert torch.equal(v, want[k]), k
+    ids = torch.randint(0, 30_000, (8, 3))
+    assert torch.equal(again({"f": ids})["f"], mem({"f": ids})["f"])

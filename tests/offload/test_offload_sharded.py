@@ -1,0 +1,81 @@
+"""Offloaded tables sharded over real gloo processes (docs/offload.md): each rank keeps its shard in its own
+files, initialized with the rows' global values (the same as one process's), and trains to the bits of the
+same sharded tables in memory, div and mod, with and without accumulation, pipelined or not; a rank whose cache
+cannot hold a batch's rows makes every rank refuse the lookup."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from mp_world import run_world
+
+import embtables as et
+
+V, D = 20_000, 64  # 256 rows a group: 79 groups, a rank's cache 32
+OPTIMIZERS: dict[str, Any] = {
+    "adagrad": lambda: et.Adagrad(0.2),
+    "sgd-noacc": lambda: et.SGD(0.3, use_gradient_accumulation=False),
+}
+
+
+def _features(directory: str | None, opt_name: str, cache_rows: int = 8192) -> dict[str, et.FeatureConfig]:
+    offload = et.Offload(directory, cache_rows) if directory is not None else None
+    t = et.TableConfig(V, D, name="t", combiner="mean", optimizer=OPTIMIZERS[opt_name](), offload=offload)
+    return {"a": et.FeatureConfig(t), "s": et.FeatureConfig(t, max_sequence_length=2)}
+
+
+def _inputs(step: int, lo: int, hi: int) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(50 + step)
+    a = [torch.randint(0, V, (3,), generator=g).tolist() for _ in range(8)]
+    s = [torch.randint(0, V, (2,), generator=g).tolist() for _ in range(8)]
+    return {"a": et.Ragged.from_lists(a[lo:hi]), "s": et.Ragged.from_lists(s[lo:hi])}
+
+
+def _grads(step: int, acts: dict[str, torch.Tensor], lo: int, hi: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(500 + step)
+    return {k: torch.randn((8, *v.shape[1:]), generator=g)[lo:hi] for k, v in sorted(acts.items())}
+
+
+def _ranks(rank: int, world: int, root: str, initial_path: str, cases: list[tuple[str, str, bool]]) -> None:
+    initial = torch.load(initial_path)
+    lo, hi = rank * 8 // world, (rank + 1) * 8 // world
+    for k, (opt_name, sharding, pipelined) in enumerate(cases):
+        torch.manual_seed(0)
+        off = et.DistributedEmbedding(
+            _features(f"{root}/{k}", opt_name), sharding=sharding, pipeline_execution_with_tensor_core=pipelined
+        )
+        start = off.state_dict()
+        assert torch.equal(start["t"], initial["t"]), "the initial rows of W ranks are one process's"
+        ref = et.DistributedEmbedding(
+            _features(None, opt_name), sharding=sharding, pipeline_execution_with_tensor_core=pipelined
+        )
+        ref.load_state_dict(start)
+        for step in range(4):
+            got, want = off(_inputs(step, lo, hi)), ref(_inputs(step, lo, hi))
+            for name in want:
+                assert torch.equal(got[name], want[name]), (opt_name, sharding, step, name)
+            grads = _grads(step, want, lo, hi)
+            off.apply_gradients(grads)
+            ref.apply_gradients(grads)
+        want_state = ref.state_dict()
+        for key, value in off.state_dict().items():
+            assert torch.equal(value, want_state[key]), (opt_name, sharding, key)
+        stats = off.offload_statistics()["t"]  # summed over the ranks
+        assert stats["rows_looked_up"] > 0 and stats["resident_rows"] <= 2 * 8192, stats
+    # one rank's cache too small for its rows: every rank refuses the same lookup
+    small = et.DistributedEmbedding(_features(f"{root}/small", "adagrad", cache_rows=256), sharding="div")
+    ids = {"a": et.Ragged.from_lists([[0, 300, 600]] if rank == 0 else [[1]]), "s": et.Ragged.from_lists([[1]])}
+    with pytest.raises(ValueError, match=r"rank 0 refused the lookup.*cache_rows=256"):
+        small(ids)
+
+
+@pytest.mark.distributed
+def test_sharded_offloaded_tables_train_to_the_bits_of_sharded_tables_in_memory(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    one = et.DistributedEmbedding(_features(str(tmp_path / "one"), "adagrad"))
+    torch.save({"t": one.state_dict()["t"].clone()}, tmp_path / "initial.pt")
+    cases = [("adagrad", "div", False), ("sgd-noacc", "mod", False), ("adagrad", "mod", True)]
+    run_world(_ranks, 2, str(tmp_path / "rows"), str(tmp_path / "initial.pt"), cases)
