@@ -22,6 +22,7 @@ The other benchmarks, each with its own --help (BENCHMARKS.md has their results)
     embtables bench dynamic            dynamic vocabularies against fixed tables
     embtables bench precision          bfloat16 rows (and slots) against float32
     embtables bench subnormals         a step over subnormal rows and gradients against ordinary ones
+    embtables bench offload            offloaded tables (rows on disk) against the same tables in memory
     embtables bench gpu                the fused GPU kernels (embtables bench --device cuda)
     embtables bench gpu-launches       the GPU step's launches and host syncs, counted on the CPU
 """

@@ -72,7 +72,9 @@ class Persistence:
         ):
             raise ValueError(f"save: full_every must be an int >= 1 or None, got {full_every!r}.")
         pipeline = self.pipeline
-        shards = pipeline.local_shards()  # a pending pipelined update lands, keeping its pre-update rows
+        # a pending pipelined update lands, keeping its pre-update rows; an offloaded table's rows are read from
+        # its files (rows never read: their initial values), not initialized in them first
+        shards = pipeline.local_shards(whole=False)
         engine = pipeline.engine
         engine.settle()  # a GPU step's error not raised yet is raised now, not lost behind a checkpoint
         pipeline.exchange("save", lambda: None)
@@ -107,6 +109,7 @@ class Persistence:
                 self.torn = str(exc)
                 raise
         self.torn = None
+        engine.offload_restored()
         # The pre-update rows of a pipelined update pending at save are read by the next training lookup
         # of a pipelined module only; a synchronous module reads the tables as they are (updated).
         device, stale = engine.device, manifest.pop("stale")
@@ -165,6 +168,8 @@ class Persistence:
         pipeline.replaced()  # a loaded state replaces any update still held back
         self.torn = None if not missing else self.torn
         engine.load_logical(present)
+        if not missing:
+            engine.offload_restored()
         engine.load_vocabulary_state(vocabularies, pipeline.training_steps)
         engine.mark_all_changed()  # loaded values: every row differs from the last checkpoint
         self.last_id = None

@@ -41,6 +41,7 @@ from embtables.checkpoint import dynamic_restore, increments, streaming_restore
 from embtables.checkpoint import manifest as manifest_io
 from embtables.checkpoint.file_names import CheckpointError as CheckpointError
 from embtables.checkpoint.manifest import Block
+from embtables.checkpoint.offloaded_block import OffloadedBlock
 from embtables.checkpoint.owned_dirs import WriterLock, clean_dead_leftovers, fsync_dir, publish, temp_name
 from embtables.config import ResolvedConfig
 from embtables.sharding import comm
@@ -124,7 +125,7 @@ def _write_block(f: Any, array: np.ndarray[Any, Any], progress: Callable[[int], 
     """Write ``array``'s bytes in chunks straight from its memory; returns their CRC-32."""
     if array.size == 0:  # a rank may own no rows of a table
         return zlib.crc32(b"")
-    if isinstance(array, increments.RowSelection):
+    if isinstance(array, (increments.RowSelection, OffloadedBlock)):
         return array.write(f, _CHUNK, progress)
     view = np.ascontiguousarray(array).data.cast("B")
     crc = 0
@@ -178,6 +179,11 @@ def _plan(
         plan.append((t.name, "rows", f"{t.name}#rows", rows.detach().to("cpu", torch.int64).numpy()))
         for slot, tensor in shard.tensors.items():
             key = f"{t.name}/{slot}" if slot else t.name
+            if pick is None and shard.offloaded is not None:  # from its files, a piece at a time
+                plan.append((t.name, "state", key, OffloadedBlock(shard.offloaded, slot, int(shard.rows.numel()))))  # type: ignore[arg-type]
+                continue
+            if pick is not None and shard.offloaded is not None:
+                shard.offloaded.mark_untracked()  # the changed rows are gathered through its maps
             if pick is None and tensor.dtype == torch.float32:
                 array: Any = tensor.detach().to("cpu").numpy().reshape(-1, t.dim)
             else:  # an increment's rows, or a half-precision table's as float32 (exact), a piece at a time

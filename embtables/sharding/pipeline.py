@@ -146,6 +146,8 @@ class StepPipeline:
         update landing in the background is not waited for: the new lookup runs after it, on the same
         thread."""
         self._wait_prefetch()
+        if batches is not None:
+            self.engine.prefetch_rows(batches)  # an offloaded table's rows start coming in from disk now
         step = self.training_steps + 1 if training else self.training_steps  # eval: the last step trained
         staged = Staged(batches, training, step, refused=refused)
         if self.worker is not None and training:
@@ -391,10 +393,11 @@ class StepPipeline:
         self.flush(observer=True)
         return self.exchange("state read", self.engine.full_state)
 
-    def local_shards(self) -> dict[str, LocalShard]:
-        """This rank's rows of every table (live storage), after any held-back update."""
+    def local_shards(self, whole: bool = True) -> dict[str, LocalShard]:
+        """This rank's rows of every table (live storage), after any held-back update (``whole``: see
+        ``OneProcessEngine.local_shards``)."""
         self.flush(observer=True)
-        return self.engine.local_shards()
+        return self.engine.local_shards(whole)
 
     def replaced(self, stale: StaleRows | None = None) -> None:
         """The tables were replaced (restore, load_state_dict): forget every lookup and update made on

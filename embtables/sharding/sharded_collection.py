@@ -119,8 +119,13 @@ class ShardedEmbeddingCollection(LocalTables):
             rows = plan.global_rows(self.rank)
             if t.config.offload is not None:  # its files hold this rank's rows, initialized when first read
                 config = dataclasses.replace(t.config, vocabulary_size=max(1, int(rows.numel())))
-                where = rows if rows.numel() else torch.zeros(1, dtype=torch.int64)
-                offload[t.name] = OffloadShard(t, f"w{self.world}r{self.rank}", where, table_seed(t))
+                shard, seed = f"w{self.world}r{self.rank}", table_seed(t)
+                if rows.numel() and bool((rows[1:] - rows[:-1] == 1).all()):  # a block: no [N] row map kept
+                    offload[t.name] = OffloadShard(t, shard, None, seed, first=int(rows[0]))
+                else:
+                    offload[t.name] = OffloadShard(
+                        t, shard, rows if rows.numel() else torch.zeros(1, dtype=torch.int64), seed
+                    )
                 local_tables.append(dataclasses.replace(t, config=config))
                 continue
             if t.config.dynamic is not None:  # rows get their initial values when given to a key (spec §11)
@@ -193,6 +198,9 @@ class ShardedEmbeddingCollection(LocalTables):
         self.local.vocabularies.load(
             dynamic_keys.local_vocabularies(values, self.plans, self.local.vocabularies, self.rank), step
         )
+
+    def prefetch_rows(self, batches: Sequence[FeatureBatch]) -> None:
+        """Nothing: a batch's rows are other ranks' until its lookup routes them (read then, at admission)."""
 
     def offload_statistics(self) -> dict[str, dict[str, float]]:
         """Per offloaded table, every counter summed over the ranks (collective)."""
@@ -284,7 +292,7 @@ class ShardedEmbeddingCollection(LocalTables):
         for t, route in zip(tables, routes):
             try:
                 self.local.admit_offloaded(t.name, route.recv_rows, step, pin_from, training)
-            except (InputError, OSError) as exc:
+            except (InputError, RuntimeError, OSError) as exc:
                 error = f"{type(exc).__name__}: {exc}"
                 break
         errors = comm.all_gather_object(error, self.group)
@@ -581,14 +589,17 @@ class ShardedEmbeddingCollection(LocalTables):
                 target = self.local.states[t.name].tensors()[slot]
                 target[:n].copy_(value.index_select(0, rows).to(target.device, target.dtype))
 
-    def local_shards(self) -> dict[str, LocalShard]:
-        """``{table: LocalShard}``: this rank's rows with their global row ids, as live storage."""
-        self.local.whole_tables()
+    def local_shards(self, whole: bool = True) -> dict[str, LocalShard]:
+        """``{table: LocalShard}``: this rank's rows with their global row ids, as live storage (``whole``: as
+        ``OneProcessEngine.local_shards``)."""
+        if whole:
+            self.local.whole_tables()
         out = {}
         for t in self.resolved.tables:
             n = self._owned_rows[t.name]
             tensors = {slot: x[:n] for slot, x in self.local.states[t.name].tensors().items()}
-            out[t.name] = LocalShard(t.name, t.vocabulary_size, self.plans[t.name].global_rows(self.rank), tensors)
+            rows = self.plans[t.name].global_rows(self.rank)
+            out[t.name] = LocalShard(t.name, t.vocabulary_size, rows, tensors, self.local.offloaded.get(t.name))
         return out
 
 

@@ -110,6 +110,13 @@ class EmbeddingCollection:
         if cache is not None:
             cache.admit(rows, step, pin_from, training)
 
+    def prefetch_offloaded(self, batches: Sequence[FeatureBatch]) -> None:
+        """Start reading the rows of a staged batch's offloaded tables from disk (``OffloadedRows.prefetch``)."""
+        for name, cache in self.offloaded.items():
+            table = self.resolved.tables[self.resolved.table_names.index(name)]
+            for f in table.feature_indices:
+                cache.prefetch(batches[f].ids)
+
     def whole_tables(self) -> None:
         """Every offloaded table initialized in full before its tensors are read or written whole."""
         for cache in self.offloaded.values():
@@ -117,6 +124,11 @@ class EmbeddingCollection:
 
     def offload_statistics(self) -> dict[str, dict[str, float]]:
         return {name: cache.statistics() for name, cache in self.offloaded.items()}
+
+    def offload_restored(self) -> None:
+        """Every offloaded table was written whole (restore, full load): no longer torn."""
+        for cache in self.offloaded.values():
+            cache.restored()
 
     def __getstate__(self) -> dict[str, Any]:
         if self.offloaded:

@@ -85,6 +85,10 @@ class Engine(Protocol):
 
     def mark_all_changed(self) -> None: ...
 
+    def offload_restored(self) -> None: ...
+
+    def prefetch_rows(self, batches: Sequence[FeatureBatch]) -> None: ...
+
     def table_gradients(
         self,
         batches: Sequence[FeatureBatch],
@@ -113,7 +117,7 @@ class Engine(Protocol):
 
     def load_logical(self, values: dict[str, Tensor]) -> None: ...
 
-    def local_shards(self) -> dict[str, LocalShard]: ...
+    def local_shards(self, whole: bool = True) -> dict[str, LocalShard]: ...
 
     def map_tensors(self, fn: Callable[[Tensor], Tensor]) -> None: ...
 
@@ -144,7 +148,7 @@ class LocalTables:
     def vocabulary_shards(self) -> dict[str, dict[str, Tensor]]:
         """Per dynamic table, this process's vocabulary arrays by its rows (``local_shards``' rows), for
         checkpoints: row fields cut to the rows it owns, its pending keys."""
-        owned = {name: int(shard.rows.numel()) for name, shard in self.local_shards().items()}
+        owned = {name: int(shard.rows.numel()) for name, shard in self.local_shards(whole=False).items()}
         out = {}
         for name, arrays in self.local.vocabularies.arrays().items():
             out[name] = {f: (v[: owned[name]] if f in ROW_FIELDS else v) for f, v in arrays.items()}
@@ -177,10 +181,14 @@ class LocalTables:
     def mark_all_changed(self) -> None:
         self.local.changed.mark_all()
 
+    def offload_restored(self) -> None:
+        """The offloaded tables were written whole (restore, a full load): their files are whole again."""
+        self.local.offload_restored()
+
     def map_tensors(self, fn: Callable[[Tensor], Tensor]) -> None:
         self.local.map_tensors(fn)
 
-    def local_shards(self) -> dict[str, LocalShard]:
+    def local_shards(self, whole: bool = True) -> dict[str, LocalShard]:
         raise NotImplementedError  # each engine says which global rows its local rows are
 
 
@@ -234,6 +242,10 @@ class OneProcessEngine(LocalTables):
 
     def vocabulary_statistics(self) -> dict[str, dict[str, int]]:
         return {name: m.stats() for name, m in self.local.vocabularies.maps.items()}
+
+    def prefetch_rows(self, batches: Sequence[FeatureBatch]) -> None:
+        """Start reading a staged batch's offloaded rows from disk before its lookup (docs/offload.md)."""
+        self.local.prefetch_offloaded(batches)
 
     def offload_statistics(self) -> dict[str, dict[str, float]]:
         """Per offloaded table, its row cache's counters (``OffloadedRows.statistics``)."""
@@ -299,12 +311,15 @@ class OneProcessEngine(LocalTables):
             for key, value in values.items():
                 expected[key].copy_(value.to(expected[key].dtype))
 
-    def local_shards(self) -> dict[str, LocalShard]:
-        """Every table as one whole shard (rows ``arange(V)``), as live storage."""
-        self.local.whole_tables()
+    def local_shards(self, whole: bool = True) -> dict[str, LocalShard]:
+        """Every table as one whole shard (rows ``arange(V)``), as live storage. ``whole=False``: an
+        offloaded table's rows never read are not initialized first (a checkpoint reads them from its files)."""
+        if whole:
+            self.local.whole_tables()
         out = {}
         for t in self.resolved.tables:
             state = self.local.states[t.name]
             rows = torch.arange(t.vocabulary_size, dtype=torch.int64)
-            out[t.name] = LocalShard(t.name, t.vocabulary_size, rows, state.tensors())
+            offloaded = self.local.offloaded.get(t.name)
+            out[t.name] = LocalShard(t.name, t.vocabulary_size, rows, state.tensors(), offloaded)
         return out

@@ -37,9 +37,10 @@ from embtables.tables.offload_files import ShardFiles
 
 INIT_BLOCK = 1024  # global rows drawn together by the initializer (a property of the table, not of the cache)
 _PAGE = mmap.PAGESIZE
-# Linux maps up to 16 pages around a read fault (fault-around) when they are in the page cache: the cache's unit
-# is that aligned 64 KiB window of every file, so no page is mapped that the cache does not count.
-_WINDOW = max(_PAGE, 1 << 16)
+# The cache's unit: whole pages of every file. Linux also maps the pages around a read fault that are in the page
+# cache (fault-around): the cache keeps only the pages it counts there (initial values and evicted pages are
+# written back and dropped), so a neighbour is never mapped behind its back.
+_WINDOW = _PAGE
 
 
 def table_seed(table: ResolvedTable) -> int:
@@ -55,13 +56,14 @@ def table_seed(table: ResolvedTable) -> int:
 @dataclasses.dataclass(frozen=True, eq=False)
 class OffloadShard:
     """Which part of an offloaded table a process holds: the whole table's config (``logical``), the files'
-    shard tag (``w<W>r<rank>``), the global row of every local row (None: local row i is global row i) and the
-    initializer seed."""
+    shard tag (``w<W>r<rank>``), the global row of every local row (None: local row i is global row
+    ``first + i``, a contiguous block) and the initializer seed."""
 
     logical: ResolvedTable
     shard: str
     global_rows: Tensor | None
     seed: int
+    first: int = 0
 
 
 def block_seed(seed: int, block: int) -> int:
@@ -93,7 +95,7 @@ def initial_weights(table: ResolvedTable, global_rows: Tensor, seed: int) -> Ten
 
 
 def _group_rows(dim: int, itemsizes: list[int]) -> int:
-    """G: the fewest rows whose bytes are whole 64 KiB windows in every file."""
+    """G: the fewest rows whose bytes are whole pages in every file."""
     g = 1
     for size in itemsizes:
         row = dim * size
@@ -116,7 +118,7 @@ class OffloadedRows:
         assert isinstance(offload, Offload)
         self.table, self.logical, self.seed = table, where.logical, where.seed
         self.rows, self.dim = table.vocabulary_size, table.dim
-        self.global_rows = where.global_rows
+        self.global_rows, self.first = where.global_rows, where.first
         self.slot_values = slot_values
         logical, shard = where.logical, where.shard
         self.group = _group_rows(self.dim, [d.itemsize for d in parts.values()])
@@ -124,7 +126,7 @@ class OffloadedRows:
         if offload.cache_rows < self.group:
             raise InputError(
                 f"table {table.name!r}: Offload(cache_rows={offload.cache_rows}) holds less than one page group of "
-                f"{self.group} rows (whole {_WINDOW}-byte windows of every file). Raise cache_rows to at least "
+                f"{self.group} rows (whole {_WINDOW}-byte pages of every file). Raise cache_rows to at least "
                 f"{self.group}."
             )
         self.budget = offload.cache_rows // self.group  # groups in memory at most
@@ -134,10 +136,21 @@ class OffloadedRows:
         self._initialized = torch.zeros(-(-self.rows // self.block), dtype=torch.bool)
         self._resident = torch.zeros(groups, dtype=torch.bool)
         self._dirty = torch.zeros(groups, dtype=torch.bool)
-        self._last_use = torch.full((groups,), -(2**62), dtype=torch.int64)
+        self._last_use = torch.full((groups,), -(2**31), dtype=torch.int32)  # the step of its last lookup
         self._untracked = False  # a whole-table access mapped pages the cache does not count
+        self.torn: str | None = None  # why the files no longer hold the table (a write-back failed)
         self.counters: dict[str, int] = dict.fromkeys(
-            ("rows_looked_up", "hits", "rows_read", "rows_written", "bytes_read", "bytes_written", "evictions"), 0
+            (
+                "rows_looked_up",
+                "hits",
+                "rows_read",
+                "rows_written",
+                "bytes_read",
+                "bytes_written",
+                "evictions",
+                "rows_prefetched",
+            ),
+            0,
         )
         self.counters["initialized_rows"] = 0
         self.disk_wait_s = 0.0
@@ -152,12 +165,19 @@ class OffloadedRows:
         """Write initial values into local blocks ``blocks`` (never initialized) of every file."""
         for b in blocks.tolist():
             lo, hi = b * self.block, min((b + 1) * self.block, self.rows)
-            self._init_range(lo, hi)
+            try:
+                self._init_range(lo, hi)
+            except OSError as exc:  # a full disk, an I/O error: the block stays uninitialized, nothing changed
+                raise RuntimeError(
+                    f"table {self.logical.name!r}: writing the initial values of rows {lo}-{hi - 1} into its files "
+                    f"under {self.files.directory!r} failed ({exc.strerror or exc}); no table or slot was changed. "
+                    "Free space on that disk (or give the table a larger one) and run the step again."
+                ) from exc
             self._initialized[b] = True
             self.counters["initialized_rows"] += hi - lo
 
     def _init_range(self, lo: int, hi: int) -> None:
-        rows = torch.arange(lo, hi) if self.global_rows is None else self.global_rows[lo:hi]
+        rows = torch.arange(self.first + lo, self.first + hi) if self.global_rows is None else self.global_rows[lo:hi]
         weights = initial_weights(self.logical, rows, self.seed)
         for part, tensor in self.tensors.items():
             dtype = tensor.dtype
@@ -167,6 +187,28 @@ class OffloadedRows:
                 values = torch.full((hi - lo, self.dim), self.slot_values[part], dtype=dtype)  # as an in-memory fill_
             data = values.contiguous().view(torch.uint8).numpy().tobytes()
             self.files.write(part, lo * self.dim * tensor.element_size(), data)
+
+    def read_float32(self, part: str, lo: int, hi: int) -> Tensor:
+        """Local rows [lo, hi) of ``part`` ("" or a slot) as float32 [hi - lo, D], read from the files with
+        ``pread`` (nothing mapped): rows never read are their initial values as the table would store them,
+        computed here, not written. What a checkpoint streams, file to file."""
+        out = torch.empty((hi - lo, self.dim), dtype=torch.float32)
+        dtype = self.tensors[part].dtype
+        size = self.dim * dtype.itemsize
+        for b in range(lo // self.block, -(-hi // self.block)):
+            a, z = max(lo, b * self.block), min(hi, (b + 1) * self.block)
+            if bool(self._initialized[b]):
+                data = bytearray(self.files.read(part, a * size, (z - a) * size))
+                values = torch.frombuffer(data, dtype=dtype).view(z - a, self.dim)
+            elif part == "":
+                rows = (
+                    torch.arange(self.first + a, self.first + z) if self.global_rows is None else self.global_rows[a:z]
+                )
+                values = initial_weights(self.logical, rows, self.seed).to(dtype)
+            else:
+                values = torch.full((z - a, self.dim), self.slot_values[part], dtype=dtype)
+            out[a - lo : z - lo] = values.to(torch.float32)
+        return out
 
     def materialize(self) -> None:
         """Initialize every block never read: the files then hold every row (before a whole-table access)."""
@@ -183,6 +225,12 @@ class OffloadedRows:
     def admit(self, rows: Tensor, step: int, pin_from: int, training: bool) -> None:
         """Bring local rows ``rows`` [any] into memory (initialized) before a lookup at ``step``: refuses
         (changing nothing) when the groups used since ``pin_from`` and these exceed the cache."""
+        if self.torn is not None:
+            raise RuntimeError(
+                f"table {self.logical.name!r}: its working files are torn ({self.torn}): every lookup is refused "
+                "until restore() of a checkpoint or load_state_dict() of the whole state. The last checkpoint is "
+                "untouched."
+            )
         if self._untracked:
             self.release()
         rows = rows.reshape(-1).to("cpu", torch.int64)
@@ -193,7 +241,7 @@ class OffloadedRows:
         missing = groups[~self._resident[groups]]
         over = int(self._resident.sum()) + missing.numel() - self.budget
         if over > 0:
-            candidates = torch.nonzero(self._resident & (self._last_use < pin_from)).flatten()
+            candidates = torch.nonzero(self._resident & (self._last_use < min(pin_from, 2**31 - 1))).flatten()
             candidates = candidates[~torch.isin(candidates, groups)]
             if candidates.numel() < over:
                 needed = (int(self._resident.sum()) - candidates.numel() + missing.numel()) * self.group
@@ -215,13 +263,35 @@ class OffloadedRows:
         if missing.numel():
             self._read_in(missing)
         self._resident[groups] = True
-        self._last_use[groups] = step
+        self._last_use[groups] = min(step, 2**31 - 1)
         if training:
             self._dirty[groups] = True
+
+    def prefetch(self, rows: Tensor) -> None:
+        """Start reading the pages of local rows ``rows`` [any] that are on disk and not in memory into the page
+        cache, asynchronously (a staged batch's, before its lookup admits them)."""
+        if self.torn is not None:
+            return
+        rows = rows.reshape(-1).to("cpu", torch.int64)
+        rows = rows[(rows >= 0) & (rows < self.rows)]
+        if rows.numel() == 0:
+            return
+        groups = torch.unique(torch.div(rows, self.group, rounding_mode="floor"))
+        groups = groups[~self._resident[groups]]
+        groups = groups[self._initialized[torch.div(groups * self.group, self.block, rounding_mode="floor")]]
+        self.counters["rows_prefetched"] += groups.numel() * self.group
+        self._will_need(groups)
+
+    def _will_need(self, groups: Tensor) -> None:
+        for run_start, run_len, _ in _runs(groups, torch.zeros_like(groups, dtype=torch.bool)):
+            for part, tensor in self.tensors.items():
+                size = self.group * self.dim * tensor.element_size()
+                self.files.will_need(part, run_start * size, run_len * size)
 
     def _read_in(self, groups: Tensor) -> None:
         """Fault the pages of ``groups`` in now (timed: the disk wait), not inside a kernel."""
         start = time.perf_counter()
+        self._will_need(groups)  # many reads in flight, then one touch a page
         rows = ((groups * self.group)[:, None] + torch.arange(self.group)[None, :]).reshape(-1)
         rows = rows[rows < self.rows]
         for tensor in self.tensors.values():
@@ -239,7 +309,7 @@ class OffloadedRows:
             for part, tensor in self.tensors.items():
                 size = self.dim * tensor.element_size()
                 length = -(-(hi - lo) * size // _PAGE) * _PAGE  # the file's last window may be short
-                self.files.drop(part, lo * size, length, dirty=run_dirty)
+                self._drop(part, lo * size, length, run_dirty)
             if run_dirty:
                 self.counters["rows_written"] += hi - lo
                 self.counters["bytes_written"] += (hi - lo) * self.row_bytes
@@ -247,12 +317,31 @@ class OffloadedRows:
         self._dirty[groups] = False
         self.counters["evictions"] += groups.numel()
 
+    def _drop(self, part: str, offset: int, length: int, dirty: bool) -> None:
+        """``ShardFiles.drop``; a failed write-back tears the files (``torn``) and raises."""
+        try:
+            self.files.drop(part, offset, length, dirty=dirty)
+        except OSError as exc:
+            what = "the weights" if not part else f"slot {part!r}"
+            self.torn = f"writing {what} back to disk failed: {exc.strerror or exc}"
+            raise RuntimeError(
+                f"table {self.logical.name!r}: writing {what} back to its file under {self.files.directory!r} "
+                f"failed ({exc.strerror or exc}). The table's working files are now torn: every lookup is refused "
+                "until restore() of a checkpoint or load_state_dict() of the whole state; the last checkpoint is "
+                "untouched."
+            ) from exc
+
+    def restored(self) -> None:
+        """Every row was just written whole (a restore, a full load_state_dict): the files hold the table."""
+        self.torn = None
+        self._untracked = True
+
     def release(self) -> None:
         """Write back and drop every row from memory."""
         written = int(self._dirty.sum()) * self.group
         for part, tensor in self.tensors.items():
             length = -(-self.rows * self.dim * tensor.element_size() // _PAGE) * _PAGE
-            self.files.drop(part, 0, length, dirty=True)
+            self._drop(part, 0, length, True)
         self.counters["rows_written"] += written
         self.counters["bytes_written"] += written * self.row_bytes
         self._resident.zero_()

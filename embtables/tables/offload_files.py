@@ -13,6 +13,7 @@ table). Rows are read and written through a shared memory map of each file.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import fcntl
 import hashlib
@@ -30,6 +31,22 @@ from embtables.errors import ConfigError
 
 MAGIC = "embtables-offload-v1"
 META = ".meta.json"
+
+
+_LIBC = ctypes.CDLL(None, use_errno=True)
+_SYNC_FILE_RANGE = getattr(_LIBC, "sync_file_range", None)
+_SYNC_RANGE_FLAGS = 1 | 2 | 4  # SYNC_FILE_RANGE_WAIT_BEFORE | WRITE | WAIT_AFTER
+
+
+def _sync_range(fd: int, offset: int, length: int) -> None:
+    """Write bytes [offset, offset + length) of ``fd`` back to the disk and wait (``sync_file_range``; the
+    whole file's ``fdatasync`` where the C library lacks it). An I/O error raises ``OSError``."""
+    if _SYNC_FILE_RANGE is None:
+        os.fdatasync(fd)
+        return
+    if _SYNC_FILE_RANGE(fd, ctypes.c_int64(offset), ctypes.c_int64(length), ctypes.c_uint(_SYNC_RANGE_FLAGS)) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
 
 
 def file_stem(table: str, shard: str) -> str:
@@ -89,6 +106,7 @@ class ShardFiles:
         self._lock_fd = -1
         self._fds: dict[str, int] = {}
         self._maps: dict[str, mmap.mmap] = {}
+        self.nbytes: dict[str, int] = {}
         self.tensors: dict[str, Tensor] = {}
         try:
             os.makedirs(directory, exist_ok=True)
@@ -169,6 +187,7 @@ class ShardFiles:
             os.unlink(path)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         self._fds[part] = fd
+        self.nbytes[part] = nbytes
         os.ftruncate(fd, nbytes)  # sparse: no block is written until a row is
         mapped = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         self._maps[part] = mapped
@@ -178,14 +197,38 @@ class ShardFiles:
 
     def write(self, part: str, offset: int, data: bytes | memoryview) -> None:
         """Write ``data`` at byte ``offset`` of ``part``'s file with ``pwrite`` (a full disk raises
-        ``OSError`` here, never a fault inside a kernel later), one page a call: a larger write puts the bytes
-        in one large page-cache folio, which a later fault maps whole, past what the row cache counts."""
+        ``OSError`` here, never a fault inside a kernel later), then write it back and drop it from the page
+        cache: a page left there would be mapped by a later fault on a neighbour (fault-around) without the row
+        cache counting it. One page a call: a larger write would make one large page-cache folio."""
         fd = self._fds[part]
         view = memoryview(data)
-        page = mmap.PAGESIZE
+        start, page = offset, mmap.PAGESIZE
         while view.nbytes:
             n = os.pwrite(fd, view[: page - offset % page], offset)
             view, offset = view[n:], offset + n
+        _sync_range(fd, start, offset - start)
+        os.posix_fadvise(fd, start, offset - start, os.POSIX_FADV_DONTNEED)
+
+    def read(self, part: str, offset: int, length: int) -> bytes:
+        """Bytes [offset, offset + length) of ``part``'s file, read with ``pread`` (through the page cache, not
+        the maps: nothing is mapped), then dropped from the page cache where clean."""
+        fd = self._fds[part]
+        pieces, at = [], offset
+        while at < offset + length:
+            piece = os.pread(fd, offset + length - at, at)
+            if not piece:
+                raise OSError(errno.EIO, f"{self.names[part]} ends at byte {at}, before {offset + length}")
+            pieces.append(piece)
+            at += len(piece)
+        os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
+        return b"".join(pieces)
+
+    def will_need(self, part: str, offset: int, length: int) -> None:
+        """Start reading bytes [offset, offset + length) of ``part`` into the page cache (asynchronously: many
+        reads in flight at once, which one fault at a time would not have)."""
+        length = min(length, self.nbytes[part] - offset)
+        if length > 0:
+            os.posix_fadvise(self._fds[part], offset, length, os.POSIX_FADV_WILLNEED)
 
     def drop(self, part: str, offset: int, length: int, *, dirty: bool) -> None:
         """Write back (``dirty``) and drop bytes [offset, offset + length) of ``part`` from memory: the

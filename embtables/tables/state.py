@@ -41,13 +41,16 @@ class LocalShard:
     block, a mod stride or a whole table when sharded). ``tensors`` maps ``""`` to the weights
     [N, D] and each TF slot name to its [N, D] slot, row i holding global row ``rows[i]``. The
     tensors are the live storage (writing into them changes the table), so checkpoint restore can
-    fill them in place without ever materialising rows this process does not own.
+    fill them in place without ever materialising rows this process does not own. ``offloaded``: an
+    offloaded table's files and cache (``TableConfig.offload``), whose rows a checkpoint reads from the files
+    (``OffloadedRows.read_float32``) instead of the tensors when they were not made whole first.
     """
 
     table: str
     vocabulary_size: int
     rows: Tensor
     tensors: dict[str, Tensor]
+    offloaded: OffloadedRows | None = None
 
 
 def check_loaded_value(table: ResolvedTable, slot: str, value: Tensor) -> str | None:

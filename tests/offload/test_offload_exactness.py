@@ -32,13 +32,13 @@ OPTIMIZERS: dict[str, Any] = {
     "proximal-yogi": lambda: et.ProximalYogi(0.05),
     "decay": lambda: et.Adagrad(0.2, weight_decay_factor=0.01),
 }
-V, D = 100_000, 64  # 256 rows a 64 KiB group: a step reads 30-45 groups, the cache holds 64
+V, D = 100_000, 64  # 16 rows a 4 KiB group: a step reads 30-45 groups, the cache holds 64
 
 
-def _features(directory: Path | None, opt: Any, dtype: Any = None, cache_rows: int = 16384) -> dict[str, Any]:
+def _features(directory: Path | None, opt: Any, dtype: Any = None, cache_rows: int = 1024) -> dict[str, Any]:
     offload = et.Offload(directory, cache_rows) if directory is not None else None
     big = et.TableConfig(V, D, name="big", combiner="sum", optimizer=opt, offload=offload, dtype=dtype)
-    whole = et.Offload(directory, 2048) if directory is not None else None  # its one group of 2048 rows
+    whole = et.Offload(directory, 512) if directory is not None else None  # all of its 4 groups of 128 rows
     small = et.TableConfig(
         500, 8, name="small", combiner="sqrtn", optimizer=opt, offload=whole, initializer=et.TruncatedNormal(seed=3)
     )
@@ -78,7 +78,7 @@ def _train_side_by_side(
     pipelined: bool = False,
     dtype: Any = None,
     state_every_step: bool = False,
-    cache_rows: int = 16384,
+    cache_rows: int = 1024,
 ) -> Any:
     torch.manual_seed(0)
     off = et.DistributedEmbedding(
@@ -113,7 +113,7 @@ def test_an_offloaded_table_trains_to_the_bits_of_the_table_in_memory(opt_name: 
     off = _train_side_by_side(tmp_path, opt_name)
     stats = off.offload_statistics()["big"]
     assert stats["evictions"] > 0 and stats["rows_written"] > 0 and stats["rows_read"] > 0, stats
-    assert stats["resident_rows"] <= stats["cache_rows"] <= 16384, stats
+    assert stats["resident_rows"] <= stats["cache_rows"] <= 1024, stats
 
 
 def test_reading_the_whole_table_between_steps_changes_nothing(tmp_path: Path) -> None:
@@ -127,7 +127,7 @@ def test_pipelined_training_of_an_offloaded_table_is_exact(tmp_path: Path) -> No
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_precision_rows_on_disk_are_exact(dtype: torch.dtype, tmp_path: Path) -> None:
-    off = _train_side_by_side(tmp_path, "adam", dtype=dtype, cache_rows=32768)  # 512 rows a group
+    off = _train_side_by_side(tmp_path, "adam", dtype=dtype, cache_rows=2048)  # 32 rows a group
     assert off.embedding_tables["big"].dtype == dtype
     weights = next(
         p for p in (tmp_path / "off").iterdir() if p.name.startswith("big.") and p.name.endswith("weights.rows")
@@ -138,7 +138,7 @@ def test_half_precision_rows_on_disk_are_exact(dtype: torch.dtype, tmp_path: Pat
 def test_the_initial_rows_do_not_depend_on_the_cache_or_the_order_rows_are_first_read(tmp_path: Path) -> None:
     """Row r's initial values are the initializer's draw for its block, from the table's seed."""
     states = []
-    for k, (cache, first) in enumerate([(16384, [V - 1, 17]), (65536, [17, 1500, V - 1])]):
+    for k, (cache, first) in enumerate([(1024, [V - 1, 17]), (4096, [17, 1500, V - 1])]):
         torch.manual_seed(0)
         emb = et.DistributedEmbedding(_features(tmp_path / str(k), et.Adagrad(0.1), cache_rows=cache), et.SGD(0.1))
         emb({"a": torch.tensor([first]), "b": et.Ragged.from_lists([[0]]), "c": torch.tensor([[0, 1]])})
@@ -152,3 +152,29 @@ def test_the_initial_rows_do_not_depend_on_the_cache_or_the_order_rows_are_first
     other = et.DistributedEmbedding(_features(tmp_path / "other", et.Adagrad(0.1)), et.SGD(0.1))
     assert not torch.equal(other.state_dict()["big"], weights)
     assert torch.equal(other.state_dict()["small"], states[0]["small"])  # its initializer has its own seed
+
+
+def test_the_next_batch_enqueued_before_the_update_is_read_ahead_and_changes_nothing(tmp_path: Path) -> None:
+    """``enqueue(next)`` before ``apply_gradients()``: the next batch's rows on disk start coming in (the page
+    cache) while the step finishes; the results are the same bits."""
+    torch.manual_seed(0)
+    off = et.DistributedEmbedding(_features(tmp_path / "off", et.Adagrad(0.2)))
+    torch.manual_seed(0)
+    twin = et.DistributedEmbedding(_features(tmp_path / "twin", et.Adagrad(0.2)))
+    ref = et.DistributedEmbedding(_features(None, et.Adagrad(0.2)))
+    ref.load_state_dict(twin.state_dict())
+    del twin
+    off.enqueue(*_batch(0))
+    for step in range(6):
+        got = off.dequeue()
+        want = ref(*_batch(step))
+        for k in want:
+            _same(got[k], want[k], (step, k))
+        if step + 1 < 6:
+            off.enqueue(*_batch(step + 1))  # read ahead while this step's update runs
+        grads = _grads(step, want)
+        off.apply_gradients(grads)
+        ref.apply_gradients(grads)
+    for key, value in ref.state_dict().items():
+        _same(off.state_dict()[key], value, key)
+    assert off.offload_statistics()["big"]["rows_prefetched"] > 0

@@ -18,7 +18,7 @@ import embtables as et
 def _module(
     directory: Path, vocabulary_size: int = 30_000, cache_rows: int = 8192, **kw: Any
 ) -> et.DistributedEmbedding:
-    """A 64-wide Adagrad table: 256 rows a 64 KiB group."""
+    """A 64-wide Adagrad table: 16 rows a 4 KiB group."""
     offload = et.Offload(directory, cache_rows)
     table = et.TableConfig(vocabulary_size, 64, name="t", combiner="sum", offload=offload, **kw)
     return et.DistributedEmbedding({"f": et.FeatureConfig(table)}, et.Adagrad(0.1))
@@ -79,11 +79,11 @@ def test_two_trainers_on_one_table_directory_are_refused(tmp_path: Path) -> None
 
 
 def test_a_batch_whose_rows_do_not_fit_the_cache_is_refused_and_changes_nothing(tmp_path: Path) -> None:
-    emb = _module(tmp_path, cache_rows=512)  # 2 groups of 256 rows
+    emb = _module(tmp_path, cache_rows=32)  # 2 groups of 16 rows
     emb({"f": et.Ragged.from_lists([[0, 1]])})
     emb.apply_gradients({"f": torch.ones(1, 64)})
     before = {k: v.clone() for k, v in emb.state_dict().items()}
-    with pytest.raises(ValueError, match=r"need 1024 rows in memory.*cache_rows=512.*Raise cache_rows"):
+    with pytest.raises(ValueError, match=r"need 64 rows in memory.*cache_rows=32.*Raise cache_rows"):
         emb({"f": et.Ragged.from_lists([[0, 300, 600, 900]])})
     for k, v in emb.state_dict().items():
         assert torch.equal(v, before[k]), k
@@ -106,14 +106,14 @@ def test_resident_memory_stays_bounded_by_the_cache(tmp_path: Path) -> None:
             a = emb({{"f": torch.randint(0, 400_000, (8, 2), generator=g)}})["f"]
             emb.apply_gradients({{"f": torch.ones_like(a)}})
         start = rss()
-        for step in range(300):  # 4800 rows looked up: most of the table's 1563 groups read and written
+        for step in range(300):  # 4800 rows looked up: 4800 of the table's 25000 groups read and written
             a = emb({{"f": torch.randint(0, 400_000, (8, 2), generator=g)}})["f"]
             emb.apply_gradients({{"f": torch.ones_like(a)}})
         s = emb.offload_statistics()["t"]
         print((rss() - start) >> 20, s["resident_rows"], s["rows_written"], s["evictions"])
     """
     grown_mb, resident, written, evictions = (int(float(x)) for x in run_python(code, timeout=300).split())
-    assert resident <= 8192 and written > 200_000 and evictions > 1000
+    assert resident <= 8192 and written > 40_000 and evictions > 1000
     assert grown_mb < 40, grown_mb  # the table is 205 MB: the pages touched would show without eviction
 
 
@@ -157,7 +157,7 @@ def test_non_lazy_adam_gpu_tables_and_copies_are_refused(tmp_path: Path) -> None
 
 def test_checkpoints_of_an_offloaded_table_restore_in_memory_and_back(tmp_path: Path) -> None:
     torch.manual_seed(0)
-    off = _module(tmp_path / "rows", cache_rows=16384)
+    off = _module(tmp_path / "rows", cache_rows=1024)
     for _ in range(3):
         a = off({"f": torch.randint(0, 30_000, (16, 3))})["f"]
         off.apply_gradients({"f": torch.randn(a.shape)})
@@ -169,9 +169,32 @@ def test_checkpoints_of_an_offloaded_table_restore_in_memory_and_back(tmp_path: 
     want = off.state_dict()
     for k, v in mem.state_dict().items():
         assert torch.equal(v, want[k]), k
-    again = _module(tmp_path / "rows2", cache_rows=16384)
+    again = _module(tmp_path / "rows2", cache_rows=512)
     again.restore(path)
     for k, v in again.state_dict().items():
         assert torch.equal(v, want[k]), k
     ids = torch.randint(0, 30_000, (8, 3))
     assert torch.equal(again({"f": ids})["f"], mem({"f": ids})["f"])
+
+
+def test_a_save_streams_from_the_files_without_writing_rows_never_read(tmp_path: Path) -> None:
+    """``save`` reads an offloaded table from its files a piece at a time: rows never read go into the checkpoint
+    as their initial values without being written into the working files, and nothing is mapped."""
+    torch.manual_seed(0)
+    off = _module(tmp_path / "rows", vocabulary_size=500_000, cache_rows=2048, dtype=torch.bfloat16)
+    for _ in range(3):
+        a = off({"f": torch.randint(0, 500_000, (16, 3))})["f"]
+        off.apply_gradients({"f": torch.randn(a.shape)})
+    touched = off.offload_statistics()["t"]["initialized_rows"]
+    path = off.save(tmp_path / "ckpt")
+    assert off.offload_statistics()["t"]["initialized_rows"] == touched <= 144 * 1024  # none by the save
+    files = [p for p in (tmp_path / "rows").iterdir() if p.name.endswith(".rows")]
+    assert sum(p.stat().st_blocks * 512 for p in files) < 500_000 * 64 * 6 * 0.4  # still mostly sparse
+    mem = et.DistributedEmbedding(
+        {"f": et.FeatureConfig(et.TableConfig(500_000, 64, name="t", combiner="sum", dtype=torch.bfloat16))},
+        et.Adagrad(0.1),
+    )
+    mem.restore(path)
+    want = off.state_dict()  # initializes every row in the files: the values the checkpoint holds
+    for k, v in mem.state_dict().items():
+        assert torch.equal(v, want[k]), k

@@ -1,0 +1,196 @@
+"""Offloaded tables against the same tables in memory (issue 42; docs/offload.md), side by side in one run:
+
+    python -m embtables bench offload                                  # 8 x 1M x 64 Adagrad, B 4096, 20 Zipf ids
+    python -m embtables bench offload --rows 6000000 --cache-rows 2000000 --directory /nvme/bench
+
+(a) **Zipf** (the standard workload's ids): the step time (lookup + apply_gradients) of the offloaded tables
+with ``--cache-rows`` rows each in memory, against the in-memory step of the same tables, measured in the same
+run; the cache's hit rate, rows read and written a step, the time a step waits for the disk, and the process's
+resident memory (peak, sampled). The in-memory case runs only when the tables fit in half the machine's memory.
+
+(b) **uniform ids**: rows read from disk per second (rows whose pages were not in memory) against the disk's
+random 4 KiB read rate, measured in the same run on a file in the same directory (``O_DIRECT`` reads by 16
+threads, the page cache bypassed).
+
+Prints JSON lines: ``env``, ``disk_probe``, ``offload_step`` per case and an ``offload_summary``. The tables'
+files go under ``--directory`` (a fresh subdirectory; removed at the end) after checking its free space.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import mmap
+import os
+import random
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+if __package__ in (None, ""):
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import embtables as et
+from benchmarks._harness import RssSampler, current_rss_bytes, emit, env_record
+from benchmarks.workload import Workload, make_batches
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tables", type=int, default=8)
+    ap.add_argument("--rows", type=int, default=1_000_000)
+    ap.add_argument("--dim", type=int, default=64)
+    ap.add_argument("--batch", type=int, default=4096)
+    ap.add_argument("--pooling", type=int, default=20)
+    ap.add_argument("--cache-rows", type=int, default=250_000, help="rows of each table in memory at once")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=10, help="steps before timing (the cache fills)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--directory", default=None, help="where the files go (default: the temp directory)")
+    ap.add_argument("--cases", default="zipf,uniform")
+    ap.add_argument("--probe-seconds", type=float, default=3.0)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    emit(env_record())
+    root = tempfile.mkdtemp(prefix="embtables-bench-offload-", dir=args.directory)
+    try:
+        need = args.tables * args.rows * args.dim * 4 * 2 + (1 << 30)  # rows and an Adagrad slot, and the probe
+        free = shutil.disk_usage(root).free
+        if free < need:
+            print(f"[offload] {root}: {free / 2**30:.1f} GiB free, {need / 2**30:.1f} GiB needed", file=sys.stderr)
+            return 1
+        probe = _disk_probe(root, args.probe_seconds)
+        emit({"bench": "disk_probe", **probe})
+        results = {}
+        for ids in args.cases.split(","):
+            wl = Workload(ids, args.tables, args.rows, args.dim, args.batch, args.pooling, ids=ids, num_batches=8)
+            results[ids] = _case(wl, args, os.path.join(root, ids))
+        summary: dict[str, Any] = {"bench": "offload_summary"}
+        if "zipf" in results and "in_memory_ms" in results["zipf"]:
+            zipf = results["zipf"]
+            summary["zipf_step_vs_in_memory"] = round(zipf["offloaded_ms"] / zipf["in_memory_ms"], 3)
+        if "uniform" in results:
+            summary["uniform_rows_read_per_s_vs_disk_4k_reads_per_s"] = round(
+                results["uniform"]["rows_read_per_s"] / probe["random_4k_reads_per_s"], 3
+            )
+        emit(summary)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    return 0
+
+
+def _disk_probe(root: str, seconds: float) -> dict[str, Any]:
+    """Random 4 KiB reads per second from a 1 GiB file in ``root`` (O_DIRECT: from the disk, not the page
+    cache; 16 threads, one read each in flight), and its sequential write rate."""
+    path = os.path.join(root, "probe.bin")
+    size = 1 << 30
+    block = bytes(random.getrandbits(8) for _ in range(1 << 16)) * 16  # 1 MiB, not all zeros
+    start = time.perf_counter()
+    with open(path, "wb") as f:
+        for _ in range(size // len(block)):
+            f.write(block)
+        f.flush()
+        os.fsync(f.fileno())
+    write_mb_s = size / 2**20 / (time.perf_counter() - start)
+    flags = os.O_RDONLY | getattr(os, "O_DIRECT", 0)
+    fd = os.open(path, flags)
+    os.posix_fadvise(fd, 0, size, os.POSIX_FADV_DONTNEED)
+    pages = size // 4096
+    deadline = time.perf_counter() + seconds
+
+    def reader(seed: int) -> int:
+        buf = mmap.mmap(-1, 4096)  # page-aligned, as O_DIRECT needs
+        rng = random.Random(seed)
+        n = 0
+        while time.perf_counter() < deadline:
+            os.preadv(fd, [buf], rng.randrange(pages) * 4096)
+            n += 1
+        return n
+
+    t0 = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        reads = sum(pool.map(reader, range(16)))
+    elapsed = time.perf_counter() - t0
+    os.close(fd)
+    os.unlink(path)
+    return {
+        "random_4k_reads_per_s": round(reads / elapsed),
+        "threads": 16,
+        "o_direct": bool(getattr(os, "O_DIRECT", 0)),
+        "sequential_write_MB_s": round(write_mb_s),
+    }
+
+
+def _module(wl: Workload, offload: et.Offload | None) -> et.DistributedEmbedding:
+    tables = [et.TableConfig(wl.rows, wl.dim, name=f"t{i}", combiner="sum", offload=offload) for i in range(wl.tables)]
+    return et.DistributedEmbedding({f"f{i}": et.FeatureConfig(t) for i, t in enumerate(tables)}, et.Adagrad(0.01))
+
+
+def _run(
+    emb: et.DistributedEmbedding, wl: Workload, args: argparse.Namespace
+) -> tuple[list[float], int, dict[str, float]]:
+    """Step times (ms) after the warm-up, the peak resident bytes while timing, and the offloaded tables'
+    counters over the timed steps (summed over the tables; empty for tables in memory)."""
+    batches = make_batches(wl)
+    lengths = torch.full((wl.batch,), wl.pooling, dtype=torch.int64)
+    inputs = [
+        {f"f{i}": et.Ragged.from_lengths(torch.from_numpy(ids), lengths) for i, ids in enumerate(b.ids)}
+        for b in batches
+    ]
+    grad = {f"f{i}": torch.full((wl.batch, wl.dim), 1e-3) for i in range(wl.tables)}
+    times = []
+    for step in range(args.warmup):
+        emb(inputs[step % len(inputs)])
+        emb.apply_gradients(grad)
+    before = emb.offload_statistics()
+    with RssSampler() as rss:
+        for step in range(args.steps):
+            start = time.perf_counter()
+            emb(inputs[(args.warmup + step) % len(inputs)])
+            emb.apply_gradients(grad)
+            times.append((time.perf_counter() - start) * 1e3)
+    after = emb.offload_statistics()
+    counters = {k: sum(after[t][k] - before[t][k] for t in after) for k in next(iter(after.values()), {})}
+    return times, rss.peak, counters
+
+
+def _case(wl: Workload, args: argparse.Namespace, directory: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    table_bytes = wl.tables * wl.rows * wl.dim * 4 * 2
+    fields = {"tables": wl.tables, "rows": wl.rows, "dim": wl.dim, "batch": wl.batch, "pooling": wl.pooling,
+              "ids": wl.ids, "threads": args.threads, "table_and_slot_GB": round(table_bytes / 1e9, 2)}  # fmt: skip
+    total_memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if table_bytes < total_memory // 2:
+        emb = _module(wl, None)
+        times, peak, _ = _run(emb, wl, args)
+        out["in_memory_ms"] = statistics.median(times)
+        emit({"bench": "offload_step", "impl": "in_memory", **fields, "ms": round(out["in_memory_ms"], 3),
+              "peak_rss_MB": round(peak / 2**20)})  # fmt: skip
+        del emb
+    base_rss = current_rss_bytes()
+    emb = _module(wl, et.Offload(directory, args.cache_rows))
+    times, peak, diff = _run(emb, wl, args)
+    steps = args.steps
+    out["offloaded_ms"] = statistics.median(times)
+    out["rows_read_per_s"] = diff["rows_read"] / max(sum(times) / 1e3, 1e-9)
+    emit({"bench": "offload_step", "impl": "offloaded", **fields, "cache_rows": args.cache_rows,
+          "ms": round(out["offloaded_ms"], 3),
+          "vs_in_memory": round(out["offloaded_ms"] / out["in_memory_ms"], 3) if "in_memory_ms" in out else None,
+          "hit_rate": round(diff["hits"] / max(1, diff["rows_looked_up"]), 4),
+          "rows_read_per_step": round(diff["rows_read"] / steps),
+          "rows_written_per_step": round(diff["rows_written"] / steps),
+          "disk_wait_ms_per_step": round(diff["disk_wait_s"] * 1e3 / steps, 3),
+          "rows_read_per_s": round(out["rows_read_per_s"]),
+          "peak_rss_MB": round(peak / 2**20), "rss_before_MB": round(base_rss / 2**20),
+          "cache_MB": round(wl.tables * args.cache_rows * wl.dim * 4 * 2 / 2**20)})  # fmt: skip
+    return out
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,122 @@
+"""Faults of an offloaded table's disk (docs/offload.md): a full filesystem, for real (a 1 MiB tmpfs in a
+private mount namespace), refuses the step that needs new rows with nothing changed and leaves the last
+checkpoint valid; a write-back that fails tears the working files, and every lookup is refused until a restore."""
+
+from __future__ import annotations
+
+import errno
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from subproc import ROOT
+
+import embtables as et
+from embtables.tables.offload_files import ShardFiles
+
+_FULL_DISK = """
+import sys, torch, embtables as et
+rows_dir, ckpt = sys.argv[1], sys.argv[2]
+t = et.TableConfig(30_000, 64, name="t", combiner="sum", offload=et.Offload(rows_dir, 8192))
+emb = et.DistributedEmbedding({"f": et.FeatureConfig(t)}, et.Adagrad(0.1))
+first = {"f": et.Ragged.from_lists([[1, 2], [3]])}
+a = emb(first)["f"]
+emb.apply_gradients({"f": torch.ones_like(a)})
+emb.eval()
+before = emb(first)["f"].clone()
+emb.train()
+try:  # rows 5000-29999 live in blocks never written: 512 KiB each, more than the disk has left
+    emb({"f": et.Ragged.from_lists([[5000, 9000, 13000, 17000, 21000, 25000, 29000]])})
+except RuntimeError as exc:
+    print("refused:", exc)
+emb.eval()
+assert torch.equal(emb(first)["f"], before), "nothing changed"
+emb.train()
+a = emb(first)["f"]  # the rows already on disk train on
+emb.apply_gradients({"f": torch.ones_like(a)})
+mem = et.DistributedEmbedding({"f": et.FeatureConfig(et.TableConfig(30_000, 64, name="t", combiner="sum"))},
+                              et.Adagrad(0.1))
+mem.restore(ckpt)  # the checkpoint written before the disk filled
+print("restored step", mem.restore(ckpt)["step"])
+"""
+
+
+def _mount_command(directory: Path) -> list[str] | None:
+    """A command prefix that runs a program with a 1 MiB tmpfs mounted on ``directory`` in a private mount
+    namespace (as root, or as a user through a user namespace), or None where neither works here."""
+    if shutil.which("unshare") is None:
+        return None
+    for flags in (["-m"], ["-r", "-m"]):
+        probe = subprocess.run(
+            ["unshare", *flags, "sh", "-c", f"mount -t tmpfs -o size=1m tmpfs {directory} && echo ok"],
+            capture_output=True,
+            text=True,
+        )
+        if probe.returncode == 0 and "ok" in probe.stdout:
+            return ["unshare", *flags, "sh", "-c", f'mount -t tmpfs -o size=1m tmpfs {directory} && exec "$@"', "sh"]
+    return None
+
+
+def test_a_full_disk_refuses_the_step_that_needs_new_rows_and_changes_nothing(tmp_path: Path) -> None:
+    rows_dir = tmp_path / "rows"
+    rows_dir.mkdir()
+    prefix = _mount_command(rows_dir)
+    if prefix is None:
+        pytest.skip("no private mount namespace here (unshare -m as root, or -r -m) for a small tmpfs")
+    torch.manual_seed(0)
+    saved = et.DistributedEmbedding(
+        {"f": et.FeatureConfig(et.TableConfig(30_000, 64, name="t", combiner="sum"))}, et.Adagrad(0.1)
+    )
+    ckpt = saved.save(tmp_path / "ckpt")
+    proc = subprocess.run(
+        [*prefix, sys.executable, "-c", _FULL_DISK, str(rows_dir), ckpt],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=str(ROOT),
+        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "refused: table 't': writing the initial values of rows" in proc.stdout, proc.stdout
+    assert "No space left on device" in proc.stdout and "no table or slot was changed" in proc.stdout
+    assert "restored step 0" in proc.stdout
+
+
+def test_a_failed_write_back_tears_the_files_until_a_restore(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The disk refuses a write-back (an I/O error from msync, injected at the files' ``drop``): the lookup that
+    evicted raises, every later lookup (training or not) is refused, a restore makes the table whole again."""
+    torch.manual_seed(0)
+    offload = et.Offload(tmp_path / "rows", 32)  # two groups of 16 rows
+    table = et.TableConfig(30_000, 64, name="t", combiner="sum", offload=offload)
+    emb = et.DistributedEmbedding({"f": et.FeatureConfig(table)}, et.Adagrad(0.1))
+    a = emb({"f": et.Ragged.from_lists([[0, 300]])})["f"]
+    emb.apply_gradients({"f": torch.ones_like(a)})
+    ckpt = emb.save(tmp_path / "ckpt")
+    want = {k: v.clone() for k, v in emb.state_dict().items()}
+    real_drop = ShardFiles.drop
+
+    def failing_drop(self: ShardFiles, part: str, offset: int, length: int, *, dirty: bool) -> None:
+        if dirty:
+            raise OSError(errno.EIO, "Input/output error")
+        real_drop(self, part, offset, length, dirty=dirty)
+
+    a = emb({"f": et.Ragged.from_lists([[0, 300]])})["f"]
+    emb.apply_gradients({"f": torch.ones_like(a)})  # rows 0 and 300 now dirty in memory
+    monkeypatch.setattr(ShardFiles, "drop", failing_drop)
+    with pytest.raises(RuntimeError, match=r"writing the weights back .* failed .*Input/output error.*torn"):
+        emb({"f": et.Ragged.from_lists([[5000, 9000]])})  # evicts the dirty rows
+    monkeypatch.setattr(ShardFiles, "drop", real_drop)
+    emb.eval()
+    with pytest.raises(RuntimeError, match=r"working files are torn.*restore"):
+        emb({"f": et.Ragged.from_lists([[0]])})
+    emb.train()
+    with pytest.raises(RuntimeError, match="working files are torn"):
+        emb({"f": et.Ragged.from_lists([[1]])})
+    emb.restore(ckpt)
+    for k, v in emb.state_dict().items():
+        assert torch.equal(v, want[k]), k
+    a = emb({"f": et.Ragged.from_lists([[5000, 9000]])})["f"]  # trains again
+    emb.apply_gradients({"f": torch.ones_like(a)})
