@@ -22,9 +22,11 @@ Shapes: N the shard's rows, D the width, G rows a group, U distinct rows of a ba
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import mmap
 import time
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -139,6 +141,7 @@ class OffloadedRows:
         self._last_use = torch.full((groups,), -(2**31), dtype=torch.int32)  # the step of its last lookup
         self._untracked = False  # a whole-table access mapped pages the cache does not count
         self.torn: str | None = None  # why the files no longer hold the table (a write-back failed)
+        self._pending: list[tuple[str, int, int]] = []  # (part, offset, length) written back in the background
         self.counters: dict[str, int] = dict.fromkeys(
             (
                 "rows_looked_up",
@@ -231,6 +234,7 @@ class OffloadedRows:
                 "until restore() of a checkpoint or load_state_dict() of the whole state. The last checkpoint is "
                 "untouched."
             )
+        self._settle()
         if self._untracked:
             self.release()
         rows = rows.reshape(-1).to("cpu", torch.int64)
@@ -301,15 +305,19 @@ class OffloadedRows:
         self.counters["bytes_read"] += rows.numel() * self.row_bytes
 
     def _evict(self, groups: Tensor) -> None:
-        """Write back (when written since read) and drop ``groups`` (sorted) from memory."""
+        """Drop ``groups`` (sorted) from memory; those written since they were read are written back in the
+        background (their write-back waited for, and their pages dropped from the page cache, at the next
+        admission: ``_settle``)."""
         dirty = self._dirty[groups]
         for run_start, run_len, run_dirty in _runs(groups, dirty):
             lo = run_start * self.group
             hi = min((run_start + run_len) * self.group, self.rows)
             for part, tensor in self.tensors.items():
                 size = self.dim * tensor.element_size()
-                length = -(-(hi - lo) * size // _PAGE) * _PAGE  # the file's last window may be short
-                self._drop(part, lo * size, length, run_dirty)
+                length = -(-(hi - lo) * size // _PAGE) * _PAGE  # the file's last page may be short
+                self._io(part, functools.partial(self.files.drop, part, lo * size, length, dirty=run_dirty, wait=False))
+                if run_dirty:
+                    self._pending.append((part, lo * size, length))
             if run_dirty:
                 self.counters["rows_written"] += hi - lo
                 self.counters["bytes_written"] += (hi - lo) * self.row_bytes
@@ -317,10 +325,16 @@ class OffloadedRows:
         self._dirty[groups] = False
         self.counters["evictions"] += groups.numel()
 
-    def _drop(self, part: str, offset: int, length: int, dirty: bool) -> None:
-        """``ShardFiles.drop``; a failed write-back tears the files (``torn``) and raises."""
+    def _settle(self) -> None:
+        """Wait for the write-backs the last evictions started, and drop their pages from the page cache."""
+        pending, self._pending = self._pending, []
+        for part, offset, length in pending:
+            self._io(part, functools.partial(self.files.settle, part, offset, length))
+
+    def _io(self, part: str, operation: Callable[[], None]) -> None:
+        """Run a write-back ``operation`` of ``part``; a failure tears the files (``torn``) and raises."""
         try:
-            self.files.drop(part, offset, length, dirty=dirty)
+            operation()
         except OSError as exc:
             what = "the weights" if not part else f"slot {part!r}"
             self.torn = f"writing {what} back to disk failed: {exc.strerror or exc}"
@@ -338,10 +352,11 @@ class OffloadedRows:
 
     def release(self) -> None:
         """Write back and drop every row from memory."""
+        self._settle()
         written = int(self._dirty.sum()) * self.group
         for part, tensor in self.tensors.items():
             length = -(-self.rows * self.dim * tensor.element_size() // _PAGE) * _PAGE
-            self._drop(part, 0, length, True)
+            self._io(part, functools.partial(self.files.drop, part, 0, length, dirty=True))
         self.counters["rows_written"] += written
         self.counters["bytes_written"] += written * self.row_bytes
         self._resident.zero_()

@@ -35,16 +35,18 @@ META = ".meta.json"
 
 _LIBC = ctypes.CDLL(None, use_errno=True)
 _SYNC_FILE_RANGE = getattr(_LIBC, "sync_file_range", None)
-_SYNC_RANGE_FLAGS = 1 | 2 | 4  # SYNC_FILE_RANGE_WAIT_BEFORE | WRITE | WAIT_AFTER
+_SYNC_WAIT = 1 | 2 | 4  # SYNC_FILE_RANGE_WAIT_BEFORE | WRITE | WAIT_AFTER
+_SYNC_START = 2  # SYNC_FILE_RANGE_WRITE: start the write-back, do not wait
 
 
-def _sync_range(fd: int, offset: int, length: int) -> None:
-    """Write bytes [offset, offset + length) of ``fd`` back to the disk and wait (``sync_file_range``; the
-    whole file's ``fdatasync`` where the C library lacks it). An I/O error raises ``OSError``."""
+def _sync_range(fd: int, offset: int, length: int, flags: int = _SYNC_WAIT) -> None:
+    """Write bytes [offset, offset + length) of ``fd`` back to the disk and wait (``flags``: only start it), with
+    ``sync_file_range`` (the whole file's ``fdatasync`` where the C library lacks it). An I/O error raises
+    ``OSError``."""
     if _SYNC_FILE_RANGE is None:
         os.fdatasync(fd)
         return
-    if _SYNC_FILE_RANGE(fd, ctypes.c_int64(offset), ctypes.c_int64(length), ctypes.c_uint(_SYNC_RANGE_FLAGS)) != 0:
+    if _SYNC_FILE_RANGE(fd, ctypes.c_int64(offset), ctypes.c_int64(length), ctypes.c_uint(flags)) != 0:
         err = ctypes.get_errno()
         raise OSError(err, os.strerror(err))
 
@@ -230,17 +232,29 @@ class ShardFiles:
         if length > 0:
             os.posix_fadvise(self._fds[part], offset, length, os.POSIX_FADV_WILLNEED)
 
-    def drop(self, part: str, offset: int, length: int, *, dirty: bool) -> None:
-        """Write back (``dirty``) and drop bytes [offset, offset + length) of ``part`` from memory: the
-        mapping's pages and the page cache's (page-aligned ranges)."""
+    def drop(self, part: str, offset: int, length: int, *, dirty: bool, wait: bool = True) -> None:
+        """Drop bytes [offset, offset + length) of ``part`` (page-aligned) from the process and the page cache,
+        writing them back first when ``dirty``: synchronously (``msync``), or with ``wait=False`` by starting
+        the write-back only (``sync_file_range``), the pages then left in the page cache until ``settle``."""
         mapped = self._maps[part]
         length = min(length, len(mapped) - offset)  # the kernel rounds the file's last page up itself
         if length <= 0:
             return
-        if dirty:
+        if dirty and wait:
             mapped.flush(offset, length)  # msync: an I/O error raises OSError
-        mapped.madvise(mmap.MADV_DONTNEED, offset, length)
+        mapped.madvise(mmap.MADV_DONTNEED, offset, length)  # a dirty page's data stays in the page cache
+        if dirty and not wait:
+            _sync_range(self._fds[part], offset, length, _SYNC_START)
+            return
         os.posix_fadvise(self._fds[part], offset, length, os.POSIX_FADV_DONTNEED)
+
+    def settle(self, part: str, offset: int, length: int) -> None:
+        """Wait for the write-back ``drop(wait=False)`` started (an I/O error raises ``OSError``), then drop
+        the pages from the page cache."""
+        length = min(length, self.nbytes[part] - offset)
+        if length > 0:
+            _sync_range(self._fds[part], offset, length)
+            os.posix_fadvise(self._fds[part], offset, length, os.POSIX_FADV_DONTNEED)
 
     def close(self) -> None:
         """Close the files and release the lock. The maps are never closed here: a tensor over one (torch holds

@@ -98,10 +98,10 @@ def test_a_failed_write_back_tears_the_files_until_a_restore(tmp_path: Path, mon
     want = {k: v.clone() for k, v in emb.state_dict().items()}
     real_drop = ShardFiles.drop
 
-    def failing_drop(self: ShardFiles, part: str, offset: int, length: int, *, dirty: bool) -> None:
+    def failing_drop(self: ShardFiles, part: str, offset: int, length: int, *, dirty: bool, wait: bool = True) -> None:
         if dirty:
             raise OSError(errno.EIO, "Input/output error")
-        real_drop(self, part, offset, length, dirty=dirty)
+        real_drop(self, part, offset, length, dirty=dirty, wait=wait)
 
     a = emb({"f": et.Ragged.from_lists([[0, 300]])})["f"]
     emb.apply_gradients({"f": torch.ones_like(a)})  # rows 0 and 300 now dirty in memory
