@@ -234,7 +234,6 @@ class OffloadedRows:
                 "until restore() of a checkpoint or load_state_dict() of the whole state. The last checkpoint is "
                 "untouched."
             )
-        self._settle()
         if self._untracked:
             self.release()
         rows = rows.reshape(-1).to("cpu", torch.int64)
@@ -258,6 +257,9 @@ class OffloadedRows:
                 )
             oldest = torch.topk(self._last_use[candidates], over, largest=False).indices
             self._evict(torch.sort(candidates[oldest]).values)
+            # their write-backs run together; once done, their pages leave the page cache, before any read
+            # below could map one of them as a neighbour of its own page (fault-around)
+            self._settle()
         blocks = torch.unique(torch.div(rows, self.block, rounding_mode="floor"))
         fresh = blocks[~self._initialized[blocks]]
         if fresh.numel():
@@ -296,18 +298,20 @@ class OffloadedRows:
         """Fault the pages of ``groups`` in now (timed: the disk wait), not inside a kernel."""
         start = time.perf_counter()
         self._will_need(groups)  # many reads in flight, then one touch a page
-        rows = ((groups * self.group)[:, None] + torch.arange(self.group)[None, :]).reshape(-1)
-        rows = rows[rows < self.rows]
         for tensor in self.tensors.values():
-            tensor.index_select(0, rows)  # every page of the groups read
+            per_page = _PAGE // tensor.element_size()  # elements a page
+            pages = self.group * self.dim // per_page  # pages a group (a whole number: see _group_rows)
+            first = (groups * (pages * per_page))[:, None] + torch.arange(pages)[None, :] * per_page
+            first = first.reshape(-1)
+            tensor.view(-1).index_select(0, first[first < tensor.numel()])  # one element of every page
         self.disk_wait_s += time.perf_counter() - start
-        self.counters["rows_read"] += rows.numel()
-        self.counters["bytes_read"] += rows.numel() * self.row_bytes
+        n = int(torch.clamp(self.rows - groups * self.group, max=self.group).sum())
+        self.counters["rows_read"] += n
+        self.counters["bytes_read"] += n * self.row_bytes
 
     def _evict(self, groups: Tensor) -> None:
-        """Drop ``groups`` (sorted) from memory; those written since they were read are written back in the
-        background (their write-back waited for, and their pages dropped from the page cache, at the next
-        admission: ``_settle``)."""
+        """Drop ``groups`` (sorted) from memory; those written since they were read start their write-back
+        (all of them in flight together: ``_settle`` waits for them and drops their pages)."""
         dirty = self._dirty[groups]
         for run_start, run_len, run_dirty in _runs(groups, dirty):
             lo = run_start * self.group
