@@ -170,6 +170,12 @@ FUNCTIONS: dict[str, CFunction] = {
         _f("et_workspace_new", "", _P),
         _f("et_workspace_free", "handle:p"),
         _f("et_shm_post", "word:p value:u32"),
+        _f(
+            "et_offload_ranges",
+            "fd:i32 base:p size:i64 ranges:p n:i64 op:i32 err:p",
+            _I32,
+            ((0, "ok"), (1, "io_error"), (2, "sizes"), (3, "unsupported")),
+        ),
         _f("et_shm_wait", "word:p target:u32 timeout_s:f64 peer_fd:i32", _I32),
         _f("et_km_new", "V:i64 admit_after:i64 eviction:i32 ttl:i64", _P),
         _f("et_km_free", "handle:p"),

@@ -29,7 +29,9 @@ from embtables.kernels.registry import RECORDS
 
 logger = logging.getLogger("embtables")
 
-_SOURCES = [Path(__file__).parent / "csrc" / name for name in ("embtables_native.c", "key_map.c", "shm_sync.c")]
+_SOURCES = [
+    Path(__file__).parent / "csrc" / name for name in ("embtables_native.c", "key_map.c", "shm_sync.c", "offload_io.c")
+]
 _FLAGS = [
     "-O3",
     "-march=native",

@@ -35,7 +35,7 @@ from embtables.config import ResolvedTable
 from embtables.config.offload import Offload
 from embtables.errors import InputError
 from embtables.tables.initializers import default_initializer
-from embtables.tables.offload_files import ShardFiles
+from embtables.tables.offload_files import DROP_CLEAN, DROP_WRITTEN, SETTLE, WILL_NEED, ShardFiles
 
 INIT_BLOCK = 1024  # global rows drawn together by the initializer (a property of the table, not of the cache)
 _PAGE = mmap.PAGESIZE
@@ -141,7 +141,7 @@ class OffloadedRows:
         self._last_use = torch.full((groups,), -(2**31), dtype=torch.int32)  # the step of its last lookup
         self._untracked = False  # a whole-table access mapped pages the cache does not count
         self.torn: str | None = None  # why the files no longer hold the table (a write-back failed)
-        self._pending: list[tuple[str, int, int]] = []  # (part, offset, length) written back in the background
+        self._pending: list[tuple[str, Tensor]] = []  # (part, byte ranges [n, 2]) being written back
         self.counters: dict[str, int] = dict.fromkeys(
             (
                 "rows_looked_up",
@@ -240,12 +240,13 @@ class OffloadedRows:
         rows = torch.unique(rows[(rows >= 0) & (rows < self.rows)])  # ids are validated later, by the lookup
         if rows.numel() == 0:
             return
-        groups = torch.unique(torch.div(rows, self.group, rounding_mode="floor"))
+        groups = torch.unique_consecutive(torch.div(rows, self.group, rounding_mode="floor"))  # rows are sorted
         missing = groups[~self._resident[groups]]
         over = int(self._resident.sum()) + missing.numel() - self.budget
         if over > 0:
-            candidates = torch.nonzero(self._resident & (self._last_use < min(pin_from, 2**31 - 1))).flatten()
-            candidates = candidates[~torch.isin(candidates, groups)]
+            evictable = self._resident & (self._last_use < min(pin_from, 2**31 - 1))
+            evictable[groups] = False  # this lookup's own
+            candidates = torch.nonzero(evictable).flatten()
             if candidates.numel() < over:
                 needed = (int(self._resident.sum()) - candidates.numel() + missing.numel()) * self.group
                 raise InputError(
@@ -260,7 +261,7 @@ class OffloadedRows:
             # their write-backs run together; once done, their pages leave the page cache, before any read
             # below could map one of them as a neighbour of its own page (fault-around)
             self._settle()
-        blocks = torch.unique(torch.div(rows, self.block, rounding_mode="floor"))
+        blocks = torch.unique_consecutive(torch.div(groups * self.group, self.block, rounding_mode="floor"))
         fresh = blocks[~self._initialized[blocks]]
         if fresh.numel():
             self._init_blocks(fresh)
@@ -282,17 +283,21 @@ class OffloadedRows:
         rows = rows[(rows >= 0) & (rows < self.rows)]
         if rows.numel() == 0:
             return
-        groups = torch.unique(torch.div(rows, self.group, rounding_mode="floor"))
+        groups = torch.unique(torch.div(rows, self.group, rounding_mode="floor"))  # sorted
         groups = groups[~self._resident[groups]]
         groups = groups[self._initialized[torch.div(groups * self.group, self.block, rounding_mode="floor")]]
         self.counters["rows_prefetched"] += groups.numel() * self.group
         self._will_need(groups)
 
     def _will_need(self, groups: Tensor) -> None:
-        for run_start, run_len, _ in _runs(groups, torch.zeros_like(groups, dtype=torch.bool)):
-            for part, tensor in self.tensors.items():
-                size = self.group * self.dim * tensor.element_size()
-                self.files.will_need(part, run_start * size, run_len * size)
+        starts, lengths, _ = _run_bounds(groups, torch.zeros_like(groups, dtype=torch.bool))
+        for part in self.tensors:
+            self.files.page_work(part, WILL_NEED, self._byte_ranges(part, starts, lengths))
+
+    def _byte_ranges(self, part: str, starts: Tensor, lengths: Tensor) -> Tensor:
+        """[n, 2] (offset, length) in ``part``'s file of the runs of groups ``starts`` [n], ``lengths`` [n]."""
+        size = self.group * self.dim * self.tensors[part].element_size()  # whole pages
+        return torch.stack((starts * size, lengths * size), dim=1)
 
     def _read_in(self, groups: Tensor) -> None:
         """Fault the pages of ``groups`` in now (timed: the disk wait), not inside a kernel."""
@@ -312,19 +317,17 @@ class OffloadedRows:
     def _evict(self, groups: Tensor) -> None:
         """Drop ``groups`` (sorted) from memory; those written since they were read start their write-back
         (all of them in flight together: ``_settle`` waits for them and drops their pages)."""
-        dirty = self._dirty[groups]
-        for run_start, run_len, run_dirty in _runs(groups, dirty):
-            lo = run_start * self.group
-            hi = min((run_start + run_len) * self.group, self.rows)
-            for part, tensor in self.tensors.items():
-                size = self.dim * tensor.element_size()
-                length = -(-(hi - lo) * size // _PAGE) * _PAGE  # the file's last page may be short
-                self._io(part, functools.partial(self.files.drop, part, lo * size, length, dirty=run_dirty, wait=False))
-                if run_dirty:
-                    self._pending.append((part, lo * size, length))
-            if run_dirty:
-                self.counters["rows_written"] += hi - lo
-                self.counters["bytes_written"] += (hi - lo) * self.row_bytes
+        starts, lengths, dirty = _run_bounds(groups, self._dirty[groups])
+        for part in self.tensors:
+            clean = self._byte_ranges(part, starts[~dirty], lengths[~dirty])
+            written = self._byte_ranges(part, starts[dirty], lengths[dirty])
+            self._io(part, functools.partial(self.files.page_work, part, DROP_CLEAN, clean))
+            self._io(part, functools.partial(self.files.page_work, part, DROP_WRITTEN, written))
+            if written.numel():
+                self._pending.append((part, written))
+        rows = int(torch.clamp(self.rows - starts[dirty] * self.group, max=lengths[dirty] * self.group).sum())
+        self.counters["rows_written"] += rows
+        self.counters["bytes_written"] += rows * self.row_bytes
         self._resident[groups] = False
         self._dirty[groups] = False
         self.counters["evictions"] += groups.numel()
@@ -332,8 +335,8 @@ class OffloadedRows:
     def _settle(self) -> None:
         """Wait for the write-backs the last evictions started, and drop their pages from the page cache."""
         pending, self._pending = self._pending, []
-        for part, offset, length in pending:
-            self._io(part, functools.partial(self.files.settle, part, offset, length))
+        for part, ranges in pending:
+            self._io(part, functools.partial(self.files.page_work, part, SETTLE, ranges))
 
     def _io(self, part: str, operation: Callable[[], None]) -> None:
         """Run a write-back ``operation`` of ``part``; a failure tears the files (``torn``) and raises."""
@@ -387,12 +390,14 @@ class OffloadedRows:
         self.files.close()
 
 
-def _runs(groups: Tensor, dirty: Tensor) -> list[tuple[int, int, bool]]:
-    """Maximal runs of consecutive ``groups`` [K] (sorted) with the same ``dirty``: (first, length, dirty)."""
+def _run_bounds(groups: Tensor, dirty: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """The maximal runs of consecutive ``groups`` [K] (sorted) with the same ``dirty`` [K]: (first group [n],
+    length in groups [n], dirty [n])."""
     if groups.numel() == 0:
-        return []
+        empty = groups.new_zeros(0)
+        return empty, empty, dirty.new_zeros(0)
     breaks = torch.ones(groups.numel(), dtype=torch.bool)
     breaks[1:] = (groups[1:] != groups[:-1] + 1) | (dirty[1:] != dirty[:-1])
-    starts = torch.nonzero(breaks).flatten()
-    ends = torch.cat((starts[1:], torch.tensor([groups.numel()])))
-    return [(int(groups[s]), int(e - s), bool(dirty[s])) for s, e in zip(starts.tolist(), ends.tolist())]
+    first = torch.nonzero(breaks).flatten()
+    ends = torch.cat((first[1:], torch.tensor([groups.numel()])))
+    return groups[first], ends - first, dirty[first]

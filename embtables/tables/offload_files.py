@@ -28,8 +28,10 @@ import torch
 from torch import Tensor
 
 from embtables.errors import ConfigError
+from embtables.kernels import native_library
 
 MAGIC = "embtables-offload-v1"
+DROP_CLEAN, DROP_WRITTEN, SETTLE, WILL_NEED = 0, 1, 2, 3  # ``page_work`` operations (csrc/offload_io.c)
 META = ".meta.json"
 
 
@@ -210,6 +212,37 @@ class ShardFiles:
             view, offset = view[n:], offset + n
         _sync_range(fd, start, offset - start)
         os.posix_fadvise(fd, start, offset - start, os.POSIX_FADV_DONTNEED)
+
+    def page_work(self, part: str, op: int, ranges: Tensor) -> None:
+        """Operation ``op`` (``DROP_CLEAN``, ``DROP_WRITTEN``, ``SETTLE``, ``WILL_NEED``: see
+        ``csrc/offload_io.c``) on byte ranges ``ranges`` [n, 2] (offset, length; page-aligned, inside the file) of
+        ``part``: one native call (the ranges checked there), else one Python call a range. An I/O error raises
+        ``OSError``."""
+        ranges = ranges.to("cpu", torch.int64).contiguous()
+        if ranges.numel() == 0:
+            return
+        lib = native_library.library()
+        if lib is not None:
+            err = (ctypes.c_int32 * 2)()
+            base = self.tensors[part].data_ptr()
+            rc = lib.et_offload_ranges(
+                self._fds[part], base, self.nbytes[part], ranges.data_ptr(), ranges.shape[0], op, err
+            )
+            if rc == 0:
+                return
+            if rc == 1:
+                raise OSError(err[0], os.strerror(err[0]))
+            if rc == 2:
+                raise RuntimeError(f"{self.names[part]}: a page range outside the file or not page-aligned (a bug)")
+        for offset, length in ranges.tolist():  # no native library, or not Linux
+            if op == DROP_CLEAN:
+                self.drop(part, offset, length, dirty=False)
+            elif op == DROP_WRITTEN:
+                self.drop(part, offset, length, dirty=True, wait=False)
+            elif op == SETTLE:
+                self.settle(part, offset, length)
+            else:
+                self.will_need(part, offset, length)
 
     def read(self, part: str, offset: int, length: int) -> bytes:
         """Bytes [offset, offset + length) of ``part``'s file, read with ``pread`` (through the page cache, not

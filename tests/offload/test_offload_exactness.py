@@ -178,3 +178,14 @@ def test_the_next_batch_enqueued_before_the_update_is_read_ahead_and_changes_not
     for key, value in ref.state_dict().items():
         _same(off.state_dict()[key], value, key)
     assert off.offload_statistics()["big"]["rows_prefetched"] > 0
+
+
+def test_without_the_native_library_the_page_work_is_done_in_python_with_the_same_bits(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from embtables.tables import offload_files
+
+    monkeypatch.setattr(offload_files.native_library, "library", lambda: None)
+    off = _train_side_by_side(tmp_path, "adagrad")
+    stats = off.offload_statistics()["big"]
+    assert stats["evictions"] > 0 and stats["rows_written"] > 0, stats

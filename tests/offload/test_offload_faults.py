@@ -15,7 +15,7 @@ import torch
 from subproc import ROOT
 
 import embtables as et
-from embtables.tables.offload_files import ShardFiles
+from embtables.tables.offload_files import DROP_WRITTEN, ShardFiles
 
 _FULL_DISK = """
 import sys, torch, embtables as et
@@ -96,19 +96,19 @@ def test_a_failed_write_back_tears_the_files_until_a_restore(tmp_path: Path, mon
     emb.apply_gradients({"f": torch.ones_like(a)})
     ckpt = emb.save(tmp_path / "ckpt")
     want = {k: v.clone() for k, v in emb.state_dict().items()}
-    real_drop = ShardFiles.drop
+    real_work = ShardFiles.page_work
 
-    def failing_drop(self: ShardFiles, part: str, offset: int, length: int, *, dirty: bool, wait: bool = True) -> None:
-        if dirty:
+    def failing_work(self: ShardFiles, part: str, op: int, ranges: torch.Tensor) -> None:
+        if op == DROP_WRITTEN and ranges.numel():
             raise OSError(errno.EIO, "Input/output error")
-        real_drop(self, part, offset, length, dirty=dirty, wait=wait)
+        real_work(self, part, op, ranges)
 
     a = emb({"f": et.Ragged.from_lists([[0, 300]])})["f"]
     emb.apply_gradients({"f": torch.ones_like(a)})  # rows 0 and 300 now dirty in memory
-    monkeypatch.setattr(ShardFiles, "drop", failing_drop)
+    monkeypatch.setattr(ShardFiles, "page_work", failing_work)
     with pytest.raises(RuntimeError, match=r"writing the weights back .* failed .*Input/output error.*torn"):
         emb({"f": et.Ragged.from_lists([[5000, 9000]])})  # evicts the dirty rows
-    monkeypatch.setattr(ShardFiles, "drop", real_drop)
+    monkeypatch.setattr(ShardFiles, "page_work", real_work)
     emb.eval()
     with pytest.raises(RuntimeError, match=r"working files are torn.*restore"):
         emb({"f": et.Ragged.from_lists([[0]])})

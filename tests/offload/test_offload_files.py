@@ -198,3 +198,18 @@ def test_a_save_streams_from_the_files_without_writing_rows_never_read(tmp_path:
     want = off.state_dict()  # initializes every row in the files: the values the checkpoint holds
     for k, v in mem.state_dict().items():
         assert torch.equal(v, want[k]), k
+
+
+def test_the_native_page_work_checks_every_range_before_it_touches_one(tmp_path: Path) -> None:
+    from embtables.kernels import native_library
+    from embtables.tables.offload_files import DROP_CLEAN
+
+    if native_library.library() is None:
+        pytest.skip("the native library is not built here (gcc is required)")
+    emb = _module(tmp_path)
+    files = emb._engine.local.offloaded["t"].files  # the table's files, as the cache drives them
+    size = files.nbytes[""]
+    for bad in ([[1, 4096]], [[size, 4096]], [[-4096, 4096]], [[0, 0]], [[0, 4096], [4095, 4096]]):
+        with pytest.raises(RuntimeError, match="outside the file or not page-aligned"):
+            files.page_work("", DROP_CLEAN, torch.tensor(bad))
+    files.page_work("", DROP_CLEAN, torch.tensor([[0, 4096], [size - 4096, 1 << 20]]))  # cut at the file's end
