@@ -17,6 +17,7 @@ written (``TornRestore``), and the module refuses to train or save until a resto
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import os
 import threading
 import zlib
@@ -215,13 +216,20 @@ def write(plans: list[_Plan], shards: dict[str, LocalShard], progress: Callable[
             mine = mine_of[plan.table.name] = _ascending_rows(shard)
         for slot, target in shard.tensors.items():
             key = f"{plan.table.name}/{slot}" if slot else plan.table.name
-            tasks.append(_copy_block(plan, key, mine, target, tick))
+            # an offloaded table's rows are written back and dropped piece by piece (memory: a piece)
+            written = None if shard.offloaded is None else functools.partial(shard.offloaded.written, slot)
+            tasks.append(_copy_block(plan, key, mine, target, tick, written))
     with torch.no_grad():
         _run_all(tasks)
 
 
 def _copy_block(
-    plan: _Plan, key: str, mine: np.ndarray[Any, Any], target: torch.Tensor, tick: Callable[[int], None]
+    plan: _Plan,
+    key: str,
+    mine: np.ndarray[Any, Any],
+    target: torch.Tensor,
+    tick: Callable[[int], None],
+    written: Callable[[int, int], None] | None = None,
 ) -> Callable[[], None]:
     def run() -> None:
         block, dim = plan.blocks.state[key], plan.table.dim
@@ -241,6 +249,8 @@ def _copy_block(
             else:
                 index = torch.from_numpy(dst).to(target.device)
                 target.index_copy_(0, index, torch.from_numpy(values[src]).to(target.device, target.dtype))
+            if written is not None:
+                written(int(dst.min()), int(dst.max()) + 1)
             tick(dst.size * dim * 4)
         if crc != block.crc32 or rows_crc != plan.blocks.rows.crc32:
             raise _torn(plan.file.path, key)

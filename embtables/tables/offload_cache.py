@@ -352,9 +352,19 @@ class OffloadedRows:
                 "untouched."
             ) from exc
 
+    def written(self, part: str, lo: int, hi: int) -> None:
+        """Local rows [lo, hi) of ``part`` were just written through the maps outside a step (a restore's
+        piece): write them back and drop them (their whole pages), so a restore's memory stays a piece."""
+        size = self.dim * self.tensors[part].element_size()
+        first = lo * size // _PAGE * _PAGE
+        last = -(-hi * size // _PAGE) * _PAGE
+        self._io(part, functools.partial(self.files.drop, part, first, last - first, dirty=True))
+
     def restored(self) -> None:
-        """Every row was just written whole (a restore, a full load_state_dict): the files hold the table."""
+        """Every row was just written (a restore, a full load_state_dict): the files hold the whole table."""
         self.torn = None
+        self._initialized[:] = True
+        self.counters["initialized_rows"] = self.rows
         self._untracked = True
 
     def release(self) -> None:

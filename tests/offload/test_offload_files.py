@@ -99,7 +99,7 @@ def test_resident_memory_stays_bounded_by_the_cache(tmp_path: Path) -> None:
         def rss():
             with open("/proc/self/statm") as f:
                 return int(f.read().split()[1]) * 4096
-        t = et.TableConfig(400_000, 64, name="t", combiner="sum", offload=et.Offload({str(tmp_path)!r}, 8192))
+        t = et.TableConfig(400_000, 64, name="t", combiner="sum", offload=et.Offload({str(tmp_path / "rows")!r}, 8192))
         emb = et.DistributedEmbedding({{"f": et.FeatureConfig(t)}}, et.Adagrad(0.1))
         g = torch.Generator().manual_seed(0)
         for step in range(3):  # warm up the allocator and the step's buffers
@@ -110,11 +110,18 @@ def test_resident_memory_stays_bounded_by_the_cache(tmp_path: Path) -> None:
             a = emb({{"f": torch.randint(0, 400_000, (8, 2), generator=g)}})["f"]
             emb.apply_gradients({{"f": torch.ones_like(a)}})
         s = emb.offload_statistics()["t"]
-        print((rss() - start) >> 20, s["resident_rows"], s["rows_written"], s["evictions"])
+        grown = (rss() - start) >> 20
+        path = emb.save({str(tmp_path / "ckpt")!r})  # streamed from the files
+        saved = (rss() - start) >> 20
+        emb.restore(path)  # written piece by piece, each piece written back and dropped
+        restored = (rss() - start) >> 20
+        print(grown, saved, restored, s["resident_rows"], s["rows_written"], s["evictions"])
     """
-    grown_mb, resident, written, evictions = (int(float(x)) for x in run_python(code, timeout=300).split())
+    out = run_python(code, timeout=300).split()
+    grown_mb, saved_mb, restored_mb, resident, written, evictions = (int(float(x)) for x in out)
     assert resident <= 8192 and written > 40_000 and evictions > 1000
     assert grown_mb < 40, grown_mb  # the table is 205 MB: the pages touched would show without eviction
+    assert saved_mb < 60 and restored_mb < 60, (saved_mb, restored_mb)  # not the table's 205 MB either
 
 
 @pytest.mark.parametrize(
@@ -170,7 +177,9 @@ def test_checkpoints_of_an_offloaded_table_restore_in_memory_and_back(tmp_path: 
     for k, v in mem.state_dict().items():
         assert torch.equal(v, want[k]), k
     again = _module(tmp_path / "rows2", cache_rows=512)
-    again.restore(path)
+    again.restore(path)  # written piece by piece, each written back and dropped; no block initialized first
+    stats = again.offload_statistics()["t"]
+    assert stats["initialized_rows"] == 30_000 and stats["resident_rows"] == 0, stats
     for k, v in again.state_dict().items():
         assert torch.equal(v, want[k]), k
     ids = torch.randint(0, 30_000, (8, 3))
