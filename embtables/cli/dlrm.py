@@ -100,10 +100,11 @@ def spec_for(
     profile_dir: str | None,
     dynamic_user: int | None = None,
     stored: tuple[str, str] = ("float32", "float32"),
+    offload: embtables.Offload | None = None,
 ) -> EmbeddingConfigSpec:
     """The ``EmbeddingConfigSpec`` (dicts form: per-table optimizers) of the job; ``dynamic_user`` makes the
     user table dynamic with that many rows (admitted at a key's second lookup, LRU eviction); ``stored``: the
-    tables' (row, slot) storage types."""
+    tables' (row, slot) storage types; ``offload``: every fixed table's rows in files (docs/offload.md)."""
     features = data.feature_configs(dim=dim)
     optimizers = table_optimizers(step)
     tables = {}
@@ -118,7 +119,7 @@ def spec_for(
             dynamic, rows = embtables.DynamicVocabulary(admit_after=2, eviction="lru"), dynamic_user
         tables[t.name] = embtables.TableConfig(
             rows, t.dim, initializer=init, optimizer=optimizers[t.name], name=t.name, dynamic=dynamic,
-            dtype=stored[0], slot_dtype=stored[1],
+            dtype=stored[0], slot_dtype=stored[1], offload=offload if dynamic is None else None,
         )  # fmt: skip
     feature_dict = {
         name: embtables.FeatureConfig(
@@ -257,8 +258,11 @@ def run(args: argparse.Namespace) -> int:
         learned = final["auc"] > 0.6 if estimator.global_step - first >= 50 else True
         # a collective when sharded: every rank asks, rank 0 reports
         vocabulary = estimator.embedding.vocabulary_statistics() if args.dynamic_user is not None else None
+        offloaded = estimator.embedding.offload_statistics() if getattr(args, "offload", None) else None
         if rank == 0:
-            _report(estimator, args, evals, held_out.teacher, first, seconds, world, model_dir, vocabulary)
+            if offloaded:
+                _report_offload(offloaded)
+            _report(estimator, args, evals, held_out.teacher, first, seconds, world, model_dir, vocabulary, offloaded)
             if estimator.global_step == first:
                 print(f"finished: no step trained in this run (the model in {model_dir} is at step {first}).")
                 return 0
@@ -288,7 +292,10 @@ def _estimator(args: argparse.Namespace, data: SyntheticCTR, model_dir: Path) ->
         return estimator.global_step if estimator is not None else 0
 
     stored = (getattr(args, "dtype", "float32"), getattr(args, "slot_dtype", "float32"))
-    spec = spec_for(data, args.dim, step, str(model_dir / "lookup_stats"), args.dynamic_user, stored)
+    offload = None
+    if getattr(args, "offload", None) is not None:
+        offload = embtables.Offload(args.offload, args.cache_rows)
+    spec = spec_for(data, args.dim, step, str(model_dir / "lookup_stats"), args.dynamic_user, stored, offload)
     estimator = Estimator(
         DLRM(sorted(f.name for f in data.config.features), args.dim),
         spec,
@@ -373,6 +380,18 @@ def _train(
     return evals
 
 
+def _report_offload(stats: dict[str, dict[str, float]]) -> None:
+    """One line a table: the row cache's hit rate, what it read and wrote, and the time it waited for the disk."""
+    for name, s in stats.items():
+        looked = max(1.0, s["rows_looked_up"])
+        print(
+            f"offload {name}: hits {s['hits'] / looked:.1%} of {s['rows_looked_up']:.0f} rows looked up, "
+            f"{s['bytes_read'] / 2**20:.0f} MiB read, {s['bytes_written'] / 2**20:.0f} MiB written, "
+            f"{s['disk_wait_s']:.2f} s waiting for the disk, {s['resident_rows']:.0f} of {s['cache_rows']:.0f} "
+            "cache rows in use"
+        )
+
+
 def _report(
     estimator: Estimator,
     args: argparse.Namespace,
@@ -383,6 +402,7 @@ def _report(
     world: int,
     model_dir: Path,
     vocabulary: dict[str, dict[str, int]] | None,
+    offloaded: dict[str, dict[str, float]] | None = None,
 ) -> None:
     """Rank 0's artefacts: the curves (PNG) and summary.json of every run into ``model_dir`` so far
     (a rerun keeps the history), and the summary line."""
@@ -410,6 +430,8 @@ def _report(
     }
     if vocabulary is not None:
         summary["vocabulary"] = vocabulary
+    if offloaded:
+        summary["offload"] = offloaded
     runs = earlier_runs(model_dir / "summary.json")
     if step > first:
         runs.append({"from_step": first, "to_step": step, "seconds": round(seconds, 3), "processes": world})

