@@ -221,8 +221,13 @@ class DistributedEmbedding(nn.Module):
 
         ``features`` / ``weights`` follow the nest of ``feature_config``; see ``embtables.Ragged``
         for the accepted input types. Raises (and stages nothing) on any invalid input; sharded, every
-        rank raises the refusing rank's error at the lookup (``dequeue``) instead.
+        rank raises the refusing rank's error at the lookup (``dequeue``) instead. An offloaded table's rows
+        of the batch start coming in from disk now (docs/offload.md).
         """
+        self._enqueue(features, weights, training, read_ahead=True)
+
+    def _enqueue(self, features: Any, weights: Any, training: bool, *, read_ahead: bool) -> None:
+        """``enqueue``; ``read_ahead``: start reading offloaded rows now (not when the lookup follows at once)."""
         training = bool(training)
         if training:
             self._persistence.refuse_if_torn("enqueue")
@@ -237,7 +242,7 @@ class DistributedEmbedding(nn.Module):
                 raise  # a bad enqueue changes nothing
             self._pipeline.stage(None, training, refused=exc)  # every rank refuses this step together
             return
-        self._pipeline.stage(batches, training)
+        self._pipeline.stage(batches, training, read_ahead=read_ahead)
 
     @_locked
     def dequeue(self) -> Any:
@@ -254,8 +259,9 @@ class DistributedEmbedding(nn.Module):
 
     @_locked
     def forward(self, features: Any, weights: Any = None) -> Any:
-        """``enqueue(features, weights, training=self.training)`` then ``dequeue()``."""
-        self.enqueue(features, weights, training=self.training)
+        """``enqueue(features, weights, training=self.training)`` then ``dequeue()`` (nothing read ahead: the
+        lookup follows at once)."""
+        self._enqueue(features, weights, self.training, read_ahead=False)
         return self.dequeue()
 
     @_locked

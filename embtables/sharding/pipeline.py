@@ -138,7 +138,13 @@ class StepPipeline:
             busy |= batch_pointers(self.enqueued.batches)  # kept until the next batch is valid
         return busy
 
-    def stage(self, batches: list[FeatureBatch] | None, training: bool, refused: BaseException | None = None) -> None:
+    def stage(
+        self,
+        batches: list[FeatureBatch] | None,
+        training: bool,
+        refused: BaseException | None = None,
+        read_ahead: bool = True,
+    ) -> None:
         """Stage a batch for ``dequeue`` (or, sharded, this rank's refusal of it). Pipelined and sharded,
         the id exchange and lookup start now, overlapping the caller's dense compute; they read the
         tables before the pending update, as the pipelined lookup must (a refusing rank joins the
@@ -146,7 +152,7 @@ class StepPipeline:
         update landing in the background is not waited for: the new lookup runs after it, on the same
         thread."""
         self._wait_prefetch()
-        if batches is not None:
+        if batches is not None and read_ahead:
             self.engine.prefetch_rows(batches)  # an offloaded table's rows start coming in from disk now
         step = self.training_steps + 1 if training else self.training_steps  # eval: the last step trained
         staged = Staged(batches, training, step, refused=refused)

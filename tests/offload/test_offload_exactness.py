@@ -114,6 +114,7 @@ def test_an_offloaded_table_trains_to_the_bits_of_the_table_in_memory(opt_name: 
     stats = off.offload_statistics()["big"]
     assert stats["evictions"] > 0 and stats["rows_written"] > 0 and stats["rows_read"] > 0, stats
     assert stats["resident_rows"] <= stats["cache_rows"] <= 1024, stats
+    assert stats["rows_prefetched"] == 0, stats  # module(features): the lookup follows at once, nothing read ahead
 
 
 def test_reading_the_whole_table_between_steps_changes_nothing(tmp_path: Path) -> None:
