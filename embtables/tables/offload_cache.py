@@ -5,16 +5,19 @@ The tensors the engine computes on are shared memory maps of the files ([N, D] e
 kernel, optimizer, combiner and input type runs unchanged and gives the bits of an in-memory table. What is
 in memory is managed here, in groups of G rows (whole pages of every file):
 
-* **admission** (before a lookup reads rows): the batch's rows that were never initialized get their initial
-  values (the initializer's draw for their block of ``INIT_BLOCK`` global rows, from the table's seed: the same
-  values for any cache, shard layout or order of first reads), written with ``pwrite``; the groups not in
-  memory are read in (timed: the disk wait); least recently used groups are written back (``msync``) and
-  dropped (``MADV_DONTNEED`` and ``POSIX_FADV_DONTNEED``: neither the process nor the page cache keeps them)
-  until at most ``cache_rows`` rows are in memory. Groups used at or after ``pin_from`` (the current batch, and
-  the previous one while its update is pending) are never dropped; when they alone exceed the cache, the lookup
-  is refused before anything changes.
-* **whole-table access** (``state_dict``, ``save``, ``restore``, ``embedding_tables``): every block is
-  initialized first (``materialize``); the next admission writes back and drops everything (``release``).
+* **admission** (before a lookup reads rows): least recently used groups are dropped until the batch's fit in
+  ``cache_rows`` (``MADV_DONTNEED``; those written since they were read are written back first, all together:
+  ``sync_file_range``, then ``POSIX_FADV_DONTNEED``: neither the process nor the page cache keeps them); the
+  batch's rows that were never initialized get their initial values (the initializer's draw for their block of
+  ``INIT_BLOCK`` global rows, from the table's seed: the same values for any cache, shard layout or order of
+  first reads), written with ``pwrite``; the groups not in memory are read in (timed: the disk wait). Groups used
+  at or after ``pin_from`` (the current batch, and the previous one while its update is pending) are never
+  dropped; when they alone exceed the cache, the lookup is refused before anything changes.
+* **read-ahead** (a batch staged by ``enqueue``): its groups on disk start coming into the page cache.
+* **whole-table access** (``state_dict``, ``embedding_tables``, ``load_state_dict``): every block is initialized
+  first (``materialize``); the next admission writes back and drops everything (``release``). ``save`` reads
+  the files with ``pread`` instead (``read_float32``), ``restore`` writes back and drops each piece it writes
+  (``written``).
 
 Shapes: N the shard's rows, D the width, G rows a group, U distinct rows of a batch.
 """
@@ -38,11 +41,10 @@ from embtables.tables.initializers import default_initializer
 from embtables.tables.offload_files import DROP_CLEAN, DROP_WRITTEN, SETTLE, WILL_NEED, ShardFiles
 
 INIT_BLOCK = 1024  # global rows drawn together by the initializer (a property of the table, not of the cache)
-_PAGE = mmap.PAGESIZE
 # The cache's unit: whole pages of every file. Linux also maps the pages around a read fault that are in the page
 # cache (fault-around): the cache keeps only the pages it counts there (initial values and evicted pages are
 # written back and dropped), so a neighbour is never mapped behind its back.
-_WINDOW = _PAGE
+_PAGE = mmap.PAGESIZE
 
 
 def table_seed(table: ResolvedTable) -> int:
@@ -101,7 +103,7 @@ def _group_rows(dim: int, itemsizes: list[int]) -> int:
     g = 1
     for size in itemsizes:
         row = dim * size
-        g = math.lcm(g, _WINDOW // math.gcd(_WINDOW, row))
+        g = math.lcm(g, _PAGE // math.gcd(_PAGE, row))
     return g
 
 
@@ -128,7 +130,7 @@ class OffloadedRows:
         if offload.cache_rows < self.group:
             raise InputError(
                 f"table {table.name!r}: Offload(cache_rows={offload.cache_rows}) holds less than one page group of "
-                f"{self.group} rows (whole {_WINDOW}-byte pages of every file). Raise cache_rows to at least "
+                f"{self.group} rows (whole {_PAGE}-byte pages of every file). Raise cache_rows to at least "
                 f"{self.group}."
             )
         self.budget = offload.cache_rows // self.group  # groups in memory at most
