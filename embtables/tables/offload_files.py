@@ -146,12 +146,13 @@ class ShardFiles:
         }
         meta = os.path.join(directory, stem + META)
         existing = _read_record(meta) if os.path.exists(meta) else None
+        lock = os.path.join(directory, lock_name)  # the name this code gives it, never a name read from a file
         try:
             if existing is not None:
-                self._lock(os.path.join(directory, existing["lock"]))  # its files are another process's until locked
-            self._write_record(meta, record)
+                self._lock(lock)  # the shard's files are another module's until its lock is taken
+            self._write_record(meta, record)  # lists the lock before a new one is created
             if existing is None:
-                self._lock(os.path.join(directory, lock_name))
+                self._lock(lock)
             for part, dtype in parts.items():
                 self._open_rows(part, rows, dim, dtype)
         except BaseException:

@@ -222,3 +222,15 @@ def test_the_native_page_work_checks_every_range_before_it_touches_one(tmp_path:
         with pytest.raises(RuntimeError, match="outside the file or not page-aligned"):
             files.page_work("", DROP_CLEAN, torch.tensor(bad))
     files.page_work("", DROP_CLEAN, torch.tensor([[0, 4096], [size - 4096, 1 << 20]]))  # cut at the file's end
+
+
+def test_a_name_read_from_a_record_never_leads_outside_the_directory(tmp_path: Path) -> None:
+    """A record of ours whose lock names a path elsewhere: that path is never created or locked."""
+    rows = tmp_path / "rows"
+    rows.mkdir()
+    outside = tmp_path / "outside.lock"
+    (rows / "t.w1r0.meta.json").write_text('{"magic": "embtables-offload-v1", "files": {}, "lock": "../outside.lock"}')
+    emb = _module(rows)
+    emb({"f": torch.tensor([[1]])})
+    assert not outside.exists()
+    assert (rows / "t.w1r0.lock").exists()
