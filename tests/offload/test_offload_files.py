@@ -234,3 +234,18 @@ def test_a_name_read_from_a_record_never_leads_outside_the_directory(tmp_path: P
     emb({"f": torch.tensor([[1]])})
     assert not outside.exists()
     assert (rows / "t.w1r0.lock").exists()
+
+
+def test_an_offloaded_table_exports_from_its_checkpoint_and_serves_memory_mapped(tmp_path: Path) -> None:
+    """Export streams a checkpoint's blocks (64k rows at a time), never a module's tables; ``ServingEmbedding``
+    with ``mmap=True`` maps the exported rows read-only: a table larger than memory is served from its pages."""
+    torch.manual_seed(0)
+    off = _module(tmp_path / "rows", vocabulary_size=200_000, cache_rows=8192)
+    for _ in range(3):
+        a = off({"f": torch.randint(0, 200_000, (16, 3))})["f"]
+        off.apply_gradients({"f": torch.randn(a.shape)})
+    et.export(off.save(tmp_path / "ckpt"), tmp_path / "serve")
+    serving = et.ServingEmbedding.load(tmp_path / "serve", mmap=True)
+    off.eval()
+    ids = {"f": torch.randint(0, 200_000, (64, 3))}
+    assert torch.equal(serving(ids)["f"], off(ids)["f"])
