@@ -200,7 +200,16 @@ class ShardedEmbeddingCollection(LocalTables):
         )
 
     def prefetch_rows(self, batches: Sequence[FeatureBatch]) -> None:
-        """Nothing: a batch's rows are other ranks' until its lookup routes them (read then, at admission)."""
+        """Start reading the rows of this rank's staged batch that this rank owns (an offloaded table's); the
+        rows other ranks ask for are known only when the lookup routes them (read then, at admission)."""
+        for t in self.resolved.tables:
+            cache = self.local.offloaded.get(t.name)
+            if cache is None or not t.feature_indices:
+                continue
+            ids = torch.cat([batches[f].ids for f in t.feature_indices]).to("cpu", torch.int64)
+            ids = ids[(ids >= 0) & (ids < t.vocabulary_size)]
+            rank, local = self.plans[t.name].owner(ids)
+            cache.prefetch(local[rank == self.rank])
 
     def offload_statistics(self) -> dict[str, dict[str, float]]:
         """Per offloaded table, every counter summed over the ranks (collective)."""

@@ -65,6 +65,22 @@ def _ranks(rank: int, world: int, root: str, initial_path: str, cases: list[tupl
             assert torch.equal(value, want_state[key]), (opt_name, sharding, key)
         stats = off.offload_statistics()["t"]  # summed over the ranks
         assert stats["rows_looked_up"] > 0 and stats["resident_rows"] <= 2 * 1024 and stats["evictions"] > 0, stats
+    # enqueue(next) before apply_gradients(): the rows this rank owns of its next batch are read ahead
+    torch.manual_seed(0)
+    off = et.DistributedEmbedding(_features(f"{root}/ahead", "adagrad"), sharding="mod")
+    ref = et.DistributedEmbedding(_features(None, "adagrad"), sharding="mod")
+    ref.load_state_dict(off.state_dict())
+    off.enqueue(_inputs(0, lo, hi))
+    for step in range(3):
+        got, want = off.dequeue(), ref(_inputs(step, lo, hi))
+        for name in want:
+            assert torch.equal(got[name], want[name]), ("read ahead", step, name)
+        if step < 2:
+            off.enqueue(_inputs(step + 1, lo, hi))
+        grads = _grads(step, want, lo, hi)
+        off.apply_gradients(grads)
+        ref.apply_gradients(grads)
+    assert off.offload_statistics()["t"]["rows_prefetched"] > 0
     # one rank's cache too small for its rows: every rank refuses the same lookup
     small = et.DistributedEmbedding(_features(f"{root}/small", "adagrad", cache_rows=32), sharding="div")
     ids = {"a": et.Ragged.from_lists([[0, 300, 600]] if rank == 0 else [[1]]), "s": et.Ragged.from_lists([[1]])}
