@@ -180,13 +180,12 @@ def _plan(
         for slot, tensor in shard.tensors.items():
             key = f"{t.name}/{slot}" if slot else t.name
             if pick is None and shard.offloaded is not None:  # from its files, a piece at a time
-                plan.append((t.name, "state", key, OffloadedBlock(shard.offloaded, slot, int(shard.rows.numel()))))  # type: ignore[arg-type]
-                continue
-            if pick is not None and shard.offloaded is not None:
-                shard.offloaded.mark_untracked()  # the changed rows are gathered through its maps
-            if pick is None and tensor.dtype == torch.float32:
-                array: Any = tensor.detach().to("cpu").numpy().reshape(-1, t.dim)
+                array: Any = OffloadedBlock(shard.offloaded, slot, int(shard.rows.numel()))
+            elif pick is None and tensor.dtype == torch.float32:
+                array = tensor.detach().to("cpu").numpy().reshape(-1, t.dim)
             else:  # an increment's rows, or a half-precision table's as float32 (exact), a piece at a time
+                if shard.offloaded is not None:
+                    shard.offloaded.mark_untracked()  # the changed rows are gathered through its maps
                 array = increments.RowSelection(tensor, pick, t.dim)
             plan.append((t.name, "state", key, array))
         for field, values in (vocabularies or {}).get(t.name, {}).items():

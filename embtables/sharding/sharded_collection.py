@@ -304,10 +304,11 @@ class ShardedEmbeddingCollection(LocalTables):
             except (InputError, RuntimeError, OSError) as exc:
                 error = f"{type(exc).__name__}: {exc}"
                 break
+        if not comm.any_rank(error is not None, self.group):  # the common case: one flag, not the messages
+            return
         errors = comm.all_gather_object(error, self.group)
         refusing = [r for r, e in enumerate(errors) if e is not None]
-        if refusing:
-            raise InputError(f"rank {refusing[0]} refused the lookup: {errors[refusing[0]]}")
+        raise InputError(f"rank {refusing[0]} refused the lookup: {errors[refusing[0]]}")
 
     def _check_activations(self, result: list[Tensor]) -> None:
         self.local.check_activations(result)

@@ -113,9 +113,15 @@ class EmbeddingCollection:
     def prefetch_offloaded(self, batches: Sequence[FeatureBatch]) -> None:
         """Start reading the rows of a staged batch's offloaded tables from disk (``OffloadedRows.prefetch``)."""
         for name, cache in self.offloaded.items():
-            table = self.resolved.tables[self.resolved.table_names.index(name)]
-            for f in table.feature_indices:
-                cache.prefetch(batches[f].ids)
+            ids = self._table_ids(name, batches)
+            if ids is not None:
+                cache.prefetch(ids)
+
+    def _table_ids(self, name: str, batches: Sequence[FeatureBatch]) -> Tensor | None:
+        """Every id [N] the features of table ``name`` look up in ``batches`` (None: it has no feature)."""
+        index = self.resolved.table_names.index(name)
+        ids = [batches[f].ids for f in self.resolved.tables[index].feature_indices]
+        return torch.cat(ids) if ids else None
 
     def whole_tables(self) -> None:
         """Every offloaded table initialized in full before its tensors are read or written whole."""
@@ -161,12 +167,10 @@ class EmbeddingCollection:
     ) -> list[FeatureBatch]:
         """Batches whose dynamic features hold rows instead of keys (spec §11); the rows a training lookup
         gave to new keys are reset to the table's initial values first. Other batches pass unchanged."""
-        if self.offloaded:
-            for name, cache in self.offloaded.items():
-                index = self.resolved.table_names.index(name)
-                ids = [batches[f].ids for f in self.resolved.tables[index].feature_indices]
-                if ids:
-                    cache.admit(torch.cat(ids), step, pin_from, training)
+        for name, cache in self.offloaded.items():
+            ids = self._table_ids(name, batches)
+            if ids is not None:
+                cache.admit(ids, step, pin_from, training)
         if not self.vocabularies:
             return list(batches)
         out, resets = self.vocabularies.translate(batches, training, step, pin_from)

@@ -182,16 +182,19 @@ class OffloadedRows:
             self.counters["initialized_rows"] += hi - lo
 
     def _init_range(self, lo: int, hi: int) -> None:
-        rows = torch.arange(self.first + lo, self.first + hi) if self.global_rows is None else self.global_rows[lo:hi]
-        weights = initial_weights(self.logical, rows, self.seed)
         for part, tensor in self.tensors.items():
-            dtype = tensor.dtype
-            if part == "":
-                values = weights.to(dtype)  # rounded to nearest into a half type, as an in-memory table's
-            else:
-                values = torch.full((hi - lo, self.dim), self.slot_values[part], dtype=dtype)  # as an in-memory fill_
-            data = values.contiguous().view(torch.uint8).numpy().tobytes()
+            data = self._initial(part, lo, hi).contiguous().view(torch.uint8).numpy().tobytes()
             self.files.write(part, lo * self.dim * tensor.element_size(), data)
+
+    def _initial(self, part: str, lo: int, hi: int) -> Tensor:
+        """The initial values [hi - lo, D] of local rows [lo, hi) of ``part`` ("" or a slot) in its storage
+        type, as an in-memory table holds them: the weights rounded to nearest into a half type, each slot
+        filled with its initial value."""
+        dtype = self.tensors[part].dtype
+        if part:
+            return torch.full((hi - lo, self.dim), self.slot_values[part], dtype=dtype)  # as an in-memory fill_
+        rows = torch.arange(self.first + lo, self.first + hi) if self.global_rows is None else self.global_rows[lo:hi]
+        return initial_weights(self.logical, rows, self.seed).to(dtype)
 
     def read_float32(self, part: str, lo: int, hi: int) -> Tensor:
         """Local rows [lo, hi) of ``part`` ("" or a slot) as float32 [hi - lo, D], read from the files with
@@ -205,13 +208,8 @@ class OffloadedRows:
             if bool(self._initialized[b]):
                 data = bytearray(self.files.read(part, a * size, (z - a) * size))
                 values = torch.frombuffer(data, dtype=dtype).view(z - a, self.dim)
-            elif part == "":
-                rows = (
-                    torch.arange(self.first + a, self.first + z) if self.global_rows is None else self.global_rows[a:z]
-                )
-                values = initial_weights(self.logical, rows, self.seed).to(dtype)
             else:
-                values = torch.full((z - a, self.dim), self.slot_values[part], dtype=dtype)
+                values = self._initial(part, a, z)
             out[a - lo : z - lo] = values.to(torch.float32)
         return out
 
