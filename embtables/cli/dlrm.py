@@ -363,21 +363,44 @@ def _train(
     start = time.perf_counter()
     teacher = held_out.teacher
     evals: list[dict[str, float]] = []
+    # offloaded tables: each line also says what their row caches did since the last (a collective when sharded)
+    offload = estimator.embedding.offload_statistics if getattr(args, "offload", None) else None
+    counters = offload() if offload is not None else {}
     while estimator.global_step < args.steps:
         chunk = min(args.eval_every, args.steps - estimator.global_step)
         estimator.train(functools.partial(train_fn, estimator.global_step, chunk), steps=chunk)
         result = estimator.evaluate(held_out.input_fn)
         evals.append({"step": float(estimator.global_step), "auc": result["auc"], "log_loss": result["log_loss"]})
+        cache = ""
+        if offload is not None:
+            now = offload()
+            cache = "  " + _offload_interval(counters, now)
+            counters = now
         say(
             f"step {estimator.global_step:6d}  held-out AUC {result['auc']:.4f}  "
             f"log-loss {result['log_loss']:.4f}  (teacher {teacher['auc']:.4f} / {teacher['log_loss']:.4f})  "
-            f"{time.perf_counter() - start:6.1f} s",
+            f"{time.perf_counter() - start:6.1f} s{cache}",
             flush=True,
         )
     if not evals:
         result = estimator.evaluate(held_out.input_fn)
         evals.append({"step": float(estimator.global_step), **{k: v for k, v in result.items() if k != "global_step"}})
     return evals
+
+
+def _offload_interval(before: dict[str, dict[str, float]], after: dict[str, dict[str, float]]) -> str:
+    """The offloaded tables' row caches between two ``offload_statistics``, summed over the tables: the share
+    of looked-up rows found in memory, what was read from and written to disk, the time spent waiting for it."""
+
+    def delta(key: str) -> float:
+        return sum(after[t][key] - before.get(t, {}).get(key, 0.0) for t in after)
+
+    looked = delta("rows_looked_up")
+    hits = f"{delta('hits') / looked:.1%}" if looked else "-"
+    return (
+        f"offload: hits {hits}, {delta('bytes_read') / 2**20:.0f} MiB read, "
+        f"{delta('bytes_written') / 2**20:.0f} MiB written, {delta('disk_wait_s'):.2f} s disk wait"
+    )
 
 
 def _report_offload(stats: dict[str, dict[str, float]]) -> None:

@@ -1,5 +1,5 @@
-"""``python -m embtables stats DIR [--png FILE]``: lookup statistics files as a table, and a per-shard
-load chart."""
+"""``python -m embtables stats DIR [--png FILE]``: lookup statistics files as a table (and, for offloaded
+tables, their row caches' counters), and a per-shard load chart."""
 
 from __future__ import annotations
 
@@ -54,15 +54,51 @@ def run(args: argparse.Namespace) -> int:
             f"no lookup statistics files in {args.directory} (a profile_data_directory holds <table>.json files "
             "after training; the train job writes them into MODEL_DIR/lookup_stats)",
         )
-    table = [_COLUMNS, *rows(docs, args.top)]
-    widths = [max(len(r[i]) for r in table) for i in range(len(_COLUMNS))]
+    _print_table([_COLUMNS, *rows(docs, args.top)])
+    offloaded = offload_rows(docs)
+    if len(offloaded) > 1:
+        print("\noffloaded tables (row cache since the module was built):")
+        _print_table(offloaded)
+    if args.png:
+        return _draw(docs, args.png)
+    return 0
+
+
+_OFFLOAD_COLUMNS = ("table", "hit rate", "rows looked up", "rows read", "MiB read", "MiB written", "disk wait s",
+                    "evictions", "cache rows")  # fmt: skip
+
+
+def offload_rows(docs: Sequence[dict[str, Any]]) -> list[tuple[str, ...]]:
+    """The header and one row a table whose file holds its row cache's counters (an offloaded table)."""
+    out: list[tuple[str, ...]] = [_OFFLOAD_COLUMNS]
+    for doc in docs:
+        s = doc.get("offload")
+        if not s:
+            continue
+        looked = s.get("rows_looked_up", 0)
+        out.append(
+            (
+                str(doc["table"]["name"]),
+                f"{s.get('hits', 0) / looked:.1%}" if looked else "-",
+                f"{looked:.0f}",
+                f"{s.get('rows_read', 0):.0f}",
+                f"{s.get('bytes_read', 0) / 2**20:.1f}",
+                f"{s.get('bytes_written', 0) / 2**20:.1f}",
+                f"{s.get('disk_wait_s', 0):.2f}",
+                f"{s.get('evictions', 0):.0f}",
+                f"{s.get('cache_rows', 0):.0f}",
+            )
+        )
+    return out
+
+
+def _print_table(table: Sequence[tuple[str, ...]]) -> None:
+    """Columns padded to their widest cell, a rule under the header."""
+    widths = [max(len(r[i]) for r in table) for i in range(len(table[0]))]
     for k, r in enumerate(table):
         print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
         if k == 0:
             print("  ".join("-" * w for w in widths))
-    if args.png:
-        return _draw(docs, args.png)
-    return 0
 
 
 def _draw(docs: Sequence[dict[str, Any]], path: str) -> int:

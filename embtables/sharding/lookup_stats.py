@@ -28,6 +28,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import math
 import os
 import re
 import tempfile
@@ -203,10 +204,13 @@ def write_stats(
     strategies: dict[str, str],
     world_size: int,
     vocabulary: dict[str, dict[str, int]] | None = None,
+    offload: dict[str, dict[str, float]] | None = None,
 ) -> list[Path]:
     """Write (merging with what is there) one JSON file per table, atomically; returns the paths. A
     dynamic table's file also holds its ``vocabulary`` statistics now (admitted, evicted, rejected, live
-    rows...: cumulative, so the latest replaces the file's); its ids are rows, not keys."""
+    rows...: cumulative, so the latest replaces the file's); its ids are rows, not keys. An offloaded table's
+    holds its row cache's counters (``offload``: ``OffloadedRows.statistics`` summed over the ranks; cumulative
+    too)."""
     root = Path(directory)
     root.mkdir(parents=True, exist_ok=True)
     paths = []
@@ -228,6 +232,8 @@ def write_stats(
         }
         if vocabulary and t.name in vocabulary:
             doc["vocabulary"] = vocabulary[t.name]
+        if offload and t.name in offload:
+            doc["offload"] = offload[t.name]
         _atomic_write(path, json.dumps(doc, indent=1, sort_keys=True))
         paths.append(path)
     return paths
@@ -288,6 +294,14 @@ def _check_doc(doc: Any) -> dict[str, Any]:
     if not isinstance(doc.get("strategy"), str) or not _nonneg_int(doc.get("world_size")):
         raise ValueError("`strategy` or `world_size` is missing or malformed")
     _check_counts(doc.get("counts"))
+    offload = doc.get("offload")
+    if offload is not None and not (
+        isinstance(offload, dict)
+        and all(
+            isinstance(k, str) and type(v) in (int, float) and math.isfinite(v) and v >= 0 for k, v in offload.items()
+        )
+    ):
+        raise ValueError("`offload` is not an object of counter name -> non-negative number")
     doc["summary"] = summary(doc["counts"])  # derived again: never trusted from the file
     return doc
 

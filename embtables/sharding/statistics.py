@@ -39,8 +39,14 @@ class LookupStatistics:
         per table, merged with what is there, atomically) and start counting afresh. Returns the
         paths written (on rank 0). Collective when sharded; rank 0's error is raised on every rank."""
         stats, directory, engine = self.recorder, self.directory, pipeline.engine
-        parts, vocabulary = pipeline.exchange(
-            "flush", lambda: (comm.all_gather_object(stats.state(), engine.group), engine.vocabulary_statistics())
+        offloaded = any(t.config.offload is not None for t in self.resolved.tables)  # the same on every rank
+        parts, vocabulary, offload = pipeline.exchange(
+            "flush",
+            lambda: (
+                comm.all_gather_object(stats.state(), engine.group),
+                engine.vocabulary_statistics(),
+                engine.offload_statistics() if offloaded else {},
+            ),
         )
         strategies = {n: p.strategy for n, p in engine.plans.items()}
         stats.reset()
@@ -48,7 +54,9 @@ class LookupStatistics:
         error: str | None = None
         if engine.rank == 0:
             try:
-                paths = write_stats(directory, merge(parts), self.resolved, strategies, engine.world, vocabulary)
+                paths = write_stats(
+                    directory, merge(parts), self.resolved, strategies, engine.world, vocabulary, offload
+                )
             except (OSError, ValueError) as exc:
                 error = f"{type(exc).__name__}: {exc}"
         error = pipeline.run(lambda: comm.broadcast_object(error, 0, engine.group))

@@ -17,6 +17,7 @@ import pytest
 from embtables.__main__ import main as cli
 from embtables.checkpoint import increments
 from embtables.data.movielens import find_movielens_100k, kfold, load_movielens_100k
+from embtables.sharding.lookup_stats import read_all
 
 SMALL = ["--small", "--eval-size", "1024", "--batch-size", "128", "--no-progress", "--threads", "1"]
 
@@ -87,7 +88,15 @@ def test_the_dlrm_job_trains_offloaded_tables_and_reports_their_caches(
     assert sorted(summary["offload"]) == ["category", "city", "item", "tags", "user"]
     assert all(0 < s["hits"] <= s["rows_looked_up"] for s in summary["offload"].values())
     assert "offload user: hits" in out and "waiting for the disk" in out and "PASS" in out
+    steps = [line for line in out.splitlines() if line.startswith("step ")]  # each log line: the caches since the last
+    assert steps and all("offload: hits " in line and "MiB read" in line for line in steps)
     assert any(p.name.startswith("user.w1r0.") for p in rows.iterdir())
+    assert cli(["stats", str(tmp_path / "m" / "lookup_stats")]) == 0  # the statistics files hold the counters
+    section = capsys.readouterr().out.split("offloaded tables")[1].splitlines()
+    user = next(line.split() for line in section if line.startswith("user "))
+    (saved,) = [d["offload"] for d in read_all(tmp_path / "m" / "lookup_stats") if d["table"]["name"] == "user"]
+    assert 0 < saved["rows_looked_up"] <= summary["offload"]["user"]["rows_looked_up"]  # flushed before the last eval
+    assert user[1:3] == [f"{saved['hits'] / saved['rows_looked_up']:.1%}", f"{saved['rows_looked_up']:.0f}"]
     for cache in ("512", "1"):  # a batch's rows, or one page group, do not fit: a clear error, not a traceback
         code = cli(["train", *SMALL, "--steps", "2", "--model-dir", str(tmp_path / f"m{cache}"),
                     "--offload", str(rows / cache), "--cache-rows", cache])  # fmt: skip

@@ -215,6 +215,9 @@ def test_malformed_statistics_files_are_skipped_with_a_warning_naming_them(
         "bad_hot.json": lambda d: d["counts"].__setitem__("hot", {"x": 1}),
         "table_list.json": lambda d: d.__setitem__("table", []),
         "not_object.json": lambda d: d.clear() or d.update({"format_version": 1, "table": {"name": "t"}}),
+        "offload_text.json": lambda d: d.__setitem__("offload", {"hits": "all"}),
+        "offload_negative.json": lambda d: d.__setitem__("offload", {"hits": -1}),
+        "offload_list.json": lambda d: d.__setitem__("offload", [1]),
     }
     for name, fn in mutations.items():
         doc = json.loads(json.dumps(good))

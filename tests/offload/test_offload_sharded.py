@@ -13,6 +13,7 @@ import torch
 from mp_world import run_world
 
 import embtables as et
+from embtables.sharding.lookup_stats import read_all
 
 V, D = 20_000, 64  # 16 rows a group: 1250 groups, a rank's cache 64
 OPTIMIZERS: dict[str, Any] = {
@@ -67,7 +68,12 @@ def _ranks(rank: int, world: int, root: str, initial_path: str, cases: list[tupl
         assert stats["rows_looked_up"] > 0 and stats["resident_rows"] <= 2 * 1024 and stats["evictions"] > 0, stats
     # enqueue(next) before apply_gradients(): the rows this rank owns of its next batch are read ahead
     torch.manual_seed(0)
-    off = et.DistributedEmbedding(_features(f"{root}/ahead", "adagrad"), sharding="mod")
+    off = et.DistributedEmbedding(
+        _features(f"{root}/ahead", "adagrad"),
+        sharding="mod",
+        profile_data_directory=f"{root}/stats",
+        profile_sample_rate=1.0,
+    )
     ref = et.DistributedEmbedding(_features(None, "adagrad"), sharding="mod")
     ref.load_state_dict(off.state_dict())
     off.enqueue(_inputs(0, lo, hi))
@@ -80,7 +86,12 @@ def _ranks(rank: int, world: int, root: str, initial_path: str, cases: list[tupl
         grads = _grads(step, want, lo, hi)
         off.apply_gradients(grads)
         ref.apply_gradients(grads)
-    assert off.offload_statistics()["t"]["rows_prefetched"] > 0
+    summed = off.offload_statistics()["t"]
+    assert summed["rows_prefetched"] > 0
+    off.flush()  # rank 0 writes the lookup statistics: the table's file holds every rank's cache counters
+    if rank == 0:
+        (doc,) = [d for d in read_all(f"{root}/stats") if d["table"]["name"] == "t"]
+        assert doc["offload"] == summed
     # one rank's cache too small for its rows: every rank refuses the same lookup
     small = et.DistributedEmbedding(_features(f"{root}/small", "adagrad", cache_rows=32), sharding="div")
     ids = {"a": et.Ragged.from_lists([[0, 300, 600]] if rank == 0 else [[1]]), "s": et.Ragged.from_lists([[1]])}

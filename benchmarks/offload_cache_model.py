@@ -1,0 +1,110 @@
+"""What an offloaded table's row cache must read and write, per step, for a workload's ids (issue 42;
+docs/offload.md "Speed"): a model of cache designs, no embtables engine, no disk.
+
+    python -m benchmarks.offload_cache_model                          # 1 table of 1M rows, 600k cached, Zipf
+    python -m benchmarks.offload_cache_model --rows 10000000 --cache-rows 2000000 --ids uniform
+
+The ids are the benchmark's own (``benchmarks.workload``: B 4096 x 20 ids, Zipf ranks hashed over the rows),
+a fresh batch every step. Three designs, each least-recently-used with the current batch's units kept:
+
+* ``page_groups``: embtables' cache (``OffloadedRows``): units of G rows, whole pages of the weights file and
+  of each slot file (G = 16 for 64 float32 columns); a missed unit is read (one page per file) and, dirty
+  after training, written back whole (one page per file).
+* ``rows``: a row cache (rows copied into a compact array); a missed row reads its page of each file, and its
+  write-back must read the page it lands in again (a page is the unit of I/O: read, modify, write).
+* ``first_touch_groups``: page groups over rows placed in the files in the order of their first lookup (hot
+  rows, looked up early, share pages): what a remapping of rows to file slots would give.
+
+Prints one JSON line per design and window of steps: units missed, pages read and written per step, and
+the step's I/O time at ``--iops`` random 4 KiB operations a second (the floor a step cannot go under).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Sequence
+
+import numpy as np
+
+if __package__ in (None, ""):
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.workload import Workload, make_batches
+
+
+class LruUnits:
+    """Least-recently-used units (of ``unit`` slots) with ``capacity`` units in memory."""
+
+    def __init__(self, slots: int, unit: int, capacity: int) -> None:
+        self.unit, self.capacity = unit, capacity
+        self.resident = np.zeros(-(-slots // unit), dtype=bool)
+        self.last = np.full(self.resident.size, -1, dtype=np.int64)
+        self.count = 0
+
+    def step(self, slots: np.ndarray, t: int) -> int:
+        """Admit the units of ``slots``; returns how many were not in memory."""
+        units = np.unique(slots // self.unit)
+        missed = int((~self.resident[units]).sum())
+        self.count += missed
+        self.resident[units] = True
+        self.last[units] = t
+        over = self.count - self.capacity
+        if over > 0:
+            held = np.nonzero(self.resident & (self.last < t))[0]
+            victims = held[np.argpartition(self.last[held], over)[:over]]
+            self.resident[victims] = False
+            self.count -= victims.size
+        return missed
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", type=int, default=1_000_000)
+    ap.add_argument("--cache-rows", type=int, default=600_000)
+    ap.add_argument("--dim", type=int, default=64)
+    ap.add_argument("--files", type=int, default=2, help="files a row lives in: weights and each slot (Adagrad: 2)")
+    ap.add_argument("--ids", default="zipf", choices=["zipf", "uniform"])
+    ap.add_argument("--steps", type=int, default=160)
+    ap.add_argument("--window", type=int, default=40, help="steps a printed line averages")
+    ap.add_argument("--iops", type=float, default=66_000.0, help="the disk's random 4 KiB operations a second")
+    args = ap.parse_args(argv)
+    wl = Workload(args.ids, 1, args.rows, args.dim, 4096, 20, ids=args.ids, num_batches=args.steps)
+    group = max(1, 4096 // (args.dim * 4))
+    designs = {
+        "page_groups": LruUnits(args.rows, group, args.cache_rows // group),
+        "rows": LruUnits(args.rows, 1, args.cache_rows),
+        "first_touch_groups": LruUnits(args.rows, group, args.cache_rows // group),
+    }
+    slot = np.full(args.rows, -1, dtype=np.int64)  # first_touch_groups: each row's place in the files
+    placed = 0
+    missed: dict[str, list[int]] = {name: [] for name in designs}
+    for t, batch in enumerate(make_batches(wl)):
+        ids = batch.ids[0]
+        distinct, first = np.unique(ids, return_index=True)
+        new = slot[distinct] < 0
+        fresh = distinct[new][np.argsort(first[new])]
+        slot[fresh] = np.arange(placed, placed + fresh.size)
+        placed += fresh.size
+        missed["page_groups"].append(designs["page_groups"].step(distinct, t))
+        missed["rows"].append(designs["rows"].step(distinct, t))
+        missed["first_touch_groups"].append(designs["first_touch_groups"].step(slot[distinct], t))
+    for name, counts in missed.items():
+        reads_per_unit = 2 * args.files if name == "rows" else args.files  # a row's write-back reads its page again
+        for lo in range(0, args.steps, args.window):
+            units = float(np.mean(counts[lo : lo + args.window]))
+            reads, writes = units * reads_per_unit, units * args.files
+            print(json.dumps({
+                "bench": "offload_cache_model", "design": name, "ids": args.ids, "rows": args.rows,
+                "cache_rows": args.cache_rows, "steps": f"{lo}-{min(lo + args.window, args.steps) - 1}",
+                "unit_rows": 1 if name == "rows" else group, "missed_units_per_step": round(units),
+                "pages_read_per_step": round(reads), "pages_written_per_step": round(writes),
+                "io_floor_ms": round((reads + writes) / args.iops * 1e3, 1),
+            }))  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
