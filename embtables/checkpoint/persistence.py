@@ -100,6 +100,7 @@ class Persistence:
         engine = pipeline.engine
         # an offloaded table's rows are all written by the restore (pass 1 checks that every row is in the
         # checkpoint): its blocks are not initialized first, and its files are whole after it (offload_restored)
+        engine.offload_before_restore()
         shards = engine.local_shards(whole=False)
         pipeline.exchange("restore", lambda: None)
         with progress_bar(progress, comm.get_rank(engine.group), "restore") as tick:

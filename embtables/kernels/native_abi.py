@@ -87,6 +87,7 @@ FUNCTIONS: dict[str, CFunction] = {
             "F:i64 W:p kind:p D:p V:p ids:p N:p offsets:p S:p coeffs:p out:p nthreads:i32",
             _I32,
             _LOOKUP,
+            fast=True,
         ),
         _f(
             "et_apply_half",
@@ -95,6 +96,14 @@ FUNCTIONS: dict[str, CFunction] = {
             _I64,
             _CHECK,
             counts=True,
+        ),
+        _f(
+            "et_apply_half_many",
+            "T:i64 handles:p W:p S0:p S1:p S2:p wkind:p skind:p V:p D:p p:p grows:p nglobal:p seed:p step:i64 "
+            "table:p stochastic:p out:p sout:p scratch_rows:p nthreads:i32 bad:p",
+            _I64,
+            ((0, "ok"), (1, "not_finite"), (-2, "does_not_fit"), (-3, "out_of_memory"), (-4, "unknown_kind")),
+            fast=True,
         ),
         _f("et_mark_changed", "T:i64 handles:p changed:p V:p dense:p", fast=True),
         _f(

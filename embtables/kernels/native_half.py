@@ -10,14 +10,16 @@ against V. Shapes: V rows, D columns, N ids, S bags, U prepared rows.
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from embtables.kernels.native import Bags, Workspace, library, require, threads
-from embtables.kernels.native_abi import NativeBufferError, raise_for
+from embtables.kernels.native_abi import NativeBufferError, raise_for, unchecked
 from embtables.kernels.native_args import array
+from embtables.kernels.native_step import StagedBags, TableArrays
 
 KINDS = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}  # C's storage kinds
 
@@ -153,6 +155,128 @@ class HalfUpdate:
         if bad < -1:
             raise_for("et_apply_half", bad)
         return bad
+
+
+_VP, _I64, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
+
+
+class HalfStep:
+    """The small-batch fast path's calls over T tables that are all half-precision (``NativeFastPath``): every
+    feature's lookup in one native call (``lookup``, ``et_lookup_half_many`` over the staged bags) and phase 2 of
+    every table's lazy update in one (``apply``, ``et_apply_half_many``), all or nothing, each table's rows
+    updated in place and checked as they are written. Built once per ``TableArrays``; ``rounding`` per table:
+    (seed, table index, stochastic). The scratch (each table's stored rows, to put back) is kept between steps,
+    grown when a step prepares more rows."""
+
+    def __init__(self, arrays: TableArrays, rounding: Sequence[tuple[int, int, bool]]) -> None:
+        count = arrays.count
+        if len(rounding) != count:
+            raise NativeBufferError("embtables native kernel: one rounding per half table is needed.")
+        self.arrays = arrays
+        wkinds, skinds, self.wide, self.float_slots = [], [], [], []
+        for t in range(count):
+            at = arrays.weight_at[t]
+            slots = arrays.tensors[at + 1 : arrays.weight_at[t + 1] if t + 1 < count else len(arrays.tensors)]
+            wkinds.append(half_kind(arrays.tensors[at]))
+            skind = KINDS.get(slots[0].dtype, -1) if slots else 2
+            if skind < 0 or len(slots) > 3 or len({x.dtype for x in slots}) > 1:
+                raise NativeBufferError("embtables native kernel: at most 3 slots, all of one storage type.")
+            skinds.append(skind)
+            dim = int(arrays.dims[t])
+            self.wide.append(dim * (1 if skind == 2 else 1 + len(slots)))
+            self.float_slots.append(len(slots) if skind == 2 else 0)
+        self.wkind = (_I32 * count)(*wkinds)
+        self.fkind = (_I32 * arrays.features)(*[wkinds[t] for t in arrays.feature_tables])
+        self.skind = (_I32 * count)(*skinds)
+        self.seed = (_I64 * count)(*[r[0] for r in rounding])
+        self.table = (_I64 * count)(*[r[1] for r in rounding])
+        self.stochastic = (_I32 * count)(*[int(r[2]) for r in rounding])
+        self.bad = (_I64 * count)()
+        self._out: list[Tensor] = [torch.empty(0, dtype=torch.int16)] * count
+        self._sout: list[Tensor | None] = [None] * count
+        self._scratch: tuple[Any, Any, Any] = self._scratch_arrays()
+        self._grows: tuple[tuple[Tensor | None, ...], Any, Any] = ((), None, None)
+
+    def _scratch_arrays(self) -> tuple[Any, Any, Any]:
+        """(out, sout, rows of scratch) as ctypes arrays over the current scratch tensors."""
+        count = self.arrays.count
+        out = (_VP * count)(*[o.data_ptr() for o in self._out])
+        sout = (_VP * count)(*[None if s is None else s.data_ptr() for s in self._sout])
+        rows = (_I64 * count)(*[o.shape[0] for o in self._out])
+        return out, sout, rows
+
+    def _fit_scratch(self) -> None:
+        """Every table's scratch holds at least its prepared rows (grown by half again when it does not)."""
+        grown = False
+        for t, ws in enumerate(self.arrays.workspaces):
+            rows = ws.num_rows
+            if self._out[t].shape[0] < rows:
+                cap = max(rows + rows // 2, 1)
+                self._out[t] = torch.empty((cap, self.wide[t]), dtype=torch.int16)
+                k = self.float_slots[t]
+                self._sout[t] = torch.empty((cap, k, ws.dim), dtype=torch.float32) if k else None
+                grown = True
+        if grown:
+            self._scratch = self._scratch_arrays()
+
+    def _global_rows(self, global_rows: Sequence[Tensor | None]) -> tuple[Any, Any]:
+        """(row maps, their lengths) as ctypes arrays: each table's global id [V] of every local row (checked
+        here, every call), or NULL and 0 (its rows are global)."""
+        held = self._grows
+        if len(held[0]) == len(global_rows) and all(a is b for a, b in zip(held[0], global_rows)):
+            maps = held
+        else:
+            ptrs = (_VP * self.arrays.count)(*[None if g is None else g.data_ptr() for g in global_rows])
+            sizes = (_I64 * self.arrays.count)(*[0 if g is None else g.numel() for g in global_rows])
+            maps = self._grows = (tuple(global_rows), ptrs, sizes)
+        for t, g in enumerate(global_rows):
+            if g is not None:
+                require(g, "global rows", torch.int64, (int(self.arrays.vocab[t]),))
+                maps[1][t] = g.data_ptr()  # a tensor changed in place keeps its address; one set again would not
+        return maps[1], maps[2]
+
+    def lookup(self, bags: StagedBags) -> list[Tensor] | None:
+        """Every feature's pooled activations [S_f, D_f] float32 from the staged ``bags`` (one per feature of the
+        arrays), or None when an id is outside its table or an activation is not finite (the general lookup then
+        raises, naming the feature)."""
+        arrays = self.arrays
+        bags.check()
+        if len(bags.views) != arrays.features:
+            raise NativeBufferError("embtables native kernel: the staged bags are not one per feature of the tables.")
+        dims, count = list(arrays.fdims), arrays.features
+        if count and bags.alike_bags >= 0 and dims.count(dims[0]) == count:  # every output [S, D]: one block
+            outs = list(torch.empty((count, bags.alike_bags, dims[0]), dtype=torch.float32).unbind(0))
+        else:
+            outs = [torch.empty((n, d), dtype=torch.float32) for n, d in zip(bags.n_bags, dims)]
+        out = (_VP * count)(*[o.data_ptr() for o in outs])
+        lib = library()
+        assert lib is not None
+        status = unchecked(lib).et_lookup_half_many(
+            arrays.features_c, arrays.fw, self.fkind, arrays.fdims, arrays.fvocab, bags.ids, bags.n_ids, bags.offsets,
+            bags.n_bags, bags.coeffs, out, ctypes.c_int(threads()),
+        )  # fmt: skip
+        return outs if int(status) == 0 else None
+
+    def apply(self, params: Any, global_rows: Sequence[Tensor | None], step: int) -> list[int]:
+        """Write every table's prepared update; per table the largest row whose update is not finite (-1: none;
+        when any is not -1, nothing was written). ``params``: a ctypes array of the tables' optimizer blocks'
+        addresses (``native_step.apply_checked``'s), ``global_rows`` [V_t] int64 or None per table."""
+        arrays = self.arrays
+        if len(global_rows) != arrays.count:
+            raise NativeBufferError("embtables native kernel: one row map (or None) per half table is needed.")
+        self._fit_scratch()
+        grows, nglobal = self._global_rows(global_rows)
+        out, sout, rows = self._scratch
+        s0, s1, s2 = arrays.s
+        lib = library()
+        assert lib is not None
+        code = unchecked(lib).et_apply_half_many(
+            arrays.count_c, arrays.handles, arrays.w, s0, s1, s2, self.wkind, self.skind, arrays.vocab, arrays.dims,
+            params, grows, nglobal, self.seed, _I64(step), self.table, self.stochastic, out, sout, rows,
+            ctypes.c_int(threads()), self.bad,
+        )  # fmt: skip
+        raise_for("et_apply_half_many", int(code))
+        return list(self.bad)
 
 
 def _rows_of(scratch: dict[str, Tensor] | None, name: str, n: int, dtype: torch.dtype) -> Tensor:

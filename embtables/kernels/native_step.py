@@ -520,7 +520,7 @@ def apply_checked(tables: TableArrays, params: Sequence[Any], dense: Sequence[in
         raise NativeBufferError("embtables native kernel: one parameter block per table is needed.")
     blocks, p_arr, d_arr = tables.params
     params, dense = tuple(params), tuple(dense)
-    if params != blocks or dense != tuple(d_arr):  # the blocks compare by identity (ctypes structures)
+    if params != blocks or d_arr is None or dense != tuple(d_arr):  # the blocks compare by identity (ctypes structures)
         p_arr = (_VP * t_count)(*[ctypes.addressof(p) for p in params])
         d_arr = (_I32 * t_count)(*dense)
         tables.params = (params, p_arr, d_arr)  # holds the blocks while their addresses are used
@@ -532,6 +532,19 @@ def apply_checked(tables: TableArrays, params: Sequence[Any], dense: Sequence[in
     )  # fmt: skip
     raise_for("et_apply_many", status)
     return list(bad)
+
+
+def param_array(tables: TableArrays, params: Sequence[Any]) -> Any:
+    """The addresses of the tables' optimizer blocks ``params`` (``native.opt_params``, one per table) as a
+    ctypes array, kept on ``tables`` with the blocks while they are the same objects."""
+    blocks, p_arr, d_arr = tables.params
+    params = tuple(params)
+    if len(params) != tables.count:
+        raise NativeBufferError("embtables native kernel: one parameter block per table is needed.")
+    if p_arr is None or params != blocks:  # the blocks compare by identity (ctypes structures)
+        p_arr = (_VP * tables.count)(*[ctypes.addressof(p) for p in params])
+        tables.params = (params, p_arr, d_arr)  # holds the blocks while their addresses are used
+    return p_arr
 
 
 def _calls() -> ctypes.CDLL:

@@ -131,6 +131,11 @@ class EmbeddingCollection:
     def offload_statistics(self) -> dict[str, dict[str, float]]:
         return {name: cache.statistics() for name, cache in self.offloaded.items()}
 
+    def offload_before_restore(self) -> None:
+        """A restore writes every row of the offloaded tables next (``OffloadedRows.before_restore``)."""
+        for cache in self.offloaded.values():
+            cache.before_restore()
+
     def offload_restored(self) -> None:
         """Every offloaded table was written whole (restore, full load): no longer torn."""
         for cache in self.offloaded.values():

@@ -85,6 +85,8 @@ class Engine(Protocol):
 
     def mark_all_changed(self) -> None: ...
 
+    def offload_before_restore(self) -> None: ...
+
     def offload_restored(self) -> None: ...
 
     def prefetch_rows(self, batches: Sequence[FeatureBatch]) -> None: ...
@@ -180,6 +182,11 @@ class LocalTables:
 
     def mark_all_changed(self) -> None:
         self.local.changed.mark_all()
+
+    def offload_before_restore(self) -> None:
+        """A restore writes every row of this process's offloaded tables next: their files are made writable
+        whole (grown back where something cut them short)."""
+        self.local.offload_before_restore()
 
     def offload_restored(self) -> None:
         """The offloaded tables were written whole (restore, a full load): their files are whole again."""

@@ -30,6 +30,7 @@ import math
 import mmap
 import time
 from collections.abc import Callable
+from typing import NoReturn
 
 import torch
 from torch import Tensor
@@ -38,7 +39,7 @@ from embtables.config import ResolvedTable
 from embtables.config.offload import Offload
 from embtables.errors import InputError
 from embtables.tables.initializers import default_initializer
-from embtables.tables.offload_files import DROP_CLEAN, DROP_WRITTEN, SETTLE, WILL_NEED, ShardFiles
+from embtables.tables.offload_files import DROP_CLEAN, DROP_WRITTEN, READ, SETTLE, WILL_NEED, ShardFiles
 
 INIT_BLOCK = 1024  # global rows drawn together by the initializer (a property of the table, not of the cache)
 # The cache's unit: whole pages of every file. Linux also maps the pages around a read fault that are in the page
@@ -214,7 +215,9 @@ class OffloadedRows:
         return out
 
     def materialize(self) -> None:
-        """Initialize every block never read: the files then hold every row (before a whole-table access)."""
+        """Initialize every block never read: the files then hold every row (before a whole-table access; files
+        cut short by something else are grown back first, see ``before_restore``)."""
+        self.files.regrow()
         todo = torch.nonzero(~self._initialized).flatten()
         if todo.numel():
             self._init_blocks(todo)
@@ -234,6 +237,9 @@ class OffloadedRows:
                 "until restore() of a checkpoint or load_state_dict() of the whole state. The last checkpoint is "
                 "untouched."
             )
+        short = self.files.short_files()
+        if short:  # a touch of a mapping past its file's end would kill the process (SIGBUS)
+            self._tear(f"files were cut short by something else ({'; '.join(short)})")
         if self._untracked:
             self.release()
         rows = rows.reshape(-1).to("cpu", torch.int64)
@@ -300,9 +306,18 @@ class OffloadedRows:
         return torch.stack((starts * size, lengths * size), dim=1)
 
     def _read_in(self, groups: Tensor) -> None:
-        """Fault the pages of ``groups`` in now (timed: the disk wait), not inside a kernel."""
+        """Fault the pages of ``groups`` in now (timed: the disk wait), not inside a kernel: their reads go in
+        flight together, then each is read with ``pread`` (a read error is an error here, not a SIGBUS at the
+        touch of the mapping), then one element a page is touched."""
         start = time.perf_counter()
-        self._will_need(groups)  # many reads in flight, then one touch a page
+        self._will_need(groups)
+        starts, lengths, _ = _run_bounds(groups, torch.zeros_like(groups, dtype=torch.bool))
+        for part in self.tensors:
+            try:
+                self.files.page_work(part, READ, self._byte_ranges(part, starts, lengths))
+            except OSError as exc:
+                what = "the weights" if not part else f"slot {part!r}"
+                self._tear(f"reading {what} from disk failed ({exc.strerror or exc})", exc)
         for tensor in self.tensors.values():
             per_page = _PAGE // tensor.element_size()  # elements a page
             pages = self.group * self.dim // per_page  # pages a group (a whole number: see _group_rows)
@@ -344,13 +359,21 @@ class OffloadedRows:
             operation()
         except OSError as exc:
             what = "the weights" if not part else f"slot {part!r}"
-            self.torn = f"writing {what} back to disk failed: {exc.strerror or exc}"
-            raise RuntimeError(
-                f"table {self.logical.name!r}: writing {what} back to its file under {self.files.directory!r} "
-                f"failed ({exc.strerror or exc}). The table's working files are now torn: every lookup is refused "
-                "until restore() of a checkpoint or load_state_dict() of the whole state; the last checkpoint is "
-                "untouched."
-            ) from exc
+            self._tear(f"writing {what} back to disk failed ({exc.strerror or exc})", exc)
+
+    def _tear(self, why: str, cause: BaseException | None = None) -> NoReturn:
+        """The files no longer hold the table (``why``): every lookup is refused until a restore; raises."""
+        self.torn = why
+        raise RuntimeError(
+            f"table {self.logical.name!r}: {why}, in its files under {self.files.directory!r}. The table's working "
+            "files are now torn: every lookup is refused until restore() of a checkpoint or load_state_dict() of "
+            "the whole state; the last checkpoint is untouched."
+        ) from cause
+
+    def before_restore(self) -> None:
+        """A restore writes every row through the maps next: files cut short are grown back first (a write past
+        a file's end would kill the process)."""
+        self.files.regrow()
 
     def written(self, part: str, lo: int, hi: int) -> None:
         """Local rows [lo, hi) of ``part`` were just written through the maps outside a step (a restore's

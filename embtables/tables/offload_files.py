@@ -31,7 +31,7 @@ from embtables.errors import ConfigError
 from embtables.kernels import native_library
 
 MAGIC = "embtables-offload-v1"
-DROP_CLEAN, DROP_WRITTEN, SETTLE, WILL_NEED = 0, 1, 2, 3  # ``page_work`` operations (csrc/offload_io.c)
+DROP_CLEAN, DROP_WRITTEN, SETTLE, WILL_NEED, READ = 0, 1, 2, 3, 4  # ``page_work`` operations (csrc/offload_io.c)
 META = ".meta.json"
 
 
@@ -215,7 +215,7 @@ class ShardFiles:
         os.posix_fadvise(fd, start, offset - start, os.POSIX_FADV_DONTNEED)
 
     def page_work(self, part: str, op: int, ranges: Tensor) -> None:
-        """Operation ``op`` (``DROP_CLEAN``, ``DROP_WRITTEN``, ``SETTLE``, ``WILL_NEED``: see
+        """Operation ``op`` (``DROP_CLEAN``, ``DROP_WRITTEN``, ``SETTLE``, ``WILL_NEED``, ``READ``: see
         ``csrc/offload_io.c``) on byte ranges ``ranges`` [n, 2] (offset, length; page-aligned, inside the file) of
         ``part``: one native call (the ranges checked there), else one Python call a range. An I/O error raises
         ``OSError``."""
@@ -242,12 +242,15 @@ class ShardFiles:
                 self.drop(part, offset, length, dirty=True, wait=False)
             elif op == SETTLE:
                 self.settle(part, offset, length)
-            else:
+            elif op == WILL_NEED:
                 self.will_need(part, offset, length)
+            elif op == READ:
+                self.read(part, offset, min(length, self.nbytes[part] - offset), keep=True)
 
-    def read(self, part: str, offset: int, length: int) -> bytes:
+    def read(self, part: str, offset: int, length: int, *, keep: bool = False) -> bytes:
         """Bytes [offset, offset + length) of ``part``'s file, read with ``pread`` (through the page cache, not
-        the maps: nothing is mapped), then dropped from the page cache where clean."""
+        the maps: nothing is mapped), then dropped from the page cache where clean (``keep``: left there, for a
+        touch of the maps that follows). A file ending early raises ``OSError`` (EIO)."""
         fd = self._fds[part]
         pieces, at = [], offset
         while at < offset + length:
@@ -256,7 +259,8 @@ class ShardFiles:
                 raise OSError(errno.EIO, f"{self.names[part]} ends at byte {at}, before {offset + length}")
             pieces.append(piece)
             at += len(piece)
-        os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
+        if not keep:
+            os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
         return b"".join(pieces)
 
     def will_need(self, part: str, offset: int, length: int) -> None:
@@ -289,6 +293,22 @@ class ShardFiles:
         if length > 0:
             _sync_range(self._fds[part], offset, length)
             os.posix_fadvise(self._fds[part], offset, length, os.POSIX_FADV_DONTNEED)
+
+    def short_files(self) -> list[str]:
+        """The files shorter now than embtables made them (truncated by something else), each as
+        ``"<name>: N bytes of M"``: touching their maps past the end would kill the process (SIGBUS)."""
+        return [
+            f"{self.names[part]}: {size} bytes of {self.nbytes[part]}"
+            for part, fd in self._fds.items()
+            if (size := os.fstat(fd).st_size) < self.nbytes[part]
+        ]
+
+    def regrow(self) -> None:
+        """Every file shorter than embtables made it grown back to its size (the pages past the end it was cut
+        at read as zeros): what a restore writes into through the maps."""
+        for part, fd in self._fds.items():
+            if os.fstat(fd).st_size < self.nbytes[part]:
+                os.ftruncate(fd, self.nbytes[part])
 
     def close(self) -> None:
         """Close the files and release the lock. The maps are never closed here: a tensor over one (torch holds

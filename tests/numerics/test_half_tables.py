@@ -241,22 +241,40 @@ def test_a_save_and_restore_in_the_middle_gives_the_same_bits(tmp_path: Path) ->
 @pytest.mark.parametrize("opt", sorted(OPTIMIZERS))
 @pytest.mark.parametrize("kind, slot_kind", [("bfloat16", None), ("float16", "float16"), ("bfloat16", "float16")])
 @pytest.mark.parametrize("rounding", ["stochastic", "nearest"])
+@pytest.mark.parametrize("path", ["one call", "per table"])
 def test_the_native_kernels_and_the_torch_reference_give_the_same_bits(
-    opt: str, kind: str, slot_kind: str | None, rounding: str, monkeypatch: pytest.MonkeyPatch
+    opt: str, kind: str, slot_kind: str | None, rounding: str, path: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Both native paths: the fast path's one call for every half table's lookup and one for every update
+    (``HalfStep``), and the general path's (``lookup_half_many``; ``HalfUpdate`` a table), which a collection
+    mixing half and float32 tables takes."""
     if native_library.library() is None:
         pytest.skip("the native kernels are not built here")
     from embtables.kernels import native_half
+    from embtables.tables.backends.native_fast_path import NativeFastPath
 
-    calls = {"lookup_half_many": 0, "HalfUpdate": 0}
-    for name in calls:
-        real = getattr(native_half, name)
-        monkeypatch.setattr(native_half, name, lambda *a, _r=real, _n=name, **k: calls.__setitem__(_n, calls[_n] + 1)
-                            or _r(*a, **k))  # fmt: skip
+    calls = {"lookup_half_many": 0, "HalfUpdate": 0, "lookup": 0, "apply": 0}
+
+    def counting(name: str, real: Any) -> Any:
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            calls[name] += 1
+            return real(*args, **kwargs)
+
+        return counted
+
+    for name in ("lookup_half_many", "HalfUpdate"):
+        monkeypatch.setattr(native_half, name, counting(name, getattr(native_half, name)))
+    for name in ("lookup", "apply"):
+        monkeypatch.setattr(native_half.HalfStep, name, counting(name, getattr(native_half.HalfStep, name)))
+    if path == "per table":
+        monkeypatch.setattr(NativeFastPath, "_half_step", lambda self, arrays: None)
     dtypes = HALF[kind], HALF[slot_kind] if slot_kind else None
     with_c = _module(opt, *dtypes, rounding=rounding)
     seen_c = _lookups_of_steps(with_c, 4)
-    assert calls["lookup_half_many"] == 4 and calls["HalfUpdate"] == 4  # one update a step
+    one_call = path == "one call"
+    expected = {"lookup": 4, "apply": 4, "lookup_half_many": 0, "HalfUpdate": 0} if one_call else \
+        {"lookup": 0, "apply": 0, "lookup_half_many": 4, "HalfUpdate": 4}  # fmt: skip
+    assert calls == expected  # one lookup and one update a step, on the path asked for
     arrays = with_c._engine.local.backend.fast._arrays  # phase 1 took the fast path's one call
     assert arrays is not None and arrays.half
     native_library.set_enabled(False)
@@ -265,7 +283,7 @@ def test_the_native_kernels_and_the_torch_reference_give_the_same_bits(
         seen_torch = _lookups_of_steps(without, 4)
     finally:
         native_library.set_enabled(True)
-    assert calls["HalfUpdate"] == 4
+    assert calls == expected
     assert all(torch.equal(a, b) for a, b in zip(seen_c, seen_torch))
     assert all(torch.equal(x, y) for x, y in zip(_stored(with_c).values(), _stored(without).values()))
 
@@ -281,6 +299,44 @@ def test_a_float16_overflow_is_refused_with_nothing_written() -> None:
     with pytest.raises(RuntimeError, match="must be finite float16 values"):
         emb.load_state_dict({"t": torch.full((V, D), 7e4)}, strict=False)
     assert torch.equal(before["t"], emb.embedding_tables["t"])
+
+
+@pytest.mark.parametrize("refusing", ["first", "second"])
+def test_one_call_over_several_half_tables_refuses_all_or_nothing(
+    refusing: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The fast path updates every half table in one native call, each in place as it is checked: when either
+    table's update overflows float16, the tables it wrote are put back (in C) and the step raises naming it."""
+    if native_library.library() is None:
+        pytest.skip("the native kernels are not built here")
+    from embtables.kernels import native_half
+
+    results: list[list[int]] = []
+    real_apply = native_half.HalfStep.apply
+
+    def recorded(*args: Any, **kwargs: Any) -> list[int]:
+        results.append(real_apply(*args, **kwargs))
+        return results[-1]
+
+    monkeypatch.setattr(native_half.HalfStep, "apply", recorded)
+    tables = [
+        et.TableConfig(V, D, name=n, combiner="sum", initializer=et.Constant(0.5), dtype=torch.float16,
+                       slot_dtype=torch.float16)
+        for n in ("a", "b")
+    ]  # fmt: skip
+    emb = et.DistributedEmbedding({n: et.FeatureConfig(t) for n, t in zip("ab", tables)}, et.Adagrad(0.3))
+    for _ in range(2):  # ordinary steps first: the rows hold updated values
+        emb({"a": torch.tensor([1, 2]), "b": torch.tensor([3, 4])})
+        emb.apply_gradients({"a": torch.full((2, D), 0.1), "b": torch.full((2, D), 0.2)})
+    assert results == [[-1, -1], [-1, -1]]  # the one call wrote both tables
+    before = _stored(emb)
+    emb({"a": torch.tensor([1, 2]), "b": torch.tensor([3, 4])})
+    name = "a" if refusing == "first" else "b"
+    big = {n: torch.full((2, D), 1e4 if n == name else 0.3) for n in "ab"}
+    with pytest.raises(InputError, match=f"table '{name}'.*float16 overflow"):
+        emb.apply_gradients(big)  # g^2 = 1e8 overflows the float16 accumulator
+    assert results[-1] == ([2, -1] if refusing == "first" else [-1, 4])  # the call's own refusal, nothing kept
+    assert all(torch.equal(x, y) for x, y in zip(before.values(), _stored(emb).values()))
 
 
 def test_checkpoints_convert_between_storage_types(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:

@@ -15,7 +15,7 @@ import torch
 from subproc import ROOT
 
 import embtables as et
-from embtables.tables.offload_files import DROP_WRITTEN, ShardFiles
+from embtables.tables.offload_files import DROP_WRITTEN, READ, ShardFiles
 
 _FULL_DISK = """
 import sys, torch, embtables as et
@@ -120,3 +120,83 @@ def test_a_failed_write_back_tears_the_files_until_a_restore(tmp_path: Path, mon
         assert torch.equal(v, want[k]), k
     a = emb({"f": et.Ragged.from_lists([[5000, 9000]])})["f"]  # trains again
     emb.apply_gradients({"f": torch.ones_like(a)})
+
+
+def test_a_failed_read_tears_the_files_until_a_restore(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The disk refuses a read (an I/O error from pread, injected at the files' page work): the lookup that needed
+    the rows raises naming the table and the error (a read through the maps would have been a SIGBUS), every
+    later lookup is refused, a restore makes the table whole again."""
+    torch.manual_seed(0)
+    offload = et.Offload(tmp_path / "rows", 32)  # two groups of 16 rows
+    table = et.TableConfig(30_000, 64, name="t", combiner="sum", offload=offload)
+    emb = et.DistributedEmbedding({"f": et.FeatureConfig(table)}, et.Adagrad(0.1))
+    for ids in ([[0, 300]], [[5000, 9000]]):  # rows 0 and 300 trained, then evicted to disk
+        a = emb({"f": et.Ragged.from_lists(ids)})["f"]
+        emb.apply_gradients({"f": torch.ones_like(a)})
+    ckpt = emb.save(tmp_path / "ckpt")
+    want = {k: v.clone() for k, v in emb.state_dict().items()}
+    real_work = ShardFiles.page_work
+
+    def failing_work(self: ShardFiles, part: str, op: int, ranges: torch.Tensor) -> None:
+        if op == READ and ranges.numel():
+            raise OSError(errno.EIO, "Input/output error")
+        real_work(self, part, op, ranges)
+
+    monkeypatch.setattr(ShardFiles, "page_work", failing_work)
+    with pytest.raises(RuntimeError, match=r"table 't': reading the weights from disk failed \(Input/output error\)"):
+        emb({"f": et.Ragged.from_lists([[0, 300]])})
+    monkeypatch.setattr(ShardFiles, "page_work", real_work)
+    with pytest.raises(RuntimeError, match=r"working files are torn \(reading the weights.*restore"):
+        emb({"f": et.Ragged.from_lists([[0]])})
+    emb.restore(ckpt)
+    for k, v in emb.state_dict().items():
+        assert torch.equal(v, want[k]), k
+    a = emb({"f": et.Ragged.from_lists([[0, 300]])})["f"]  # trains again
+    emb.apply_gradients({"f": torch.ones_like(a)})
+
+
+_CUT_SHORT = """
+import os, sys, torch, embtables as et
+rows_dir, ckpt = sys.argv[1], sys.argv[2]
+torch.manual_seed(0)
+t = et.TableConfig(30_000, 64, name="t", combiner="sum", offload=et.Offload(rows_dir, 32))
+emb = et.DistributedEmbedding({"f": et.FeatureConfig(t)}, et.Adagrad(0.1))
+for ids in ([[0, 29000]], [[5000, 9000]]):  # rows 0 and 29000 trained, then evicted to disk
+    a = emb({"f": et.Ragged.from_lists(ids)})["f"]
+    emb.apply_gradients({"f": torch.ones_like(a)})
+emb.save(ckpt)
+want = {k: v.clone() for k, v in emb.state_dict().items()}
+a = emb({"f": et.Ragged.from_lists([[5000]])})["f"]  # only the low rows in memory
+emb.apply_gradients({"f": torch.ones_like(a)})
+weights = [os.path.join(rows_dir, n) for n in os.listdir(rows_dir) if n.endswith(".weights.rows")]
+os.truncate(weights[0], 4096 * 64)  # something else cuts the file: rows 16384 on are past its end
+for ids in ([[29000]], [[1]]):
+    try:
+        emb({"f": et.Ragged.from_lists(ids)})
+        raise SystemExit("not refused")
+    except RuntimeError as exc:
+        print("refused:", exc)
+emb.restore(ckpt)  # grows the file back and writes every row
+got = emb.state_dict()
+assert all(torch.equal(got[k], v) for k, v in want.items()), "the restore gives the checkpoint's rows"
+a = emb({"f": et.Ragged.from_lists([[29000, 1]])})["f"]
+emb.apply_gradients({"f": torch.ones_like(a)})
+print("trained on")
+"""
+
+
+def test_a_file_cut_short_behind_its_back_is_refused_not_a_crash(tmp_path: Path) -> None:
+    """A rows file truncated by another program (a real short file: touching its map past the end would be a
+    SIGBUS): the next lookup raises naming the file and both sizes, every later one is refused, a restore grows
+    the file back and trains on. In a child process, so that a crash fails the test instead of killing pytest."""
+    proc = subprocess.run(
+        [sys.executable, "-c", _CUT_SHORT, str(tmp_path / "rows"), str(tmp_path / "ckpt")],
+        capture_output=True, text=True, timeout=120, cwd=str(ROOT),
+    )  # fmt: skip
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr[-3000:]}"
+    refusals = [line for line in proc.stdout.splitlines() if line.startswith("refused:")]
+    assert len(refusals) == 2, proc.stdout
+    assert "files were cut short by something else" in refusals[0]
+    assert "weights.rows: 262144 bytes of 7680000" in refusals[0] and "torn" in refusals[0]
+    assert "working files are torn (files were cut short" in refusals[1]
+    assert "trained on" in proc.stdout

@@ -2196,3 +2196,33 @@ int64_t et_apply_half(const void *handle, void *W, void *S0, void *S1, void *S2,
     free(bufs);
     return bad;
 }
+
+/* T half-precision tables' lazy updates (et_apply_half, argument t of each array for table t) in one call, all
+ * or nothing: each table's rows updated in place (mode 2), its stored rows kept in its scratch. When table t's
+ * update is not finite, bad[t] is its largest such row and every table written so far, t included, is put back
+ * (mode 3): nothing changes. Returns 0 (every table written, bad all -1), 1 (one not finite, nothing written) or
+ * the first status below -1 of et_apply_half (nothing written: such a call writes nothing itself). */
+int64_t et_apply_half_many(int64_t T, void *const *handles, void *const *W, void *const *S0, void *const *S1,
+                           void *const *S2, const int32_t *wkind, const int32_t *skind, const int64_t *V,
+                           const int64_t *D, const et_opt *const *p, const int64_t *const *grows,
+                           const int64_t *nglobal, const int64_t *seed, int64_t step, const int64_t *table,
+                           const int32_t *stochastic, uint16_t *const *out, float *const *sout,
+                           const int64_t *scratch_rows, int nthreads, int64_t *bad) {
+    for (int64_t t = 0; t < T; ++t) bad[t] = -1;
+    for (int64_t t = 0; t < T; ++t) {
+        const int64_t r = et_apply_half(handles[t], W[t], S0[t], S1[t], S2[t], wkind[t], skind[t], V[t], D[t], p[t],
+                                        grows[t], nglobal[t], seed[t], step, table[t], stochastic[t], 2, out[t],
+                                        sout[t], scratch_rows[t], nthreads);
+        if (r == -1) continue;
+        for (int64_t k = r >= 0 ? t : t - 1; k >= 0; --k) /* the tables written, back to what they held */
+            et_apply_half(handles[k], W[k], S0[k], S1[k], S2[k], wkind[k], skind[k], V[k], D[k], p[k], grows[k],
+                          nglobal[k], seed[k], step, table[k], stochastic[k], 3, out[k], sout[k], scratch_rows[k],
+                          nthreads);
+        if (r >= 0) {
+            bad[t] = r;
+            return 1;
+        }
+        return r;
+    }
+    return 0;
+}

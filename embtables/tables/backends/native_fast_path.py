@@ -1,6 +1,8 @@
 """The native backend's small-batch fast path: a step whose every feature was staged by one native call,
-over tables that the native kernels serve whole (float32 CPU, not quantized, gradients accumulated), takes
-one native call per phase through ``kernels/native_step.py``, with the tables' argument arrays built once.
+over tables that the native kernels serve whole (CPU, not quantized, gradients accumulated, lazy), takes one
+native call per phase through ``kernels/native_step.py``, with the tables' argument arrays built once. Tables
+all in half precision take it too (``kernels/native_half.HalfStep``: one lookup call, phase 1 as float32's, one
+update call); half and float32 tables together take it for phase 1 only.
 
 Everything else, and every step whose call reports anything but success, goes through the general path of
 ``NativeBackend``, which repeats the work and raises its errors (naming the feature or table): the fast
@@ -18,6 +20,7 @@ from torch import Tensor
 
 from embtables.config import ResolvedTable
 from embtables.kernels import native, native_step
+from embtables.kernels.native_half import HalfStep
 from embtables.kernels.native_step import StagedBags, TableArrays
 from embtables.kernels.stochastic_rounding import HALF_TYPES
 from embtables.tables.backends.table_set import TableSet
@@ -51,6 +54,7 @@ class NativeFastPath:
         self._rates: tuple[tuple[float, ...], list[Any]] = ((), [])  # learning rates -> optimizer blocks
         self._dense = [0] * len(configs)  # lazy optimizers only: a non-lazy one updates every row
         self._alike_for: TableArrays | None = None
+        self._half: tuple[TableArrays, HalfStep | None] | None = None  # see _half_step
         self._alike_dims = False
 
     def _tensors(self) -> list[Tensor]:
@@ -103,8 +107,14 @@ class NativeFastPath:
         found anything wrong."""
         bags = self.bags_of(batches)
         arrays = None if bags is None else self.arrays(weights_only=True)
-        if bags is None or arrays is None or arrays.half:  # half tables: the general lookup (native_half)
+        if bags is None or arrays is None:
             return None
+        if arrays.half:  # every table half: one call into an output per feature; else the general lookup
+            half = self._half_step(arrays) if into is None else None
+            outs = None if half is None else half.lookup(bags)
+            if outs is None:
+                return None
+            return [o if len(b.out_shape) == 1 else o.reshape(*b.out_shape, o.shape[1]) for o, b in zip(outs, batches)]
         if into is not None:
             if native_step.lookup(arrays, bags, [into], starts) != 0:
                 return None
@@ -157,16 +167,35 @@ class NativeFastPath:
         this path does not serve the step or an update is not finite (the general path then finds the
         table and row, and raises)."""
         prepared = self._prepared
-        if prepared is None or not self._small or len(table_grads) != len(prepared[1]):
+        if prepared is None or len(table_grads) != len(prepared[1]):
             return False
         for tg, ours in zip(table_grads, prepared[1].values()):
             if tg is not ours:
                 return False
         arrays = prepared[0]
-        if arrays.half or arrays is not self._arrays or not arrays.current(self._tensors()):
-            return False  # half tables: the general phase 2 (native_half) from this path's phase 1
+        if arrays is not self._arrays or not arrays.current(self._tensors()):
+            return False
         tables = self.resolved.tables
         rates = tuple(lrs[t.name] for t in tables)
         if rates != self._rates[0]:  # the optimizer blocks at these learning rates (the backend's cache)
             self._rates = (rates, [self._params(t, lr) for t, lr in zip(tables, rates)])
+        if arrays.half:  # every update rounded and checked as it is written, put back when one is not finite
+            half = self._half_step(arrays)
+            if half is None:
+                return False  # half and float32 tables together: the general phase 2
+            global_rows = [self.set.global_rows.get(t.name) for t in tables]
+            return max(half.apply(native_step.param_array(arrays, self._rates[1]), global_rows, self.set.step)) < 0
+        if not self._small:
+            return False
         return max(native_step.apply_checked(arrays, self._rates[1], self._dense)) < 0  # -1 per table: all written
+
+    def _half_step(self, arrays: TableArrays) -> HalfStep | None:
+        """The one-call lookup and phase 2 of ``arrays`` when every table is half (built once per arrays), else
+        None."""
+        held = self._half
+        if held is None or held[0] is not arrays:
+            tables = self.resolved.tables
+            every = all(t.config.half for t in tables)
+            rounding = [(t.config.rounding_seed, t.index, t.config.rounding == "stochastic") for t in tables]
+            held = self._half = (arrays, HalfStep(arrays, rounding) if every else None)
+        return held[1]
