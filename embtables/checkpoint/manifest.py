@@ -20,27 +20,38 @@ from embtables.checkpoint.file_names import CheckpointError, contained
 from embtables.tables.dynamic_vocabularies import PENDING_FIELDS, ROW_FIELDS, VOCABULARY_FIELDS
 
 FORMAT_VERSION = 2  # 2 nests state blocks under "state"; 1 is still read
-READABLE_VERSIONS = (1, 2)
+HALF_FORMAT_VERSION = 3  # 3: a state block may hold bfloat16 or float16 values (its spec says "dtype")
+READABLE_VERSIONS = (1, 2, 3)
+# the element types of a state block (a spec without "dtype" holds float32) and their bytes
+STATE_DTYPES = {"float32": 4, "bfloat16": 2, "float16": 2}
 MANIFEST = "manifest.json"
 _MAX_MANIFEST_BYTES = 256 << 20
 
 
 @dataclasses.dataclass(frozen=True)
 class Block:
-    """One tensor of a rank file: ``count`` elements of ``dtype`` at byte ``offset``, shaped ``shape``."""
+    """One tensor of a rank file: ``count`` elements at byte ``offset``, shaped ``shape``: int64 row ids
+    (``dtype`` np.int64) or values (``dtype`` np.float32, as read; ``stored``: the element type in the file,
+    float32, bfloat16 or float16)."""
 
     offset: int
     shape: tuple[int, ...]
     dtype: Any  # np.int64 or np.float32
     crc32: int
+    stored: str = "float32"
 
     @property
     def count(self) -> int:
         return int(np.prod(self.shape)) if self.shape else 0
 
     @property
+    def itemsize(self) -> int:
+        """Bytes of one element in the file."""
+        return 8 if self.dtype is np.int64 else STATE_DTYPES[self.stored]
+
+    @property
     def nbytes(self) -> int:
-        return self.count * int(np.dtype(self.dtype).itemsize)
+        return self.count * self.itemsize
 
 
 def _int(value: Any, what: str, where: Path, lo: int = 0, hi: int = 1 << 62) -> int:
@@ -65,6 +76,7 @@ def _block(spec: Any, what: str, where: Path, file_bytes: int, dim: int | None) 
     spec = _dict(spec, what, where)
     offset = _int(spec.get("offset"), f"{what}.offset", where)
     crc = _int(spec.get("crc32"), f"{what}.crc32", where, 0, (1 << 32) - 1)
+    stored = "float32"
     if dim is None:  # a vector of int64 row ids
         shape: tuple[int, ...] = (_int(spec.get("count"), f"{what}.count", where),)
         dtype: Any = np.int64
@@ -74,7 +86,12 @@ def _block(spec: Any, what: str, where: Path, file_bytes: int, dim: int | None) 
             raise CheckpointError(f"{where / MANIFEST}: {what}.shape must be [rows, {dim}], got {raw!r}.")
         shape = (_int(raw[0], f"{what}.shape[0]", where), _int(raw[1], f"{what}.shape[1]", where, dim, dim))
         dtype = np.float32
-    block = Block(offset, shape, dtype, crc)
+        stored = spec.get("dtype", "float32")
+        if not isinstance(stored, str) or stored not in STATE_DTYPES:
+            raise CheckpointError(
+                f"{where / MANIFEST}: {what}.dtype must be one of {sorted(STATE_DTYPES)}, got {stored!r:.40}."
+            )
+    block = Block(offset, shape, dtype, crc, stored)
     if offset + block.nbytes > file_bytes:
         raise CheckpointError(
             f"{where / MANIFEST}: {what} ({block.nbytes} bytes at offset {offset}) lies outside its file of "
@@ -207,4 +224,13 @@ def load(where: Path) -> dict[str, Any]:
     return validate(doc, where)
 
 
-__all__ = ["FORMAT_VERSION", "MANIFEST", "Block", "TableBlocks", "load", "validate"]
+__all__ = [
+    "FORMAT_VERSION",
+    "HALF_FORMAT_VERSION",
+    "MANIFEST",
+    "STATE_DTYPES",
+    "Block",
+    "TableBlocks",
+    "load",
+    "validate",
+]

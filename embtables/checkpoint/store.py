@@ -10,8 +10,9 @@ Layout of a checkpoint directory ``<root>/ckpt-<step:08d>/``:
 - ``rank-<r:05d>.safetensors``, one per writing rank, in the safetensors format (an 8-byte header
   length, a JSON header naming every tensor with its dtype, shape and byte range, then the raw
   little-endian data). Per table it holds ``<table>#rows``, the int64 global row ids the rank owns
-  (ascending), then one float32 ``[N, D]`` tensor per state key: ``<table>`` for the weights and
-  ``<table>/<slot>`` for each TF slot name.
+  (ascending), then one ``[N, D]`` tensor per state key: ``<table>`` for the weights and
+  ``<table>/<slot>`` for each TF slot name, in the table's storage type (float32; bfloat16 or float16 for a
+  half-precision table's, its manifest then of format 3 and each such block's spec naming its ``dtype``).
 
 The safetensors library, numpy or any safetensors reader opens the files; the manifest repeats
 where every block is, with its CRC-32. A save writes into
@@ -183,7 +184,7 @@ def _plan(
                 array: Any = OffloadedBlock(shard.offloaded, slot, int(shard.rows.numel()))
             elif pick is None and tensor.dtype == torch.float32:
                 array = tensor.detach().to("cpu").numpy().reshape(-1, t.dim)
-            else:  # an increment's rows, or a half-precision table's as float32 (exact), a piece at a time
+            else:  # an increment's rows, or a half-precision table's (in its type), a piece at a time
                 if shard.offloaded is not None:
                     shard.offloaded.mark_untracked()  # the changed rows are gathered through its maps
                 array = increments.RowSelection(tensor, pick, t.dim)
@@ -197,6 +198,14 @@ def _plan(
     return plan
 
 
+_SAFETENSORS_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
+
+
+def _stored(array: Any) -> str:
+    """The element type a state block's ``array`` writes: a piecewise block's ``stored``, else float32."""
+    return str(getattr(array, "stored", "float32"))
+
+
 def _write_rank_file(
     data: Path, resolved: ResolvedConfig, plan: list[tuple[str, str, str, np.ndarray[Any, Any]]], rank: int,
     step: int, tick: Callable[[int], None],
@@ -207,7 +216,7 @@ def _write_rank_file(
     at = 0
     for _, _, name, array in plan:
         nbytes = array.size * array.itemsize
-        dtype = "I64" if array.dtype == np.int64 else "F32"
+        dtype = "I64" if array.dtype == np.int64 else _SAFETENSORS_DTYPES[_stored(array)]
         header[name] = {"dtype": dtype, "shape": [int(x) for x in array.shape], "data_offsets": [at, at + nbytes]}
         at += nbytes
     encoded = json.dumps(header, separators=(",", ":")).encode()
@@ -223,6 +232,8 @@ def _write_rank_file(
                 spec["count"] = int(array.size)
             else:
                 spec["shape"] = [int(x) for x in array.shape]
+                if _stored(array) != "float32":  # half values (format 3); float32 blocks say nothing (format 2)
+                    spec["dtype"] = _stored(array)
             spec["crc32"] = _write_block(f, array, tick)
             if kind == "state":
                 blocks[table]["state"][name] = spec
@@ -363,8 +374,11 @@ def _publish(
 ) -> Path:  # fmt: skip
     """Rank 0: write the manifest, publish the directory atomically, apply ``keep_last`` (never to a
     checkpoint that a kept one builds on)."""
+    half = any(
+        "dtype" in spec for entry in files for table in entry["tables"].values() for spec in table["state"].values()
+    )
     manifest: dict[str, Any] = {
-        "format_version": FORMAT_VERSION,
+        "format_version": manifest_io.HALF_FORMAT_VERSION if half else FORMAT_VERSION,
         "id": checkpoint_id,
         "step": int(step),
         "world_size": world,
@@ -406,7 +420,7 @@ def config_as_data(resolved: ResolvedConfig) -> dict[str, Any]:
         d["combiner_value"] = str(t.config.combiner)
         q = t.config.quantization_config
         d["quantization"] = None if q is None else [q.num_buckets, float(q.lower), float(q.upper)]
-        d["dtype"], d["slot_dtype"] = t.config.storage, t.config.slot_storage  # the blocks themselves are float32
+        d["dtype"], d["slot_dtype"] = t.config.storage, t.config.slot_storage  # each block also says its own
         d.pop("strategy", None)
         d.pop("table_rank", None)
     described["feature_list"] = [
@@ -465,7 +479,7 @@ def _check_config(manifest: dict[str, Any], resolved: ResolvedConfig, where: Pat
             )
     if problems:
         raise CheckpointError(f"{where}: the checkpoint does not match this model: " + "; ".join(problems) + ".")
-    for t in resolved.tables:  # another storage type: the float32 blocks are converted as they load
+    for t in resolved.tables:  # another storage type: the blocks are converted as they load
         stored: dict[str, Any] = saved[t.name]
         for kind, here in (("dtype", t.config.storage), ("slot_dtype", t.config.slot_storage)):
             theirs = str(stored.get(kind, "float32"))
@@ -621,4 +635,10 @@ def read_block(mm: np.ndarray[Any, Any], spec: Block, file: Path, what: str) -> 
     raw = mm[start : start + nbytes]
     if zlib.crc32(np.ascontiguousarray(raw).data) != spec.crc32:
         raise CheckpointError(f"{file}: the block of {what!r} fails its CRC-32 check (the file is corrupt).")
+    if spec.dtype is np.float32 and spec.stored == "float16":  # half values, widened to float32 (exact)
+        return np.frombuffer(raw, dtype="<f2", count=spec.count).astype(np.float32).reshape(spec.shape)
+    if spec.dtype is np.float32 and spec.stored == "bfloat16":  # float32's upper 16 bits
+        bits: np.ndarray[Any, Any] = np.frombuffer(raw, dtype="<u2", count=spec.count).astype(np.uint32)
+        widened: np.ndarray[Any, Any] = np.left_shift(bits, np.uint32(16)).view(np.float32)
+        return widened.reshape(spec.shape)
     return np.frombuffer(raw, dtype=spec.dtype, count=spec.count).reshape(spec.shape)

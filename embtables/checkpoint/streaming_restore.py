@@ -176,7 +176,11 @@ def verify(
                 raise CheckpointError(f"{plan.file.path}: the block of '{t.name}#rows' fails its CRC-32 check.")
             if hits:
                 plans.append(plan)
-                tasks += [_check_block(plan, key, block, tick) for key, block in plan.blocks.state.items()]
+                tensors = shards[t.name].tensors
+                targets = {f"{t.name}/{slot}" if slot else t.name: x.dtype for slot, x in tensors.items()}
+                tasks += [
+                    _check_block(plan, key, block, tick, targets.get(key)) for key, block in plan.blocks.state.items()
+                ]
         if not partial and not filled.all():
             missing = mine[~filled][:5].tolist()
             raise CheckpointError(f"{where}: table {t.name!r}: rows {missing} are in no file of the checkpoint.")
@@ -184,17 +188,53 @@ def verify(
     return plans
 
 
-def _check_block(plan: _Plan, key: str, block: Block, tick: Callable[[int], None]) -> Callable[[], None]:
+def _piece(block: Block, dim: int) -> np.ndarray[Any, Any]:
+    """A buffer for one piece (``_pieces``) of a state block's elements as stored: float32, or 16-bit patterns."""
+    return np.empty((max(1, _PIECE // (4 * dim)), dim), dtype=np.float32 if block.itemsize == 4 else np.int16)
+
+
+def _values(piece: np.ndarray[Any, Any], block: Block) -> torch.Tensor:
+    """A piece of a state block's elements as a tensor of their stored type (float32, bfloat16 or float16)."""
+    values = torch.from_numpy(piece)
+    return values if block.itemsize == 4 else values.view(_HALF[block.stored])
+
+
+_HALF = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _check_block(
+    plan: _Plan, key: str, block: Block, tick: Callable[[int], None], target: torch.dtype | None = None
+) -> Callable[[], None]:
+    """Pass 1 of one state block: its CRC-32, and (``target``: the storage type it restores into) that no
+    value finite in the block overflows that type as it is converted (a float32 or bfloat16 value beyond
+    float16's 65504 would be stored as Inf)."""
+
     def run() -> None:
-        dim, crc = plan.table.dim, 0
-        piece = np.empty((max(1, _PIECE // (4 * dim)), dim), dtype=np.float32)
+        dim, crc, size = plan.table.dim, 0, block.itemsize
+        piece = _piece(block, dim)
+        narrower = target == torch.float16 and block.stored != "float16"
         for r0, r1 in _pieces(block, dim):
-            crc = plan.file.read(block.offset + 4 * dim * r0, piece[: r1 - r0], crc)
-            tick((r1 - r0) * dim * 4)
+            crc = plan.file.read(block.offset + size * dim * r0, piece[: r1 - r0], crc)
+            if narrower:
+                _fits_float16(plan, key, _values(piece[: r1 - r0], block), r0)
+            tick((r1 - r0) * dim * size)
         if crc != block.crc32:
             raise CheckpointError(f"{plan.file.path}: the block of {key!r} fails its CRC-32 check (corrupt file).")
 
     return run
+
+
+def _fits_float16(plan: _Plan, key: str, values: torch.Tensor, r0: int) -> None:
+    """Raise when a finite value of ``values`` (rows r0... of a block) becomes Inf in float16."""
+    over = torch.isfinite(values) & ~torch.isfinite(values.to(torch.float16))
+    if bool(over.any()):
+        at = int(torch.nonzero(over)[0][0])
+        value = float(values.reshape(-1, values.shape[-1])[at][over[at]][0])
+        raise CheckpointError(
+            f"{plan.file.path}: table {plan.table.name!r}: {key!r} holds {value:g} (the block's row {r0 + at}), "
+            "beyond float16's largest value (65504): restored into this float16 table it would be stored as Inf; "
+            "nothing was restored. Restore into a float32 or bfloat16 table, or scale the values first."
+        )
 
 
 def unchanged(files: dict[str, _RankFile]) -> None:
@@ -233,25 +273,26 @@ def _copy_block(
 ) -> Callable[[], None]:
     def run() -> None:
         block, dim = plan.blocks.state[key], plan.table.dim
-        crc, rows_crc, last = 0, 0, -1
-        piece = np.empty((max(1, _PIECE // (4 * dim)), dim), dtype=np.float32)
+        crc, rows_crc, last, size = 0, 0, -1, block.itemsize
+        piece = _piece(block, dim)
         for r0, r1 in _pieces(block, dim):
             rows, rows_crc = _rows(plan, r0, r1, rows_crc, last)
             last = int(rows[-1])
             dst, src = _hits(mine, rows)
             if dst.size == 0:  # still read: the block's CRC-32 covers every piece
-                crc = plan.file.read(block.offset + 4 * dim * r0, piece[: r1 - r0], crc)
+                crc = plan.file.read(block.offset + size * dim * r0, piece[: r1 - r0], crc)
                 continue
-            values = piece[: r1 - r0]
-            crc = plan.file.read(block.offset + 4 * dim * r0, values, crc)
+            raw = piece[: r1 - r0]
+            crc = plan.file.read(block.offset + size * dim * r0, raw, crc)
+            values = _values(raw, block)  # converted into the table's storage type as it is copied
             if dst.size == r1 - r0 and int(dst[-1]) - int(dst[0]) == dst.size - 1:  # the writer's own layout
-                target[int(dst[0]) : int(dst[0]) + dst.size].copy_(torch.from_numpy(values))
+                target[int(dst[0]) : int(dst[0]) + dst.size].copy_(values)
             else:
                 index = torch.from_numpy(dst).to(target.device)
-                target.index_copy_(0, index, torch.from_numpy(values[src]).to(target.device, target.dtype))
+                target.index_copy_(0, index, values[torch.from_numpy(src)].to(target.device, target.dtype))
             if written is not None:
                 written(int(dst.min()), int(dst.max()) + 1)
-            tick(dst.size * dim * 4)
+            tick(dst.size * dim * size)
         if crc != block.crc32 or rows_crc != plan.blocks.rows.crc32:
             raise _torn(plan.file.path, key)
 

@@ -16,7 +16,7 @@ in memory is managed here, in groups of G rows (whole pages of every file):
 * **read-ahead** (a batch staged by ``enqueue``): its groups on disk start coming into the page cache.
 * **whole-table access** (``state_dict``, ``embedding_tables``, ``load_state_dict``): every block is initialized
   first (``materialize``); the next admission writes back and drops everything (``release``). ``save`` reads
-  the files with ``pread`` instead (``read_float32``), ``restore`` writes back and drops each piece it writes
+  the files with ``pread`` instead (``read_rows``), ``restore`` writes back and drops each piece it writes
   (``written``).
 
 Shapes: N the shard's rows, D the width, G rows a group, U distinct rows of a batch.
@@ -197,12 +197,12 @@ class OffloadedRows:
         rows = torch.arange(self.first + lo, self.first + hi) if self.global_rows is None else self.global_rows[lo:hi]
         return initial_weights(self.logical, rows, self.seed).to(dtype)
 
-    def read_float32(self, part: str, lo: int, hi: int) -> Tensor:
-        """Local rows [lo, hi) of ``part`` ("" or a slot) as float32 [hi - lo, D], read from the files with
-        ``pread`` (nothing mapped): rows never read are their initial values as the table would store them,
-        computed here, not written. What a checkpoint streams, file to file."""
-        out = torch.empty((hi - lo, self.dim), dtype=torch.float32)
+    def read_rows(self, part: str, lo: int, hi: int) -> Tensor:
+        """Local rows [lo, hi) of ``part`` ("" or a slot) [hi - lo, D] in their storage type, read from the
+        files with ``pread`` (nothing mapped): rows never read are their initial values as the table would store
+        them, computed here, not written. What a checkpoint streams, file to file."""
         dtype = self.tensors[part].dtype
+        out = torch.empty((hi - lo, self.dim), dtype=dtype)
         size = self.dim * dtype.itemsize
         for b in range(lo // self.block, -(-hi // self.block)):
             a, z = max(lo, b * self.block), min(hi, (b + 1) * self.block)
@@ -211,7 +211,7 @@ class OffloadedRows:
                 values = torch.frombuffer(data, dtype=dtype).view(z - a, self.dim)
             else:
                 values = self._initial(part, a, z)
-            out[a - lo : z - lo] = values.to(torch.float32)
+            out[a - lo : z - lo] = values
         return out
 
     def materialize(self) -> None:

@@ -288,7 +288,8 @@ def test_the_untyped_calls_refuse_arrays_that_are_not_one_per_feature() -> None:
     assert unchecked(lib) is raw
     fast = [f for f in FUNCTIONS.values() if f.fast]
     assert {f.name for f in fast} == {"et_stage_inputs_many", "et_lookup_many", "et_prepare_many", "et_apply_many",
-                                      "et_prepared_values_max", "et_mark_changed"}  # fmt: skip
+                                      "et_prepared_values_max", "et_mark_changed", "et_lookup_half_many",
+                                      "et_apply_half_many"}  # fmt: skip
     for f in fast:
         assert getattr(raw, f.name).argtypes is None and getattr(raw, f.name).restype is f.result
     emb = make(("sum", "sum", "sum"), False, False, et.SGD(0.1))
@@ -315,6 +316,41 @@ def test_the_untyped_calls_refuse_arrays_that_are_not_one_per_feature() -> None:
         native_step.lookup(arrays, fewer, outs[:2], None)
     with pytest.raises(native.NativeBufferError, match="one per feature of the tables"):
         native_step.prepare(arrays, fewer, [None, None])
+
+
+def test_the_half_calls_refuse_arrays_that_are_not_one_per_feature_or_table() -> None:
+    """The fast path's half calls (``native_half.HalfStep``) are untyped too: the staged bags are checked
+    against the tables' features, the row maps and rounding against the tables, before C reads them."""
+    from embtables.kernels.native_half import HalfStep
+
+    tables = [et.TableConfig(50 + 7 * i, 4 + 2 * i, name=f"t{i}", dtype=torch.bfloat16) for i in range(3)]
+    emb = et.DistributedEmbedding({f"f{i}": et.FeatureConfig(t) for i, t in enumerate(tables)}, et.SGD(0.1))
+    train(emb, 1, torch.int64, False)
+    fast = emb._engine.local.backend.fast
+    arrays = fast.arrays()
+    assert arrays is not None and arrays.half
+    half = fast._half_step(arrays)
+    assert isinstance(half, HalfStep)
+    stager = emb._inputs
+    inputs = batch(emb, 1, torch.int64, False)
+    values = [inputs[k].values for k in sorted(inputs)]
+    splits = [inputs[k].row_splits for k in sorted(inputs)]
+    arena = lambda n, dtype: torch.empty(n, dtype=dtype)  # noqa: E731
+    bags = native_step.stage(values, splits, stager.vocab, stager.codes, arena)
+    assert bags is not None
+    outs = half.lookup(bags)
+    assert outs is not None and [tuple(o.shape) for o in outs] == [(6, 4), (6, 6), (6, 8)]
+    two = ((ctypes.c_int64 * 2)(*stager.vocab[:2]), (ctypes.c_int32 * 2)(*stager.codes[:2]))
+    fewer = native_step.stage(values[:2], splits[:2], *two, arena)
+    assert fewer is not None
+    with pytest.raises(native.NativeBufferError, match="one per feature of the tables"):
+        half.lookup(fewer)
+    with pytest.raises(native.NativeBufferError, match="one row map"):
+        half.apply(native_step.param_array(arrays, fast._rates[1]), [None, None], 0)
+    with pytest.raises(native.NativeBufferError, match="global rows"):
+        half.apply(native_step.param_array(arrays, fast._rates[1]), [None, torch.zeros(3, dtype=torch.int64), None], 0)
+    with pytest.raises(native.NativeBufferError, match="one rounding per half table"):
+        HalfStep(arrays, [(0, 0, True)])
 
 
 def test_features_of_one_width_share_one_output_block_and_stay_separate_leaves() -> None:
