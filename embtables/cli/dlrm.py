@@ -261,7 +261,7 @@ def run(args: argparse.Namespace) -> int:
         offloaded = estimator.embedding.offload_statistics() if getattr(args, "offload", None) else None
         if rank == 0:
             if offloaded:
-                _report_offload(offloaded)
+                report_offload(offloaded)
             _report(estimator, args, evals, held_out.teacher, first, seconds, world, model_dir, vocabulary, offloaded)
             if estimator.global_step == first:
                 print(f"finished: no step trained in this run (the model in {model_dir} is at step {first}).")
@@ -403,7 +403,7 @@ def _offload_interval(before: dict[str, dict[str, float]], after: dict[str, dict
     )
 
 
-def _report_offload(stats: dict[str, dict[str, float]]) -> None:
+def report_offload(stats: dict[str, dict[str, float]]) -> None:
     """One line a table: the row cache's hit rate, what it read and wrote, and the time it waited for the disk."""
     for name, s in stats.items():
         looked = max(1.0, s["rows_looked_up"])

@@ -45,9 +45,10 @@ import torch
 from torch import Tensor, nn
 
 from embtables.checkpoint.store import read_manifest
-from embtables.cli.dlrm import interaction, mlp_head
+from embtables.cli.dlrm import interaction, mlp_head, report_offload
 from embtables.cli.history import epoch_curve
 from embtables.cli.plotting import finish, pyplot
+from embtables.config import Offload
 from embtables.estimator import (
     AdagradParameters,
     EmbeddingConfigSpec,
@@ -112,11 +113,14 @@ def _column(name: str, kind: str, f: dict[str, Any]) -> Any:
 
 
 def columns_from_schema(
-    schema: dict[str, Any], available: set[str], stored: tuple[str, str] = ("float32", "float32")
+    schema: dict[str, Any],
+    available: set[str],
+    stored: tuple[str, str] = ("float32", "float32"),
+    offload: Offload | None = None,
 ) -> tuple[list[Any], dict[str, str]]:
     """The embedding columns the schema describes, and its numeric features ``{column: normalize}``,
-    checked against the file's columns; ``stored``: the tables' (row, slot) storage types. Errors name the
-    feature, its schema type and the field."""
+    checked against the file's columns; ``stored``: the tables' (row, slot) storage types; ``offload``: every
+    table's rows in files (docs/offload.md). Errors name the feature, its schema type and the field."""
     if not isinstance(schema.get("features"), dict) or not schema["features"]:
         raise SchemaError("schema: `features` must be a non-empty object {column: {type: ...}}.")
     dim = schema.get("dim", 16)
@@ -146,6 +150,7 @@ def columns_from_schema(
                     initializer=init,
                     dtype=stored[0],
                     slot_dtype=stored[1],
+                    offload=offload,
                 )
             )
         except KeyError as exc:
@@ -303,7 +308,9 @@ def run(args: argparse.Namespace) -> int:
         raise SchemaError(f"schema task must be one of {TASKS}, got {task!r}")
     try:
         stored = (getattr(args, "dtype", "float32"), getattr(args, "slot_dtype", "float32"))
-        cols, numeric = columns_from_schema(schema, set(data) - {label}, stored)
+        directory = getattr(args, "offload", None)
+        offload = None if directory is None else Offload(directory, args.cache_rows)
+        cols, numeric = columns_from_schema(schema, set(data) - {label}, stored, offload)
     except (KeyError, TypeError) as exc:
         raise SchemaError(f"schema: a feature entry is incomplete ({type(exc).__name__}: {exc})") from None
     y = labels_of(data[label], label, args.data)
@@ -393,6 +400,9 @@ def run(args: argparse.Namespace) -> int:
         results = {"data": str(args.data), "task": task, "epochs": int(last["epoch"]), "batch_size": batch_size,
                    "seed": args.seed, "last": last, "best_epoch": int(best["epoch"]), "best": best, "curve": curve,
                    "seconds": time.perf_counter() - start}  # fmt: skip
+        if offload is not None:  # each table's row cache: hit rate, disk traffic (also in results.json)
+            results["offload"] = est.embedding.offload_statistics()
+            report_offload(results["offload"])
         (model_dir / "results.json").write_text(json.dumps(results, indent=1))
         title = f"embtables on {Path(args.data).name} (held out)"
         if plot_epochs(curve, key, model_dir / "curves.png", title):

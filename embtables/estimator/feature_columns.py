@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from embtables.config import DynamicVocabulary
+from embtables.config import DynamicVocabulary, Offload
 from embtables.config.tables import storage_name
 from embtables.errors import ConfigError, InputError
 from embtables.estimator.hashing import stable_hash
@@ -447,9 +447,13 @@ class EmbeddingColumn:
     capacity: int | None = None
     dtype: Any = None
     slot_dtype: Any = None
+    offload: Offload | None = None
 
     def __post_init__(self) -> None:
         who = "embedding_column"
+        if self.offload is not None and not isinstance(self.offload, Offload):
+            got = type(self.offload).__name__
+            raise ConfigError(f"{who}: `offload` must be an embtables.Offload or None, got {got}.")
         for arg in ("dtype", "slot_dtype"):
             value = getattr(self, arg)
             if value is not None and storage_name(value) is None:
@@ -527,6 +531,7 @@ def embedding_column(
     capacity: int | None = None,
     dtype: Any = None,
     slot_dtype: Any = None,
+    offload: Offload | None = None,
 ) -> EmbeddingColumn:
     """An embedding of ``categorical_column``: a table of ``num_buckets`` x ``dimension``. A sequence
     column (``max_sequence_length > 0``) gives ``[B, max_sequence_length, dimension]``, else
@@ -534,10 +539,11 @@ def embedding_column(
     optimizer's learning rate for this table. ``dynamic`` makes the table keyed by the column's ids
     (spec §11), with ``capacity`` rows (default: the column's bucket count; required for
     ``categorical_column_with_hash_bucket(key, None)``). ``dtype`` / ``slot_dtype``: the table's rows and
-    slots in half precision (``TableConfig``'s arguments, spec §12)."""
+    slots in half precision (``TableConfig``'s arguments, spec §12). ``offload``: the table's rows in files
+    with a row cache (``TableConfig``'s argument, docs/offload.md)."""
     return EmbeddingColumn(
         categorical_column, dimension, combiner, initializer, max_sequence_length, learning_rate_fn, dynamic, capacity,
-        dtype, slot_dtype,
+        dtype, slot_dtype, offload,
     )  # fmt: skip
 
 
@@ -552,9 +558,10 @@ def shared_embedding_columns(
     *,
     dtype: Any = None,
     slot_dtype: Any = None,
+    offload: Offload | None = None,
 ) -> list[SharedEmbeddingColumn]:
     """One table shared by every column of ``categorical_columns`` (same ``num_buckets``), one
-    activation per column; ``dtype`` / ``slot_dtype`` as ``embedding_column``'s."""
+    activation per column; ``dtype`` / ``slot_dtype`` / ``offload`` as ``embedding_column``'s."""
     columns = list(categorical_columns)
     if not columns:
         raise ConfigError("shared_embedding_columns: `categorical_columns` must not be empty.")
@@ -586,6 +593,7 @@ def shared_embedding_columns(
             None,
             dtype,
             slot_dtype,
+            offload,
             shared_embedding_collection_name=name,
         )
         for c, m in zip(columns, lengths)

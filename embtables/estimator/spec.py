@@ -179,6 +179,7 @@ class EmbeddingConfigSpec:
                     dynamic=c.dynamic,
                     dtype=c.dtype,
                     slot_dtype=c.slot_dtype,
+                    offload=c.offload,
                 )
                 tables[c.table_name] = table
             elif table.dim != c.dimension or table.vocabulary_size != c.vocabulary_size:

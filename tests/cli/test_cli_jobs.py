@@ -103,7 +103,26 @@ def test_the_dlrm_job_trains_offloaded_tables_and_reports_their_caches(
         assert code == 2 and "Raise cache_rows" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         cli(["train", "--dataset", "movielens-100k", "--offload", str(rows)])
-    assert "--offload applies to the synthetic job" in capsys.readouterr().err
+    assert "--offload applies to the synthetic job and --data jobs, not to movielens-100k" in capsys.readouterr().err
+
+
+def test_a_data_file_job_trains_offloaded_tables(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--offload`` on a ``--data`` job: every table of the schema keeps its rows in files (the estimator's
+    ``embedding_column(..., offload=)``), and the job reports each table's cache at the end and in results.json."""
+    from embtables.data import sample_path
+
+    rows = tmp_path / "rows"
+    data = ["--data", sample_path("clicks.csv"), "--schema", sample_path("clicks.schema.json"), "--epochs", "2"]
+    argv = ["train", *data, "--no-progress", "--model-dir", str(tmp_path / "m"), "--offload", str(rows),
+            "--cache-rows", "1536"]  # fmt: skip
+    assert cli(argv) == 0
+    out = capsys.readouterr().out
+    results = json.loads((tmp_path / "m" / "results.json").read_text())
+    tables = ["country_embedding", "item_embedding", "liked_items_embedding", "user_embedding"]
+    assert sorted(results["offload"]) == tables
+    assert all(0 < s["hits"] <= s["rows_looked_up"] and s["cache_rows"] == 1536 for s in results["offload"].values())
+    assert all(f"offload {t}: hits" in out for t in tables) and results["best"]["auc"] > 0.6
+    assert {p.name.split(".")[0] for p in rows.iterdir()} == set(tables)
 
 
 def test_movielens_loader_reads_recbole_and_grouplens_layouts(tmp_path: Path) -> None:

@@ -145,6 +145,19 @@ def test_offload_arguments_are_validated(args: tuple[object, object], match: str
         et.Offload(*args)  # type: ignore[arg-type]
 
 
+def test_the_estimators_embedding_columns_take_offload(tmp_path: Path) -> None:
+    from embtables.errors import ConfigError
+    from embtables.estimator import EmbeddingConfigSpec, categorical_column_with_identity, embedding_column
+
+    offload = et.Offload(tmp_path / "rows", 256)
+    col = embedding_column(categorical_column_with_identity("x", 10_000), 64, offload=offload)
+    spec = EmbeddingConfigSpec(feature_columns=[col], optimization_parameters=et.Adagrad(0.1))
+    (table,) = {f.table.name: f.table for f in spec.feature_config(lambda: 0).values()}.values()
+    assert table.offload == offload
+    with pytest.raises(ConfigError, match=r"`offload` must be an embtables\.Offload or None, got str"):
+        embedding_column(categorical_column_with_identity("x", 10), 4, offload=str(tmp_path))  # type: ignore[arg-type]
+
+
 def test_non_lazy_adam_gpu_tables_and_copies_are_refused(tmp_path: Path) -> None:
     table = et.TableConfig(100, 64, name="t", offload=et.Offload(tmp_path / "a", 256))
     with pytest.raises(ValueError, match="lazy_adam=True"):
