@@ -2,6 +2,7 @@
 
     python -m embtables bench offload                                  # 8 x 1M x 64 Adagrad, B 4096, 20 Zipf ids
     python -m embtables bench offload --rows 6000000 --cache-rows 2000000 --directory /nvme/bench
+    python -m embtables bench offload --tables 2 --cases zipf --read-ahead   # also with the next batch staged early
 
 (a) **Zipf** (the standard workload's ids): the step time (lookup + apply_gradients) of the offloaded tables
 with ``--cache-rows`` rows each in memory, against the in-memory step of the same tables, measured in the same
@@ -56,6 +57,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--directory", default=None, help="where the files go (default: the temp directory)")
     ap.add_argument("--cases", default="zipf,uniform")
     ap.add_argument("--probe-seconds", type=float, default=3.0)
+    ap.add_argument(
+        "--read-ahead", action="store_true",
+        help="also time the offloaded tables with the next batch staged (enqueue) before each apply_gradients",
+    )  # fmt: skip
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     emit(env_record())
@@ -138,10 +143,11 @@ def _module(wl: Workload, offload: et.Offload | None) -> et.DistributedEmbedding
 
 
 def _run(
-    emb: et.DistributedEmbedding, wl: Workload, args: argparse.Namespace
+    emb: et.DistributedEmbedding, wl: Workload, args: argparse.Namespace, read_ahead: bool = False
 ) -> tuple[list[float], int, dict[str, float]]:
     """Step times (ms) after the warm-up, the peak resident bytes while timing, and the offloaded tables'
-    counters over the timed steps (summed over the tables; empty for tables in memory)."""
+    counters over the timed steps (summed over the tables; empty for tables in memory). ``read_ahead``: each
+    step stages the next batch (``enqueue``, which starts reading its rows) before ``apply_gradients``."""
     batches = make_batches(wl)
     lengths = torch.full((wl.batch,), wl.pooling, dtype=torch.int64)
     inputs = [
@@ -150,15 +156,24 @@ def _run(
     ]
     grad = {f"f{i}": torch.full((wl.batch, wl.dim), 1e-3) for i in range(wl.tables)}
     times = []
-    for step in range(args.warmup):
-        emb(inputs[step % len(inputs)])
+
+    def step(i: int) -> None:
+        if read_ahead:
+            emb.dequeue()
+            emb.enqueue(inputs[(i + 1) % len(inputs)])
+        else:
+            emb(inputs[i % len(inputs)])
         emb.apply_gradients(grad)
+
+    if read_ahead:
+        emb.enqueue(inputs[0])
+    for i in range(args.warmup):
+        step(i)
     before = emb.offload_statistics()
     with RssSampler() as rss:
-        for step in range(args.steps):
+        for i in range(args.warmup, args.warmup + args.steps):
             start = time.perf_counter()
-            emb(inputs[(args.warmup + step) % len(inputs)])
-            emb.apply_gradients(grad)
+            step(i)
             times.append((time.perf_counter() - start) * 1e3)
     after = emb.offload_statistics()
     counters = {k: sum(after[t][k] - before[t][k] for t in after) for k in next(iter(after.values()), {})}
@@ -167,7 +182,8 @@ def _run(
 
 def _case(wl: Workload, args: argparse.Namespace, directory: str) -> dict[str, Any]:
     """The offloaded tables first (the resident memory it measures is the process's own, not what an earlier
-    module left to the allocator), then the same tables in memory when they fit in half the machine's."""
+    module left to the allocator), with ``--read-ahead`` again staging each next batch early, then the same
+    tables in memory when they fit in half the machine's."""
     out: dict[str, Any] = {}
     table_bytes = wl.tables * wl.rows * wl.dim * 4 * 2
     fields = {"tables": wl.tables, "rows": wl.rows, "dim": wl.dim, "batch": wl.batch, "pooling": wl.pooling,
@@ -195,6 +211,18 @@ def _case(wl: Workload, args: argparse.Namespace, directory: str) -> dict[str, A
               "missed_rows_per_s": round(out["missed_rows_per_s"]), "pages_read_per_s": round(out["pages_read_per_s"]),
               "peak_rss_MB": round(peak / 2**20), "rss_before_MB": round(base_rss / 2**20),
               "cache_MB": round(wl.tables * args.cache_rows * wl.dim * 4 * 2 / 2**20)}  # fmt: skip
+    if args.read_ahead:  # the same tables again, in files of their own, each step staging the next batch first
+        ahead = _module(wl, et.Offload(directory + "-read-ahead", args.cache_rows))
+        times, peak, diff = _run(ahead, wl, args, read_ahead=True)
+        del ahead
+        out["read_ahead_ms"] = statistics.median(times)
+        ms = out["read_ahead_ms"]
+        emit({"bench": "offload_step", "impl": "offloaded-read-ahead", **fields, "cache_rows": args.cache_rows,
+              "ms": round(ms, 3), "vs_offloaded": round(ms / out["offloaded_ms"], 3),
+              "hit_rate": round(diff["hits"] / max(1, diff["rows_looked_up"]), 4),
+              "rows_prefetched_per_step": round(diff["rows_prefetched"] / steps),
+              "disk_wait_ms_per_step": round(diff["disk_wait_s"] * 1e3 / steps, 3),
+              "peak_rss_MB": round(peak / 2**20)})  # fmt: skip
     total_memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     if table_bytes < total_memory // 2:
         mem = _module(wl, None)

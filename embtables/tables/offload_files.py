@@ -246,6 +246,8 @@ class ShardFiles:
                 self.will_need(part, offset, length)
             elif op == READ:
                 self.read(part, offset, min(length, self.nbytes[part] - offset), keep=True)
+            else:
+                raise ValueError(f"page_work: unknown operation {op}")
 
     def read(self, part: str, offset: int, length: int, *, keep: bool = False) -> bytes:
         """Bytes [offset, offset + length) of ``part``'s file, read with ``pread`` (through the page cache, not
