@@ -58,6 +58,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--cases", default="zipf,uniform")
     ap.add_argument("--probe-seconds", type=float, default=3.0)
     ap.add_argument(
+        "--batches", type=int, default=8,
+        help="distinct batches the steps cycle through (warm-up + steps or more: every step a fresh batch)",
+    )  # fmt: skip
+    ap.add_argument(
         "--read-ahead", action="store_true",
         help="also time the offloaded tables with the next batch staged (enqueue) before each apply_gradients",
     )  # fmt: skip
@@ -75,7 +79,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         emit({"bench": "disk_probe", **probe})
         results = {}
         for ids in args.cases.split(","):
-            wl = Workload(ids, args.tables, args.rows, args.dim, args.batch, args.pooling, ids=ids, num_batches=8)
+            wl = Workload(
+                ids, args.tables, args.rows, args.dim, args.batch, args.pooling, ids=ids, num_batches=args.batches
+            )
             results[ids] = _case(wl, args, os.path.join(root, ids))
         summary: dict[str, Any] = {"bench": "offload_summary"}
         if "zipf" in results and "in_memory_ms" in results["zipf"]:

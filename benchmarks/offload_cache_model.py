@@ -5,15 +5,17 @@ docs/offload.md "Speed"): a model of cache designs, no embtables engine, no disk
     python -m benchmarks.offload_cache_model --rows 10000000 --cache-rows 2000000 --ids uniform
 
 The ids are the benchmark's own (``benchmarks.workload``: B 4096 x 20 ids, Zipf ranks hashed over the rows),
-a fresh batch every step. Three designs, each least-recently-used with the current batch's units kept:
+a fresh batch every step. Four designs, the current batch's units always kept:
 
 * ``page_groups``: embtables' cache (``OffloadedRows``): units of G rows, whole pages of the weights file and
-  of each slot file (G = 16 for 64 float32 columns); a missed unit is read (one page per file) and, dirty
-  after training, written back whole (one page per file).
-* ``rows``: a row cache (rows copied into a compact array); a missed row reads its page of each file, and its
-  write-back must read the page it lands in again (a page is the unit of I/O: read, modify, write).
-* ``first_touch_groups``: page groups over rows placed in the files in the order of their first lookup (hot
-  rows, looked up early, share pages): what a remapping of rows to file slots would give.
+  of each slot file (G = 16 for 64 float32 columns), the least used dropped (ids looked up, decayed by 0.98 a
+  step); a missed unit is read (one page per file) and, dirty after training, written back whole (one page
+  per file). ``page_groups_lru``: the same units, the least recently used dropped (its earlier policy).
+* ``rows``: a least-recently-used row cache (rows copied into a compact array); a missed row reads its page
+  of each file, and its write-back must read the page it lands in again (a page is the unit of I/O: read,
+  modify, write).
+* ``first_touch_groups``: least-recently-used page groups over rows placed in the files in the order of their
+  first lookup (hot rows, looked up early, share pages): what a remapping of rows to file slots would give.
 
 Prints one JSON line per design and window of steps: units missed, pages read and written per step, and
 the step's I/O time at ``--iops`` random 4 KiB operations a second (the floor a step cannot go under).
@@ -36,25 +38,30 @@ from benchmarks.workload import Workload, make_batches
 
 
 class LruUnits:
-    """Least-recently-used units (of ``unit`` slots) with ``capacity`` units in memory."""
+    """Least-recently-used units (of ``unit`` slots) with ``capacity`` units in memory; ``decay``: least
+    used instead, each unit's looked-up ids counted with weight ``decay`` ** (steps since) (embtables' cache)."""
 
-    def __init__(self, slots: int, unit: int, capacity: int) -> None:
-        self.unit, self.capacity = unit, capacity
+    def __init__(self, slots: int, unit: int, capacity: int, decay: float | None = None) -> None:
+        self.unit, self.capacity, self.decay = unit, capacity, decay
         self.resident = np.zeros(-(-slots // unit), dtype=bool)
         self.last = np.full(self.resident.size, -1, dtype=np.int64)
+        self.uses = np.zeros(self.resident.size)
         self.count = 0
 
     def step(self, slots: np.ndarray, t: int) -> int:
-        """Admit the units of ``slots``; returns how many were not in memory."""
-        units = np.unique(slots // self.unit)
+        """Admit the units of ``slots`` (with repeats: each id looked up); returns how many were not in memory."""
+        units, counts = np.unique(slots // self.unit, return_counts=True)
         missed = int((~self.resident[units]).sum())
         self.count += missed
+        if self.decay is not None:
+            self.uses[units] = self.uses[units] * self.decay ** (t - self.last[units]) + counts
         self.resident[units] = True
         self.last[units] = t
         over = self.count - self.capacity
         if over > 0:
             held = np.nonzero(self.resident & (self.last < t))[0]
-            victims = held[np.argpartition(self.last[held], over)[:over]]
+            key = self.last[held] if self.decay is None else self.uses[held] * self.decay ** (t - self.last[held])
+            victims = held[np.argpartition(key, over)[:over]]
             self.resident[victims] = False
             self.count -= victims.size
         return missed
@@ -74,7 +81,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     wl = Workload(args.ids, 1, args.rows, args.dim, 4096, 20, ids=args.ids, num_batches=args.steps)
     group = max(1, 4096 // (args.dim * 4))
     designs = {
-        "page_groups": LruUnits(args.rows, group, args.cache_rows // group),
+        "page_groups_lru": LruUnits(args.rows, group, args.cache_rows // group),
+        "page_groups": LruUnits(args.rows, group, args.cache_rows // group, decay=0.98),
         "rows": LruUnits(args.rows, 1, args.cache_rows),
         "first_touch_groups": LruUnits(args.rows, group, args.cache_rows // group),
     }
@@ -88,9 +96,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         fresh = distinct[new][np.argsort(first[new])]
         slot[fresh] = np.arange(placed, placed + fresh.size)
         placed += fresh.size
-        missed["page_groups"].append(designs["page_groups"].step(distinct, t))
+        for name in ("page_groups_lru", "page_groups"):
+            missed[name].append(designs[name].step(ids, t))
         missed["rows"].append(designs["rows"].step(distinct, t))
-        missed["first_touch_groups"].append(designs["first_touch_groups"].step(slot[distinct], t))
+        missed["first_touch_groups"].append(designs["first_touch_groups"].step(slot[ids], t))
     for name, counts in missed.items():
         reads_per_unit = 2 * args.files if name == "rows" else args.files  # a row's write-back reads its page again
         for lo in range(0, args.steps, args.window):

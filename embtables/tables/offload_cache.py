@@ -5,8 +5,9 @@ The tensors the engine computes on are shared memory maps of the files ([N, D] e
 kernel, optimizer, combiner and input type runs unchanged and gives the bits of an in-memory table. What is
 in memory is managed here, in groups of G rows (whole pages of every file):
 
-* **admission** (before a lookup reads rows): least recently used groups are dropped until the batch's fit in
-  ``cache_rows`` (``MADV_DONTNEED``; those written since they were read are written back first, all together:
+* **admission** (before a lookup reads rows): the least used groups (ids looked up, decayed by ``USE_DECAY`` a
+  step) are dropped until the batch's fit in ``cache_rows`` (``MADV_DONTNEED``; those written since they were
+  read are written back first, all together:
   ``sync_file_range``, then ``POSIX_FADV_DONTNEED``: neither the process nor the page cache keeps them); the
   batch's rows that were never initialized get their initial values (the initializer's draw for their block of
   ``INIT_BLOCK`` global rows, from the table's seed: the same values for any cache, shard layout or order of
@@ -42,6 +43,7 @@ from embtables.tables.initializers import default_initializer
 from embtables.tables.offload_files import DROP_CLEAN, DROP_WRITTEN, READ, SETTLE, WILL_NEED, ShardFiles
 
 INIT_BLOCK = 1024  # global rows drawn together by the initializer (a property of the table, not of the cache)
+USE_DECAY = 0.98  # a group's lookups count for less by this factor a step (``OffloadedRows._frequency``)
 # The cache's unit: whole pages of every file. Linux also maps the pages around a read fault that are in the page
 # cache (fault-around): the cache keeps only the pages it counts there (initial values and evicted pages are
 # written back and dropped), so a neighbour is never mapped behind its back.
@@ -142,6 +144,7 @@ class OffloadedRows:
         self._resident = torch.zeros(groups, dtype=torch.bool)
         self._dirty = torch.zeros(groups, dtype=torch.bool)
         self._last_use = torch.full((groups,), -(2**31), dtype=torch.int32)  # the step of its last lookup
+        self._uses = torch.zeros(groups, dtype=torch.float32)  # its ids looked up, decayed, as of its last lookup
         self._untracked = False  # a whole-table access mapped pages the cache does not count
         self.torn: str | None = None  # why the files no longer hold the table (a write-back failed)
         self._pending: list[tuple[str, Tensor]] = []  # (part, byte ranges [n, 2]) being written back
@@ -242,11 +245,12 @@ class OffloadedRows:
             self._tear(f"files were cut short by something else ({'; '.join(short)})")
         if self._untracked:
             self.release()
-        rows = rows.reshape(-1).to("cpu", torch.int64)
-        rows = torch.unique(rows[(rows >= 0) & (rows < self.rows)])  # ids are validated later, by the lookup
-        if rows.numel() == 0:
+        ids = rows.reshape(-1).to("cpu", torch.int64)
+        ids = ids[(ids >= 0) & (ids < self.rows)]  # ids are validated later, by the lookup
+        if ids.numel() == 0:
             return
-        groups = torch.unique_consecutive(torch.div(rows, self.group, rounding_mode="floor"))  # rows are sorted
+        rows = torch.unique(ids)
+        groups, uses = torch.unique(torch.div(ids, self.group, rounding_mode="floor"), return_counts=True)
         missing = groups[~self._resident[groups]]
         over = int(self._resident.sum()) + missing.numel() - self.budget
         if over > 0:
@@ -262,8 +266,8 @@ class OffloadedRows:
                     f"{needed}; a pipelined step also keeps the previous batch's rows) or use smaller batches. "
                     "Nothing was changed."
                 )
-            oldest = torch.topk(self._last_use[candidates], over, largest=False).indices
-            self._evict(torch.sort(candidates[oldest]).values)
+            coldest = torch.topk(self._frequency(candidates, step), over, largest=False).indices
+            self._evict(torch.sort(candidates[coldest]).values)
             # their write-backs run together; once done, their pages leave the page cache, before any read
             # below could map one of them as a neighbour of its own page (fault-around)
             self._settle()
@@ -276,9 +280,17 @@ class OffloadedRows:
         if missing.numel():
             self._read_in(missing)
         self._resident[groups] = True
+        self._uses[groups] = self._frequency(groups, step) + uses.to(torch.float32)
         self._last_use[groups] = min(step, 2**31 - 1)
         if training:
             self._dirty[groups] = True
+
+    def _frequency(self, groups: Tensor, step: int) -> Tensor:
+        """How often ``groups`` [K] were looked up, each lookup's ids weighted by ``USE_DECAY`` ** (steps since):
+        the cache keeps the groups used most, recently (which of a hashed Zipf workload's groups hold hot rows
+        among cold ones, better than the last use alone)."""
+        age = (min(step, 2**31 - 1) - self._last_use[groups].to(torch.int64)).clamp(min=0)
+        return self._uses[groups] * torch.pow(USE_DECAY, age.to(torch.float32))
 
     def prefetch(self, rows: Tensor) -> None:
         """Start reading the pages of local rows ``rows`` [any] that are on disk and not in memory into the page

@@ -262,3 +262,23 @@ def test_an_offloaded_table_exports_from_its_checkpoint_and_serves_memory_mapped
     off.eval()
     ids = {"f": torch.randint(0, 200_000, (64, 3))}
     assert torch.equal(serving(ids)["f"], off(ids)["f"])
+
+
+def test_the_cache_keeps_the_groups_used_most_not_the_last_used(tmp_path: Path) -> None:
+    """Eviction by use, decayed: a group looked up ten times a step ago stays, a group looked up once since then
+    goes (least-recently-used eviction would drop the first)."""
+    table = et.TableConfig(30_000, 64, name="t", combiner="sum", offload=et.Offload(tmp_path / "rows", 32))
+    emb = et.DistributedEmbedding({"f": et.FeatureConfig(table)}, et.SGD(0.1))  # 2 groups of 16 rows in memory
+
+    def step(ids: list[int]) -> None:
+        acts = emb({"f": et.Ragged.from_lists([ids])})["f"]
+        emb.apply_gradients({"f": torch.ones_like(acts)})
+
+    step([0] * 10)  # group 0, ten ids
+    step([16])  # group 1, one id, later
+    step([32])  # group 2 needs a place: group 1 is the least used
+    hits = emb.offload_statistics()["t"]["hits"]
+    step([0])
+    assert emb.offload_statistics()["t"]["hits"] == hits + 1  # group 0 stayed
+    step([16])
+    assert emb.offload_statistics()["t"]["hits"] == hits + 1  # group 1 was dropped
