@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from embtables.checkpoint.file_names import CheckpointError
+from embtables.checkpoint.streaming_restore import refuse_float16_overflow
 from embtables.config import ResolvedTable
 from embtables.tables.dynamic_vocabularies import (
     PENDING_FIELDS,
@@ -136,16 +137,8 @@ def read(
         for slot, parts in values.items()
     }
     for slot, x in tensors.items():  # a finite value beyond float16's range would be stored as Inf
-        if shard.tensors[slot].dtype != torch.float16:
-            continue
-        over = torch.isfinite(x) & torch.isinf(x.to(torch.float16))
-        if bool(over.any()):
-            key = f"{name}/{slot}" if slot else name
-            raise CheckpointError(
-                f"{where}: table {name!r}: {key!r} holds {float(x[over][0]):g}, beyond float16's largest value "
-                "(65504): restored into this float16 table it would be stored as Inf; nothing was restored. "
-                "Restore into a float32 or bfloat16 table, or scale the values first."
-            )
+        if shard.tensors[slot].dtype == torch.float16:
+            refuse_float16_overflow(where, name, f"{name}/{slot}" if slot else name, x)
     return DynamicTableRestore(name, index_t, tensors, arrays)
 
 

@@ -216,7 +216,7 @@ def _check_block(
         for r0, r1 in _pieces(block, dim):
             crc = plan.file.read(block.offset + size * dim * r0, piece[: r1 - r0], crc)
             if narrower:
-                _fits_float16(plan, key, _values(piece[: r1 - r0], block), r0)
+                refuse_float16_overflow(plan.file.path, plan.table.name, key, _values(piece[: r1 - r0], block), r0)
             tick((r1 - r0) * dim * size)
         if crc != block.crc32:
             raise CheckpointError(f"{plan.file.path}: the block of {key!r} fails its CRC-32 check (corrupt file).")
@@ -224,16 +224,21 @@ def _check_block(
     return run
 
 
-def _fits_float16(plan: _Plan, key: str, values: torch.Tensor, r0: int) -> None:
-    """Raise when a finite value of ``values`` (rows r0... of a block) becomes Inf in float16."""
+def refuse_float16_overflow(
+    where: object, table: str, key: str, values: torch.Tensor, first_row: int | None = None
+) -> None:
+    """Raise ``CheckpointError`` when a finite value of ``values`` [R, D] (checkpoint values bound for a float16
+    table; ``first_row``: the block row of ``values[0]``, when they are a piece of a block) becomes Inf in
+    float16."""
     over = torch.isfinite(values) & ~torch.isfinite(values.to(torch.float16))
     if bool(over.any()):
         at = int(torch.nonzero(over)[0][0])
         value = float(values.reshape(-1, values.shape[-1])[at][over[at]][0])
+        row = "" if first_row is None else f" (the block's row {first_row + at})"
         raise CheckpointError(
-            f"{plan.file.path}: table {plan.table.name!r}: {key!r} holds {value:g} (the block's row {r0 + at}), "
-            "beyond float16's largest value (65504): restored into this float16 table it would be stored as Inf; "
-            "nothing was restored. Restore into a float32 or bfloat16 table, or scale the values first."
+            f"{where}: table {table!r}: {key!r} holds {value:g}{row}, beyond float16's largest value (65504): "
+            "restored into this float16 table it would be stored as Inf; nothing was restored. Restore into a "
+            "float32 or bfloat16 table, or scale the values first."
         )
 
 

@@ -307,10 +307,13 @@ class OffloadedRows:
         self.counters["rows_prefetched"] += groups.numel() * self.group
         self._will_need(groups)
 
-    def _will_need(self, groups: Tensor) -> None:
+    def _will_need(self, groups: Tensor) -> dict[str, Tensor]:
+        """Start reading ``groups`` (sorted) into the page cache; returns their byte ranges [n, 2] in each file."""
         starts, lengths, _ = _run_bounds(groups, torch.zeros_like(groups, dtype=torch.bool))
-        for part in self.tensors:
-            self.files.page_work(part, WILL_NEED, self._byte_ranges(part, starts, lengths))
+        ranges = {part: self._byte_ranges(part, starts, lengths) for part in self.tensors}
+        for part, byte_ranges in ranges.items():
+            self.files.page_work(part, WILL_NEED, byte_ranges)
+        return ranges
 
     def _byte_ranges(self, part: str, starts: Tensor, lengths: Tensor) -> Tensor:
         """[n, 2] (offset, length) in ``part``'s file of the runs of groups ``starts`` [n], ``lengths`` [n]."""
@@ -322,11 +325,9 @@ class OffloadedRows:
         flight together, then each is read with ``pread`` (a read error is an error here, not a SIGBUS at the
         touch of the mapping), then one element a page is touched."""
         start = time.perf_counter()
-        self._will_need(groups)
-        starts, lengths, _ = _run_bounds(groups, torch.zeros_like(groups, dtype=torch.bool))
-        for part in self.tensors:
+        for part, byte_ranges in self._will_need(groups).items():
             try:
-                self.files.page_work(part, READ, self._byte_ranges(part, starts, lengths))
+                self.files.page_work(part, READ, byte_ranges)
             except OSError as exc:
                 what = "the weights" if not part else f"slot {part!r}"
                 self._tear(f"reading {what} from disk failed ({exc.strerror or exc})", exc)

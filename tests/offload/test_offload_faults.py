@@ -8,7 +8,9 @@ import errno
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -85,27 +87,38 @@ def test_a_full_disk_refuses_the_step_that_needs_new_rows_and_changes_nothing(tm
     assert "restored step 0" in proc.stdout
 
 
+def _two_group_table(tmp_path: Path) -> Any:
+    """A 30k x 64 Adagrad table offloaded with two groups of 16 rows in memory."""
+    torch.manual_seed(0)
+    offload = et.Offload(tmp_path / "rows", 32)
+    table = et.TableConfig(30_000, 64, name="t", combiner="sum", offload=offload)
+    return et.DistributedEmbedding({"f": et.FeatureConfig(table)}, et.Adagrad(0.1))
+
+
+def _failing_at(failing_op: int) -> Callable[[ShardFiles, str, int, torch.Tensor], None]:
+    """``ShardFiles.page_work`` with an I/O error (EIO) injected into operation ``failing_op`` on any ranges."""
+    real_work = ShardFiles.page_work
+
+    def failing_work(self: ShardFiles, part: str, op: int, ranges: torch.Tensor) -> None:
+        if op == failing_op and ranges.numel():
+            raise OSError(errno.EIO, "Input/output error")
+        real_work(self, part, op, ranges)
+
+    return failing_work
+
+
 def test_a_failed_write_back_tears_the_files_until_a_restore(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The disk refuses a write-back (an I/O error from msync, injected at the files' ``drop``): the lookup that
     evicted raises, every later lookup (training or not) is refused, a restore makes the table whole again."""
-    torch.manual_seed(0)
-    offload = et.Offload(tmp_path / "rows", 32)  # two groups of 16 rows
-    table = et.TableConfig(30_000, 64, name="t", combiner="sum", offload=offload)
-    emb = et.DistributedEmbedding({"f": et.FeatureConfig(table)}, et.Adagrad(0.1))
+    emb = _two_group_table(tmp_path)
     a = emb({"f": et.Ragged.from_lists([[0, 300]])})["f"]
     emb.apply_gradients({"f": torch.ones_like(a)})
     ckpt = emb.save(tmp_path / "ckpt")
     want = {k: v.clone() for k, v in emb.state_dict().items()}
     real_work = ShardFiles.page_work
-
-    def failing_work(self: ShardFiles, part: str, op: int, ranges: torch.Tensor) -> None:
-        if op == DROP_WRITTEN and ranges.numel():
-            raise OSError(errno.EIO, "Input/output error")
-        real_work(self, part, op, ranges)
-
     a = emb({"f": et.Ragged.from_lists([[0, 300]])})["f"]
     emb.apply_gradients({"f": torch.ones_like(a)})  # rows 0 and 300 now dirty in memory
-    monkeypatch.setattr(ShardFiles, "page_work", failing_work)
+    monkeypatch.setattr(ShardFiles, "page_work", _failing_at(DROP_WRITTEN))
     with pytest.raises(RuntimeError, match=r"writing the weights back .* failed .*Input/output error.*torn"):
         emb({"f": et.Ragged.from_lists([[5000, 9000]])})  # evicts the dirty rows
     monkeypatch.setattr(ShardFiles, "page_work", real_work)
@@ -126,23 +139,14 @@ def test_a_failed_read_tears_the_files_until_a_restore(tmp_path: Path, monkeypat
     """The disk refuses a read (an I/O error from pread, injected at the files' page work): the lookup that needed
     the rows raises naming the table and the error (a read through the maps would have been a SIGBUS), every
     later lookup is refused, a restore makes the table whole again."""
-    torch.manual_seed(0)
-    offload = et.Offload(tmp_path / "rows", 32)  # two groups of 16 rows
-    table = et.TableConfig(30_000, 64, name="t", combiner="sum", offload=offload)
-    emb = et.DistributedEmbedding({"f": et.FeatureConfig(table)}, et.Adagrad(0.1))
+    emb = _two_group_table(tmp_path)
     for ids in ([[0, 300]], [[5000, 9000]]):  # rows 0 and 300 trained, then evicted to disk
         a = emb({"f": et.Ragged.from_lists(ids)})["f"]
         emb.apply_gradients({"f": torch.ones_like(a)})
     ckpt = emb.save(tmp_path / "ckpt")
     want = {k: v.clone() for k, v in emb.state_dict().items()}
     real_work = ShardFiles.page_work
-
-    def failing_work(self: ShardFiles, part: str, op: int, ranges: torch.Tensor) -> None:
-        if op == READ and ranges.numel():
-            raise OSError(errno.EIO, "Input/output error")
-        real_work(self, part, op, ranges)
-
-    monkeypatch.setattr(ShardFiles, "page_work", failing_work)
+    monkeypatch.setattr(ShardFiles, "page_work", _failing_at(READ))
     with pytest.raises(RuntimeError, match=r"table 't': reading the weights from disk failed \(Input/output error\)"):
         emb({"f": et.Ragged.from_lists([[0, 300]])})
     monkeypatch.setattr(ShardFiles, "page_work", real_work)
