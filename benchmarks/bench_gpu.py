@@ -105,18 +105,33 @@ def make_ids(wl: dict[str, Any], device: torch.device, seed: int) -> list[torch.
     return out
 
 
-def useful_bytes(wl: dict[str, Any], ids: list[torch.Tensor], slots: int, mode: str) -> int:
+HALF = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def storage(spec: str) -> tuple[torch.dtype | None, torch.dtype | None]:
+    """``--dtypes`` entry -> (rows' dtype, slots' dtype): float32, bfloat16, float16, or either half type
+    with ``+slots`` (its slots too)."""
+    name, _, slots = spec.partition("+")
+    if name not in ("float32", *HALF) or slots not in ("", "slots") or (name == "float32" and slots):
+        raise ValueError(f"--dtypes: {spec!r} is not float32, bfloat16, float16, bfloat16+slots or float16+slots")
+    rows = HALF.get(name)
+    return rows, rows if slots else None
+
+
+def useful_bytes(
+    wl: dict[str, Any], ids: list[torch.Tensor], slots: int, mode: str, row_bytes: int = 4, slot_bytes: int = 4
+) -> int:
     n = sum(i.numel() for i in ids)
     acts = wl["batch"] * wl["tables"] * wl["dim"] * 4
-    forward = n * 8 + n * wl["dim"] * 4 + acts
+    forward = n * 8 + n * wl["dim"] * row_bytes + acts
     if mode == "forward":
         return forward
     distinct = sum(int(torch.unique(i).numel()) for i in ids)
-    return forward + acts + distinct * wl["dim"] * 4 * 2 * (1 + slots)
+    return forward + acts + distinct * wl["dim"] * 2 * (row_bytes + slots * slot_bytes)
 
 
 def embtables_step(
-    wl: dict[str, Any], opt: str, ids: list[torch.Tensor], mode: str, device: torch.device
+    wl: dict[str, Any], opt: str, ids: list[torch.Tensor], mode: str, device: torch.device, dtypes: str = "float32"
 ) -> Callable[[], None]:
     optimizer = {
         "adagrad": lambda: et.Adagrad(0.1, initial_accumulator_value=0.1),
@@ -124,8 +139,17 @@ def embtables_step(
         "sgd": lambda: et.SGD(0.1),
         "ftrl": lambda: et.FTRL(0.1, initial_accumulator_value=0.1),
     }[opt]()
+    rows, slots = storage(dtypes)
     tables = [
-        et.TableConfig(wl["rows"], wl["dim"], initializer=et.Constant(0.01), combiner="sum", name=f"t{t}")
+        et.TableConfig(
+            wl["rows"],
+            wl["dim"],
+            initializer=et.Constant(0.01),
+            combiner="sum",
+            name=f"t{t}",
+            dtype=rows,
+            slot_dtype=slots,
+        )
         for t in range(wl["tables"])
     ]
     emb = et.DistributedEmbedding(
@@ -254,6 +278,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--knobs", default="",
                    help="also time the fused kernels with these kernels/gpu.py settings, e.g. _ALIGN_HINTS=0 "
                    "(variants separated by commas, settings of one variant by +)")  # fmt: skip
+    p.add_argument("--dtypes", default="float32",
+                   help="also time the fused kernels with half-precision tables: float32,bfloat16,bfloat16+slots,"
+                   "float16,float16+slots (impls embtables[bfloat16] ...; bytes counted at their size)")  # fmt: skip
     p.add_argument("--immediate", action="store_true",
                    help="also time the fused kernels with each error raised in its call (EMBTABLES_GPU_ERRORS="
                    "immediate: one host sync a call) beside the default (raised at the next call: none)")  # fmt: skip
@@ -304,6 +331,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         variants[f"embtables[{spec}]"] = {name: int(value) for name, value in settings.items()}
     if args.immediate:
         variants["embtables[immediate]"] = {}
+    dtype_of: dict[str, str] = {}
+    for spec in filter(None, args.dtypes.split(",")):
+        storage(spec)  # refused here, before anything runs
+        if spec != "float32":
+            dtype_of[f"embtables[{spec}]"] = spec
+            variants[f"embtables[{spec}]"] = {}
     impls = args.impls.split(",")
     if "embtables" in impls:
         at = impls.index("embtables") + 1
@@ -313,15 +346,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         ids = make_ids(wl, device, seed=0)
         for opt in args.optimizers.split(","):
             for mode in args.modes.split(","):
-                nbytes = useful_bytes(wl, ids, SLOTS[opt], mode)
                 base = None
                 for impl in impls:
                     gpu.set_enabled(impl != "embtables-torch")
                     gpu.set_deferred_errors(impl != "embtables[immediate]")
                     for name, value in {**defaults, **variants.get(impl, {})}.items():
                         setattr(gpu, name, value)  # read at each launch
+                    spec = dtype_of.get(impl, "float32")
+                    rows, slots = storage(spec)
+                    nbytes = useful_bytes(wl, ids, SLOTS[opt], mode, 2 if rows else 4, 2 if slots else 4)
                     try:
-                        step = makers[impl.split("[")[0]](wl, opt, ids, mode, device)
+                        maker = makers[impl.split("[")[0]]
+                        step = maker(wl, opt, ids, mode, device, spec) if spec != "float32" else maker(
+                            wl, opt, ids, mode, device)  # fmt: skip
                     except LookupError as exc:
                         emit({"skipped": impl, "workload": wname, "optimizer": opt, "mode": mode, "why": str(exc)})
                         continue

@@ -50,7 +50,7 @@ def compile_one(fn: Any, types: dict[str, str], consts: dict[str, Any], warps: i
 
 def variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any], int]]:
     out = []
-    lookup_types = {n: P for n in ("firsts", "table_ptrs", "dims", "vocabs", "id_ptrs", "id_counts",
+    lookup_types = {n: P for n in ("firsts", "table_ptrs", "types", "dims", "vocabs", "id_ptrs", "id_counts",
                                    "offset_ptrs", "coeff_ptrs", "out_ptrs", "out_lds")}  # fmt: skip
     lookup_types["status"] = "*i32"
     lookup_types["refused"] = P
@@ -61,9 +61,9 @@ def variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any], int]]:
     ):
         bags, block_n, block_d, warps = gpu._lookup_shape(pool, dim, features)
         fp = gpu._pow2(features)
-        for refuse in (False, True):
+        for refuse, storage in itertools.product((False, True), (0, 1, 2, 3)):  # float32, bf16, f16, mixed
             consts = dict(F=features, FP=fp, DIM=0 if mixed else dim, ALIGNED=not mixed and dim % 4 == 0, BAGS=bags,
-                          BLOCK_N=block_n, BLOCK_D=block_d, REFUSE=refuse)  # fmt: skip
+                          BLOCK_N=block_n, BLOCK_D=block_d, REFUSE=refuse, TYPE=storage)  # fmt: skip
             out.append(("lookup", k.lookup_kernel, lookup_types, consts, warps))
     stage_types = {n: P for n in ("id_ptrs", "id_counts", "vocabs", "split_ptrs", "split_counts", "modes", "drops",
                                   "seg_at", "bag_at", "segs", "negs", "refused")}  # fmt: skip
@@ -99,13 +99,18 @@ def variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any], int]]:
     for (rows, block_d, warps), in_place in itertools.product(TILES, (False, True)):
         consts = dict(IN_PLACE=in_place, PIECE=128, UNROLL=8, ROWS=rows, BLOCK_D=block_d)
         out.append(("piece_join", k.piece_join_kernel, join_types, consts, warps))
-    for record, (rows, block_d, warps), (inline, hc, multi), write, steps in itertools.product(
-        RECORDS, TILES[:3], ((False, False, False), (True, False, False), (True, True, True)), (False, True), (0, 6)
+    # half storage (rows, slots, stochastic): float32; bf16 rows; f16 rows and slots; bf16 rows, f16 slots nearest
+    storages = ((0, 0, False), (1, 0, True), (2, 2, True), (1, 2, False))
+    for record, (rows, block_d, warps), (inline, hc, multi), write, steps, (row_t, slot_t, sr) in itertools.product(
+        RECORDS, TILES[:3], ((False, False, False), (True, False, False), (True, True, True)), (False, True), (0, 6),
+        storages,
     ):
+        if row_t != 0 and (inline, hc, multi) != (True, False, False):
+            continue  # half storage changes the loads and stores only: one sums variant each
         consts = dict(KIND=record.native_kind, NSLOTS=len(record.config.SLOT_NAMES), FLAG0=False, FLAG1=False,
-                      POW_IS_SQRT=False, LIBDEVICE=True, WRITE=write, INLINE=inline, HAS_COEFFS=hc, MULTI=multi,
-                      ALIGNED=True, ALIGNED_TABLES=True, T_STEPS=steps, PIECE=128, UNROLL=4, ROWS=rows,
-                      BLOCK_D=block_d)  # fmt: skip
+                      POW_IS_SQRT=False, ROW_TYPE=row_t, SLOT_TYPE=slot_t, STOCHASTIC=sr, LIBDEVICE=True,
+                      WRITE=write, INLINE=inline, HAS_COEFFS=hc, MULTI=multi, ALIGNED=True, ALIGNED_TABLES=True,
+                      T_STEPS=steps, PIECE=128, UNROLL=4, ROWS=rows, BLOCK_D=block_d)  # fmt: skip
         out.append((f"update {record.config.__name__}", k.update_kernel, update_types, consts, warps))
     return out
 

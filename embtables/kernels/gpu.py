@@ -179,10 +179,12 @@ def check_coefficients(coeffs: Tensor | None, ids: Tensor, device: torch.device)
 
 
 LookupPart = tuple[Tensor, Tensor, Tensor, "Tensor | None"]  # (table [V, D], ids [N], offsets [S+1], coeffs [N])
+STORAGE_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # a storage type (``triton_common.T_*``)
 
 
 def lookup_many(parts: Sequence[LookupPart], outs: Sequence[Tensor], refused: Tensor | None = None) -> Tensor:
-    """Pool every feature in one launch: feature f reads ``parts[f]`` and writes ``outs[f]`` [S_f, D_f]
+    """Pool every feature in one launch: feature f reads ``parts[f]`` (a float32, bfloat16 or float16 table,
+    widened as read) and writes ``outs[f]`` [S_f, D_f]
     (rows any stride apart, unit column stride). Returns the status [F] int32 (1: an id outside the table
     or broken offsets, 2: a non-finite activation) without reading it (no sync); sets ``refused`` (int64
     [1]) when a status is not 0."""
@@ -192,7 +194,8 @@ def lookup_many(parts: Sequence[LookupPart], outs: Sequence[Tensor], refused: Te
     firsts, meta = [0], []
     block_d, pool = 1, 1
     for (table, ids, offsets, coeffs), out in zip(parts, outs):
-        checked_contiguous(table, "a table", torch.float32, device, 2)
+        kind = getattr(table, "dtype", None)
+        checked_contiguous(table, "a table", kind if kind in STORAGE_TYPES else torch.float32, device, 2)
         checked_contiguous(ids, "ids", torch.int64, device, 1)
         checked_contiguous(offsets, "offsets", torch.int64, device, 1)
         s, dim = offsets.numel() - 1, table.shape[1]
@@ -210,6 +213,7 @@ def lookup_many(parts: Sequence[LookupPart], outs: Sequence[Tensor], refused: Te
     columns = [
         firsts,
         [t.data_ptr() for t, *_ in meta],
+        [STORAGE_TYPES[t.dtype] for t, *_ in meta],
         [t.shape[1] for t, *_ in meta],
         [t.shape[0] for t, *_ in meta],
         [i.data_ptr() for _, i, *_ in meta],
@@ -225,6 +229,7 @@ def lookup_many(parts: Sequence[LookupPart], outs: Sequence[Tensor], refused: Te
         views.append(flat[at : at + len(col)])
         at += len(col)
     dims = {t.shape[1] for t, *_ in meta}
+    types = {t.dtype for t, *_ in meta}
     aligned = all(is_aligned(t, 0) and is_aligned(o, o.stride(0)) for t, *_, o in meta)
     bags, block_n, block_d, warps = _lookup_shape(pool, block_d, n)
     check_refused(refused, device)
@@ -240,6 +245,7 @@ def lookup_many(parts: Sequence[LookupPart], outs: Sequence[Tensor], refused: Te
         BLOCK_N=block_n,
         BLOCK_D=block_d,
         REFUSE=refused is not None,
+        TYPE=STORAGE_TYPES[types.pop()] if len(types) == 1 else 3,  # 3: each feature's (``triton_lookup.T_MIXED``)
         num_warps=warps,
         enable_fp_fusion=False,
     )

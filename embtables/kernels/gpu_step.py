@@ -242,9 +242,20 @@ def materialize(rs: RowSums) -> Tensor:
     return rs.sums
 
 
-def update_parameters(opt: Optimizer, lr: float, decay: float) -> dict[str, Any]:
+def update_parameters(
+    opt: Optimizer,
+    lr: float,
+    decay: float,
+    *,
+    row_dtype: torch.dtype = torch.float32,
+    slot_dtype: torch.dtype = torch.float32,
+    stochastic: bool = False,
+) -> dict[str, Any]:
     """The scalar arguments and flags of ``update_kernel`` for ``opt`` at ``lr`` and effective ``decay``:
-    the kernel record's float32 constants and flags, as the native C kernels get them."""
+    the kernel record's float32 constants and flags, as the native C kernels get them; the storage types of
+    the tables' weights and slots, and whether half values are rounded stochastically (spec §12)."""
+    if row_dtype not in gpu.STORAGE_TYPES or slot_dtype not in gpu.STORAGE_TYPES:
+        raise gpu.GpuBufferError(f"embtables GPU kernel: no storage type {row_dtype} / {slot_dtype}.")
     record: KernelRecord = record_of(opt)
     named = record.native_constants(opt, lr)
     constants = list(named.values())
@@ -264,10 +275,15 @@ def update_parameters(opt: Optimizer, lr: float, decay: float) -> dict[str, Any]
         "FLAG0": flags[0],
         "FLAG1": flags[1],
         "POW_IS_SQRT": record.power_is_sqrt(named),
+        "ROW_TYPE": gpu.STORAGE_TYPES[row_dtype],
+        "SLOT_TYPE": gpu.STORAGE_TYPES[slot_dtype],
+        "STOCHASTIC": bool(stochastic) and (row_dtype, slot_dtype) != (torch.float32, torch.float32),
     }
 
 
 TableTensors = tuple[Tensor, Sequence[Tensor]]  # (weights [V, D], slots [V, D] each, in the optimizer's order)
+Rounding = tuple["Tensor | None", int]  # (the global id [V] of each row or None: its own, ``table_state``)
+_DTYPES = {v: k for k, v in gpu.STORAGE_TYPES.items()}
 
 
 def found_cells(device: torch.device) -> Tensor:
@@ -290,6 +306,7 @@ def update(
     found: Tensor | None = None,
     inline: bool = False,
     changed: Sequence[Tensor | None] | None = None,
+    rounding: Sequence[Rounding | None] | None = None,
 ) -> None:
     """The fused update of the distinct keys of ``rs`` in one launch for every table of its group that
     ``tables`` names (None: a table this launch leaves alone; every named one takes ``params``), with
@@ -297,8 +314,9 @@ def update(
     ``write=False`` is the dry run: it writes no table or slot, puts the first key whose gradient or new
     values would not be finite in ``found`` [2] (``step_flags``; min over launches) and sets ``refused`` [1]
     when there is one or when phase 1 flagged an input. ``write=True`` writes nothing when ``refused`` is
-    set. ``changed``: per table, a bool [V] whose rows the write sets where it writes (None: none). Nothing
-    is read back (no sync)."""
+    set. ``changed``: per table, a bool [V] whose rows the write sets where it writes (None: none).
+    ``rounding``: per table, what the stochastic rounding of half values hashes (``Rounding``; None: rows are
+    their own ids, state 0). Nothing is read back (no sync)."""
     k = gpu.kernels()
     device = rs.rows.device
     dim = rs.sorted["dim"]
@@ -306,17 +324,26 @@ def update(
         raise gpu.GpuBufferError("embtables GPU kernel: one entry per table of the group.")
     addresses: list[int] = []
     aligned_tables = bool(gpu._ALIGN_HINTS) and dim % 4 == 0
+    row_dtype, slot_dtype = _DTYPES[params["ROW_TYPE"]], _DTYPES[params["SLOT_TYPE"]]
     for j, entry in enumerate(tables):
         if entry is None:
-            addresses += [0, 0, 0, 0, 0]
+            addresses += [0] * 7
             continue
         weights, slots = entry
-        gpu.checked_contiguous(weights, "a table", torch.float32, device, 2)
+        gpu.checked_contiguous(weights, "a table", row_dtype, device, 2)
         if tuple(weights.shape) != (rs.bases[j + 1] - rs.bases[j], dim):
             raise gpu.GpuBufferError(f"embtables GPU kernel: a table of the group must be [V, {dim}].")
         for s in slots:
-            if gpu.checked_contiguous(s, "a slot", torch.float32, device, 2).shape != weights.shape:
+            if gpu.checked_contiguous(s, "a slot", slot_dtype, device, 2).shape != weights.shape:
                 raise gpu.GpuBufferError("embtables GPU kernel: every slot must have the table's shape.")
+        given = None if rounding is None else rounding[j]
+        global_rows, state = (None, 0) if given is None else given
+        if global_rows is not None and gpu.checked_contiguous(
+            global_rows, "global row ids", torch.int64, device, 1
+        ).shape != (weights.shape[0],):
+            raise gpu.GpuBufferError("embtables GPU kernel: global row ids must be [V] for every table.")
+        if not 0 <= state < 2**32:
+            raise gpu.GpuBufferError("embtables GPU kernel: a rounding state is a 32-bit value.")
         if len(slots) != params["NSLOTS"]:
             raise gpu.GpuBufferError("embtables GPU kernel: the slots do not match the optimizer.")
         marks = None if changed is None else changed[j]
@@ -327,6 +354,7 @@ def update(
         aligned_tables = aligned_tables and all(t.data_ptr() % 16 == 0 for t in (weights, *slots))
         addresses += [weights.data_ptr(), *(s.data_ptr() for s in slots), *([weights.data_ptr()] * (3 - len(slots)))]
         addresses.append(0 if marks is None else marks.data_ptr())
+        addresses += [0 if global_rows is None else global_rows.data_ptr(), state]
     gpu.check_refused(refused, device)
     if not write and (found is None or gpu.checked_contiguous(found, "found", torch.int64, device, 1).shape != (2,)):
         raise gpu.GpuBufferError("embtables GPU kernel: a dry run needs found [2].")
@@ -370,6 +398,9 @@ def update(
         FLAG0=params["FLAG0"],
         FLAG1=params["FLAG1"],
         POW_IS_SQRT=params["POW_IS_SQRT"],
+        ROW_TYPE=params["ROW_TYPE"],
+        SLOT_TYPE=params["SLOT_TYPE"],
+        STOCHASTIC=params["STOCHASTIC"],
         ALIGNED_TABLES=aligned_tables,
         LIBDEVICE=not interpreting(),
         WRITE=write,

@@ -32,14 +32,28 @@ def _words(value: int) -> tuple[int, int]:
     return v & _MASK32, v >> 32
 
 
+def _lowbias32_int(x: int) -> int:
+    x ^= x >> 16
+    x = (x * 0x7FEB352D) & _MASK32
+    x ^= x >> 15
+    x = (x * 0x846CA68B) & _MASK32
+    return x ^ (x >> 16)
+
+
+def table_state(seed: int, step: int, table: int) -> int:
+    """The hash state (in [0, 2^32)) after (seed, step, table): what every row of the table's update at
+    ``step`` continues from (the GPU kernels take it per table)."""
+    h = _START
+    for word in (*_words(seed), *_words(step), table & _MASK32):
+        h = _lowbias32_int(h ^ word)
+    return h
+
+
 def row_states(seed: int, step: int, table: int, rows: Tensor) -> Tensor:
     """The hash state of every row [U] (int64, values in [0, 2^32)) after (seed, step, table, row): the
     prefix every column's bits continue from."""
-    h = torch.tensor(_START, dtype=torch.int64)
-    for word in (*_words(seed), *_words(step), table & _MASK32):
-        h = lowbias32(h ^ word)
     r = rows.to(torch.int64)
-    h = lowbias32(h.to(r.device) ^ (r & _MASK32))
+    h = lowbias32(torch.tensor(table_state(seed, step, table), dtype=torch.int64, device=r.device) ^ (r & _MASK32))
     return lowbias32(h ^ ((r >> 32) & _MASK32))
 
 

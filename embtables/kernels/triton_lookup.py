@@ -6,13 +6,25 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from embtables.kernels.triton_common import F32_INF_BITS, row_max_bits, z
+from embtables.kernels.triton_common import (
+    F32_INF_BITS,
+    T_BFLOAT16,
+    T_FLOAT16,
+    T_FLOAT32,
+    row_max_bits,
+    typed,
+    widened,
+    z,
+)
+
+T_MIXED = tl.constexpr(3)  # the lookup's TYPE when its tables differ: each feature's storage read from ``types``
 
 
 @triton.jit
 def lookup_kernel(
     firsts,  # int64 [F + 1]: the first global bag of each feature
-    table_ptrs,  # int64 [F]: address of each feature's table [V, D] (float32, rows D apart)
+    table_ptrs,  # int64 [F]: address of each feature's table [V, D] (storage TYPE, rows D apart)
+    types,  # int64 [F]: each table's storage (``triton_common.T_*``; read when TYPE is T_MIXED)
     dims,  # int64 [F]
     vocabs,  # int64 [F]
     id_ptrs,  # int64 [F]: address of each feature's ids [N_f] (int64)
@@ -31,6 +43,7 @@ def lookup_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     REFUSE: tl.constexpr,
+    TYPE: tl.constexpr,  # the storage of every table (float32 or a half type, widened as read), or T_MIXED
 ):
     """BAGS consecutive bags of every feature per program, as a [BAGS, BLOCK_N, BLOCK_D] tile of rows:
     ``out[b] = sum_k coeffs[k] * table[ids[k]]``; empty bags give 0."""
@@ -40,7 +53,7 @@ def lookup_kernel(
     ends = tl.load(firsts + 1 + fo, mask=fo < F, other=9223372036854775807)
     f = tl.where(live, tl.sum((ends[None, :] <= i[:, None]).to(tl.int32), axis=1), 0)  # [BAGS] features
     s = i - tl.load(firsts + f)
-    table = tl.load(table_ptrs + f).to(tl.pointer_type(tl.float32))
+    table_addr = tl.load(table_ptrs + f)
     vocab = tl.load(vocabs + f)
     ids = tl.load(id_ptrs + f).to(tl.pointer_type(tl.int64))
     offsets = tl.load(offset_ptrs + f).to(tl.pointer_type(tl.int64))
@@ -56,7 +69,6 @@ def lookup_kernel(
         dim = tl.load(dims + f)[:, None]
         dm = live[:, None] & (d[None, :] < dim)
     if ALIGNED:
-        table = tl.multiple_of(table, 16)
         out = tl.multiple_of(out, 16)
     start = tl.load(offsets + s, mask=live, other=0)
     end = tl.load(offsets + s + 1, mask=live, other=0)
@@ -78,9 +90,7 @@ def lookup_kernel(
         at = row * dim
         if ALIGNED:
             at = tl.multiple_of(at, [4, 4])
-        vals = tl.load(
-            table[:, None, None] + at[:, :, None] + d[None, None, :], mask=ok[:, :, None] & dm[:, None, :], other=0.0
-        )
+        vals = _rows(table_addr, types, f, at, ok[:, :, None] & dm[:, None, :], d, ALIGNED, TYPE)
         # subnormal rows, coefficients, products and block sums flushed (spec §1.5); the sum of a block of BLOCK_N
         # products is a tree, as its order is (within float32 rounding of the C kernels' running sum)
         acc = z(acc + z(tl.sum(z(z(vals) * z(c)[:, :, None]), axis=1)))
@@ -93,6 +103,30 @@ def lookup_kernel(
     tl.atomic_or(status + f, flag, mask=flag != 0)
     if REFUSE:
         tl.atomic_max(refused, 1, mask=tl.max(flag, axis=0) != 0)
+
+
+@triton.jit
+def _rows(table_addr, types, f, at, mask, d, ALIGNED: tl.constexpr, TYPE: tl.constexpr):
+    """The [BAGS, BLOCK_N, BLOCK_D] values of rows ``at`` (element offsets) of each bag's table at
+    ``table_addr`` [BAGS] as float32: in storage TYPE, or with T_MIXED in each feature's own (``types``)."""
+    if TYPE == T_MIXED:
+        kind = tl.load(types + f)[:, None, None]
+        v32 = _typed_rows(table_addr, at, mask & (kind == T_FLOAT32), d, ALIGNED, T_FLOAT32)
+        v16 = _typed_rows(table_addr, at, mask & (kind != T_FLOAT32), d, ALIGNED, T_BFLOAT16)
+        bits16 = (v16.to(tl.uint32, bitcast=True) >> 16).to(tl.uint16).to(tl.int16, bitcast=True)
+        return tl.where(kind == T_FLOAT32, v32, tl.where(kind == T_BFLOAT16, v16, widened(bits16, T_FLOAT16)))
+    else:
+        return _typed_rows(table_addr, at, mask, d, ALIGNED, TYPE)
+
+
+@triton.jit
+def _typed_rows(table_addr, at, mask, d, ALIGNED: tl.constexpr, TYPE: tl.constexpr):
+    """``_rows`` of tables of storage TYPE (bfloat16 for a float16 table: the same 16 bits)."""
+    table = typed(table_addr, TYPE)
+    if ALIGNED:
+        table = tl.multiple_of(table, 16)
+    raw = tl.load(table[:, None, None] + at[:, :, None] + d[None, None, :], mask=mask, other=0)
+    return widened(raw, TYPE)
 
 
 @triton.jit

@@ -20,9 +20,14 @@ from embtables.kernels.triton_common import (
     K_PROXIMAL_YOGI,
     K_RMSPROP,
     K_SGD,
+    T_FLOAT32,
     powf,
     proximal,
+    rounded,
     row_max_bits,
+    row_states,
+    typed,
+    widened,
     z,
 )
 from embtables.kernels.triton_row_sums import run_sums
@@ -43,12 +48,43 @@ def _row_tables(row, um, bases, T_STEPS: tl.constexpr):
 
 
 @triton.jit
+def _loaded(address, at, dm, TYPE: tl.constexpr, ALIGNED_TABLES: tl.constexpr):
+    """The [ROWS, BLOCK_D] values at ``at`` of each row's tensor at ``address`` [ROWS] (storage ``TYPE``) as
+    float32, subnormals flushed, and the pointers [ROWS, 1] they were read through."""
+    p = typed(address, TYPE)
+    if ALIGNED_TABLES:  # every table and slot 16-byte aligned and D % 4 == 0 (checked by the caller)
+        p = tl.multiple_of(p, 16)
+    p = p[:, None]
+    return z(widened(tl.load(p + at, mask=dm, other=0), TYPE)), p
+
+
+@triton.jit
+def _stored(x, states, column, TYPE: tl.constexpr, STOCHASTIC: tl.constexpr):
+    """float32 ``x`` as written into a tensor of storage ``TYPE`` (a half type: rounded, ``rounded``)."""
+    if TYPE == T_FLOAT32:
+        return x
+    else:
+        return rounded(x, states, column, TYPE, STOCHASTIC)
+
+
+@triton.jit
+def _written_bits(x, states, column, dm, TYPE: tl.constexpr, STOCHASTIC: tl.constexpr):
+    """Each row's largest |value| (int32 bits) of ``x`` and of ``x`` as written in storage ``TYPE``: at least
+    ``F32_INF_BITS`` when either is not finite (a half type's overflow included)."""
+    worst = row_max_bits(x, dm)
+    if TYPE != T_FLOAT32:
+        worst = tl.maximum(worst, row_max_bits(widened(rounded(x, states, column, TYPE, STOCHASTIC), TYPE), dm))
+    return worst
+
+
+@triton.jit
 def update_kernel(
     rows,  # int64 [N]: distinct keys (U valid): table j's row r is key bases[j] + r
     stats,  # int64 [STATS]: [0] U; [2] 1 when phase 1 found an id or a bag outside its table or gradient
     bases,  # int64 [2^T_STEPS + 1]: the first key of each table, then the total (repeated to the end)
-    tabs,  # int64 [T, 5]: addresses of each table's weights and slots [V_j, D] (float32; weights 0: not updated
-    # here) and of its changed-rows flags [V_j] (bool: set for every row written; 0: none)
+    tabs,  # int64 [T, 7]: addresses of each table's weights and slots [V_j, D] (ROW_TYPE, SLOT_TYPE; weights 0:
+    # not updated here), of its changed-rows flags [V_j] (bool: set for every row written; 0: none) and of its
+    # rows' global ids [V_j] (int64; 0: a row's own), and its rounding's hash state after (seed, step, table)
     sums,  # float32 [N, D]: the summed gradient of each key (not INLINE)
     starts,  # INLINE: int64 [N + 2], the first sorted occurrence of each distinct key (run); N past the last
     segs,  # INLINE: the per-row sums' sorted occurrences (``run_sums``), their gradients and pieces
@@ -81,6 +117,9 @@ def update_kernel(
     FLAG0: tl.constexpr,
     FLAG1: tl.constexpr,
     POW_IS_SQRT: tl.constexpr,
+    ROW_TYPE: tl.constexpr,  # the storage of the weights (``triton_common.T_*``) and of the slots: a half type's
+    SLOT_TYPE: tl.constexpr,  # values are widened as read and rounded as written (spec §12)
+    STOCHASTIC: tl.constexpr,  # half values rounded stochastically (else to nearest)
     LIBDEVICE: tl.constexpr,
     WRITE: tl.constexpr,
     INLINE: tl.constexpr,  # sum each row's gradients here (runs of at most PIECE occurrences) instead of reading sums
@@ -103,7 +142,11 @@ def update_kernel(
     gradient) would not be finite in ``found`` and refuses the step (``refused``) when one would not be, or
     when phase 1 flagged its input. WRITE=True writes only when the step is not refused.
     INLINE: row u's gradient is summed here, in the order and with the additions of ``piece_sums_kernel``
-    (the same bits), or read from its joined pieces when its run is longer than PIECE."""
+    (the same bits), or read from its joined pieces when its run is longer than PIECE.
+    Half storage: the update is computed in float32 from the widened values; the dry run also refuses a value
+    whose rounding is not finite (a float16 overflow), and the write stores the rounded values, stochastic
+    rounding taking the bits of (seed, step, table, global row, column): weight c is column c, slot k's
+    value c column (k + 1) D + c."""
     u = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     um = u < tl.load(stats)
     row = tl.load(rows + u, mask=um, other=-1)
@@ -111,17 +154,19 @@ def update_kernel(
     t = _row_tables(row, um, bases, T_STEPS)
     base = tl.load(bases + t, mask=um, other=0)
     local = row - base
-    w_addr = tl.load(tabs + 5 * t, mask=um, other=0)
+    w_addr = tl.load(tabs + 7 * t, mask=um, other=0)
     live = um & (w_addr != 0) & (local < tl.load(bases + t + 1, mask=um, other=0) - base)
     d = tl.arange(0, BLOCK_D)
     dm = live[:, None] & (d < D)[None, :]
     row_at = local * D
-    weights = w_addr.to(tl.pointer_type(tl.float32))
-    if ALIGNED_TABLES:  # every table and slot 16-byte aligned and D % 4 == 0 (checked by the caller)
+    if ALIGNED_TABLES:
         row_at = tl.multiple_of(row_at, 4)
-        weights = tl.multiple_of(weights, 16)
     at = row_at[:, None] + d[None, :]
-    weights = weights[:, None]
+    states = tl.zeros([ROWS], dtype=tl.uint32)
+    if STOCHASTIC:  # (set only with a half storage)
+        g_addr = tl.load(tabs + 7 * t + 5, mask=live, other=0)
+        key = tl.load(g_addr.to(tl.pointer_type(tl.int64)) + local, mask=live & (g_addr != 0), other=0)
+        states = row_states(tl.load(tabs + 7 * t + 6, mask=live, other=0), tl.where(g_addr != 0, key, local))
     if INLINE:
         first = tl.load(starts + u, mask=live, other=0)
         end = tl.load(starts + u + 1, mask=live, other=0)
@@ -144,29 +189,17 @@ def update_kernel(
     g = z(g)
     g = tl.where(g < glo, glo, g)
     g = tl.where(g > ghi, ghi, g)
-    x = z(tl.load(weights + at, mask=dm, other=0.0))
+    x, weights = _loaded(w_addr, at, dm, ROW_TYPE, ALIGNED_TABLES)
     x = z(x - z(decay * x))
     a = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
     b = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
     c = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
     if NSLOTS >= 1:
-        s0 = tl.load(tabs + 5 * t + 1, mask=live, other=0).to(tl.pointer_type(tl.float32))
-        if ALIGNED_TABLES:
-            s0 = tl.multiple_of(s0, 16)
-        s0 = s0[:, None]
-        a = z(tl.load(s0 + at, mask=dm, other=0.0))
+        a, s0 = _loaded(tl.load(tabs + 7 * t + 1, mask=live, other=0), at, dm, SLOT_TYPE, ALIGNED_TABLES)
     if NSLOTS >= 2:
-        s1 = tl.load(tabs + 5 * t + 2, mask=live, other=0).to(tl.pointer_type(tl.float32))
-        if ALIGNED_TABLES:
-            s1 = tl.multiple_of(s1, 16)
-        s1 = s1[:, None]
-        b = z(tl.load(s1 + at, mask=dm, other=0.0))
+        b, s1 = _loaded(tl.load(tabs + 7 * t + 2, mask=live, other=0), at, dm, SLOT_TYPE, ALIGNED_TABLES)
     if NSLOTS >= 3:
-        s2 = tl.load(tabs + 5 * t + 3, mask=live, other=0).to(tl.pointer_type(tl.float32))
-        if ALIGNED_TABLES:
-            s2 = tl.multiple_of(s2, 16)
-        s2 = s2[:, None]
-        c = z(tl.load(s2 + at, mask=dm, other=0.0))
+        c, s2 = _loaded(tl.load(tabs + 7 * t + 3, mask=live, other=0), at, dm, SLOT_TYPE, ALIGNED_TABLES)
     if KIND == K_SGD:
         x = z(x - z(lr * g))
     elif KIND == K_ADAGRAD:
@@ -266,13 +299,13 @@ def update_kernel(
     x = tl.where(x < wlo, wlo, x)
     x = tl.where(x > whi, whi, x)
     if not WRITE:  # the dry run: the first key whose gradient, or new values, would not be finite
-        worst = row_max_bits(x, dm)
+        worst = _written_bits(x, states, d, dm, ROW_TYPE, STOCHASTIC)
         if NSLOTS >= 1:
-            worst = tl.maximum(worst, row_max_bits(a, dm))
+            worst = tl.maximum(worst, _written_bits(a, states, d + D, dm, SLOT_TYPE, STOCHASTIC))
         if NSLOTS >= 2:
-            worst = tl.maximum(worst, row_max_bits(b, dm))
+            worst = tl.maximum(worst, _written_bits(b, states, d + 2 * D, dm, SLOT_TYPE, STOCHASTIC))
         if NSLOTS >= 3:
-            worst = tl.maximum(worst, row_max_bits(c, dm))
+            worst = tl.maximum(worst, _written_bits(c, states, d + 3 * D, dm, SLOT_TYPE, STOCHASTIC))
         never = 9223372036854775807
         first_bad = tl.min(tl.where(live & (worst >= F32_INF_BITS), row, never), axis=0)
         first_nan = tl.min(tl.where(live & (gbits >= F32_INF_BITS), row, never), axis=0)
@@ -286,13 +319,13 @@ def update_kernel(
             tl.atomic_max(refused, 1)
     else:
         wm = dm & (tl.load(refused) == 0)  # a refused step writes nothing
-        tl.store(weights + at, x, mask=wm)
+        tl.store(weights + at, _stored(x, states, d, ROW_TYPE, STOCHASTIC), mask=wm)
         if NSLOTS >= 1:
-            tl.store(s0 + at, a, mask=wm)
+            tl.store(s0 + at, _stored(a, states, d + D, SLOT_TYPE, STOCHASTIC), mask=wm)
         if NSLOTS >= 2:
-            tl.store(s1 + at, b, mask=wm)
+            tl.store(s1 + at, _stored(b, states, d + 2 * D, SLOT_TYPE, STOCHASTIC), mask=wm)
         if NSLOTS >= 3:
-            tl.store(s2 + at, c, mask=wm)
-        c_addr = tl.load(tabs + 5 * t + 4, mask=live, other=0)
+            tl.store(s2 + at, _stored(c, states, d + 3 * D, SLOT_TYPE, STOCHASTIC), mask=wm)
+        c_addr = tl.load(tabs + 7 * t + 4, mask=live, other=0)
         marked = live & (c_addr != 0) & (tl.load(refused) == 0)
         tl.store(c_addr.to(tl.pointer_type(tl.int8)) + local, tl.full([ROWS], 1, tl.int8), mask=marked)

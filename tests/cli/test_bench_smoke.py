@@ -122,17 +122,19 @@ def test_estimator_benchmark_reports_the_overhead_and_where_it_goes(tmp_path: Pa
 def test_gpu_benchmark_runs_its_impls_side_by_side_and_refuses_a_missing_device(tmp_path: Path) -> None:
     """``embtables bench gpu``: on the tiny workload (on the CPU here, the same code as on a GPU) a line per
     impl, optimizer and mode with the copy bandwidth's share and the speed-up over the peers; plain
-    PyTorch skipped for FTRL (no sparse FTRL in torch); ``--device cuda`` without CUDA is refused."""
+    PyTorch skipped for FTRL (no sparse FTRL in torch); half-precision tables as an impl of their own
+    (``--dtypes``); ``--device cuda`` without CUDA is refused."""
     import subprocess
 
     cmd = [sys.executable, "-m", "embtables", "bench", "gpu", "--device", "cpu", "--workloads", "tiny",
-           "--optimizers", "adagrad,ftrl", "--steps", "2", "--warmup", "1"]  # fmt: skip
+           "--optimizers", "adagrad,ftrl", "--dtypes", "float32,bfloat16+slots", "--steps", "2",
+           "--warmup", "1"]  # fmt: skip
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     records = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
     assert records[0]["env"] and records[0]["copy_GBps"] > 0
     measured = {(r["impl"], r["optimizer"], r["mode"]) for r in records if "impl" in r}
-    impls = ("embtables", "embtables-torch", "torch")
+    impls = ("embtables", "embtables[bfloat16+slots]", "embtables-torch", "torch")
     expected = {(i, o, m) for i in impls for o in ("adagrad", "ftrl") for m in ("forward", "train")}
     assert measured == expected - {("torch", "ftrl", "forward"), ("torch", "ftrl", "train")}
     assert sum(1 for r in records if r.get("skipped") == "torch") == 2

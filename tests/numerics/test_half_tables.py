@@ -409,30 +409,6 @@ def test_sharded_training_gives_one_processs_bits(sharding: str, tmp_path: Path)
     run_world(_sharded, 2, sharding, str(path), str(tmp_path / "ckpt"))
 
 
-def test_where_the_gpu_kernels_run_half_tables_take_the_reference_with_the_same_bits() -> None:
-    from embtables.kernels import gpu, native
-    from embtables.tables.backends import GpuBackend, TorchBackend
-
-    cpu = _module("adagrad", torch.bfloat16)
-    for step in range(2):
-        _step(cpu, step)
-    native.set_enabled(False)
-    gpu.set_enabled(True, on_cpu=True)  # the fused kernels through Triton's interpreter, where installed
-    try:
-        if not gpu.usable(torch.device("cpu")):
-            pytest.skip("Triton is not installed here")
-        emb = _module("adagrad", torch.bfloat16)
-        float32 = _module("adagrad", None)
-        assert isinstance(emb._engine.local.backend, TorchBackend)
-        assert isinstance(float32._engine.local.backend, GpuBackend)
-        for step in range(2):
-            _step(emb, step)
-    finally:
-        native.set_enabled(True)
-        gpu.set_enabled(True)
-    assert torch.equal(emb.embedding_tables["t"], cpu.embedding_tables["t"])
-
-
 @pytest.mark.parametrize("kind", sorted(HALF))
 def test_a_half_table_exports_as_itself_and_serves_what_it_trained(kind: str, tmp_path: Path) -> None:
     emb = _module("adagrad", HALF[kind])

@@ -34,10 +34,10 @@ def choose(tables: TableSet, *, deferred_errors: bool = True) -> Backend:
     """The backend for the device of ``tables``: the GPU kernels where they run, the native kernels on CPU
     tables when they are built, else the torch reference. ``deferred_errors=False``: the GPU backend raises
     every error in the call that finds it (the sharded engine's local tables: every rank must agree in the
-    call). Tables with a half-precision one (spec §12) take the torch reference on a GPU; on the CPU the
-    native backend leaves each half table to the reference."""
+    call). Half-precision tables (spec §12) take the same backends: the GPU and the native kernels read and
+    write half rows."""
     weights = tables.weights
-    if gpu.usable_for(weights) and not tables.half:  # the Triton kernels read and write float32 rows only
+    if gpu.usable_for(weights):
         return GpuBackend(tables, immediate=not deferred_errors)
     if weights.is_cpu and native_library.library() is not None:
         return NativeBackend(tables)

@@ -23,6 +23,7 @@ from embtables.config import ResolvedTable
 from embtables.errors import InputError
 from embtables.kernels import gpu, gpu_step
 from embtables.kernels.segments import segments_from_offsets
+from embtables.kernels.stochastic_rounding import table_state
 from embtables.tables.backends.device_checks import DeviceChecks
 from embtables.tables.backends.interface import (
     GRADIENT_NOT_FINITE,
@@ -54,6 +55,7 @@ class GpuBackend:
     def __init__(self, tables: TableSet, *, immediate: bool = False) -> None:
         self.tables = tables
         self.checks = DeviceChecks(tables.device, immediate=immediate or not gpu.deferred_errors())
+        self._mappings: dict[str, tuple[tuple[int, int], Tensor]] = {}  # see _global_rows
 
     @property
     def refused(self) -> Tensor:
@@ -189,13 +191,25 @@ class GpuBackend:
             if share is None:
                 out.append(None)
                 continue
-            params = gpu_step.update_parameters(tg.table.optimizer, lr, decay)
+            state = self.tables.states[tg.table.name]
+            config = tg.table.config
+            params = gpu_step.update_parameters(
+                tg.table.optimizer, lr, decay, row_dtype=state.weights.dtype,
+                slot_dtype=state.slot_tuple()[0].dtype if state.slots else torch.float32,
+                stochastic=config.rounding == "stochastic",
+            )  # fmt: skip
             key = (id(share.sums), _frozen(params))
             launch = launches.get(key)
             if launch is None:
                 launch = launches[key] = _GroupUpdate(share.sums, params, self.refused)
             changed = None if self.tables.changed is None else self.tables.changed.flags[tg.table.name]
-            launch.add(share.index, tg.table, self.tables.states[tg.table.name], lr, changed)
+            rounding = None
+            if params["STOCHASTIC"]:
+                rounding = (
+                    self._global_rows(tg.table),
+                    table_state(config.rounding_seed, self.tables.step, tg.table.index),
+                )
+            launch.add(share.index, tg.table, state, lr, changed, rounding)
             out.append(launch)
         for launch in launches.values():
             launch.dry_run()
@@ -205,6 +219,19 @@ class GpuBackend:
             if self.checks.immediate:
                 self.checks.settle()
         return out
+
+    def _global_rows(self, table: ResolvedTable) -> Tensor | None:
+        """The global id [V] of each local row of ``table`` on its device (None: local rows are global), copied
+        there once per version of the mapping (a dynamic table's keys change in place)."""
+        mapping = self.tables.global_rows.get(table.name)
+        if mapping is None:
+            return None
+        kept = self._mappings.get(table.name)
+        version = (id(mapping), mapping._version)
+        if kept is None or kept[0] != version:
+            on_device = mapping.to(device=self.tables.device, dtype=torch.int64).contiguous()
+            kept = self._mappings[table.name] = (version, on_device if on_device is not mapping else mapping.clone())
+        return kept[1]
 
     def _found(self, launches: list[_GroupUpdate], values: list[int]) -> InputError | None:
         """The first error the dry runs found, in table order: an input that changed, then a gradient that is
@@ -247,20 +274,30 @@ class _GroupUpdate:
         self.tables: list[ResolvedTable | None] = [None] * members
         self.tensors: list[gpu_step.TableTensors | None] = [None] * members
         self.changed: list[Tensor | None] = [None] * members
+        self.rounding: list[gpu_step.Rounding | None] = [None] * members
         self.lrs: dict[str, float] = {}
         self.found = torch.empty(0)
         self.done = False
 
-    def add(self, index: int, table: ResolvedTable, state: TableState, lr: float, changed: Tensor | None) -> None:
+    def add(
+        self,
+        index: int,
+        table: ResolvedTable,
+        state: TableState,
+        lr: float,
+        changed: Tensor | None,
+        rounding: gpu_step.Rounding | None = None,
+    ) -> None:
         self.tables[index] = table
         self.tensors[index] = (state.weights, state.slot_tuple())
         self.changed[index] = changed
+        self.rounding[index] = rounding
         self.lrs[table.name] = lr
 
     def _launch(self, write: bool) -> None:
         rs = self.sums
         gpu_step.update(rs, self.tensors, self.params, write=write, refused=self.refused, found=None if write else
-                        self.found, inline=rs.sums is None, changed=self.changed)  # fmt: skip
+                        self.found, inline=rs.sums is None, changed=self.changed, rounding=self.rounding)  # fmt: skip
 
     def dry_run(self) -> None:
         table = next(t for t in self.tables if t is not None)
