@@ -20,6 +20,8 @@ from embtables.kernels.triton_common import (
     K_PROXIMAL_YOGI,
     K_RMSPROP,
     K_SGD,
+    T_BFLOAT16,
+    T_FLOAT16,
     T_FLOAT32,
     powf,
     proximal,
@@ -72,8 +74,14 @@ def _written_bits(x, states, column, dm, TYPE: tl.constexpr, STOCHASTIC: tl.cons
     """Each row's largest |value| (int32 bits) of ``x`` and of ``x`` as written in storage ``TYPE``: at least
     ``F32_INF_BITS`` when either is not finite (a half type's overflow included)."""
     worst = row_max_bits(x, dm)
-    if TYPE != T_FLOAT32:
+    if TYPE == T_BFLOAT16:  # a carry past the largest bfloat16 depends on the random bits
         worst = tl.maximum(worst, row_max_bits(widened(rounded(x, states, column, TYPE, STOCHASTIC), TYPE), dm))
+    elif TYPE == T_FLOAT16:  # float16 overflows past a threshold: beyond 65504, or from 65520 rounded to nearest
+        if STOCHASTIC:
+            over = tl.abs(x) > 65504.0
+        else:
+            over = tl.abs(x) >= 65520.0
+        worst = tl.maximum(worst, tl.max(tl.where(dm & over, F32_INF_BITS, 0), axis=1))
     return worst
 
 
