@@ -326,3 +326,27 @@ def test_sharded_half_tables_on_the_gpu_backend_equal_one_process(tmp_path: Path
         one.apply_gradients(grads)
     torch.save(_stored(one), tmp_path / "want.pt")
     run_world(_sharded_rank, 2, str(tmp_path / "want.pt"), timeout=600)
+
+
+def test_a_row_map_the_kernel_cannot_read_as_it_is_is_copied_once_per_version() -> None:
+    """The update reads each row's global id from an int64 tensor on the tables' device: the mapping itself
+    when it is one, else a copy, made again only when the mapping is another tensor or was changed in place."""
+    emb = _module("adagrad", torch.bfloat16)
+    backend = emb._engine.local.backend
+    table = emb._engine.local._tables.tables[0]
+    rows = emb._engine.local._tables.global_rows
+    same = torch.arange(V, dtype=torch.int64, device=TEST_DEVICE)
+    rows["t"] = same
+    assert backend._global_rows(table) is same
+    narrow = torch.arange(V, dtype=torch.int32)  # not int64: copied
+    rows["t"] = narrow
+    first = backend._global_rows(table)
+    assert first.dtype == torch.int64 and first.device == TEST_DEVICE and torch.equal(first.cpu(), narrow.long())
+    assert backend._global_rows(table) is first  # unchanged: the same copy
+    narrow[3] = 99  # changed in place: copied again
+    again = backend._global_rows(table)
+    assert again is not first and int(again[3]) == 99
+    rows["t"] = narrow.clone()  # another tensor with the same values: copied again
+    assert backend._global_rows(table) is not again
+    del rows["t"]
+    assert backend._global_rows(table) is None

@@ -55,7 +55,7 @@ class GpuBackend:
     def __init__(self, tables: TableSet, *, immediate: bool = False) -> None:
         self.tables = tables
         self.checks = DeviceChecks(tables.device, immediate=immediate or not gpu.deferred_errors())
-        self._mappings: dict[str, tuple[tuple[int, int], Tensor]] = {}  # see _global_rows
+        self._mappings: dict[str, tuple[Tensor, int, Tensor]] = {}  # see _global_rows
 
     @property
     def refused(self) -> Tensor:
@@ -221,17 +221,18 @@ class GpuBackend:
         return out
 
     def _global_rows(self, table: ResolvedTable) -> Tensor | None:
-        """The global id [V] of each local row of ``table`` on its device (None: local rows are global), copied
-        there once per version of the mapping (a dynamic table's keys change in place)."""
+        """The global id [V] of each local row of ``table`` on its device (None: local rows are global): the
+        mapping itself when it is an int64 tensor there, else a copy made once per version of the mapping (a
+        dynamic table's keys change in place; the copy's entry holds the mapping, so its identity is its own)."""
         mapping = self.tables.global_rows.get(table.name)
-        if mapping is None:
-            return None
+        device = self.tables.device
+        if mapping is None or (mapping.device == device and mapping.dtype == torch.int64 and mapping.is_contiguous()):
+            return mapping
         kept = self._mappings.get(table.name)
-        version = (id(mapping), mapping._version)
-        if kept is None or kept[0] != version:
-            on_device = mapping.to(device=self.tables.device, dtype=torch.int64).contiguous()
-            kept = self._mappings[table.name] = (version, on_device if on_device is not mapping else mapping.clone())
-        return kept[1]
+        if kept is None or kept[0] is not mapping or kept[1] != mapping._version:
+            copy = mapping.to(device, torch.int64).contiguous()
+            kept = self._mappings[table.name] = (mapping, mapping._version, copy)
+        return kept[2]
 
     def _found(self, launches: list[_GroupUpdate], values: list[int]) -> InputError | None:
         """The first error the dry runs found, in table order: an input that changed, then a gradient that is
