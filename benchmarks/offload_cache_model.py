@@ -5,7 +5,7 @@ docs/offload.md "Speed"): a model of cache designs, no embtables engine, no disk
     python -m benchmarks.offload_cache_model --rows 10000000 --cache-rows 2000000 --ids uniform
 
 The ids are the benchmark's own (``benchmarks.workload``: B 4096 x 20 ids, Zipf ranks hashed over the rows),
-a fresh batch every step. Four designs, the current batch's units always kept:
+a fresh batch every step. Six designs, the current batch's units always kept:
 
 * ``page_groups``: embtables' cache (``OffloadedRows``): units of G rows, whole pages of the weights file and
   of each slot file (G = 16 for 64 float32 columns), the least used dropped (ids looked up, decayed by 0.98 a
@@ -16,6 +16,10 @@ a fresh batch every step. Four designs, the current batch's units always kept:
   modify, write).
 * ``first_touch_groups``: least-recently-used page groups over rows placed in the files in the order of their
   first lookup (hot rows, looked up early, share pages): what a remapping of rows to file slots would give.
+* ``interleaved_groups``: a row's weights and slots side by side in one file, units of one page (G / files
+  rows: 8 for Adagrad at 64 float32 columns), least used dropped: a missed unit is one page read and one
+  written, where ``page_groups`` reads and writes a page in each file. ``interleaved_first_touch``: the same
+  over rows placed by their first lookup.
 
 Prints one JSON line per design and window of steps: units missed, pages read and written per step, and
 the step's I/O time at ``--iops`` random 4 KiB operations a second (the floor a step cannot go under).
@@ -86,6 +90,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "rows": LruUnits(args.rows, 1, args.cache_rows),
         "first_touch_groups": LruUnits(args.rows, group, args.cache_rows // group),
     }
+    mixed = max(1, group // args.files)  # rows a page of interleaved weights and slots holds
+    for name in ("interleaved_groups", "interleaved_first_touch"):
+        designs[name] = LruUnits(args.rows, mixed, args.cache_rows // mixed, decay=0.98)
     slot = np.full(args.rows, -1, dtype=np.int64)  # first_touch_groups: each row's place in the files
     placed = 0
     missed: dict[str, list[int]] = {name: [] for name in designs}
@@ -100,15 +107,19 @@ def main(argv: Sequence[str] | None = None) -> int:
             missed[name].append(designs[name].step(ids, t))
         missed["rows"].append(designs["rows"].step(distinct, t))
         missed["first_touch_groups"].append(designs["first_touch_groups"].step(slot[ids], t))
+        missed["interleaved_groups"].append(designs["interleaved_groups"].step(ids, t))
+        missed["interleaved_first_touch"].append(designs["interleaved_first_touch"].step(slot[ids], t))
     for name, counts in missed.items():
-        reads_per_unit = 2 * args.files if name == "rows" else args.files  # a row's write-back reads its page again
+        files = 1 if name.startswith("interleaved") else args.files  # pages a missed unit reads (and writes)
+        reads_per_unit = 2 * files if name == "rows" else files  # a row's write-back reads its page again
         for lo in range(0, args.steps, args.window):
             units = float(np.mean(counts[lo : lo + args.window]))
-            reads, writes = units * reads_per_unit, units * args.files
+            reads, writes = units * reads_per_unit, units * files
             print(json.dumps({
                 "bench": "offload_cache_model", "design": name, "ids": args.ids, "rows": args.rows,
                 "cache_rows": args.cache_rows, "steps": f"{lo}-{min(lo + args.window, args.steps) - 1}",
-                "unit_rows": 1 if name == "rows" else group, "missed_units_per_step": round(units),
+                "unit_rows": 1 if name == "rows" else mixed if files == 1 else group,
+                "missed_units_per_step": round(units),
                 "pages_read_per_step": round(reads), "pages_written_per_step": round(writes),
                 "io_floor_ms": round((reads + writes) / args.iops * 1e3, 1),
             }))  # fmt: skip
