@@ -17,8 +17,8 @@ python3 -c "import torch, triton, sys; print(sys.version.split()[0], torch.__ver
 if [ "$what" = tests ] || [ "$what" = all ]; then
   # -v: a line per test as it ends, so a run cut by the limit still shows what passed
   EMBTABLES_TEST_DEVICE=cuda timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -o addopts="" -p no:warnings -p no:cacheprovider -v -ra \
-    tests/numerics/test_gpu_kernels.py tests/numerics/test_gpu_engine.py tests/numerics/test_gpu_half_tables.py \
-    tests/api/test_gpu_deferred_errors.py \
+    tests/numerics/test_gpu_kernels.py tests/numerics/test_gpu_engine.py tests/api/test_gpu_deferred_errors.py \
+    tests/numerics/test_gpu_half_tables.py \
     tests/numerics/test_engine_vs_oracle.py ${TESTS_EXTRA:-} > "$OUT/tests.log" 2>&1
   echo "tests rc=$?"; grep -c PASSED "$OUT/tests.log"; grep -E "FAILED|ERROR" "$OUT/tests.log" | head -30; tail -5 "$OUT/tests.log"
 fi

@@ -100,6 +100,25 @@ def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return a.keys() == b.keys() and all(a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in a)
 
 
+# one step of each storage type, relative to the value: where a rounding may go the other way
+_STEP = {torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10, torch.float32: 2.0**-20}
+
+
+def _assert_as_the_reference(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    """The fused kernels' tensors against the torch reference's: bit for bit through Triton's interpreter (the
+    same float32 arithmetic); on CUDA, where the reference's torch kernels may round a float32 operation
+    differently in the last place (fused multiply-adds), each value within one step of its storage type (a
+    stochastic rounding that went the other way)."""
+    assert got.keys() == want.keys()
+    for key in got:
+        assert got[key].dtype == want[key].dtype, key
+        if ON_CUDA:
+            step = _STEP[got[key].dtype]
+            torch.testing.assert_close(got[key].float(), want[key].float(), rtol=step, atol=1e-6, msg=key)
+        else:
+            assert torch.equal(got[key], want[key]), key
+
+
 def _rounding_kernel() -> Any:
     """A kernel that writes ``triton_common.rounded`` of [n, 7] float32 values (columns COL0.. of their rows'
     bits) and each row's hash state (Triton resolves the names it calls in this module's globals)."""
@@ -164,8 +183,8 @@ def test_the_fused_kernels_give_the_references_bits(opt: str, kind: str, slot_ki
     reference = _module(opt, *dtypes, rounding=rounding)
     assert isinstance(reference._engine.local.backend, TorchBackend)
     want = _train(reference)
-    assert all(torch.equal(a, b) for a, b in zip(seen, want))
-    assert _same(_stored(fused), _stored(reference))
+    _assert_as_the_reference({str(i): a for i, a in enumerate(seen)}, {str(i): a for i, a in enumerate(want)})
+    _assert_as_the_reference(_stored(fused), _stored(reference))
     assert fused.embedding_tables["t"].dtype == dtypes[0]
 
 
@@ -293,7 +312,7 @@ def test_a_dynamic_half_table_rounds_by_key_as_the_reference_does() -> None:
     _reference_path()
     reference = make()
     run(reference)
-    assert _same(_stored(fused), _stored(reference))
+    _assert_as_the_reference(_stored(fused), _stored(reference))
 
 
 def _sharded_rank(rank: int, world: int, want_path: str) -> None:
