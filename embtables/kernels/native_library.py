@@ -30,8 +30,10 @@ from embtables.kernels.registry import RECORDS
 logger = logging.getLogger("embtables")
 
 _SOURCES = [
-    Path(__file__).parent / "csrc" / name for name in ("embtables_native.c", "key_map.c", "shm_sync.c", "offload_io.c")
+    Path(__file__).parent / "csrc" / name
+    for name in ("embtables_native.c", "half_tables.c", "key_map.c", "shm_sync.c", "offload_io.c")
 ]
+_HEADERS = [Path(__file__).parent / "csrc" / "embtables_native.h"]
 _FLAGS = [
     "-O3",
     "-march=native",
@@ -51,7 +53,7 @@ _switches = 0  # switches of the native or GPU kernels: a backend chosen before 
 
 def _named_union(name: str, ctype: Any, width: int, field: str) -> type[ctypes.Union]:
     """A ctypes mirror of the C union ``et_<name>``: ``raw`` [width] and one member per kernel record
-    (its ``field`` names, in order), as ``csrc/embtables_native.c`` declares it."""
+    (its ``field`` names, in order), as ``csrc/embtables_native.h`` declares it."""
     members: list[tuple[str, Any]] = [("raw", ctype * width)]
     seen = set()
     for record in RECORDS:
@@ -117,7 +119,7 @@ def _compile() -> ctypes.CDLL | None:
     if cc is None:
         logger.warning("embtables: no C compiler found; using the slower pure-torch kernels (set CC to enable).")
         return None
-    source = b"".join(path.read_bytes() for path in _SOURCES)
+    source = b"".join(path.read_bytes() for path in (*_SOURCES, *_HEADERS))
     key = hashlib.sha256(source + " ".join(_FLAGS).encode() + _cpu_key().encode() + cc.encode()).hexdigest()[:16]
     cache = Path(os.environ.get("EMBTABLES_CACHE_DIR", Path.home() / ".cache" / "embtables"))
     target = cache / f"embtables_native-{key}.so"

@@ -1,7 +1,7 @@
 """Subnormal float32 values flushed to zero on the torch path, as TF's CPU kernels and TPUs do (spec §1.5).
 
 The C kernels run with the CPU's flush-to-zero and denormals-are-zero modes (``ET_FLUSH_SUBNORMALS`` in
-``csrc/embtables_native.c``): every float32 operation reads a subnormal operand as zero and writes a subnormal
+``csrc/embtables_native.h``): every float32 operation reads a subnormal operand as zero and writes a subnormal
 result as zero. The torch functions do the same in software: ``flush`` zeroes the subnormals of a tensor (keeping
 their sign, as the hardware does), and ``flushing()`` is a context in which every torch operation's float32
 result is flushed and every Python float operand below the smallest normal is read as zero. A row function run

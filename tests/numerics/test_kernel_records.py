@@ -16,12 +16,19 @@ from embtables.kernels.registry import RECORDS, markdown_table, record_of, recor
 from embtables.kernels.sparse_update import get_row_update
 
 C_SOURCE = Path(native.__file__).parent / "csrc" / "embtables_native.c"
+C_HEADER = C_SOURCE.with_suffix(".h")  # the optimizer kinds and parameter unions the sources share
+
+
+def _c_text() -> str:
+    return C_HEADER.read_text() + C_SOURCE.read_text()
+
+
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "optimizers.md"
 
 
 def _c_union_members(union: str) -> dict[str, tuple[str, ...]]:
-    """``{member: (field, ...)}`` of ``typedef union { ... } <union>;`` in the C source."""
-    text = C_SOURCE.read_text()
+    """``{member: (field, ...)}`` of ``typedef union { ... } <union>;`` in the C sources."""
+    text = _c_text()
     body = re.search(r"typedef union \{(.*?)\} " + union + ";", text, re.S)
     assert body is not None, union
     members = {}
@@ -36,7 +43,7 @@ def test_every_optimizer_has_exactly_one_record() -> None:
 
 
 def test_native_kinds_match_the_c_enum() -> None:
-    text = C_SOURCE.read_text()
+    text = _c_text()
     kinds = {name: int(v) for name, v in re.findall(r"ET_([A-Z_]+) = (\d+)", text)}
     for r in RECORDS:
         c_name = {"SGD": "SGD", "FTRL": "FTRL", "RMSProp": "RMSPROP", "CenteredRMSProp": "CENTERED_RMSPROP"}.get(

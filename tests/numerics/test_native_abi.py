@@ -42,8 +42,8 @@ def prototypes() -> dict[str, tuple[Any, list[tuple[str, Any]]]]:
         for m in re.finditer(r"\b(et_\w+) ?\(([^()]*)\) ?\{", text):
             name, params = m.group(1), m.group(2).strip()
             result = re.split(r"[;{}]", text[: m.start()])[-1].strip()
-            if "static" in result.split():
-                continue
+            if "static" in result.split() or result.split()[-1:] == ["et_row_fn"]:
+                continue  # not exported (et_row_function: hidden, shared by the sources)
             args = []
             if params and params != "void":
                 for param in params.split(","):

@@ -1,0 +1,190 @@
+/* What the native kernels' sources share (embtables_native.c, half_tables.c): the optimizer parameters, the
+ * prepared update, the CPU's subnormal modes, and small helpers on float bits and bags. */
+#ifndef EMBTABLES_NATIVE_H
+#define EMBTABLES_NATIVE_H
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+/* Subnormals (docs/spec.md §1.5): every kernel that computes with float32 values runs with the CPU's
+ * flush-to-zero and denormals-are-zero modes on, as TF's CPU kernels and TPUs do: a subnormal operand reads as
+ * zero and a subnormal result is written as zero, in every operation (and no operation takes the slow microcode
+ * path subnormals take on many x86 CPUs). ET_FLUSH_SUBNORMALS turns both modes on in the calling thread until the
+ * end of the enclosing block, then puts the thread's own modes back: it opens every exported function that
+ * computes and every OpenMP parallel region (each thread of a team has its own control register), and leaves
+ * nothing set for the Python and torch code that shares the threads. ET_CAN_FLUSH (et_flushes_subnormals()) says
+ * whether this build can (x86-64 and AArch64 can; Python refuses to load a build that cannot). */
+#if defined(__x86_64__) || defined(__i386__)
+#include <xmmintrin.h>
+typedef unsigned int et_fp_mode;
+static inline et_fp_mode et_flush_on(void) {
+    const et_fp_mode saved = _mm_getcsr();
+    _mm_setcsr(saved | 0x8040u); /* FTZ (bit 15) | DAZ (bit 6) */
+    return saved;
+}
+static inline void et_flush_restore(const et_fp_mode *saved) { _mm_setcsr(*saved); }
+#define ET_CAN_FLUSH 1
+#elif defined(__aarch64__)
+typedef uint64_t et_fp_mode;
+static inline et_fp_mode et_flush_on(void) {
+    et_fp_mode saved;
+    __asm__ __volatile__("mrs %0, fpcr" : "=r"(saved));
+    __asm__ __volatile__("msr fpcr, %0" : : "r"(saved | ((et_fp_mode)1 << 24)) : "memory"); /* FZ: inputs and results */
+    return saved;
+}
+static inline void et_flush_restore(const et_fp_mode *saved) {
+    __asm__ __volatile__("msr fpcr, %0" : : "r"(*saved) : "memory");
+}
+#define ET_CAN_FLUSH 1
+#else
+typedef int et_fp_mode;
+static inline et_fp_mode et_flush_on(void) { return 0; }
+static inline void et_flush_restore(const et_fp_mode *saved) { (void)saved; }
+#define ET_CAN_FLUSH 0
+#endif
+#define ET_FLUSH_SUBNORMALS                                                                                            \
+    const et_fp_mode et_saved_fp_mode __attribute__((cleanup(et_flush_restore), unused)) = et_flush_on()
+
+enum {
+    ET_SGD = 0,
+    ET_ADAGRAD = 1,
+    ET_ADAGRAD_MOMENTUM = 2,
+    ET_ADAM = 3,
+    ET_FTRL = 4,
+    ET_PROXIMAL_ADAGRAD = 5,
+    ET_MOMENTUM = 6,
+    ET_RMSPROP = 7,
+    ET_CENTERED_RMSPROP = 8,
+    ET_ADADELTA = 9,
+    ET_PROXIMAL_YOGI = 10,
+    ET_FREQUENCY_ESTIMATOR = 11
+};
+
+/* Each optimizer's named flags and float32 constants (its kernel record in embtables/kernels/<name>.py
+ * derives them; tests/numerics/test_kernel_records.py checks these members against the records). */
+typedef union {
+    int32_t raw[2];
+    struct { int32_t use_nesterov, beta2_is_one; } adagrad_momentum;
+    struct { int32_t sum_inside_sqrt; } adam;
+    struct { int32_t multiply_linear_by_learning_rate, allow_zero_accumulator; } ftrl;
+    struct { int32_t use_nesterov; } momentum;
+} et_flags;
+
+typedef union {
+    float raw[8];
+    struct { float momentum, neg_inv_exponent, beta2, one_minus_beta2, epsilon; } adagrad_momentum;
+    struct { float beta_1, one_minus_beta_1, beta_2, one_minus_beta_2, epsilon_squared, epsilon; } adam;
+    struct { float power, l1, beta, two_l2; } ftrl;
+    struct { float l1, l2; } proximal_adagrad;
+    struct { float momentum; } momentum;
+    struct { float rho, one_minus_rho, momentum, epsilon; } rmsprop;
+    struct { float rho, one_minus_rho, epsilon; } adadelta;
+    struct { float beta_1, one_minus_beta_1, one_minus_beta_2, epsilon, l1, l2; } proximal_yogi;
+    struct { float max_delta, outlier_threshold, one_minus_tau, tau; } frequency_estimator;
+} et_constants;
+
+/* Mirrors embtables.kernels.native._OptParams (ctypes.Structure); keep the field order in sync. */
+typedef struct {
+    int32_t kind;
+    et_flags f;
+    float lr, decay, glo, ghi, wlo, whi; /* absent clip bounds are -inf / +inf */
+    et_constants k;
+} et_opt;
+
+/* |x| as its IEEE bit pattern: for non-negative floats the integer order is the float order, so an integer
+ * max (which vectorises without -ffast-math, unlike a float max) gives the largest magnitude, and a value
+ * is finite iff its bits are below ET_INF_BITS (NaN sorts above inf). */
+#define ET_INF_BITS 0x7f800000u
+static inline uint32_t et_absbits(float x) {
+    uint32_t u;
+    memcpy(&u, &x, sizeof u);
+    return u & 0x7fffffffu;
+}
+static inline float et_bits_float(uint32_t u) {
+    float x;
+    memcpy(&x, &u, sizeof x);
+    return x;
+}
+static inline uint32_t et_maxbits(const float *x, int64_t D, uint32_t m) {
+    for (int64_t d = 0; d < D; ++d) {
+        const uint32_t a = et_absbits(x[d]);
+        m = a > m ? a : m;
+    }
+    return m;
+}
+
+#define ET_PF 8 /* rows of look-ahead: enough misses in flight to cover DRAM latency */
+#define ET_LOOKUP_PF 16 /* ids of look-ahead in the lookup: one row prefetched per id processed */
+
+/* 8 uint32 lanes (GCC / Clang vector extensions, unaligned loads) */
+typedef uint32_t et_u8v __attribute__((vector_size(32), aligned(4)));
+
+/* An optimizer's fused row update, and the one for a kind (NULL: a kind the kernels do not know); defined in
+ * embtables_native.c, not exported from the library. */
+typedef void (*et_row_fn)(const et_opt *, float *, float *, float *, float *, const float *, int64_t);
+__attribute__((visibility("hidden"))) et_row_fn et_row_function(int kind);
+
+/* A table's prepared update (phase 1's result, phase 2's input) and its scratch. */
+typedef struct {
+    int64_t U, D, mask;
+    int64_t *rows;  /* [U] unique row ids, in order of first occurrence */
+    float *G;       /* [U, D] summed gradients */
+    int64_t *hkeys; /* hash keys (-1 = empty) */
+    int32_t *hvals; /* unique index per key */
+    int finite;
+    float gmax;     /* max |G| after phase 1 (for the finiteness guard) */
+    /* scratch, reused across steps (capacities in elements) */
+    int32_t *inv;
+    int64_t *start, *occ;
+    const float **occ_g;
+    float *occ_c;
+    float *scratch; /* [U, <= 4 x D]: the rows a checked small update overwrites, kept until it is checked */
+    int64_t cap_n, cap_h, cap_g, cap_s;
+    /* Small tables dedup through a direct map instead of the hash: dmap [cap_d], id -> unique index, -1 where
+     * absent; rows[0 .. dmap_n) are set in it (cleared again before rows is next written). */
+    int32_t *dmap;
+    int64_t cap_d, dmap_n;
+    int direct; /* the current unique rows are in dmap (else in the hash) */
+} et_workspace;
+
+/* The prepared rows must lie in [0, V) of a [V, D] table: re-checked in each call that writes through them. */
+static inline int et_prepared_ok(const et_workspace *h, int64_t V, int64_t D) {
+    if (h->D != D) return 0;
+    for (int64_t u = 0; u < h->U; ++u)
+        if ((uint64_t)h->rows[u] >= (uint64_t)V) return 0;
+    return 1;
+}
+
+/* offsets [S+1] must start at >= 0, never decrease and end at <= N: checked in the call that reads them. */
+static inline int et_offsets_ok(const int64_t *offsets, int64_t S, int64_t N) {
+    if (offsets[0] < 0 || offsets[S] > N) return 0;
+    for (int64_t s = 0; s < S; ++s)
+        if (offsets[s + 1] < offsets[s]) return 0;
+    return 1;
+}
+
+/* The bags of F features as one index space: first[f] [F + 1] is feature f's first bag (first[F] all of them),
+ * every feature's offsets checked (et_offsets_ok). Returns 0 when one is bad. */
+static inline int et_bag_index(int64_t F, const int64_t *const *offsets, const int64_t *S, const int64_t *N, int64_t *first) {
+    first[0] = 0;
+    for (int64_t f = 0; f < F; ++f) {
+        if (!et_offsets_ok(offsets[f], S[f], N[f])) return 0;
+        first[f + 1] = first[f] + S[f];
+    }
+    return 1;
+}
+
+/* The feature of bag i of that index space, from the feature f of a nearby bag (a thread walks its bags in
+ * order: a step or two at most). */
+static inline int64_t et_feature_of(const int64_t *first, int64_t i, int64_t f) {
+    while (i >= first[f + 1]) ++f;
+    while (i < first[f]) --f;
+    return f;
+}
+
+#endif

@@ -1,0 +1,478 @@
+/* Half-precision tables (docs/spec.md §12): stochastic rounding to bfloat16 / float16, and the lookups and lazy
+ * updates of tables whose rows (and slots) are stored in a half type, computed in float32. */
+#include "embtables_native.h"
+
+/* ------------------------------------------------------------------ stochastic rounding to half types */
+/* spec §12: 32 random bits per written element from (seed, step, table, row, column) through the
+ * lowbias32 hash, and the rounding rules of kernels/stochastic_rounding.py, bit for bit. */
+#define ET_LOWBIAS32(x) /* the hash's rounds, on a uint32_t or on a vector of them (et_lowbias32_v) */      \
+    do {                                                                                                       \
+        x ^= x >> 16;                                                                                          \
+        x *= 0x7feb352du;                                                                                      \
+        x ^= x >> 15;                                                                                          \
+        x *= 0x846ca68bu;                                                                                      \
+        x ^= x >> 16;                                                                                          \
+    } while (0)
+
+static inline uint32_t et_lowbias32(uint32_t x) {
+    ET_LOWBIAS32(x);
+    return x;
+}
+
+/* The hash state after (seed, step, table): every row of the table at that step continues from it. */
+static inline uint32_t et_round_prefix(uint64_t seed, uint64_t step, uint32_t table) {
+    uint32_t h = 0x243f6a88u;
+    h = et_lowbias32(h ^ (uint32_t)seed);
+    h = et_lowbias32(h ^ (uint32_t)(seed >> 32));
+    h = et_lowbias32(h ^ (uint32_t)step);
+    h = et_lowbias32(h ^ (uint32_t)(step >> 32));
+    return et_lowbias32(h ^ table);
+}
+
+static inline uint32_t et_round_row(uint32_t prefix, int64_t row) {
+    const uint64_t r = (uint64_t)row;
+    return et_lowbias32(et_lowbias32(prefix ^ (uint32_t)r) ^ (uint32_t)(r >> 32));
+}
+
+/* bfloat16 is float32's upper half: 16 random bits added below it carry into it with probability
+ * (the dropped bits) / 2^16. A NaN stays a (quiet) NaN, an infinity an infinity. */
+static inline uint16_t et_sr_bfloat16(float x, uint32_t r) {
+    uint32_t b;
+    memcpy(&b, &x, sizeof b);
+    if ((b & 0x7fffffffu) > ET_INF_BITS) return (uint16_t)((b >> 16) | 0x0040u);
+    if ((b & 0x7fffffffu) == ET_INF_BITS) return (uint16_t)(b >> 16);
+    return (uint16_t)((b + (r >> 16)) >> 16);
+}
+
+/* float16: away from zero when r / 2^32 * gap < |x| - |toward zero|; above 65504 in magnitude an infinity. */
+static inline uint16_t et_sr_float16(float x, uint32_t r) {
+    uint32_t b;
+    memcpy(&b, &x, sizeof b);
+    const uint32_t sign = (b >> 16) & 0x8000u, a = b & 0x7fffffffu;
+    if (a > ET_INF_BITS) return (uint16_t)(sign | 0x7e00u);
+    if (a > 0x477fe000u) return (uint16_t)(sign | 0x7c00u); /* |x| > 65504, or an infinity */
+    uint32_t low;
+    int up;
+    if (a >= 0x38800000u) { /* |x| >= 2^-14: a float16 normal, 13 bits dropped */
+        low = (((a >> 23) - 112u) << 10) | ((a >> 13) & 0x3ffu);
+        up = (uint64_t)r < ((uint64_t)(a & 0x1fffu) << 19);
+    } else { /* a float16 subnormal or zero: multiples of 2^-24 */
+        const float scaled = et_bits_float(a) * 16777216.0f; /* exact: a power of two */
+        low = (uint32_t)scaled;
+        up = (double)r < ((double)scaled - (double)low) * 4294967296.0;
+    }
+    return (uint16_t)(sign | (low + (uint32_t)up));
+}
+
+/* x [U, D] float32 rounded stochastically to bfloat16 (kind 0) or float16 (kind 1) into out [U, D] (the
+ * half patterns), row u's random bits from (seed, step, table, rows[u], column). */
+void et_round_rows(const float *x, int64_t U, int64_t D, const int64_t *rows, int64_t seed, int64_t step,
+                   int64_t table, int32_t kind, uint16_t *out) {
+    ET_FLUSH_SUBNORMALS;
+    const uint32_t prefix = et_round_prefix((uint64_t)seed, (uint64_t)step, (uint32_t)table);
+    for (int64_t u = 0; u < U; ++u) {
+        const uint32_t h = et_round_row(prefix, rows[u]);
+        for (int64_t c = 0; c < D; ++c) {
+            const uint32_t r = et_lowbias32(h ^ (uint32_t)c);
+            out[u * D + c] = kind == 0 ? et_sr_bfloat16(x[u * D + c], r) : et_sr_float16(x[u * D + c], r);
+        }
+    }
+}
+
+/* ------------------------------------------------------------------ half-precision tables */
+/* spec §12: rows (and slots) stored as bfloat16 (kind 0), float16 (kind 1) or float32 (kind 2), read into
+ * float32, updated by the optimizer's float32 row function, and rounded back as they are written:
+ * stochastically with the bits of (seed, step, table, global row, column) (column c < D: the weights'; (k+1)
+ * D + c: slot k's), or to nearest, ties to even (the types' own conversion). */
+typedef uint16_t et_h8v __attribute__((vector_size(16), aligned(2))); /* 8 half patterns */
+
+static inline float et_half_float(uint16_t h, int kind) {
+    if (kind == 0) return et_bits_float((uint32_t)h << 16);
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
+    if (e == 31) return et_bits_float(sign | 0x7f800000u | (m << 13));           /* inf, NaN */
+    if (e == 0) return (sign ? -1.0f : 1.0f) * (float)m * 5.9604644775390625e-8f; /* m * 2^-24, exact */
+    return et_bits_float(sign | ((e + 112u) << 23) | (m << 13));
+}
+
+/* to nearest, ties to even */
+static inline uint16_t et_rn_half(float x, int kind) {
+    uint32_t b;
+    memcpy(&b, &x, sizeof b);
+    const uint32_t a = b & 0x7fffffffu;
+    if (kind == 0) {
+        if (a > ET_INF_BITS) return (uint16_t)((b >> 16) | 0x0040u);
+        return (uint16_t)((b + 0x7fffu + ((b >> 16) & 1u)) >> 16); /* an infinity stays one */
+    }
+    const uint32_t sign = (b >> 16) & 0x8000u;
+    if (a > ET_INF_BITS) return (uint16_t)(sign | 0x7e00u);
+    if (a >= 0x47800000u) return (uint16_t)(sign | 0x7c00u); /* >= 65536, or an infinity */
+    uint32_t low;
+    int up;
+    if (a >= 0x38800000u) {
+        low = (((a >> 23) - 112u) << 10) | ((a >> 13) & 0x3ffu);
+        const uint32_t d = a & 0x1fffu;
+        up = d > 0x1000u || (d == 0x1000u && (low & 1u)); /* a carry past 65504 gives the infinity */
+    } else {
+        const float scaled = et_bits_float(a) * 16777216.0f;
+        low = (uint32_t)scaled;
+        const float frac = scaled - (float)low; /* exact */
+        up = frac > 0.5f || (frac == 0.5f && (low & 1u));
+    }
+    return (uint16_t)(sign | (low + (uint32_t)up));
+}
+
+/* Row r of a table of ``kind`` into D floats (a loop per kind, so each vectorises). */
+static inline void et_load_row(const void *T, int kind, int64_t r, int64_t D, float *restrict dst) {
+    if (kind == 2) {
+        memcpy(dst, (const float *)T + r * D, sizeof(float) * (size_t)D);
+    } else if (kind == 0) {
+        const uint16_t *restrict src = (const uint16_t *)T + r * D;
+        uint32_t *restrict u = (uint32_t *)dst;
+        int64_t d = 0;
+        for (; d + 8 <= D; d += 8) {
+            et_h8v h;
+            memcpy(&h, src + d, sizeof h);
+            const et_u8v w = __builtin_convertvector(h, et_u8v) << 16;
+            memcpy(u + d, &w, sizeof w);
+        }
+        for (; d < D; ++d) u[d] = (uint32_t)src[d] << 16;
+    } else {
+        const uint16_t *restrict src = (const uint16_t *)T + r * D;
+        for (int64_t d = 0; d < D; ++d) dst[d] = et_half_float(src[d], 1);
+    }
+}
+
+static inline et_u8v et_lowbias32_v(et_u8v x) {
+    ET_LOWBIAS32(x);
+    return x;
+}
+
+/* bfloat16 rounding of D floats, stochastic (bits of row hash h, columns col0 + d) or to nearest: the rules of
+ * et_sr_bfloat16 and et_rn_half on 8 values at a time without branches (GCC vector extensions: the same bits,
+ * whole vectors), the rest of the row through them; returns 1 when every result is finite. */
+static inline int et_round_bf16(const float *restrict x, int64_t D, uint32_t h, uint32_t col0, int stochastic,
+                                uint16_t *restrict out) {
+    const uint32_t *restrict b = (const uint32_t *)x;
+    const et_u8v lane = {0, 1, 2, 3, 4, 5, 6, 7};
+    et_u8v badv = {0, 0, 0, 0, 0, 0, 0, 0};
+    int64_t d0 = 0;
+    for (; d0 + 8 <= D; d0 += 8) {
+        et_u8v v;
+        memcpy(&v, b + d0, sizeof v);
+        const et_u8v a = v & 0x7fffffffu;
+        const et_u8v add = stochastic ? et_lowbias32_v(h ^ (col0 + (uint32_t)d0 + lane)) >> 16
+                                      : 0x7fffu + ((v >> 16) & 1u);
+        const et_u8v rounded = (v + add) >> 16;
+        const et_u8v special = (v >> 16) | ((et_u8v)(a > ET_INF_BITS) & 0x0040u);
+        const et_u8v keep = (et_u8v)(a >= ET_INF_BITS);
+        const et_u8v o = (special & keep) | (rounded & ~keep);
+        badv |= (et_u8v)((o & 0x7f80u) == 0x7f80u);
+        const et_h8v o16 = __builtin_convertvector(o, et_h8v);
+        memcpy(out + d0, &o16, sizeof o16);
+    }
+    uint64_t q[4];
+    memcpy(q, &badv, sizeof q);
+    uint32_t bad = (q[0] | q[1] | q[2] | q[3]) != 0;
+    for (int64_t d = d0; d < D; ++d) {
+        const uint16_t o = stochastic ? et_sr_bfloat16(x[d], et_lowbias32(h ^ (col0 + (uint32_t)d)))
+                                      : et_rn_half(x[d], 0);
+        out[d] = o;
+        bad |= (uint32_t)((o & 0x7f80u) == 0x7f80u);
+    }
+    return !bad;
+}
+
+/* float16 rounding of D floats; returns 1 when every result is finite. */
+static inline int et_round_f16(const float *restrict x, int64_t D, uint32_t h, uint32_t col0, int stochastic,
+                               uint16_t *restrict out) {
+    int ok = 1;
+    for (int64_t d = 0; d < D; ++d) {
+        const uint16_t v = stochastic ? et_sr_float16(x[d], et_lowbias32(h ^ (col0 + (uint32_t)d)))
+                                      : et_rn_half(x[d], 1);
+        out[d] = v;
+        ok &= (v & 0x7c00u) != 0x7c00u;
+    }
+    return ok;
+}
+
+static inline int et_round_into(const float *x, int kind, int64_t D, uint32_t h, int64_t col0, int stochastic,
+                                uint16_t *out) {
+    return kind == 0 ? et_round_bf16(x, D, h, (uint32_t)col0, stochastic, out)
+                     : et_round_f16(x, D, h, (uint32_t)col0, stochastic, out);
+}
+
+static inline void et_prefetch_half(const uint16_t *row, int64_t D) {
+    __builtin_prefetch(row, 0, 3);
+    if (D > 32) __builtin_prefetch(row + 32, 0, 3);
+}
+
+/* One bag, one 64-column block of a bfloat16 table: the accumulator in registers, as et_bag_block64. */
+static inline void et_bag_bf16_block64(const uint16_t *W, int64_t D, int64_t V, const int64_t *ids, int64_t k0,
+                                       int64_t k1, const float *coeffs, float *out, int64_t pf_end, int *bad) {
+    float acc[64];
+    for (int j = 0; j < 64; ++j) acc[j] = 0.0f;
+    for (int64_t k = k0; k < k1; ++k) {
+        if (k + ET_LOOKUP_PF < pf_end) et_prefetch_half(W + ids[k + ET_LOOKUP_PF] * D, D);
+        const int64_t id = ids[k];
+        if ((uint64_t)id >= (uint64_t)V) {
+            *bad = 1;
+            continue;
+        }
+        const uint16_t *restrict row = W + id * D;
+        const float c = coeffs ? coeffs[k] : 1.0f;
+        for (int j = 0; j < 64; ++j) {
+            const uint32_t u = (uint32_t)row[j] << 16;
+            float f;
+            memcpy(&f, &u, sizeof f);
+            acc[j] += c * f;
+        }
+    }
+    memcpy(out, acc, sizeof acc);
+}
+
+/* One bag of a half table into o [D] float32: the float32 lookup's sums (0 + c * row, in id order). */
+static inline void et_bag_half(const uint16_t *W, int kind, int64_t D, int64_t V, const int64_t *ids, int64_t k0,
+                               int64_t k1, int64_t total, const float *coeffs, float *restrict o, int *bad) {
+    if (kind == 0 && D % 64 == 0) {
+        for (int64_t d0 = 0; d0 < D; d0 += 64)
+            et_bag_bf16_block64(W + d0, D, V, ids, k0, k1, coeffs, o + d0, d0 == 0 ? total : 0, bad);
+        return;
+    }
+    for (int64_t d = 0; d < D; ++d) o[d] = 0.0f;
+    for (int64_t k = k0; k < k1; ++k) {
+        if (k + ET_LOOKUP_PF < total) {
+            const int64_t ahead = ids[k + ET_LOOKUP_PF];
+            if ((uint64_t)ahead < (uint64_t)V) et_prefetch_half(W + ahead * D, D);
+        }
+        const int64_t id = ids[k];
+        if ((uint64_t)id >= (uint64_t)V) {
+            *bad = 1;
+            continue;
+        }
+        const uint16_t *restrict row = W + id * D;
+        const float c = coeffs ? coeffs[k] : 1.0f;
+        if (kind == 0) {
+            for (int64_t d = 0; d < D; ++d) {
+                const uint32_t u = (uint32_t)row[d] << 16;
+                float f;
+                memcpy(&f, &u, sizeof f);
+                o[d] += c * f;
+            }
+        } else {
+            for (int64_t d = 0; d < D; ++d) o[d] += c * et_half_float(row[d], 1);
+        }
+    }
+}
+
+typedef float et_f8v __attribute__((vector_size(32), aligned(4)));
+
+/* One bag of a bfloat16 table with D a multiple of 8, 8 columns at a time: each block's sums in a register,
+ * 0 + c * row in id order (the float32 lookup's sums; no fused multiply-add: -ffp-contract=off). */
+static inline void et_bag_bf16_v8(const uint16_t *W, int64_t D, int64_t V, const int64_t *ids, int64_t k0,
+                                  int64_t k1, int64_t total, const float *coeffs, float *restrict o, int *bad) {
+    for (int64_t d0 = 0; d0 < D; d0 += 8) {
+        et_f8v acc = {0, 0, 0, 0, 0, 0, 0, 0};
+        for (int64_t k = k0; k < k1; ++k) {
+            if (d0 == 0 && k + ET_LOOKUP_PF < total) et_prefetch_half(W + ids[k + ET_LOOKUP_PF] * D, D);
+            const int64_t id = ids[k];
+            if ((uint64_t)id >= (uint64_t)V) {
+                *bad = 1;
+                continue;
+            }
+            et_h8v h;
+            memcpy(&h, W + id * D + d0, sizeof h);
+            const et_u8v bits = __builtin_convertvector(h, et_u8v) << 16;
+            et_f8v f;
+            memcpy(&f, &bits, sizeof f);
+            acc += (coeffs ? coeffs[k] : 1.0f) * f;
+        }
+        memcpy(o + d0, &acc, sizeof acc);
+    }
+}
+
+/* Lookups of F features from half tables, one parallel region over every feature's bags: feature f reads
+ * W[f] [V[f], D[f]] of kind[f] (0 bfloat16, 1 float16) and writes out[f] [S[f], D[f]] float32: each row read as
+ * float32 and the bags summed in float32 in the float32 lookup's order. Returns 0, 1 bad offsets or an id outside
+ * [0, V) (the outputs are then garbage), 2 a non-finite activation. */
+int et_lookup_half_many(int64_t F, const uint16_t *const *W, const int32_t *kind, const int64_t *D,
+                        const int64_t *V, const int64_t *const *ids, const int64_t *N,
+                        const int64_t *const *offsets, const int64_t *S, const float *const *coeffs,
+                        float *const *out, int nthreads) {
+    ET_FLUSH_SUBNORMALS;
+    for (int64_t f = 0; f < F; ++f)
+        if (kind[f] != 0 && kind[f] != 1) return 1;
+    int64_t first[F + 1];
+    if (!et_bag_index(F, offsets, S, N, first)) return 1;
+    const int64_t all = first[F];
+    int bad = 0, nonfinite = 0;
+#pragma omp parallel num_threads(nthreads) reduction(| : bad, nonfinite)
+    {
+        ET_FLUSH_SUBNORMALS;
+        int64_t f = 0;
+#pragma omp for schedule(static, 256)
+        for (int64_t i = 0; i < all; ++i) {
+            f = et_feature_of(first, i, f);
+            const int64_t s = i - first[f], d = D[f];
+            float *restrict o = out[f] + s * d;
+            if (kind[f] == 0 && d % 8 == 0 && d % 64 != 0) /* 64-column blocks: et_bag_half's registers */
+                et_bag_bf16_v8(W[f], d, V[f], ids[f], offsets[f][s], offsets[f][s + 1], offsets[f][S[f]], coeffs[f],
+                               o, &bad);
+            else
+                et_bag_half(W[f], kind[f], d, V[f], ids[f], offsets[f][s], offsets[f][s + 1], offsets[f][S[f]],
+                            coeffs[f], o, &bad);
+            nonfinite |= et_maxbits(o, d, 0) >= ET_INF_BITS;
+        }
+    }
+    return bad ? 1 : (nonfinite ? 2 : 0);
+}
+
+/* Phase 2 of a lazy update of a half table from its prepared workspace. Every prepared row's update is computed
+ * in float32 from its stored values (weights of kind wkind, 0 or 1; slots of kind skind, 0, 1 or 2: float32)
+ * and rounded, row u's random bits from (seed, step, table, grows[rows[u]]) (grows NULL: the rows are global;
+ * else [nglobal], one per local row). The scratch is out [U, (1 + K) x D] (2-byte patterns; with K float32
+ * slots out holds the weights [U, D] and sout [U, K x D] floats). mode 0: the rounded rows into the scratch,
+ * nothing in the table changes; mode 1: the scratch of a mode-0 call written into the rows (returns -1);
+ * mode 2: the rows updated in place, each row's stored values kept in the scratch first; mode 3: the rows a
+ * mode-2 call changed put back from the scratch (returns -1). Modes 0 and 2 return -1 when every rounded value
+ * is finite, else the largest row whose update is not (after mode 2 the caller must then put the rows back).
+ * -2: a workspace, row map or scratch that does not fit; -3 out of memory (nothing written); -4 an unknown optimizer
+ * or kind. */
+int64_t et_apply_half(const void *handle, void *W, void *S0, void *S1, void *S2, int32_t wkind, int32_t skind,
+                      int64_t V, int64_t D, const et_opt *p, const int64_t *grows, int64_t nglobal, int64_t seed,
+                      int64_t step, int64_t table, int32_t stochastic, int32_t mode, uint16_t *out, float *sout,
+                      int64_t scratch_rows, int nthreads) {
+    ET_FLUSH_SUBNORMALS;
+    const et_workspace *h = (const et_workspace *)handle;
+    if (!et_prepared_ok(h, V, D)) return -2;
+    if (grows && nglobal < V) return -2;
+    if ((wkind != 0 && wkind != 1) || skind < 0 || skind > 2 || mode < 0 || mode > 3) return -4;
+    const et_row_fn fn = et_row_function(p->kind);
+    if (!fn) return -4;
+    void *S[3] = {S0, S1, S2};
+    const int K = (S0 != NULL) + (S1 != NULL) + (S2 != NULL);
+    if ((S0 == NULL && K > 0) || (S1 == NULL && S2 != NULL)) return -2;
+    const int64_t U = h->U, wide = skind == 2 ? D : (1 + K) * D; /* 2-byte values per row of out */
+    if (scratch_rows < U || (skind == 2 && K > 0 && sout == NULL)) return -2;
+    const int64_t sb = skind == 2 ? 4 : 2; /* bytes of one slot value */
+    if (mode == 3) { /* the rows a mode-2 call overwrote, back from their copies in out / sout */
+#pragma omp parallel num_threads(nthreads)
+        {
+            ET_FLUSH_SUBNORMALS;
+#pragma omp for schedule(static, 256)
+            for (int64_t u = 0; u < U; ++u) {
+                const int64_t r = h->rows[u];
+                memcpy((uint16_t *)W + r * D, out + u * wide, sizeof(uint16_t) * (size_t)D);
+                for (int k = 0; k < K; ++k) {
+                    const char *from = skind == 2 ? (const char *)(sout + (u * K + k) * D)
+                                                  : (const char *)(out + u * wide + (k + 1) * D);
+                    memcpy((char *)S[k] + r * D * sb, from, (size_t)(D * sb));
+                }
+            }
+        }
+        return -1;
+    }
+    if (mode == 1) {
+#pragma omp parallel num_threads(nthreads)
+        {
+            ET_FLUSH_SUBNORMALS;
+#pragma omp for schedule(static, 256)
+            for (int64_t u = 0; u < U; ++u) {
+                const int64_t r = h->rows[u];
+                memcpy((uint16_t *)W + r * D, out + u * wide, sizeof(uint16_t) * (size_t)D);
+                for (int k = 0; k < K; ++k) {
+                    if (skind == 2)
+                        memcpy((float *)S[k] + r * D, sout + (u * K + k) * D, sizeof(float) * (size_t)D);
+                    else
+                        memcpy((uint16_t *)S[k] + r * D, out + u * wide + (k + 1) * D, sizeof(uint16_t) * (size_t)D);
+                }
+            }
+        }
+        return -1;
+    }
+    const uint32_t prefix = et_round_prefix((uint64_t)seed, (uint64_t)step, (uint32_t)table);
+    /* every thread's row buffer before any row is touched: out of memory here changes nothing */
+    const int nt = nthreads > 0 ? nthreads : 1;
+    float *bufs = (float *)malloc(sizeof(float) * (size_t)(4 * D) * (size_t)nt);
+    if (!bufs) return -3;
+    int64_t bad = -1;
+#pragma omp parallel num_threads(nt) reduction(max : bad)
+    {
+        ET_FLUSH_SUBNORMALS;
+        float *buf = bufs + (size_t)omp_get_thread_num() * (size_t)(4 * D);
+        {
+#pragma omp for schedule(static, 256)
+            for (int64_t u = 0; u < U; ++u) {
+                if (u + ET_PF < U) { /* every 64-byte line of the row ET_PF ahead, weights and slots */
+                    const int64_t ahead = h->rows[u + ET_PF];
+                    const int64_t wbytes = 2 * D, sbytes = skind == 2 ? 4 * D : 2 * D;
+                    const char *w = (const char *)W + ahead * wbytes;
+                    for (int64_t b = 0; b < wbytes; b += 64) __builtin_prefetch(w + b, 0, 3);
+                    for (int k = 0; k < K; ++k) {
+                        const char *sr = (const char *)S[k] + ahead * sbytes;
+                        for (int64_t b = 0; b < sbytes; b += 64) __builtin_prefetch(sr + b, 0, 3);
+                    }
+                }
+                const int64_t r = h->rows[u];
+                float *c[4] = {buf, buf + D, buf + 2 * D, buf + 3 * D};
+                uint16_t *o = out + u * wide;
+                uint16_t *wrow = (uint16_t *)W + r * D;
+                if (mode == 2) { /* the stored row first, to put back (mode 3) */
+                    memcpy(o, wrow, sizeof(uint16_t) * (size_t)D);
+                    for (int k = 0; k < K; ++k) {
+                        char *to = skind == 2 ? (char *)(sout + (u * K + k) * D) : (char *)(o + (k + 1) * D);
+                        memcpy(to, (const char *)S[k] + r * D * sb, (size_t)(D * sb));
+                    }
+                }
+                et_load_row(W, wkind, r, D, c[0]);
+                for (int k = 0; k < K; ++k) et_load_row(S[k], skind, r, D, c[k + 1]);
+                fn(p, c[0], K > 0 ? c[1] : NULL, K > 1 ? c[2] : NULL, K > 2 ? c[3] : NULL, h->G + u * D, D);
+                const uint32_t hr = et_round_row(prefix, grows ? grows[r] : r);
+                /* mode 0: the rounded row into out / sout; mode 2: into the table, in place */
+                int ok = et_round_into(c[0], wkind, D, hr, 0, stochastic, mode == 2 ? wrow : o);
+                for (int k = 0; k < K; ++k) {
+                    if (skind == 2) {
+                        float *to = mode == 2 ? (float *)S[k] + r * D : sout + (u * K + k) * D;
+                        memcpy(to, c[k + 1], sizeof(float) * (size_t)D);
+                        ok &= et_maxbits(c[k + 1], D, 0) < ET_INF_BITS;
+                    } else {
+                        uint16_t *to = mode == 2 ? (uint16_t *)S[k] + r * D : o + (k + 1) * D;
+                        ok &= et_round_into(c[k + 1], skind, D, hr, (k + 1) * D, stochastic, to);
+                    }
+                }
+                if (!ok && r > bad) bad = r;
+            }
+        }
+    }
+    free(bufs);
+    return bad;
+}
+
+/* T half-precision tables' lazy updates (et_apply_half, argument t of each array for table t) in one call, all
+ * or nothing: each table's rows updated in place (mode 2), its stored rows kept in its scratch. When table t's
+ * update is not finite, bad[t] is its largest such row and every table written so far, t included, is put back
+ * (mode 3): nothing changes. Returns 0 (every table written, bad all -1), 1 (one not finite, nothing written) or
+ * the first status below -1 of et_apply_half (nothing written: such a call writes nothing itself). */
+int64_t et_apply_half_many(int64_t T, void *const *handles, void *const *W, void *const *S0, void *const *S1,
+                           void *const *S2, const int32_t *wkind, const int32_t *skind, const int64_t *V,
+                           const int64_t *D, const et_opt *const *p, const int64_t *const *grows,
+                           const int64_t *nglobal, const int64_t *seed, int64_t step, const int64_t *table,
+                           const int32_t *stochastic, uint16_t *const *out, float *const *sout,
+                           const int64_t *scratch_rows, int nthreads, int64_t *bad) {
+    for (int64_t t = 0; t < T; ++t) bad[t] = -1;
+    for (int64_t t = 0; t < T; ++t) {
+        const int64_t r = et_apply_half(handles[t], W[t], S0[t], S1[t], S2[t], wkind[t], skind[t], V[t], D[t], p[t],
+                                        grows[t], nglobal[t], seed[t], step, table[t], stochastic[t], 2, out[t],
+                                        sout[t], scratch_rows[t], nthreads);
+        if (r == -1) continue;
+        for (int64_t k = r >= 0 ? t : t - 1; k >= 0; --k) /* the tables written, back to what they held */
+            et_apply_half(handles[k], W[k], S0[k], S1[k], S2[k], wkind[k], skind[k], V[k], D[k], p[k], grows[k],
+                          nglobal[k], seed[k], step, table[k], stochastic[k], 3, out[k], sout[k], scratch_rows[k],
+                          nthreads);
+        if (r >= 0) {
+            bad[t] = r;
+            return 1;
+        }
+        return r;
+    }
+    return 0;
+}
