@@ -176,6 +176,7 @@ def _footprint(config_file: str, module: str) -> set[str]:
         f"embtables/kernels/{module}",
         "embtables/kernels/registry.py",
         "embtables/kernels/csrc/embtables_native.c",
+        "embtables/kernels/csrc/embtables_native.h",
         "embtables/kernels/triton_common.py",
         "embtables/kernels/triton_update.py",
     }
@@ -190,7 +191,7 @@ def test_an_optimizer_is_named_in_exactly_the_files_architecture_md_lists(name: 
     named = {
         str(path.relative_to(PACKAGE.parent))
         for path in PACKAGE.rglob("*")
-        if path.suffix in (".py", ".c") and "_benchmarks" not in path.parts and pattern.search(path.read_text())
+        if path.suffix in (".py", ".c", ".h") and "_benchmarks" not in path.parts and pattern.search(path.read_text())
     }
     assert named == _footprint("extra_optimizers.py", module)
     text = (PACKAGE.parent / "docs" / "architecture.md").read_text()
