@@ -354,7 +354,7 @@ int64_t et_apply_half(const void *handle, void *W, void *S0, void *S1, void *S2,
     const int64_t U = h->U, wide = skind == 2 ? D : (1 + K) * D; /* 2-byte values per row of out */
     if (scratch_rows < U || (skind == 2 && K > 0 && sout == NULL)) return -2;
     const int64_t sb = skind == 2 ? 4 : 2; /* bytes of one slot value */
-    if (mode == 3) { /* the rows a mode-2 call overwrote, back from their copies in out / sout */
+    if (mode == 1 || mode == 3) { /* out / sout into the rows: a mode-0 call's update, or a mode-2 call's copies */
 #pragma omp parallel num_threads(nthreads)
         {
             ET_FLUSH_SUBNORMALS;
@@ -366,24 +366,6 @@ int64_t et_apply_half(const void *handle, void *W, void *S0, void *S1, void *S2,
                     const char *from = skind == 2 ? (const char *)(sout + (u * K + k) * D)
                                                   : (const char *)(out + u * wide + (k + 1) * D);
                     memcpy((char *)S[k] + r * D * sb, from, (size_t)(D * sb));
-                }
-            }
-        }
-        return -1;
-    }
-    if (mode == 1) {
-#pragma omp parallel num_threads(nthreads)
-        {
-            ET_FLUSH_SUBNORMALS;
-#pragma omp for schedule(static, 256)
-            for (int64_t u = 0; u < U; ++u) {
-                const int64_t r = h->rows[u];
-                memcpy((uint16_t *)W + r * D, out + u * wide, sizeof(uint16_t) * (size_t)D);
-                for (int k = 0; k < K; ++k) {
-                    if (skind == 2)
-                        memcpy((float *)S[k] + r * D, sout + (u * K + k) * D, sizeof(float) * (size_t)D);
-                    else
-                        memcpy((uint16_t *)S[k] + r * D, out + u * wide + (k + 1) * D, sizeof(uint16_t) * (size_t)D);
                 }
             }
         }
