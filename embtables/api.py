@@ -340,6 +340,15 @@ class DistributedEmbedding(nn.Module):
         return self._persistence.restore(path, progress)
 
     @_locked
+    def close(self) -> None:
+        """Release the offloaded tables' working files and their locks (docs/offload.md): another module or
+        process may then open the same directories. Afterwards every lookup, update, save and whole-table access of
+        an offloaded table is refused (their files are scratch: ``save`` first to keep them); tables in memory are
+        untouched. Python releases them too when the module is garbage-collected, but not at a known time. Safe to
+        call again; with no offloaded table there is nothing to release."""
+        self._engine.close_offloaded()
+
+    @_locked
     def changed_rows(self) -> dict[str, Tensor]:
         """``{table name: global row ids [R]}`` (int64, CPU, ascending) of the rows this process's writes changed
         since the last ``save`` or ``restore``: the rows of every applied update (every row of a non-lazy

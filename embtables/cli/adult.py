@@ -31,8 +31,10 @@ import torch
 from torch import Tensor, nn
 
 from embtables.cli.adult_peers import peer_results
+from embtables.cli.dlrm import report_offload
 from embtables.cli.history import epoch_curve
 from embtables.cli.plotting import finish, pyplot
+from embtables.config import Offload
 from embtables.data.adult import CATEGORICAL, Adult, load_adult
 from embtables.estimator import (
     AdagradParameters,
@@ -75,10 +77,13 @@ class Hyper:
     init_stddev: float = 0.05
     dtype: str = "float32"  # the tables' rows and slots (``--dtype``, ``--slot-dtype``)
     slot_dtype: str = "float32"
+    offload: str | None = None  # ``--offload``: every table's rows in files under this directory
+    cache_rows: int = 200_000  # ``--cache-rows``: each offloaded table's rows in memory at once
 
 
 def columns(train: Adult, hp: Hyper) -> list[Any]:
-    """One embedding column of width dim + 1 per field; vocabularies from the training rows."""
+    """One embedding column of width dim + 1 per field; vocabularies from the training rows; with
+    ``hp.offload``, every table's rows in files under that directory (docs/offload.md)."""
     init = TruncatedNormal(stddev=hp.init_stddev, seed=0)
     k = hp.dim + 1
     cats: list[Any] = []
@@ -90,7 +95,11 @@ def columns(train: Adult, hp: Hyper) -> list[Any]:
             cats.append(categorical_column_with_vocabulary_list(name, vocab, num_oov_buckets=1))
     cats += [bucketized_column(numeric_column(name), bounds) for name, bounds in BOUNDARIES.items()]
     cats.append(categorical_column_with_identity("education_num", 17, default_value=0))
-    return [embedding_column(c, k, initializer=init, dtype=hp.dtype, slot_dtype=hp.slot_dtype) for c in cats]
+    offload = None if hp.offload is None else Offload(hp.offload, hp.cache_rows)
+    return [
+        embedding_column(c, k, initializer=init, dtype=hp.dtype, slot_dtype=hp.slot_dtype, offload=offload)
+        for c in cats
+    ]
 
 
 class WideDeep(nn.Module):
@@ -174,8 +183,12 @@ def train_and_test(
             curve.append({"epoch": done, **{k: result[k] for k in ("accuracy", "auc", "log_loss")}})
         keys = ("accuracy", "auc", "log_loss")  # every run's evaluations, not only this one's
         curve = epoch_curve(est.model_dir, est.global_step, steps_per_epoch, keys) or curve
-        return {**curve[-1], "curve": curve}
+        out = {**curve[-1], "curve": curve}
+        if hp.offload is not None:  # each table's row cache over this run
+            out["offload"] = est.embedding.offload_statistics()
+        return out
     finally:
+        est.embedding.close()  # the offloaded tables' files and locks
         est.close()
 
 
@@ -206,7 +219,8 @@ def run(args: argparse.Namespace) -> int:
     log = logging.getLogger("embtables")
     hp = dataclasses.replace(
         Hyper(), epochs=args.epochs or Hyper.epochs, dtype=getattr(args, "dtype", "float32"),
-        slot_dtype=getattr(args, "slot_dtype", "float32"),
+        slot_dtype=getattr(args, "slot_dtype", "float32"), offload=getattr(args, "offload", None),
+        cache_rows=getattr(args, "cache_rows", Hyper.cache_rows),
     )  # fmt: skip
     train, test = load_adult(args.data_dir)  # a missing or wrong file: one line and exit code 2 (job_runner)
     out_dir = Path(args.model_dir)
@@ -230,9 +244,13 @@ def run(args: argparse.Namespace) -> int:
             print(f"{name:<34} skipped: {r['skipped']}")
         else:
             print(f"{name:<34}{r['accuracy']:>9.4f}{r['auc']:>8.4f}{r['seconds']:>9.1f}")
+    if "offload" in ours:
+        report_offload(ours["offload"])
     summary = {"dataset": "adult", "split": "validation" if args.validation else "test", "accuracy": ours["accuracy"],
                "auc": ours["auc"], "log_loss": ours["log_loss"], "seconds": seconds, "hyper": dataclasses.asdict(hp),
                "curve": ours["curve"], "peers": peers}  # fmt: skip
+    if "offload" in ours:
+        summary["offload"] = ours["offload"]
     (out_dir / "results.json").write_text(json.dumps(summary, indent=1))
     if plot_curve(ours["curve"], peers, out_dir / "curves.png", f"embtables on UCI Adult ({split})"):
         print(f"curves: {out_dir / 'curves.png'}")

@@ -269,6 +269,7 @@ def run(args: argparse.Namespace) -> int:
             print("PASS: the model learned." if learned else "FAIL: held-out AUC stayed at chance.")
         return 0 if learned else 1
     finally:
+        estimator.embedding.close()  # the offloaded tables' files and locks
         estimator.close()  # let the next writer (a rerun in this process) take the model_dir
 
 

@@ -37,9 +37,11 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from embtables.cli.dlrm import report_offload
 from embtables.cli.history import epoch_curve
 from embtables.cli.malloc import keep_freed_memory
 from embtables.cli.plotting import finish, pyplot
+from embtables.config import Offload
 from embtables.data.movielens import GENRES, MovieLens, kfold, load_movielens_100k
 from embtables.estimator import (
     AdagradParameters,
@@ -78,6 +80,8 @@ class Hyper:
     fields: tuple[str, ...] = DEFAULT_FIELDS
     dtype: str = "float32"  # the tables' rows and slots (``--dtype``, ``--slot-dtype``)
     slot_dtype: str = "float32"
+    offload: str | None = None  # ``--offload``: every table's rows in files under <offload>/fold<k>
+    cache_rows: int = 200_000  # ``--cache-rows``: each offloaded table's rows in memory at once
 
 
 def prepare(data: MovieLens) -> dict[str, np.ndarray]:
@@ -110,9 +114,11 @@ def _constant(rate: float, global_step: int) -> float:
     return rate
 
 
-def columns(hp: Hyper) -> list[Any]:
+def columns(hp: Hyper, fold: int = 0) -> list[Any]:
     """One embedding column of width factors + 1 per field of ``hp.fields``; the user table learns at
-    ``user_rate`` x the item table's rate, the side tables at ``side_rate`` x (``learning_rate_fn``, as TF's)."""
+    ``user_rate`` x the item table's rate, the side tables at ``side_rate`` x (``learning_rate_fn``, as TF's).
+    With ``hp.offload``, every table keeps its rows in files under ``<hp.offload>/fold<fold>`` (each fold its own
+    directory: folds may train at once, in parallel processes, and a table's files are locked to one module)."""
     init = TruncatedNormal(stddev=hp.init_stddev, seed=0)
     k = hp.factors + 1
     user = functools.partial(_constant, hp.learning_rate * hp.user_rate)
@@ -135,8 +141,9 @@ def columns(hp: Hyper) -> list[Any]:
             categorical_column_with_identity("genres", len(GENRES)), k, initializer=init, learning_rate_fn=side
         ),
     ]
+    offload = None if hp.offload is None else Offload(os.path.join(hp.offload, f"fold{fold}"), hp.cache_rows)
     return [
-        dataclasses.replace(c, dtype=hp.dtype, slot_dtype=hp.slot_dtype)
+        dataclasses.replace(c, dtype=hp.dtype, slot_dtype=hp.slot_dtype, offload=offload)
         for c, field in zip(every, FIELDS)
         if field in hp.fields
     ]
@@ -265,7 +272,7 @@ def run_fold(
     and after the last."""
     torch.manual_seed(fold)
     spec = EmbeddingConfigSpec(
-        feature_columns=columns(hp),
+        feature_columns=columns(hp, fold),
         optimization_parameters=AdagradParameters(hp.learning_rate, initial_accumulator=hp.initial_accumulator),
     )
     model = FactorizationMachine(float(data.rating[train].mean()), hp.l2, hp.fields)
@@ -306,8 +313,12 @@ def run_fold(
             curve.append({"epoch": done, "rmse": result["rmse"], "mae": result["mae"]})
         steps_per_epoch = math.ceil(len(train) / hp.batch_size)  # every run's evaluations, not only this one's
         curve = epoch_curve(est.model_dir, est.global_step, steps_per_epoch, ("rmse", "mae")) or curve
-        return {"fold": fold, "rmse": curve[-1]["rmse"], "mae": curve[-1]["mae"], "curve": curve}
+        out = {"fold": fold, "rmse": curve[-1]["rmse"], "mae": curve[-1]["mae"], "curve": curve}
+        if hp.offload is not None:  # each table's row cache over this run of the fold
+            out["offload"] = est.embedding.offload_statistics()
+        return out
     finally:
+        est.embedding.close()  # the offloaded tables' files and locks
         est.close()  # let the next writer (a rerun in this process) take the model_dir
 
 
@@ -417,6 +428,7 @@ def run(args: argparse.Namespace) -> int:
     hp = dataclasses.replace(
         Hyper(), epochs=args.epochs or Hyper.epochs, factors=args.factors, fields=fields,
         dtype=getattr(args, "dtype", "float32"), slot_dtype=getattr(args, "slot_dtype", "float32"),
+        offload=getattr(args, "offload", None), cache_rows=getattr(args, "cache_rows", Hyper.cache_rows),
     )  # fmt: skip
     if not 1 <= args.folds <= 5:
         print("embtables train: --folds must be in 1..5", file=sys.stderr)
@@ -461,9 +473,15 @@ def run(args: argparse.Namespace) -> int:
     for r in results:
         print(f"{r['fold'] + 1:>4}  {r['rmse']:.4f}  {r['mae']:.4f}")
     print(f"mean  {rmse_mean:.4f}  {mae_mean:.4f}   ({len(results)}-fold, {seconds:.1f} s wall, {jobs} process(es))")
+    for r in results:  # --offload: each fold's tables' row caches
+        if "offload" in r:
+            where = os.path.join(str(hp.offload), f"fold{r['fold']}")
+            print(f"fold {r['fold'] + 1}: tables offloaded under {where}")
+            report_offload(r["offload"])
+    keys = ("fold", "rmse", "mae", "curve", "offload")
     summary = {"dataset": "movielens-100k", "folds": len(results), "rmse": rmse_mean, "mae": mae_mean,
                "seconds": seconds, "jobs": jobs, "hyper": dataclasses.asdict(hp),
-               "per_fold": [{k: r[k] for k in ("fold", "rmse", "mae", "curve")} for r in results]}  # fmt: skip
+               "per_fold": [{k: r[k] for k in keys if k in r} for r in results]}  # fmt: skip
     (out_dir / "results.json").write_text(json.dumps(summary, indent=1))
     if plot_curves(
         results, out_dir / "curves.png", f"embtables FM on MovieLens-100k: {len(results)}-fold RMSE {rmse_mean:.4f}"

@@ -81,9 +81,9 @@ def parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     p.add_argument(
         "--offload", metavar="DIR", default=None,
-        help="the synthetic job's fixed tables (every table of a --data job) keep their rows and slots in files "
-        "under DIR, with --cache-rows rows of each in memory (docs/offload.md); the summary reports each table's "
-        "hit rate and disk traffic",
+        help="the synthetic job's fixed tables (every table of the other jobs) keep their rows and slots in files "
+        "under DIR (movielens-100k: DIR/fold<k> for fold k), with --cache-rows rows of each in memory "
+        "(docs/offload.md); the summary reports each table's hit rate and disk traffic",
     )  # fmt: skip
     p.add_argument(
         "--cache-rows", type=int, default=200_000, metavar="N",
@@ -125,8 +125,6 @@ def _check(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if (args.save_every is not None or args.incremental) and args.data is None and args.dataset != "synthetic":
         p.error(f"--save-every and --incremental apply to the synthetic job and --data jobs, not to {args.dataset} "
                 "(it trains its folds from scratch and saves each at its end)")  # fmt: skip
-    if args.offload is not None and args.data is None and args.dataset != "synthetic":
-        p.error(f"--offload applies to the synthetic job and --data jobs, not to {args.dataset}")
     if args.cache_rows < 1:
         p.error(f"--cache-rows must be >= 1, got {args.cache_rows}")
     for flag, path in (("--data", args.data), ("--schema", args.schema)):

@@ -413,4 +413,5 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps({**line, **{k: best[k] for k in metrics}, "seconds": results["seconds"]}))
         return 0
     finally:
+        est.embedding.close()  # the offloaded tables' files and locks
         est.close()  # let the next writer (a rerun in this process) take the model_dir

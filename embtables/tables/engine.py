@@ -89,6 +89,8 @@ class Engine(Protocol):
 
     def offload_restored(self) -> None: ...
 
+    def close_offloaded(self) -> None: ...
+
     def prefetch_rows(self, batches: Sequence[FeatureBatch]) -> None: ...
 
     def table_gradients(
@@ -191,6 +193,10 @@ class LocalTables:
     def offload_restored(self) -> None:
         """The offloaded tables were written whole (restore, a full load): their files are whole again."""
         self.local.offload_restored()
+
+    def close_offloaded(self) -> None:
+        """Release this process's offloaded tables' files and locks (``DistributedEmbedding.close``)."""
+        self.local.close()
 
     def map_tensors(self, fn: Callable[[Tensor], Tensor]) -> None:
         self.local.map_tensors(fn)

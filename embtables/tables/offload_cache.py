@@ -147,6 +147,7 @@ class OffloadedRows:
         self._uses = torch.zeros(groups, dtype=torch.float32)  # its ids looked up, decayed, as of its last lookup
         self._untracked = False  # a whole-table access mapped pages the cache does not count
         self.torn: str | None = None  # why the files no longer hold the table (a write-back failed)
+        self.closed = False  # the files and lock were released (``close``): every access is refused
         self._pending: list[tuple[str, Tensor]] = []  # (part, byte ranges [n, 2]) being written back
         self.counters: dict[str, int] = dict.fromkeys(
             (
@@ -204,6 +205,7 @@ class OffloadedRows:
         """Local rows [lo, hi) of ``part`` ("" or a slot) [hi - lo, D] in their storage type, read from the
         files with ``pread`` (nothing mapped): rows never read are their initial values as the table would store
         them, computed here, not written. What a checkpoint streams, file to file."""
+        self._check_open()
         dtype = self.tensors[part].dtype
         out = torch.empty((hi - lo, self.dim), dtype=dtype)
         size = self.dim * dtype.itemsize
@@ -220,6 +222,7 @@ class OffloadedRows:
     def materialize(self) -> None:
         """Initialize every block never read: the files then hold every row (before a whole-table access; files
         cut short by something else are grown back first, see ``before_restore``)."""
+        self._check_open()
         self.files.regrow()
         todo = torch.nonzero(~self._initialized).flatten()
         if todo.numel():
@@ -234,6 +237,7 @@ class OffloadedRows:
     def admit(self, rows: Tensor, step: int, pin_from: int, training: bool) -> None:
         """Bring local rows ``rows`` [any] into memory (initialized) before a lookup at ``step``: refuses
         (changing nothing) when the groups used since ``pin_from`` and these exceed the cache."""
+        self._check_open()
         if self.torn is not None:
             raise RuntimeError(
                 f"table {self.logical.name!r}: its working files are torn ({self.torn}): every lookup is refused "
@@ -295,7 +299,7 @@ class OffloadedRows:
     def prefetch(self, rows: Tensor) -> None:
         """Start reading the pages of local rows ``rows`` [any] that are on disk and not in memory into the page
         cache, asynchronously (a staged batch's, before its lookup admits them)."""
-        if self.torn is not None:
+        if self.torn is not None or self.closed:
             return
         rows = rows.reshape(-1).to("cpu", torch.int64)
         rows = rows[(rows >= 0) & (rows < self.rows)]
@@ -386,6 +390,7 @@ class OffloadedRows:
     def before_restore(self) -> None:
         """A restore writes every row through the maps next: files cut short are grown back first (a write past
         a file's end would kill the process)."""
+        self._check_open()
         self.files.regrow()
 
     def written(self, part: str, lo: int, hi: int) -> None:
@@ -432,7 +437,18 @@ class OffloadedRows:
         """(weights [N, D], {slot: [N, D]}): the live tensors over the files."""
         return self.tensors[""], {k: v for k, v in self.tensors.items() if k}
 
+    def _check_open(self) -> None:
+        if self.closed:
+            raise RuntimeError(
+                f"table {self.logical.name!r}: the module was closed (close()): its offloaded files under "
+                f"{self.files.directory!r} were released, and it no longer reads or writes them. Build a new module "
+                "(on that directory or another) and restore() a checkpoint; save before close() to keep a table."
+            )
+
     def close(self) -> None:
+        """Release the files and their lock (another module may then open the directory); every later access
+        through this cache is refused. The tensors handed out keep their maps (memory-safe to read)."""
+        self.closed = True
         self.files.close()
 
 

@@ -169,7 +169,8 @@ class ShardFiles:
                 raise ConfigError(
                     f"table {self.table!r}: offload directory {self.directory!r} is in use by another module or "
                     f"process ({os.path.basename(path)} is locked). Two trainers cannot share one table's files: give "
-                    "each its own directory, or close the other first."
+                    "each its own directory, or close the other first (DistributedEmbedding.close(); an Estimator's "
+                    "est.embedding.close())."
                 ) from None
             raise
         self._lock_fd = fd

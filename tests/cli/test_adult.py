@@ -111,14 +111,24 @@ def test_adult_columns_bucketize_as_tf_does() -> None:
 
 
 @needs_adult
-def test_the_job_trains_half_precision_tables_and_inspect_shows_them(
+def test_the_job_trains_offloaded_half_precision_tables_and_inspect_shows_them(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    """``--dtype`` / ``--slot-dtype`` with ``--offload``: every table's bfloat16 rows and slots in files, each
+    table's cache reported on a line and in results.json."""
+    rows = tmp_path / "rows"
     rc = cli(["train", "--dataset", "adult", "--epochs", "1", "--no-peers", "--no-progress", "--dtype", "bfloat16",
-              "--slot-dtype", "bfloat16", "--model-dir", str(tmp_path)])  # fmt: skip
+              "--slot-dtype", "bfloat16", "--model-dir", str(tmp_path), "--offload", str(rows),
+              "--cache-rows", "4096"])  # fmt: skip
     out = capsys.readouterr().out
     assert rc == 0, out
     assert json.loads(out.strip().splitlines()[-1])["accuracy"] > 0.8
+    caches = json.loads((tmp_path / "results.json").read_text())["offload"]
+    assert len(caches) == 13 and all(0 < s["hits"] <= s["rows_looked_up"] for s in caches.values())
+    assert all(s["cache_rows"] == 4096 for s in caches.values()) and "offload education_embedding: hits" in out
+    assert (rows / "education_embedding.w1r0.weights.rows").is_file()
+    meta = json.loads((rows / "education_embedding.w1r0.meta.json").read_text())
+    assert "bfloat16" in json.dumps(meta)  # the rows on disk are bfloat16
     assert cli(["inspect", str(tmp_path / "model")]) == 0
     shown = capsys.readouterr().out
     assert "bfloat16/bfloat16" in shown and " dtype " in shown

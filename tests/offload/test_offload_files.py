@@ -78,6 +78,39 @@ def test_two_trainers_on_one_table_directory_are_refused(tmp_path: Path) -> None
     assert before.abs().max() > 0  # a state_dict kept past its module still reads (its file was unlinked)
 
 
+def test_close_releases_the_files_at_once_and_the_closed_module_refuses_them(tmp_path: Path) -> None:
+    """``close()``: the lock goes now, not when Python collects the module (a reference cycle may keep it for a
+    while); the closed module refuses every access to its files with the reason and the fix, and what it handed
+    out still reads; a second module on the directory trains and restores the first one's checkpoint."""
+    first = _module(tmp_path / "rows")
+    acts = first({"f": torch.tensor([[1, 2], [3, 40]])})["f"]
+    first.apply_gradients({"f": torch.ones_like(acts)})
+    saved = first.save(tmp_path / "ckpt")
+    handed_out = first.embedding_tables["t"]
+    expected = handed_out[[1, 2, 3, 40]].clone()
+    keep = first  # a reference the test holds: without close() the lock stays taken
+    first.close()
+    first.close()  # again: nothing more to release
+    second = _module(tmp_path / "rows")
+    for access in (
+        lambda: keep({"f": torch.tensor([[1]])}),
+        lambda: keep.save(tmp_path / "ckpt2"),  # a CheckpointError carrying the reason
+        lambda: keep.state_dict(),
+        lambda: keep.restore(saved),
+    ):
+        with pytest.raises(Exception, match=r"table 't': the module was closed \(close\(\)\).*restore\(\)"):
+            access()
+    assert not (tmp_path / "ckpt2").exists() or not any((tmp_path / "ckpt2").glob("ckpt-*"))
+    assert torch.equal(handed_out[[1, 2, 3, 40]], expected)  # its maps stay readable
+    second.restore(saved)
+    assert torch.equal(second.embedding_tables["t"][[1, 2, 3, 40]], expected)
+    acts = second({"f": torch.tensor([[1, 2]])})["f"]
+    second.apply_gradients({"f": torch.ones_like(acts)})
+    second.close()
+    third = _module(tmp_path / "rows")  # the lock was released without garbage collection
+    third.close()
+
+
 def test_a_batch_whose_rows_do_not_fit_the_cache_is_refused_and_changes_nothing(tmp_path: Path) -> None:
     emb = _module(tmp_path, cache_rows=32)  # 2 groups of 16 rows
     emb({"f": et.Ragged.from_lists([[0, 1]])})
