@@ -31,7 +31,17 @@ logger = logging.getLogger("embtables")
 
 _SOURCES = [
     Path(__file__).parent / "csrc" / name
-    for name in ("embtables_native.c", "half_tables.c", "key_map.c", "shm_sync.c", "offload_io.c")
+    for name in (
+        "embtables_native.c",
+        "lookups.c",
+        "optimizer_rows.c",
+        "float32_updates.c",
+        "finite_bounds.c",
+        "half_tables.c",
+        "key_map.c",
+        "shm_sync.c",
+        "offload_io.c",
+    )
 ]
 _HEADERS = [Path(__file__).parent / "csrc" / "embtables_native.h"]
 _FLAGS = [

@@ -46,7 +46,7 @@ _VP, _I64, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
 # ``apply_checked``: below it that costs less than proving the update finite from the tables' value bounds
 # (about 10 us a table in Python), above it more (measured: 512 x 1 ids on 8 tables of dim 24, about 11,000
 # values a table, 0.30 vs 0.34 ms a step; 512 x 5, about 35,000, 1.18 vs 0.74 ms). At most ``ET_STAGED_MAX`` in
-# csrc/embtables_native.c, past which C checks by a dry run first.
+# csrc/float32_updates.c, past which C checks by a dry run first.
 STAGED_MAX_VALUES = 1 << 14
 
 

@@ -2,7 +2,7 @@
 sums of a group of tables, and the fused sparse update of a group of tables for every optimizer.
 
 Imported only through ``kernels/gpu.py``, which imports it when a CUDA table first needs it (Triton is
-optional). The row math follows the native C kernels (``csrc/embtables_native.c``) line by line: the
+optional). The row math follows the native C kernels (``csrc/optimizer_rows.c``) line by line: the
 same float32 constants (from each optimizer's kernel record), IEEE division and square roots
 (``div_rn`` / ``sqrt_rn``; Triton's plain ``/`` is an approximate division) and no fused multiply-adds
 (every launch passes ``enable_fp_fusion=False``), so a GPU table differs from a CPU one only where the

@@ -15,8 +15,8 @@ from embtables.kernels import native
 from embtables.kernels.registry import RECORDS, markdown_table, record_of, record_of_type
 from embtables.kernels.sparse_update import get_row_update
 
-C_SOURCE = Path(native.__file__).parent / "csrc" / "embtables_native.c"
-C_HEADER = C_SOURCE.with_suffix(".h")  # the optimizer kinds and parameter unions the sources share
+C_SOURCE = Path(native.__file__).parent / "csrc" / "optimizer_rows.c"  # each optimizer's row function
+C_HEADER = C_SOURCE.with_name("embtables_native.h")  # the optimizer kinds and parameter unions the sources share
 
 
 def _c_text() -> str:
@@ -175,7 +175,7 @@ def _footprint(config_file: str, module: str) -> set[str]:
         "embtables/estimator/parameters.py",
         f"embtables/kernels/{module}",
         "embtables/kernels/registry.py",
-        "embtables/kernels/csrc/embtables_native.c",
+        "embtables/kernels/csrc/optimizer_rows.c",
         "embtables/kernels/csrc/embtables_native.h",
         "embtables/kernels/triton_common.py",
         "embtables/kernels/triton_update.py",

@@ -36,14 +36,17 @@ def c_type(decl: str) -> Any:
 def prototypes() -> dict[str, tuple[Any, list[tuple[str, Any]]]]:
     """Every exported ``et_*`` function of the C sources: its result type and (name, type) parameters."""
     out = {}
+    header = (CSRC / "embtables_native.h").read_text()  # functions the sources share, hidden from the library
+    hidden = set(re.findall(r'visibility\("hidden"\)\)\)[^;(]*?\b(et_\w+)\(', header))
+    assert {"et_row_function", "et_reserve", "et_touched_bounds_of"} <= hidden  # the parser works
     for path in sorted(CSRC.glob("*.c")):
         text = re.sub(r"/\*.*?\*/|//[^\n]*|^#[^\n]*", " ", path.read_text(), flags=re.DOTALL | re.MULTILINE)
         text = re.sub(r"\s+", " ", text)
         for m in re.finditer(r"\b(et_\w+) ?\(([^()]*)\) ?\{", text):
             name, params = m.group(1), m.group(2).strip()
             result = re.split(r"[;{}]", text[: m.start()])[-1].strip()
-            if "static" in result.split() or result.split()[-1:] == ["et_row_fn"]:
-                continue  # not exported (et_row_function: hidden, shared by the sources)
+            if "static" in result.split() or name in hidden:
+                continue  # not exported
             args = []
             if params and params != "void":
                 for param in params.split(","):

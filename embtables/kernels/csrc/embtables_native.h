@@ -187,4 +187,59 @@ static inline int64_t et_feature_of(const int64_t *first, int64_t i, int64_t f) 
     return f;
 }
 
+/* ------------------------------------------------------------------ shared by the sources' parts */
+/* Prefetch the head of a row (its first two 64-byte lines) into all cache levels: the hardware's
+ * adjacent-line and stream prefetchers bring the rest, and fewer prefetch instructions matter when hot
+ * (Zipf) rows are already cached. Measured: 7.6 -> 5.9 ms for the standard lookup. */
+static inline void et_prefetch_head(const float *row, int64_t D) {
+    __builtin_prefetch(row, 0, 3);
+    if (D > 16) __builtin_prefetch(row + 16, 0, 3);
+}
+
+/* Prefetch a whole row (every 64-byte line), for writing. */
+static inline void et_prefetch_row(const float *row, int64_t D, int rw) {
+    for (int64_t off = 0; off < D; off += 16) {
+        if (rw) __builtin_prefetch(row + off, 1, 0);
+        else __builtin_prefetch(row + off, 0, 0);
+    }
+}
+
+/* Phase 1's hash over a workspace's rows (embtables_native.c); the updates find rows with it too. */
+static inline uint64_t et_hash(int64_t id) { return (uint64_t)id * 0x9E3779B97F4A7C15ull; }
+
+static inline int64_t et_find(const et_workspace *h, int64_t id, int shift) {
+    if (h->direct) return (uint64_t)id < (uint64_t)h->cap_d ? h->dmap[id] : -1;
+    uint64_t b = et_hash(id) >> shift;
+    while (h->hkeys[b] != -1) {
+        if (h->hkeys[b] == id) return h->hvals[b];
+        b = (b + 1) & (uint64_t)h->mask;
+    }
+    return -1;
+}
+
+static inline int et_shift(int64_t mask) {
+    int bits = 0;
+    while ((1ll << bits) <= mask) ++bits;
+    return 64 - bits;
+}
+
+/* Whether a lazy update of the prepared rows goes through them in row order (the direct map, scanned): when
+ * they are at least a quarter of the table, the table's rows then stream in order, which the hardware
+ * prefetches, instead of being fetched at random; each row's update is the same either way. */
+static inline int et_in_row_order(const et_workspace *h, int64_t V) { return h->direct && h->cap_d >= V && V <= 4 * h->U; }
+
+/* Phase 1's allocation helpers (embtables_native.c), used by the updates' scratch. */
+__attribute__((visibility("hidden"))) int et_reserve(void **p, int64_t *cap, int64_t n, size_t sz);
+__attribute__((visibility("hidden"))) void et_shrink(void **p, int64_t *cap, int64_t need, size_t sz);
+/* Bounds over the rows an update touches, and the proof that it is finite (finite_bounds.c). */
+__attribute__((visibility("hidden"))) int et_touched_bounds_of(const et_workspace *h, const float *W,
+                                                             const float *S0, const float *S1, const float *S2,
+                                                             int64_t V, int64_t D, int dense, int nthreads,
+                                                             double *hi, double *lo);
+int et_prove_update(const et_opt *p, double gmax, const double *hi, const double *lo, double *out);
+/* How many tensors (weights and slots) et_prove_update bounds for an optimizer kind: 0 where it proves nothing. */
+static inline int et_proof_tensors(int kind) {
+    return kind == ET_SGD ? 1 : kind == ET_ADAGRAD ? 2 : kind == ET_ADAM ? 3 : 0;
+}
+
 #endif
