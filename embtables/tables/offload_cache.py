@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import math
 import mmap
 import time
@@ -41,6 +42,8 @@ from embtables.config.offload import Offload
 from embtables.errors import InputError
 from embtables.tables.initializers import default_initializer
 from embtables.tables.offload_files import DROP_CLEAN, DROP_WRITTEN, READ, SETTLE, WILL_NEED, ShardFiles
+
+logger = logging.getLogger("embtables")
 
 INIT_BLOCK = 1024  # global rows drawn together by the initializer (a property of the table, not of the cache)
 USE_DECAY = 0.98  # a group's lookups count for less by this factor a step (``OffloadedRows._frequency``)
@@ -148,6 +151,7 @@ class OffloadedRows:
         self._untracked = False  # a whole-table access mapped pages the cache does not count
         self.torn: str | None = None  # why the files no longer hold the table (a write-back failed)
         self.closed = False  # the files and lock were released (``close``): every access is refused
+        self._warned_whole = False  # a whole-table access beyond the cache was logged
         self._pending: list[tuple[str, Tensor]] = []  # (part, byte ranges [n, 2]) being written back
         self.counters: dict[str, int] = dict.fromkeys(
             (
@@ -225,6 +229,16 @@ class OffloadedRows:
         self._check_open()
         self.files.regrow()
         todo = torch.nonzero(~self._initialized).flatten()
+        if not self._warned_whole and self.rows > self.budget * self.group:
+            self._warned_whole = True  # once a table: a training loop's state_dict() each epoch says it once
+            fresh = int(torch.clamp(self.rows - todo * self.block, max=self.block).sum()) if todo.numel() else 0
+            logger.warning(
+                "table %r: a whole-table access (state_dict, embedding_tables, slot_variables, local_shards, "
+                "load_state_dict) maps all %d rows (%.2f GiB with their slots), more than its cache of %d rows, "
+                "and writes the initial values of the %d rows never read into its files first. save() streams the "
+                "table a piece at a time instead (docs/offload.md, 'Whole-table access').",
+                self.logical.name, self.rows, self.rows * self.row_bytes / 2**30, self.budget * self.group, fresh,
+            )  # fmt: skip
         if todo.numel():
             self._init_blocks(todo)
         self._untracked = True

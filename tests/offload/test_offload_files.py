@@ -4,6 +4,7 @@ it cannot do is refused at construction with the rule and the fix; its checkpoin
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -76,6 +77,21 @@ def test_two_trainers_on_one_table_directory_are_refused(tmp_path: Path) -> None
     second = _module(tmp_path)  # the first module is gone: its lock with it; the files start afresh
     assert second.offload_statistics()["t"]["initialized_rows"] == 0
     assert before.abs().max() > 0  # a state_dict kept past its module still reads (its file was unlinked)
+
+
+def test_a_whole_table_access_beyond_the_cache_is_logged_once(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """``state_dict()`` of a table larger than its cache maps (and first initializes) every row: said once per
+    table, with its size and the streaming alternative; a table within its cache says nothing."""
+    big, small = _module(tmp_path / "big"), _module(tmp_path / "small", vocabulary_size=4096)
+    with caplog.at_level(logging.WARNING, logger="embtables"):
+        big({"f": torch.tensor([[1, 2]])})  # one block of 1024 rows initialized
+        for _ in range(2):
+            assert big.state_dict()["t"].shape == (30_000, 64) and big.embedding_tables["t"].shape == (30_000, 64)
+        small.state_dict()
+    said = [r.getMessage() for r in caplog.records if "whole-table access" in r.getMessage()]
+    assert len(said) == 1, said
+    assert "table 't'" in said[0] and "all 30000 rows (0.01 GiB" in said[0] and "cache of 8192 rows" in said[0]
+    assert "the 28976 rows never read" in said[0] and "save() streams" in said[0]
 
 
 def test_close_releases_the_files_at_once_and_the_closed_module_refuses_them(tmp_path: Path) -> None:
