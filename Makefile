@@ -9,7 +9,7 @@ demo: install
 	$(PY) -m embtables train
 
 test: install
-	$(PY) -m pytest tests
+	$(PY) -m pytest tests -n auto
 
 lint: install
 	$(PY) -m ruff check embtables tests benchmarks examples scripts

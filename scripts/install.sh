@@ -13,7 +13,7 @@ fi
 here=$(pwd -P)
 # Installed already only if `import embtables` resolves to THIS checkout (not another clone's editable install).
 # Checked from / so that the current directory (this checkout) does not shadow the installed package.
-if (cd / && "$PY" -c "import os, sys, embtables, pytest, hypothesis, ruff, mypy, tqdm, pandas, pyarrow, surprise, tensorboard; \
+if (cd / && "$PY" -c "import os, sys, embtables, pytest, xdist, hypothesis, ruff, mypy, tqdm, pandas, pyarrow, surprise, tensorboard; \
 import sklearn; sys.exit(0 if os.path.realpath(embtables.__file__).startswith(os.path.realpath('$here') + os.sep) else 1)") 2>/dev/null; then
   echo "install: embtables (this checkout) and its extras already installed"
 else
