@@ -188,7 +188,7 @@ def _claims() -> list[Claim]:
         ("Max abs error against the float64 oracle over {} hypothesis scenarios per optimizer config (`python3 "
          "scripts/oracle_errors.py`, recorded in `docs/results/oracle_errors.json`): weights ≤ {} for every optimizer, "
          "slots ≤ {} (FTRL's slots, `linears` included, ≤ {}), activations ≤ {}, on both kernel paths.", oracle),
-        ("runs the whole test suite (about {} minutes on 2 cores)", suite),
+        ("runs the whole test suite over every core (about {} minutes on 2 cores)", suite),
         ("| W = 1, one process x 2 threads | {} ms | 0 |\n| W = 2 div, 2 processes x 1 thread | {} ms ({}x W = 1) | "
          "{}–{} MiB |\n| W = 2 mod, 2 processes x 1 thread | {} ms ({}x W = 1) | {} MiB |\n"
          "| W = 2 table-wise, 2 processes x 1 thread | {} ms ({}x W = 1) | {} MiB |\n"
