@@ -264,6 +264,7 @@ class EmbeddingCollection:
         prepared natively, the dry runs happen in the same native call that writes (checked for all tables
         first).
         """
+        self._refuse_closed(table_grads)
         self._tables.step = step
         backend = self.backend
         if backend.write_step(table_grads, lrs):  # the whole phase 2 in one call (its tensors checked current)
@@ -321,6 +322,7 @@ class EmbeddingCollection:
     def check(self, table_grads: Sequence[TableGradient], lrs: dict[str, float], *, step: int = 0) -> None:
         """Raise exactly as ``apply`` would, but write nothing (used for an update held back by
         pipelining, so its error surfaces at ``apply_gradients`` and not at a later lookup)."""
+        self._refuse_closed(table_grads)
         self._tables.step = step
         self._tables.check_storage()
         self._checked_updates(table_grads, lrs, check_in_write=False)
@@ -328,6 +330,14 @@ class EmbeddingCollection:
         for tg in table_grads:
             if not tg.accumulated:
                 self._sequential(tg, lrs[tg.table.name])()
+
+    def _refuse_closed(self, table_grads: Sequence[TableGradient]) -> None:
+        """An update of an offloaded table whose files were released (``close``) is refused before anything is
+        written (its lookup came before the close)."""
+        for tg in table_grads:
+            cache = self.offloaded.get(tg.table.name)
+            if cache is not None:
+                cache.check_open()
 
     def _checked_updates(
         self, table_grads: Sequence[TableGradient], lrs: dict[str, float], *, check_in_write: bool

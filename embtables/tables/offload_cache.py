@@ -209,7 +209,7 @@ class OffloadedRows:
         """Local rows [lo, hi) of ``part`` ("" or a slot) [hi - lo, D] in their storage type, read from the
         files with ``pread`` (nothing mapped): rows never read are their initial values as the table would store
         them, computed here, not written. What a checkpoint streams, file to file."""
-        self._check_open()
+        self.check_open()
         dtype = self.tensors[part].dtype
         out = torch.empty((hi - lo, self.dim), dtype=dtype)
         size = self.dim * dtype.itemsize
@@ -226,7 +226,7 @@ class OffloadedRows:
     def materialize(self) -> None:
         """Initialize every block never read: the files then hold every row (before a whole-table access; files
         cut short by something else are grown back first, see ``before_restore``)."""
-        self._check_open()
+        self.check_open()
         self.files.regrow()
         todo = torch.nonzero(~self._initialized).flatten()
         if not self._warned_whole and self.rows > self.budget * self.group:
@@ -251,7 +251,7 @@ class OffloadedRows:
     def admit(self, rows: Tensor, step: int, pin_from: int, training: bool) -> None:
         """Bring local rows ``rows`` [any] into memory (initialized) before a lookup at ``step``: refuses
         (changing nothing) when the groups used since ``pin_from`` and these exceed the cache."""
-        self._check_open()
+        self.check_open()
         if self.torn is not None:
             raise RuntimeError(
                 f"table {self.logical.name!r}: its working files are torn ({self.torn}): every lookup is refused "
@@ -404,7 +404,7 @@ class OffloadedRows:
     def before_restore(self) -> None:
         """A restore writes every row through the maps next: files cut short are grown back first (a write past
         a file's end would kill the process)."""
-        self._check_open()
+        self.check_open()
         self.files.regrow()
 
     def written(self, part: str, lo: int, hi: int) -> None:
@@ -451,7 +451,8 @@ class OffloadedRows:
         """(weights [N, D], {slot: [N, D]}): the live tensors over the files."""
         return self.tensors[""], {k: v for k, v in self.tensors.items() if k}
 
-    def _check_open(self) -> None:
+    def check_open(self) -> None:
+        """Raise when the files were released (``close``): nothing may read or write through them."""
         if self.closed:
             raise RuntimeError(
                 f"table {self.logical.name!r}: the module was closed (close()): its offloaded files under "

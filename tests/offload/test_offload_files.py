@@ -105,7 +105,11 @@ def test_close_releases_the_files_at_once_and_the_closed_module_refuses_them(tmp
     handed_out = first.embedding_tables["t"]
     expected = handed_out[[1, 2, 3, 40]].clone()
     keep = first  # a reference the test holds: without close() the lock stays taken
+    acts = first({"f": torch.tensor([[1, 2], [3, 40]])})["f"]  # looked up before the close, updated after it
     first.close()
+    with pytest.raises(RuntimeError, match=r"table 't': the module was closed \(close\(\)\)"):
+        first.apply_gradients({"f": torch.ones_like(acts)})
+    assert torch.equal(handed_out[[1, 2, 3, 40]], expected)  # nothing was written
     first.close()  # again: nothing more to release
     second = _module(tmp_path / "rows")
     for access in (
