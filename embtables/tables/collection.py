@@ -334,6 +334,8 @@ class EmbeddingCollection:
     def _refuse_closed(self, table_grads: Sequence[TableGradient]) -> None:
         """An update of an offloaded table whose files were released (``close``) is refused before anything is
         written (its lookup came before the close)."""
+        if not self.offloaded:  # the common case: nothing to look up per table and step
+            return
         for tg in table_grads:
             cache = self.offloaded.get(tg.table.name)
             if cache is not None:
