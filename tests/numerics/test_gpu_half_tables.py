@@ -107,12 +107,12 @@ _STEP = {torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10, torch.float32: 2.0**-
 def _assert_as_the_reference(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
     """The fused kernels' tensors against the torch reference's: bit for bit through Triton's interpreter (the
     same float32 arithmetic); on CUDA, where the reference's torch kernels may round a float32 operation
-    differently in the last place (fused multiply-adds), each value within one step of its storage type (a
-    stochastic rounding that went the other way)."""
+    differently in the last place (fused multiply-adds), each floating value within one step of its storage type (a
+    stochastic rounding that went the other way); keys and counts exactly everywhere."""
     assert got.keys() == want.keys()
     for key in got:
         assert got[key].dtype == want[key].dtype, key
-        if ON_CUDA:
+        if ON_CUDA and got[key].is_floating_point():
             step = _STEP[got[key].dtype]
             torch.testing.assert_close(got[key].float(), want[key].float(), rtol=step, atol=1e-6, msg=key)
         else:
@@ -360,7 +360,8 @@ def test_a_row_map_the_kernel_cannot_read_as_it_is_is_copied_once_per_version() 
     narrow = torch.arange(V, dtype=torch.int32)  # not int64: copied
     rows["t"] = narrow
     first = backend._global_rows(table)
-    assert first.dtype == torch.int64 and first.device == TEST_DEVICE and torch.equal(first.cpu(), narrow.long())
+    assert first.dtype == torch.int64 and first.device.type == torch.device(TEST_DEVICE).type
+    assert torch.equal(first.cpu(), narrow.long())
     assert backend._global_rows(table) is first  # unchanged: the same copy
     narrow[3] = 99  # changed in place: copied again
     again = backend._global_rows(table)
