@@ -367,8 +367,9 @@ class DistributedEmbedding(nn.Module):
     # ------------------------------------------------------------------ nn.Module integration
     @_locked
     def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> DistributedEmbedding:
-        """``.to()``, ``.cuda()``, ``.half()``...: tables and slots move between devices but stay float32
-        (TF's numerics); a dtype change is refused before anything moves."""
+        """``.to()``, ``.cuda()``, ``.half()``...: tables and slots move between devices and keep their storage
+        types (``TableConfig(dtype=, slot_dtype=)``); ``.half()``, ``.bfloat16()``, ``.double()`` are refused before
+        anything moves, naming each table's type; ``.float()`` leaves half tables half, with a warning."""
         self._pipeline.move(fn)
         return super()._apply(fn, recurse)  # type: ignore[no-untyped-call,no-any-return]
 

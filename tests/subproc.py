@@ -4,6 +4,7 @@ of killing pytest. The child sees this checkout first on ``sys.path``."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -49,3 +50,17 @@ def kill_while_writing(code: str, root: Path, pattern: str = ".embtables-tmp-ckp
         time.sleep(0.002)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
+
+
+def small_disk_command(directory: Path, size: str = "1m", *, read_only: bool = False) -> list[str] | None:
+    """A command prefix that runs a program with a tmpfs of ``size`` mounted on ``directory`` (``read_only``: a
+    read-only one) in a private mount namespace (as root, or as a user through a user namespace): a real full
+    disk. None where neither works here."""
+    if shutil.which("unshare") is None:
+        return None
+    mount = f"mount -t tmpfs -o size={size}{',ro' if read_only else ''} tmpfs {directory}"
+    for flags in (["-m"], ["-r", "-m"]):
+        probe = subprocess.run(["unshare", *flags, "sh", "-c", f"{mount} && echo ok"], capture_output=True, text=True)
+        if probe.returncode == 0 and "ok" in probe.stdout:
+            return ["unshare", *flags, "sh", "-c", f'{mount} && exec "$@"', "sh"]
+    return None

@@ -9,6 +9,7 @@ restore or a complete ``load_state_dict`` succeeds.
 from __future__ import annotations
 
 import functools
+import logging
 import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -19,15 +20,44 @@ from torch import Tensor
 
 from embtables.checkpoint import increments
 from embtables.checkpoint.progress import progress_bar
-from embtables.checkpoint.store import CheckpointError, restore, save
+from embtables.checkpoint.store import CheckpointError, agree, restore, save
 from embtables.checkpoint.streaming_restore import TornRestore
 from embtables.config import ResolvedConfig
 from embtables.sharding import comm, dynamic_keys
 from embtables.sharding.pipeline import StepPipeline
 from embtables.tables.dynamic_vocabularies import VOCABULARY_FIELDS, vocabulary_problem
+from embtables.tables.state import LocalShard
 from embtables.tables.state_dict_io import strict_of_caller, validate_state_dict
 
 Progress = bool | Callable[[int], None] | None
+logger = logging.getLogger("embtables")
+
+
+def _refusal(fn: Callable[[], None]) -> str | None:
+    """None when ``fn()`` returns, else its error's message (for every rank to raise, ``store.agree``)."""
+    try:
+        fn()
+    except comm.CollectiveError:
+        raise
+    except (OSError, ValueError, RuntimeError) as exc:
+        return str(exc)
+    return None
+
+
+def _converted_tables(manifest: dict[str, Any], shards: Mapping[str, LocalShard]) -> list[str]:
+    """The tables a restore of ``manifest`` converted: a state block stored in another type than the table's
+    (a float32 checkpoint into a bfloat16 table, say)."""
+    out = []
+    for name, shard in shards.items():
+        types = {(f"{name}/{slot}" if slot else name): str(t.dtype).removeprefix("torch.") for slot, t in
+                 shard.tensors.items()}  # fmt: skip
+        for entry in manifest.get("checked_files", []):
+            blocks = entry["blocks"].get(name)
+            state = getattr(blocks, "state", {}) if blocks is not None else {}
+            if any(key in types and block.stored != types[key] for key, block in state.items()):
+                out.append(name)
+                break
+    return out
 
 
 class Persistence:
@@ -77,7 +107,9 @@ class Persistence:
         shards = pipeline.local_shards(whole=False)
         engine = pipeline.engine
         engine.settle()  # a GPU step's error not raised yet is raised now, not lost behind a checkpoint
-        pipeline.exchange("save", lambda: None)
+        # torn or cut working files of an offloaded table are refused on every rank before anything is written
+        refused = _refusal(lambda: engine.check_offloaded("save"))
+        pipeline.exchange("save", lambda: agree(refused, engine.group, "save"))
         # Pre-update rows the next training lookup must read (pipelining): saved with global row ids.
         stale = {name: (shards[name].rows[rows.cpu()], old) for name, (rows, old) in pipeline.stale.items()}
         strategies = {n: p.strategy for n, p in engine.plans.items()}
@@ -100,9 +132,9 @@ class Persistence:
         engine = pipeline.engine
         # an offloaded table's rows are all written by the restore (pass 1 checks that every row is in the
         # checkpoint): its blocks are not initialized first, and its files are whole after it (offload_restored)
-        engine.offload_before_restore()
+        refused = _refusal(engine.offload_before_restore)  # a full disk: every rank refuses, nothing changed
+        pipeline.exchange("restore", lambda: agree(refused, engine.group, "restore"))
         shards = engine.local_shards(whole=False)
-        pipeline.exchange("restore", lambda: None)
         with progress_bar(progress, comm.get_rank(engine.group), "restore") as tick:
             try:
                 manifest = restore(
@@ -116,14 +148,24 @@ class Persistence:
         # The pre-update rows of a pipelined update pending at save are read by the next training lookup
         # of a pipelined module only; a synchronous module reads the tables as they are (updated).
         device, stale = engine.device, manifest.pop("stale")
-        if pipeline.pipelined:
-            pipeline.replaced({n: (r.to(device), v.to(device)) for n, (r, v) in stale.items()})
+        if pipeline.pipelined:  # the saved pre-update rows (float32 in the file) in each table's storage type
+            types = {n: shards[n].tensors[""].dtype for n in stale}
+            pipeline.replaced({n: (r.to(device), v.to(device, types[n])) for n, (r, v) in stale.items()})
         else:
             pipeline.replaced()
         pipeline.training_steps = int(manifest["step"])
         engine.vocabularies.load(manifest.pop("dynamic"), pipeline.training_steps)  # checked in pass 1
         engine.clear_changed()  # the tables are the checkpoint's: nothing changed since it
         self.last_id = increments.manifest_id(manifest)
+        converted = _converted_tables(manifest, shards)
+        if converted:  # rounded into another storage type: the tables are not the checkpoint's any more
+            engine.mark_all_changed()
+            self.last_id = None
+            logger.info(
+                "embtables: restore converted the storage type of %s (the checkpoint's values were rounded into the "
+                "tables' types): the next save(incremental=True) writes a full checkpoint, and changed_rows() lists "
+                "every row.", ", ".join(repr(n) for n in converted),
+            )  # fmt: skip
         return manifest
 
     def state_dict_into(self, destination: dict[str, Any], prefix: str, keep_vars: bool) -> None:

@@ -31,7 +31,14 @@ from torch import Tensor, nn
 from embtables.checkpoint import increments, serving_deltas
 from embtables.checkpoint.file_names import CheckpointError, contained, table_file_stem
 from embtables.checkpoint.owned_dirs import clean_dead_leftovers, fsync_dir, publish, temp_name
-from embtables.checkpoint.serving_codec import DTYPES, MARKER, encode_rows, load_array, store_dtype
+from embtables.checkpoint.serving_codec import (
+    DTYPES,
+    MARKER,
+    encode_rows,
+    int8_scales_problem,
+    load_array,
+    store_dtype,
+)
 from embtables.checkpoint.store import open_rank_files, read_block, read_manifest, row_ids
 from embtables.config import Combiner, DynamicVocabulary, FeatureConfig, QuantizationConfig, TableConfig, nest, resolve
 from embtables.config.optimizers import SGD
@@ -327,6 +334,9 @@ def _require_finite(data: Tensor, scales: Tensor | None, dtype: str) -> None:
     floats = scales if scales is not None else data.view(torch.bfloat16) if dtype == "bfloat16" else data
     if floats.numel() and not bool(torch.isfinite(floats).all()):
         raise ValueError("it holds a value that is not finite (NaN or Inf): the file was changed after the export")
+    problem = int8_scales_problem(scales.numpy()) if scales is not None and scales.numel() else None
+    if problem is not None:
+        raise ValueError(problem)
 
 
 def _load_keys(path: Path, vocabulary_size: int) -> tuple[Tensor, Tensor]:

@@ -64,6 +64,23 @@ def encode_rows(
     return q, back, np.concatenate([scale, lo], axis=1), finite
 
 
+def int8_scales_problem(scales: np.ndarray[Any, Any]) -> str | None:
+    """Why int8 per-row [scale, bias] ``scales`` [N, 2] (float32) cannot be served, or None: each must be finite,
+    the scale >= 0, and the row's decoded values ``q * scale + bias`` (q in [0, 255]) finite in float32, as
+    ``encode_rows`` writes them (a finite scale of 3e38 decodes past float32)."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        scale, bias = scales[:, 0].astype(np.float32), scales[:, 1].astype(np.float32)
+        top = np.float32(255) * scale + bias
+        bad = ~(np.isfinite(scale) & np.isfinite(bias) & (scale >= 0) & np.isfinite(top))
+    if not bad.any():
+        return None
+    r = int(np.flatnonzero(bad)[0])
+    return (
+        f"row {r}'s int8 scale {np.float32(scales[r, 0])!s} and bias {np.float32(scales[r, 1])!s} decode to values "
+        "that are not finite float32 (an export never writes them: the file was changed after it)"
+    )
+
+
 def load_array(
     path: Path, dtype: Any, shape: tuple[int, int], mmap: bool, max_rows: int | None = None
 ) -> np.ndarray[Any, Any]:

@@ -27,7 +27,7 @@ import numpy as np
 from embtables.checkpoint import increments
 from embtables.checkpoint.file_names import CheckpointError, contained
 from embtables.checkpoint.owned_dirs import fsync_dir, temp_name
-from embtables.checkpoint.serving_codec import MARKER, encode_rows, load_array, store_dtype
+from embtables.checkpoint.serving_codec import MARKER, encode_rows, int8_scales_problem, load_array, store_dtype
 from embtables.checkpoint.store import read_block, row_ids
 
 Link = tuple[Path, dict[str, Any], dict[str, np.ndarray[Any, Any]]]  # (directory, checked manifest, file maps)
@@ -273,6 +273,9 @@ def pending(
                     finite = bool(np.isfinite(scales if scales is not None else data).all())
                 if not finite:
                     raise ValueError("a value is not finite")
+                problem = int8_scales_problem(scales) if scales is not None else None
+                if problem is not None:
+                    raise ValueError(problem)
             except (OSError, ValueError, EOFError, KeyError, TypeError) as exc:
                 raise CheckpointError(f"{meta['path']}: table {name!r}: {exc}. Nothing was applied.") from exc
             tables[name] = (rows, data, scales)

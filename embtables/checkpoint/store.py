@@ -192,7 +192,9 @@ def _plan(
         for field, values in (vocabularies or {}).get(t.name, {}).items():
             plan.append((t.name, "vocabulary", f"{t.name}#{field}", values.detach().to("cpu", torch.int64).numpy()))
         if stale and t.name in stale:
-            srows, svalues = (x.detach().to("cpu").contiguous().numpy() for x in stale[t.name])
+            # a half table's pre-update rows widen to float32 exactly (the stale block is float32 in every format)
+            srows = stale[t.name][0].detach().to("cpu").contiguous().numpy()
+            svalues = stale[t.name][1].detach().to("cpu", torch.float32).contiguous().numpy()
             plan.append((t.name, "stale_rows", f"{t.name}#stale_rows", srows.astype(np.int64)))
             plan.append((t.name, "stale", f"{t.name}#stale", svalues.astype(np.float32).reshape(-1, t.dim)))
     return plan
@@ -396,9 +398,17 @@ def _publish(
         os.fsync(f.fileno())
     fsync_dir(tmp)
     final = checkpoint_dir(base, step)
+    aside = _aside_if_different(final, manifest)
     old = publish(tmp, final)  # the same step saved again: the new one replaces it atomically
+    if old is not None and aside is not None:
+        os.replace(old, aside)
+        logger.warning(
+            "embtables: save of step %d replaced %s, which held other values (the tables changed without a training "
+            "step: a load_state_dict, a refused step, edits); the earlier checkpoint was kept as %s (restore() takes "
+            "its path; remove it when it is not needed).", step, final, aside,
+        )  # fmt: skip
     fsync_dir(base)
-    if old is not None:
+    if old is not None and aside is None:
         shutil.rmtree(old, ignore_errors=True)
     if keep_last is not None:
         every = published(base)
@@ -409,6 +419,29 @@ def _publish(
     for kind in ("ckpt", "trash"):  # left by saves killed midway, on this host, by dead processes
         clean_dead_leftovers(base, kind)
     return final
+
+
+def _aside_if_different(final: Path, manifest: dict[str, Any]) -> Path | None:
+    """Where the checkpoint at ``final`` is kept when a save of the same step replaces it with other contents
+    (``ckpt-<step>-replaced-<its id>``); None when there is none, or it holds the same blocks (every block's
+    CRC-32 and place, the same config and extra data), when it is replaced."""
+    if not final.exists():
+        return None
+    try:
+        old = json.loads((final / manifest_io.MANIFEST).read_bytes())
+        same = all(old.get(key) == json.loads(json.dumps(manifest[key])) for key in ("files", "config", "extra"))
+        same = same and "chain" not in old and "chain" not in manifest
+        old_id = str(old.get("id", "unknown"))
+    except (OSError, ValueError, TypeError, AttributeError, RecursionError):
+        same, old_id = False, "unreadable"
+    if same:
+        return None
+    safe = re.sub(r"[^A-Za-z0-9_-]", "", old_id)[:16] or "unknown"
+    aside, n = final.parent / f"{final.name}-replaced-{safe}", 1
+    while aside.exists():
+        n += 1
+        aside = final.parent / f"{final.name}-replaced-{safe}-{n}"
+    return aside
 
 
 def config_as_data(resolved: ResolvedConfig) -> dict[str, Any]:

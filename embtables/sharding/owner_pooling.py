@@ -24,7 +24,7 @@ unique ids a rank asks of the other ranks (20-id bags of Zipf ids: about 3x fewe
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -82,6 +82,7 @@ def pooled_lookup_exchange(
     world: int,
     group: comm.ProcessGroup | None,
     refused: bool = False,
+    admit: Callable[[Sequence[tuple[str, Tensor]]], None] | None = None,
 ) -> tuple[dict[int, Tensor], PooledContext, list[int]]:
     """Activations [S_f, D] of the pooled ``features`` (this rank's batch), pooled by their owners:
     split each bag by owner (plan), send the pieces (steps 1-3 of the module docstring), pool what
@@ -89,7 +90,9 @@ def pooled_lookup_exchange(
 
     ``refused``: this rank refused its batch (``batches`` is then ignored); the flag travels with the
     counts, and when any rank refused, nothing more is sent and the refusing ranks are returned (third
-    element; empty otherwise) so that every rank raises together."""
+    element; empty otherwise) so that every rank raises together. ``admit``: called on every rank with the
+    local rows [n] it was asked for, per table, before it pools them (an offloaded table's cache brings them
+    into memory; it raises on every rank when any refused)."""
     with phase_profile.phase("owner pooling: split by owner"):
         if refused:
             split = _OwnerSplit({}, torch.zeros((world, 3 * len(features)), dtype=torch.int64), {}, {})
@@ -100,6 +103,11 @@ def pooled_lookup_exchange(
     if refusing:
         return {}, PooledContext(split.sent, split.bags, []), refusing
     tables = resolved.tables
+    if admit is not None and local.offloaded:
+        wanted: dict[str, list[Tensor]] = {}
+        for a in (a for src in asked for a in src):
+            wanted.setdefault(tables[resolved.features[a.feature].table_index].name, []).append(a.ids)
+        admit([(name, torch.cat(rows)) for name, rows in wanted.items() if name in local.offloaded])
     weights = [
         (a, local.states[tables[resolved.features[a.feature].table_index].name].weights) for src in asked for a in src
     ]

@@ -379,18 +379,25 @@ class StepPipeline:
         if not training or not self.stale:
             yield
             return
-        stale, self.stale = self.stale, {}
-        current = {}
+        current, swapped = {}, {}
         with torch.no_grad():
-            for name, (rows, old) in stale.items():
+            # everything prepared before any table changes (each table's rows in its storage type and on its
+            # device): the swap is all or nothing, and a failure here keeps the stale rows for the next lookup
+            for name, (rows, old) in self.stale.items():
                 weights = self.engine.states[name].weights
+                rows = rows.to(weights.device)
+                swapped[name] = (rows, old.to(weights.device, weights.dtype))
                 current[name] = weights.index_select(0, rows)
-                weights.index_copy_(0, rows, old)
+            self.stale = {}
+            done = []
             try:
+                for name, (rows, old) in swapped.items():
+                    self.engine.states[name].weights.index_copy_(0, rows, old)
+                    done.append(name)
                 yield
             finally:
-                for name, (rows, _) in stale.items():
-                    self.engine.states[name].weights.index_copy_(0, rows, current[name])
+                for name in done:
+                    self.engine.states[name].weights.index_copy_(0, swapped[name][0], current[name])
 
     # ------------------------------------------------------------------ the state as a whole
     def full_state(self) -> dict[str, Tensor]:
@@ -418,13 +425,25 @@ class StepPipeline:
 
     def move(self, fn: Callable[[Tensor], Tensor]) -> None:
         """``nn.Module._apply`` (``.to()``, ``.cuda()``, ``.half()``...): tables, slots and held rows move
-        between devices but stay float32 (TF's numerics); a dtype change is refused before anything moves."""
+        between devices and keep their storage types; a change to another floating type is refused before anything
+        moves, naming each table's type, and ``.float()`` leaves half tables half, with a warning."""
         probe = fn(torch.zeros(1, dtype=torch.float32, device=self.engine.device))
+        stored = {name: str(state.weights.dtype).removeprefix("torch.") for name, state in self.engine.states.items()}
+        listed = ", ".join(f"{name!r} ({dtype})" for name, dtype in stored.items())
         if probe.dtype != torch.float32:
             raise TypeError(
-                f"DistributedEmbedding: embedding tables and slots stay float32 (TF's TPU numerics); converting "
-                f"them to {probe.dtype} is refused and nothing was changed. Convert only the dense part of the "
-                "model (e.g. `model.dense.half()`) and cast the activations, or keep this module in float32."
+                f"DistributedEmbedding: converting the embedding tables to {probe.dtype} is refused and nothing was "
+                f"changed: each table keeps the storage type its TableConfig gave it ({listed}; the optimizers' "
+                "arithmetic is float32, as TF's). Choose a table's storage with TableConfig(dtype=torch.bfloat16 or "
+                "torch.float16, slot_dtype=...); convert only the dense part of the model (e.g. `model.dense.half()`) "
+                "and cast the activations."
+            )
+        half = [f"{name!r} ({dtype})" for name, dtype in stored.items() if dtype != "float32"]
+        if half and probe.dtype == torch.float32 and fn(torch.zeros(1, dtype=torch.float16)).dtype == torch.float32:
+            logger.warning(
+                "DistributedEmbedding: .float() leaves the half-precision tables %s in their storage type; "
+                "TableConfig(dtype=torch.float32) stores a table in float32 (restore() converts a checkpoint).",
+                ", ".join(half),
             )
         self.flush(observer=True)
         if self.enqueued is not None and self.enqueued.prefetch is not None:

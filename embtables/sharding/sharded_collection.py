@@ -93,10 +93,9 @@ class ShardedEmbeddingCollection(LocalTables):
         self.resolved = resolved
         self.group = group
         self.rank, self.world = comm.get_rank(group), comm.get_world_size(group)
-        # an offloaded table returns rows: its owner brings them into memory before it answers (``lookup``)
-        eligible = {
-            t.name for t in resolved.tables if owner_pooling.owner_pooled(t, resolved) and t.config.offload is None
-        }
+        # an offloaded table pools on its owners too (their caches admit the ids asked of them first): the same
+        # sums, in the same order, as the same table in memory
+        eligible = {t.name for t in resolved.tables if owner_pooling.owner_pooled(t, resolved)}
         pooled = eligible if owner_pooled is None else eligible & set(owner_pooled)
         # Which tables pool on their owners changes the float32 summation order: every rank must agree.
         checked = {**(settings or {}), "owner_pooled": sorted(pooled)}
@@ -241,7 +240,7 @@ class ShardedEmbeddingCollection(LocalTables):
         out: list[Tensor | None] = [None] * len(self.resolved.features)
         if tables:  # the row-returning tables (their exchange carries the refusal agreement)
             routes = self._routes(batches, refused)
-            self._admit_offloaded(tables, routes)
+            self._admit_offloaded([(t.name, route.recv_rows) for t, route in zip(tables, routes)])
             answers = []
             with phase_profile.phase("lookup: answer rows"):
                 for t, route in zip(tables, routes):
@@ -260,7 +259,7 @@ class ShardedEmbeddingCollection(LocalTables):
             with phase_profile.phase("lookup: owner pooling"):
                 acts, pooled, refusing = owner_pooling.pooled_lookup_exchange(
                     self._pooled_features, batches, self.resolved, self.plans, self.local, self.rank, self.world,
-                    self.group, refused=refused is not None and not tables,
+                    self.group, refused=refused is not None and not tables, admit=self._admit_offloaded,
                 )  # fmt: skip
             if refusing:
                 self._raise_refused(refused, refusing, "batch")
@@ -291,16 +290,17 @@ class ShardedEmbeddingCollection(LocalTables):
             self._raise_refused(refused, refusing, "batch")
         return [routing.TableRoute(r, recv_rows, recv_counts) for r, (recv_rows, recv_counts) in zip(routed, asked)]
 
-    def _admit_offloaded(self, tables: Sequence[ResolvedTable], routes: Sequence[routing.TableRoute]) -> None:
-        """Bring the rows other ranks asked for into this rank's row caches (offloaded tables); every rank
-        raises when any rank's cache refused (one exchange, only with offloaded tables)."""
+    def _admit_offloaded(self, wanted: Sequence[tuple[str, Tensor]]) -> None:
+        """Bring the local rows [any] other ranks asked of this rank, per table (``wanted``), into its row caches
+        (offloaded tables); every rank raises when any rank's cache refused (one exchange, only with offloaded
+        tables)."""
         if not self.local.offloaded:
             return
         step, pin_from, training = self._admission
         error: str | None = None
-        for t, route in zip(tables, routes):
+        for name, rows in wanted:
             try:
-                self.local.admit_offloaded(t.name, route.recv_rows, step, pin_from, training)
+                self.local.admit_offloaded(name, rows, step, pin_from, training)
             except (InputError, RuntimeError, OSError) as exc:
                 error = f"{type(exc).__name__}: {exc}"
                 break
@@ -588,7 +588,7 @@ class ShardedEmbeddingCollection(LocalTables):
     def load_logical(self, values: dict[str, Tensor]) -> None:
         """Keep this rank's rows of full logical tables/slots ``{key: [V, D]}`` (already validated)."""
         owners = self.state_key_owners()
-        self.local.whole_tables()
+        self.local.whole_tables(self.rewritten_tables(values))
         with torch.no_grad():
             for key, value in values.items():
                 t, slot = owners[key]

@@ -9,7 +9,7 @@ without touching state; phase 2 checks every update, then writes. A bad batch th
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any, cast
 
 import torch
@@ -123,10 +123,17 @@ class EmbeddingCollection:
         ids = [batches[f].ids for f in self.resolved.tables[index].feature_indices]
         return torch.cat(ids) if ids else None
 
-    def whole_tables(self) -> None:
-        """Every offloaded table initialized in full before its tensors are read or written whole."""
+    def whole_tables(self, rewritten: Collection[str] = ()) -> None:
+        """Every offloaded table initialized in full before its tensors are read or written whole (refused while
+        its files are torn or cut short); the tables named in ``rewritten`` have every row and slot written next
+        (a full load), which their files may be torn for (``OffloadedRows.materialize``)."""
+        for name, cache in self.offloaded.items():
+            cache.materialize(rewrite=name in rewritten)
+
+    def check_offloaded(self, what: str) -> None:
+        """Raise unless every offloaded table's files hold it whole, before ``what`` reads them (a save)."""
         for cache in self.offloaded.values():
-            cache.materialize()
+            cache.check_whole(what)
 
     def offload_statistics(self) -> dict[str, dict[str, float]]:
         return {name: cache.statistics() for name, cache in self.offloaded.items()}

@@ -9,7 +9,7 @@ together at the lookup).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -86,6 +86,8 @@ class Engine(Protocol):
     def mark_all_changed(self) -> None: ...
 
     def offload_before_restore(self) -> None: ...
+
+    def check_offloaded(self, what: str) -> None: ...
 
     def offload_restored(self) -> None: ...
 
@@ -189,6 +191,20 @@ class LocalTables:
         """A restore writes every row of this process's offloaded tables next: their files are made writable
         whole (grown back where something cut them short)."""
         self.local.offload_before_restore()
+
+    def check_offloaded(self, what: str) -> None:
+        """Raise unless this process's offloaded tables' files hold them whole (not torn, not cut short), before
+        ``what`` (a save) reads them."""
+        self.local.check_offloaded(what)
+
+    def rewritten_tables(self, keys: Collection[str]) -> set[str]:
+        """The offloaded tables whose every state key (weights and slots) is in ``keys``: a load writes them
+        whole."""
+        owners = self.local.state_key_owners()
+        return {
+            name for name in self.local.offloaded
+            if all(key in keys for key, (t, _) in owners.items() if t.name == name)
+        }  # fmt: skip
 
     def offload_restored(self) -> None:
         """The offloaded tables were written whole (restore, a full load): their files are whole again."""
@@ -318,7 +334,7 @@ class OneProcessEngine(LocalTables):
 
     def load_logical(self, values: dict[str, Tensor]) -> None:
         """Copy full logical tables/slots ``{key: [V, D]}`` (already validated) into place."""
-        self.local.whole_tables()
+        self.local.whole_tables(self.rewritten_tables(values))
         expected = self.local.state_keys()
         with torch.no_grad():
             for key, value in values.items():

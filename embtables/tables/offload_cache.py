@@ -140,6 +140,7 @@ class OffloadedRows:
                 f"{self.group}."
             )
         self.budget = offload.cache_rows // self.group  # groups in memory at most
+        self.cache_rows = offload.cache_rows  # as the user passed it (the cache holds ``budget`` whole groups)
         self.files = ShardFiles(str(offload.directory), logical.name, shard, self.rows, self.dim, parts)
         self.tensors = self.files.tensors
         groups = -(-self.rows // self.group)
@@ -209,7 +210,7 @@ class OffloadedRows:
         """Local rows [lo, hi) of ``part`` ("" or a slot) [hi - lo, D] in their storage type, read from the
         files with ``pread`` (nothing mapped): rows never read are their initial values as the table would store
         them, computed here, not written. What a checkpoint streams, file to file."""
-        self.check_open()
+        self.check_whole("save")
         dtype = self.tensors[part].dtype
         out = torch.empty((hi - lo, self.dim), dtype=dtype)
         size = self.dim * dtype.itemsize
@@ -223,11 +224,30 @@ class OffloadedRows:
             out[a - lo : z - lo] = values
         return out
 
-    def materialize(self) -> None:
-        """Initialize every block never read: the files then hold every row (before a whole-table access; files
-        cut short by something else are grown back first, see ``before_restore``)."""
+    def check_whole(self, what: str) -> None:
+        """Raise unless the files hold the table, before ``what`` reads it whole (a whole-table access, a save):
+        refused while closed or torn; a file cut short by something else tears them first (as admission does)."""
         self.check_open()
-        self.files.regrow()
+        if self.torn is None:
+            short = self.files.short_files()
+            if not short:
+                return
+            self.torn = f"files were cut short by something else ({'; '.join(short)})"
+        raise RuntimeError(
+            f"table {self.logical.name!r}: {what} refused: its working files under {self.files.directory!r} are torn "
+            f"({self.torn}) and no longer hold the table. Lookups, whole-table reads (state_dict, embedding_tables, "
+            "slot_variables, local_shards, changed_rows) and save are refused until restore() of a checkpoint or "
+            "load_state_dict() of the whole state; the last checkpoint is untouched."
+        )
+
+    def materialize(self, *, rewrite: bool = False) -> None:
+        """Initialize every block never read: the files then hold every row (before a whole-table access, which
+        ``check_whole`` admits first). ``rewrite``: every row is written next (a full ``load_state_dict``): torn
+        or cut files are accepted, their blocks reserved whole first (``before_restore``)."""
+        if rewrite:
+            self.before_restore("load_state_dict")
+        else:
+            self.check_whole("a whole-table access")
         todo = torch.nonzero(~self._initialized).flatten()
         if not self._warned_whole and self.rows > self.budget * self.group:
             self._warned_whole = True  # once a table: a training loop's state_dict() each epoch says it once
@@ -280,9 +300,9 @@ class OffloadedRows:
                 raise InputError(
                     f"table {self.logical.name!r}: this lookup and the rows still in use need {needed} rows in "
                     f"memory ({groups.numel()} groups of {self.group} rows for this batch's {rows.numel()} rows), "
-                    f"more than Offload(cache_rows={self.budget * self.group}). Raise cache_rows (to at least "
-                    f"{needed}; a pipelined step also keeps the previous batch's rows) or use smaller batches. "
-                    "Nothing was changed."
+                    f"more than Offload(cache_rows={self.cache_rows}) holds ({self.budget} groups: "
+                    f"{self.budget * self.group} rows). Raise cache_rows (to at least {needed}; a pipelined step also "
+                    "keeps the previous batch's rows) or use smaller batches. Nothing was changed."
                 )
             coldest = torch.topk(self._frequency(candidates, step), over, largest=False).indices
             self._evict(torch.sort(candidates[coldest]).values)
@@ -401,11 +421,24 @@ class OffloadedRows:
             "the whole state; the last checkpoint is untouched."
         ) from cause
 
-    def before_restore(self) -> None:
-        """A restore writes every row through the maps next: files cut short are grown back first (a write past
-        a file's end would kill the process)."""
+    def before_restore(self, what: str = "restore") -> None:
+        """A restore (``what``) writes every row through the maps next: the files' blocks are reserved whole
+        first (files cut short grown back): a store through a map past a file's end, or into a hole of a full
+        disk, would kill the process (SIGBUS). A full disk raises here, with nothing changed."""
         self.check_open()
-        self.files.regrow()
+        short = self.files.short_files()
+        if short and self.torn is None:  # stays torn if the reservation fails: the cut rows are gone
+            self.torn = f"files were cut short by something else ({'; '.join(short)})"
+        try:
+            self.files.allocate()
+        except OSError as exc:
+            total = sum(self.files.nbytes.values())
+            raise RuntimeError(
+                f"table {self.logical.name!r}: {what} writes all {self.rows} rows into its files under "
+                f"{self.files.directory!r} ({total} bytes with their slots); reserving that space failed "
+                f"({exc.strerror or exc}). Nothing was changed: every table and slot is as it was. Free space on "
+                "that disk (or give the table a directory on a larger one) and try again."
+            ) from exc
 
     def written(self, part: str, lo: int, hi: int) -> None:
         """Local rows [lo, hi) of ``part`` were just written through the maps outside a step (a restore's
@@ -444,7 +477,9 @@ class OffloadedRows:
         out: dict[str, float] = dict(self.counters)
         out["disk_wait_s"] = self.disk_wait_s
         out["resident_rows"] = self.resident_rows()
-        out["cache_rows"] = self.budget * self.group
+        out["cache_rows"] = self.cache_rows
+        out["cache_groups"] = self.budget
+        out["group_rows"] = self.group
         return out
 
     def state_tensors(self) -> tuple[Tensor, dict[str, Tensor]]:

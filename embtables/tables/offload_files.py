@@ -155,6 +155,16 @@ class ShardFiles:
                 self._lock(lock)
             for part, dtype in parts.items():
                 self._open_rows(part, rows, dim, dtype)
+        except OSError as exc:  # a read-only directory, a file-size limit, a full disk
+            self.close()
+            total = rows * dim * sum(d.itemsize for d in parts.values())
+            raise ConfigError(
+                f"table {table!r}: cannot create its working files in its offload directory {directory!r} (the "
+                f"Offload(directory=...) where its {rows} rows and their slots live while it trains, {total} bytes "
+                f"in all): {exc.strerror or exc}"
+                + (f" ({os.path.basename(exc.filename)})" if isinstance(exc.filename, str) else "")
+                + ". Give the table a writable directory on a disk that allows files of that size (ulimit -f)."
+            ) from exc
         except BaseException:
             self.close()
             raise
@@ -306,12 +316,21 @@ class ShardFiles:
             if (size := os.fstat(fd).st_size) < self.nbytes[part]
         ]
 
-    def regrow(self) -> None:
-        """Every file shorter than embtables made it grown back to its size (the pages past the end it was cut
-        at read as zeros): what a restore writes into through the maps."""
+    def allocate(self) -> None:
+        """Give every file its disk blocks, whole (``posix_fallocate``; a file cut short is grown back to its size,
+        the bytes past the cut reading as zeros): what a restore or a full load writes through the maps next. A
+        store through a shared map into a hole of a sparse file needs a block, and a full disk would answer it
+        with SIGBUS; reserved here, a full disk is an ``OSError`` before any byte changes. On failure each file is
+        left at the size it had."""
         for part, fd in self._fds.items():
-            if os.fstat(fd).st_size < self.nbytes[part]:
-                os.ftruncate(fd, self.nbytes[part])
+            size = os.fstat(fd).st_size
+            try:
+                os.posix_fallocate(fd, 0, self.nbytes[part])
+            except OSError:
+                with contextlib.suppress(OSError):
+                    if os.fstat(fd).st_size != size:
+                        os.ftruncate(fd, size)
+                raise
 
     def close(self) -> None:
         """Close the files and release the lock. The maps are never closed here: a tensor over one (torch holds

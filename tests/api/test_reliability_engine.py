@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import io
+import logging
 import math
 from typing import Any
 
@@ -209,6 +210,22 @@ print("ok")
 
 def test_dtype_moves_are_refused_and_change_nothing() -> None:
     assert "ok" in run_python(DTYPE_CHILD)
+
+
+def test_dtype_moves_name_each_tables_storage_type(caplog: pytest.LogCaptureFixture) -> None:
+    """With half tables: .half()/.bfloat16()/.double() name every table with its storage type and point to
+    TableConfig(dtype=); .float() keeps the half tables half and says so (it was silent)."""
+    half = et.TableConfig(20, 4, name="u", dtype=torch.bfloat16)
+    m = et.DistributedEmbedding({"f": et.FeatureConfig(half), "g": et.FeatureConfig(et.TableConfig(9, 4, name="v"))},
+                                et.SGD(0.1))  # fmt: skip
+    for move in (m.half, m.bfloat16, m.double):
+        with pytest.raises(TypeError, match=r"\('u' \(bfloat16\), 'v' \(float32\);.*TableConfig\(dtype="):
+            move()
+    with caplog.at_level(logging.WARNING, logger="embtables"):
+        m.float()
+    assert "leaves the half-precision tables 'u' (bfloat16) in their storage type" in caplog.text
+    assert "TableConfig(dtype=torch.float32)" in caplog.text
+    assert m.embedding_tables["u"].dtype == torch.bfloat16 and m.embedding_tables["v"].dtype == torch.float32
 
 
 # ---------------------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -236,3 +237,27 @@ def test_a_malformed_serving_json_or_delta_json_is_refused_or_exported_whole(tmp
     (out / "serving.json").write_text(json.dumps({**doc, "step": "four"}))
     _save(emb, tmp_path, range(4, 6))
     assert et.export(tmp_path / "ckpts", out, incremental=True).delta is None  # malformed: exported whole
+
+
+def test_an_int8_delta_whose_scale_decodes_past_float32_is_refused(tmp_path: Path) -> None:
+    """A finite scale (3e38) whose decoded values overflow float32: update() refuses the delta, naming it, and
+    serves on; a full export so tampered is refused at load (every later lookup of the row raised before)."""
+    emb, out, serving = _exported(tmp_path, "int8")
+    before = _served(serving)
+    _save(emb, tmp_path, range(2, 4))
+    delta = Path(str(et.export(tmp_path / "ckpts", out, "int8", incremental=True).delta))
+    scales_file = delta / "t0.scale.npy"
+    scales = np.load(scales_file)
+    scales[0] = (3e38, 0.0)
+    np.save(scales_file, scales)
+    with pytest.raises(CheckpointError, match=r"delta-0000000004: table 't': row 0's int8 scale 3e\+38 and bias 0.0"):
+        serving.update()
+    assert _same(_served(serving), before) and serving.step == 2
+    whole = tmp_path / "whole"
+    et.export(tmp_path / "ckpts", whole, "int8")
+    full = next(whole.glob("t0*.scale.npy"))
+    scales = np.load(full)
+    scales[5] = (1e36, 3.4e38)
+    np.save(full, scales)
+    with pytest.raises(CheckpointError, match=r"row 5's int8 scale 1e\+36 and bias 3.4e\+38"):
+        et.ServingEmbedding.load(whole)

@@ -5,7 +5,6 @@ checkpoint valid; a write-back that fails tears the working files, and every loo
 from __future__ import annotations
 
 import errno
-import shutil
 import subprocess
 import sys
 from collections.abc import Callable
@@ -14,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from subproc import ROOT
+from subproc import ROOT, small_disk_command
 
 import embtables as et
 from embtables.tables.offload_files import DROP_WRITTEN, READ, ShardFiles
@@ -46,26 +45,10 @@ print("restored step", mem.restore(ckpt)["step"])
 """
 
 
-def _mount_command(directory: Path) -> list[str] | None:
-    """A command prefix that runs a program with a 1 MiB tmpfs mounted on ``directory`` in a private mount
-    namespace (as root, or as a user through a user namespace), or None where neither works here."""
-    if shutil.which("unshare") is None:
-        return None
-    for flags in (["-m"], ["-r", "-m"]):
-        probe = subprocess.run(
-            ["unshare", *flags, "sh", "-c", f"mount -t tmpfs -o size=1m tmpfs {directory} && echo ok"],
-            capture_output=True,
-            text=True,
-        )
-        if probe.returncode == 0 and "ok" in probe.stdout:
-            return ["unshare", *flags, "sh", "-c", f'mount -t tmpfs -o size=1m tmpfs {directory} && exec "$@"', "sh"]
-    return None
-
-
 def test_a_full_disk_refuses_the_step_that_needs_new_rows_and_changes_nothing(tmp_path: Path) -> None:
     rows_dir = tmp_path / "rows"
     rows_dir.mkdir()
-    prefix = _mount_command(rows_dir)
+    prefix = small_disk_command(rows_dir)
     if prefix is None:
         pytest.skip("no private mount namespace here (unshare -m as root, or -r -m) for a small tmpfs")
     torch.manual_seed(0)

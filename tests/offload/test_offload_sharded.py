@@ -106,3 +106,50 @@ def test_sharded_offloaded_tables_train_to_the_bits_of_sharded_tables_in_memory(
     torch.save({"t": one.state_dict()["t"].clone()}, tmp_path / "initial.pt")
     cases = [("adagrad", "div", False), ("sgd-noacc", "mod", False), ("adagrad", "mod", True)]
     run_world(_ranks, 2, str(tmp_path / "rows"), str(tmp_path / "initial.pt"), cases)
+
+
+def _pooled_features(directory: str | None) -> dict[str, et.FeatureConfig]:
+    """Tables whose features are all combined: pooled on the owners, in memory and offloaded alike."""
+    offload = (lambda name: et.Offload(f"{directory}/{name}", 4096)) if directory is not None else (lambda name: None)
+    summed = et.TableConfig(V, 16, name="summed", combiner="sum", offload=offload("summed"))
+    meaned = et.TableConfig(V, 16, name="meaned", combiner="sqrtn", offload=offload("meaned"))
+    return {"a": et.FeatureConfig(summed), "b": et.FeatureConfig(meaned), "w": et.FeatureConfig(summed)}
+
+
+def _pooled_inputs(step: int, lo: int, hi: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(ids, weights) of this rank's bags of 3-6 ids; feature "w" weighted."""
+    g = torch.Generator().manual_seed(70 + step)
+    lists = {k: [torch.randint(0, V, (int(torch.randint(3, 7, (1,), generator=g)),), generator=g).tolist()
+                 for _ in range(8)] for k in ("a", "b", "w")}  # fmt: skip
+    weights = [torch.rand(len(bag), generator=g).tolist() for bag in lists["w"]]
+    ids = {k: et.Ragged.from_lists(v[lo:hi]) for k, v in lists.items()}
+    return ids, {"a": None, "b": None, "w": et.Ragged.from_lists(weights[lo:hi], dtype=torch.float32)}
+
+
+def _pooled_ranks(rank: int, world: int, root: str) -> None:
+    lo, hi = rank * 8 // world, (rank + 1) * 8 // world
+    for sharding in ("div", "mod"):
+        torch.manual_seed(0)
+        off = et.DistributedEmbedding(_pooled_features(f"{root}/{sharding}"), et.Adagrad(0.2), sharding=sharding)
+        assert off._engine._pooled_features, "the offloaded tables pool on their owners"
+        ref = et.DistributedEmbedding(_pooled_features(None), et.Adagrad(0.2), sharding=sharding)
+        ref.load_state_dict(off.state_dict())
+        for step in range(4):
+            got, want = off(*_pooled_inputs(step, lo, hi)), ref(*_pooled_inputs(step, lo, hi))
+            for name in want:
+                assert torch.equal(got[name], want[name]), (sharding, step, name)
+            g = torch.Generator().manual_seed(900 + step)
+            grads = {k: torch.randn((8, 16), generator=g)[lo:hi] for k in sorted(want)}
+            off.apply_gradients(grads)
+            ref.apply_gradients(grads)
+        want_state = ref.state_dict()
+        for key, value in off.state_dict().items():
+            assert torch.equal(value, want_state[key]), (sharding, key)
+
+
+@pytest.mark.distributed
+def test_sharded_offloaded_bags_of_three_or_more_ids_sum_as_sharded_tables_in_memory(tmp_path: Path) -> None:
+    """Bags of 3-6 ids (sum, sqrtn, weighted), W = 2, div and mod: an offloaded table pools on its owners as the
+    same table in memory does (each owner's ids in bag order, then the owners' partial sums in rank order), so
+    lookups and training are bit-equal (they returned rows and pooled on the asking rank: another order)."""
+    run_world(_pooled_ranks, 2, str(tmp_path / "rows"))
