@@ -355,7 +355,10 @@ class DistributedEmbedding(nn.Module):
         optimizer's table), of a dynamic table's new keys, and every row after ``load_state_dict``; after a
         pending pipelined update lands. Sharded: this rank's rows. Writes into the tensors the module hands
         out are not seen. The base of incremental checkpoints and serving deltas (docs/checkpoints.md)."""
-        shards = self._pipeline.local_shards()  # a pending pipelined update lands first
+        # a pending pipelined update lands first; an offloaded table's files are checked (not torn, not cut
+        # short), never initialized whole: the row ids are all this reads
+        shards = self._pipeline.local_shards(whole=False)
+        self._engine.check_offloaded("changed_rows()")
         return self._engine.changed_rows(shards)
 
     @_locked

@@ -142,20 +142,24 @@ def round_rows(values: Tensor, rows: Tensor, seed: int, step: int, table: int, d
     return out.view(dtype)
 
 
-def changed_marker(items: list[tuple[Workspace, Tensor, bool]]) -> Callable[[], None]:
-    """For each (workspace, changed [V] bool, dense): the call that sets ``changed`` at every row the
-    workspace's latest update wrote (every row when ``dense``), all in one native call. The buffers are
-    checked here and the call's arguments built once: the marker may be called after every step while the
-    workspaces and flags stay these (it holds them)."""
+def changed_marker(items: list[tuple[Workspace, Tensor, bool, int, bool]]) -> Callable[[], None]:
+    """For each (workspace, changed flags, dense, V, packed): the call that marks ``changed`` at every row the
+    workspace's latest update wrote (every row when ``dense``), all in one native call; the flags are a bool
+    [V], or ``packed`` a uint8 [ceil(V / 8)] of a bit a row (``ChangedRows``). The buffers are checked here and
+    the call's arguments built once: the marker may be called after every step while the workspaces and flags
+    stay these (it holds them)."""
     lib = library()
     assert lib is not None
     n = len(items)
-    for _, changed, _ in items:
-        require(changed, "changed rows", torch.bool, (-1,))
-    handles = (ctypes.c_void_p * n)(*[ws.handle for ws, _, _ in items])
-    flags = (ctypes.c_void_p * n)(*[c.data_ptr() for _, c, _ in items])
-    vocab = (ctypes.c_int64 * n)(*[c.numel() for _, c, _ in items])
-    dense = (ctypes.c_int32 * n)(*[int(d) for *_, d in items])
+    for _, changed, _, v, packed in items:
+        if packed:
+            require(changed, "changed rows", torch.uint8, (-(-v // 8),))
+        else:
+            require(changed, "changed rows", torch.bool, (v,))
+    handles = (ctypes.c_void_p * n)(*[item[0].handle for item in items])
+    flags = (ctypes.c_void_p * n)(*[item[1].data_ptr() for item in items])
+    vocab = (ctypes.c_int64 * n)(*[item[3] for item in items])
+    dense = (ctypes.c_int32 * n)(*[int(item[2]) | (2 if item[4] else 0) for item in items])
     count, fn = ctypes.c_int64(n), unchecked(lib).et_mark_changed
     held = list(items)
 

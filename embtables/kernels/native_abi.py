@@ -105,7 +105,7 @@ FUNCTIONS: dict[str, CFunction] = {
             ((0, "ok"), (1, "not_finite"), (-2, "does_not_fit"), (-3, "out_of_memory"), (-4, "unknown_kind")),
             fast=True,
         ),
-        _f("et_mark_changed", "T:i64 handles:p changed:p V:p dense:p", fast=True),
+        _f("et_mark_changed", "T:i64 handles:p changed:p V:p mode:p", fast=True),
         _f(
             "et_split_by_owner",
             "F:i64 ids:p N:p offsets:p S:p coeffs:p strategy:p V:p W:i64 out_ids:p "

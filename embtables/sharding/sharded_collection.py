@@ -119,12 +119,14 @@ class ShardedEmbeddingCollection(LocalTables):
             if t.config.offload is not None:  # its files hold this rank's rows, initialized when first read
                 config = dataclasses.replace(t.config, vocabulary_size=max(1, int(rows.numel())))
                 shard, seed = f"w{self.world}r{self.rank}", table_seed(t)
-                if rows.numel() and bool((rows[1:] - rows[:-1] == 1).all()):  # a block: no [N] row map kept
-                    offload[t.name] = OffloadShard(t, shard, None, seed, first=int(rows[0]))
+                steps = torch.unique(rows[1:] - rows[:-1])
+                if rows.numel() == 0:  # no rows here: a one-row placeholder
+                    offload[t.name] = OffloadShard(t, shard, None, seed)
+                elif steps.numel() <= 1 and (steps.numel() == 0 or int(steps[0]) > 0):  # a div block, a mod stride
+                    stride = int(steps[0]) if steps.numel() else 1  # no [N] row map kept: memory of the cache's size
+                    offload[t.name] = OffloadShard(t, shard, None, seed, first=int(rows[0]), stride=stride)
                 else:
-                    offload[t.name] = OffloadShard(
-                        t, shard, rows if rows.numel() else torch.zeros(1, dtype=torch.int64), seed
-                    )
+                    offload[t.name] = OffloadShard(t, shard, rows, seed)
                 local_tables.append(dataclasses.replace(t, config=config))
                 continue
             if t.config.dynamic is not None:  # rows get their initial values when given to a key (spec §11)

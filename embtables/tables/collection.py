@@ -62,7 +62,8 @@ class EmbeddingCollection:
             self.close()
             raise
         self.vocabularies = Vocabularies(resolved)  # the key maps of dynamic tables (spec §11)
-        self.changed = ChangedRows(self.states)  # rows written since the last save
+        # rows written since the last save (a bit a row for an offloaded table: its memory is its cache)
+        self.changed = ChangedRows(self.states, packed=self.offloaded)
         self._build()
 
     def _build(self) -> None:
@@ -311,11 +312,14 @@ class EmbeddingCollection:
             or len(plan[0]) != len(spaces)
             or any(a is not b for a, b in zip(plan[0], spaces))
         ):
-            prepared: list[tuple[Any, Tensor, bool]] = []
+            prepared: list[tuple[Any, Tensor, bool, int, bool]] = []
             for tg in table_grads:
                 if tg.prepared is not None:
                     dense = not tg.table.optimizer.lazy and tg.accumulated
-                    prepared.append((tg.prepared, flags[tg.table.name], dense))
+                    name = tg.table.name
+                    prepared.append(
+                        (tg.prepared, flags[name], dense, self.changed.sizes[name], name in self.changed.packed)
+                    )
             plan = self._mark_plan = (spaces, flags, native.changed_marker(prepared) if prepared else None)
         if plan[2] is not None:
             plan[2]()

@@ -5,15 +5,15 @@ The tensors the engine computes on are shared memory maps of the files ([N, D] e
 kernel, optimizer, combiner and input type runs unchanged and gives the bits of an in-memory table. What is
 in memory is managed here, in groups of G rows (whole pages of every file):
 
-* **admission** (before a lookup reads rows): the least used groups (ids looked up, decayed by ``USE_DECAY`` a
-  step) are dropped until the batch's fit in ``cache_rows`` (``MADV_DONTNEED``; those written since they were
-  read are written back first, all together:
-  ``sync_file_range``, then ``POSIX_FADV_DONTNEED``: neither the process nor the page cache keeps them); the
-  batch's rows that were never initialized get their initial values (the initializer's draw for their block of
-  ``INIT_BLOCK`` global rows, from the table's seed: the same values for any cache, shard layout or order of
-  first reads), written with ``pwrite``; the groups not in memory are read in (timed: the disk wait). Groups used
-  at or after ``pin_from`` (the current batch, and the previous one while its update is pending) are never
-  dropped; when they alone exceed the cache, the lookup is refused before anything changes.
+* **admission** (before a lookup reads rows): the least used groups (ids looked up since they were read in,
+  decayed by ``USE_DECAY`` a step) are dropped until the batch's fit in ``cache_rows`` (``MADV_DONTNEED``; those
+  written since they were read are written back first, all together: ``sync_file_range``, then
+  ``POSIX_FADV_DONTNEED``: neither the process nor the page cache keeps them); the batch's rows that were never
+  initialized get their initial values (the initializer's draw for their block of ``INIT_BLOCK`` global rows, from
+  the table's seed: the same values for any cache, shard layout or order of first reads), written with ``pwrite``;
+  the groups not in memory are read in (timed: the disk wait). Groups used at or after ``pin_from`` (the current
+  batch, and the previous one while its update is pending) are never dropped; when they alone exceed the cache,
+  the lookup is refused before anything changes.
 * **read-ahead** (a batch staged by ``enqueue``): its groups on disk start coming into the page cache.
 * **whole-table access** (``state_dict``, ``embedding_tables``, ``load_state_dict``): every block is initialized
   first (``materialize``); the next admission writes back and drops everything (``release``). ``save`` reads
@@ -67,13 +67,14 @@ def table_seed(table: ResolvedTable) -> int:
 class OffloadShard:
     """Which part of an offloaded table a process holds: the whole table's config (``logical``), the files'
     shard tag (``w<W>r<rank>``), the global row of every local row (None: local row i is global row
-    ``first + i``, a contiguous block) and the initializer seed."""
+    ``first + stride * i``: a div block, a mod stride, a whole table) and the initializer seed."""
 
     logical: ResolvedTable
     shard: str
     global_rows: Tensor | None
     seed: int
     first: int = 0
+    stride: int = 1
 
 
 def block_seed(seed: int, block: int) -> int:
@@ -128,7 +129,7 @@ class OffloadedRows:
         assert isinstance(offload, Offload)
         self.table, self.logical, self.seed = table, where.logical, where.seed
         self.rows, self.dim = table.vocabulary_size, table.dim
-        self.global_rows, self.first = where.global_rows, where.first
+        self.global_rows, self.first, self.stride = where.global_rows, where.first, where.stride
         self.slot_values = slot_values
         logical, shard = where.logical, where.shard
         self.group = _group_rows(self.dim, [d.itemsize for d in parts.values()])
@@ -143,12 +144,13 @@ class OffloadedRows:
         self.cache_rows = offload.cache_rows  # as the user passed it (the cache holds ``budget`` whole groups)
         self.files = ShardFiles(str(offload.directory), logical.name, shard, self.rows, self.dim, parts)
         self.tensors = self.files.tensors
-        groups = -(-self.rows // self.group)
+        # A byte per block of >= INIT_BLOCK rows; everything else per group in memory (at most ``budget``), in
+        # arrays by ascending group: the memory of the cache's bookkeeping is the cache's, not the table's.
         self._initialized = torch.zeros(-(-self.rows // self.block), dtype=torch.bool)
-        self._resident = torch.zeros(groups, dtype=torch.bool)
-        self._dirty = torch.zeros(groups, dtype=torch.bool)
-        self._last_use = torch.full((groups,), -(2**31), dtype=torch.int32)  # the step of its last lookup
-        self._uses = torch.zeros(groups, dtype=torch.float32)  # its ids looked up, decayed, as of its last lookup
+        self._groups = torch.zeros(0, dtype=torch.int64)  # [R] the groups in memory, ascending
+        self._dirty = torch.zeros(0, dtype=torch.bool)  # [R] written since they were read
+        self._last_use = torch.zeros(0, dtype=torch.int32)  # [R] the step of their last lookup
+        self._uses = torch.zeros(0, dtype=torch.float32)  # [R] their ids looked up, decayed, as of their last lookup
         self._untracked = False  # a whole-table access mapped pages the cache does not count
         self.torn: str | None = None  # why the files no longer hold the table (a write-back failed)
         self.closed = False  # the files and lock were released (``close``): every access is refused
@@ -203,7 +205,10 @@ class OffloadedRows:
         dtype = self.tensors[part].dtype
         if part:
             return torch.full((hi - lo, self.dim), self.slot_values[part], dtype=dtype)  # as an in-memory fill_
-        rows = torch.arange(self.first + lo, self.first + hi) if self.global_rows is None else self.global_rows[lo:hi]
+        if self.global_rows is None:
+            rows = self.first + self.stride * torch.arange(lo, hi, dtype=torch.int64)
+        else:
+            rows = self.global_rows[lo:hi]
         return initial_weights(self.logical, rows, self.seed).to(dtype)
 
     def read_rows(self, part: str, lo: int, hi: int) -> Tensor:
@@ -289,14 +294,15 @@ class OffloadedRows:
             return
         rows = torch.unique(ids)
         groups, uses = torch.unique(torch.div(ids, self.group, rounding_mode="floor"), return_counts=True)
-        missing = groups[~self._resident[groups]]
-        over = int(self._resident.sum()) + missing.numel() - self.budget
+        at, present = self._where(groups)
+        missing = groups[~present]
+        over = self._groups.numel() + missing.numel() - self.budget
         if over > 0:
-            evictable = self._resident & (self._last_use < min(pin_from, 2**31 - 1))
-            evictable[groups] = False  # this lookup's own
-            candidates = torch.nonzero(evictable).flatten()
+            evictable = self._last_use < min(pin_from, 2**31 - 1)
+            evictable[at[present]] = False  # this lookup's own
+            candidates = torch.nonzero(evictable).flatten()  # positions in the resident arrays
             if candidates.numel() < over:
-                needed = (int(self._resident.sum()) - candidates.numel() + missing.numel()) * self.group
+                needed = (self._groups.numel() - candidates.numel() + missing.numel()) * self.group
                 raise InputError(
                     f"table {self.logical.name!r}: this lookup and the rows still in use need {needed} rows in "
                     f"memory ({groups.numel()} groups of {self.group} rows for this batch's {rows.numel()} rows), "
@@ -305,30 +311,61 @@ class OffloadedRows:
                     "keeps the previous batch's rows) or use smaller batches. Nothing was changed."
                 )
             coldest = torch.topk(self._frequency(candidates, step), over, largest=False).indices
-            self._evict(torch.sort(candidates[coldest]).values)
+            victims = torch.sort(candidates[coldest]).values  # positions, so groups, ascending
+            self._evict(self._groups[victims], self._dirty[victims])
+            keep = torch.ones(self._groups.numel(), dtype=torch.bool)
+            keep[victims] = False
+            self._keep(keep)
             # their write-backs run together; once done, their pages leave the page cache, before any read
             # below could map one of them as a neighbour of its own page (fault-around)
             self._settle()
+            at, present = self._where(groups)
         blocks = torch.unique_consecutive(torch.div(groups * self.group, self.block, rounding_mode="floor"))
         fresh = blocks[~self._initialized[blocks]]
         if fresh.numel():
             self._init_blocks(fresh)
         self.counters["rows_looked_up"] += rows.numel()
-        self.counters["hits"] += int(self._resident[torch.div(rows, self.group, rounding_mode="floor")].sum())
+        _, per_group = torch.unique_consecutive(torch.div(rows, self.group, rounding_mode="floor"), return_counts=True)
+        self.counters["hits"] += int(per_group[present].sum())  # rows and groups both ascending: aligned
         if missing.numel():
             self._read_in(missing)
-        self._resident[groups] = True
-        self._uses[groups] = self._frequency(groups, step) + uses.to(torch.float32)
-        self._last_use[groups] = min(step, 2**31 - 1)
+            self._insert(missing)
+            at, _ = self._where(groups)
+        self._uses[at] = self._frequency(at, step) + uses.to(torch.float32)
+        self._last_use[at] = min(step, 2**31 - 1)
         if training:
-            self._dirty[groups] = True
+            self._dirty[at] = True
 
-    def _frequency(self, groups: Tensor, step: int) -> Tensor:
-        """How often ``groups`` [K] were looked up, each lookup's ids weighted by ``USE_DECAY`` ** (steps since):
-        the cache keeps the groups used most, recently (which of a hashed Zipf workload's groups hold hot rows
-        among cold ones, better than the last use alone)."""
-        age = (min(step, 2**31 - 1) - self._last_use[groups].to(torch.int64)).clamp(min=0)
-        return self._uses[groups] * torch.pow(USE_DECAY, age.to(torch.float32))
+    def _where(self, groups: Tensor) -> tuple[Tensor, Tensor]:
+        """(positions [K] in the resident arrays of ``groups`` [K] (ascending), whether each is in memory)."""
+        at = torch.searchsorted(self._groups, groups)
+        n = self._groups.numel()
+        if n == 0:
+            return at, torch.zeros(groups.shape, dtype=torch.bool)
+        return at, (at < n) & (self._groups[at.clamp(max=n - 1)] == groups)
+
+    def _keep(self, keep: Tensor) -> None:
+        """Only the resident groups where ``keep`` [R] stay in the arrays."""
+        self._groups, self._dirty = self._groups[keep], self._dirty[keep]
+        self._last_use, self._uses = self._last_use[keep], self._uses[keep]
+
+    def _insert(self, groups: Tensor) -> None:
+        """Groups [K] (not in memory) join the resident arrays: clean, never used."""
+        k = groups.numel()
+        merged = torch.cat((self._groups, groups))
+        order = torch.argsort(merged)
+        self._groups = merged[order]
+        self._dirty = torch.cat((self._dirty, torch.zeros(k, dtype=torch.bool)))[order]
+        self._last_use = torch.cat((self._last_use, torch.full((k,), -(2**31), dtype=torch.int32)))[order]
+        self._uses = torch.cat((self._uses, torch.zeros(k, dtype=torch.float32)))[order]
+
+    def _frequency(self, at: Tensor, step: int) -> Tensor:
+        """How often the resident groups at positions ``at`` [K] were looked up since they were read in, each
+        lookup's ids weighted by ``USE_DECAY`` ** (steps since): the cache keeps the groups used most, recently
+        (which of a hashed Zipf workload's groups hold hot rows among cold ones, better than the last use
+        alone)."""
+        age = (min(step, 2**31 - 1) - self._last_use[at].to(torch.int64)).clamp(min=0)
+        return self._uses[at] * torch.pow(USE_DECAY, age.to(torch.float32))
 
     def prefetch(self, rows: Tensor) -> None:
         """Start reading the pages of local rows ``rows`` [any] that are on disk and not in memory into the page
@@ -340,7 +377,7 @@ class OffloadedRows:
         if rows.numel() == 0:
             return
         groups = torch.unique(torch.div(rows, self.group, rounding_mode="floor"))  # sorted
-        groups = groups[~self._resident[groups]]
+        groups = groups[~self._where(groups)[1]]
         groups = groups[self._initialized[torch.div(groups * self.group, self.block, rounding_mode="floor")]]
         self.counters["rows_prefetched"] += groups.numel() * self.group
         self._will_need(groups)
@@ -380,10 +417,11 @@ class OffloadedRows:
         self.counters["rows_read"] += n
         self.counters["bytes_read"] += n * self.row_bytes
 
-    def _evict(self, groups: Tensor) -> None:
-        """Drop ``groups`` (sorted) from memory; those written since they were read start their write-back
-        (all of them in flight together: ``_settle`` waits for them and drops their pages)."""
-        starts, lengths, dirty = _run_bounds(groups, self._dirty[groups])
+    def _evict(self, groups: Tensor, written: Tensor) -> None:
+        """Drop ``groups`` (sorted) from memory; those ``written`` since they were read start their write-back
+        (all of them in flight together: ``_settle`` waits for them and drops their pages). The caller takes
+        them out of the resident arrays."""
+        starts, lengths, dirty = _run_bounds(groups, written)
         for part in self.tensors:
             clean = self._byte_ranges(part, starts[~dirty], lengths[~dirty])
             written = self._byte_ranges(part, starts[dirty], lengths[dirty])
@@ -394,8 +432,6 @@ class OffloadedRows:
         rows = int(torch.clamp(self.rows - starts[dirty] * self.group, max=lengths[dirty] * self.group).sum())
         self.counters["rows_written"] += rows
         self.counters["bytes_written"] += rows * self.row_bytes
-        self._resident[groups] = False
-        self._dirty[groups] = False
         self.counters["evictions"] += groups.numel()
 
     def _settle(self) -> None:
@@ -458,18 +494,17 @@ class OffloadedRows:
     def release(self) -> None:
         """Write back and drop every row from memory."""
         self._settle()
-        written = int(self._dirty.sum()) * self.group
+        written = int(self._dirty.sum()) * self.group  # (the last group may be short: counted whole)
         for part, tensor in self.tensors.items():
             length = -(-self.rows * self.dim * tensor.element_size() // _PAGE) * _PAGE
             self._io(part, functools.partial(self.files.drop, part, 0, length, dirty=True))
         self.counters["rows_written"] += written
         self.counters["bytes_written"] += written * self.row_bytes
-        self._resident.zero_()
-        self._dirty.zero_()
+        self._keep(torch.zeros(self._groups.numel(), dtype=torch.bool))
         self._untracked = False
 
     def resident_rows(self) -> int:
-        return int(self._resident.sum()) * self.group
+        return self._groups.numel() * self.group
 
     def statistics(self) -> dict[str, float]:
         """Counters since construction: rows looked up, cache hits, rows and bytes read and written, seconds
