@@ -211,6 +211,39 @@ def test_pipelined_training_resumes_bit_for_bit(tmp_path: Path) -> None:
     assert not torch.equal(_state(synchronous)["user_embedding"], a["user_embedding"]), "pipelining changes the run"
 
 
+def test_a_pipelined_estimator_with_half_tables_saves_and_resumes(tmp_path: Path) -> None:
+    """bfloat16 rows and slots, pipelined: train() ends with a save of the pending update's pre-update rows (it
+    raised "unsupported ScalarType BFloat16"), and 4 + 4 steps across two estimators equal 8 straight."""
+    import dataclasses
+
+    features, y = _data()
+
+    def make(model_dir: Path) -> est.Estimator:
+        e = _estimator(model_dir)
+        cols = [
+            est.embedding_column(
+                est.categorical_column_with_identity("user", USERS), 8, dtype=torch.bfloat16, slot_dtype=torch.bfloat16
+            ),
+            est.embedding_column(est.categorical_column_with_hash_bucket("item", 128), 8, combiner="sum"),
+            *est.shared_embedding_columns([est.categorical_column_with_identity("tags", 15)], 8),
+        ]
+        spec = dataclasses.replace(_spec(), feature_columns=cols, pipeline_execution_with_tensor_core=True)
+        torch.manual_seed(0)
+        return est.Estimator(e.model, spec, model_dir, loss_fn=e.loss_fn, progress=False)
+
+    straight = make(tmp_path / "a")
+    straight.train(_input_fn(features, y), steps=8)
+    first = make(tmp_path / "b")
+    first.train(_input_fn(features, y), steps=4)
+    first.close()
+    second = make(tmp_path / "b")
+    second.train(lambda: (b for i, b in enumerate(_input_fn(features, y)()) if i >= 4), steps=4)
+    a, b = _state(straight), _state(second)
+    assert a["user_embedding"].dtype == torch.bfloat16
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
 def test_tensorboard_event_files(tmp_path: Path) -> None:
     """With the tensorboard package installed (the test extra), metrics also go to event files."""
     features, y = _data()
