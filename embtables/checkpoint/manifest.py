@@ -17,13 +17,14 @@ from typing import Any
 import numpy as np
 
 from embtables.checkpoint.file_names import CheckpointError, contained
+from embtables.kernels import storage_types
 from embtables.tables.dynamic_vocabularies import PENDING_FIELDS, ROW_FIELDS, VOCABULARY_FIELDS
 
 FORMAT_VERSION = 2  # 2 nests state blocks under "state"; 1 is still read
 HALF_FORMAT_VERSION = 3  # 3: a state block may hold bfloat16 or float16 values (its spec says "dtype")
 READABLE_VERSIONS = (1, 2, 3)
 # the element types of a state block (a spec without "dtype" holds float32) and their bytes
-STATE_DTYPES = {"float32": 4, "bfloat16": 2, "float16": 2}
+STATE_DTYPES = {t.name: t.itemsize for t in storage_types.STORAGE_TYPES}  # bytes a value of each storage type
 MANIFEST = "manifest.json"
 _MAX_MANIFEST_BYTES = 256 << 20
 

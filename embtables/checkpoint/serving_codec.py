@@ -12,9 +12,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from embtables.kernels import storage_types
+
 DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": None, "int8": np.uint8}
 MARKER = ".embtables-export"  # lists every file an export wrote: only such a directory is ever replaced
-_LIMITS = {"float16": float(np.finfo(np.float16).max), "bfloat16": 3.3895313892515355e38}
+_LIMITS = {t.name: t.max_finite for t in storage_types.STORAGE_TYPES if t.half}  # finite beyond: served as Inf
 
 
 def store_dtype(dtype: str) -> Any:

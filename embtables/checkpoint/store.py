@@ -45,6 +45,7 @@ from embtables.checkpoint.manifest import Block
 from embtables.checkpoint.offloaded_block import OffloadedBlock
 from embtables.checkpoint.owned_dirs import WriterLock, clean_dead_leftovers, fsync_dir, publish, temp_name
 from embtables.config import ResolvedConfig
+from embtables.kernels import storage_types
 from embtables.sharding import comm
 from embtables.sharding.fingerprint import describe_config
 from embtables.tables.state import LocalShard
@@ -200,7 +201,7 @@ def _plan(
     return plan
 
 
-_SAFETENSORS_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
+_SAFETENSORS_DTYPES = {t.name: t.safetensors for t in storage_types.STORAGE_TYPES}
 
 
 def _stored(array: Any) -> str:

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from embtables.kernels import native_library
+from embtables.kernels import native_library, storage_types
 from embtables.kernels.triton_interpreter import interpreting
 
 _state: dict[str, Any] = {"module": None, "failed": False, "enabled": True, "on_cpu": False, "deferred": None}
@@ -179,7 +179,7 @@ def check_coefficients(coeffs: Tensor | None, ids: Tensor, device: torch.device)
 
 
 LookupPart = tuple[Tensor, Tensor, Tensor, "Tensor | None"]  # (table [V, D], ids [N], offsets [S+1], coeffs [N])
-STORAGE_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # a storage type (``triton_common.T_*``)
+GPU_CODES = {t.dtype: t.gpu_code for t in storage_types.STORAGE_TYPES}  # ``triton_common.T_*`` by dtype
 
 
 def lookup_many(parts: Sequence[LookupPart], outs: Sequence[Tensor], refused: Tensor | None = None) -> Tensor:
@@ -195,7 +195,7 @@ def lookup_many(parts: Sequence[LookupPart], outs: Sequence[Tensor], refused: Te
     block_d, pool = 1, 1
     for (table, ids, offsets, coeffs), out in zip(parts, outs):
         kind = getattr(table, "dtype", None)
-        checked_contiguous(table, "a table", kind if kind in STORAGE_TYPES else torch.float32, device, 2)
+        checked_contiguous(table, "a table", kind if kind in GPU_CODES else torch.float32, device, 2)
         checked_contiguous(ids, "ids", torch.int64, device, 1)
         checked_contiguous(offsets, "offsets", torch.int64, device, 1)
         s, dim = offsets.numel() - 1, table.shape[1]
@@ -213,7 +213,7 @@ def lookup_many(parts: Sequence[LookupPart], outs: Sequence[Tensor], refused: Te
     columns = [
         firsts,
         [t.data_ptr() for t, *_ in meta],
-        [STORAGE_TYPES[t.dtype] for t, *_ in meta],
+        [GPU_CODES[t.dtype] for t, *_ in meta],
         [t.shape[1] for t, *_ in meta],
         [t.shape[0] for t, *_ in meta],
         [i.data_ptr() for _, i, *_ in meta],
@@ -245,7 +245,7 @@ def lookup_many(parts: Sequence[LookupPart], outs: Sequence[Tensor], refused: Te
         BLOCK_N=block_n,
         BLOCK_D=block_d,
         REFUSE=refused is not None,
-        TYPE=STORAGE_TYPES[types.pop()] if len(types) == 1 else 3,  # 3: each feature's (``triton_lookup.T_MIXED``)
+        TYPE=GPU_CODES[types.pop()] if len(types) == 1 else 3,  # 3: each feature's (``triton_lookup.T_MIXED``)
         num_warps=warps,
         enable_fp_fusion=False,
     )

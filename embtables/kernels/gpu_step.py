@@ -254,7 +254,7 @@ def update_parameters(
     """The scalar arguments and flags of ``update_kernel`` for ``opt`` at ``lr`` and effective ``decay``:
     the kernel record's float32 constants and flags, as the native C kernels get them; the storage types of
     the tables' weights and slots, and whether half values are rounded stochastically (spec §12)."""
-    if row_dtype not in gpu.STORAGE_TYPES or slot_dtype not in gpu.STORAGE_TYPES:
+    if row_dtype not in gpu.GPU_CODES or slot_dtype not in gpu.GPU_CODES:
         raise gpu.GpuBufferError(f"embtables GPU kernel: no storage type {row_dtype} / {slot_dtype}.")
     record: KernelRecord = record_of(opt)
     named = record.native_constants(opt, lr)
@@ -275,15 +275,15 @@ def update_parameters(
         "FLAG0": flags[0],
         "FLAG1": flags[1],
         "POW_IS_SQRT": record.power_is_sqrt(named),
-        "ROW_TYPE": gpu.STORAGE_TYPES[row_dtype],
-        "SLOT_TYPE": gpu.STORAGE_TYPES[slot_dtype],
+        "ROW_TYPE": gpu.GPU_CODES[row_dtype],
+        "SLOT_TYPE": gpu.GPU_CODES[slot_dtype],
         "STOCHASTIC": bool(stochastic) and (row_dtype, slot_dtype) != (torch.float32, torch.float32),
     }
 
 
 TableTensors = tuple[Tensor, Sequence[Tensor]]  # (weights [V, D], slots [V, D] each, in the optimizer's order)
 Rounding = tuple["Tensor | None", int]  # (the global id [V] of each row or None: its own, ``table_state``)
-_DTYPES = {v: k for k, v in gpu.STORAGE_TYPES.items()}
+_DTYPES = {v: k for k, v in gpu.GPU_CODES.items()}
 
 
 def found_cells(device: torch.device) -> Tensor:

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from embtables.config.catalogue import Optimizer
+from embtables.kernels import storage_types
 from embtables.kernels.clip_decay import clip_limits
 from embtables.kernels.native_abi import NativeBufferError as NativeBufferError
 from embtables.kernels.native_abi import raise_for, unchecked
@@ -132,13 +133,14 @@ def round_rows(values: Tensor, rows: Tensor, seed: int, step: int, table: int, d
     lib = library()
     if lib is None:
         return None
-    if dtype not in (torch.bfloat16, torch.float16):
+    record = storage_types.BY_DTYPE.get(dtype)
+    if record is None or not record.half:
         raise TypeError(f"round_rows: {dtype} is not a half type.")
     require(values, "values", torch.float32, (-1, -1))
     require(rows, "rows", torch.int64, (values.shape[0],))
     out = torch.empty(values.shape, dtype=torch.int16)
     lib.et_round_rows(values.data_ptr(), values.shape[0], values.shape[1], rows.data_ptr(), seed, step, table,
-                      0 if dtype == torch.bfloat16 else 1, out.data_ptr())  # fmt: skip
+                      record.c_kind, out.data_ptr())  # fmt: skip
     return out.view(dtype)
 
 

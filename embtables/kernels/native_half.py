@@ -16,20 +16,21 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from embtables.kernels import storage_types
 from embtables.kernels.native import Bags, Workspace, library, require, threads
 from embtables.kernels.native_abi import NativeBufferError, raise_for, unchecked
 from embtables.kernels.native_args import array
 from embtables.kernels.native_step import StagedBags, TableArrays
 
-KINDS = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}  # C's storage kinds
+KINDS = {t.dtype: t.c_kind for t in storage_types.STORAGE_TYPES}  # C's storage kinds
 
 
 def half_kind(t: Tensor) -> int:
-    """The C kind of a half-precision CPU table or slot (0 bfloat16, 1 float16); raises for anything else."""
-    kind = KINDS.get(t.dtype, -1)
-    if kind not in (0, 1):
+    """The C kind of a half-precision CPU table or slot (``StorageType.c_kind``); raises for anything else."""
+    record = storage_types.BY_DTYPE.get(t.dtype)
+    if record is None or not record.half:
         raise NativeBufferError(f"embtables native kernel: {t.dtype} is not a half type.")
-    return kind
+    return record.c_kind
 
 
 def lookup_half_many(parts: list[tuple[Tensor, Tensor, Tensor, Tensor | None]]) -> tuple[list[Tensor], int]:
@@ -128,7 +129,7 @@ class HalfUpdate:
         vocab = weights.shape[0]
         if len(slots) > 3 or len({s.dtype for s in slots}) > 1:
             raise NativeBufferError("embtables native kernel: at most 3 slots, all of one storage type.")
-        skind = KINDS.get(slots[0].dtype, -1) if slots else 2
+        skind = KINDS.get(slots[0].dtype, -1) if slots else storage_types.FLOAT32.c_kind
         if skind < 0:
             raise NativeBufferError(
                 f"embtables native kernel: slots of {slots[0].dtype} are not stored by the kernels."
@@ -178,7 +179,7 @@ class HalfStep:
             at = arrays.weight_at[t]
             slots = arrays.tensors[at + 1 : arrays.weight_at[t + 1] if t + 1 < count else len(arrays.tensors)]
             wkinds.append(half_kind(arrays.tensors[at]))
-            skind = KINDS.get(slots[0].dtype, -1) if slots else 2
+            skind = KINDS.get(slots[0].dtype, -1) if slots else storage_types.FLOAT32.c_kind
             if skind < 0 or len(slots) > 3 or len({x.dtype for x in slots}) > 1:
                 raise NativeBufferError("embtables native kernel: at most 3 slots, all of one storage type.")
             skinds.append(skind)

@@ -11,8 +11,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from embtables.kernels import storage_types
+
 HALF_TYPES = (torch.bfloat16, torch.float16)
-FLOAT16_MAX = 65504.0  # float16's largest finite value: a larger |value| is an overflow (not finite)
+FLOAT16_MAX = storage_types.FLOAT16.max_finite  # a larger |value| is an overflow (not finite)
 _MASK32 = 0xFFFFFFFF
 _START = 0x243F6A88  # the hash's starting state (pi's first 32 fraction bits)
 

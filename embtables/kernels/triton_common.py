@@ -7,6 +7,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from embtables.kernels import storage_types
 from embtables.kernels.registry import RECORDS
 
 # The optimizer kinds, as the kernel records number them (the same numbers as the C kernels).
@@ -70,9 +71,9 @@ def proximal(prox, lr_t, l1, l2):
 
 # Storage types of a table's rows or slots (``ROW_TYPE`` / ``SLOT_TYPE`` of the update, ``TYPE`` of the lookup):
 # half values are read and written as their 16 bits (int16), widened to float32 exactly.
-T_FLOAT32 = tl.constexpr(0)
-T_BFLOAT16 = tl.constexpr(1)
-T_FLOAT16 = tl.constexpr(2)
+T_FLOAT32 = tl.constexpr(storage_types.FLOAT32.gpu_code)
+T_BFLOAT16 = tl.constexpr(storage_types.BFLOAT16.gpu_code)
+T_FLOAT16 = tl.constexpr(storage_types.FLOAT16.gpu_code)
 FLOAT16_INF_BITS = tl.constexpr(0x7C00)
 
 
