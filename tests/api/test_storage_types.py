@@ -17,7 +17,7 @@ from embtables.kernels.storage_types import BFLOAT16, FLOAT16, FLOAT32, STORAGE_
 
 
 def test_every_path_derives_its_numbering_and_limits_from_the_records() -> None:
-    assert config_tables.STORAGE_TYPES == tuple(t.name for t in STORAGE_TYPES)
+    assert tuple(t.name for t in STORAGE_TYPES) == config_tables.STORAGE_TYPES
     for t in STORAGE_TYPES:
         assert t.itemsize == torch.empty(0, dtype=t.dtype).element_size() == manifest.STATE_DTYPES[t.name]
         assert t.max_finite == torch.finfo(t.dtype).max
@@ -25,7 +25,7 @@ def test_every_path_derives_its_numbering_and_limits_from_the_records() -> None:
         assert store._SAFETENSORS_DTYPES[t.name] == t.safetensors
         assert t.half == (t is not FLOAT32) and storage_types.of(t.dtype) is t
     assert len({t.c_kind for t in STORAGE_TYPES}) == len({t.gpu_code for t in STORAGE_TYPES}) == 3
-    assert serving_codec._LIMITS == {"bfloat16": BFLOAT16.max_finite, "float16": FLOAT16.max_finite}
+    assert {"bfloat16": BFLOAT16.max_finite, "float16": FLOAT16.max_finite} == serving_codec._LIMITS
     assert stochastic_rounding.FLOAT16_MAX == 65504.0
     with pytest.raises(TypeError, match="not a storage type"):
         storage_types.of(torch.float64)
