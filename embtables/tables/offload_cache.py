@@ -350,14 +350,21 @@ class OffloadedRows:
         self._last_use, self._uses = self._last_use[keep], self._uses[keep]
 
     def _insert(self, groups: Tensor) -> None:
-        """Groups [K] (not in memory) join the resident arrays: clean, never used."""
-        k = groups.numel()
-        merged = torch.cat((self._groups, groups))
-        order = torch.argsort(merged)
-        self._groups = merged[order]
-        self._dirty = torch.cat((self._dirty, torch.zeros(k, dtype=torch.bool)))[order]
-        self._last_use = torch.cat((self._last_use, torch.full((k,), -(2**31), dtype=torch.int32)))[order]
-        self._uses = torch.cat((self._uses, torch.zeros(k, dtype=torch.float32)))[order]
+        """Groups [K] (ascending, not in memory) join the resident arrays, clean and never used: merged in
+        O(R + K log R), each new group at its place among the R resident ones."""
+        k, n = groups.numel(), self._groups.numel()
+        at = torch.searchsorted(self._groups, groups) + torch.arange(k)  # the new groups' places in the merge
+        old = torch.ones(n + k, dtype=torch.bool)
+        old[at] = False
+        merged = torch.empty(n + k, dtype=torch.int64)
+        merged[old], merged[at] = self._groups, groups
+        dirty = torch.zeros(n + k, dtype=torch.bool)
+        dirty[old] = self._dirty
+        last = torch.full((n + k,), -(2**31), dtype=torch.int32)
+        last[old] = self._last_use
+        uses = torch.zeros(n + k, dtype=torch.float32)
+        uses[old] = self._uses
+        self._groups, self._dirty, self._last_use, self._uses = merged, dirty, last, uses
 
     def _frequency(self, at: Tensor, step: int) -> Tensor:
         """How often the resident groups at positions ``at`` [K] were looked up since they were read in, each
