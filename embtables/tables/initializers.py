@@ -7,6 +7,8 @@ import dataclasses
 import torch
 from torch import Tensor
 
+_DRAW_VALUES = 1 << 22  # float32 values drawn at a time into a half-precision table (16 MiB)
+
 
 def _generator(seed: int | None) -> torch.Generator | None:
     if seed is None:
@@ -26,8 +28,21 @@ class TruncatedNormal:
     seed: int | None = None
 
     def __call__(self, shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> Tensor:
-        out = torch.empty(shape, dtype=torch.float32)
+        """The float32 draw of ``shape``, rounded to nearest into ``dtype``. Another ``dtype`` (a half table's
+        storage) is filled a block of rows at a time from float32 draws of the same generator, so the values
+        are bit for bit those of one float32 draw rounded, without the whole float32 table in memory."""
         gen = _generator(self.seed)
+        if dtype == torch.float32 or len(shape) != 2:
+            return self._draw(shape, gen).to(dtype)
+        out = torch.empty(shape, dtype=dtype)
+        step = max(1, _DRAW_VALUES // max(1, shape[1]))
+        for start in range(0, shape[0], step):  # uniform_ consumes the generator value by value: the same draws
+            stop = min(shape[0], start + step)
+            out[start:stop].copy_(self._draw((stop - start, shape[1]), gen))  # rounded to nearest
+        return out
+
+    def _draw(self, shape: tuple[int, ...], gen: torch.Generator | None) -> Tensor:
+        out = torch.empty(shape, dtype=torch.float32)
         # Inverse-CDF sampling, as torch.nn.init.trunc_normal_, with an explicit generator.
         lo, hi = -2.0, 2.0
         cdf_lo = 0.5 * (1.0 + torch.erf(torch.tensor(lo) / 2**0.5))
@@ -35,7 +50,7 @@ class TruncatedNormal:
         out.uniform_(2 * float(cdf_lo) - 1, 2 * float(cdf_hi) - 1, generator=gen)
         out.erfinv_().mul_(self.stddev * 2**0.5).add_(self.mean)
         out.clamp_(self.mean + lo * self.stddev, self.mean + hi * self.stddev)
-        return out.to(dtype)
+        return out
 
     def block(self, start: int, shape: tuple[int, int], seed: int) -> Tensor:
         """Rows [start, start + shape[0]) of an offloaded table: drawn from ``seed``, the block's own seed."""

@@ -14,7 +14,7 @@ from embtables.errors import ConfigError
 from embtables.kernels import huge_pages
 from embtables.kernels.registry import record_of
 from embtables.kernels.subnormals import SMALLEST_NORMAL
-from embtables.tables.initializers import Constant, default_initializer
+from embtables.tables.initializers import Constant, TruncatedNormal, default_initializer
 from embtables.tables.offload_cache import OffloadedRows, OffloadShard, table_seed
 
 
@@ -107,8 +107,8 @@ def _owned(t: Tensor, device: torch.device, dtype: torch.dtype = torch.float32) 
     storage ``dtype`` (float32 values are rounded to nearest into a half type: initial values, not an
     update), contiguous (the native kernels need it), never sharing memory with the caller's tensor; a
     large CPU table in huge pages (``kernels/huge_pages.py``)."""
-    out = t.detach().to(device, torch.float32)
-    if dtype != torch.float32 or out.data_ptr() == t.data_ptr() or not out.is_contiguous():
+    out = t.detach().to(device, dtype if t.dtype == dtype else torch.float32)  # a half table's own draw as it is
+    if out.dtype != dtype or out.data_ptr() == t.data_ptr() or not out.is_contiguous():
         out = huge_pages.empty_float32(tuple(out.shape), out.device, dtype).copy_(out)  # copy_ rounds to nearest
     return out
 
@@ -188,8 +188,13 @@ def _initial_values(
 ) -> tuple[Tensor, dict[str, Tensor]]:
     init = table.config.initializer or default_initializer(table.dim)
     row_dtype, slot_dtype = storage_dtypes(table)
-    # An initializer may return an existing tensor (pretrained weights): never train it in place.
-    weights = _owned(_checked(table, "the initializer", init(shape, torch.float32), shape), device, row_dtype)
+    # TruncatedNormal (the default) draws a half table's float32 values a block at a time, rounded into its
+    # storage as they come (the same bits as the whole float32 draw rounded: tested); any other initializer
+    # returns float32 values, rounded here. An initializer may return an existing tensor (pretrained weights):
+    # never train it in place.
+    drawn = init(shape, row_dtype if isinstance(init, TruncatedNormal) else torch.float32)
+    weights = _owned(_checked(table, "the initializer", drawn, shape), device, row_dtype)
+    del drawn  # freed before the slots are made
     opt = table.optimizer
     names = list(opt.slot_names)
     inits = [Constant(v) for v in opt.slot_initial_values()]
