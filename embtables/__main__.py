@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import NoReturn
 
 import embtables
-from embtables.checkpoint import export, inspect
+from embtables.checkpoint import export, increments, inspect
 from embtables.checkpoint.serving_codec import DTYPES
 from embtables.cli import quickstart, stats, train
 from embtables.cli.job_runner import DEBUG_ENV, ROUTINE, Parser, debugging, fail
@@ -71,6 +71,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _export(args: argparse.Namespace) -> int:
+    increments.show_full_writes()  # --incremental: a full export instead says so, and why
     report = export(args.checkpoint, args.out, dtype=args.dtype, incremental=args.incremental)
     if args.incremental and not report.max_abs_error:
         print(f"{report.path}: {report.dtype}, " + (f"delta {report.delta}" if report.delta else "nothing new"))

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import re
 import secrets
+import sys
 import zlib
 from collections.abc import Callable
 from pathlib import Path
@@ -27,6 +28,26 @@ from embtables.checkpoint import manifest as manifest_io
 from embtables.checkpoint.file_names import CheckpointError, contained
 
 logger = logging.getLogger("embtables")
+# Where an incremental save or export says it writes a full one instead, and why (INFO): the command line shows
+# it at its normal verbosity (``show_full_writes``); a library user sees it with INFO logging on.
+full_writes = logging.getLogger("embtables.full_writes")
+
+
+class _ToStderr(logging.Handler):
+    """Each record's message on the ``sys.stderr`` of the moment it is written."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        print(self.format(record), file=sys.stderr)
+
+
+def show_full_writes() -> None:
+    """Show the full-write notices (``full_writes``) at INFO: through the root logger's handlers (a record goes
+    to them whatever the root's own level), or on stderr where the root has none."""
+    full_writes.setLevel(logging.INFO)
+    if not logging.getLogger().handlers and not any(isinstance(h, _ToStderr) for h in full_writes.handlers):
+        full_writes.addHandler(_ToStderr())
+
+
 _ID = re.compile(r"[0-9a-f]{32}")
 _MAX_LINKS = 100_000  # a chain longer than this is refused as corrupt (a cycle, say)
 FULL_ABOVE = 0.5  # more of the rows changed than this: a full checkpoint (as large, faster to restore)
@@ -139,7 +160,7 @@ def previous_for_increment(
     step (a save of the same step replaces it); ``full_every``: at most that many increments in a row."""
     chain, why = _previous(latest, last_id, full_every, read, step)
     if chain is None:
-        logger.info("embtables: save(incremental=True) writes a full checkpoint: %s.", why)
+        full_writes.info("embtables: save(incremental=True) writes a full checkpoint: %s.", why)
     return chain
 
 

@@ -161,7 +161,7 @@ class Persistence:
         if converted:  # rounded into another storage type: the tables are not the checkpoint's any more
             engine.mark_all_changed()
             self.last_id = None
-            logger.info(
+            increments.full_writes.info(
                 "embtables: restore converted the storage type of %s (the checkpoint's values were rounded into the "
                 "tables' types): the next save(incremental=True) writes a full checkpoint, and changed_rows() lists "
                 "every row.", ", ".join(repr(n) for n in converted),

@@ -131,7 +131,7 @@ def export(
                 delta = serving_deltas.write(target, base, links, ids.index(current), config["tables"], dtype)
                 return ExportReport(str(target), dtype, {}, {}, {}, None if delta is None else str(delta))
             why = f"the export at {target} serves a checkpoint that is not in the chain of {where}"
-        logger.info("embtables: export(incremental=True) writes a full export: %s.", why)
+        increments.full_writes.info("embtables: export(incremental=True) writes a full export: %s.", why)
     tmp = target.parent / temp_name("export")
     try:
         tmp.mkdir()

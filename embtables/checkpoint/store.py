@@ -320,7 +320,7 @@ def save(
     tmp, own_id, chain = base / agreed[0][1], agreed[0][2], agreed[0][3]
     changed, total = sum(a[4][0] for a in agreed), sum(a[4][1] for a in agreed)
     if chain is not None and changed > increments.FULL_ABOVE * total:
-        logger.info(
+        increments.full_writes.info(
             "embtables: save(incremental=True) writes a full checkpoint: %d of %d rows changed.", changed, total
         )
         chain = None

@@ -383,3 +383,20 @@ def test_every_job_runs_on_one_thread_unless_told(tmp_path: Path) -> None:
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240)
         assert out.returncode == 0, out.stderr[-2000:]
         assert f"threads {want}" in out.stdout, out.stdout[-500:]
+
+
+def test_incremental_saves_and_exports_say_when_they_write_whole_and_why(tmp_path: Path) -> None:
+    """At the commands' normal verbosity (no -v), in a real process: the first --incremental save writes a full
+    checkpoint and says why on stderr; so does an --incremental export with no earlier export to extend."""
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    job = [sys.executable, "-m", "embtables", "train", *SMALL, "--steps", "10", "--save-every", "10", "--incremental",
+           "--model-dir", str(tmp_path)]  # fmt: skip
+    done = subprocess.run(job, capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert (
+        "embtables: save(incremental=True) writes a full checkpoint: no checkpoint under the root yet" in done.stderr
+    ), done.stderr[-2000:]
+    export = [sys.executable, "-m", "embtables", "export", str(tmp_path), str(tmp_path / "serve"), "--incremental"]
+    done = subprocess.run(export, capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "embtables: export(incremental=True) writes a full export: " in done.stderr, done.stderr[-2000:]
