@@ -33,6 +33,7 @@ from torch import Tensor, nn
 from embtables.cli.adult_peers import peer_results
 from embtables.cli.dlrm import report_offload
 from embtables.cli.history import epoch_curve
+from embtables.cli.job_runner import storage_line, table_storage
 from embtables.cli.plotting import finish, pyplot
 from embtables.config import Offload
 from embtables.data.adult import CATEGORICAL, Adult, load_adult
@@ -171,6 +172,7 @@ def train_and_test(
     )
     try:
         steps_per_epoch = -(-len(train_idx) // hp.batch_size)
+        print(storage_line(table_storage(est.embedding)), flush=True)
         done = est.restore() // steps_per_epoch  # --epochs is a total: resume, never redo
         curve = []
         for epoch in range(done, hp.epochs):
@@ -183,7 +185,7 @@ def train_and_test(
             curve.append({"epoch": done, **{k: result[k] for k in ("accuracy", "auc", "log_loss")}})
         keys = ("accuracy", "auc", "log_loss")  # every run's evaluations, not only this one's
         curve = epoch_curve(est.model_dir, est.global_step, steps_per_epoch, keys) or curve
-        out = {**curve[-1], "curve": curve}
+        out = {**curve[-1], "curve": curve, "storage": table_storage(est.embedding)}
         if hp.offload is not None:  # each table's row cache over this run
             out["offload"] = est.embedding.offload_statistics()
         return out
@@ -248,7 +250,7 @@ def run(args: argparse.Namespace) -> int:
         report_offload(ours["offload"])
     summary = {"dataset": "adult", "split": "validation" if args.validation else "test", "accuracy": ours["accuracy"],
                "auc": ours["auc"], "log_loss": ours["log_loss"], "seconds": seconds, "hyper": dataclasses.asdict(hp),
-               "curve": ours["curve"], "peers": peers}  # fmt: skip
+               "curve": ours["curve"], "peers": peers, "storage": ours["storage"]}  # fmt: skip
     if "offload" in ours:
         summary["offload"] = ours["offload"]
     (out_dir / "results.json").write_text(json.dumps(summary, indent=1))

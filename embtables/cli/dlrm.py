@@ -32,6 +32,7 @@ from torch import Tensor, nn
 
 import embtables
 from embtables.cli.history import earlier_runs, metrics_rows
+from embtables.cli.job_runner import storage_line, table_storage
 from embtables.cli.plotting import pyplot
 from embtables.data import SyntheticCTR, SyntheticCTRConfig
 from embtables.data.synthetic import CategoricalFeature
@@ -245,6 +246,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         say = print if rank == 0 else (lambda *a, **k: None)
         _announce(say, args, estimator, model_dir, world)
+        say(storage_line(table_storage(estimator.embedding)))
         held_out = _HeldOut(data, args.eval_size, rank, world, keyed=args.dynamic_user is not None)
         start = time.perf_counter()
         first = estimator.restore()  # an earlier run's checkpoint in model_dir: continue from it (--steps is a total)
@@ -451,6 +453,7 @@ def _report(
         "teacher_log_loss": teacher["log_loss"],
         "seconds": seconds,
         "processes": world,
+        "storage": table_storage(estimator.embedding),
     }
     if vocabulary is not None:
         summary["vocabulary"] = vocabulary

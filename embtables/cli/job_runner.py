@@ -20,7 +20,7 @@ import sys
 import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from embtables.sharding import comm
 
@@ -125,3 +125,24 @@ def run_job(
 
 
 __all__ = ["Parser", "check_model_dir", "debugging", "fail", "resume_command", "run_job"]
+
+
+def table_storage(embedding: Any) -> dict[str, dict[str, Any]]:
+    """Per table of a module (``DistributedEmbedding``): its shape, the storage types of its rows and slots, and
+    whether it is offloaded, for a job's summary JSON."""
+    out: dict[str, dict[str, Any]] = {}
+    for t in embedding.resolved_config.tables:
+        entry: dict[str, Any] = {"rows": t.config.storage, "slots": t.config.slot_storage}
+        entry.update(vocabulary_size=t.vocabulary_size, dim=t.dim, offload=t.config.offload is not None)
+        out[t.name] = entry
+    return out
+
+
+def storage_line(storage: dict[str, dict[str, Any]]) -> str:
+    """One log line naming the tables' storage (``table_storage``), tables of the same kind together, e.g.
+    ``storage: bfloat16 rows, float32 slots: user, item; float32 rows, float32 slots (offloaded): tags``."""
+    kinds: dict[str, list[str]] = {}
+    for name, s in storage.items():
+        kind = f"{s['rows']} rows, {s['slots']} slots" + (" (offloaded)" if s["offload"] else "")
+        kinds.setdefault(kind, []).append(name)
+    return "storage: " + "; ".join(f"{kind}: {', '.join(names)}" for kind, names in kinds.items())

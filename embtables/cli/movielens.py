@@ -39,6 +39,7 @@ from torch import Tensor, nn
 
 from embtables.cli.dlrm import report_offload
 from embtables.cli.history import epoch_curve
+from embtables.cli.job_runner import storage_line, table_storage
 from embtables.cli.malloc import keep_freed_memory
 from embtables.cli.plotting import finish, pyplot
 from embtables.config import Offload
@@ -313,7 +314,8 @@ def run_fold(
             curve.append({"epoch": done, "rmse": result["rmse"], "mae": result["mae"]})
         steps_per_epoch = math.ceil(len(train) / hp.batch_size)  # every run's evaluations, not only this one's
         curve = epoch_curve(est.model_dir, est.global_step, steps_per_epoch, ("rmse", "mae")) or curve
-        out = {"fold": fold, "rmse": curve[-1]["rmse"], "mae": curve[-1]["mae"], "curve": curve}
+        out = {"fold": fold, "rmse": curve[-1]["rmse"], "mae": curve[-1]["mae"], "curve": curve,
+               "storage": table_storage(est.embedding)}  # fmt: skip
         if hp.offload is not None:  # each table's row cache over this run of the fold
             out["offload"] = est.embedding.offload_statistics()
         return out
@@ -473,6 +475,8 @@ def run(args: argparse.Namespace) -> int:
     for r in results:
         print(f"{r['fold'] + 1:>4}  {r['rmse']:.4f}  {r['mae']:.4f}")
     print(f"mean  {rmse_mean:.4f}  {mae_mean:.4f}   ({len(results)}-fold, {seconds:.1f} s wall, {jobs} process(es))")
+    storage = results[0]["storage"]  # every fold's model has the same tables
+    print(storage_line(storage))
     for r in results:  # --offload: each fold's tables' row caches
         if "offload" in r:
             where = os.path.join(str(hp.offload), f"fold{r['fold']}")
@@ -480,7 +484,7 @@ def run(args: argparse.Namespace) -> int:
             report_offload(r["offload"])
     keys = ("fold", "rmse", "mae", "curve", "offload")
     summary = {"dataset": "movielens-100k", "folds": len(results), "rmse": rmse_mean, "mae": mae_mean,
-               "seconds": seconds, "jobs": jobs, "hyper": dataclasses.asdict(hp),
+               "seconds": seconds, "jobs": jobs, "hyper": dataclasses.asdict(hp), "storage": storage,
                "per_fold": [{k: r[k] for k in keys if k in r} for r in results]}  # fmt: skip
     (out_dir / "results.json").write_text(json.dumps(summary, indent=1))
     if plot_curves(

@@ -47,6 +47,7 @@ from torch import Tensor, nn
 from embtables.checkpoint.store import read_manifest
 from embtables.cli.dlrm import interaction, mlp_head, report_offload
 from embtables.cli.history import epoch_curve
+from embtables.cli.job_runner import storage_line, table_storage
 from embtables.cli.plotting import finish, pyplot
 from embtables.config import Offload
 from embtables.estimator import (
@@ -367,6 +368,8 @@ def run(args: argparse.Namespace) -> int:
         kinds = f"{len(cols)} embedding tables" + (f", {len(numeric)} numeric features" if numeric else "")
         print(f"{args.data}: {n} rows ({len(train_idx)} train, {len(eval_idx)} held out), task {task}, {kinds}, "
               f"batch size {batch_size}, model_dir {model_dir}")  # fmt: skip
+        storage = table_storage(est.embedding)
+        print(storage_line(storage))
         start = time.perf_counter()
         steps_per_epoch = max(1, math.ceil(len(train_idx) / batch_size))
         done = est.restore() // steps_per_epoch  # --epochs is a total
@@ -399,7 +402,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"best held-out epoch: {int(best['epoch'])} of {int(last['epoch'])} ({shown}){kept}")
         results = {"data": str(args.data), "task": task, "epochs": int(last["epoch"]), "batch_size": batch_size,
                    "seed": args.seed, "last": last, "best_epoch": int(best["epoch"]), "best": best, "curve": curve,
-                   "seconds": time.perf_counter() - start}  # fmt: skip
+                   "seconds": time.perf_counter() - start, "storage": storage}  # fmt: skip
         if offload is not None:  # each table's row cache: hit rate, disk traffic (also in results.json)
             results["offload"] = est.embedding.offload_statistics()
             report_offload(results["offload"])

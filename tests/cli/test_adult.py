@@ -123,6 +123,9 @@ def test_the_job_trains_offloaded_half_precision_tables_and_inspect_shows_them(
     out = capsys.readouterr().out
     assert rc == 0, out
     assert json.loads(out.strip().splitlines()[-1])["accuracy"] > 0.8
+    assert "storage: bfloat16 rows, bfloat16 slots (offloaded): " in out
+    storage = json.loads((tmp_path / "results.json").read_text())["storage"]
+    assert len(storage) == 13 and all(s["rows"] == s["slots"] == "bfloat16" for s in storage.values())
     caches = json.loads((tmp_path / "results.json").read_text())["offload"]
     assert len(caches) == 13 and all(0 < s["hits"] <= s["rows_looked_up"] for s in caches.values())
     assert all(s["cache_rows"] == 4096 for s in caches.values()) and "offload education_embedding: hits" in out

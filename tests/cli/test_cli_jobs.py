@@ -28,6 +28,9 @@ def test_dlrm_job_writes_every_artefact_and_resumes(tmp_path: Path, capsys: pyte
     assert rc == 0, out
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["steps"] == 40 and 0.5 < summary["teacher_auc"] <= 1.0 and 0.0 <= summary["auc"] <= 1.0
+    assert "storage: float32 rows, float32 slots: category, city, item, tags, user" in out  # the tables' types
+    assert summary["storage"]["user"] == {"rows": "float32", "slots": "float32", "vocabulary_size": 1000, "dim": 16,
+                                          "offload": False}  # fmt: skip
     assert "teacher" in out and "held-out AUC" in out
     assert (tmp_path / "training_curves.png").stat().st_size > 1000
     assert sorted(p.name for p in (tmp_path / "lookup_stats").glob("*.json"))  # one file per table
@@ -127,6 +130,9 @@ def test_the_movielens_job_trains_each_fold_on_its_own_offloaded_tables(
     assert sorted(p.name for p in rows.iterdir()) == ["fold0", "fold1"]
     assert (rows / "fold1" / "item_embedding.w1r0.weights.rows").is_file()
     assert "fold 2: tables offloaded under" in out and "offload item_embedding: hits" in out
+    assert (
+        "storage: float32 rows, float32 slots (offloaded): " in out and results["storage"]["user_embedding"]["offload"]
+    )
     assert cli([*offloaded, "--epochs", "2"]) == 0  # resumes: each fold's checkpoint streams into its files
     assert "resumed from step" in capsys.readouterr().out
     assert json.loads((tmp_path / "m" / "results.json").read_text())["rmse"] < results["rmse"]

@@ -57,7 +57,9 @@ def test_numeric_and_bucketized_columns_learn_and_report_the_best_epoch(
     assert _train(data, schema, tmp_path / "m", "--epochs", "6") == 0
     out = capsys.readouterr().out
     assert "1 numeric features" in out and "batch size 64" in out  # 3,600 rows: about 40 steps an epoch
+    assert "storage: float32 rows, float32 slots: " in out
     results = json.loads((tmp_path / "m" / "results.json").read_text())
+    assert all(s["rows"] == "float32" and not s["offload"] for s in results["storage"].values())
     assert [c["epoch"] for c in results["curve"]] == [1, 2, 3, 4, 5, 6]
     best = max(results["curve"], key=lambda c: c["auc"])
     assert results["best_epoch"] == best["epoch"] and results["best"]["auc"] == best["auc"]
