@@ -6,7 +6,7 @@ install:
 	@bash scripts/install.sh
 
 demo: install
-	$(PY) -m embtables train
+	$(PY) -m embtables train --model-dir demo_out
 
 test: install
 	$(PY) -m pytest tests -n auto

@@ -124,7 +124,9 @@ def run_job(
                 )
 
 
-__all__ = ["Parser", "check_model_dir", "debugging", "fail", "resume_command", "run_job"]
+__all__ = [
+    "Parser", "check_model_dir", "debugging", "fail", "resume_command", "run_job", "storage_line", "table_storage"
+]  # fmt: skip
 
 
 def table_storage(embedding: Any) -> dict[str, dict[str, Any]]:

@@ -64,3 +64,12 @@ def test_bench_help_has_its_own_usage_and_lists_the_other_benchmarks() -> None:
     for name in ("latency", "sharded", "estimator", "checkpoint", "movielens", "extra-optimizers", "noacc",
                  "dynamic", "gpu"):  # fmt: skip
         assert f"embtables bench {name}" in out.stdout, name
+
+
+def test_make_demo_keeps_what_it_prints_paths_to() -> None:
+    """`make demo` trains into a model directory of its own (not a temporary one removed at exit), which git
+    ignores, so the curves and checkpoint it names stay; the job's `--model-dir` path is what it prints."""
+    root = Path(__file__).resolve().parents[2]
+    recipe = (root / "Makefile").read_text().split("\ndemo:", 1)[1].split("\n\n", 1)[0]
+    assert "-m embtables train --model-dir demo_out" in recipe, recipe
+    assert "demo_out/" in (root / ".gitignore").read_text().splitlines()
