@@ -9,7 +9,6 @@ restore or a complete ``load_state_dict`` succeeds.
 from __future__ import annotations
 
 import functools
-import logging
 import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -30,7 +29,6 @@ from embtables.tables.state import LocalShard
 from embtables.tables.state_dict_io import strict_of_caller, validate_state_dict
 
 Progress = bool | Callable[[int], None] | None
-logger = logging.getLogger("embtables")
 
 
 def _refusal(fn: Callable[[], None]) -> str | None:
