@@ -52,15 +52,25 @@ def kill_while_writing(code: str, root: Path, pattern: str = ".embtables-tmp-ckp
     proc.wait()
 
 
-def small_disk_command(directory: Path, size: str = "1m", *, read_only: bool = False) -> list[str] | None:
-    """A command prefix that runs a program with a tmpfs of ``size`` mounted on ``directory`` (``read_only``: a
-    read-only one) in a private mount namespace (as root, or as a user through a user namespace): a real full
-    disk. None where neither works here."""
-    if shutil.which("unshare") is None:
-        return None
+def run_on_small_disk(
+    code: str, directory: Path, *args: str, size: str = "1m", read_only: bool = False, timeout: float = 300
+) -> subprocess.CompletedProcess[str]:
+    """Run ``code`` (dedented; ``sys.argv[1:]`` = ``args``) with a tmpfs of ``size`` mounted on ``directory``
+    (``read_only``: a read-only one) in a private mount namespace (as root, or as a user through a user namespace):
+    a real full disk. Skips the test where neither works here."""
+    import pytest
+
     mount = f"mount -t tmpfs -o size={size}{',ro' if read_only else ''} tmpfs {directory}"
-    for flags in (["-m"], ["-r", "-m"]):
+    prefix = None
+    for flags in (["-m"], ["-r", "-m"]) if shutil.which("unshare") else ():
         probe = subprocess.run(["unshare", *flags, "sh", "-c", f"{mount} && echo ok"], capture_output=True, text=True)
         if probe.returncode == 0 and "ok" in probe.stdout:
-            return ["unshare", *flags, "sh", "-c", f'{mount} && exec "$@"', "sh"]
-    return None
+            prefix = ["unshare", *flags, "sh", "-c", f'{mount} && exec "$@"', "sh"]
+            break
+    if prefix is None:
+        pytest.skip("no private mount namespace here (unshare -m as root, or -r -m) for a small tmpfs")
+    return subprocess.run(
+        [*prefix, sys.executable, "-c", textwrap.dedent(code), *args],
+        capture_output=True, text=True, timeout=timeout, cwd=str(ROOT),
+        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
+    )  # fmt: skip

@@ -124,11 +124,6 @@ def run_job(
                 )
 
 
-__all__ = [
-    "Parser", "check_model_dir", "debugging", "fail", "resume_command", "run_job", "storage_line", "table_storage"
-]  # fmt: skip
-
-
 def table_storage(embedding: Any) -> dict[str, dict[str, Any]]:
     """Per table of a module (``DistributedEmbedding``): its shape, the storage types of its rows and slots, and
     whether it is offloaded, for a job's summary JSON."""
@@ -148,3 +143,8 @@ def storage_line(storage: dict[str, dict[str, Any]]) -> str:
         kind = f"{s['rows']} rows, {s['slots']} slots" + (" (offloaded)" if s["offload"] else "")
         kinds.setdefault(kind, []).append(name)
     return "storage: " + "; ".join(f"{kind}: {', '.join(names)}" for kind, names in kinds.items())
+
+
+__all__ = [
+    "Parser", "check_model_dir", "debugging", "fail", "resume_command", "run_job", "storage_line", "table_storage"
+]  # fmt: skip

@@ -161,13 +161,13 @@ def changed_marker(items: list[tuple[Workspace, Tensor, bool, int, bool]]) -> Ca
     handles = (ctypes.c_void_p * n)(*[item[0].handle for item in items])
     flags = (ctypes.c_void_p * n)(*[item[1].data_ptr() for item in items])
     vocab = (ctypes.c_int64 * n)(*[item[3] for item in items])
-    dense = (ctypes.c_int32 * n)(*[int(item[2]) | (2 if item[4] else 0) for item in items])
+    mode = (ctypes.c_int32 * n)(*[int(item[2]) | (2 if item[4] else 0) for item in items])  # bit 0 dense, 1 packed
     count, fn = ctypes.c_int64(n), unchecked(lib).et_mark_changed
     held = list(items)
 
     def mark() -> None:
         assert held  # the workspaces and flags stay alive while the marker does
-        fn(count, handles, flags, vocab, dense)
+        fn(count, handles, flags, vocab, mode)
 
     return mark
 

@@ -119,14 +119,10 @@ class ShardedEmbeddingCollection(LocalTables):
             if t.config.offload is not None:  # its files hold this rank's rows, initialized when first read
                 config = dataclasses.replace(t.config, vocabulary_size=max(1, int(rows.numel())))
                 shard, seed = f"w{self.world}r{self.rank}", table_seed(t)
-                steps = torch.unique(rows[1:] - rows[:-1])
-                if rows.numel() == 0:  # no rows here: a one-row placeholder
-                    offload[t.name] = OffloadShard(t, shard, None, seed)
-                elif steps.numel() <= 1 and (steps.numel() == 0 or int(steps[0]) > 0):  # a div block, a mod stride
-                    stride = int(steps[0]) if steps.numel() else 1  # no [N] row map kept: memory of the cache's size
-                    offload[t.name] = OffloadShard(t, shard, None, seed, first=int(rows[0]), stride=stride)
-                else:
-                    offload[t.name] = OffloadShard(t, shard, rows, seed)
+                # a div block or a whole table (stride 1), a mod stride (W), or no rows (a one-row placeholder): no
+                # [N] row map kept, so the memory is the cache's
+                first, stride = (int(rows[0]) if rows.numel() else 0), (self.world if plan.strategy == "mod" else 1)
+                offload[t.name] = OffloadShard(t, shard, seed, first=first, stride=stride)
                 local_tables.append(dataclasses.replace(t, config=config))
                 continue
             if t.config.dynamic is not None:  # rows get their initial values when given to a key (spec §11)

@@ -66,12 +66,11 @@ def table_seed(table: ResolvedTable) -> int:
 @dataclasses.dataclass(frozen=True, eq=False)
 class OffloadShard:
     """Which part of an offloaded table a process holds: the whole table's config (``logical``), the files'
-    shard tag (``w<W>r<rank>``), the global row of every local row (None: local row i is global row
-    ``first + stride * i``: a div block, a mod stride, a whole table) and the initializer seed."""
+    shard tag (``w<W>r<rank>``), the initializer seed, and its rows: local row i is global row
+    ``first + stride * i`` (a div block or a whole table: stride 1; a mod stride: W)."""
 
     logical: ResolvedTable
     shard: str
-    global_rows: Tensor | None
     seed: int
     first: int = 0
     stride: int = 1
@@ -129,7 +128,7 @@ class OffloadedRows:
         assert isinstance(offload, Offload)
         self.table, self.logical, self.seed = table, where.logical, where.seed
         self.rows, self.dim = table.vocabulary_size, table.dim
-        self.global_rows, self.first, self.stride = where.global_rows, where.first, where.stride
+        self.first, self.stride = where.first, where.stride
         self.slot_values = slot_values
         logical, shard = where.logical, where.shard
         self.group = _group_rows(self.dim, [d.itemsize for d in parts.values()])
@@ -205,17 +204,14 @@ class OffloadedRows:
         dtype = self.tensors[part].dtype
         if part:
             return torch.full((hi - lo, self.dim), self.slot_values[part], dtype=dtype)  # as an in-memory fill_
-        if self.global_rows is None:
-            rows = self.first + self.stride * torch.arange(lo, hi, dtype=torch.int64)
-        else:
-            rows = self.global_rows[lo:hi]
+        rows = self.first + self.stride * torch.arange(lo, hi, dtype=torch.int64)
         return initial_weights(self.logical, rows, self.seed).to(dtype)
 
     def read_rows(self, part: str, lo: int, hi: int) -> Tensor:
         """Local rows [lo, hi) of ``part`` ("" or a slot) [hi - lo, D] in their storage type, read from the
         files with ``pread`` (nothing mapped): rows never read are their initial values as the table would store
         them, computed here, not written. What a checkpoint streams, file to file."""
-        self.check_whole("save")
+        self.check_open()  # torn or cut files were refused before the save began (``check_whole``)
         dtype = self.tensors[part].dtype
         out = torch.empty((hi - lo, self.dim), dtype=dtype)
         size = self.dim * dtype.itemsize
@@ -234,16 +230,20 @@ class OffloadedRows:
         refused while closed or torn; a file cut short by something else tears them first (as admission does)."""
         self.check_open()
         if self.torn is None:
-            short = self.files.short_files()
-            if not short:
+            self.torn = self._cut_short()
+            if self.torn is None:
                 return
-            self.torn = f"files were cut short by something else ({'; '.join(short)})"
         raise RuntimeError(
             f"table {self.logical.name!r}: {what} refused: its working files under {self.files.directory!r} are torn "
             f"({self.torn}) and no longer hold the table. Lookups, whole-table reads (state_dict, embedding_tables, "
             "slot_variables, local_shards, changed_rows) and save are refused until restore() of a checkpoint or "
             "load_state_dict() of the whole state; the last checkpoint is untouched."
         )
+
+    def _cut_short(self) -> str | None:
+        """Why the files no longer hold the table when something else cut one short (its name and sizes), or None."""
+        short = self.files.short_files()
+        return f"files were cut short by something else ({'; '.join(short)})" if short else None
 
     def materialize(self, *, rewrite: bool = False) -> None:
         """Initialize every block never read: the files then hold every row (before a whole-table access, which
@@ -283,9 +283,9 @@ class OffloadedRows:
                 "until restore() of a checkpoint or load_state_dict() of the whole state. The last checkpoint is "
                 "untouched."
             )
-        short = self.files.short_files()
-        if short:  # a touch of a mapping past its file's end would kill the process (SIGBUS)
-            self._tear(f"files were cut short by something else ({'; '.join(short)})")
+        cut = self._cut_short()
+        if cut is not None:  # a touch of a mapping past its file's end would kill the process (SIGBUS)
+            self._tear(cut)
         if self._untracked:
             self.release()
         ids = rows.reshape(-1).to("cpu", torch.int64)
@@ -469,9 +469,7 @@ class OffloadedRows:
         first (files cut short grown back): a store through a map past a file's end, or into a hole of a full
         disk, would kill the process (SIGBUS). A full disk raises here, with nothing changed."""
         self.check_open()
-        short = self.files.short_files()
-        if short and self.torn is None:  # stays torn if the reservation fails: the cut rows are gone
-            self.torn = f"files were cut short by something else ({'; '.join(short)})"
+        self.torn = self.torn or self._cut_short()  # stays torn if the reservation fails: the cut rows are gone
         try:
             self.files.allocate()
         except OSError as exc:

@@ -167,7 +167,7 @@ def _offloaded(table: ResolvedTable, device: torch.device, where: OffloadShard |
     row_dtype, slot_dtype = storage_dtypes(table)
     parts = {"": row_dtype, **dict.fromkeys(opt.slot_names, slot_dtype)}
     slot_values = {n: float(v) for n, v in zip(opt.slot_names, opt.slot_initial_values())}
-    where = where or OffloadShard(table, "w1r0", None, table_seed(table))
+    where = where or OffloadShard(table, "w1r0", table_seed(table))
     return OffloadedRows(table, where, parts, slot_values)
 
 

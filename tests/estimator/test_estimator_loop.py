@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -176,6 +177,24 @@ def test_uneven_inputs_stop_every_rank_together(tmp_path: Path) -> None:
     run_world(_uneven, 2, str(tmp_path), timeout=120, collective_timeout=30)
 
 
+def _resumed_as_straight(
+    make: Callable[[Path], est.Estimator], tmp_path: Path, features: dict[str, Any], y: np.ndarray, half: int
+) -> dict[str, torch.Tensor]:
+    """2 x ``half`` steps straight (``make(tmp_path / "a")``), and ``half`` + ``half`` across two estimators on
+    ``tmp_path / "b"``: asserts the two end bit for bit the same; returns the straight run's state."""
+    straight = make(tmp_path / "a")
+    straight.train(_input_fn(features, y), steps=2 * half)
+    first = make(tmp_path / "b")
+    first.train(_input_fn(features, y), steps=half)
+    first.close()
+    second = make(tmp_path / "b")
+    second.train(lambda: (b for i, b in enumerate(_input_fn(features, y)()) if i >= half), steps=half)
+    a, b = _state(straight), _state(second)
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    return a
+
+
 def test_pipelined_training_resumes_bit_for_bit(tmp_path: Path) -> None:
     """pipeline_execution_with_tensor_core=True through the Estimator: the lookups are one step stale,
     and 6 + 6 steps across two estimators equal 12 straight (the pending update's rows are saved)."""
@@ -196,16 +215,7 @@ def test_pipelined_training_resumes_bit_for_bit(tmp_path: Path) -> None:
             dense_optimizer=lambda p: torch.optim.Adam(p, lr=1e-2),
         )
 
-    straight = make(tmp_path / "a")
-    straight.train(_input_fn(features, y), steps=12)
-    first = make(tmp_path / "b")
-    first.train(_input_fn(features, y), steps=6)
-    first.close()
-    second = make(tmp_path / "b")
-    second.train(lambda: (b for i, b in enumerate(_input_fn(features, y)()) if i >= 6), steps=6)
-    a, b = _state(straight), _state(second)
-    for k in a:
-        assert torch.equal(a[k], b[k]), k
+    a = _resumed_as_straight(make, tmp_path, features, y, 6)
     synchronous = _estimator(tmp_path / "c")
     synchronous.train(_input_fn(features, y), steps=12)
     assert not torch.equal(_state(synchronous)["user_embedding"], a["user_embedding"]), "pipelining changes the run"
@@ -231,17 +241,8 @@ def test_a_pipelined_estimator_with_half_tables_saves_and_resumes(tmp_path: Path
         torch.manual_seed(0)
         return est.Estimator(e.model, spec, model_dir, loss_fn=e.loss_fn, progress=False)
 
-    straight = make(tmp_path / "a")
-    straight.train(_input_fn(features, y), steps=8)
-    first = make(tmp_path / "b")
-    first.train(_input_fn(features, y), steps=4)
-    first.close()
-    second = make(tmp_path / "b")
-    second.train(lambda: (b for i, b in enumerate(_input_fn(features, y)()) if i >= 4), steps=4)
-    a, b = _state(straight), _state(second)
+    a = _resumed_as_straight(make, tmp_path, features, y, 4)
     assert a["user_embedding"].dtype == torch.bfloat16
-    for k in a:
-        assert torch.equal(a[k], b[k]), k
 
 
 def test_tensorboard_event_files(tmp_path: Path) -> None:

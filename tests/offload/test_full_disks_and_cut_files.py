@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from subproc import ROOT, run_python, small_disk_command
+from subproc import ROOT, run_on_small_disk, run_python
 
 import embtables as et
 
@@ -54,19 +54,12 @@ print("trained on")
 def test_a_restore_or_full_load_onto_a_full_disk_is_refused_with_nothing_changed(tmp_path: Path) -> None:
     rows_dir = tmp_path / "rows"
     rows_dir.mkdir()
-    prefix = small_disk_command(rows_dir, "4m")
-    if prefix is None:
-        pytest.skip("no private mount namespace here (unshare -m as root, or -r -m) for a small tmpfs")
     torch.manual_seed(0)
     saved = et.DistributedEmbedding(
         {"f": et.FeatureConfig(et.TableConfig(30_000, 64, name="t", combiner="sum"))}, et.Adagrad(0.1)
     )
     ckpt = saved.save(tmp_path / "ckpt")
-    proc = subprocess.run(
-        [*prefix, sys.executable, "-c", _RESTORE_ONTO_FULL_DISK, str(rows_dir), str(ckpt)],
-        capture_output=True, text=True, timeout=300, cwd=str(ROOT),
-        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
-    )  # fmt: skip
+    proc = run_on_small_disk(_RESTORE_ONTO_FULL_DISK, rows_dir, str(rows_dir), str(ckpt), size="4m")
     assert proc.returncode == 0, f"exit {proc.returncode} (-7: SIGBUS)\n{proc.stdout}\n{proc.stderr[-3000:]}"
     for what, said in (("restore", "restore refused"), ("load_state_dict", "load refused")):
         line = next(x for x in proc.stdout.splitlines() if x.startswith(said))
@@ -179,16 +172,7 @@ def test_a_read_only_directory_or_a_file_size_limit_names_the_table_and_the_dire
     out = run_python(code.replace("sys.argv[1]", repr(str(rows_dir))).replace("sys.argv[2]", '"limit"'))
     assert "refused: ConfigError table 'users': cannot create its working files in its offload directory" in out
     assert "File too large" in out and "ulimit -f" in out and "6400000 bytes" in out
-    prefix = small_disk_command(rows_dir, "1m", read_only=True)
-    if prefix is None:
-        pytest.skip("no private mount namespace here for a read-only tmpfs")
-    import textwrap
-
-    proc = subprocess.run(
-        [*prefix, sys.executable, "-c", textwrap.dedent(code), str(rows_dir), "ro"],
-        capture_output=True, text=True, timeout=120, cwd=str(ROOT),
-        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
-    )  # fmt: skip
+    proc = run_on_small_disk(code, rows_dir, str(rows_dir), "ro", read_only=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "refused: ConfigError table 'users': cannot create its working files" in proc.stdout, proc.stdout
     assert "Read-only file system" in proc.stdout, proc.stdout

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from subproc import ROOT, small_disk_command
+from subproc import ROOT, run_on_small_disk
 
 import embtables as et
 from embtables.tables.offload_files import DROP_WRITTEN, READ, ShardFiles
@@ -48,22 +48,12 @@ print("restored step", mem.restore(ckpt)["step"])
 def test_a_full_disk_refuses_the_step_that_needs_new_rows_and_changes_nothing(tmp_path: Path) -> None:
     rows_dir = tmp_path / "rows"
     rows_dir.mkdir()
-    prefix = small_disk_command(rows_dir)
-    if prefix is None:
-        pytest.skip("no private mount namespace here (unshare -m as root, or -r -m) for a small tmpfs")
     torch.manual_seed(0)
     saved = et.DistributedEmbedding(
         {"f": et.FeatureConfig(et.TableConfig(30_000, 64, name="t", combiner="sum"))}, et.Adagrad(0.1)
     )
     ckpt = saved.save(tmp_path / "ckpt")
-    proc = subprocess.run(
-        [*prefix, sys.executable, "-c", _FULL_DISK, str(rows_dir), ckpt],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=str(ROOT),
-        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
-    )
+    proc = run_on_small_disk(_FULL_DISK, rows_dir, str(rows_dir), ckpt)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "refused: table 't': writing the initial values of rows" in proc.stdout, proc.stdout
     assert "No space left on device" in proc.stdout and "no table or slot was changed" in proc.stdout
