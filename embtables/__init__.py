@@ -23,6 +23,7 @@ from embtables.config import (
     TableConfig,
 )
 from embtables.errors import ConfigError, InputError
+from embtables.estimator.scoring_model import ScoringModel, load_model
 from embtables.tables import Constant, Ragged, RowIdInitializer, TruncatedNormal
 
 __version__ = "0.1.0"
@@ -52,9 +53,11 @@ __all__ = [
     "RMSProp",
     "Ragged",
     "RowIdInitializer",
+    "ScoringModel",
     "ServingEmbedding",
     "TableConfig",
     "TruncatedNormal",
     "__version__",
     "export",
+    "load_model",
 ]

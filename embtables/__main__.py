@@ -22,7 +22,7 @@ from typing import NoReturn
 import embtables
 from embtables.checkpoint import export, increments, inspect
 from embtables.checkpoint.serving_codec import DTYPES
-from embtables.cli import quickstart, stats, train
+from embtables.cli import model_files, predict, quickstart, serve, stats, train
 from embtables.cli.job_runner import DEBUG_ENV, ROUTINE, Parser, debugging, fail
 
 _ROOT = Path(__file__).resolve().parent.parent
@@ -39,7 +39,16 @@ _COMMANDS = (
     ),
     ("stats", "print lookup statistics files (profile_data_directory) and draw per-shard load"),
     ("inspect", "what a checkpoint holds (tables, shapes, optimizer, step, size) and its checksum status"),
-    ("export", "write a serving artifact of a checkpoint's tables (float32, float16, bfloat16 or int8)"),
+    (
+        "export",
+        "write a serving artifact of a checkpoint's tables (float32, float16, bfloat16 or int8), or with "
+        "--model the whole model (tables, dense part, columns, normalisation) for load_model / predict / serve",
+    ),
+    (
+        "predict",
+        "score the rows of a CSV or Parquet file with a model (an --model export, or a --data model directory)",
+    ),
+    ("serve", "serve a model export over HTTP (JSON predictions, health, live updates as training exports)"),
 )
 
 
@@ -63,15 +72,27 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("out", help="a new or empty directory, or an earlier export (replaced atomically)")
     e.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="storage type (default float32)")
     e.add_argument(
+        "--model", action="store_true",
+        help="the whole model for scoring (embtables.load_model, predict, serve): CHECKPOINT is a model directory "
+        "of embtables train --data (or a checkpoint in one)",
+    )  # fmt: skip
+    e.add_argument(
         "--incremental", action="store_true",
         help="when OUT is an export of an earlier checkpoint of the same chain: write only a delta of the rows "
         "changed since (ServingEmbedding.update applies it)",
     )  # fmt: skip
+    predict.add_arguments(parsers["predict"])
+    serve.add_arguments(parsers["serve"])
     return p
 
 
 def _export(args: argparse.Namespace) -> int:
     increments.show_full_writes()  # --incremental: a full export instead says so, and why
+    if args.model:
+        done = model_files.export_model_dir(args.checkpoint, args.out, args.dtype, args.incremental)
+        what = "added step" if done.incremental else "model artifact"
+        print(f"{done.path}: {what} {done.step}, tables {done.dtype} (embtables predict / serve, embtables.load_model)")
+        return 0
     report = export(args.checkpoint, args.out, dtype=args.dtype, incremental=args.incremental)
     if args.incremental and not report.max_abs_error:
         print(f"{report.path}: {report.dtype}, " + (f"delta {report.delta}" if report.delta else "nothing new"))
@@ -154,6 +175,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return inspect.run(args)
         if args.command == "export":
             return _export(args)
+        if args.command == "predict":
+            return predict.run(args)
+        if args.command == "serve":
+            return serve.run(args)
         return stats.run(args)
     except ROUTINE as exc:
         if debugging(args):

@@ -66,14 +66,18 @@ from embtables.estimator import (
     numeric_column,
     rmse,
 )
+from embtables.estimator.model_artifact import ModelParts
+from embtables.estimator.row_transform import NORMALIZE, NumericStat, RowTransform, fit_numeric, labels_of
 from embtables.tables import TruncatedNormal
 
 TASKS = ("binary", "regression")
 TYPES = ("identity", "hash", "vocabulary", "bucketized", "numeric")
-NORMALIZE = ("standard", "log", "none")
 BEST_DIR = "best-epoch"  # the best held-out epoch's checkpoint, inside the model directory
 _BEST_MARK = ".embtables-best-epoch"  # written into it, so a rerun replaces only what the job wrote
 EPOCHS = 12
+
+
+SCORING_FILE = "scoring.json"  # what `embtables export --model` rebuilds the model from (model_artifact)
 
 
 class SchemaError(ValueError):
@@ -173,22 +177,6 @@ def columns_from_schema(
     return cols, numeric
 
 
-def _floats(column: np.ndarray, what: str, path: str, fix: str) -> np.ndarray:
-    """``column`` as float32 [N] (NaN where empty), or ``SchemaError`` naming ``what`` and the ``fix``."""
-    try:
-        return np.asarray(column, dtype=np.float32)
-    except (TypeError, ValueError):
-        raise SchemaError(f"the {what} of {path} is not numeric (e.g. {column[0]!r}); {fix}") from None
-
-
-def numeric_values(column: np.ndarray, name: str, path: str) -> np.ndarray:
-    """A numeric feature's column as float32 [N] (NaN where empty), or ``SchemaError``."""
-    x = _floats(column, f"numeric feature {name!r}", path, "give it another type")
-    if np.isinf(x).any():
-        raise SchemaError(f"the numeric feature {name!r} of {path} has infinite values")
-    return x
-
-
 class TabularDLRM(nn.Module):
     """The DLRM of the synthetic job over the embeddings [B, D] of ``names`` and, when there are numeric
     features, one more vector: a bottom MLP of the normalised numbers [B, N] -> [B, D]."""
@@ -227,39 +215,53 @@ def read_schema(path: Path) -> dict[str, Any]:
     return schema
 
 
-def labels_of(column: np.ndarray, name: str, path: str) -> np.ndarray:
-    """The label column as float32, or ``SchemaError`` when it is not numbers or holds NaN."""
-    y = _floats(column, f"label column {name!r}", path, "encode it as numbers")
-    if not np.isfinite(y).all():
-        raise SchemaError(f"the label column {name!r} of {path} has {int((~np.isfinite(y)).sum())} empty or NaN values")
-    return y
-
-
 def default_batch_size(train_rows: int) -> int:
     """The power of two that gives an epoch about 40 steps, 32 to 8192."""
     return int(min(8192, max(32, 2 ** math.floor(math.log2(max(1, train_rows) / 40)))))
 
 
-def normalized(
-    data: dict[str, np.ndarray], numeric: dict[str, str], path: str, train_idx: np.ndarray, n: int
-) -> np.ndarray:
-    """The numeric features of the ``n`` rows [N, len(numeric)] as float32, normalised with the training
-    rows' statistics (missing values at the mean: 0)."""
-    cols = []
-    for name, how in numeric.items():
-        x = numeric_values(data[name], name, path).astype(np.float64)
-        if how == "log":
-            if (x[np.isfinite(x)] < 0).any():
-                raise SchemaError(f"the numeric feature {name!r} of {path} has negative values: `normalize: log` "
-                                  "needs values >= 0 (use \"standard\")")  # fmt: skip
-            x = np.log1p(x)
-        if how != "none":
-            seen = x[train_idx][np.isfinite(x[train_idx])]
-            mean = float(seen.mean()) if seen.size else 0.0
-            std = float(seen.std()) if seen.size else 1.0
-            x = (x - mean) / (std if std > 0 else 1.0)
-        cols.append(np.where(np.isfinite(x), x, 0.0))
-    return np.stack(cols, 1).astype(np.float32) if cols else np.zeros((n, 0), np.float32)
+def row_transform(schema: dict[str, Any], numeric: dict[str, str], stats: tuple[NumericStat, ...]) -> RowTransform:
+    """The schema's raw columns -> the model's features: multi-valued cells split at their separator, a bucketized
+    column's values read as numbers, the numeric features normalised with ``stats`` into ``features["numeric"]``."""
+    separators, numbers, passed = [], [], []
+    for name, f in schema["features"].items():
+        if name in numeric:
+            continue
+        if f.get("separator"):  # a multi-valued cell, e.g. "a|b|c"
+            separators.append((name, str(f["separator"])))
+        elif f.get("type") == "bucketized":
+            numbers.append(name)
+        else:
+            passed.append(name)
+    return RowTransform(tuple(separators), tuple(numbers), stats, "numeric", tuple(passed))
+
+
+def write_recipe(model_dir: Path, schema: dict[str, Any], transform: RowTransform) -> None:
+    """``MODEL_DIR/scoring.json``: what ``embtables export --model`` rebuilds this job's model from (the schema
+    and the row transform with the training rows' statistics); replaced atomically."""
+    doc = {"job": "data", "schema": schema, "transform": transform.to_json()}
+    tmp = model_dir / f".{SCORING_FILE}.tmp"
+    tmp.write_text(json.dumps(doc, indent=1))
+    tmp.replace(model_dir / SCORING_FILE)
+
+
+def model_parts(recipe: dict[str, Any], where: str) -> ModelParts:
+    """The ``--data`` job's model rebuilt from its ``scoring.json`` (weights from a checkpoint come later)."""
+    schema = recipe.get("schema")
+    if not isinstance(schema, dict) or not isinstance(schema.get("features"), dict):
+        raise SchemaError(f"{where}: no schema with features; train again with this embtables.")
+    transform = RowTransform.from_json(recipe.get("transform"), where)
+    cols, numeric = columns_from_schema(schema, set(schema["features"]))
+    dims = {c.dimension for c in cols}
+    if len(dims) != 1:
+        raise SchemaError("the DLRM model needs one `dim` for every feature")
+    task = schema.get("task", "binary")
+    if task not in TASKS:
+        raise SchemaError(f"schema task must be one of {TASKS}, got {task!r}")
+    model = TabularDLRM([c.name for c in cols], dims.pop(), len(numeric))
+    example = {"numeric": torch.zeros((2, len(numeric)), dtype=torch.float32)}
+    label = schema.get("label") if isinstance(schema.get("label"), str) else None
+    return ModelParts(model, cols, transform, torch.sigmoid if task == "binary" else None, task, label, example)
 
 
 def _keep_best(est: Estimator, model_dir: Path) -> Path | None:
@@ -281,6 +283,8 @@ def _keep_best(est: Estimator, model_dir: Path) -> Path | None:
     dense = (read_manifest(Path(latest))[1].get("extra") or {}).get("dense")
     if isinstance(dense, str) and (model_dir / dense).is_file():
         shutil.copy2(model_dir / dense, staging / dense)
+    if (model_dir / SCORING_FILE).is_file():
+        shutil.copy2(model_dir / SCORING_FILE, staging / SCORING_FILE)
     (staging / _BEST_MARK).write_text("the best held-out epoch of embtables train --data; replaced by a rerun\n")
     staging.rename(best)
     return best
@@ -315,19 +319,14 @@ def run(args: argparse.Namespace) -> int:
     except (KeyError, TypeError) as exc:
         raise SchemaError(f"schema: a feature entry is incomplete ({type(exc).__name__}: {exc})") from None
     y = labels_of(data[label], label, args.data)
-    for name, f in schema["features"].items():
-        if f.get("separator"):  # a multi-valued cell, e.g. "a|b|c"
-            sep = f["separator"]
-            data[name] = np.array(
-                [[] if not isinstance(v, str) or not v else v.split(sep) for v in data[name]], dtype=object
-            )
-        elif f.get("type") == "bucketized":
-            data[name] = numeric_values(data[name], name, args.data)
     n = len(data[label])
     order = np.random.default_rng(args.seed).permutation(n)
     n_eval = max(1, int(n * args.eval_fraction))
     train_idx, eval_idx = order[: n - n_eval], order[n - n_eval :]
-    numbers = torch.from_numpy(normalized(data, numeric, args.data, train_idx, n))
+    transform = row_transform(schema, numeric, fit_numeric(data, numeric, train_idx, args.data))
+    inputs = transform.apply(data, args.data)
+    numbers = inputs.pop(transform.numeric_key)
+    write_recipe(Path(args.model_dir), schema, transform)
     batch_size = args.batch_size or default_batch_size(len(train_idx))
     feature_names = [name for name in schema["features"] if name not in numeric]
     dims = {c.dimension for c in cols}
@@ -361,7 +360,7 @@ def run(args: argparse.Namespace) -> int:
             rows = index if shuffle_seed is None else index[np.random.default_rng(shuffle_seed).permutation(len(index))]
             for s in range(0, len(rows), batch_size):
                 r = rows[s : s + batch_size]
-                features: dict[str, Any] = {k: data[k][r] for k in feature_names}
+                features: dict[str, Any] = {k: inputs[k][r] for k in feature_names}
                 features["numeric"] = numbers[torch.from_numpy(r)]
                 yield features, y[r]
 

@@ -17,6 +17,7 @@ summed (as on TPU); rank 0 writes logs.
 from __future__ import annotations
 
 import contextlib
+import copy
 import csv
 import logging
 import os
@@ -39,6 +40,8 @@ from embtables.checkpoint.store import agree, published, read_manifest
 from embtables.estimator.batches import END, BatchReader, PreparedBatch, shaped_like
 from embtables.estimator.dense_file import DENSE_FILE, DenseOptimizer, read_dense, write_dense
 from embtables.estimator.input_pipeline import Prefetched, Probe, prefetched
+from embtables.estimator.model_artifact import ModelExport, ModelParts, export_model
+from embtables.estimator.row_transform import RowTransform
 from embtables.estimator.spec import EmbeddingConfigSpec
 from embtables.sharding import comm
 
@@ -492,6 +495,30 @@ class Estimator:
                 yield from arr
             else:
                 yield arr
+
+    def export_model(
+        self,
+        out: str | os.PathLike[str],
+        example: Mapping[str, Any],
+        *,
+        transform: RowTransform | None = None,
+        task: str | None = None,
+        label: str | None = None,
+        dtype: str = "float32",
+        incremental: bool = False,
+    ) -> ModelExport:
+        """Write a model artifact of ``model_dir``'s newest checkpoint into ``out`` (``model_artifact``):
+        ``embtables.load_model(out)`` scores raw rows with it, ``embtables predict`` / ``serve`` too. ``example``:
+        a batch of features as ``input_fn`` yields them (its tensor values, batch in dimension 0, show the dense
+        program what it reads); ``transform``: the raw rows -> features step, when the features are not the raw
+        columns themselves; ``task`` ("binary", "regression") and ``label`` are recorded for the tools.
+        ``incremental=True`` adds the newer step to an artifact of this model at ``out``."""
+        if self.spec.feature_columns is None:
+            raise ValueError("Estimator.export_model: a model artifact needs the feature-column form of the spec.")
+        tensors = {k: v for k, v in example.items() if isinstance(v, Tensor)}
+        model = copy.deepcopy(self.model).cpu()  # the checkpoint's weights go into a copy, never the live model
+        parts = ModelParts(model, list(self.spec.feature_columns), transform, self.predictions_fn, task, label, tensors)
+        return export_model(self.model_dir, out, parts, dtype, incremental=incremental)
 
     # ------------------------------------------------------------------ logging
     def _bar(self, total: int | None, what: str) -> Any:

@@ -109,7 +109,9 @@ def flatten_values(x: Any, what: str) -> tuple[np.ndarray, np.ndarray]:
     values = np.asarray(values)
     if values.dtype == object and len(values):
         natural = np.asarray(values.tolist())  # str / int / float when no None hides in the column
-        if natural.dtype != object:
+        # strings mixed with float NaN (a CSV's empty cells, as pandas reads them) come out as the string "nan":
+        # such a column keeps its objects, so that the NaN is found missing below
+        if natural.dtype != object and not (natural.dtype.kind == "U" and (natural == "nan").any()):
             values = natural
     missing = _missing_mask(values)
     if missing.any():

@@ -229,27 +229,35 @@ class EmbeddingConfigSpec:
         feature name."""
         if self.feature_columns is None:
             return {k: features[k] for k in self.feature_to_config_dict or {}}, {}
-        ids_out: dict[str, Any] = {}
-        weights_out: dict[str, Any] = {}
-        cache: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray | None]] = {}
-        for c in self.feature_columns:
-            cat = c.categorical_column
-            got = cache.get(cat.name)
-            if got is None:
-                got = cache[cat.name] = cat.ids(features)
-            ids, lengths, weights = got
-            if weights is None and is_single_lengths(lengths) and c.max_sequence_length == 0 and c.dynamic is None:
-                # one id per row: dense ids [B] are the same B bags of one id, without row splits
-                ids_out[c.name] = torch.from_numpy(np.ascontiguousarray(ids, dtype=np.int64))
-                weights_out[c.name] = None
-                continue
-            splits = np.zeros(len(lengths) + 1, dtype=np.int64)
-            np.cumsum(lengths, out=splits[1:])
-            row_splits = torch.from_numpy(splits)
-            ids_out[c.name] = Ragged(torch.from_numpy(np.ascontiguousarray(ids, dtype=np.int64)), row_splits)
-            weights_out[c.name] = (
-                None if weights is None else Ragged(torch.from_numpy(np.ascontiguousarray(weights)), row_splits)
-            )
-        if all(w is None for w in weights_out.values()):
-            weights_out = {}  # no weighted column: the engine's default (every weight 1)
-        return ids_out, weights_out
+        return engine_inputs(self.feature_columns, features)
+
+
+def engine_inputs(
+    columns: Sequence[EmbeddingColumn], features: Mapping[str, Any]
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Raw input dict -> ``(ids, weights)`` nests of the embedding ``columns`` (``EmbeddingConfigSpec.engine_inputs``
+    of the feature-column form; a model artifact converts its rows with it too)."""
+    ids_out: dict[str, Any] = {}
+    weights_out: dict[str, Any] = {}
+    cache: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray | None]] = {}
+    for c in columns:
+        cat = c.categorical_column
+        got = cache.get(cat.name)
+        if got is None:
+            got = cache[cat.name] = cat.ids(features)
+        ids, lengths, weights = got
+        if weights is None and is_single_lengths(lengths) and c.max_sequence_length == 0 and c.dynamic is None:
+            # one id per row: dense ids [B] are the same B bags of one id, without row splits
+            ids_out[c.name] = torch.from_numpy(np.ascontiguousarray(ids, dtype=np.int64))
+            weights_out[c.name] = None
+            continue
+        splits = np.zeros(len(lengths) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=splits[1:])
+        row_splits = torch.from_numpy(splits)
+        ids_out[c.name] = Ragged(torch.from_numpy(np.ascontiguousarray(ids, dtype=np.int64)), row_splits)
+        weights_out[c.name] = (
+            None if weights is None else Ragged(torch.from_numpy(np.ascontiguousarray(weights)), row_splits)
+        )
+    if all(w is None for w in weights_out.values()):
+        weights_out = {}  # no weighted column: the engine's default (every weight 1)
+    return ids_out, weights_out

@@ -1,0 +1,53 @@
+"""``embtables predict MODEL --input FILE [--output FILE]``: one prediction per row of a CSV or Parquet file.
+
+MODEL is a model artifact (``embtables export MODEL_DIR OUT --model``) or a model directory of
+``embtables train --data`` (exported into a temporary artifact first). The predictions are written in the rows'
+order as a CSV with one column ``prediction`` (a probability for a binary task, the value for a regression) to
+``--output``, or to stdout. A bad row is the training job's one-line error (which rows, which column, why) and
+exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import sys
+from pathlib import Path
+
+from embtables.cli.model_files import opened_model
+from embtables.cli.user_data import read_table
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", help="a model artifact (embtables export --model) or a model directory of train --data")
+    p.add_argument("--input", required=True, help="the rows to score: a CSV or Parquet file with the model's columns")
+    p.add_argument("--output", default=None, help="the CSV of predictions to write (default: stdout)")
+    p.add_argument("--batch-size", type=int, default=8192, help="rows scored at once (default 8192)")
+    p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.batch_size < 1:
+        raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
+    source = Path(args.input)
+    if not source.is_file():
+        raise FileNotFoundError(f"--input {source}: no such file")
+    rows = read_table(source)
+    with opened_model(args.model) as model:
+        progress = args.progress and sys.stderr.isatty()
+        predictions = model.predict(rows, batch_size=args.batch_size, progress=progress)
+    out = open(args.output, "w", newline="") if args.output else sys.stdout  # noqa: SIM115
+    try:
+        writer = csv.writer(out)
+        writer.writerow(["prediction"])
+        writer.writerows([repr(float(p))] for p in predictions)
+    finally:
+        if out is not sys.stdout:
+            out.close()
+    if args.output:
+        what = "probabilities" if model.task == "binary" else "predictions"
+        print(f"{args.output}: {len(predictions)} {what} (model step {model.step})", file=sys.stderr)
+    return 0
+
+
+__all__ = ["add_arguments", "run"]

@@ -1,0 +1,192 @@
+"""Raw table rows -> the features a model was trained on: the one transform that both ``embtables train --data``
+and a model artifact (``model_artifact``, ``embtables predict`` / ``serve``) run, so a row scores exactly as it
+trained.
+
+``RowTransform.apply(columns)`` takes the columns of N rows (``{name: array [N]}``, as ``read_table`` or a pandas
+DataFrame gives them) and returns the features dict the feature columns and the dense model read:
+
+- a multi-valued column (``separators``: ``"a|b|c"``) becomes a list per row (an empty or missing cell: no value);
+- a column read as numbers (``numbers``: a bucketized column's source) becomes float32 (NaN where empty);
+- the numeric features (``numeric``) become one float32 tensor [N, len(numeric)] under ``numeric_key``: each
+  column as float64, ``log1p`` first for ``"log"``, then ``(x - mean) / std`` with the training rows' statistics
+  (``"standard"`` and ``"log"``; ``"none"`` as it is), a missing value at 0 (the mean);
+- every other column is passed as it is.
+
+Errors are ``InputError`` (a ``ValueError``) naming the column, the rule and the value.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+from embtables.errors import InputError
+
+NORMALIZE = ("standard", "log", "none")
+
+
+@dataclasses.dataclass(frozen=True)
+class NumericStat:
+    """One numeric feature: its column, how it is normalised, and the training rows' mean and std (after log1p
+    for ``"log"``; 0 and 1 for ``"none"``)."""
+
+    column: str
+    normalize: str
+    mean: float = 0.0
+    std: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.normalize not in NORMALIZE:
+            raise InputError(f"numeric feature {self.column!r}: `normalize` must be one of {NORMALIZE}, got "
+                             f"{self.normalize!r}.")  # fmt: skip
+        for name in ("mean", "std"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise InputError(f"numeric feature {self.column!r}: `{name}` must be a finite number, got {value!r}.")
+        if self.std <= 0:
+            raise InputError(f"numeric feature {self.column!r}: `std` must be > 0, got {self.std!r}.")
+
+
+def _floats(column: np.ndarray, what: str, where: str, fix: str) -> np.ndarray:
+    """``column`` as float32 [N] (NaN where empty), or ``InputError`` naming ``what`` and the ``fix``."""
+    try:
+        return np.asarray(column, dtype=np.float32)
+    except (TypeError, ValueError):
+        raise InputError(f"the {what} of {where} is not numeric (e.g. {column[0]!r}); {fix}") from None
+
+
+def numeric_values(column: np.ndarray, name: str, where: str) -> np.ndarray:
+    """A numeric feature's column as float32 [N] (NaN where empty), or ``InputError``."""
+    x = _floats(column, f"numeric feature {name!r}", where, "give it another type")
+    if np.isinf(x).any():
+        raise InputError(f"the numeric feature {name!r} of {where} has infinite values")
+    return x
+
+
+def labels_of(column: np.ndarray, name: str, where: str) -> np.ndarray:
+    """The label column as float32, or ``InputError`` when it is not numbers or holds NaN."""
+    y = _floats(column, f"label column {name!r}", where, "encode it as numbers")
+    if not np.isfinite(y).all():
+        raise InputError(f"the label column {name!r} of {where} has {int((~np.isfinite(y)).sum())} empty or NaN values")
+    return y
+
+
+def _before_statistics(column: np.ndarray, name: str, how: str, where: str) -> np.ndarray:
+    """The float64 values [N] the statistics are taken of (log1p for ``"log"``)."""
+    x = numeric_values(column, name, where).astype(np.float64)
+    if how == "log":
+        if (x[np.isfinite(x)] < 0).any():
+            raise InputError(f"the numeric feature {name!r} of {where} has negative values: `normalize: log` needs "
+                             "values >= 0 (use \"standard\")")  # fmt: skip
+        x = np.log1p(x)
+    return x
+
+
+def fit_numeric(
+    columns: Mapping[str, np.ndarray], numeric: Mapping[str, str], train_rows: np.ndarray, where: str
+) -> tuple[NumericStat, ...]:
+    """The statistics of each numeric feature ``{column: normalize}`` over the rows ``train_rows`` [n]."""
+    out = []
+    for name, how in numeric.items():
+        if how not in NORMALIZE:
+            raise InputError(f"numeric feature {name!r}: `normalize` must be one of {NORMALIZE}, got {how!r}.")
+        if how == "none":
+            out.append(NumericStat(name, how))
+            continue
+        x = _before_statistics(columns[name], name, how, where)
+        seen = x[train_rows][np.isfinite(x[train_rows])]
+        mean = float(seen.mean()) if seen.size else 0.0
+        std = float(seen.std()) if seen.size else 1.0
+        out.append(NumericStat(name, how, mean, std if std > 0 else 1.0))
+    return tuple(out)
+
+
+@dataclasses.dataclass(frozen=True)
+class RowTransform:
+    """Raw columns -> model features (see the module's docstring)."""
+
+    separators: tuple[tuple[str, str], ...] = ()
+    numbers: tuple[str, ...] = ()
+    numeric: tuple[NumericStat, ...] = ()
+    numeric_key: str = "numeric"
+    passed: tuple[str, ...] = ()  # the columns given to the model as they are
+
+    @property
+    def columns(self) -> tuple[str, ...]:
+        """Every raw column the transform reads."""
+        return (*self.passed, *(c for c, _ in self.separators), *self.numbers, *(s.column for s in self.numeric))
+
+    def apply(self, columns: Mapping[str, Any], where: str = "the input") -> dict[str, Any]:
+        """The features of the N rows of ``columns`` (``{name: array [N]}``); ``InputError`` names a missing or
+        malformed column."""
+        missing = [c for c in self.columns if c not in columns]
+        if missing:
+            raise InputError(f"{where} has no column {missing[0]!r} (the model reads {sorted(set(self.columns))}).")
+        n = {len(columns[c]) for c in self.columns}
+        if len(n) > 1:
+            raise InputError(f"{where}: the columns have different lengths {sorted(n)}; give one value per row each.")
+        rows = n.pop() if n else 0
+        features: dict[str, Any] = {c: np.asarray(columns[c]) for c in self.passed}
+        for name, sep in self.separators:
+            features[name] = np.array(
+                [[] if not isinstance(v, str) or not v else v.split(sep) for v in np.asarray(columns[name])],
+                dtype=object,
+            )
+        for name in self.numbers:
+            features[name] = numeric_values(np.asarray(columns[name]), name, where)
+        cols = []
+        for s in self.numeric:
+            x = _before_statistics(np.asarray(columns[s.column]), s.column, s.normalize, where)
+            if s.normalize != "none":
+                x = (x - s.mean) / s.std
+            cols.append(np.where(np.isfinite(x), x, 0.0))
+        if self.numeric:
+            features[self.numeric_key] = torch.from_numpy(np.stack(cols, 1).astype(np.float32))
+        elif self.numeric_key:
+            features[self.numeric_key] = torch.zeros((rows, 0), dtype=torch.float32)
+        return features
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "separators": [list(p) for p in self.separators], "numbers": list(self.numbers),
+            "numeric": [dataclasses.asdict(s) for s in self.numeric], "numeric_key": self.numeric_key,
+            "passed": list(self.passed),
+        }  # fmt: skip
+
+    @classmethod
+    def from_json(cls, doc: Any, where: str) -> RowTransform:
+        """What ``to_json`` wrote; ``ValueError`` naming ``where`` when it is malformed."""
+        try:
+            if not isinstance(doc, dict):
+                raise TypeError(f"an object, got {type(doc).__name__}")
+
+            def strings(value: Any, what: str) -> tuple[str, ...]:
+                if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+                    raise TypeError(f"`{what}` must be a list of strings")
+                return tuple(value)
+
+            pairs = doc["separators"]
+            if not isinstance(pairs, list) or not all(isinstance(p, list) and len(p) == 2 for p in pairs):
+                raise TypeError("`separators` must be a list of [column, separator] pairs")
+            separators = tuple((p[0], p[1]) for p in pairs)
+            for c, s in separators:
+                if not isinstance(c, str) or not isinstance(s, str) or not s:
+                    raise TypeError("a separator entry must be [column, non-empty string]")
+            stats = doc["numeric"]
+            if not isinstance(stats, list) or not all(isinstance(s, dict) for s in stats):
+                raise TypeError("`numeric` must be a list of objects")
+            numeric = tuple(NumericStat(s["column"], s["normalize"], s["mean"], s["std"]) for s in stats)
+            key = doc["numeric_key"]
+            if not isinstance(key, str):
+                raise TypeError("`numeric_key` must be a string")
+            return cls(separators, strings(doc["numbers"], "numbers"), numeric, key, strings(doc["passed"], "passed"))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"{where}: the row transform is malformed ({type(exc).__name__}: {exc}).") from None
+
+
+__all__ = ["NORMALIZE", "NumericStat", "RowTransform", "fit_numeric", "labels_of", "numeric_values"]

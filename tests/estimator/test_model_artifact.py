@@ -1,0 +1,240 @@
+"""Model artifacts (issue 60, items 1-2): ``embtables export --model``, ``embtables.load_model``, ``embtables
+predict`` and ``Estimator.export_model`` score raw rows bit for bit as the Estimator's ``predict`` does, for the
+``--data`` job (every schema type, missing values, multi-valued cells, numeric normalisation) and for an Estimator
+of one's own; an incremental export adds a step that ``update()`` takes in; mistakes are one-line errors."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+from torch import nn
+
+import embtables as et
+from embtables import estimator as est
+from embtables.__main__ import main as cli
+from embtables.cli import user_data
+from embtables.cli.model_files import recipe_of
+from embtables.estimator.scoring_model import as_columns
+
+N = 1500
+
+
+def _table(rng: np.random.Generator, n: int) -> pd.DataFrame:
+    """Rows with every schema type: ids, hashed strings with a multi-valued cell, a vocabulary with unknown
+    values, a bucketized age and two numbers (log and standard), some of them missing."""
+    frame = pd.DataFrame(
+        {
+            "user": rng.integers(0, 60, n),
+            "tags": ["|".join(f"t{v}" for v in rng.integers(0, 30, rng.integers(0, 4))) for _ in range(n)],
+            "country": rng.choice(["US", "FR", "IN", "XX", ""], n),
+            "age": rng.integers(16, 80, n).astype(float),
+            "price": np.exp(rng.normal(3.0, 1.0, n)),
+            "score": rng.normal(5.0, 2.0, n),
+        }
+    )
+    frame.loc[rng.choice(n, 30, replace=False), "price"] = np.nan
+    frame.loc[rng.choice(n, 20, replace=False), "country"] = None
+    logit = 0.8 * (np.log1p(frame["price"].fillna(20.0)) - 3.0) + 1.5 * (frame["age"] > 45) - 0.7 + 0.1 * frame["score"]
+    frame["clicked"] = (rng.random(n) < 1 / (1 + np.exp(-logit))).astype(int)
+    return frame
+
+
+SCHEMA = {
+    "label": "clicked",
+    "dim": 8,
+    "features": {
+        "user": {"type": "identity", "num_buckets": 60},
+        "tags": {"type": "hash", "hash_bucket_size": 100, "separator": "|"},
+        "country": {"type": "vocabulary", "vocabulary": ["US", "FR", "IN"], "num_oov_buckets": 1},
+        "age": {"type": "bucketized", "boundaries": [25, 35, 45, 55, 65]},
+        "price": {"type": "numeric", "normalize": "log"},
+        "score": {"type": "numeric"},
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, pd.DataFrame]:
+    """A ``--data`` model directory (3 epochs), its model artifact, and new rows it never saw."""
+    root = tmp_path_factory.mktemp("data_job")
+    _table(np.random.default_rng(0), N).to_csv(root / "train.csv", index=False)
+    (root / "schema.json").write_text(json.dumps(SCHEMA))
+    argv = ["--data", str(root / "train.csv"), "--schema", str(root / "schema.json"), "--model-dir", str(root / "m")]
+    assert cli(["train", *argv, "--epochs", "3", "--no-progress", "--threads", "1"]) == 0
+    assert cli(["export", str(root / "m"), str(root / "artifact"), "--model"]) == 0
+    new = _table(np.random.default_rng(1), 700).drop(columns=["clicked"])
+    return root / "m", root / "artifact", new
+
+
+def _estimator_predictions(model_dir: Path, rows: pd.DataFrame, batch: int) -> np.ndarray:
+    """What the Estimator's own ``predict`` gives for ``rows``, with the job's model and transform."""
+    recipe, where = recipe_of(model_dir)
+    parts = user_data.model_parts(recipe, where)
+    spec = est.EmbeddingConfigSpec(feature_columns=parts.columns, optimization_parameters=est.AdagradParameters(0.1))
+    e = est.Estimator(parts.model, spec, model_dir, predictions_fn=parts.predictions_fn, progress=False)
+    assert parts.transform is not None
+    features = parts.transform.apply(as_columns(rows))
+    n = len(rows)
+
+    def input_fn() -> Iterator[dict[str, Any]]:
+        for s in range(0, n, batch):
+            r = np.arange(s, min(n, s + batch))
+            f: dict[str, Any] = {k: v[r] for k, v in features.items() if k != "numeric"}
+            f["numeric"] = features["numeric"][torch.from_numpy(r)]
+            yield f
+
+    try:
+        return np.concatenate(list(e.predict(input_fn, yield_single_examples=False)))
+    finally:
+        e.embedding.close()
+
+
+def test_load_model_and_predict_score_new_rows_as_the_estimator_does(
+    trained: tuple[Path, Path, pd.DataFrame], tmp_path: Path
+) -> None:
+    model_dir, artifact, new = trained
+    expected = _estimator_predictions(model_dir, new, 256)
+    assert expected.shape == (len(new),) and ((expected > 0) & (expected < 1)).all()
+    model = et.load_model(artifact)
+    assert model.task == "binary" and model.step > 0
+    np.testing.assert_array_equal(model.predict(new, batch_size=256), expected)  # a DataFrame
+    as_dict = {c: new[c].tolist() for c in new.columns}  # plain lists, as a JSON client sends them
+    np.testing.assert_array_equal(model.predict(as_dict, batch_size=256), expected)
+    # the CLI, from a CSV and from a Parquet file, into a CSV (and from the model directory itself)
+    new.to_csv(tmp_path / "new.csv", index=False)
+    new.to_parquet(tmp_path / "new.parquet")
+    for source, model_path in (("new.csv", artifact), ("new.parquet", artifact), ("new.csv", model_dir)):
+        out = tmp_path / f"{source}.{model_path.name}.out.csv"
+        argv = ["predict", str(model_path), "--input", str(tmp_path / source), "--output", str(out)]
+        assert cli([*argv, "--batch-size", "256", "--no-progress"]) == 0
+        got = pd.read_csv(out, dtype={"prediction": str})["prediction"].map(float).to_numpy(np.float32)
+        np.testing.assert_array_equal(got, expected)
+
+
+def test_an_artifact_in_half_precision_scores_close_to_float32(trained: tuple[Path, Path, pd.DataFrame]) -> None:
+    model_dir, artifact, new = trained
+    half = artifact.parent / "artifact-bf16"
+    assert cli(["export", str(model_dir), str(half), "--model", "--dtype", "bfloat16"]) == 0
+    full = et.load_model(artifact).predict(new)
+    got = et.load_model(half).predict(new)
+    assert not np.array_equal(got, full)  # the tables really are bf16
+    np.testing.assert_allclose(got, full, atol=2e-2)
+
+
+def test_mistakes_are_one_line_errors_and_change_nothing(
+    trained: tuple[Path, Path, pd.DataFrame], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    model_dir, artifact, new = trained
+    new.drop(columns=["price"]).to_csv(tmp_path / "no_price.csv", index=False)
+    assert cli(["predict", str(artifact), "--input", str(tmp_path / "no_price.csv")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "no column 'price'" in err and len(err.splitlines()) == 1
+    bad = new.copy()
+    bad["score"] = "many"
+    bad.to_csv(tmp_path / "bad.csv", index=False)
+    assert cli(["predict", str(artifact), "--input", str(tmp_path / "bad.csv")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "numeric feature 'score'" in err and "not numeric" in err and len(err.splitlines()) == 1
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "keep.txt").write_text("mine")
+    assert cli(["export", str(model_dir), str(foreign), "--model"]) == 2
+    assert "not written by export_model" in capsys.readouterr().err
+    assert sorted(p.name for p in foreign.iterdir()) == ["keep.txt"]
+    (tmp_path / "plain").mkdir()
+    assert cli(["export", str(tmp_path / "plain"), str(tmp_path / "out"), "--model"]) == 2
+    assert "no scoring.json" in capsys.readouterr().err
+    broken = tmp_path / "broken"
+    import shutil
+
+    shutil.copytree(artifact, broken)
+    doc = json.loads((broken / "model.json").read_text())
+    doc["columns"][0]["categorical_column"]["type"] = "mystery"
+    (broken / "model.json").write_text(json.dumps(doc))
+    with pytest.raises(ValueError, match="column 0 is malformed"):
+        et.load_model(broken)
+
+
+class _Own(nn.Module):
+    """A dense model of one's own that reads a tensor feature beside the activations."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.mlp = nn.Sequential(nn.Linear(16 + 2, 16), nn.ReLU(), nn.Linear(16, 1))
+
+    def forward(self, activations: dict[str, torch.Tensor], features: Any) -> torch.Tensor:
+        x = torch.cat([activations["user_embedding"], activations["item_embedding"], features["dense"]], 1)
+        return self.mlp(x).squeeze(1)
+
+
+def _own_data(seed: int, n: int = 800) -> tuple[dict[str, Any], np.ndarray]:
+    rng = np.random.default_rng(seed)
+    users, items = rng.integers(0, 40, n), rng.integers(0, 50, n)
+    dense = torch.from_numpy(rng.normal(size=(n, 2)).astype(np.float32))
+    y = ((users % 3 == 0) ^ (items % 2 == 0)).astype(np.float32)
+    return {"user": users, "item": [f"i{v}" for v in items], "dense": dense}, y
+
+
+def test_an_estimator_of_ones_own_exports_and_an_incremental_step_is_taken_in(tmp_path: Path) -> None:
+    cols = [
+        est.embedding_column(est.categorical_column_with_identity("user", 4000), 8),  # few rows change: deltas
+        est.embedding_column(est.categorical_column_with_hash_bucket("item", 4096), 8, combiner="sum"),
+    ]
+    spec = est.EmbeddingConfigSpec(feature_columns=cols, optimization_parameters=est.AdagradParameters(0.3))
+    e = est.Estimator(
+        _Own(), spec, tmp_path / "m", loss_fn=nn.functional.binary_cross_entropy_with_logits,
+        predictions_fn=torch.sigmoid, progress=False, incremental_checkpoints=True,
+    )  # fmt: skip
+    features, y = _own_data(0)
+
+    def input_fn() -> Iterator[tuple[dict[str, Any], np.ndarray]]:
+        for s in range(0, len(y), 100):
+            yield {k: v[s : s + 100] for k, v in features.items()}, y[s : s + 100]
+
+    new, _ = _own_data(1, 300)
+
+    def predicted() -> np.ndarray:
+        return np.concatenate(list(e.predict(lambda: iter([new]), yield_single_examples=False)))
+
+    e.train(input_fn, steps=5)
+    done = e.export_model(tmp_path / "artifact", new, task="binary")
+    assert not done.incremental and done.step == 5
+    served = et.load_model(tmp_path / "artifact")
+    np.testing.assert_array_equal(served.predict(new, batch_size=300), predicted())
+    before = served.predict(new, batch_size=300)
+    e.train(input_fn, steps=3)
+    done = e.export_model(tmp_path / "artifact", new, task="binary", incremental=True)
+    assert done.incremental and done.step == 8
+    assert sorted(p.name for p in (tmp_path / "artifact" / "tables").iterdir() if p.name.startswith("delta-"))
+    np.testing.assert_array_equal(served.predict(new, batch_size=300), before)  # not taken in yet
+    assert served.update() == 8
+    np.testing.assert_array_equal(served.predict(new, batch_size=300), predicted())
+    assert served.update() == 8  # nothing newer
+    # a full export replacing it (not incremental) is taken in as well
+    e.train(input_fn, steps=2)
+    e.export_model(tmp_path / "artifact", new, task="binary")
+    assert served.update() == 10
+    np.testing.assert_array_equal(served.predict(new, batch_size=300), predicted())
+    e.close()
+
+
+def test_a_csvs_empty_string_cells_are_missing_values_not_the_string_nan() -> None:
+    """pandas reads an empty cell of a string column as float NaN: the column must drop it (a missing value), as
+    it drops '' and None, not hash the string 'nan' (a value of its own: still a value when written out)."""
+    vocab = est.categorical_column_with_vocabulary_list("c", ["US", "FR"], num_oov_buckets=1)
+    hashed = est.categorical_column_with_hash_bucket("c", 10)
+    for column in (vocab, hashed):
+        with_nan = column.ids({"c": np.array([np.nan, "FR", None, "XX"], dtype=object)})
+        with_empty = column.ids({"c": np.array(["", "FR", "", "XX"], dtype=object)})
+        np.testing.assert_array_equal(with_nan[0], with_empty[0])
+        np.testing.assert_array_equal(with_nan[1], [0, 1, 0, 1])
+        literal = column.ids({"c": np.array(["nan", "FR"], dtype=object)})
+        np.testing.assert_array_equal(literal[1], [1, 1])
