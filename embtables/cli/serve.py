@@ -111,9 +111,8 @@ class Service:
             rows = {k: [r.get(k) for r in instances] for k in keys}
         else:
             raise ValueError('the body needs "rows" or "instances"')
-        step_before = self.model.step
-        predictions = self.model.predict(rows)
-        return {"predictions": [float(p) for p in predictions], "step": max(step_before, self.model.step)}
+        predictions, step = self.model.score(rows)  # one batch, one step
+        return {"predictions": predictions.float().reshape(-1).tolist(), "step": step}
 
 
 def _handler(service: Service) -> type[BaseHTTPRequestHandler]:

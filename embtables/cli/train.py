@@ -126,6 +126,8 @@ def _check(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if (args.save_every is not None or args.incremental) and args.data is None and args.dataset != "synthetic":
         p.error(f"--save-every and --incremental apply to the synthetic job and --data jobs, not to {args.dataset} "
                 "(it trains its folds from scratch and saves each at its end)")  # fmt: skip
+    if args.export_to is not None and args.data is None:
+        p.error("--export-to applies to --data jobs (their model can be scored: docs/serving.md)")
     if args.cache_rows < 1:
         p.error(f"--cache-rows must be >= 1, got {args.cache_rows}")
     for flag, path in (("--data", args.data), ("--schema", args.schema)):

@@ -33,10 +33,11 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import logging
 import math
 import shutil
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -66,10 +67,11 @@ from embtables.estimator import (
     numeric_column,
     rmse,
 )
-from embtables.estimator.model_artifact import ModelParts
+from embtables.estimator.model_artifact import ModelParts, export_model
 from embtables.estimator.row_transform import NORMALIZE, NumericStat, RowTransform, fit_numeric, labels_of
 from embtables.tables import TruncatedNormal
 
+logger = logging.getLogger("embtables")
 TASKS = ("binary", "regression")
 TYPES = ("identity", "hash", "vocabulary", "bucketized", "numeric")
 BEST_DIR = "best-epoch"  # the best held-out epoch's checkpoint, inside the model directory
@@ -199,6 +201,11 @@ class TabularDLRM(nn.Module):
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eval-fraction", type=float, default=0.1, help="share of rows held out (default 0.1)")
+    p.add_argument(
+        "--export-to", metavar="OUT", default=None,
+        help="after every checkpoint, export the model to OUT for embtables serve / predict (a model artifact; with "
+        "--incremental each save after the first adds a delta of the changed rows and the dense weights)",
+    )  # fmt: skip
 
 
 def read_schema(path: Path) -> dict[str, Any]:
@@ -262,6 +269,19 @@ def model_parts(recipe: dict[str, Any], where: str) -> ModelParts:
     example = {"numeric": torch.zeros((2, len(numeric)), dtype=torch.float32)}
     label = schema.get("label") if isinstance(schema.get("label"), str) else None
     return ModelParts(model, cols, transform, torch.sigmoid if task == "binary" else None, task, label, example)
+
+
+def _exporter(out: str, schema: dict[str, Any], transform: RowTransform) -> Callable[[int, str], None]:
+    """``Estimator(after_save=)`` for ``--export-to``: each checkpoint into the model artifact at ``out`` (a step
+    added to it when it is an artifact of this model, else written whole)."""
+    parts = model_parts({"schema": schema, "transform": transform.to_json()}, "--export-to")  # weights: per save
+
+    def after_save(step: int, checkpoint: str) -> None:
+        done = export_model(checkpoint, out, parts, incremental=True)
+        how = "added to" if done.incremental else "exported whole to"
+        logger.info("step %d %s %s", step, how, out)
+
+    return after_save
 
 
 def _keep_best(est: Estimator, model_dir: Path) -> Path | None:
@@ -350,6 +370,7 @@ def run(args: argparse.Namespace) -> int:
         predictions_fn=torch.sigmoid if binary else None,
         eval_metrics=metrics,
         save_checkpoints_steps=args.save_every,
+        after_save=None if args.export_to is None else _exporter(args.export_to, schema, transform),
         incremental_checkpoints=args.incremental,
         keep_checkpoint_max=1,
         progress=args.progress,

@@ -114,6 +114,8 @@ class Estimator:
         the first 32 steps of training read in place and the next 32 one ahead, timed, and one ahead is
         kept from then on only when it was at least 10% faster (the same, separately, for
         ``evaluate``/``predict``); the results are the same either way, bit for bit.
+      after_save: called as ``after_save(global_step, checkpoint)`` on every rank after each checkpoint is
+        published (TF's ``CheckpointSaverListener.after_save``), e.g. to export the model for a server.
     """
 
     def __init__(
@@ -135,6 +137,7 @@ class Estimator:
         progress: bool | None = None,
         process_group: Any = None,
         input_prefetch: int | str = "auto",
+        after_save: Callable[[int, str], None] | None = None,
     ) -> None:
         if not isinstance(model_fn, nn.Module):
             raise TypeError(f"Estimator: `model_fn` must be a torch.nn.Module, got {type(model_fn).__name__}.")
@@ -168,6 +171,9 @@ class Estimator:
         self.full_checkpoint_every = full_checkpoint_every
         self.spec = embedding_config_spec
         self.input_prefetch = input_prefetch
+        if after_save is not None and not callable(after_save):
+            raise TypeError("Estimator: `after_save` must be a callable (global_step, checkpoint) or None.")
+        self.after_save = after_save
         self._probes: dict[str, Probe] = {}  # input_prefetch="auto": per kind of call (train, predict)
         self.model_dir = Path(model_dir)
         self.device = torch.device(device) if device is not None else torch.device("cpu")
@@ -308,6 +314,8 @@ class Estimator:
                 if DENSE_FILE.fullmatch(f.name) and f.name not in keep:
                     f.unlink(missing_ok=True)
         self._saved = (step, path)
+        if self.after_save is not None:
+            self.after_save(step, path)
         return path
 
     # ------------------------------------------------------------------ steps

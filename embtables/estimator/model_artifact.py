@@ -223,25 +223,29 @@ def export_model(
     target = Path(out)
     existing = _check_out(target)
     doc = _document(parts, dtype, step)
-    if incremental and existing:
+    same = False
+    if existing:
         try:
             old = json.loads((target / MODEL_FILE).read_text())
         except (OSError, ValueError):
             old = None
-        same = isinstance(old, dict) and all(old.get(k) == doc[k] for k in ("columns", "transform", "dtype", "task"))
-        if same:
+        same = isinstance(old, dict) and all(old.get(k) == doc[k] for k in _SAME_MODEL) and _same_weights(target, state)
+        if incremental and same:
             _write_weights(target, step, state)  # first: a server reaching this step finds its weights
             export(ckpt, target / TABLES, dtype=dtype, incremental=True)
-            _write_synced(target / MODEL_FILE, json.dumps({**old, "step": step}, indent=1))
+            _write_synced(target / MODEL_FILE, json.dumps({**old, "step": step, "dtype": dtype}, indent=1))
             _prune_weights(target)
             return ModelExport(str(target), step, dtype, True)
-    program = _program(parts)
+    program = None if same else _program(parts)  # the same model: its program is kept (exporting takes seconds)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.parent / temp_name("model")
     try:
         tmp.mkdir()
         export(ckpt, tmp / TABLES, dtype=dtype)
-        torch.export.save(program, str(tmp / PROGRAM))
+        if program is None:
+            shutil.copy2(target / PROGRAM, tmp / PROGRAM)
+        else:
+            torch.export.save(program, str(tmp / PROGRAM))
         _write_weights(tmp, step, state)
         _write_synced(tmp / MODEL_FILE, json.dumps(doc, indent=1))
         _write_synced(tmp / MARKER, json.dumps({"format": FORMAT}))
@@ -255,6 +259,30 @@ def export_model(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return ModelExport(str(target), step, dtype, False)
+
+
+_SAME_MODEL = ("columns", "transform", "tensor_features", "task")  # the program's inputs and what is made of its output
+
+
+def _same_weights(target: Path, state: Mapping[str, Tensor]) -> bool:
+    """Whether the artifact's newest weights have the keys, shapes and dtypes of ``state`` (the same dense model)."""
+    files = sorted(p for p in (target / WEIGHTS).iterdir() if WEIGHTS_FILE.fullmatch(p.name)) if (
+        target / WEIGHTS).is_dir() else []  # fmt: skip
+    if not files or not (target / PROGRAM).is_file():
+        return False
+    try:
+        theirs = torch.load(files[-1], map_location="cpu", weights_only=True)
+    except Exception:  # torch.load raises many types on a damaged file: not the same, written whole
+        return False
+    mine = {f"model.{k}": v for k, v in state.items()}
+    return (
+        isinstance(theirs, dict)
+        and set(theirs) == set(mine)
+        and all(
+            isinstance(theirs[k], Tensor) and theirs[k].shape == v.shape and theirs[k].dtype == v.dtype
+            for k, v in mine.items()
+        )
+    )
 
 
 def _write_synced(path: Path, text: str) -> None:

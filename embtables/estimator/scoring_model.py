@@ -148,9 +148,14 @@ class ScoringModel(nn.Module):
         columns = as_columns(rows)
         return self.transform.apply(columns) if self.transform is not None else dict(columns)
 
-    @torch.no_grad()
     def forward(self, rows: Any) -> Tensor:
         """The predictions [N] of the N raw ``rows`` (one batch)."""
+        return self.score(rows)[0]
+
+    @torch.no_grad()
+    def score(self, rows: Any) -> tuple[Tensor, int]:
+        """The predictions [N] of the N raw ``rows`` (one batch) and the step that computed them (the tables and
+        the dense weights are read under one lock: an update is taken in before or after, never during)."""
         features = self._features(rows)
         ids, weights = engine_inputs(self.columns, features)
         tensors = {}
@@ -162,7 +167,7 @@ class ScoringModel(nn.Module):
         with self._lock.read():
             acts = self.tables(ids, weights or None)
             out: Tensor = self.dense(acts, tensors)
-        return out
+            return out, self.tables.step
 
     def predict(self, rows: Any, batch_size: int = CHUNK_ROWS, progress: bool = False) -> np.ndarray:
         """The predictions [N] of ``rows`` as float32, scored ``batch_size`` rows at a time."""
