@@ -35,7 +35,8 @@ _COMMANDS = (
         "bench",
         "the benchmark suite against the peers (embtables bench --help); embtables bench "
         "latency | estimator | sharded | checkpoint | movielens | extra-optimizers | noacc | dynamic | incremental | "
-        "precision | subnormals | offload | gpu-launches for the others; on a GPU: embtables bench --device cuda",
+        "precision | subnormals | offload | online | gpu-launches for the others; on a GPU: "
+        "embtables bench --device cuda",
     ),
     ("stats", "print lookup statistics files (profile_data_directory) and draw per-shard load"),
     ("inspect", "what a checkpoint holds (tables, shapes, optimizer, step, size) and its checksum status"),
@@ -129,6 +130,7 @@ _BENCHES = {
     "offload": "bench_offload",
     "gpu": "bench_gpu",
     "gpu-launches": "bench_gpu_launches",
+    "online": "bench_online",
 }
 
 
