@@ -146,13 +146,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--more-epochs", type=int, default=1, help="epochs trained while served")
     p.add_argument("--clients", type=int, default=8)
     p.add_argument("--request-rows", type=int, default=16)
-    p.add_argument("--idle-seconds", type=float, default=10.0)
+    p.add_argument("--idle-seconds", type=float, default=None, help="default 10 (--small: 3)")
     p.add_argument("--small", action="store_true", help="a smoke run: 4 x 20,000 x 16, 20,000 examples, batch 512")
     p.add_argument("--dir", default=None, help="where the data, model and artifact go (default: temporary)")
     p.add_argument("--out", default=None, help="also write the summary table here")
     args = p.parse_args(argv)
     if args.small:
-        args.rows, args.tables, args.dim, args.examples, args.batch, args.idle_seconds = 20_000, 4, 16, 20_000, 512, 3
+        args.rows, args.tables, args.dim, args.examples, args.batch = 20_000, 4, 16, 20_000, 512
+    if args.idle_seconds is None:
+        args.idle_seconds = 3.0 if args.small else 10.0
     emit(env_record())
     root = Path(args.dir or tempfile.mkdtemp(prefix="embtables-bench-online-"))
     model_dir, artifact = root / "model", root / "served"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -150,3 +151,18 @@ def test_gpu_benchmark_runs_its_impls_side_by_side_and_refuses_a_missing_device(
             cwd=tmp_path,
         )
         assert missing.returncode == 2 and "no CUDA device" in missing.stderr
+
+
+def test_online_benchmark_measures_idle_updates_and_freshness(tmp_path: Path) -> None:
+    """``embtables bench online --small``: the first export, idle and during-update latencies, and the freshness
+    of every save, all from real processes on loopback."""
+    cmd = [sys.executable, "-m", "embtables", "bench", "online", "--small", "--idle-seconds", "1", "--clients", "2",
+           "--out", str(tmp_path / "table.md")]  # fmt: skip
+    out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    records = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    phases = {r.get("phase"): r for r in records if r.get("bench") == "online"}
+    assert phases["idle"]["requests"] > 0 and phases["during updates"]["requests"] > 0
+    fresh = phases["freshness"]
+    assert fresh["saves"] >= 2 and fresh["failures"] == 0 and 0 <= fresh["freshness_max_s"] < 30
+    assert "freshness" in (tmp_path / "table.md").read_text()
