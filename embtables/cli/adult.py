@@ -35,8 +35,9 @@ from embtables.cli.dlrm import report_offload
 from embtables.cli.history import epoch_curve
 from embtables.cli.job_runner import storage_line, table_storage
 from embtables.cli.plotting import finish, pyplot
+from embtables.cli.scoring_recipe import write_recipe
 from embtables.config import Offload
-from embtables.data.adult import CATEGORICAL, Adult, load_adult
+from embtables.data.adult import CATEGORICAL, NUMERIC, Adult, load_adult
 from embtables.estimator import (
     AdagradParameters,
     EmbeddingConfigSpec,
@@ -51,6 +52,7 @@ from embtables.estimator import (
     log_loss,
     numeric_column,
 )
+from embtables.estimator.row_transform import NumericStat, RowTransform
 from embtables.tables import TruncatedNormal
 
 # the tutorial's buckets for age; the others cut where the data's mass lies
@@ -127,13 +129,32 @@ class WideDeep(nn.Module):
         return out
 
 
+# the raw columns -> the features: every column as it is, and the MLP's numbers [B, len(DENSE)] as float32 (capital
+# amounts on a log scale); the model standardises them itself (its mean and std buffers)
+TRANSFORM = RowTransform(
+    numeric=tuple(NumericStat(n, "log" if n.startswith("capital") else "none") for n in DENSE),
+    numeric_key="dense",
+    passed=(*CATEGORICAL, *NUMERIC),
+)
+
+
 def dense_features(data: Adult, index: np.ndarray) -> np.ndarray:
     """The numeric inputs of the MLP [n, len(DENSE)] (capital amounts on a log scale)."""
-    cols = []
-    for name in DENSE:
-        x = data.columns[name][index].astype(np.float32)
-        cols.append(np.log1p(x) if name.startswith("capital") else x)
-    return np.stack(cols, 1)
+    numbers = dataclasses.replace(TRANSFORM, passed=())
+    out: np.ndarray = numbers.apply({n: data.columns[n][index] for n in DENSE}, "adult")["dense"].numpy()
+    return out
+
+
+def scoring_model(args: dict[str, Any], task: str) -> tuple[nn.Module, Any, dict[str, Tensor]]:
+    """The job's dense model from its recipe's arguments (``scoring_recipe``; the weights, mean and std buffers
+    included, come from a checkpoint), its ``predictions_fn`` and an example of the tensor features it reads."""
+    names, dim, hidden = args["names"], args["dim"], args["hidden"]
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names) or type(dim) is not int or not (
+            isinstance(hidden, list) and all(type(h) is int and h > 0 for h in hidden)) or dim < 1:  # fmt: skip
+        raise TypeError("the model's names, dim and hidden widths are malformed")
+    zeros, ones = np.zeros(len(DENSE), np.float32), np.ones(len(DENSE), np.float32)
+    model = WideDeep(names, dim, tuple(hidden), zeros, ones)
+    return model, torch.sigmoid, {"dense": torch.zeros((2, len(DENSE)), dtype=torch.float32)}
 
 
 def _batches(
@@ -157,6 +178,9 @@ def train_and_test(
     spec = EmbeddingConfigSpec(feature_columns=cols, optimization_parameters=optimizer)
     dense = dense_features(train, train_idx)
     model = WideDeep([c.name for c in cols], hp.dim, hp.hidden, dense.mean(0), dense.std(0) + 1e-6)
+    model_args = {"names": [c.name for c in cols], "dim": hp.dim, "hidden": list(hp.hidden)}
+    model_dir.mkdir(parents=True, exist_ok=True)
+    write_recipe(model_dir, "adult", cols, TRANSFORM, "binary", None, model_args)  # for embtables export --model
     est = Estimator(
         model,
         spec,

@@ -1,14 +1,13 @@
-"""The jobs' models as artifacts: ``embtables export MODEL_DIR OUT --model`` and what ``predict`` / ``serve`` open.
+"""The jobs' models as artifacts: ``embtables export MODEL_DIR OUT --model`` and what ``predict`` opens.
 
-A job that can be scored writes ``MODEL_DIR/scoring.json`` (its recipe: which job, and what it needs to rebuild
-its dense model, feature columns and row transform, with the training rows' statistics); ``RECIPES`` maps the job
-to the function that rebuilds its ``ModelParts``. The weights come from the checkpoint, the tables from its
-serving export (``model_artifact.export_model``).
+A job that can be scored writes ``MODEL_DIR/scoring.json`` (``scoring_recipe``: the columns, the row transform
+with the training rows' statistics, the task, the label, and its dense model's arguments); ``DENSE_MODELS`` maps
+the job to the function that builds that dense model again. The weights come from the checkpoint, the tables
+from its serving export (``model_artifact.export_model``).
 """
 
 from __future__ import annotations
 
-import json
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator
@@ -16,42 +15,59 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from torch import Tensor, nn
+
 from embtables.checkpoint.file_names import CheckpointError
-from embtables.cli import user_data
+from embtables.cli import adult, movielens, user_data
+from embtables.cli.scoring_recipe import SCORING_FILE, read_recipe, recipe_inputs
 from embtables.estimator.model_artifact import MARKER, MODEL_FILE, ModelExport, ModelParts, export_model
 from embtables.estimator.scoring_model import ScoringModel, load_model
 
-RECIPES: dict[str, Callable[[dict[str, Any], str], ModelParts]] = {"data": user_data.model_parts}
-SCORING_FILE = user_data.SCORING_FILE
+DenseModel = Callable[[dict[str, Any], str], tuple[nn.Module, Any, dict[str, Tensor]]]
+DENSE_MODELS: dict[str, DenseModel] = {
+    "data": user_data.scoring_model,
+    "adult": adult.scoring_model,
+    "movielens-100k": movielens.scoring_model,
+}
 
 
 def is_artifact(path: Path) -> bool:
     return (path / MODEL_FILE).is_file() and (path / MARKER).is_file()
 
 
-def recipe_of(path: Path) -> tuple[dict[str, Any], str]:
-    """The recipe of a model directory (or of a checkpoint inside one) and its file's path."""
-    for where in (path, path.parent):
-        file = where / SCORING_FILE
-        if file.is_file():
-            try:
-                doc = json.loads(file.read_text())
-            except (OSError, ValueError) as exc:
-                raise CheckpointError(f"{file} is unreadable ({exc}); train again to rewrite it.") from None
-            if not isinstance(doc, dict) or doc.get("job") not in RECIPES:
-                raise CheckpointError(f"{file}: unknown job {doc.get('job') if isinstance(doc, dict) else None!r:.40}.")
-            return doc, str(file)
-    raise CheckpointError(
-        f"{path} has no {SCORING_FILE}: only a model directory of `embtables train --data` (or a checkpoint in one) "
-        "can be exported as a model here; an Estimator of your own exports with Estimator.export_model."
-    )
+def model_root(path: Path) -> Path:
+    """Where a job's checkpoints and recipe are: ``path``, or its one sub-directory with a recipe (the Adult job's
+    ``MODEL_DIR/model``); ``CheckpointError`` naming the choices when there are several (MovieLens' folds)."""
+    if (path / SCORING_FILE).is_file() or (path.parent / SCORING_FILE).is_file() or not path.is_dir():
+        return path
+    found = sorted(p for p in path.iterdir() if (p / SCORING_FILE).is_file())
+    if len(found) == 1:
+        return found[0]
+    if len(found) > 1:
+        raise CheckpointError(f"{path} holds {len(found)} models ({', '.join(p.name for p in found)}); give one of "
+                              f"them, e.g. {found[0]}.")  # fmt: skip
+    return path
+
+
+def parts_of(path: Path) -> ModelParts:
+    """The model of a model directory (or of a checkpoint in one) rebuilt from its recipe, without weights."""
+    doc, where = read_recipe(path)
+    columns, transform, task, label = recipe_inputs(doc, where)
+    build = DENSE_MODELS.get(doc["job"])
+    if build is None:
+        raise CheckpointError(f"{where}: unknown job {doc['job']!r:.40}; it can be exported by the embtables that "
+                              "trained it.")  # fmt: skip
+    try:
+        model, predictions_fn, example = build(doc["model"], task)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CheckpointError(f"{where}: the dense model's arguments are malformed ({exc}).") from None
+    return ModelParts(model, columns, transform, predictions_fn, task, label, example)
 
 
 def export_model_dir(path: str, out: str, dtype: str, incremental: bool) -> ModelExport:
     """The artifact of the model directory (or checkpoint) ``path``, written into ``out``."""
-    recipe, where = recipe_of(Path(path))
-    parts = RECIPES[recipe["job"]](recipe, where)
-    return export_model(path, out, parts, dtype, incremental=incremental)
+    root = model_root(Path(path))
+    return export_model(root, out, parts_of(root), dtype, incremental=incremental)
 
 
 @contextmanager
@@ -71,4 +87,4 @@ def opened_model(path: str) -> Iterator[ScoringModel]:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-__all__ = ["RECIPES", "export_model_dir", "is_artifact", "opened_model", "recipe_of"]
+__all__ = ["DENSE_MODELS", "export_model_dir", "is_artifact", "opened_model", "parts_of"]

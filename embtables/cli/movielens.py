@@ -42,6 +42,7 @@ from embtables.cli.history import epoch_curve
 from embtables.cli.job_runner import storage_line, table_storage
 from embtables.cli.malloc import keep_freed_memory
 from embtables.cli.plotting import finish, pyplot
+from embtables.cli.scoring_recipe import write_recipe
 from embtables.config import Offload
 from embtables.data.movielens import GENRES, MovieLens, kfold, load_movielens_100k
 from embtables.estimator import (
@@ -55,6 +56,7 @@ from embtables.estimator import (
     mae,
     rmse,
 )
+from embtables.estimator.row_transform import IntBucket, RowTransform
 from embtables.tables import TruncatedNormal
 
 FIELDS = ("user", "item", "age", "gender", "occupation", "zip_code", "year", "genres")  # every field there is
@@ -109,6 +111,28 @@ def genre_ids(genres: np.ndarray) -> np.ndarray:
     for row, names in enumerate(genres):
         out[row, : len(names)] = [position[n] for n in names]
     return out
+
+
+# raw ratings -> the model's features, as ``prepare`` makes them (the artifact's transform: docs/serving.md)
+TRANSFORM = RowTransform(
+    passed=("user", "item", "gender", "occupation"),
+    buckets=(IntBucket("age", 0, 10, 0, 7), IntBucket("year", 1920, 5, 0, 16)),
+    prefixes=(("zip_code", 3),),
+    positions=(("genres", GENRES, "|"),),
+)
+
+
+def scoring_model(args: dict[str, Any], task: str) -> tuple[nn.Module, Any, dict[str, Tensor]]:
+    """The FM from its recipe's arguments (``scoring_recipe``; its mean comes from a checkpoint), its
+    ``predictions_fn`` (ratings clamped to 1..5) and the tensor features it reads (none)."""
+    fields, l2 = args["fields"], args["l2"]
+    if not isinstance(fields, list) or not all(f in FIELDS for f in fields) or not isinstance(l2, float):
+        raise TypeError("the model's fields and l2 are malformed")
+    return FactorizationMachine(0.0, l2, tuple(fields)), _clamp_rating, {}
+
+
+def _clamp_rating(x: Tensor) -> Tensor:
+    return x.clamp(1.0, 5.0)
 
 
 def _constant(rate: float, global_step: int) -> float:
@@ -288,13 +312,17 @@ def run_fold(
         model_dir / f"fold{fold}",
         dense_optimizer=lambda p: PlainSGD(p, lr=0.01),
         loss_fn=loss_fn,
-        predictions_fn=lambda x: x.clamp(1.0, 5.0),
+        predictions_fn=_clamp_rating,
         eval_metrics={"rmse": rmse, "mae": mae},
         save_checkpoints_steps=None,
         keep_checkpoint_max=1,
         log_step_count_steps=50,
         progress=progress,
     )
+    recipe = {"fields": list(hp.fields), "l2": float(hp.l2)}  # for embtables export --model
+    est.model_dir.mkdir(parents=True, exist_ok=True)
+    write_recipe(est.model_dir, "movielens-100k", list(spec.feature_columns or ()), TRANSFORM, "regression", "rating",
+                 recipe)  # fmt: skip
     try:
         curve = []
         done = est.restore() // math.ceil(len(train) / hp.batch_size)  # --epochs is a total: resume, never redo

@@ -50,6 +50,7 @@ from embtables.cli.dlrm import interaction, mlp_head, report_offload
 from embtables.cli.history import epoch_curve
 from embtables.cli.job_runner import storage_line, table_storage
 from embtables.cli.plotting import finish, pyplot
+from embtables.cli.scoring_recipe import SCORING_FILE, write_recipe
 from embtables.config import Offload
 from embtables.estimator import (
     AdagradParameters,
@@ -77,9 +78,6 @@ TYPES = ("identity", "hash", "vocabulary", "bucketized", "numeric")
 BEST_DIR = "best-epoch"  # the best held-out epoch's checkpoint, inside the model directory
 _BEST_MARK = ".embtables-best-epoch"  # written into it, so a rerun replaces only what the job wrote
 EPOCHS = 12
-
-
-SCORING_FILE = "scoring.json"  # what `embtables export --model` rebuilds the model from (model_artifact)
 
 
 class SchemaError(ValueError):
@@ -243,38 +241,20 @@ def row_transform(schema: dict[str, Any], numeric: dict[str, str], stats: tuple[
     return RowTransform(tuple(separators), tuple(numbers), stats, "numeric", tuple(passed))
 
 
-def write_recipe(model_dir: Path, schema: dict[str, Any], transform: RowTransform) -> None:
-    """``MODEL_DIR/scoring.json``: what ``embtables export --model`` rebuilds this job's model from (the schema
-    and the row transform with the training rows' statistics); replaced atomically."""
-    doc = {"job": "data", "schema": schema, "transform": transform.to_json()}
-    tmp = model_dir / f".{SCORING_FILE}.tmp"
-    tmp.write_text(json.dumps(doc, indent=1))
-    tmp.replace(model_dir / SCORING_FILE)
+def scoring_model(args: dict[str, Any], task: str) -> tuple[nn.Module, Any, dict[str, Tensor]]:
+    """The job's dense model from its recipe's arguments (``scoring_recipe``), its ``predictions_fn`` and an
+    example of the tensor features it reads (the weights come from a checkpoint)."""
+    names, dim, numeric = args["names"], args["dim"], args["numeric"]
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names) or type(dim) is not int or type(
+            numeric) is not int or dim < 1 or numeric < 0:  # fmt: skip
+        raise TypeError("the model's names, dim and numeric count are malformed")
+    example = {"numeric": torch.zeros((2, numeric), dtype=torch.float32)}
+    return TabularDLRM(names, dim, numeric), torch.sigmoid if task == "binary" else None, example
 
 
-def model_parts(recipe: dict[str, Any], where: str) -> ModelParts:
-    """The ``--data`` job's model rebuilt from its ``scoring.json`` (weights from a checkpoint come later)."""
-    schema = recipe.get("schema")
-    if not isinstance(schema, dict) or not isinstance(schema.get("features"), dict):
-        raise SchemaError(f"{where}: no schema with features; train again with this embtables.")
-    transform = RowTransform.from_json(recipe.get("transform"), where)
-    cols, numeric = columns_from_schema(schema, set(schema["features"]))
-    dims = {c.dimension for c in cols}
-    if len(dims) != 1:
-        raise SchemaError("the DLRM model needs one `dim` for every feature")
-    task = schema.get("task", "binary")
-    if task not in TASKS:
-        raise SchemaError(f"schema task must be one of {TASKS}, got {task!r}")
-    model = TabularDLRM([c.name for c in cols], dims.pop(), len(numeric))
-    example = {"numeric": torch.zeros((2, len(numeric)), dtype=torch.float32)}
-    label = schema.get("label") if isinstance(schema.get("label"), str) else None
-    return ModelParts(model, cols, transform, torch.sigmoid if task == "binary" else None, task, label, example)
-
-
-def _exporter(out: str, schema: dict[str, Any], transform: RowTransform) -> Callable[[int, str], None]:
+def _exporter(out: str, parts: ModelParts) -> Callable[[int, str], None]:
     """``Estimator(after_save=)`` for ``--export-to``: each checkpoint into the model artifact at ``out`` (a step
     added to it when it is an artifact of this model, else written whole)."""
-    parts = model_parts({"schema": schema, "transform": transform.to_json()}, "--export-to")  # weights: per save
 
     def after_save(step: int, checkpoint: str) -> None:
         done = export_model(checkpoint, out, parts, incremental=True)
@@ -346,7 +326,6 @@ def run(args: argparse.Namespace) -> int:
     transform = row_transform(schema, numeric, fit_numeric(data, numeric, train_idx, args.data))
     inputs = transform.apply(data, args.data)
     numbers = inputs.pop(transform.numeric_key)
-    write_recipe(Path(args.model_dir), schema, transform)
     batch_size = args.batch_size or default_batch_size(len(train_idx))
     feature_names = [name for name in schema["features"] if name not in numeric]
     dims = {c.dimension for c in cols}
@@ -354,8 +333,15 @@ def run(args: argparse.Namespace) -> int:
         raise SchemaError("the DLRM model needs one `dim` for every feature")
     binary = task == "binary"
     torch.manual_seed(args.seed)  # the MLP's initial weights (the tables' come from their initializer)
-    model = TabularDLRM([c.name for c in cols], dims.pop(), len(numeric))
+    dense_args = {"names": [c.name for c in cols], "dim": dims.pop(), "numeric": len(numeric)}
+    model = scoring_model(dense_args, task)[0]
     model_dir = Path(args.model_dir)  # checked (or made) by the job runner
+    write_recipe(model_dir, "data", cols, transform, task, label, dense_args)
+    parts = None
+    if args.export_to is not None:
+        with torch.random.fork_rng():  # the job's random numbers stay those of a run without --export-to
+            scorer, predictions_fn, example = scoring_model(dense_args, task)  # weights: from each checkpoint
+        parts = ModelParts(scorer, cols, transform, predictions_fn, task, label, example)
     metrics: dict[str, Any] = {"accuracy": accuracy, "auc": auc, "log_loss": log_loss} if binary else {
         "rmse": rmse, "mae": mae}  # fmt: skip
     key = "auc" if binary else "rmse"  # the best epoch: the highest AUC, the lowest RMSE
@@ -370,7 +356,7 @@ def run(args: argparse.Namespace) -> int:
         predictions_fn=torch.sigmoid if binary else None,
         eval_metrics=metrics,
         save_checkpoints_steps=args.save_every,
-        after_save=None if args.export_to is None else _exporter(args.export_to, schema, transform),
+        after_save=None if parts is None else _exporter(args.export_to, parts),
         incremental_checkpoints=args.incremental,
         keep_checkpoint_max=1,
         progress=args.progress,

@@ -26,6 +26,7 @@ import json
 import os
 import re
 import shutil
+import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -114,7 +115,9 @@ def _program(parts: ModelParts) -> torch.export.ExportedProgram:
     shapes = ({k: {0: batch} for k in acts}, {k: {0: batch} if v.dim() > 0 else None for k, v in example.items()})
     scorer = Scorer(parts.model, parts.predictions_fn).eval()
     try:
-        with torch.no_grad():
+        with torch.no_grad(), warnings.catch_warnings():
+            # a model that keeps a training-only tensor as an attribute (the FM's penalty): nothing to serve
+            warnings.filterwarnings("ignore", message=".*was assigned during export.*")
             return torch.export.export(scorer, (acts, example), dynamic_shapes=shapes)
     except Exception as exc:  # torch.export raises many types (UserError, Unsupported, ...)
         raise ValueError(

@@ -7,6 +7,10 @@ DataFrame gives them) and returns the features dict the feature columns and the 
 
 - a multi-valued column (``separators``: ``"a|b|c"``) becomes a list per row (an empty or missing cell: no value);
 - a column read as numbers (``numbers``: a bucketized column's source) becomes float32 (NaN where empty);
+- an integer column cut into buckets (``buckets``: ``clip((x - offset) // width, low, high)``, int64);
+- a string column cut to its first characters (``prefixes``: ``(column, n)``);
+- a column of names (``positions``: ``(column, names, separator)``; a cell is a list of names, or one string of
+  them joined by the separator) becomes the list of each name's position in ``names`` per row;
 - the numeric features (``numeric``) become one float32 tensor [N, len(numeric)] under ``numeric_key``: each
   column as float64, ``log1p`` first for ``"log"``, then ``(x - mean) / std`` with the training rows' statistics
   (``"standard"`` and ``"log"``; ``"none"`` as it is), a missing value at 0 (the mean);
@@ -107,6 +111,49 @@ def fit_numeric(
 
 
 @dataclasses.dataclass(frozen=True)
+class IntBucket:
+    """``clip((x - offset) // width, low, high)`` of an integer column (e.g. an age in years -> its decade)."""
+
+    column: str
+    offset: int
+    width: int
+    low: int
+    high: int
+
+    def __post_init__(self) -> None:
+        values = (self.offset, self.width, self.low, self.high)
+        if not all(type(v) is int for v in values) or self.width < 1 or self.low > self.high:
+            raise InputError(f"bucket of column {self.column!r}: offset, width >= 1, low <= high must be integers, got "
+                             f"{values}.")  # fmt: skip
+
+    def apply(self, column: np.ndarray, where: str) -> np.ndarray:
+        x = np.asarray(column)
+        if x.dtype.kind == "f" and np.isfinite(x).all() and (np.floor(x) == x).all():
+            x = x.astype(np.int64)
+        if x.dtype.kind not in "iu":
+            raise InputError(f"the column {self.column!r} of {where} must hold integers (it is cut into buckets), got "
+                             f"{x.dtype} values such as {x[:3].tolist()!r}")  # fmt: skip
+        return np.clip((x.astype(np.int64) - self.offset) // self.width, self.low, self.high)
+
+
+def _positions(column: np.ndarray, names: tuple[str, ...], separator: str, name: str, where: str) -> np.ndarray:
+    """Each row's names as their positions in ``names``: an object array of lists [N]."""
+    index = {n: i for i, n in enumerate(names)}
+    out = np.empty(len(column), dtype=object)
+    for row, cell in enumerate(column):
+        cell = cell.tolist() if isinstance(cell, np.ndarray) else cell
+        got = [] if cell is None or (isinstance(cell, float) and cell != cell) or cell == "" else (
+            cell.split(separator) if isinstance(cell, str) else list(cell))  # fmt: skip
+        try:
+            out[row] = [index[g] for g in got]
+        except (KeyError, TypeError):
+            unknown = next(g for g in got if not isinstance(g, str) or g not in index)
+            raise InputError(f"the column {name!r} of {where}: row {row} names {unknown!r}, not one of the model's "
+                             f"{len(names)} names ({', '.join(names[:5])}, ...)") from None  # fmt: skip
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
 class RowTransform:
     """Raw columns -> model features (see the module's docstring)."""
 
@@ -115,11 +162,17 @@ class RowTransform:
     numeric: tuple[NumericStat, ...] = ()
     numeric_key: str = "numeric"
     passed: tuple[str, ...] = ()  # the columns given to the model as they are
+    buckets: tuple[IntBucket, ...] = ()
+    prefixes: tuple[tuple[str, int], ...] = ()
+    positions: tuple[tuple[str, tuple[str, ...], str], ...] = ()
 
     @property
     def columns(self) -> tuple[str, ...]:
         """Every raw column the transform reads."""
-        return (*self.passed, *(c for c, _ in self.separators), *self.numbers, *(s.column for s in self.numeric))
+        return (
+            *self.passed, *(c for c, _ in self.separators), *self.numbers, *(s.column for s in self.numeric),
+            *(b.column for b in self.buckets), *(c for c, _ in self.prefixes), *(c for c, _, _ in self.positions),
+        )  # fmt: skip
 
     def apply(self, columns: Mapping[str, Any], where: str = "the input") -> dict[str, Any]:
         """The features of the N rows of ``columns`` (``{name: array [N]}``); ``InputError`` names a missing or
@@ -139,6 +192,13 @@ class RowTransform:
             )
         for name in self.numbers:
             features[name] = numeric_values(np.asarray(columns[name]), name, where)
+        for b in self.buckets:
+            features[b.column] = b.apply(columns[b.column], where)
+        for name, width in self.prefixes:
+            features[name] = np.array([v[:width] if isinstance(v, str) else v for v in np.asarray(columns[name])],
+                                      dtype=object)  # fmt: skip
+        for name, names, separator in self.positions:
+            features[name] = _positions(np.asarray(columns[name], dtype=object), names, separator, name, where)
         cols = []
         for s in self.numeric:
             x = _before_statistics(np.asarray(columns[s.column]), s.column, s.normalize, where)
@@ -155,7 +215,8 @@ class RowTransform:
         return {
             "separators": [list(p) for p in self.separators], "numbers": list(self.numbers),
             "numeric": [dataclasses.asdict(s) for s in self.numeric], "numeric_key": self.numeric_key,
-            "passed": list(self.passed),
+            "passed": list(self.passed), "buckets": [dataclasses.asdict(b) for b in self.buckets],
+            "prefixes": [list(p) for p in self.prefixes], "positions": [[c, list(n), s] for c, n, s in self.positions],
         }  # fmt: skip
 
     @classmethod
@@ -184,9 +245,27 @@ class RowTransform:
             key = doc["numeric_key"]
             if not isinstance(key, str):
                 raise TypeError("`numeric_key` must be a string")
-            return cls(separators, strings(doc["numbers"], "numbers"), numeric, key, strings(doc["passed"], "passed"))
+            buckets = doc.get("buckets", [])
+            if not isinstance(buckets, list) or not all(isinstance(b, dict) for b in buckets):
+                raise TypeError("`buckets` must be a list of objects")
+            cuts = tuple(IntBucket(b["column"], b["offset"], b["width"], b["low"], b["high"]) for b in buckets)
+            prefixes = doc.get("prefixes", [])
+            if not isinstance(prefixes, list) or not all(
+                    isinstance(p, list) and len(p) == 2 and isinstance(p[0], str) and type(p[1]) is int and p[1] > 0
+                    for p in prefixes):  # fmt: skip
+                raise TypeError("`prefixes` must be a list of [column, length >= 1] pairs")
+            positions = doc.get("positions", [])
+            if not isinstance(positions, list) or not all(
+                    isinstance(p, list) and len(p) == 3 and isinstance(p[0], str) and isinstance(p[2], str) and p[2]
+                    for p in positions):  # fmt: skip
+                raise TypeError("`positions` must be a list of [column, names, separator] entries")
+            named = tuple((p[0], strings(p[1], "positions' names"), p[2]) for p in positions)
+            return cls(
+                separators, strings(doc["numbers"], "numbers"), numeric, key, strings(doc["passed"], "passed"), cuts,
+                tuple((p[0], p[1]) for p in prefixes), named,
+            )  # fmt: skip
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"{where}: the row transform is malformed ({type(exc).__name__}: {exc}).") from None
 
 
-__all__ = ["NORMALIZE", "NumericStat", "RowTransform", "fit_numeric", "labels_of", "numeric_values"]
+__all__ = ["NORMALIZE", "IntBucket", "NumericStat", "RowTransform", "fit_numeric", "labels_of", "numeric_values"]

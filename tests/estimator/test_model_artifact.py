@@ -19,8 +19,7 @@ from torch import nn
 import embtables as et
 from embtables import estimator as est
 from embtables.__main__ import main as cli
-from embtables.cli import user_data
-from embtables.cli.model_files import recipe_of
+from embtables.cli.model_files import parts_of
 from embtables.estimator.scoring_model import as_columns
 
 N = 1500
@@ -75,8 +74,7 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, pd.Da
 
 def _estimator_predictions(model_dir: Path, rows: pd.DataFrame, batch: int) -> np.ndarray:
     """What the Estimator's own ``predict`` gives for ``rows``, with the job's model and transform."""
-    recipe, where = recipe_of(model_dir)
-    parts = user_data.model_parts(recipe, where)
+    parts = parts_of(model_dir)
     spec = est.EmbeddingConfigSpec(feature_columns=parts.columns, optimization_parameters=est.AdagradParameters(0.1))
     e = est.Estimator(parts.model, spec, model_dir, predictions_fn=parts.predictions_fn, progress=False)
     assert parts.transform is not None
@@ -238,3 +236,60 @@ def test_a_csvs_empty_string_cells_are_missing_values_not_the_string_nan() -> No
         np.testing.assert_array_equal(with_nan[1], [0, 1, 0, 1])
         literal = column.ids({"c": np.array(["nan", "FR"], dtype=object)})
         np.testing.assert_array_equal(literal[1], [1, 1])
+
+
+def _predict_with_estimator(model_dir: Path, batches: list[dict[str, Any]]) -> np.ndarray:
+    """The Estimator's own ``predict`` over ``batches`` of prepared features, with the job's rebuilt model."""
+    parts = parts_of(model_dir)
+    spec = est.EmbeddingConfigSpec(feature_columns=parts.columns, optimization_parameters=est.AdagradParameters(0.1))
+    e = est.Estimator(parts.model, spec, model_dir, predictions_fn=parts.predictions_fn, progress=False)
+    try:
+        return np.concatenate(list(e.predict(lambda: iter(batches), yield_single_examples=False)))
+    finally:
+        e.embedding.close()
+
+
+def test_the_adult_job_exports_and_scores_raw_census_rows_as_it_evaluates_them(tmp_path: Path) -> None:
+    from embtables.cli import adult
+    from embtables.data.adult import load_adult
+
+    argv = ["train", "--dataset", "adult", "--epochs", "1", "--no-peers", "--no-progress", "--model-dir"]
+    assert cli([*argv, str(tmp_path / "m")]) == 0
+    assert cli(["export", str(tmp_path / "m"), str(tmp_path / "artifact"), "--model"]) == 0  # finds m/model
+    _, test = load_adult(None)
+    rows = np.arange(0, 3000)
+    raw = test.rows(rows)  # the census columns as the job reads them
+    expected = _predict_with_estimator(
+        tmp_path / "m" / "model",
+        [next(adult._batches(test, rows[s : s + 1000], 1000, None))[0] for s in (0, 1000, 2000)],
+    )
+    model = et.load_model(tmp_path / "artifact")
+    assert model.task == "binary"
+    np.testing.assert_array_equal(model.predict(pd.DataFrame(raw), batch_size=1000), expected)
+
+
+def test_the_movielens_job_exports_a_fold_and_scores_raw_ratings_as_it_evaluates_them(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from embtables.cli import movielens
+    from embtables.data.movielens import load_movielens_100k
+
+    argv = ["train", "--dataset", "movielens-100k", "--max-ratings", "3000", "--folds", "2", "--epochs", "1"]
+    assert cli([*argv, "--no-progress", "--model-dir", str(tmp_path / "m")]) == 0
+    assert cli(["export", str(tmp_path / "m"), str(tmp_path / "a"), "--model"]) == 2  # two folds: which one?
+    assert "holds 2 models (fold0, fold1)" in capsys.readouterr().err
+    assert cli(["export", str(tmp_path / "m" / "fold1"), str(tmp_path / "a"), "--model"]) == 0
+    data = load_movielens_100k(None)
+    rows = np.arange(500, 1500)
+    prepared = {k: v[rows] for k, v in movielens.prepare(data).items() if k in movielens.DEFAULT_FIELDS}
+    expected = _predict_with_estimator(tmp_path / "m" / "fold1", [prepared])
+    raw = data.rows(rows)  # ages in years, release years, genres as tuples of names
+    raw["genres"] = np.array(["|".join(g) for g in raw["genres"]], dtype=object)  # as a CSV holds them
+    model = et.load_model(tmp_path / "a")
+    assert model.task == "regression"
+    got = model.predict(raw)
+    np.testing.assert_array_equal(got, expected)
+    assert ((got >= 1) & (got <= 5)).all()
+    raw["genres"][0] = "Action|Space opera"
+    with pytest.raises(ValueError, match="'genres' of the input: row 0 names 'Space opera'"):
+        model.predict(raw)
