@@ -192,8 +192,8 @@ class DistributedEmbedding(nn.Module):
     def offload_statistics(self) -> dict[str, dict[str, float]]:
         """Per offloaded table (``TableConfig.offload``, docs/offload.md), since construction: rows looked up,
         cache ``hits`` (rows already in memory), rows and bytes read from and written to its files, seconds
-        waiting for the disk, rows initialized, groups evicted; ``resident_rows`` and ``cache_rows`` now. Summed
-        over the ranks when sharded (collective)."""
+        waiting for the disk, rows initialized (and ``init_s``, the seconds that took), groups evicted;
+        ``resident_rows`` and ``cache_rows`` now. Summed over the ranks when sharded (collective)."""
         return self._pipeline.exchange("state read", self._engine.offload_statistics)
 
     def _dynamic_table(self, table: str | TableConfig) -> str:

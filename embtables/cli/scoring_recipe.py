@@ -59,8 +59,9 @@ def read_recipe(path: Path) -> tuple[dict[str, Any], str]:
                 raise CheckpointError(f"{file} is not a scoring recipe; train again with this embtables.")
             return doc, str(file)
     raise CheckpointError(
-        f"{path} has no {SCORING_FILE}: only a model directory of `embtables train` (or a checkpoint in one) can be "
-        "exported as a model here; an Estimator of your own exports with Estimator.export_model."
+        f"{path} has no {SCORING_FILE}: a model directory of `embtables train --data`, `--dataset adult` or `--dataset "
+        "movielens-100k` (or a checkpoint in one) exports as a model (the synthetic DLRM job's does not: its inputs "
+        "are id lists, not rows); an Estimator of your own exports with Estimator.export_model."
     )
 
 

@@ -211,17 +211,22 @@ class ShardFiles:
             mapped.madvise(mmap.MADV_RANDOM)  # a fault reads its page, not a readahead window beyond the cache
         self.tensors[part] = torch.frombuffer(mapped, dtype=dtype, count=rows * dim).view(rows, dim)
 
-    def write(self, part: str, offset: int, data: bytes | memoryview) -> None:
+    def write(self, part: str, offset: int, data: bytes | memoryview, wait: bool = True) -> None:
         """Write ``data`` at byte ``offset`` of ``part``'s file with ``pwrite`` (a full disk raises
         ``OSError`` here, never a fault inside a kernel later), then write it back and drop it from the page
         cache: a page left there would be mapped by a later fault on a neighbour (fault-around) without the row
-        cache counting it. One page a call: a larger write would make one large page-cache folio."""
+        cache counting it. One page a call: a larger write would make one large page-cache folio.
+        ``wait=False`` only starts the write-back: the caller ``settle``s the range before any kernel runs (many
+        writes then go to the disk together)."""
         fd = self._fds[part]
         view = memoryview(data)
         start, page = offset, mmap.PAGESIZE
         while view.nbytes:
             n = os.pwrite(fd, view[: page - offset % page], offset)
             view, offset = view[n:], offset + n
+        if not wait:
+            _sync_range(fd, start, offset - start, _SYNC_START)
+            return
         _sync_range(fd, start, offset - start)
         os.posix_fadvise(fd, start, offset - start, os.POSIX_FADV_DONTNEED)
 
