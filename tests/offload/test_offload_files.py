@@ -34,6 +34,7 @@ def test_a_huge_table_is_created_sparse_and_its_rows_initialized_when_first_read
     emb.apply_gradients({"f": torch.ones_like(acts)})
     stats = emb.offload_statistics()["t"]
     assert stats["initialized_rows"] == 1024 + 50_000_000 % 1024  # the blocks of 1024 rows of the two ids
+    assert stats["init_s"] > 0  # the time it took is counted (docs/offload.md's counters add up)
     assert sum(p.stat().st_blocks * 512 for p in files) < 16 << 20
     assert 0 < acts.abs().max().item() < 1  # TF's truncated normal rows, not the sparse file's zeros
 
@@ -76,6 +77,7 @@ def test_two_trainers_on_one_table_directory_are_refused(tmp_path: Path) -> None
     gc.collect()
     second = _module(tmp_path)  # the first module is gone: its lock with it; the files start afresh
     assert second.offload_statistics()["t"]["initialized_rows"] == 0
+    assert second.offload_statistics()["t"]["init_s"] == 0
     assert before.abs().max() > 0  # a state_dict kept past its module still reads (its file was unlinked)
 
 
