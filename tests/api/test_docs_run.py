@@ -82,6 +82,31 @@ def test_the_python_blocks_of_a_doc_run_as_copied(doc: Path, tmp_path: Path) -> 
         assert out.returncode == 0, f"{doc.name} block #{i} under torchrun:\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}"
 
 
+ALONE = ("Half-precision tables", "Tables larger than memory", "Checkpoints and serving", "Serving")
+
+
+def _section_blocks(title: str) -> list[str]:
+    """The Python blocks of the README section whose heading starts with ``title``."""
+    text = (ROOT / "README.md").read_text()
+    start = text.index(f"\n## {title}")
+    end = text.find("\n## ", start + 4)
+    return [textwrap.dedent(m.group(2)) for m in _BLOCK.finditer(text[start : end if end > 0 else len(text)])]
+
+
+@pytest.mark.parametrize("title", ALONE)
+def test_these_readme_sections_run_alone_in_a_fresh_directory(title: str, tmp_path: Path) -> None:
+    """A reader copies one section's blocks, not the whole README: they import and build what they use."""
+    blocks = _section_blocks(title)
+    assert blocks, title
+    for i, block in enumerate(blocks):
+        where = tmp_path / f"block{i}"
+        where.mkdir()
+        out = subprocess.run(
+            [sys.executable, "-c", block], capture_output=True, text=True, cwd=where, env=_env(), timeout=300
+        )
+        assert out.returncode == 0, f"{title} block #{i}:\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}"
+
+
 def test_the_main_job_numbers_in_the_readme_match_the_recorded_runs() -> None:
     """Every number README.md quotes (main jobs, benchmarks against the peers, sharded steps, checkpoint
     throughput, oracle errors, clean exits, the suite's time) equals the result its run recorded in
