@@ -12,16 +12,15 @@ out of order, or of another config is refused, naming it, before anything is res
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 import secrets
 import sys
-import zlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from embtables.checkpoint import manifest as manifest_io
@@ -192,35 +191,12 @@ def _previous(
     return {**entry, "increments": increments}, ""
 
 
-class RowSelection:
-    """The rows ``pick`` [R] (local, ascending; None: every row) of ``tensor`` [N, D] as one block of a
-    checkpoint's file in the tensor's storage type (``stored``: float32, or bfloat16 / float16 for a
-    half-precision table), gathered a piece at a time as it is written (no copy of the selection in memory: an
-    increment's changed rows, a half-precision table's rows): what the block writer reads of an array
-    (``shape``, ``size``, ``itemsize``, ``dtype``, ``ndim``, ``stored``) and ``write``."""
+@dataclasses.dataclass(frozen=True)
+class IncrementalSave:
+    """What ``store.save`` needs to write an increment: the id of the checkpoint the tables' changed rows count
+    from (None: none yet), at most ``full_every`` increments in a row (None: no limit), and ``changed_rows()``:
+    each table's changed local rows [R] (ascending)."""
 
-    def __init__(self, tensor: torch.Tensor, pick: torch.Tensor | None, dim: int) -> None:
-        self.tensor, self.dim = tensor.detach().reshape(-1, dim), dim
-        self.pick = None if pick is None else pick.to(tensor.device)
-        self.shape = (int(self.tensor.shape[0] if self.pick is None else self.pick.numel()), dim)
-        self.size = self.shape[0] * dim
-        half = tensor.dtype in (torch.bfloat16, torch.float16)
-        self.stored = str(tensor.dtype).removeprefix("torch.") if half else "float32"
-        self.itemsize = 2 if half else 4
-        self.dtype = np.dtype(np.float32)  # a state block (its values are float32 when read)
-        self.ndim = 2
-
-    def write(self, f: Any, chunk_bytes: int, progress: Callable[[int], None]) -> int:
-        """Write the selected rows in pieces of about ``chunk_bytes``; returns their CRC-32."""
-        crc = zlib.crc32(b"")
-        rows = max(1, chunk_bytes // (self.itemsize * max(1, self.dim)))
-        for start in range(0, self.shape[0], rows):
-            part = (
-                self.tensor[start : start + rows] if self.pick is None else self.tensor[self.pick[start : start + rows]]
-            )
-            piece = (part.to("cpu").view(torch.int16) if self.itemsize == 2 else part.to("cpu", torch.float32)).numpy()
-            data = np.ascontiguousarray(piece).data.cast("B")
-            f.write(data)
-            crc = zlib.crc32(data, crc)
-            progress(len(data))
-        return crc
+    base_id: str | None
+    full_every: int | None
+    changed_rows: Callable[[], dict[str, torch.Tensor]]

@@ -112,7 +112,7 @@ class Persistence:
         stale = {name: (shards[name].rows[rows.cpu()], old) for name, (rows, old) in pipeline.stale.items()}
         strategies = {n: p.strategy for n, p in engine.plans.items()}
         checkpoint_id = pipeline.exchange("save", lambda: comm.all_gather_object(increments.new_id(), engine.group)[0])
-        changed = (self.last_id, full_every, engine.changed_local) if incremental else None
+        changed = increments.IncrementalSave(self.last_id, full_every, engine.changed_local) if incremental else None
         with progress_bar(progress, comm.get_rank(engine.group), "save") as tick:
             out = save(
                 path, self.resolved, shards, pipeline.training_steps, strategies=strategies, extra=extra,

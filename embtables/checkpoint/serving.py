@@ -29,6 +29,7 @@ import torch
 from torch import Tensor, nn
 
 from embtables.checkpoint import increments, serving_deltas
+from embtables.checkpoint.blocks import open_rank_files, read_block, row_ids
 from embtables.checkpoint.file_names import CheckpointError, contained, table_file_stem
 from embtables.checkpoint.owned_dirs import clean_dead_leftovers, fsync_dir, publish, temp_name
 from embtables.checkpoint.serving_codec import (
@@ -39,7 +40,7 @@ from embtables.checkpoint.serving_codec import (
     load_array,
     store_dtype,
 )
-from embtables.checkpoint.store import open_rank_files, read_block, read_manifest, row_ids
+from embtables.checkpoint.store import read_manifest
 from embtables.config import Combiner, DynamicVocabulary, FeatureConfig, QuantizationConfig, TableConfig, nest, resolve
 from embtables.config.optimizers import SGD
 from embtables.kernels import native
@@ -465,10 +466,10 @@ class ServingEmbedding(nn.Module):
             return self.step
         with self._lock.write():
             for delta in deltas:
-                for name, (rows, data, scales) in delta.tables.items():
-                    self._data[name].numpy()[rows] = data
-                    if scales is not None:
-                        self._scales[name].numpy()[rows] = scales
+                for name, d in delta.tables.items():
+                    self._data[name].numpy()[d.rows] = d.data
+                    if d.scales is not None:
+                        self._scales[name].numpy()[d.rows] = d.scales
                 self.version, self.step = delta.to_id, delta.to_step
         return self.step
 

@@ -25,10 +25,10 @@ from typing import Any
 import numpy as np
 
 from embtables.checkpoint import increments
+from embtables.checkpoint.blocks import read_block, row_ids
 from embtables.checkpoint.file_names import CheckpointError, contained
 from embtables.checkpoint.owned_dirs import fsync_dir, temp_name
 from embtables.checkpoint.serving_codec import MARKER, encode_rows, int8_scales_problem, load_array, store_dtype
-from embtables.checkpoint.store import read_block, row_ids
 
 Link = tuple[Path, dict[str, Any], dict[str, np.ndarray[Any, Any]]]  # (directory, checked manifest, file maps)
 _FORMAT = "embtables serving delta"
@@ -74,15 +74,24 @@ class ReadWriteLock:
 
 
 @dataclasses.dataclass(frozen=True)
+class DeltaRows:
+    """One table's rows in a checked delta: the row ids [R] (ascending), their stored values [R, D] (the
+    export's type) and, for int8, their scales [R, 2] (else None)."""
+
+    rows: np.ndarray[Any, Any]
+    data: np.ndarray[Any, Any]
+    scales: np.ndarray[Any, Any] | None
+
+
+@dataclasses.dataclass(frozen=True)
 class Delta:
-    """One checked delta: where it is, the versions it goes from and to, and per table (rows [R], stored
-    values [R, D], int8 scales [R, 2] or None)."""
+    """One checked delta: where it is, the versions it goes from and to, and its rows per table."""
 
     path: Path
     from_id: str
     to_id: str
     to_step: int
-    tables: dict[str, tuple[np.ndarray[Any, Any], np.ndarray[Any, Any], np.ndarray[Any, Any] | None]]
+    tables: dict[str, DeltaRows]
 
 
 def version(doc: dict[str, Any], root: Path) -> tuple[str | None, int]:
@@ -278,7 +287,7 @@ def pending(
                     raise ValueError(problem)
             except (OSError, ValueError, EOFError, KeyError, TypeError) as exc:
                 raise CheckpointError(f"{meta['path']}: table {name!r}: {exc}. Nothing was applied.") from exc
-            tables[name] = (rows, data, scales)
+            tables[name] = DeltaRows(rows, data, scales)
         out.append(Delta(meta["path"], meta["from"]["id"], meta["to"]["id"], meta["to"]["step"], tables))
         current, step = meta["to"]["id"], meta["to"]["step"]
     return out

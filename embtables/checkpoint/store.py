@@ -30,8 +30,7 @@ import logging
 import os
 import re
 import shutil
-import zlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -40,14 +39,22 @@ import torch
 
 from embtables.checkpoint import dynamic_restore, increments, streaming_restore
 from embtables.checkpoint import manifest as manifest_io
+from embtables.checkpoint.blocks import (
+    ArrayBlock,
+    Block,
+    OffloadedBlock,
+    RowSelection,
+    open_rank_files,
+    read_block,
+    row_ids,
+    write_block,
+)
+from embtables.checkpoint.config_record import check_config, config_as_data
 from embtables.checkpoint.file_names import CheckpointError as CheckpointError
-from embtables.checkpoint.manifest import Block
-from embtables.checkpoint.offloaded_block import OffloadedBlock
 from embtables.checkpoint.owned_dirs import WriterLock, clean_dead_leftovers, fsync_dir, publish, temp_name
 from embtables.config import ResolvedConfig
 from embtables.kernels import storage_types
 from embtables.sharding import comm
-from embtables.sharding.fingerprint import describe_config
 from embtables.tables.state import LocalShard
 
 logger = logging.getLogger("embtables")
@@ -55,7 +62,6 @@ logger = logging.getLogger("embtables")
 FORMAT_VERSION = manifest_io.FORMAT_VERSION
 _PREFIX = "ckpt-"
 _NAME = re.compile(r"ckpt-(\d{1,19})")
-_CHUNK = 64 << 20  # bytes written (and checksummed) per call: bounded extra memory
 
 
 def checkpoint_dir(root: str | os.PathLike[str], step: int) -> Path:
@@ -123,22 +129,6 @@ def resolve_path(path: str | os.PathLike[str]) -> Path:
     return done[-1]
 
 
-def _write_block(f: Any, array: np.ndarray[Any, Any], progress: Callable[[int], None]) -> int:
-    """Write ``array``'s bytes in chunks straight from its memory; returns their CRC-32."""
-    if array.size == 0:  # a rank may own no rows of a table
-        return zlib.crc32(b"")
-    if isinstance(array, (increments.RowSelection, OffloadedBlock)):
-        return array.write(f, _CHUNK, progress)
-    view = np.ascontiguousarray(array).data.cast("B")
-    crc = 0
-    for start in range(0, len(view), _CHUNK):
-        piece = view[start : start + _CHUNK]
-        f.write(piece)
-        crc = zlib.crc32(piece, crc)
-        progress(len(piece))
-    return crc
-
-
 def agree(error: str | None, group: comm.ProcessGroup | None, what: str) -> None:
     """One agreement round: when any rank reports an error, every rank raises the same
     ``CheckpointError`` naming each failing rank and its cause."""
@@ -163,64 +153,73 @@ def _caught(fn: Callable[[], Any]) -> tuple[Any, str | None]:
         return None, f"{type(exc).__name__}: {exc}" if not isinstance(exc, CheckpointError) else str(exc)
 
 
+@dataclasses.dataclass(frozen=True)
+class PlannedBlock:
+    """One block of a rank file: its table, its kind (``rows``, ``state``, ``vocabulary``, ``stale_rows``,
+    ``stale``), its tensor name in the file, and its source."""
+
+    table: str
+    kind: str
+    name: str
+    block: Block
+
+
 def _plan(
     resolved: ResolvedConfig,
     shards: dict[str, LocalShard],
     stale: dict[str, tuple[torch.Tensor, torch.Tensor]] | None,
     vocabularies: dict[str, dict[str, torch.Tensor]] | None = None,
     changed: dict[str, torch.Tensor] | None = None,
-) -> list[tuple[str, str, str, np.ndarray[Any, Any]]]:
-    """Every block of this rank's file in order: (table, block kind, tensor name, array). A dynamic
-    table's vocabulary (``vocabularies[table][field]``, [N] by the shard's rows) is one block per field.
-    ``changed`` (an increment): per table, the local rows [R] (ascending) to write; the others are left out."""
-    plan: list[tuple[str, str, str, np.ndarray[Any, Any]]] = []
+) -> list[PlannedBlock]:
+    """Every block of this rank's file in order. A dynamic table's vocabulary (``vocabularies[table][field]``, [N]
+    by the shard's rows) is one block per field. ``changed`` (an increment): per table, the local rows [R]
+    (ascending) to write; the others are left out."""
+    plan: list[PlannedBlock] = []
     for t in resolved.tables:
         shard = shards[t.name]
         pick = None if changed is None or t.name not in changed else changed[t.name].to(shard.rows.device, torch.int64)
         rows = shard.rows if pick is None else shard.rows[pick]
-        plan.append((t.name, "rows", f"{t.name}#rows", rows.detach().to("cpu", torch.int64).numpy()))
+        plan.append(PlannedBlock(t.name, "rows", f"{t.name}#rows", _ids(rows)))
         for slot, tensor in shard.tensors.items():
             key = f"{t.name}/{slot}" if slot else t.name
+            block: Block
             if pick is None and shard.offloaded is not None:  # from its files, a piece at a time
-                array: Any = OffloadedBlock(shard.offloaded, slot, int(shard.rows.numel()))
+                block = OffloadedBlock(shard.offloaded, slot, int(shard.rows.numel()))
             elif pick is None and tensor.dtype == torch.float32:
-                array = tensor.detach().to("cpu").numpy().reshape(-1, t.dim)
+                block = ArrayBlock(tensor.detach().to("cpu").numpy().reshape(-1, t.dim))
             else:  # an increment's rows, or a half-precision table's (in its type), a piece at a time
                 if shard.offloaded is not None:
                     shard.offloaded.mark_untracked()  # the changed rows are gathered through its maps
-                array = increments.RowSelection(tensor, pick, t.dim)
-            plan.append((t.name, "state", key, array))
+                block = RowSelection(tensor, pick, t.dim)
+            plan.append(PlannedBlock(t.name, "state", key, block))
         for field, values in (vocabularies or {}).get(t.name, {}).items():
-            plan.append((t.name, "vocabulary", f"{t.name}#{field}", values.detach().to("cpu", torch.int64).numpy()))
+            plan.append(PlannedBlock(t.name, "vocabulary", f"{t.name}#{field}", _ids(values)))
         if stale and t.name in stale:
             # a half table's pre-update rows widen to float32 exactly (the stale block is float32 in every format)
-            srows = stale[t.name][0].detach().to("cpu").contiguous().numpy()
-            svalues = stale[t.name][1].detach().to("cpu", torch.float32).contiguous().numpy()
-            plan.append((t.name, "stale_rows", f"{t.name}#stale_rows", srows.astype(np.int64)))
-            plan.append((t.name, "stale", f"{t.name}#stale", svalues.astype(np.float32).reshape(-1, t.dim)))
+            old = stale[t.name][1].detach().to("cpu", torch.float32).contiguous().numpy()
+            plan.append(PlannedBlock(t.name, "stale_rows", f"{t.name}#stale_rows", _ids(stale[t.name][0])))
+            plan.append(PlannedBlock(t.name, "stale", f"{t.name}#stale", ArrayBlock(old.reshape(-1, t.dim))))
     return plan
+
+
+def _ids(rows: torch.Tensor) -> ArrayBlock:
+    return ArrayBlock(rows.detach().to("cpu", torch.int64).contiguous().numpy())
 
 
 _SAFETENSORS_DTYPES = {t.name: t.safetensors for t in storage_types.STORAGE_TYPES}
 
 
-def _stored(array: Any) -> str:
-    """The element type a state block's ``array`` writes: a piecewise block's ``stored``, else float32."""
-    return str(getattr(array, "stored", "float32"))
-
-
 def _write_rank_file(
-    data: Path, resolved: ResolvedConfig, plan: list[tuple[str, str, str, np.ndarray[Any, Any]]], rank: int,
-    step: int, tick: Callable[[int], None],
-) -> dict[str, Any]:  # fmt: skip
+    data: Path, resolved: ResolvedConfig, plan: list[PlannedBlock], rank: int, step: int, tick: Callable[[int], None]
+) -> dict[str, Any]:
     """Write one safetensors file (its JSON header lists every tensor's dtype, shape and byte range)
     streaming each block from the live storage; returns the file's manifest entry (fsynced)."""
     header: dict[str, Any] = {"__metadata__": {"format": "embtables", "rank": str(rank), "step": str(step)}}
     at = 0
-    for _, _, name, array in plan:
-        nbytes = array.size * array.itemsize
-        dtype = "I64" if array.dtype == np.int64 else _SAFETENSORS_DTYPES[_stored(array)]
-        header[name] = {"dtype": dtype, "shape": [int(x) for x in array.shape], "data_offsets": [at, at + nbytes]}
+    for p in plan:
+        nbytes = p.block.size * p.block.itemsize
+        dtype = "I64" if p.block.dtype == np.int64 else _SAFETENSORS_DTYPES[p.block.stored]
+        header[p.name] = {"dtype": dtype, "shape": [int(x) for x in p.block.shape], "data_offsets": [at, at + nbytes]}
         at += nbytes
     encoded = json.dumps(header, separators=(",", ":")).encode()
     encoded += b" " * (-len(encoded) % 8)  # safetensors pads its header to 8 bytes
@@ -229,24 +228,48 @@ def _write_rank_file(
     with open(data, "wb") as f:
         f.write(len(encoded).to_bytes(8, "little"))
         f.write(encoded)
-        for table, kind, name, array in plan:
-            spec: dict[str, Any] = {"offset": start + header[name]["data_offsets"][0]}
-            if array.ndim == 1:
-                spec["count"] = int(array.size)
+        for p in plan:
+            spec: dict[str, Any] = {"offset": start + header[p.name]["data_offsets"][0]}
+            if p.block.ndim == 1:
+                spec["count"] = int(p.block.size)
             else:
-                spec["shape"] = [int(x) for x in array.shape]
-                if _stored(array) != "float32":  # half values (format 3); float32 blocks say nothing (format 2)
-                    spec["dtype"] = _stored(array)
-            spec["crc32"] = _write_block(f, array, tick)
-            if kind == "state":
-                blocks[table]["state"][name] = spec
-            elif kind == "vocabulary":
-                blocks[table].setdefault("vocabulary", {})[name.rpartition("#")[2]] = spec
+                spec["shape"] = [int(x) for x in p.block.shape]
+                if p.block.stored != "float32":  # half values (format 3); float32 blocks say nothing (format 2)
+                    spec["dtype"] = p.block.stored
+            spec["crc32"] = write_block(f, p.block, tick)
+            if p.kind == "state":
+                blocks[p.table]["state"][p.name] = spec
+            elif p.kind == "vocabulary":
+                blocks[p.table].setdefault("vocabulary", {})[p.name.rpartition("#")[2]] = spec
             else:
-                blocks[table][kind] = spec
+                blocks[p.table][p.kind] = spec
         f.flush()
         os.fsync(f.fileno())
     return {"file": data.name, "bytes": data.stat().st_size, "tables": blocks}
+
+
+@dataclasses.dataclass(frozen=True)
+class _Proposal:
+    """What one rank proposes in a save's first agreement round: the root (absolute), the temporary directory's
+    name, the checkpoint id, the checkpoint an increment would build on (its chain entry; None: a full
+    checkpoint), and the rows this rank would write of all it holds (an increment's count against the whole)."""
+
+    root: str
+    tmp: str
+    checkpoint_id: str
+    chain: dict[str, Any] | None
+    changed: int
+    total: int
+
+
+@dataclasses.dataclass(frozen=True)
+class SaveOptions:
+    """A save's arguments besides the state (see ``save``)."""
+
+    strategies: dict[str, str] | None
+    extra: dict[str, Any] | None
+    keep_last: int | None
+    settings: dict[str, Any] | None
 
 
 def save(
@@ -264,97 +287,38 @@ def save(
     settings: dict[str, Any] | None = None,
     vocabularies: dict[str, dict[str, torch.Tensor]] | None = None,
     checkpoint_id: str | None = None,
-    incremental: tuple[str | None, int | None, Callable[[], dict[str, torch.Tensor]]] | None = None,
+    incremental: increments.IncrementalSave | None = None,
 ) -> Path:
     """Write a checkpoint of ``shards`` (this rank's rows of every table) and return its directory.
 
     Collective when ``group`` (or the default group) spans several ranks: each rank writes its own
     file in parallel, rank 0 writes the manifest and publishes. Three agreement rounds (arguments and
-    directory, rank files, publication) make every rank raise the same ``CheckpointError`` or none.
+    directory: ``_agree_on_the_save``; rank files: ``_write_files``; publication: ``_publish_agreed``) make every
+    rank raise the same ``CheckpointError`` or none.
     ``keep_last=N`` then deletes all but the N newest checkpoints under ``root`` (by manifest step).
     ``stale`` holds, per table, global rows [U] and their values before a pipelined update [U, D] that
     the next training lookup must still read. ``settings`` (JSON) records module settings.
     ``vocabularies`` holds each dynamic table's key map by the shard's rows (spec §11). ``checkpoint_id``:
-    the manifest's id (the same on every rank; a new one when None). ``incremental`` = (the id of the
-    checkpoint the tables' changed rows count from, at most that many increments in a row or None, a
-    function giving each table's changed local rows): an increment on the newest checkpoint under ``root``
-    when it is that one (``checkpoint.increments``), else a full checkpoint, logged."""
-    rank, world = comm.get_rank(group), comm.get_world_size(group)
+    the manifest's id (the same on every rank; a new one when None). ``incremental``: an increment on the newest
+    checkpoint under ``root`` when it is the one the changed rows count from (``checkpoint.increments``), else a
+    full checkpoint, logged."""
     base = Path(root)
-    own_id: str = checkpoint_id or increments.new_id()
-
-    def check_arguments() -> tuple[str, str, str, dict[str, Any] | None]:
-        if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
-            raise ValueError(f"save: keep_last must be an int >= 1 or None, got {keep_last!r}.")
-        try:
-            json.dumps(extra or {}, allow_nan=False)
-        except (TypeError, ValueError) as exc:
-            raise ValueError(f"save: `extra` must be JSON data (dicts, lists, str, finite numbers): {exc}.") from exc
-        if base.exists() and not base.is_dir():
-            raise CheckpointError(f"save: {base} is a file, not a directory; pass a directory for the checkpoints.")
-        newest = published(base) if incremental is not None else []
-        chain = None if incremental is None else increments.previous_for_increment(
-            newest[-1] if newest else None, incremental[0], incremental[1], read_manifest, step
-        )  # fmt: skip
-        return os.path.abspath(base), temp_name("ckpt"), own_id, chain
-
-    # this rank's changed local rows, per fixed table; a dynamic table goes whole into an increment (its key
-    # map with it: the rows of keys admitted and evicted since, and every key's row, as a full checkpoint has)
-    dynamic = {t.name for t in resolved.tables if t.config.dynamic is not None}
-    changed_rows, error = _caught(lambda: None if incremental is None else incremental[2]())
-    picks = None if changed_rows is None else {n: p for n, p in changed_rows.items() if n not in dynamic}
-    counts = (0, 0)
-    if picks is not None:
-        whole = sum(shards[n].rows.numel() for n in dynamic)
-        counts = (whole + sum(int(p.numel()) for p in picks.values()), sum(s.rows.numel() for s in shards.values()))
-    checked, arguments_error = _caught(check_arguments)
-    error = error or arguments_error
-    fallback = (os.path.abspath(base), temp_name("ckpt"), own_id, None)
-    agreed = comm.all_gather_object((*(checked or fallback), counts), group)
-    if error is None and world > 1 and len({w for w, *_ in agreed}) > 1:
-        error = f"the ranks passed different paths ({', '.join(f'rank {r}: {a[0]}' for r, a in enumerate(agreed))})"
-    if error is None and world > 1 and len({json.dumps(a[3], sort_keys=True) for a in agreed}) > 1:
-        error = (
-            "the ranks see different checkpoints to build an increment on (a root on storage the ranks do not share?)"
-        )
-    tmp, own_id, chain = base / agreed[0][1], agreed[0][2], agreed[0][3]
-    changed, total = sum(a[4][0] for a in agreed), sum(a[4][1] for a in agreed)
-    if chain is not None and changed > increments.FULL_ABOVE * total:
-        increments.full_writes.info(
-            "embtables: save(incremental=True) writes a full checkpoint: %d of %d rows changed.", changed, total
-        )
-        chain = None
+    options = SaveOptions(strategies, extra, keep_last, settings)
+    agreed, picks, error = _agree_on_the_save(base, resolved, shards, step, options, group, checkpoint_id, incremental)
+    rank, tmp = comm.get_rank(group), base / agreed.tmp
+    what = f"save of step {step} to {base}"
     lock = WriterLock(base, ".embtables-save.lock", f"save of step {step}")
     if error is None and rank == 0:
         _, error = _caught(lambda: _make_dirs(base, tmp, lock))
     try:
-        agree(error, group, f"save of step {step} to {base}")
-        tick = progress or (lambda n: None)
-        plan = _plan(resolved, shards, stale, vocabularies, None if chain is None else picks)
-        data = tmp / f"rank-{rank:05d}.safetensors"
-        mine, error = _caught(lambda: _write_rank_file(data, resolved, plan, rank, step, tick))
-        gathered = comm.all_gather_object((error, mine), group)
-        _raise_if_any([e for e, _ in gathered], f"save of step {step} to {base}")
+        agree(error, group, what)
+        plan = _plan(resolved, shards, stale, vocabularies, None if agreed.chain is None else picks)
+        files = _write_files(tmp, resolved, plan, step, progress or (lambda n: None), group, what)
         error = None
         if rank == 0:
-            files = [m for _, m in gathered]
-            _, error = _caught(
-                lambda: _publish(
-                    base,
-                    tmp,
-                    step,
-                    world,
-                    resolved,
-                    strategies,
-                    extra,
-                    files,
-                    keep_last,
-                    settings,
-                    own_id,
-                    chain,
-                )
-            )
-        agree(error, group, f"save of step {step} to {base}")
+            _, error = _caught(lambda: _publish(base, tmp, step, comm.get_world_size(group), resolved, options, files,
+                                                agreed.checkpoint_id, agreed.chain))  # fmt: skip
+        agree(error, group, what)
     except BaseException:
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -364,6 +328,78 @@ def save(
     return checkpoint_dir(base, step)
 
 
+def _agree_on_the_save(
+    base: Path, resolved: ResolvedConfig, shards: dict[str, LocalShard], step: int, options: SaveOptions,
+    group: comm.ProcessGroup | None, checkpoint_id: str | None, incremental: increments.IncrementalSave | None,
+) -> tuple[_Proposal, dict[str, torch.Tensor] | None, str | None]:  # fmt: skip
+    """The first agreement round: every rank checks the arguments and proposes where to write and whether an
+    increment can be written (``_Proposal``); returns rank 0's proposal as agreed (a full checkpoint when more
+    than ``increments.FULL_ABOVE`` of all rows changed), this rank's changed rows per fixed table (an
+    increment's picks), and this rank's error or a disagreement (raised by the next round on every rank)."""
+    world = comm.get_world_size(group)
+    own_id: str = checkpoint_id or increments.new_id()
+
+    def check_arguments() -> dict[str, Any] | None:
+        keep = options.keep_last
+        if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
+            raise ValueError(f"save: keep_last must be an int >= 1 or None, got {keep!r}.")
+        try:
+            json.dumps(options.extra or {}, allow_nan=False)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"save: `extra` must be JSON data (dicts, lists, str, finite numbers): {exc}.") from exc
+        if base.exists() and not base.is_dir():
+            raise CheckpointError(f"save: {base} is a file, not a directory; pass a directory for the checkpoints.")
+        if incremental is None:
+            return None
+        newest = published(base)
+        return increments.previous_for_increment(
+            newest[-1] if newest else None, incremental.base_id, incremental.full_every, read_manifest, step
+        )
+
+    # this rank's changed local rows, per fixed table; a dynamic table goes whole into an increment (its key
+    # map with it: the rows of keys admitted and evicted since, and every key's row, as a full checkpoint has)
+    dynamic = {t.name for t in resolved.tables if t.config.dynamic is not None}
+    changed_rows, error = _caught(lambda: None if incremental is None else incremental.changed_rows())
+    picks = None if changed_rows is None else {n: p for n, p in changed_rows.items() if n not in dynamic}
+    changed = total = 0
+    if picks is not None:
+        changed = sum(shards[n].rows.numel() for n in dynamic) + sum(int(p.numel()) for p in picks.values())
+        total = sum(s.rows.numel() for s in shards.values())
+    chain, arguments_error = _caught(check_arguments)
+    error = error or arguments_error
+    mine = _Proposal(os.path.abspath(base), temp_name("ckpt"), own_id, chain, changed, total)
+    everyone: list[_Proposal] = comm.all_gather_object(mine, group)
+    if error is None and world > 1 and len({p.root for p in everyone}) > 1:
+        paths = ", ".join(f"rank {r}: {p.root}" for r, p in enumerate(everyone))
+        error = f"the ranks passed different paths ({paths})"
+    if error is None and world > 1 and len({json.dumps(p.chain, sort_keys=True) for p in everyone}) > 1:
+        error = (
+            "the ranks see different checkpoints to build an increment on (a root on storage the ranks do not share?)"
+        )
+    agreed = everyone[0]
+    changed, total = sum(p.changed for p in everyone), sum(p.total for p in everyone)
+    if agreed.chain is not None and changed > increments.FULL_ABOVE * total:
+        increments.full_writes.info(
+            "embtables: save(incremental=True) writes a full checkpoint: %d of %d rows changed.", changed, total
+        )
+        agreed = dataclasses.replace(agreed, chain=None)
+    return agreed, picks, error
+
+
+def _write_files(
+    tmp: Path, resolved: ResolvedConfig, plan: list[PlannedBlock], step: int, tick: Callable[[int], None],
+    group: comm.ProcessGroup | None, what: str,
+) -> list[dict[str, Any]]:  # fmt: skip
+    """The second agreement round: every rank writes its file; returns every file's manifest entry (rank order),
+    or raises the same ``CheckpointError`` on every rank when any failed."""
+    rank = comm.get_rank(group)
+    data = tmp / f"rank-{rank:05d}.safetensors"
+    mine, error = _caught(lambda: _write_rank_file(data, resolved, plan, rank, step, tick))
+    gathered = comm.all_gather_object((error, mine), group)
+    _raise_if_any([e for e, _ in gathered], what)
+    return [m for _, m in gathered]
+
+
 def _make_dirs(base: Path, tmp: Path, lock: WriterLock) -> None:
     base.mkdir(parents=True, exist_ok=True)
     lock.acquire()  # one save into a root at a time: two writers would replace each other's steps
@@ -371,9 +407,8 @@ def _make_dirs(base: Path, tmp: Path, lock: WriterLock) -> None:
 
 
 def _publish(
-    base: Path, tmp: Path, step: int, world: int, resolved: ResolvedConfig, strategies: dict[str, str] | None,
-    extra: dict[str, Any] | None, files: list[dict[str, Any]], keep_last: int | None,
-    settings: dict[str, Any] | None, checkpoint_id: str, chain: dict[str, Any] | None,
+    base: Path, tmp: Path, step: int, world: int, resolved: ResolvedConfig, options: SaveOptions,
+    files: list[dict[str, Any]], checkpoint_id: str, chain: dict[str, Any] | None,
 ) -> Path:  # fmt: skip
     """Rank 0: write the manifest, publish the directory atomically, apply ``keep_last`` (never to a
     checkpoint that a kept one builds on)."""
@@ -385,10 +420,10 @@ def _publish(
         "id": checkpoint_id,
         "step": int(step),
         "world_size": world,
-        "strategies": strategies or {t.name: "div" for t in resolved.tables},
+        "strategies": options.strategies or {t.name: "div" for t in resolved.tables},
         "config": config_as_data(resolved),
-        "settings": settings or {},
-        "extra": extra or {},
+        "settings": options.settings or {},
+        "extra": options.extra or {},
         "files": files,
     }
     if chain is not None:
@@ -411,10 +446,10 @@ def _publish(
     fsync_dir(base)
     if old is not None and aside is None:
         shutil.rmtree(old, ignore_errors=True)
-    if keep_last is not None:
+    if options.keep_last is not None:
         every = published(base)
-        kept = increments.needed(every[-keep_last:], read_manifest)
-        for stale_ckpt in every[:-keep_last]:
+        kept = increments.needed(every[-options.keep_last :], read_manifest)
+        for stale_ckpt in every[: -options.keep_last]:
             if stale_ckpt not in kept:
                 shutil.rmtree(stale_ckpt, ignore_errors=True)
     for kind in ("ckpt", "trash"):  # left by saves killed midway, on this host, by dead processes
@@ -445,84 +480,11 @@ def _aside_if_different(final: Path, manifest: dict[str, Any]) -> Path | None:
     return aside
 
 
-def config_as_data(resolved: ResolvedConfig) -> dict[str, Any]:
-    """Tables and features as JSON data (never pickles of code; callables are recorded by kind)."""
-    described = describe_config(resolved, {})
-    for t in resolved.tables:
-        d = described["tables"][t.name]
-        d["slots"] = list(t.optimizer.slot_names)
-        d["combiner_value"] = str(t.config.combiner)
-        q = t.config.quantization_config
-        d["quantization"] = None if q is None else [q.num_buckets, float(q.lower), float(q.upper)]
-        d["dtype"], d["slot_dtype"] = t.config.storage, t.config.slot_storage  # each block also says its own
-        d.pop("strategy", None)
-        d.pop("table_rank", None)
-    described["feature_list"] = [
-        {
-            "name": f.name,
-            "table": resolved.tables[f.table_index].name,
-            "max_sequence_length": f.config.max_sequence_length,
-            "output_shape": None if f.config.output_shape is None else list(f.config.output_shape),
-            "validate": f.config.validate_weights_and_indices,
-        }
-        for f in resolved.features
-    ]
-    described["structure"] = _structure(resolved.structure, iter(range(len(resolved.features))))
-    return described
-
-
-def _structure(node: Any, counter: Any) -> dict[str, Any]:
-    """The feature nest as JSON: {"dict": {...}}, {"list": [...]}, {"tuple": [...]} or {"feature": i}."""
-    if isinstance(node, Mapping):
-        return {"dict": {str(k): _structure(node[k], counter) for k in sorted(node)}}
-    if isinstance(node, (list, tuple)):
-        return {"list" if isinstance(node, list) else "tuple": [_structure(v, counter) for v in node]}
-    return {"feature": next(counter)}
-
-
 def read_manifest(path: str | os.PathLike[str]) -> tuple[Path, dict[str, Any]]:
     """The checkpoint directory at (or latest under) ``path`` and its manifest, every value checked
     (see ``checkpoint.manifest``); ``CheckpointError`` otherwise."""
     where = resolve_path(path)
     return where, manifest_io.load(where)
-
-
-def _check_config(manifest: dict[str, Any], resolved: ResolvedConfig, where: Path) -> None:
-    saved = manifest["config"]["tables"]
-    problems = []
-    for t in resolved.tables:
-        s = saved.get(t.name)
-        if s is None:
-            problems.append(f"table {t.name!r} is not in the checkpoint (it has {sorted(saved)})")
-            continue
-        for field, mine in (("vocabulary_size", t.vocabulary_size), ("dim", t.dim)):
-            if field == "vocabulary_size" and t.config.dynamic is not None:
-                continue  # a dynamic table's keys move to any capacity that holds them (dynamic_restore)
-            if s[field] != mine:
-                problems.append(f"table {t.name!r}: {field} {s[field]} in the checkpoint, {mine} here")
-        if (s.get("dynamic") is None) != (t.config.dynamic is None):
-            kinds = ("dynamic (keyed by any id)", "fixed (ids in [0, V))")
-            problems.append(
-                f"table {t.name!r} is {kinds[s.get('dynamic') is None]} in the checkpoint and "
-                f"{kinds[t.config.dynamic is None]} here"
-            )
-        if s["optimizer"]["type"] != type(t.optimizer).__name__ or s["slots"] != list(t.optimizer.slot_names):
-            problems.append(
-                f"table {t.name!r}: optimizer {s['optimizer']['type']} (slots {s['slots']}) in the checkpoint, "
-                f"{type(t.optimizer).__name__} (slots {list(t.optimizer.slot_names)}) here"
-            )
-    if problems:
-        raise CheckpointError(f"{where}: the checkpoint does not match this model: " + "; ".join(problems) + ".")
-    for t in resolved.tables:  # another storage type: the blocks are converted as they load
-        stored: dict[str, Any] = saved[t.name]
-        for kind, here in (("dtype", t.config.storage), ("slot_dtype", t.config.slot_storage)):
-            theirs = str(stored.get(kind, "float32"))
-            if theirs != here:
-                how = "exactly" if here == "float32" else "rounded to nearest"
-                logger.info(
-                    "%s: table %r: %s %s in the checkpoint, %s here: converted %s as it loads.",
-                    where, t.name, kind, theirs, here, how,
-                )  # fmt: skip
 
 
 def restore(
@@ -546,7 +508,7 @@ def restore(
 
     def verify() -> tuple[dict[str, Any], list[Any]]:
         where, manifest = read_manifest(path)
-        _check_config(manifest, resolved, where)
+        check_config(manifest, resolved, where)
         chain = increments.resolve_chain(where, manifest, read_manifest)
         # a dynamic table is whole in every link: it is read from ``where`` alone (below); fixed tables by link
         maps = open_rank_files(where, manifest)
@@ -554,7 +516,7 @@ def restore(
         fixed = dataclasses.replace(resolved, tables=by_row)
         plans = []
         for i, (link, link_manifest) in enumerate(chain):  # the full checkpoint, then its increments in order
-            _check_config(link_manifest, resolved, link)
+            check_config(link_manifest, resolved, link)
             link_files = streaming_restore.open_files(link, link_manifest)
             files.update({f"{link.name}/{name}": f for name, f in link_files.items()})
             plans.append(streaming_restore.verify(link, link_manifest, fixed, shards, link_files, tick, partial=i > 0))
@@ -602,36 +564,6 @@ def restore(
     return out
 
 
-def open_rank_files(where: Path, manifest: dict[str, Any]) -> dict[str, np.ndarray[Any, Any]]:
-    """Every rank file of a checked manifest, memory-mapped read-only, after checking its size against
-    the manifest (``{file name: uint8 map}``); ``CheckpointError`` for a missing or resized file."""
-    maps: dict[str, np.ndarray[Any, Any]] = {}
-    for entry in manifest["checked_files"]:
-        file = where / entry["file"]
-        try:
-            size = file.stat().st_size
-        except OSError as exc:
-            raise CheckpointError(f"{file}: missing ({exc}).") from exc
-        if size != entry["bytes"]:
-            raise CheckpointError(f"{file}: {size} bytes, the manifest says {entry['bytes']} (truncated or corrupt).")
-        maps[entry["file"]] = np.memmap(file, dtype=np.uint8, mode="r") if size else np.zeros(0, np.uint8)
-    return maps
-
-
-def row_ids(
-    mm: np.ndarray[Any, Any], block: Block, file: Path, table: str, vocabulary_size: int, ascending: bool = True
-) -> np.ndarray[Any, Any]:
-    """A block of global row ids, checked: CRC-32, inside [0, V), and (``ascending``) strictly increasing."""
-    rows = read_block(mm, block, file, f"{table}#rows")
-    bad_order = ascending and rows.size > 1 and not bool((np.diff(rows) > 0).all())
-    if rows.size and (int(rows.min()) < 0 or int(rows.max()) >= vocabulary_size or bad_order):
-        raise CheckpointError(
-            f"{file}: the row ids of table {table!r} are not {'ascending ' if ascending else ''}ids in "
-            f"[0, {vocabulary_size}) (the file is corrupt or was not written by embtables)."
-        )
-    return rows
-
-
 def _read_stale(
     where: Path,
     manifest: dict[str, Any],
@@ -659,20 +591,3 @@ def _read_stale(
         if rows_parts:
             out[t.name] = (torch.from_numpy(np.concatenate(rows_parts)), torch.from_numpy(np.concatenate(value_parts)))
     return out
-
-
-def read_block(mm: np.ndarray[Any, Any], spec: Block, file: Path, what: str) -> np.ndarray[Any, Any]:
-    """A block of ``mm`` as an array, after checking that it lies inside the file and its CRC-32."""
-    start, nbytes = spec.offset, spec.nbytes
-    if start + nbytes > mm.size:
-        raise CheckpointError(f"{file}: the block of {what!r} lies outside the file (truncated or corrupt).")
-    raw = mm[start : start + nbytes]
-    if zlib.crc32(np.ascontiguousarray(raw).data) != spec.crc32:
-        raise CheckpointError(f"{file}: the block of {what!r} fails its CRC-32 check (the file is corrupt).")
-    if spec.dtype is np.float32 and spec.stored == "float16":  # half values, widened to float32 (exact)
-        return np.frombuffer(raw, dtype="<f2", count=spec.count).astype(np.float32).reshape(spec.shape)
-    if spec.dtype is np.float32 and spec.stored == "bfloat16":  # float32's upper 16 bits
-        bits: np.ndarray[Any, Any] = np.frombuffer(raw, dtype="<u2", count=spec.count).astype(np.uint32)
-        widened: np.ndarray[Any, Any] = np.left_shift(bits, np.uint32(16)).view(np.float32)
-        return widened.reshape(spec.shape)
-    return np.frombuffer(raw, dtype=spec.dtype, count=spec.count).reshape(spec.shape)

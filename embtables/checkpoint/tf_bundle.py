@@ -43,14 +43,23 @@ def _crc32c_table() -> list[int]:
 _TABLE = _crc32c_table()
 
 
-def crc32c(data: bytes | memoryview, crc: int = 0) -> int:
-    """CRC-32C (Castagnoli) of ``data``; uses ``google_crc32c`` when installed (fast), else pure Python."""
+def _fast_crc32c() -> Any:
+    """``google_crc32c`` when installed, else None: looked for once (a failed import per call searched every
+    ``sys.path`` entry again, megabytes of the import system's caches inside a reader held to a memory bound)."""
     try:
         import google_crc32c  # type: ignore[import-not-found,unused-ignore]
-
-        return int(google_crc32c.extend(crc, bytes(data)))
     except ImportError:
-        pass
+        return None
+    return google_crc32c
+
+
+_FAST_CRC32C = _fast_crc32c()
+
+
+def crc32c(data: bytes | memoryview, crc: int = 0) -> int:
+    """CRC-32C (Castagnoli) of ``data``; uses ``google_crc32c`` when installed (fast), else pure Python."""
+    if _FAST_CRC32C is not None:
+        return int(_FAST_CRC32C.extend(crc, bytes(data)))
     c = crc ^ 0xFFFFFFFF
     for b in bytes(data):
         c = _TABLE[(c ^ b) & 0xFF] ^ (c >> 8)
