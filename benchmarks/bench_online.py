@@ -147,12 +147,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--clients", type=int, default=8)
     p.add_argument("--request-rows", type=int, default=16)
     p.add_argument("--idle-seconds", type=float, default=None, help="default 10 (--small: 3)")
-    p.add_argument("--small", action="store_true", help="a smoke run: 4 x 20,000 x 16, 20,000 examples, batch 512")
+    p.add_argument("--small", action="store_true", help="a smoke run: 4 x 20,000 x 16, 10,000 examples, batch 512")
     p.add_argument("--dir", default=None, help="where the data, model and artifact go (default: temporary)")
     p.add_argument("--out", default=None, help="also write the summary table here")
     args = p.parse_args(argv)
     if args.small:
-        args.rows, args.tables, args.dim, args.examples, args.batch = 20_000, 4, 16, 20_000, 512
+        args.rows, args.tables, args.dim, args.examples, args.batch = 20_000, 4, 16, 10_000, 512
     if args.idle_seconds is None:
         args.idle_seconds = 3.0 if args.small else 10.0
     emit(env_record())

@@ -156,7 +156,7 @@ def test_gpu_benchmark_runs_its_impls_side_by_side_and_refuses_a_missing_device(
 def test_online_benchmark_measures_idle_updates_and_freshness(tmp_path: Path) -> None:
     """``embtables bench online --small``: the first export, idle and during-update latencies, and the freshness
     of every save, all from real processes on loopback."""
-    cmd = [sys.executable, "-m", "embtables", "bench", "online", "--small", "--idle-seconds", "1", "--clients", "2",
+    cmd = [sys.executable, "-m", "embtables", "bench", "online", "--small", "--idle-seconds", "0.5", "--clients", "2",
            "--out", str(tmp_path / "table.md")]  # fmt: skip
     out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -164,5 +164,5 @@ def test_online_benchmark_measures_idle_updates_and_freshness(tmp_path: Path) ->
     phases = {r.get("phase"): r for r in records if r.get("bench") == "online"}
     assert phases["idle"]["requests"] > 0 and phases["during updates"]["requests"] > 0
     fresh = phases["freshness"]
-    assert fresh["saves"] >= 2 and fresh["failures"] == 0 and 0 <= fresh["freshness_max_s"] < 30
+    assert fresh["saves"] >= 1 and fresh["failures"] == 0 and 0 <= fresh["freshness_max_s"] < 30
     assert "freshness" in (tmp_path / "table.md").read_text()
