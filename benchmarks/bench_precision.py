@@ -3,13 +3,16 @@
     python -m embtables bench precision                       # standard (2 threads) and small (1 thread)
     python -m embtables bench precision --workloads small --steps 200
 
-The impls ``embtables`` (float32), ``embtables-bf16`` (bfloat16 rows, float32 slots) and
-``embtables-bf16-slots`` (bfloat16 rows and slots), Adagrad, Zipf ids, on the standard workload (8 x 1M x
-64, batch 4096, 20 ids a bag) with 2 threads and the small one (8 x 2000 x 24, batch 512, one id) with 1
-thread. Each measurement is a ``train_step`` JSON line as ``embtables bench`` prints them; then one
-``precision_summary`` line per workload: every impl's median step, its ratio to float32, the bytes of its
-tables and slots (exact, from the module), its peak RSS, its useful bytes per second and their share of the
-random-gather ceiling of rows of its size (the memory probe, ``--no-probe`` skips it).
+The impls ``embtables`` (float32), ``embtables-bf16`` (bfloat16 rows, float32 slots),
+``embtables-bf16-slots`` (bfloat16 rows and slots), ``embtables-bf16-slots-nearest`` (the same rounded to nearest:
+the stochastic rounding's own cost is the ratio of the two), and the peers ``fbgemm`` (float32) and ``fbgemm-fp16``
+(FBGEMM's CPU TBE with float16 weights, float32 slots: the half peer; skipped when fbgemm_gpu is missing),
+Adagrad, Zipf ids, on the standard workload (8 x 1M x 64, batch 4096, 20 ids a bag) with 2 threads and the
+small one (8 x 2000 x 24, batch 512, one id) with 1 thread. Each measurement is a ``train_step`` JSON line as
+``embtables bench`` prints them; then one ``precision_summary`` line per workload: every impl's median step, its
+ratio to float32, the bytes of its tables and slots, its peak RSS, its useful bytes per second and their share of
+the random-gather ceiling of rows of its size (the memory probe, ``--no-probe`` skips it), the stochastic rounding's
+cost (``stochastic_vs_nearest``) and the half peer's step over embtables' (``fbgemm_fp16_vs_bf16_slots``).
 """
 
 from __future__ import annotations
@@ -30,10 +33,12 @@ from benchmarks.membw import probe
 from benchmarks.run import run
 from benchmarks.workload import variation
 
-IMPLS = ("embtables", "embtables-bf16", "embtables-bf16-slots")
+IMPLS = ("embtables", "embtables-bf16", "embtables-bf16-slots", "embtables-bf16-slots-nearest", "fbgemm", "fbgemm-fp16")
 THREADS = {"standard": 2, "small": 1}
-ROW_BYTES = {"embtables": 4, "embtables-bf16": 2, "embtables-bf16-slots": 2}
-SLOT_BYTES = {"embtables": 4, "embtables-bf16": 4, "embtables-bf16-slots": 2}
+ROW_BYTES = {"embtables": 4, "embtables-bf16": 2, "embtables-bf16-slots": 2, "embtables-bf16-slots-nearest": 2,
+             "fbgemm": 4, "fbgemm-fp16": 2}  # fmt: skip
+SLOT_BYTES = {"embtables": 4, "embtables-bf16": 4, "embtables-bf16-slots": 2, "embtables-bf16-slots-nearest": 2,
+              "fbgemm": 4, "fbgemm-fp16": 4}  # fmt: skip
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -66,6 +71,8 @@ def _summary(
 ) -> dict[str, Any]:
     measured = {k: r for k, r in measured.items() if "median_ms" in r}  # skipped impls have none
     base = measured.get("embtables", {}).get("median_ms")
+    stochastic = measured.get("embtables-bf16-slots", {}).get("median_ms")
+    nearest = measured.get("embtables-bf16-slots-nearest", {}).get("median_ms")
     out: dict[str, Any] = {"bench": "precision_summary", "workload": name, "threads": threads, "impls": {}}
     for impl in IMPLS:
         r = measured.get(impl)
@@ -82,6 +89,11 @@ def _summary(
             "gather_ceiling_GBps": ceiling or None,
             "share_of_ceiling": round(r["useful_GBps"] / ceiling, 3) if ceiling and r.get("useful_GBps") else None,
         }
+    if stochastic and nearest:
+        out["stochastic_vs_nearest"] = round(stochastic / nearest, 3)  # the goal: <= 1.10
+    half_peer = measured.get("fbgemm-fp16", {}).get("median_ms")
+    if stochastic and half_peer:
+        out["fbgemm_fp16_vs_bf16_slots"] = round(half_peer / stochastic, 3)  # > 1: embtables faster
     return out
 
 

@@ -12,6 +12,7 @@ Impls:
   gradient back, as FBGEMM's TBE gives (the harness step is ``(acts * grad).sum().backward()`` on it).
 * ``embtables-seq``: sequence features (``max_sequence_length = pooling``): activations ``[B, M, D]``,
   one row per position, no combining. No peer has this mode.
+* ``embtables-bf16-slots-nearest``: ``embtables-bf16-slots`` rounding to nearest (the stochastic rounding's own cost).
 * ``embtables-bf16`` / ``embtables-bf16-slots``: the tables' rows (and the slots) stored in bfloat16,
   stochastically rounded (``TableConfig(dtype=torch.bfloat16, slot_dtype=...)``, spec §12).
 
@@ -58,11 +59,12 @@ def _factory(variant: str) -> Factory:
             raise Skip(f"embtables-{variant} is a training-mode variation")
         seq = variant == "seq"
         half = torch.bfloat16 if variant.startswith("bf16") else None
-        slot_half = torch.bfloat16 if variant == "bf16-slots" else None
+        slot_half = torch.bfloat16 if variant.startswith("bf16-slots") else None
+        rounding = "nearest" if variant.endswith("-nearest") else "stochastic"
         tables = [
             et.TableConfig(
                 wl.rows, wl.dim, initializer=et.Constant(0.01), combiner="sum", name=f"t{t}", dtype=half,
-                slot_dtype=slot_half,
+                slot_dtype=slot_half, rounding=rounding,
             )
             for t in range(wl.tables)
         ]  # fmt: skip
@@ -153,4 +155,5 @@ EMBTABLES_IMPLS: dict[str, Factory] = {
     "embtables-seq": _factory("seq"),
     "embtables-bf16": _factory("bf16"),
     "embtables-bf16-slots": _factory("bf16-slots"),
+    "embtables-bf16-slots-nearest": _factory("bf16-slots-nearest"),
 }

@@ -15,6 +15,7 @@ Peers (exact configurations; see also the ``notes`` field each one reports):
   ``ComputeDevice.CPU``, ``EmbOptimType.EXACT_ADAGRAD`` (elementwise, eps=0, accumulator set to 0.1
   after construction since FBGEMM starts it at 0) or ``EXACT_SGD``. Adam and FTRL are not supported by
   FBGEMM on CPU (it asserts "not supported in CPU mode").
+* ``fbgemm-fp16``: ``fbgemm`` with float16 weights (``weights_precision=SparseType.FP16``): the half peer.
 * ``fbgemm-per-feature``: ``fbgemm`` with its [B, T x D] output split into one activation per table and the
   per-feature dense side embtables' default (per-feature) step has, ``sum((a_t * g_t).sum())``: the like for
   like of ``embtables`` (``fbgemm`` is the like for like of ``embtables-concat``).
@@ -170,8 +171,8 @@ def _fbgemm_fill_accumulators(emb: Any, value: float) -> None:
             states[0].fill_(value)
 
 
-def _fbgemm_factory(rowwise: bool, per_feature: bool = False) -> Factory:
-    who = "fbgemm-rowwise" if rowwise else "fbgemm-per-feature" if per_feature else "fbgemm"
+def _fbgemm_factory(rowwise: bool, per_feature: bool = False, fp16: bool = False) -> Factory:
+    who = "fbgemm-rowwise" if rowwise else "fbgemm-per-feature" if per_feature else "fbgemm-fp16" if fp16 else "fbgemm"
 
     def factory(wl: Workload, batches: list[Batch], opt: OptimizerSpec, mode: str) -> Impl:
         tbe_cls, optim_t, (loc_t, pool_t), dev_t = _fbgemm_modules()
@@ -182,12 +183,18 @@ def _fbgemm_factory(rowwise: bool, per_feature: bool = False) -> Factory:
         else:
             member, label = "EXACT_SGD", "none"
         eps = 0.0
+        precision: dict[str, Any] = {}
+        if fp16:  # the half peer: float16 weights (FBGEMM's CPU TBE has no bfloat16 weights), float32 slots
+            from fbgemm_gpu.split_embedding_configs import SparseType
+
+            precision["weights_precision"] = SparseType.FP16
         emb = tbe_cls(
             [(wl.rows, wl.dim, loc_t.HOST, dev_t.CPU)] * wl.tables,
             optimizer=getattr(optim_t, member),
             learning_rate=opt.lr,
             eps=eps,
             pooling_mode=pool_t.SUM,
+            **precision,
         )
         n = wl.batch * wl.pooling
         offsets = torch.arange(0, wl.tables * n + 1, wl.pooling, dtype=torch.int64)
@@ -230,7 +237,7 @@ def _fbgemm_factory(rowwise: bool, per_feature: bool = False) -> Factory:
             f"{opt.initial_accumulator:g} after construction"
             if member != "EXACT_SGD"
             else f"{member} HOST/CPU",
-            read_weights=lambda: [w.detach().numpy().copy() for w in emb.split_embedding_weights()],
+            read_weights=lambda: [w.detach().float().numpy().copy() for w in emb.split_embedding_weights()],
             set_weights=set_weights,
         )
         return impl
@@ -331,6 +338,7 @@ IMPLS: dict[str, Factory] = {
     "fbgemm": _fbgemm_factory(rowwise=False),
     "fbgemm-rowwise": _fbgemm_factory(rowwise=True),
     "fbgemm-per-feature": _fbgemm_factory(rowwise=False, per_feature=True),
+    "fbgemm-fp16": _fbgemm_factory(rowwise=False, fp16=True),
     "torchrec": torchrec_peer,
     "tensorflow": tensorflow_peer,
     "embtables-noacc": _embtables("embtables-noacc"),
@@ -338,6 +346,7 @@ IMPLS: dict[str, Factory] = {
     "embtables-concat": _embtables("embtables-concat"),
     "embtables-bf16": _embtables("embtables-bf16"),
     "embtables-bf16-slots": _embtables("embtables-bf16-slots"),
+    "embtables-bf16-slots-nearest": _embtables("embtables-bf16-slots-nearest"),
 }
 
 

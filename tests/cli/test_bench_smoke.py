@@ -166,3 +166,18 @@ def test_online_benchmark_measures_idle_updates_and_freshness(tmp_path: Path) ->
     fresh = phases["freshness"]
     assert fresh["saves"] >= 1 and fresh["failures"] == 0 and 0 <= fresh["freshness_max_s"] < 30
     assert "freshness" in (tmp_path / "table.md").read_text()
+
+
+def test_precision_benchmark_measures_the_rounding_and_the_half_peer() -> None:
+    """``embtables bench precision``: float32, bfloat16 rows, rows and slots, the same rounded to nearest, and the
+    FBGEMM peers (float32 and float16 weights; skip lines when fbgemm_gpu is missing), with the rounding's cost."""
+    cmd = [sys.executable, "-m", "embtables", "bench", "precision", "--workloads", "small", "--steps", "2",
+           "--warmup", "1", "--no-probe"]  # fmt: skip
+    out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    records = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    (summary,) = [r for r in records if r.get("bench") == "precision_summary"]
+    assert {"embtables", "embtables-bf16-slots", "embtables-bf16-slots-nearest"} <= set(summary["impls"])
+    assert summary["stochastic_vs_nearest"] > 0
+    peers = {r["impl"] for r in records if r.get("bench") == "train_step" and r["impl"].startswith("fbgemm")}
+    assert peers == {"fbgemm", "fbgemm-fp16"}  # measured, or a skip line saying why
