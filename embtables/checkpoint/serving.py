@@ -431,10 +431,11 @@ class ServingEmbedding(nn.Module):
             emb.update()  # the export and every delta after it
         return emb
 
-    def update(self) -> int:
-        """Apply the export's deltas newer than what this module serves (``export(..., incremental=True)``),
-        in order, all of them at once for lookups: a lookup running alongside sees the tables before this
-        call or after it, never a mix (it waits while the rows are written). Every delta is checked before
+    def update(self, until: int | None = None) -> int:
+        """Apply the export's deltas newer than what this module serves (``export(..., incremental=True)``; with
+        ``until``, only those that reach at most that step), in order, all of them at once for lookups: a lookup
+        running alongside sees the tables before this call or after it, never a mix (it waits while the rows are
+        written). Every delta is checked before
         any row is written; a missing, out-of-order or malformed delta, or an export replaced by a full one,
         raises ``CheckpointError`` and changes nothing. Rows are written in place: no second copy of a
         table. Returns the step now served."""
@@ -462,6 +463,8 @@ class ServingEmbedding(nn.Module):
             )
         shapes = {t.name: (t.vocabulary_size, t.dim) for t in self.resolved.tables}
         deltas = serving_deltas.pending(self.root, doc, self.version, self.step, shapes)
+        if until is not None:
+            deltas = [d for d in deltas if d.to_step <= until]  # a chain in step order: a prefix of it
         if not deltas:
             return self.step
         with self._lock.write():

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from embtables.checkpoint import ServingEmbedding
+from embtables.checkpoint import ServingEmbedding, serving_deltas
 from embtables.checkpoint.file_names import CheckpointError
 from embtables.checkpoint.serving_deltas import ReadWriteLock
 from embtables.estimator.column_codec import columns_from_json
@@ -113,34 +113,44 @@ class ScoringModel(nn.Module):
         return state
 
     def _load_weights(self, step: int) -> None:
+        self.dense.load_state_dict(self._checked_weights(step), strict=True)
+
+    def _checked_weights(self, step: int) -> dict[str, Tensor]:
+        """The dense weights of ``step``, checked against the program (keys, shapes, dtypes) before anything uses
+        them: loading them cannot fail half way."""
         state = self._weights(step)
-        try:
-            self.dense.load_state_dict(state, strict=True)
-        except RuntimeError as exc:
-            raise CheckpointError(f"load_model: {self.root}: the weights of step {step} do not fit the program "
-                                  f"({exc}).") from exc  # fmt: skip
+        mine = self.dense.state_dict()
+        if set(state) != set(mine) or any(
+            not isinstance(state[k], Tensor) or state[k].shape != v.shape or state[k].dtype != v.dtype
+            for k, v in mine.items()
+        ):
+            raise CheckpointError(f"load_model: {self.root}: the weights of step {step} do not fit the program; "
+                                  "export the model again.")  # fmt: skip
+        return state
 
     def update(self) -> int:
-        """Take in the artifact's newer step, if any (the tables' deltas, then the dense weights of the step they
-        reached; a whole new export is loaded beside and swapped in); returns the step now served. A failure
-        raises ``CheckpointError`` and the module keeps serving what it served."""
+        """Take in the artifact's newer step, if any, and return the step now served: the tables' deltas up to the
+        step they reach now and the dense weights of that step (read and checked first), or a whole new export
+        (loaded beside and swapped in). A failure raises ``CheckpointError`` and the module keeps serving exactly
+        what it served; a prediction sees the model before an update or after it."""
         try:
             doc = json.loads((self.root / TABLES / "serving.json").read_text())
         except (OSError, ValueError) as exc:
             raise CheckpointError(f"ScoringModel.update: {self.root / TABLES} is unreadable ({exc}).") from exc
         if isinstance(doc, dict) and doc.get("export_id") == self.tables.export_id:
-            fresh: ServingEmbedding | None = None
-        else:  # a whole export replaced the tables: load it beside, swap below
+            target = serving_deltas.version(doc, self.root / TABLES)[1]
+            if target <= self.tables.step:
+                return self.tables.step
+            state = self._checked_weights(target)  # missing or unfit: nothing applied
+            with self._lock.write():
+                step = self.tables.update(until=target)
+                self.dense.load_state_dict(state, strict=True)
+        else:  # a whole export replaced the tables: load it and its weights beside, swap below
             fresh = ServingEmbedding.load(self.root / TABLES)
-        with self._lock.write():
-            if fresh is None:
-                before = self.tables.step
-                step = self.tables.update()
-                if step == before:
-                    return step
-            else:
+            state = self._checked_weights(fresh.step)
+            with self._lock.write():
                 self.tables, step = fresh, fresh.step
-            self._load_weights(step)
+                self.dense.load_state_dict(state, strict=True)
         logger.info("ScoringModel: %s now serves step %d", self.root, step)
         return step
 

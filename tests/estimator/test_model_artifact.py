@@ -19,6 +19,7 @@ from torch import nn
 import embtables as et
 from embtables import estimator as est
 from embtables.__main__ import main as cli
+from embtables.checkpoint import CheckpointError
 from embtables.cli.model_files import parts_of
 from embtables.estimator.scoring_model import as_columns
 
@@ -213,6 +214,14 @@ def test_an_estimator_of_ones_own_exports_and_an_incremental_step_is_taken_in(tm
     assert done.incremental and done.step == 8
     assert sorted(p.name for p in (tmp_path / "artifact" / "tables").iterdir() if p.name.startswith("delta-"))
     np.testing.assert_array_equal(served.predict(new, batch_size=300), before)  # not taken in yet
+    weights = tmp_path / "artifact" / "weights" / "step-0000000008.pt"
+    kept = weights.read_bytes()
+    weights.unlink()  # the step's dense weights missing: nothing is taken in, not even the tables' delta
+    with pytest.raises(CheckpointError, match="weights of step 8 are missing"):
+        served.update()
+    assert served.step == 5
+    np.testing.assert_array_equal(served.predict(new, batch_size=300), before)
+    weights.write_bytes(kept)
     assert served.update() == 8
     np.testing.assert_array_equal(served.predict(new, batch_size=300), predicted())
     assert served.update() == 8  # nothing newer
