@@ -171,8 +171,16 @@ class ScoringModel(nn.Module):
         tensors = {}
         for name in self.tensor_features:
             value = features.get(name)
-            if not isinstance(value, Tensor):
+            if value is None:
                 raise ValueError(f"the rows give no tensor feature {name!r}, which the model reads.")
+            if not isinstance(value, Tensor):  # e.g. a JSON list of numbers a row: float32 [B, ...]
+                try:
+                    value = torch.from_numpy(np.asarray(value.tolist() if hasattr(value, "tolist") else value,
+                                                        dtype=np.float32))  # fmt: skip
+                except (TypeError, ValueError) as exc:
+                    raise ValueError(
+                        f"the tensor feature {name!r} is not numbers of one shape a row ({exc})."
+                    ) from None
             tensors[name] = value
         with self._lock.read():
             acts = self.tables(ids, weights or None)

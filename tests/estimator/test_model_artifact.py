@@ -209,6 +209,8 @@ def test_an_estimator_of_ones_own_exports_and_an_incremental_step_is_taken_in(tm
     served = et.load_model(tmp_path / "artifact")
     np.testing.assert_array_equal(served.predict(new, batch_size=300), predicted())
     before = served.predict(new, batch_size=300)
+    as_json = {"user": new["user"].tolist(), "item": new["item"], "dense": new["dense"].tolist()}  # lists a row
+    np.testing.assert_array_equal(served.predict(as_json, batch_size=300), before)
     e.train(input_fn, steps=3)
     done = e.export_model(tmp_path / "artifact", new, task="binary", incremental=True)
     assert done.incremental and done.step == 8
