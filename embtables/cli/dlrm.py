@@ -34,9 +34,11 @@ import embtables
 from embtables.cli.history import earlier_runs, metrics_rows
 from embtables.cli.job_runner import storage_line, table_storage
 from embtables.cli.plotting import pyplot
+from embtables.cli.scoring_recipe import write_recipe
 from embtables.data import SyntheticCTR, SyntheticCTRConfig
 from embtables.data.synthetic import CategoricalFeature
 from embtables.estimator import EmbeddingConfigSpec, Estimator, auc, log_loss
+from embtables.estimator.row_transform import RowTransform
 from embtables.sharding import comm
 from embtables.tables import Ragged, TruncatedNormal
 
@@ -164,16 +166,42 @@ class DLRM(nn.Module):
         self.mlp = mlp_head(f * (f - 1) // 2 + f * dim, hidden)
         self.pairs = torch.triu_indices(f, f, offset=1)
 
-    def forward(self, activations: dict[str, Tensor], features: dict[str, Ragged]) -> Tensor:
+    def forward(self, activations: dict[str, Tensor], features: dict[str, Ragged | Tensor]) -> Tensor:
         vectors = []
         for name in self.names:
             a = activations[name]
             if a.dim() == 3:  # the sequence: mean over its (zero-padded) positions
-                n = features[name].lengths().clamp(1, a.shape[1]).to(a.dtype).unsqueeze(1)
+                f = features[name]  # its ids; a model artifact gives their lengths [B] (tensors only)
+                lengths = f.lengths() if isinstance(f, Ragged) else f
+                n = lengths.clamp(1, a.shape[1]).to(a.dtype).unsqueeze(1)
                 a = a.sum(1) / n
             vectors.append(a)
         out: Tensor = self.mlp(interaction(vectors, self.pairs)).squeeze(1)
         return out
+
+
+def scoring_model(args: dict[str, Any], task: str) -> tuple[nn.Module, Any, dict[str, Tensor]]:
+    """The job's DLRM from its recipe's arguments (``scoring_recipe``; the weights come from a checkpoint), its
+    ``predictions_fn`` and an example of the tensor features it reads: each sequence feature's lengths [B]."""
+    names, dim, sequences = args["names"], args["dim"], args["sequences"]
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names) or type(dim) is not int or not (
+            isinstance(sequences, list) and set(sequences) <= set(names)) or dim < 1:  # fmt: skip
+        raise TypeError("the model's names, dim and sequence features are malformed")
+    example = {name: torch.zeros(2, dtype=torch.int64) for name in sequences}
+    return DLRM(names, dim), torch.sigmoid, example
+
+
+def _write_recipe(data: SyntheticCTR, dim: int, model_dir: Path) -> None:
+    """``MODEL_DIR/scoring.json``: the DLRM rebuilt for ``embtables export --model``; a row holds each feature's
+    ids (one, a list, or a "|"-joined string)."""
+    names = sorted(f.name for f in data.config.features)
+    sequences = [n for n in names if n == "item_history"]
+    shapes = {n: [HISTORY, dim] if n in sequences else [dim] for n in names}
+    transform = RowTransform(id_lists=tuple((n, "|") for n in names))
+    extra = {"engine_features": names, "activation_shapes": shapes,
+             "tensor_sources": {n: f"{n}#lengths" for n in sequences}}  # fmt: skip
+    write_recipe(model_dir, "synthetic", [], transform, "binary", None,
+                 {"names": names, "dim": dim, "sequences": sequences}, extra)  # fmt: skip
 
 
 def plot(history: list[dict[str, float]], evals: list[dict[str, float]], teacher: dict[str, float], path: Path) -> bool:
@@ -243,6 +271,9 @@ def run(args: argparse.Namespace) -> int:
     rank, world = (comm.get_rank(), comm.get_world_size()) if comm.is_distributed() else (0, 1)
     model_dir = Path(args.model_dir)  # checked (or made) by the job runner
     estimator = _estimator(args, data, model_dir)
+    if rank == 0 and args.dynamic_user is None:  # a dynamic user table's keys are not rows' ids: not exported
+        model_dir.mkdir(parents=True, exist_ok=True)
+        _write_recipe(data, args.dim, model_dir)
     try:
         say = print if rank == 0 else (lambda *a, **k: None)
         _announce(say, args, estimator, model_dir, world)

@@ -18,7 +18,7 @@ from typing import Any
 from torch import Tensor, nn
 
 from embtables.checkpoint.file_names import CheckpointError
-from embtables.cli import adult, movielens, user_data
+from embtables.cli import adult, dlrm, movielens, user_data
 from embtables.cli.scoring_recipe import SCORING_FILE, read_recipe, recipe_inputs
 from embtables.estimator.model_artifact import MARKER, MODEL_FILE, ModelExport, ModelParts, export_model
 from embtables.estimator.scoring_model import ScoringModel, load_model
@@ -28,6 +28,7 @@ DENSE_MODELS: dict[str, DenseModel] = {
     "data": user_data.scoring_model,
     "adult": adult.scoring_model,
     "movielens-100k": movielens.scoring_model,
+    "synthetic": dlrm.scoring_model,
 }
 
 
@@ -59,9 +60,25 @@ def parts_of(path: Path) -> ModelParts:
                               "trained it.")  # fmt: skip
     try:
         model, predictions_fn, example = build(doc["model"], task)
+        engine, sources, shapes = (
+            doc.get("engine_features", []),
+            doc.get("tensor_sources"),
+            doc.get("activation_shapes"),
+        )
+        if not columns and not (isinstance(engine, list) and engine and all(isinstance(n, str) for n in engine)):
+            raise TypeError("no feature columns and no engine features")
+        if sources is not None and not (isinstance(sources, dict) and all(
+                isinstance(k, str) and isinstance(v, str) for k, v in sources.items())):  # fmt: skip
+            raise TypeError("tensor_sources must map names to names")
+        if shapes is not None:
+            if not isinstance(shapes, dict) or not all(
+                isinstance(v, list) and v and all(type(d) is int and d > 0 for d in v) for v in shapes.values()
+            ):
+                raise TypeError("activation_shapes must map features to lists of positive ints")  # fmt: skip
+            shapes = {str(k): tuple(v) for k, v in shapes.items()}
     except (KeyError, TypeError, ValueError) as exc:
         raise CheckpointError(f"{where}: the dense model's arguments are malformed ({exc}).") from None
-    return ModelParts(model, columns, transform, predictions_fn, task, label, example)
+    return ModelParts(model, columns, transform, predictions_fn, task, label, example, tuple(engine), sources, shapes)
 
 
 def export_model_dir(path: str, out: str, dtype: str, incremental: bool) -> ModelExport:

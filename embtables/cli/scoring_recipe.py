@@ -25,16 +25,19 @@ def write_recipe(
     task: str,
     label: str | None,
     model: dict[str, Any],
+    extra: dict[str, Any] | None = None,
 ) -> None:
-    """``model_dir/scoring.json`` (replaced atomically); ``model``: the dense model's constructor arguments."""
+    """``model_dir/scoring.json`` (replaced atomically); ``model``: the dense model's constructor arguments;
+    ``extra``: a spec of dicts' ``engine_features``, ``activation_shapes`` and ``tensor_sources`` (``ModelParts``)."""
     rows = None if transform is None else transform.to_json()
     doc = {
         "job": job,
-        "columns": columns_to_json(columns),
+        "columns": columns_to_json(columns) if columns else [],
         "transform": rows,
         "task": task,
         "label": label,
         "model": model,
+        **(extra or {}),
     }
     tmp = model_dir / f".{SCORING_FILE}.tmp"
     tmp.write_text(json.dumps(doc, indent=1))
@@ -59,16 +62,16 @@ def read_recipe(path: Path) -> tuple[dict[str, Any], str]:
                 raise CheckpointError(f"{file} is not a scoring recipe; train again with this embtables.")
             return doc, str(file)
     raise CheckpointError(
-        f"{path} has no {SCORING_FILE}: a model directory of `embtables train --data`, `--dataset adult` or `--dataset "
-        "movielens-100k` (or a checkpoint in one) exports as a model (the synthetic DLRM job's does not: its inputs "
-        "are id lists, not rows); an Estimator of your own exports with Estimator.export_model."
+        f"{path} has no {SCORING_FILE}: a model directory of `embtables train` (any job; the synthetic one without "
+        "--dynamic-user), or a checkpoint in one, exports as a model; an Estimator of your own exports with "
+        "Estimator.export_model."
     )
 
 
 def recipe_inputs(doc: dict[str, Any], where: str) -> tuple[list[Any], RowTransform | None, str, str | None]:
     """The columns, transform, task and label a recipe records, validated."""
     try:
-        columns = columns_from_json(doc.get("columns"), where)
+        columns = [] if doc.get("columns") == [] else columns_from_json(doc.get("columns"), where)
         transform = None if doc.get("transform") is None else RowTransform.from_json(doc["transform"], where)
     except ValueError as exc:
         raise CheckpointError(str(exc)) from None

@@ -521,11 +521,20 @@ class Estimator:
         program what it reads); ``transform``: the raw rows -> features step, when the features are not the raw
         columns themselves; ``task`` ("binary", "regression") and ``label`` are recorded for the tools.
         ``incremental=True`` adds the newer step to an artifact of this model at ``out``."""
-        if self.spec.feature_columns is None:
-            raise ValueError("Estimator.export_model: a model artifact needs the feature-column form of the spec.")
         tensors = {k: v for k, v in example.items() if isinstance(v, Tensor)}
         model = copy.deepcopy(self.model).cpu()  # the checkpoint's weights go into a copy, never the live model
-        parts = ModelParts(model, list(self.spec.feature_columns), transform, self.predictions_fn, task, label, tensors)
+        if self.spec.feature_columns is not None:
+            parts = ModelParts(model, list(self.spec.feature_columns), transform, self.predictions_fn, task, label,
+                               tensors)  # fmt: skip
+        else:  # a spec of dicts: the rows give the tables' inputs by feature name
+            features = dict(self.spec.feature_to_config_dict or {})
+            shapes: dict[str, tuple[int, ...]] = {
+                n: (f.max_sequence_length, f.table.dim) if f.max_sequence_length else (f.table.dim,)
+                for n, f in features.items()
+            }
+            tensors = {k: v for k, v in tensors.items() if k not in features}
+            parts = ModelParts(model, [], transform, self.predictions_fn, task, label, tensors, tuple(features),
+                               None, shapes)  # fmt: skip
         return export_model(self.model_dir, out, parts, dtype, incremental=incremental)
 
     # ------------------------------------------------------------------ logging

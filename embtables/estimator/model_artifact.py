@@ -59,7 +59,10 @@ class ModelParts:
     ``model(activations, features)``), the embedding ``columns``, the ``transform`` from raw rows to features
     (None: rows are given as the Estimator's ``input_fn`` gives features), ``predictions_fn`` (e.g.
     ``torch.sigmoid``), the ``task`` ("binary", "regression" or None) and the ``label`` column, and an example of
-    the tensor features the model reads (``{name: [B, ...]}``, B >= 2 rows; the batch is dimension 0)."""
+    the tensor features the model reads (``{name: [B, ...]}``, B >= 2 rows; the batch is dimension 0). Without
+    columns (a spec of feature and table dicts), ``engine_features`` names the features whose values are the
+    tables' inputs themselves; ``tensor_sources`` maps a tensor feature to the key of the transformed row it is
+    read from (e.g. a sequence's lengths)."""
 
     model: nn.Module
     columns: list[Any]
@@ -68,6 +71,9 @@ class ModelParts:
     task: str | None
     label: str | None
     example: dict[str, Tensor]
+    engine_features: tuple[str, ...] = ()  # no columns (the dicts form): the features the tables look up
+    tensor_sources: dict[str, str] | None = None  # a tensor feature read from another key of the features
+    activation_shapes: dict[str, tuple[int, ...]] | None = None  # the dicts form: (D,) or (L, D) per feature
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,7 +115,10 @@ def _program(parts: ModelParts) -> torch.export.ExportedProgram:
     if len(rows) > 1 or (rows and rows.pop() < 2):
         raise ValueError(f"export_model: the example tensor features must share a batch dimension of >= 2 rows, "
                          f"got {({k: tuple(v.shape) for k, v in example.items()})}.")  # fmt: skip
-    acts = _activation_example(parts.columns, 2)
+    if parts.activation_shapes is not None:
+        acts = {k: torch.zeros((2, *shape), dtype=torch.float32) for k, shape in parts.activation_shapes.items()}
+    else:
+        acts = _activation_example(parts.columns, 2)
     example = {k: v[:2] if v.dim() > 0 else v for k, v in example.items()}
     batch = torch.export.Dim("batch", min=1)
     shapes = ({k: {0: batch} for k in acts}, {k: {0: batch} if v.dim() > 0 else None for k, v in example.items()})
@@ -180,13 +189,18 @@ def _write_weights(target: Path, step: int, state: Mapping[str, Tensor]) -> str:
 
 
 def _document(parts: ModelParts, dtype: str, step: int) -> dict[str, Any]:
+    if not parts.columns and not parts.engine_features:
+        raise ValueError("export_model: give the feature columns, or the engine features of a spec of dicts.")
+    sources = parts.tensor_sources or {}
+    tensors = {k: sources.get(k, k) for k in sorted(parts.example) if isinstance(parts.example[k], Tensor)}
     if parts.task is not None and parts.task not in TASKS:
         raise ValueError(f"export_model: `task` must be one of {TASKS} or None, got {parts.task!r}.")
     return {
         "format": FORMAT, "format_version": FORMAT_VERSION, "task": parts.task, "label": parts.label,
-        "columns": columns_to_json(parts.columns),
+        "columns": columns_to_json(parts.columns) if parts.columns else [],
+        "engine_features": list(parts.engine_features),
         "transform": None if parts.transform is None else parts.transform.to_json(),
-        "tensor_features": sorted(k for k, v in parts.example.items() if isinstance(v, Tensor)),
+        "tensor_features": tensors,
         "program": PROGRAM, "tables": TABLES, "dtype": dtype, "step": step,
     }  # fmt: skip
 
@@ -264,7 +278,13 @@ def export_model(
     return ModelExport(str(target), step, dtype, False)
 
 
-_SAME_MODEL = ("columns", "transform", "tensor_features", "task")  # the program's inputs and what is made of its output
+_SAME_MODEL = (
+    "columns",
+    "engine_features",
+    "transform",
+    "tensor_features",
+    "task",
+)  # the program's inputs and what is made of its output
 
 
 def _same_weights(target: Path, state: Mapping[str, Tensor]) -> bool:

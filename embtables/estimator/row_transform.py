@@ -11,6 +11,9 @@ DataFrame gives them) and returns the features dict the feature columns and the 
 - a string column cut to its first characters (``prefixes``: ``(column, n)``);
 - a column of names (``positions``: ``(column, names, separator)``; a cell is a list of names, or one string of
   them joined by the separator) becomes the list of each name's position in ``names`` per row;
+- a column of integer ids (``id_lists``: ``(column, separator)``; a cell is one id, a list of ids, or a string of
+  them joined by the separator; empty or missing: none) becomes a ``Ragged`` [N, (ids)] (the engine's input of a
+  feature of that name) and its lengths [N] int64 under ``column + "#lengths"``;
 - the numeric features (``numeric``) become one float32 tensor [N, len(numeric)] under ``numeric_key``: each
   column as float64, ``log1p`` first for ``"log"``, then ``(x - mean) / std`` with the training rows' statistics
   (``"standard"`` and ``"log"``; ``"none"`` as it is), a missing value at 0 (the mean);
@@ -30,6 +33,7 @@ import numpy as np
 import torch
 
 from embtables.errors import InputError
+from embtables.tables.ragged import Ragged
 
 NORMALIZE = ("standard", "log", "none")
 
@@ -153,6 +157,29 @@ def _positions(column: np.ndarray, names: tuple[str, ...], separator: str, name:
     return out
 
 
+def _id_lists(column: Any, separator: str, name: str, where: str) -> tuple[Ragged, torch.Tensor]:
+    """Each row's integer ids as a ``Ragged`` and their lengths [N]."""
+    rows: list[list[int]] = []
+    try:
+        for cell in column:
+            cell = cell.tolist() if isinstance(cell, np.ndarray) else cell
+            if cell is None or (isinstance(cell, float) and cell != cell) or cell == "":
+                rows.append([])
+            elif isinstance(cell, str):
+                rows.append([int(v) for v in cell.split(separator)])
+            elif isinstance(cell, (list, tuple)):
+                rows.append([int(v) for v in cell])
+            elif isinstance(cell, (int, np.integer)) or (isinstance(cell, float) and cell == int(cell)):
+                rows.append([int(cell)])
+            else:
+                raise ValueError(f"{cell!r}")
+    except (TypeError, ValueError) as exc:
+        raise InputError(f"the column {name!r} of {where} must hold integer ids (one, a list, or a "
+                         f"{separator!r}-joined string a row), got {str(exc)[:60]}") from None  # fmt: skip
+    ragged = Ragged.from_lists(rows)
+    return ragged, ragged.lengths()
+
+
 @dataclasses.dataclass(frozen=True)
 class RowTransform:
     """Raw columns -> model features (see the module's docstring)."""
@@ -165,6 +192,7 @@ class RowTransform:
     buckets: tuple[IntBucket, ...] = ()
     prefixes: tuple[tuple[str, int], ...] = ()
     positions: tuple[tuple[str, tuple[str, ...], str], ...] = ()
+    id_lists: tuple[tuple[str, str], ...] = ()
 
     @property
     def columns(self) -> tuple[str, ...]:
@@ -172,6 +200,7 @@ class RowTransform:
         return (
             *self.passed, *(c for c, _ in self.separators), *self.numbers, *(s.column for s in self.numeric),
             *(b.column for b in self.buckets), *(c for c, _ in self.prefixes), *(c for c, _, _ in self.positions),
+            *(c for c, _ in self.id_lists),
         )  # fmt: skip
 
     def apply(self, columns: Mapping[str, Any], where: str = "the input") -> dict[str, Any]:
@@ -199,6 +228,10 @@ class RowTransform:
                                       dtype=object)  # fmt: skip
         for name, names, separator in self.positions:
             features[name] = _positions(np.asarray(columns[name], dtype=object), names, separator, name, where)
+        for name, separator in self.id_lists:
+            cells = columns[name]
+            cells = cells if isinstance(cells, (list, tuple)) else np.asarray(cells, dtype=object)
+            features[name], features[f"{name}#lengths"] = _id_lists(cells, separator, name, where)
         cols = []
         for s in self.numeric:
             x = _before_statistics(np.asarray(columns[s.column]), s.column, s.normalize, where)
@@ -217,6 +250,7 @@ class RowTransform:
             "numeric": [dataclasses.asdict(s) for s in self.numeric], "numeric_key": self.numeric_key,
             "passed": list(self.passed), "buckets": [dataclasses.asdict(b) for b in self.buckets],
             "prefixes": [list(p) for p in self.prefixes], "positions": [[c, list(n), s] for c, n, s in self.positions],
+            "id_lists": [list(p) for p in self.id_lists],
         }  # fmt: skip
 
     @classmethod
@@ -260,9 +294,14 @@ class RowTransform:
                     for p in positions):  # fmt: skip
                 raise TypeError("`positions` must be a list of [column, names, separator] entries")
             named = tuple((p[0], strings(p[1], "positions' names"), p[2]) for p in positions)
+            lists = doc.get("id_lists", [])
+            if not isinstance(lists, list) or not all(
+                    isinstance(p, list) and len(p) == 2 and isinstance(p[0], str) and isinstance(p[1], str) and p[1]
+                    for p in lists):  # fmt: skip
+                raise TypeError("`id_lists` must be a list of [column, separator] pairs")
             return cls(
                 separators, strings(doc["numbers"], "numbers"), numeric, key, strings(doc["passed"], "passed"), cuts,
-                tuple((p[0], p[1]) for p in prefixes), named,
+                tuple((p[0], p[1]) for p in prefixes), named, tuple((p[0], p[1]) for p in lists),
             )  # fmt: skip
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"{where}: the row transform is malformed ({type(exc).__name__}: {exc}).") from None

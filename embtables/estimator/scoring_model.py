@@ -74,13 +74,21 @@ class ScoringModel(nn.Module):
         self.root = root
         doc = _read_document(root)
         where = str(root / MODEL_FILE)
-        self.columns = columns_from_json(doc.get("columns"), where)
+        engine = doc.get("engine_features")
+        if not isinstance(engine, list) or not all(isinstance(n, str) for n in engine):
+            raise CheckpointError(f"load_model: {where}: `engine_features` must be a list of names.")
+        self.engine_features: list[str] = engine
+        self.columns = columns_from_json(doc.get("columns"), where) if not engine or doc.get("columns") else []
         transform = doc.get("transform")
         self.transform = None if transform is None else RowTransform.from_json(transform, where)
         tensors = doc.get("tensor_features")
-        if not isinstance(tensors, list) or not all(isinstance(t, str) for t in tensors):
-            raise CheckpointError(f"load_model: {where}: `tensor_features` must be a list of names.")
-        self.tensor_features: list[str] = tensors
+        if not isinstance(tensors, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in tensors.items()
+        ):
+            raise CheckpointError(
+                f"load_model: {where}: `tensor_features` must map names to the keys they are read from."
+            )
+        self.tensor_features: dict[str, str] = tensors
         task = doc.get("task")
         if task is not None and task not in TASKS:
             raise CheckpointError(f"load_model: {where}: unknown task {task!r:.40}.")
@@ -167,10 +175,16 @@ class ScoringModel(nn.Module):
         """The predictions [N] of the N raw ``rows`` (one batch) and the step that computed them (the tables and
         the dense weights are read under one lock: an update is taken in before or after, never during)."""
         features = self._features(rows)
-        ids, weights = engine_inputs(self.columns, features)
+        if self.columns:
+            ids, weights = engine_inputs(self.columns, features)
+        else:  # a spec of dicts: the rows' features are the tables' inputs themselves
+            missing = [n for n in self.engine_features if n not in features]
+            if missing:
+                raise ValueError(f"the rows give no feature {missing[0]!r} (the model reads {self.engine_features}).")
+            ids, weights = {n: features[n] for n in self.engine_features}, {}
         tensors = {}
-        for name in self.tensor_features:
-            value = features.get(name)
+        for name, source in self.tensor_features.items():
+            value = features.get(source)
             if value is None:
                 raise ValueError(f"the rows give no tensor feature {name!r}, which the model reads.")
             if not isinstance(value, Tensor):  # e.g. a JSON list of numbers a row: float32 [B, ...]

@@ -5,6 +5,7 @@ of one's own; an incremental export adds a step that ``update()`` takes in; mist
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -304,3 +305,32 @@ def test_the_movielens_job_exports_a_fold_and_scores_raw_ratings_as_it_evaluates
     raw["genres"][0] = "Action|Space opera"
     with pytest.raises(ValueError, match="'genres' of the input: row 0 names 'Space opera'"):
         model.predict(raw)
+
+
+def test_the_synthetic_dlrm_job_exports_and_scores_rows_of_ids_as_it_evaluates_them(tmp_path: Path) -> None:
+    """The main job's model (a spec of dicts: the rows hold each feature's ids; the sequence feature's lengths
+    reach the program as a tensor) scores as the Estimator's ``predict``, from lists and from "|"-joined strings."""
+    import argparse
+
+    from embtables.cli import dlrm
+
+    argv = ["train", "--small", "--steps", "20", "--eval-every", "20", "--eval-size", "512", "--batch-size", "128"]
+    assert cli([*argv, "--no-progress", "--threads", "1", "--model-dir", str(tmp_path / "m")]) == 0
+    assert cli(["export", str(tmp_path / "m"), str(tmp_path / "a"), "--model"]) == 0
+    data = dlrm._dataset(argparse.Namespace(small=True, seed=0))
+    features, _ = data.batch(300, 3, split="eval")
+    parts = parts_of(tmp_path / "m")
+    e = est.Estimator(parts.model, dlrm.spec_for(data, 16, lambda: 0, None), tmp_path / "m",
+                      predictions_fn=torch.sigmoid, progress=False)  # fmt: skip
+    try:
+        expected = np.concatenate(list(e.predict(lambda: iter([features]), yield_single_examples=False)))
+    finally:
+        e.embedding.close()
+    lists = {}
+    for name, ragged in features.items():
+        splits = ragged.row_splits.tolist()
+        lists[name] = [ragged.values[a:b].tolist() for a, b in itertools.pairwise(splits)]
+    model = et.load_model(tmp_path / "a")
+    np.testing.assert_array_equal(model.predict(lists), expected)
+    joined = {name: ["|".join(map(str, row)) for row in rows] for name, rows in lists.items()}  # as a CSV holds them
+    np.testing.assert_array_equal(model.predict(pd.DataFrame(joined)), expected)
