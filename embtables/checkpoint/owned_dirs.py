@@ -24,6 +24,7 @@ import socket
 import time
 import uuid
 import weakref
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -109,6 +110,18 @@ def publish(tmp: Path, target: Path) -> Path | None:
     os.replace(target, aside)
     os.replace(tmp, target)
     return aside
+
+
+def publish_over(tmp: Path, target: Path, still_ours: Callable[[Path], object]) -> None:
+    """Publish the finished directory ``tmp`` as ``target``: ``tmp`` fsynced, ``still_ours(target)`` (raises when
+    ``target`` may not be replaced) checked just before the atomic exchange, the parent fsynced, and the replaced
+    directory removed."""
+    fsync_dir(tmp)
+    still_ours(target)
+    old = publish(tmp, target)
+    fsync_dir(target.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def fsync_dir(path: Path) -> None:

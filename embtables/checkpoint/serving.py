@@ -31,7 +31,7 @@ from torch import Tensor, nn
 from embtables.checkpoint import increments, serving_deltas
 from embtables.checkpoint.blocks import open_rank_files, read_block, row_ids
 from embtables.checkpoint.file_names import CheckpointError, contained, table_file_stem
-from embtables.checkpoint.owned_dirs import clean_dead_leftovers, fsync_dir, publish, temp_name
+from embtables.checkpoint.owned_dirs import clean_dead_leftovers, publish_over, temp_name
 from embtables.checkpoint.serving_codec import (
     DTYPES,
     MARKER,
@@ -159,12 +159,7 @@ def export(
         _write_synced(tmp / "serving.json", json.dumps(doc, indent=1, sort_keys=True))
         written = ["serving.json", *(f for pair in files.values() for f in pair.values())]
         _write_synced(tmp / MARKER, json.dumps({"format": "embtables serving export", "files": written}))
-        fsync_dir(tmp)
-        _check_out(target)  # still ours to replace, just before the exchange
-        old = publish(tmp, target)
-        fsync_dir(target.parent)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+        publish_over(tmp, target, _check_out)  # still ours to replace: checked just before the exchange
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

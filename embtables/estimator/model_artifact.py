@@ -36,7 +36,7 @@ from torch import Tensor, nn
 
 from embtables.checkpoint import export
 from embtables.checkpoint.file_names import CheckpointError, contained
-from embtables.checkpoint.owned_dirs import fsync_dir, publish, temp_name
+from embtables.checkpoint.owned_dirs import fsync_dir, publish_over, temp_name
 from embtables.checkpoint.store import published, read_manifest
 from embtables.estimator.column_codec import columns_to_json
 from embtables.estimator.row_transform import RowTransform
@@ -266,12 +266,7 @@ def export_model(
         _write_weights(tmp, step, state)
         _write_synced(tmp / MODEL_FILE, json.dumps(doc, indent=1))
         _write_synced(tmp / MARKER, json.dumps({"format": FORMAT}))
-        fsync_dir(tmp)
-        _check_out(target)  # still ours to replace, just before the exchange
-        previous = publish(tmp, target)
-        fsync_dir(target.parent)
-        if previous is not None:
-            shutil.rmtree(previous, ignore_errors=True)
+        publish_over(tmp, target, _check_out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
