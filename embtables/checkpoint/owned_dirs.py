@@ -26,7 +26,7 @@ import uuid
 import weakref
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from embtables.checkpoint.file_names import CheckpointError
 
@@ -110,6 +110,21 @@ def publish(tmp: Path, target: Path) -> Path | None:
     os.replace(target, aside)
     os.replace(tmp, target)
     return aside
+
+
+def write_atomically(path: Path, write: Callable[[BinaryIO], object]) -> None:
+    """Write the file ``path`` whole or not at all: ``write(f)`` into a temporary name beside it, fsynced, renamed
+    over ``path``, the directory fsynced (a reader sees the old file or the new one, never a part)."""
+    tmp = path.with_name(temp_name("file"))
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    fsync_dir(path.parent)
 
 
 def publish_over(tmp: Path, target: Path, still_ours: Callable[[Path], object]) -> None:

@@ -136,12 +136,12 @@ TRANSFORM = RowTransform(
     numeric_key="dense",
     passed=(*CATEGORICAL, *NUMERIC),
 )
+_NUMBERS = dataclasses.replace(TRANSFORM, passed=())  # the MLP's numbers alone (a batch's dense features)
 
 
 def dense_features(data: Adult, index: np.ndarray) -> np.ndarray:
     """The numeric inputs of the MLP [n, len(DENSE)] (capital amounts on a log scale)."""
-    numbers = dataclasses.replace(TRANSFORM, passed=())
-    out: np.ndarray = numbers.apply({n: data.columns[n][index] for n in DENSE}, "adult")["dense"].numpy()
+    out: np.ndarray = _NUMBERS.apply({n: data.columns[n][index] for n in DENSE}, "adult")["dense"].numpy()
     return out
 
 

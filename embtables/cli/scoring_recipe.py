@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from embtables.checkpoint.file_names import CheckpointError
+from embtables.checkpoint.owned_dirs import write_atomically
 from embtables.estimator.column_codec import columns_from_json, columns_to_json
 from embtables.estimator.model_artifact import TASKS
 from embtables.estimator.row_transform import RowTransform
@@ -39,9 +40,7 @@ def write_recipe(
         "model": model,
         **(extra or {}),
     }
-    tmp = model_dir / f".{SCORING_FILE}.tmp"
-    tmp.write_text(json.dumps(doc, indent=1))
-    tmp.replace(model_dir / SCORING_FILE)
+    write_atomically(model_dir / SCORING_FILE, lambda f: f.write(json.dumps(doc, indent=1).encode()))
 
 
 def read_recipe(path: Path) -> tuple[dict[str, Any], str]:

@@ -36,9 +36,10 @@ from torch import Tensor, nn
 
 from embtables.checkpoint import export
 from embtables.checkpoint.file_names import CheckpointError, contained
-from embtables.checkpoint.owned_dirs import fsync_dir, publish_over, temp_name
+from embtables.checkpoint.owned_dirs import publish_over, temp_name, write_atomically
 from embtables.checkpoint.store import published, read_manifest
 from embtables.estimator.column_codec import columns_to_json
+from embtables.estimator.dense_file import DENSE_FILE
 from embtables.estimator.row_transform import RowTransform
 
 FORMAT = "embtables model"
@@ -141,7 +142,7 @@ def _dense_state(checkpoint: Path) -> tuple[int, dict[str, Tensor]]:
     _, manifest = read_manifest(checkpoint)
     extra = manifest.get("extra") or {}
     name = extra.get("dense")
-    if not isinstance(name, str) or not re.fullmatch(r"dense-\d{10}\.pt", name):
+    if not isinstance(name, str) or not DENSE_FILE.fullmatch(name):
         raise CheckpointError(f"{checkpoint}: not an Estimator checkpoint (its manifest names no dense model file).")
     for where in (checkpoint.parent, checkpoint):
         path = contained(where, name, f"{checkpoint / 'manifest.json'}'s extra.dense")
@@ -170,22 +171,27 @@ def latest_checkpoint(path: str | os.PathLike[str]) -> Path:
     return Path(found[-1])
 
 
-def _write_weights(target: Path, step: int, state: Mapping[str, Tensor]) -> str:
-    """``weights/step-S.pt`` under ``target`` (written to a temporary name, fsynced, renamed); its relative path."""
-    folder = target / WEIGHTS
-    folder.mkdir(exist_ok=True)
-    name = f"step-{step:010d}.pt"
-    tmp = folder / temp_name("weights")
-    try:
-        with tmp.open("wb") as f:
-            torch.save({f"model.{k}": v for k, v in state.items()}, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, folder / name)
-    finally:
-        tmp.unlink(missing_ok=True)
-    fsync_dir(folder)
-    return f"{WEIGHTS}/{name}"
+def _write_weights(target: Path, step: int, state: Mapping[str, Tensor]) -> None:
+    """``weights/step-S.pt`` under ``target``, written atomically (keys as the program names them: ``model.``)."""
+    (target / WEIGHTS).mkdir(exist_ok=True)
+    weights = {f"model.{k}": v for k, v in state.items()}
+    write_atomically(target / WEIGHTS / f"step-{step:010d}.pt", lambda f: torch.save(weights, f))
+
+
+def _write_json(path: Path, doc: dict[str, Any]) -> None:
+    write_atomically(path, lambda f: f.write(json.dumps(doc, indent=1).encode()))
+
+
+def state_fits(state: Any, reference: Mapping[str, Tensor]) -> bool:
+    """Whether ``state`` is a state dict with ``reference``'s keys, each a tensor of its shape and dtype."""
+    return (
+        isinstance(state, dict)
+        and set(state) == set(reference)
+        and all(
+            isinstance(state[k], Tensor) and state[k].shape == v.shape and state[k].dtype == v.dtype
+            for k, v in reference.items()
+        )
+    )
 
 
 def _document(parts: ModelParts, dtype: str, step: int) -> dict[str, Any]:
@@ -250,7 +256,7 @@ def export_model(
         if incremental and same:
             _write_weights(target, step, state)  # first: a server reaching this step finds its weights
             export(ckpt, target / TABLES, dtype=dtype, incremental=True)
-            _write_synced(target / MODEL_FILE, json.dumps({**old, "step": step, "dtype": dtype}, indent=1))
+            _write_json(target / MODEL_FILE, {**old, "step": step, "dtype": dtype})
             _prune_weights(target)
             return ModelExport(str(target), step, dtype, True)
     program = None if same else _program(parts)  # the same model: its program is kept (exporting takes seconds)
@@ -264,8 +270,8 @@ def export_model(
         else:
             torch.export.save(program, str(tmp / PROGRAM))
         _write_weights(tmp, step, state)
-        _write_synced(tmp / MODEL_FILE, json.dumps(doc, indent=1))
-        _write_synced(tmp / MARKER, json.dumps({"format": FORMAT}))
+        _write_json(tmp / MODEL_FILE, doc)
+        _write_json(tmp / MARKER, {"format": FORMAT})
         publish_over(tmp, target, _check_out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -292,27 +298,7 @@ def _same_weights(target: Path, state: Mapping[str, Tensor]) -> bool:
         theirs = torch.load(files[-1], map_location="cpu", weights_only=True)
     except Exception:  # torch.load raises many types on a damaged file: not the same, written whole
         return False
-    mine = {f"model.{k}": v for k, v in state.items()}
-    return (
-        isinstance(theirs, dict)
-        and set(theirs) == set(mine)
-        and all(
-            isinstance(theirs[k], Tensor) and theirs[k].shape == v.shape and theirs[k].dtype == v.dtype
-            for k, v in mine.items()
-        )
-    )
-
-
-def _write_synced(path: Path, text: str) -> None:
-    tmp = path.with_name(temp_name(path.name))
-    try:
-        with tmp.open("w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    return state_fits(theirs, {f"model.{k}": v for k, v in state.items()})
 
 
 def _prune_weights(target: Path) -> None:
@@ -322,4 +308,4 @@ def _prune_weights(target: Path) -> None:
         p.unlink(missing_ok=True)
 
 
-__all__ = ["ModelExport", "ModelParts", "Scorer", "export_model", "latest_checkpoint"]
+__all__ = ["ModelExport", "ModelParts", "Scorer", "export_model", "latest_checkpoint", "state_fits"]

@@ -45,11 +45,12 @@ def _missing_mask(values: np.ndarray) -> np.ndarray:
     return np.asarray(_IS_MISSING(values), dtype=bool)
 
 
-def _is_missing(v: object) -> bool:
+def is_missing(v: object) -> bool:
+    """Whether one raw value is missing: None, an empty string or bytes, float NaN, pandas NA."""
     return v is None or v == "" or v == b"" or (isinstance(v, float) and v != v) or type(v).__name__ == "NAType"
 
 
-_IS_MISSING = np.frompyfunc(_is_missing, 1, 1)  # one C loop over an object array
+_IS_MISSING = np.frompyfunc(is_missing, 1, 1)  # one C loop over an object array
 
 
 _SINGLE: dict[int, np.ndarray] = {}  # B -> read-only int64 ones [B]: the lengths of B single-valued rows

@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from embtables.errors import InputError
+from embtables.estimator.raw_inputs import is_missing
 from embtables.tables.ragged import Ragged
 
 NORMALIZE = ("standard", "log", "none")
@@ -146,7 +147,7 @@ def _positions(column: np.ndarray, names: tuple[str, ...], separator: str, name:
     out = np.empty(len(column), dtype=object)
     for row, cell in enumerate(column):
         cell = cell.tolist() if isinstance(cell, np.ndarray) else cell
-        got = [] if cell is None or (isinstance(cell, float) and cell != cell) or cell == "" else (
+        got = [] if is_missing(cell) else (
             cell.split(separator) if isinstance(cell, str) else list(cell))  # fmt: skip
         try:
             out[row] = [index[g] for g in got]
@@ -163,7 +164,7 @@ def _id_lists(column: Any, separator: str, name: str, where: str) -> tuple[Ragge
     try:
         for cell in column:
             cell = cell.tolist() if isinstance(cell, np.ndarray) else cell
-            if cell is None or (isinstance(cell, float) and cell != cell) or cell == "":
+            if is_missing(cell):
                 rows.append([])
             elif isinstance(cell, str):
                 rows.append([int(v) for v in cell.split(separator)])

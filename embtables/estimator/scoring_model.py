@@ -26,7 +26,16 @@ from embtables.checkpoint import ServingEmbedding, serving_deltas
 from embtables.checkpoint.file_names import CheckpointError
 from embtables.checkpoint.serving_deltas import ReadWriteLock
 from embtables.estimator.column_codec import columns_from_json
-from embtables.estimator.model_artifact import FORMAT, FORMAT_VERSION, MODEL_FILE, PROGRAM, TABLES, TASKS, WEIGHTS
+from embtables.estimator.model_artifact import (
+    FORMAT,
+    FORMAT_VERSION,
+    MODEL_FILE,
+    PROGRAM,
+    TABLES,
+    TASKS,
+    WEIGHTS,
+    state_fits,
+)
 from embtables.estimator.row_transform import RowTransform
 from embtables.estimator.spec import engine_inputs
 
@@ -127,11 +136,7 @@ class ScoringModel(nn.Module):
         """The dense weights of ``step``, checked against the program (keys, shapes, dtypes) before anything uses
         them: loading them cannot fail half way."""
         state = self._weights(step)
-        mine = self.dense.state_dict()
-        if set(state) != set(mine) or any(
-            not isinstance(state[k], Tensor) or state[k].shape != v.shape or state[k].dtype != v.dtype
-            for k, v in mine.items()
-        ):
+        if not state_fits(state, self.dense.state_dict()):
             raise CheckpointError(f"load_model: {self.root}: the weights of step {step} do not fit the program; "
                                   "export the model again.")  # fmt: skip
         return state
