@@ -1,10 +1,15 @@
 """Run a function on W real processes joined by a gloo process group on localhost (multi-process tests).
 
-``run_world(fn, W, *args)`` spawns W processes; each calls ``fn(rank, W, *args)`` with the default
+``run_world(fn, W, *args)`` starts W processes; each calls ``fn(rank, W, *args)`` with the default
 process group initialised (gloo, a free localhost port, a short collective timeout; ``backend="nccl"``:
 NCCL, rank r on GPU r). A worker's
 exception fails the test with that worker's traceback; a run that outlives ``timeout`` is killed and
-fails instead of hanging. ``fn`` must be a module-level function (spawn pickles it by name).
+fails instead of hanging. ``fn`` must be a module-level function (it is pickled by name).
+
+The processes come from the fork server of ``fast_child`` that imported torch and embtables once (per pytest
+worker): a rank starts in milliseconds instead of importing torch again (seconds of CPU, twice per world).
+The server imports nothing else and starts no threads, so its children start as clean as spawned ones; a
+rank sets any environment it needs inside ``fn``.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch.multiprocessing as mp
+from fast_child import start_method
 
 
 def free_port() -> int:
@@ -72,7 +78,7 @@ def run_world(
         args=(fn, world, free_port(), collective_timeout, args, backend),
         nprocs=world,
         join=False,
-        start_method="spawn",
+        start_method=start_method(),
     )
     deadline = time.monotonic() + timeout
     try:

@@ -12,6 +12,8 @@ import textwrap
 import time
 from pathlib import Path
 
+import fast_child
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -22,7 +24,7 @@ def run_python(code: str, *, timeout: float = 120, env: dict[str, str] | None = 
     full_env = dict(os.environ)
     full_env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "tests"), full_env.get("PYTHONPATH", "")])
     full_env.update(env or {})
-    proc = subprocess.run(
+    proc = fast_child.run(
         [sys.executable, "-c", textwrap.dedent(code)],
         capture_output=True,
         text=True,

@@ -13,11 +13,11 @@ import importlib.util
 import json
 import os
 import re
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
+import fast_child
 import pytest
 from mp_world import free_port
 from subproc import ROOT
@@ -59,22 +59,21 @@ def test_the_python_blocks_of_a_doc_run_as_copied(doc: Path, tmp_path: Path) -> 
             continue
         (programs if "init_process_group" in block else inline).append((i, block))
     if inline:
-        runner = tmp_path / "run_blocks.py"
-        runner.write_text(
+        runner = (
             "import json, sys\nns = {'__name__': '__main__'}\n"
             f"blocks = json.loads({json.dumps(json.dumps(inline))})\n"
             "for i, src in blocks:\n"
             f"    exec(compile(src, {doc.name!r} + f' block #{{i}}', 'exec'), ns)\n"
         )
-        out = subprocess.run(
-            [sys.executable, str(runner)], capture_output=True, text=True, cwd=tmp_path, env=_env(), timeout=300
+        out = fast_child.run(
+            [sys.executable, "-c", runner], capture_output=True, text=True, cwd=tmp_path, env=_env(), timeout=300
         )
         assert out.returncode == 0, f"{doc.name}:\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}"
         assert "Sparse invariant checks are implicitly disabled" not in out.stderr, "torch's SEGFAULT warning"
     for i, program in programs:
         script = tmp_path / f"program_{i}.py"
         script.write_text(program)
-        out = subprocess.run(
+        out = fast_child.run(
             [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
              str(script)],
             capture_output=True, text=True, cwd=tmp_path, env=_env(), timeout=300,
@@ -101,7 +100,7 @@ def test_these_readme_sections_run_alone_in_a_fresh_directory(title: str, tmp_pa
     for i, block in enumerate(blocks):
         where = tmp_path / f"block{i}"
         where.mkdir()
-        out = subprocess.run(
+        out = fast_child.run(
             [sys.executable, "-c", block], capture_output=True, text=True, cwd=where, env=_env(), timeout=300
         )
         assert out.returncode == 0, f"{title} block #{i}:\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}"
@@ -112,7 +111,7 @@ def test_the_main_job_numbers_in_the_readme_match_the_recorded_runs() -> None:
     throughput, oracle errors, clean exits, the suite's time) equals the result its run recorded in
     docs/results/ (scripts/readme_numbers.py --measure ...), and the DLRM teacher's metrics equal a
     fresh computation."""
-    out = subprocess.run(
+    out = fast_child.run(
         [sys.executable, str(ROOT / "scripts" / "readme_numbers.py"), "--check"],
         capture_output=True, text=True, env=_env(), timeout=300,
     )  # fmt: skip

@@ -7,10 +7,10 @@ from __future__ import annotations
 import hashlib
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
+import fast_child
 import pytest
 import torch
 
@@ -59,7 +59,7 @@ def test_a_large_table_and_its_slots_are_advised_into_huge_pages() -> None:
 
 
 def test_opting_out_keeps_ordinary_pages_and_the_same_values() -> None:
-    out = subprocess.run(
+    out = fast_child.run(
         [sys.executable, "-c", _PROBE],
         capture_output=True, text=True, timeout=120, env={**os.environ, "EMBTABLES_HUGE_PAGES": "0"},
     )  # fmt: skip
@@ -68,7 +68,7 @@ def test_opting_out_keeps_ordinary_pages_and_the_same_values() -> None:
     want = " ".join(hashlib.sha256(state[k].numpy().tobytes()).hexdigest() for k in ("t", "t/accumulators"))
     assert out.stdout.strip() == want
     probe = "from embtables.kernels import huge_pages; import torch; print(huge_pages.advise(torch.zeros(2**23)))"
-    got = subprocess.run(
+    got = fast_child.run(
         [sys.executable, "-c", probe],
         capture_output=True, text=True, timeout=60, env={**os.environ, "EMBTABLES_HUGE_PAGES": "0"},
     )  # fmt: skip

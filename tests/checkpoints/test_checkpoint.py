@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
+import fast_child
 import pytest
 import torch
 from mp_world import run_world
@@ -100,7 +100,7 @@ def test_corrupt_or_truncated_files_are_named_and_nothing_changes(tmp_path: Path
     with pytest.raises(CheckpointError, match=r"rank-00000\.safetensors: 100 bytes"):
         target.restore(where)
     assert_same(before, snapshot(target))
-    out = subprocess.run([sys.executable, "-m", "embtables", "inspect", str(where)], capture_output=True, text=True)
+    out = fast_child.run([sys.executable, "-m", "embtables", "inspect", str(where)], capture_output=True, text=True)
     assert out.returncode == 1 and "BAD" in out.stdout
     with pytest.raises(CheckpointError, match="no checkpoint"):
         target.restore(tmp_path / "nowhere")
@@ -122,7 +122,7 @@ def test_keep_last_and_inspect(tmp_path: Path) -> None:
         _train(emb, range(step, step + 1))
         emb.save(tmp_path, keep_last=2)
     assert [p.name for p in published(tmp_path)] == ["ckpt-00000003", "ckpt-00000004"]
-    out = subprocess.run([sys.executable, "-m", "embtables", "inspect", str(tmp_path)], capture_output=True, text=True)
+    out = fast_child.run([sys.executable, "-m", "embtables", "inspect", str(tmp_path)], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert "step 4" in out.stdout and re.search(r" 13 +4 +float32 +Adagrad +accumulators ", out.stdout), out.stdout
     assert "checksums: OK" in out.stdout

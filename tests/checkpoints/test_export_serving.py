@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
+import fast_child
 import pytest
 import torch
 from mp_world import run_world
@@ -142,7 +142,7 @@ def test_mmap_load_maps_tables_instead_of_reading_them(tmp_path: Path) -> None:
     emb.save(tmp_path / "ckpt")
     del emb
     et.export(tmp_path / "ckpt", tmp_path / "serve")
-    out = subprocess.run([sys.executable, "-c", _LOAD_BIG, str(tmp_path / "serve")], capture_output=True, text=True)
+    out = fast_child.run([sys.executable, "-c", _LOAD_BIG, str(tmp_path / "serve")], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     grew_mb, total = out.stdout.split()
     assert int(grew_mb) < 64 and float(total) == 0.5 * 16 * 3

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
+import fast_child
 import pytest
 import torch
 from mp_world import run_world
@@ -362,11 +362,11 @@ def test_inspect_lists_the_chain_or_says_it_is_broken(tmp_path: Path) -> None:
     for lo in range(0, 6, 2):
         _train(emb, range(lo, lo + 2))
         paths.append(Path(emb.save(tmp_path, incremental=True)))
-    out = subprocess.run([sys.executable, "-m", "embtables", "inspect", str(tmp_path)], capture_output=True, text=True)
+    out = fast_child.run([sys.executable, "-m", "embtables", "inspect", str(tmp_path)], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert "chain (restored in this order)" in out.stdout
     assert [line.split()[2] for line in out.stdout.splitlines() if line.strip().startswith("ckpt-")] == [
         "full", "increment", "increment"]  # fmt: skip
     os.rename(paths[0], tmp_path / "gone")
-    out = subprocess.run([sys.executable, "-m", "embtables", "inspect", str(tmp_path)], capture_output=True, text=True)
+    out = fast_child.run([sys.executable, "-m", "embtables", "inspect", str(tmp_path)], capture_output=True, text=True)
     assert out.returncode == 1 and "chain: BROKEN" in out.stdout and "ckpt-00000002" in out.stdout

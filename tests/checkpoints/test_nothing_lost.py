@@ -14,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+import fast_child
 import numpy as np
 import pytest
 import torch
@@ -207,7 +208,7 @@ def test_a_malformed_manifest_is_refused_before_anything_changes(tmp_path: Path,
             call()
     assert all(torch.equal(before[k], v) for k, v in emb.state_dict().items())
     assert emb._pipeline.training_steps == 0
-    out = subprocess.run(
+    out = fast_child.run(
         [sys.executable, "-m", "embtables", "inspect", str(target)], capture_output=True, text=True,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
     )  # fmt: skip

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
+import fast_child
 import numpy as np
 import pytest
 import torch
@@ -194,7 +194,7 @@ def test_a_missing_delta_an_export_replaced_or_a_mapped_export_is_refused(tmp_pa
 
 def test_what_a_killed_delta_writer_leaves_is_cleaned_and_harmless(tmp_path: Path) -> None:
     emb, out, serving = _exported(tmp_path)
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead = fast_child.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     prefix, _, tail = temp_name("delta").rsplit("-", 2)
     leftover = tmp_path / f"{prefix}-{int(dead.stdout)}-{tail}"  # a delta writer killed half-way: beside the export
     leftover.mkdir()

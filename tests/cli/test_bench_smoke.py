@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
+import fast_child
 import pytest
 import torch
 
@@ -47,11 +47,10 @@ def test_benchmark_runner_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[st
 def test_sharded_benchmark_reports_each_ranks_phases(tmp_path: Path) -> None:
     """``embtables bench sharded``: every configuration's line carries every rank's per-phase breakdown,
     whose owner-pooling bytes add up to the bytes the rank sent."""
-    import subprocess
 
     cmd = [sys.executable, "-m", "embtables", "bench", "sharded", "--quick", "--no-torchrec", "--steps", "2",
            "--warmup", "1", "--rounds", "2"]  # fmt: skip
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    out = fast_child.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     records = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
     runs = {r["config"]: r for r in records if "phases_per_rank" in r}
@@ -71,13 +70,12 @@ def test_latency_benchmark_reports_every_size_next_to_its_peers(tmp_path: Path) 
     """``embtables bench latency``: a train_step line per impl, size and round, a summary per size with each
     impl's least median over the rounds and the peers' ratios over the concatenated embtables impl's, and the
     Markdown table written with ``--out``."""
-    import subprocess
 
     table = tmp_path / "latency.md"
     cmd = [sys.executable, "-m", "embtables", "bench", "latency", "--batches", "64,128", "--pooling", "1,3",
            "--steps", "3", "--warmup", "1", "--rounds", "2", "--impls", "embtables,embtables-concat,torch",
            "--out", str(table)]  # fmt: skip
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    out = fast_child.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     records = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
     malloc = next(r for r in records if r.get("bench") == "env")["malloc"]
@@ -101,12 +99,11 @@ def test_latency_benchmark_reports_every_size_next_to_its_peers(tmp_path: Path) 
 def test_estimator_benchmark_reports_the_overhead_and_where_it_goes(tmp_path: Path) -> None:
     """``embtables bench estimator``: bare and Estimator ms per step on the same batches, the overhead as
     their ratio, and the parts (conversion, step, checkpoint) it is made of."""
-    import subprocess
 
     pytest.importorskip("recbole")  # only for its MovieLens-100k files (never imported by embtables)
     cmd = [sys.executable, "-m", "embtables", "bench", "estimator", "--batches", "4096", "--repeats", "2",
            "--models", "job"]  # fmt: skip
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    out = fast_child.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     (record,) = [json.loads(x) for x in out.stdout.splitlines() if '"estimator_overhead"' in x]
     assert record["batch"] == 4096 and record["steps_per_call"] == 80 and record["epochs_per_call"] == 4
@@ -116,7 +113,7 @@ def test_estimator_benchmark_reports_the_overhead_and_where_it_goes(tmp_path: Pa
         ratio = record["estimator_ms_per_step"][way] / record["bare_ms_per_step"] - 1
         assert abs(record["overhead"][way] - ratio) < 0.01
     assert record["prepare_ms"] > 0 and record["step_ms"] > 0 and record["save_ms_per_train_call"] > 0
-    bad = subprocess.run([*cmd[:-1], "job,nope"], capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    bad = fast_child.run([*cmd[:-1], "job,nope"], capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert bad.returncode == 2 and "--models: unknown model 'nope'" in bad.stderr
 
 
@@ -125,12 +122,11 @@ def test_gpu_benchmark_runs_its_impls_side_by_side_and_refuses_a_missing_device(
     impl, optimizer and mode with the copy bandwidth's share and the speed-up over the peers; plain
     PyTorch skipped for FTRL (no sparse FTRL in torch); half-precision tables as an impl of their own
     (``--dtypes``); ``--device cuda`` without CUDA is refused."""
-    import subprocess
 
     cmd = [sys.executable, "-m", "embtables", "bench", "gpu", "--device", "cpu", "--workloads", "tiny",
            "--optimizers", "adagrad,ftrl", "--dtypes", "float32,bfloat16+slots", "--steps", "2",
            "--warmup", "1"]  # fmt: skip
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    out = fast_child.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     records = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
     assert records[0]["env"] and records[0]["copy_GBps"] > 0
@@ -143,7 +139,7 @@ def test_gpu_benchmark_runs_its_impls_side_by_side_and_refuses_a_missing_device(
         if "impl" in r:
             assert r["ms"] > 0 and r["of_copy_bw"] > 0 and ("embtables_speedup" in r) == (r["impl"] != "embtables")
     if not torch.cuda.is_available():
-        missing = subprocess.run(
+        missing = fast_child.run(
             [sys.executable, "-m", "embtables", "bench", "--device", "cuda", "--workloads", "tiny"],
             capture_output=True,
             text=True,
@@ -158,7 +154,7 @@ def test_online_benchmark_measures_idle_updates_and_freshness(tmp_path: Path) ->
     of every save, all from real processes on loopback."""
     cmd = [sys.executable, "-m", "embtables", "bench", "online", "--small", "--idle-seconds", "0.5", "--clients", "2",
            "--out", str(tmp_path / "table.md")]  # fmt: skip
-    out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300)
+    out = fast_child.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     records = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
     phases = {r.get("phase"): r for r in records if r.get("bench") == "online"}
@@ -173,7 +169,7 @@ def test_precision_benchmark_measures_the_rounding_and_the_half_peer() -> None:
     FBGEMM peers (float32 and float16 weights; skip lines when fbgemm_gpu is missing), with the rounding's cost."""
     cmd = [sys.executable, "-m", "embtables", "bench", "precision", "--workloads", "small", "--steps", "2",
            "--warmup", "1", "--no-probe"]  # fmt: skip
-    out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300)
+    out = fast_child.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     records = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
     (summary,) = [r for r in records if r.get("bench") == "precision_summary"]

@@ -4,10 +4,10 @@ and the list of the other benchmarks."""
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 
+import fast_child
 import pytest
 import torch
 
@@ -58,7 +58,7 @@ def test_serving_embedding_says_what_it_serves(tmp_path: Path) -> None:
 
 
 def test_bench_help_has_its_own_usage_and_lists_the_other_benchmarks() -> None:
-    out = subprocess.run([sys.executable, "-m", "embtables", "bench", "--help"], capture_output=True, text=True)
+    out = fast_child.run([sys.executable, "-m", "embtables", "bench", "--help"], capture_output=True, text=True)
     assert out.returncode == 0 and out.stdout.startswith("usage: embtables bench")
     assert "python3 benchmarks/run.py --" not in out.stdout and "will be added" not in out.stdout
     for name in ("latency", "sharded", "estimator", "checkpoint", "movielens", "extra-optimizers", "noacc",

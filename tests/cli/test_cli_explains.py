@@ -13,6 +13,7 @@ import sysconfig
 import time
 from pathlib import Path
 
+import fast_child
 import pytest
 from subproc import ROOT
 
@@ -24,7 +25,7 @@ def _env(tmp: Path) -> dict[str, str]:
 
 
 def _run(tmp: Path, *args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
+    return fast_child.run(
         [sys.executable, "-m", "embtables", *args], capture_output=True, text=True, env=_env(tmp), cwd=tmp,
         timeout=timeout,
     )  # fmt: skip
@@ -92,7 +93,7 @@ def _without(files: Path, module: str, *args: str) -> subprocess.CompletedProces
     """``embtables ARGS`` in a process where ``module`` cannot be imported (a bare install)."""
     code = f"import sys, runpy; sys.modules[{module!r}] = None; sys.argv = ['embtables', *{list(args)!r}]; "
     code += "runpy.run_module('embtables', run_name='__main__')"
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=_env(files), cwd=files,
+    return fast_child.run([sys.executable, "-c", code], capture_output=True, text=True, env=_env(files), cwd=files,
                           timeout=240)  # fmt: skip
 
 
@@ -179,7 +180,7 @@ def test_the_installed_wheel_has_bench_and_the_samples(tmp_path: Path) -> None:
     import zipfile
 
     wheel_dir = tmp_path / "wheel"
-    built = subprocess.run(
+    built = fast_child.run(
         [sys.executable, "-m", "pip", "wheel", str(ROOT), "--no-deps", "--no-build-isolation", "-q", "-w",
          str(wheel_dir)], capture_output=True, text=True, timeout=300,
     )  # fmt: skip
@@ -192,22 +193,22 @@ def test_the_installed_wheel_has_bench_and_the_samples(tmp_path: Path) -> None:
     venv = tmp_path / "venv"
     # A bare venv that sees this interpreter's packages (torch, numpy) through a path entry: `--system-site-packages`
     # from inside a venv would see the base interpreter's packages instead, which have no torch.
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+    fast_child.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
     py = venv / "bin" / "python"
-    inner = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+    inner = fast_child.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                            capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
     outer = sysconfig.get_paths()["purelib"]
     (Path(inner) / "outer-packages.pth").write_text(outer + "\n")  # a plain path: no editable finder comes along
-    install = subprocess.run([str(py), "-m", "pip", "install", "-q", "--no-deps", str(wheel)], capture_output=True,
+    install = fast_child.run([str(py), "-m", "pip", "install", "-q", "--no-deps", str(wheel)], capture_output=True,
                              text=True, timeout=300)  # fmt: skip
     assert install.returncode == 0, install.stderr[-2000:]
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    where = subprocess.run([str(py), "-c", "import embtables; print(embtables.__file__)"], capture_output=True,
+    where = fast_child.run([str(py), "-c", "import embtables; print(embtables.__file__)"], capture_output=True,
                            text=True, cwd="/", env=env)  # fmt: skip
     assert str(venv) in where.stdout, where.stdout + where.stderr
-    bench = subprocess.run([str(py), "-m", "embtables", "bench", "--help"], capture_output=True, text=True, cwd="/",
+    bench = fast_child.run([str(py), "-m", "embtables", "bench", "--help"], capture_output=True, text=True, cwd="/",
                            env=env, timeout=120)  # fmt: skip
     assert bench.returncode == 0 and bench.stdout.startswith("usage: embtables bench"), bench.stdout + bench.stderr
-    sample = subprocess.run([str(py), "-c", "from embtables.data import sample_path; print(sample_path('clicks.csv'))"],
+    sample = fast_child.run([str(py), "-c", "from embtables.data import sample_path; print(sample_path('clicks.csv'))"],
                             capture_output=True, text=True, cwd="/", env=env)  # fmt: skip
     assert str(venv) in sample.stdout and Path(sample.stdout.strip()).is_file()

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
+import fast_child
 import numpy as np
 import pandas as pd
 import pytest
@@ -303,14 +303,14 @@ def test_data_file_job(tmp_path: Path, fmt: str, capsys: pytest.CaptureFixture[s
 
 def test_command_line_surface() -> None:
     run = [sys.executable, "-m", "embtables"]
-    out = subprocess.run([*run, "frobnicate"], capture_output=True, text=True)
+    out = fast_child.run([*run, "frobnicate"], capture_output=True, text=True)
     assert out.returncode == 2 and "invalid choice: 'frobnicate'" in out.stderr and "export" in out.stderr
-    out = subprocess.run([*run, "train", "--help"], capture_output=True, text=True)
+    out = fast_child.run([*run, "train", "--help"], capture_output=True, text=True)
     assert out.returncode == 0 and out.stdout.startswith("usage: embtables train")
     assert "--dataset {synthetic,movielens-100k,adult}" in out.stdout
-    out = subprocess.run([*run, "train", "--data", "x.csv"], capture_output=True, text=True)
+    out = fast_child.run([*run, "train", "--data", "x.csv"], capture_output=True, text=True)
     assert out.returncode == 2 and "--data needs --schema" in out.stderr
-    out = subprocess.run([*run, "export", "--help"], capture_output=True, text=True)
+    out = fast_child.run([*run, "export", "--help"], capture_output=True, text=True)
     assert out.returncode == 0 and "usage: embtables export" in out.stdout
 
 
@@ -322,7 +322,7 @@ def test_dlrm_job_under_torchrun(tmp_path: Path) -> None:
            "-m", "embtables", "train", *SMALL, "--steps", "40", "--eval-every", "20",
            "--model-dir", str(tmp_path)]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    out = fast_child.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert out.stdout.count("PASS") == 1, "rank 0 reports; the other rank stays quiet"
     summary = json.loads((tmp_path / "summary.json").read_text())
@@ -342,7 +342,7 @@ def test_dlrm_job_under_torchrun_without_a_model_dir_and_with_a_dynamic_table(tm
            "-m", "embtables", "train", *SMALL, "--steps", "20", "--eval-every", "20",
            "--dynamic-user", "300"]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp_path)}
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path)
+    out = fast_child.run(cmd, capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     summary = json.loads(next(line for line in out.stdout.splitlines() if line.startswith("{")))
     assert summary["processes"] == 2 and summary["vocabulary"]["user"]["live"] > 0
@@ -386,7 +386,7 @@ def test_every_job_runs_on_one_thread_unless_told(tmp_path: Path) -> None:
             f"rc = main({[*data, '--no-progress', '--model-dir', str(tmp_path / str(want)), *extra]!r}); "
             "print('threads', torch.get_num_threads()); sys.exit(rc)"
         )
-        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240)
+        out = fast_child.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240)
         assert out.returncode == 0, out.stderr[-2000:]
         assert f"threads {want}" in out.stdout, out.stdout[-500:]
 
@@ -397,12 +397,12 @@ def test_incremental_saves_and_exports_say_when_they_write_whole_and_why(tmp_pat
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     job = [sys.executable, "-m", "embtables", "train", *SMALL, "--steps", "10", "--save-every", "10", "--incremental",
            "--model-dir", str(tmp_path)]  # fmt: skip
-    done = subprocess.run(job, capture_output=True, text=True, timeout=300, env=env)
+    done = fast_child.run(job, capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 0, done.stderr[-2000:]
     assert (
         "embtables: save(incremental=True) writes a full checkpoint: no checkpoint under the root yet" in done.stderr
     ), done.stderr[-2000:]
     export = [sys.executable, "-m", "embtables", "export", str(tmp_path), str(tmp_path / "serve"), "--incremental"]
-    done = subprocess.run(export, capture_output=True, text=True, timeout=300, env=env)
+    done = fast_child.run(export, capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "embtables: export(incremental=True) writes a full export: " in done.stderr, done.stderr[-2000:]

@@ -5,11 +5,11 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import re
-import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
 
+import fast_child
 import pytest
 import torch
 
@@ -27,7 +27,7 @@ def quickstart() -> ModuleType:
 
 def test_the_example_script_and_the_cli_run_the_same_job(tmp_path: Path) -> None:
     for cmd in ([sys.executable, str(QUICKSTART)], [sys.executable, "-m", "embtables", "quickstart"]):
-        out = subprocess.run([*cmd, "--steps", "30", "--threads", "1"], capture_output=True, text=True, cwd=tmp_path)
+        out = fast_child.run([*cmd, "--steps", "30", "--threads", "1"], capture_output=True, text=True, cwd=tmp_path)
         assert "summary: training loss" in out.stdout, out.stderr[-2000:]
 
 

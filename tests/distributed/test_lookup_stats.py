@@ -5,10 +5,10 @@ from __future__ import annotations
 import json
 import logging
 import re
-import subprocess
 import sys
 from pathlib import Path
 
+import fast_child
 import pytest
 import torch
 from mp_world import run_world
@@ -159,7 +159,7 @@ def test_a_training_run_writes_statistics_and_the_cli_shows_them(tmp_path: Path)
     assert docs["q"]["counts"]["dropped_ids"] == 3  # the third position of [1, 2, 3] with max_sequence_length=2
     assert docs["t"]["summary"]["hottest_rows"][0] == [2, 6]
     png = tmp_path / "load.png"
-    out = subprocess.run(
+    out = fast_child.run(
         [sys.executable, "-m", "embtables", "stats", str(tmp_path), "--png", str(png)],
         capture_output=True,
         text=True,
@@ -168,7 +168,7 @@ def test_a_training_run_writes_statistics_and_the_cli_shows_them(tmp_path: Path)
     assert out.returncode == 0, out.stderr
     assert "unique/batch" in out.stdout and "\nt " in out.stdout and "\nq " in out.stdout
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    bad = subprocess.run([sys.executable, "-m", "embtables", "nope"], capture_output=True, text=True, timeout=60)
+    bad = fast_child.run([sys.executable, "-m", "embtables", "nope"], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "invalid choice: 'nope'" in bad.stderr and "see embtables --help" in bad.stderr
 
 
