@@ -9,7 +9,7 @@ demo: install
 	$(PY) -m embtables train --model-dir demo_out
 
 test: install
-	$(PY) -m pytest tests -n auto
+	$(PY) -m pytest tests -n auto --dist worksteal
 
 lint: install
 	$(PY) -m ruff check embtables tests benchmarks examples scripts

@@ -162,9 +162,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     args = ap.parse_args(argv)
     emit(env_record())
+    overrides = {k: v for k in ("tables", "rows", "batch") if (v := getattr(args, k)) is not None}
     if not args.no_probe:
         shapes: dict[tuple[int, int], int] = {}  # (dim, rows) -> ids per table per step; one probe each
-        for w in map(variation, _csv(args.variations)):
+        for vname in _csv(args.variations):
+            w = variation(vname, **overrides)  # the sizes measured, --rows / --batch included
             shapes.setdefault((w.dim, w.rows), w.batch * w.pooling)
         for (dim, rows), run_len in sorted(shapes.items()):
             probe(
@@ -178,7 +180,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         gc.collect()
     if args.probe_only:
         return 0
-    overrides = {k: v for k in ("tables", "rows", "batch") if (v := getattr(args, k)) is not None}
     if not args.no_check:
         for name in _csv(args.impls):
             for oname in _csv(args.optimizers):
