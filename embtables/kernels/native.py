@@ -126,10 +126,13 @@ def all_finite(tensors: list[Tensor]) -> bool:
     return bool(lib.et_all_finite(n, ptrs, (ctypes.c_int64 * n)(*[t.numel() for t in tensors])))
 
 
-def round_rows(values: Tensor, rows: Tensor, seed: int, step: int, table: int, dtype: torch.dtype) -> Tensor | None:
+def round_rows(
+    values: Tensor, rows: Tensor, seed: int, step: int, table: int, dtype: torch.dtype, *, stochastic: bool = True
+) -> Tensor | None:
     """``values`` [U, D] (float32) stochastically rounded to ``dtype`` (bfloat16 or float16) by the C kernels,
     row u's random bits from (seed, step, table, ``rows[u]``, column): ``stochastic_rounding.round_to`` with
-    ``random_bits``, bit for bit (docs/spec.md §12). None when the native library is not built."""
+    ``random_bits``, bit for bit (docs/spec.md §12); ``stochastic=False``: to nearest, ties to even (the rows'
+    ids and the seeds unused). None when the native library is not built."""
     lib = library()
     if lib is None:
         return None
@@ -140,8 +143,18 @@ def round_rows(values: Tensor, rows: Tensor, seed: int, step: int, table: int, d
     require(rows, "rows", torch.int64, (values.shape[0],))
     out = torch.empty(values.shape, dtype=torch.int16)
     lib.et_round_rows(values.data_ptr(), values.shape[0], values.shape[1], rows.data_ptr(), seed, step, table,
-                      record.c_kind, out.data_ptr())  # fmt: skip
+                      record.c_kind, int(stochastic), out.data_ptr())  # fmt: skip
     return out.view(dtype)
+
+
+def rounding_path(vector: bool | None = None) -> bool | None:
+    """Whether the C kernels round half rows with their vector loops (8 values at a time, this CPU's widest
+    integer vectors) or their scalar ones: the same bits, the vector loops by default. ``vector`` sets it for
+    the process (the tests force each path and compare); returns the path before, None without the library."""
+    lib = library()
+    if lib is None:
+        return None
+    return bool(lib.et_round_path(-1 if vector is None else int(vector)))
 
 
 def changed_marker(items: list[tuple[Workspace, Tensor, bool, int, bool]]) -> Callable[[], None]:

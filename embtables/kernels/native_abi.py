@@ -81,7 +81,8 @@ FUNCTIONS: dict[str, CFunction] = {
     for f in (
         _f("et_all_finite", "F:i64 x:p n:p", _I32),
         _f("et_flushes_subnormals", "", _I32),
-        _f("et_round_rows", "x:p U:i64 D:i64 rows:p seed:i64 step:i64 table:i64 kind:i32 out:p"),
+        _f("et_round_rows", "x:p U:i64 D:i64 rows:p seed:i64 step:i64 table:i64 kind:i32 stochastic:i32 out:p"),
+        _f("et_round_path", "vector:i32", _I32),
         _f(
             "et_lookup_half_many",
             "F:i64 W:p kind:p D:p V:p ids:p N:p offsets:p S:p coeffs:p out:p nthreads:i32",

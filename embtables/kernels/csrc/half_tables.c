@@ -34,6 +34,18 @@ static inline uint32_t et_round_row(uint32_t prefix, int64_t row) {
     return et_lowbias32(et_lowbias32(prefix ^ (uint32_t)r) ^ (uint32_t)(r >> 32));
 }
 
+/* The rounding loops' path, fixed when the library loads (it is compiled for this CPU with -march=native, so
+ * the vector loops use its widest integer vectors, AVX2 or AVX-512): 1 the vector loops, 8 values at a time,
+ * 0 the scalar loops. Both give the same bits; et_round_path lets a test force each. */
+static int et_vector_rounding = 1;
+
+/* Set the rounding path (vector: 1 the vector loops, 0 the scalar ones, < 0 leave it); returns the one before. */
+int32_t et_round_path(int32_t vector) {
+    const int32_t before = et_vector_rounding;
+    if (vector >= 0) et_vector_rounding = vector != 0;
+    return before;
+}
+
 /* bfloat16 is float32's upper half: 16 random bits added below it carry into it with probability
  * (the dropped bits) / 2^16. A NaN stays a (quiet) NaN, an infinity an infinity. */
 static inline uint16_t et_sr_bfloat16(float x, uint32_t r) {
@@ -64,20 +76,6 @@ static inline uint16_t et_sr_float16(float x, uint32_t r) {
     return (uint16_t)(sign | (low + (uint32_t)up));
 }
 
-/* x [U, D] float32 rounded stochastically to bfloat16 (kind 0) or float16 (kind 1) into out [U, D] (the
- * half patterns), row u's random bits from (seed, step, table, rows[u], column). */
-void et_round_rows(const float *x, int64_t U, int64_t D, const int64_t *rows, int64_t seed, int64_t step,
-                   int64_t table, int32_t kind, uint16_t *out) {
-    ET_FLUSH_SUBNORMALS;
-    const uint32_t prefix = et_round_prefix((uint64_t)seed, (uint64_t)step, (uint32_t)table);
-    for (int64_t u = 0; u < U; ++u) {
-        const uint32_t h = et_round_row(prefix, rows[u]);
-        for (int64_t c = 0; c < D; ++c) {
-            const uint32_t r = et_lowbias32(h ^ (uint32_t)c);
-            out[u * D + c] = kind == 0 ? et_sr_bfloat16(x[u * D + c], r) : et_sr_float16(x[u * D + c], r);
-        }
-    }
-}
 
 /* ------------------------------------------------------------------ half-precision tables */
 /* spec §12: rows (and slots) stored as bfloat16 (kind 0), float16 (kind 1) or float32 (kind 2), read into
@@ -156,7 +154,7 @@ static inline int et_round_bf16(const float *restrict x, int64_t D, uint32_t h, 
     const et_u8v lane = {0, 1, 2, 3, 4, 5, 6, 7};
     et_u8v badv = {0, 0, 0, 0, 0, 0, 0, 0};
     int64_t d0 = 0;
-    for (; d0 + 8 <= D; d0 += 8) {
+    for (; et_vector_rounding && d0 + 8 <= D; d0 += 8) {
         et_u8v v;
         memcpy(&v, b + d0, sizeof v);
         const et_u8v a = v & 0x7fffffffu;
@@ -182,11 +180,46 @@ static inline int et_round_bf16(const float *restrict x, int64_t D, uint32_t h, 
     return !bad;
 }
 
-/* float16 rounding of D floats; returns 1 when every result is finite. */
+/* float16 rounding of D floats, stochastic or to nearest: the rules of et_sr_float16 and et_rn_half on 8 values
+ * at a time without branches when none of them lies in float16's subnormal range (zeros, normals, overflows,
+ * infinities and NaNs: the same bits), else those 8 and the rest of the row through them; returns 1 when every
+ * result is finite. */
 static inline int et_round_f16(const float *restrict x, int64_t D, uint32_t h, uint32_t col0, int stochastic,
                                uint16_t *restrict out) {
-    int ok = 1;
-    for (int64_t d = 0; d < D; ++d) {
+    const uint32_t *restrict b = (const uint32_t *)x;
+    const et_u8v lane = {0, 1, 2, 3, 4, 5, 6, 7};
+    et_u8v badv = {0, 0, 0, 0, 0, 0, 0, 0};
+    int64_t d0 = 0;
+    for (; et_vector_rounding && d0 + 8 <= D; d0 += 8) {
+        et_u8v v;
+        memcpy(&v, b + d0, sizeof v);
+        const et_u8v a = v & 0x7fffffffu;
+        const et_u8v tiny = (et_u8v)(a - 1u < 0x387fffffu); /* 0 < |x| < 2^-14: a float16 subnormal */
+        uint64_t t[4];
+        memcpy(t, &tiny, sizeof t);
+        if (t[0] | t[1] | t[2] | t[3]) break;
+        const et_u8v sign = (v >> 16) & 0x8000u;
+        const et_u8v low = (((a >> 23) - 112u) << 10) | ((a >> 13) & 0x3ffu);
+        const et_u8v dropped = a & 0x1fffu;
+        et_u8v up;
+        if (stochastic) {
+            up = (et_u8v)(et_lowbias32_v(h ^ (col0 + (uint32_t)d0 + lane)) < (dropped << 19)) & 1u;
+        } else {
+            up = ((et_u8v)(dropped > 0x1000u) | ((et_u8v)(dropped == 0x1000u) & -(low & 1u))) & 1u;
+        }
+        const et_u8v zero = (et_u8v)(a == 0), nan = (et_u8v)(a > ET_INF_BITS);
+        const et_u8v over = stochastic ? (et_u8v)(a > 0x477fe000u) : (et_u8v)(a >= 0x47800000u);
+        et_u8v o = (sign & zero) | ((sign | (low + up)) & ~zero);
+        o = ((sign | 0x7c00u) & over) | (o & ~over);
+        o = ((sign | 0x7e00u) & nan) | (o & ~nan);
+        badv |= (et_u8v)((o & 0x7c00u) == 0x7c00u);
+        const et_h8v o16 = __builtin_convertvector(o, et_h8v);
+        memcpy(out + d0, &o16, sizeof o16);
+    }
+    uint64_t q[4];
+    memcpy(q, &badv, sizeof q);
+    int ok = (q[0] | q[1] | q[2] | q[3]) == 0;
+    for (int64_t d = d0; d < D; ++d) {
         const uint16_t v = stochastic ? et_sr_float16(x[d], et_lowbias32(h ^ (col0 + (uint32_t)d)))
                                       : et_rn_half(x[d], 1);
         out[d] = v;
@@ -199,6 +232,17 @@ static inline int et_round_into(const float *x, int kind, int64_t D, uint32_t h,
                                 uint16_t *out) {
     return kind == 0 ? et_round_bf16(x, D, h, (uint32_t)col0, stochastic, out)
                      : et_round_f16(x, D, h, (uint32_t)col0, stochastic, out);
+}
+
+/* x [U, D] float32 rounded to bfloat16 (kind 0) or float16 (kind 1) into out [U, D] (the half patterns):
+ * stochastically, row u's random bits from (seed, step, table, rows[u], column), or to nearest (stochastic 0);
+ * the loops the tables write with, on the path et_round_path chose. */
+void et_round_rows(const float *x, int64_t U, int64_t D, const int64_t *rows, int64_t seed, int64_t step,
+                   int64_t table, int32_t kind, int32_t stochastic, uint16_t *out) {
+    ET_FLUSH_SUBNORMALS;
+    const uint32_t prefix = et_round_prefix((uint64_t)seed, (uint64_t)step, (uint32_t)table);
+    for (int64_t u = 0; u < U; ++u)
+        et_round_into(x + u * D, kind, D, et_round_row(prefix, rows[u]), 0, stochastic != 0, out + u * D);
 }
 
 static inline void et_prefetch_half(const uint16_t *row, int64_t D) {
