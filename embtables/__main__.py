@@ -35,7 +35,7 @@ _COMMANDS = (
         "bench",
         "the benchmark suite against the peers (embtables bench --help); embtables bench "
         "latency | estimator | sharded | checkpoint | movielens | extra-optimizers | noacc | dynamic | incremental | "
-        "precision | subnormals | offload | online | gpu-launches for the others; on a GPU: "
+        "precision | rounding | subnormals | offload | online | gpu-launches for the others; on a GPU: "
         "embtables bench --device cuda",
     ),
     ("stats", "print lookup statistics files (profile_data_directory) and draw per-shard load"),
@@ -126,6 +126,7 @@ _BENCHES = {
     "dynamic": "bench_dynamic",
     "incremental": "bench_incremental",
     "precision": "bench_precision",
+    "rounding": "bench_rounding",
     "subnormals": "bench_subnormals",
     "offload": "bench_offload",
     "gpu": "bench_gpu",

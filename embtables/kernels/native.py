@@ -127,12 +127,21 @@ def all_finite(tensors: list[Tensor]) -> bool:
 
 
 def round_rows(
-    values: Tensor, rows: Tensor, seed: int, step: int, table: int, dtype: torch.dtype, *, stochastic: bool = True
+    values: Tensor,
+    rows: Tensor,
+    seed: int,
+    step: int,
+    table: int,
+    dtype: torch.dtype,
+    *,
+    stochastic: bool = True,
+    out: Tensor | None = None,
 ) -> Tensor | None:
     """``values`` [U, D] (float32) stochastically rounded to ``dtype`` (bfloat16 or float16) by the C kernels,
     row u's random bits from (seed, step, table, ``rows[u]``, column): ``stochastic_rounding.round_to`` with
     ``random_bits``, bit for bit (docs/spec.md §12); ``stochastic=False``: to nearest, ties to even (the rows'
-    ids and the seeds unused). None when the native library is not built."""
+    ids and the seeds unused). ``out``: an int16 [U, D] to write into (a benchmark reuses one). None when the
+    native library is not built."""
     lib = library()
     if lib is None:
         return None
@@ -141,7 +150,9 @@ def round_rows(
         raise TypeError(f"round_rows: {dtype} is not a half type.")
     require(values, "values", torch.float32, (-1, -1))
     require(rows, "rows", torch.int64, (values.shape[0],))
-    out = torch.empty(values.shape, dtype=torch.int16)
+    if out is None:
+        out = torch.empty(values.shape, dtype=torch.int16)
+    require(out, "out", torch.int16, tuple(values.shape))
     lib.et_round_rows(values.data_ptr(), values.shape[0], values.shape[1], rows.data_ptr(), seed, step, table,
                       record.c_kind, int(stochastic), out.data_ptr())  # fmt: skip
     return out.view(dtype)

@@ -177,3 +177,21 @@ def test_precision_benchmark_measures_the_rounding_and_the_half_peer() -> None:
     assert summary["stochastic_vs_nearest"] > 0
     peers = {r["impl"] for r in records if r.get("bench") == "train_step" and r["impl"].startswith("fbgemm")}
     assert peers == {"fbgemm", "fbgemm-fp16"}  # measured, or a skip line saying why
+
+
+def test_rounding_benchmark_times_each_type_mode_and_path() -> None:
+    """``embtables bench rounding``: a line per half type and mode with the vector and scalar loops' times, and
+    the stochastic rounding's cost over rounding to nearest on each path."""
+    cmd = [sys.executable, "-m", "embtables", "bench", "rounding", "--rows", "64", "--dim", "24", "--reps", "2",
+           "--rounds", "1"]  # fmt: skip
+    out = fast_child.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    records = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    lines = [r for r in records if r.get("bench") == "rounding"]
+    if lines and "skipped" in lines[0]:
+        pytest.skip(lines[0]["skipped"])
+    assert {(r["type"], r["mode"]) for r in lines} == {(t, m) for t in ("bfloat16", "float16")
+                                                       for m in ("stochastic", "nearest")}  # fmt: skip
+    assert all(r["vector_ms"] > 0 and r["scalar_ms"] > 0 for r in lines)
+    (summary,) = [r for r in records if r.get("bench") == "rounding_summary"]
+    assert summary["float16_stochastic_vs_nearest_vector"] > 0
