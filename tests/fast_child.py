@@ -6,8 +6,8 @@ arguments as ``subprocess.run`` and, for those two command forms, forks the chil
 fork server instead (preloaded with ``PRELOAD``; ``tests/mp_world.py``'s ranks come from the same server). The
 child is still a process of its own: a crash (a signal) is its exit status, its exit code is what
 ``sys.exit`` or an uncaught exception makes it, ``atexit`` handlers run, and it sees its own ``cwd``,
-environment, stdin and argv. What a fork cannot give is a variable read while torch or embtables is
-imported (OpenMP's and the allocator's settings, ``EMBTABLES_NATIVE``, ...): a command whose environment
+environment, stdin and argv. What a fork cannot give is a variable read while the preloaded modules import
+(OpenMP's and the allocator's settings, ``EMBTABLES_NATIVE``, matplotlib's, ...): a command whose environment
 changes one of ``IMPORT_TIME_PREFIXES`` runs as a real ``subprocess.run``, as does every other command.
 """
 
@@ -26,10 +26,12 @@ import traceback
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-PRELOAD = ["torch", "torch.distributed", "numpy", "embtables", "embtables.__main__"]
+# torch._dynamo: every job's dense optimizer imports it (torch.optim, about 2 s); pyplot: the jobs' curves
+PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "numpy", "matplotlib.pyplot", "embtables",
+           "embtables.__main__"]  # fmt: skip
 # variables read while the preloaded modules import: a child that changes one must start from scratch
 IMPORT_TIME_PREFIXES = ("OMP_", "KMP_", "GOMP_", "MKL_", "MALLOC_", "LD_", "PYTHON", "TORCH", "CUDA", "TRITON",
-                        "EMBTABLES_NATIVE", "EMBTABLES_CACHE_DIR", "CC")  # fmt: skip
+                        "EMBTABLES_NATIVE", "EMBTABLES_CACHE_DIR", "CC", "MPL")  # fmt: skip
 
 
 @functools.cache
