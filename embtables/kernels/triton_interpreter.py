@@ -38,7 +38,7 @@ def mend() -> None:
 
 def _scan_builtins_once(interpreter: Any) -> None:
     """Every launch re-patches triton.language's builtins, and finds them by scanning each module's members
-    (``inspect.getmembers``, about 30% of a short launch). The builtins of a module or class never change:
+    (``inspect.getmembers``, a quarter of a short launch). The builtins of a module or class never change:
     scan each once and patch the ones still original, which is what the scan found each time."""
     original = getattr(interpreter, "_patch_builtin", None)
     is_builtin = getattr(getattr(getattr(interpreter, "tl", None), "core", None), "is_builtin", None)
