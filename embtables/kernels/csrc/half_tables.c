@@ -145,6 +145,13 @@ static inline et_u8v et_lowbias32_v(et_u8v x) {
     return x;
 }
 
+/* Whether any lane of a vector of masks is set. */
+static inline int et_any_lane(et_u8v m) {
+    uint64_t q[4];
+    memcpy(q, &m, sizeof q);
+    return (q[0] | q[1] | q[2] | q[3]) != 0;
+}
+
 /* bfloat16 rounding of D floats, stochastic (bits of row hash h, columns col0 + d) or to nearest: the rules of
  * et_sr_bfloat16 and et_rn_half on 8 values at a time without branches (GCC vector extensions: the same bits,
  * whole vectors), the rest of the row through them; returns 1 when every result is finite. */
@@ -168,9 +175,7 @@ static inline int et_round_bf16(const float *restrict x, int64_t D, uint32_t h, 
         const et_h8v o16 = __builtin_convertvector(o, et_h8v);
         memcpy(out + d0, &o16, sizeof o16);
     }
-    uint64_t q[4];
-    memcpy(q, &badv, sizeof q);
-    uint32_t bad = (q[0] | q[1] | q[2] | q[3]) != 0;
+    uint32_t bad = (uint32_t)et_any_lane(badv);
     for (int64_t d = d0; d < D; ++d) {
         const uint16_t o = stochastic ? et_sr_bfloat16(x[d], et_lowbias32(h ^ (col0 + (uint32_t)d)))
                                       : et_rn_half(x[d], 0);
@@ -195,9 +200,7 @@ static inline int et_round_f16(const float *restrict x, int64_t D, uint32_t h, u
         memcpy(&v, b + d0, sizeof v);
         const et_u8v a = v & 0x7fffffffu;
         const et_u8v tiny = (et_u8v)(a - 1u < 0x387fffffu); /* 0 < |x| < 2^-14: a float16 subnormal */
-        uint64_t t[4];
-        memcpy(t, &tiny, sizeof t);
-        if (t[0] | t[1] | t[2] | t[3]) break;
+        if (et_any_lane(tiny)) break;
         const et_u8v sign = (v >> 16) & 0x8000u;
         const et_u8v low = (((a >> 23) - 112u) << 10) | ((a >> 13) & 0x3ffu);
         const et_u8v dropped = a & 0x1fffu;
@@ -216,9 +219,7 @@ static inline int et_round_f16(const float *restrict x, int64_t D, uint32_t h, u
         const et_h8v o16 = __builtin_convertvector(o, et_h8v);
         memcpy(out + d0, &o16, sizeof o16);
     }
-    uint64_t q[4];
-    memcpy(q, &badv, sizeof q);
-    int ok = (q[0] | q[1] | q[2] | q[3]) == 0;
+    int ok = !et_any_lane(badv);
     for (int64_t d = d0; d < D; ++d) {
         const uint16_t v = stochastic ? et_sr_float16(x[d], et_lowbias32(h ^ (col0 + (uint32_t)d)))
                                       : et_rn_half(x[d], 1);
