@@ -225,6 +225,17 @@ def time_steps(fn: Callable[[int], None], warmup: int, steps: int, desc: str) ->
     return times
 
 
+def median_seconds(fn: Callable[[], object], reps: int) -> float:
+    """The median wall time of ``reps`` calls of ``fn``, after one untimed call (page faults, code)."""
+    fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
 def summarize(times_ms: list[float]) -> dict[str, float]:
     arr = np.asarray(times_ms)
     med = float(statistics.median(times_ms))

@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -26,20 +24,10 @@ import torch
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks._harness import emit, env_record
+from benchmarks._harness import emit, env_record, median_seconds
 from embtables.kernels import native
 
 TYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def _time(fn: Any, reps: int) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -66,7 +54,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             for kind, stochastic, vector in cases:
                 native.rounding_path(vector)
                 call = lambda: native.round_rows(x, rows, 1, 2, 3, TYPES[kind], stochastic=stochastic, out=out)  # noqa: E731,B023
-                sec = _time(call, args.reps)
+                sec = median_seconds(call, args.reps)
                 key = (kind, stochastic, vector)
                 best[key] = min(best.get(key, sec), sec)
     finally:

@@ -29,17 +29,15 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
-import statistics
 import subprocess
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from benchmarks._harness import BUSY_THRESHOLD, OtherLoad, RssSampler, emit, wait_for_idle
+from benchmarks._harness import BUSY_THRESHOLD, OtherLoad, RssSampler, emit, median_seconds, wait_for_idle
 
 C_SOURCE = r"""
 #include <stdint.h>
@@ -109,16 +107,6 @@ def load_kernels(dim: int) -> tuple[ctypes.CDLL | None, str]:
     return lib, "c"
 
 
-def _time(fn: Any, reps: int) -> float:
-    fn()  # warm (page faults, code)
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
-
-
 def _c_call(lib: ctypes.CDLL, name: str, table: np.ndarray, idx: np.ndarray, nth: int, pf: int) -> Any:
     tp, ip, n = table.ctypes.data, idx.ctypes.data, len(idx)
     if name == "gather":
@@ -133,16 +121,16 @@ def _measure(
     out: dict[str, float] = {}
     if lib is not None:
         for pf in PREFETCH_ROWS:
-            sec = _time(_c_call(lib, name, table, idx, nth, pf), reps)
+            sec = median_seconds(_c_call(lib, name, table, idx, nth, pf), reps)
             out[f"GBps_pf{pf}"] = round(nbytes / sec / 1e9, 3)
         return out
     prev = torch.get_num_threads()
     torch.set_num_threads(nth)
     tt, ti = torch.from_numpy(table), torch.from_numpy(idx)
     if name == "gather":
-        sec = _time(lambda: tt.index_select(0, ti), reps)
+        sec = median_seconds(lambda: tt.index_select(0, ti), reps)
     else:
-        sec = _time(lambda: tt.index_copy_(0, ti, tt.index_select(0, ti).mul_(1.0)), reps)
+        sec = median_seconds(lambda: tt.index_copy_(0, ti, tt.index_select(0, ti).mul_(1.0)), reps)
     torch.set_num_threads(prev)
     out["GBps_torch"] = round(nbytes / sec / 1e9, 3)
     return out

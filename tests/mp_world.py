@@ -8,8 +8,8 @@ fails instead of hanging. ``fn`` must be a module-level function (it is pickled 
 
 The processes come from the fork server of ``fast_child`` that imported torch and embtables once (per pytest
 worker): a rank starts in milliseconds instead of importing torch again (seconds of CPU, twice per world).
-The server imports nothing else and starts no threads, so its children start as clean as spawned ones; a
-rank sets any environment it needs inside ``fn``.
+The server imports only ``fast_child.PRELOAD`` and starts no threads, so its children start as clean as
+spawned ones; a rank sets any environment it needs inside ``fn``.
 """
 
 from __future__ import annotations

@@ -127,6 +127,11 @@ def write_atomically(path: Path, write: Callable[[BinaryIO], object]) -> None:
     fsync_dir(path.parent)
 
 
+def write_json_atomically(path: Path, doc: Any) -> None:
+    """``doc`` as indented JSON in the file ``path``, whole or not at all (``write_atomically``)."""
+    write_atomically(path, lambda f: f.write(json.dumps(doc, indent=1).encode()))
+
+
 def publish_over(tmp: Path, target: Path, still_ours: Callable[[Path], object]) -> None:
     """Publish the finished directory ``tmp`` as ``target``: ``tmp`` fsynced, ``still_ours(target)`` (raises when
     ``target`` may not be replaced) checked just before the atomic exchange, the parent fsynced, and the replaced

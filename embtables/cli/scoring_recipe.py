@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from embtables.checkpoint.file_names import CheckpointError
-from embtables.checkpoint.owned_dirs import write_atomically
+from embtables.checkpoint.owned_dirs import write_json_atomically
 from embtables.estimator.column_codec import columns_from_json, columns_to_json
 from embtables.estimator.model_artifact import TASKS
 from embtables.estimator.row_transform import RowTransform
@@ -40,7 +40,7 @@ def write_recipe(
         "model": model,
         **(extra or {}),
     }
-    write_atomically(model_dir / SCORING_FILE, lambda f: f.write(json.dumps(doc, indent=1).encode()))
+    write_json_atomically(model_dir / SCORING_FILE, doc)
 
 
 def read_recipe(path: Path) -> tuple[dict[str, Any], str]:

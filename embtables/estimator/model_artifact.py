@@ -36,7 +36,7 @@ from torch import Tensor, nn
 
 from embtables.checkpoint import export
 from embtables.checkpoint.file_names import CheckpointError, contained
-from embtables.checkpoint.owned_dirs import publish_over, temp_name, write_atomically
+from embtables.checkpoint.owned_dirs import publish_over, temp_name, write_atomically, write_json_atomically
 from embtables.checkpoint.store import published, read_manifest
 from embtables.estimator.column_codec import columns_to_json
 from embtables.estimator.dense_file import DENSE_FILE
@@ -178,10 +178,6 @@ def _write_weights(target: Path, step: int, state: Mapping[str, Tensor]) -> None
     write_atomically(target / WEIGHTS / f"step-{step:010d}.pt", lambda f: torch.save(weights, f))
 
 
-def _write_json(path: Path, doc: dict[str, Any]) -> None:
-    write_atomically(path, lambda f: f.write(json.dumps(doc, indent=1).encode()))
-
-
 def state_fits(state: Any, reference: Mapping[str, Tensor]) -> bool:
     """Whether ``state`` is a state dict with ``reference``'s keys, each a tensor of its shape and dtype."""
     return (
@@ -256,7 +252,7 @@ def export_model(
         if incremental and same:
             _write_weights(target, step, state)  # first: a server reaching this step finds its weights
             export(ckpt, target / TABLES, dtype=dtype, incremental=True)
-            _write_json(target / MODEL_FILE, {**old, "step": step, "dtype": dtype})
+            write_json_atomically(target / MODEL_FILE, {**old, "step": step, "dtype": dtype})
             _prune_weights(target)
             return ModelExport(str(target), step, dtype, True)
     program = None if same else _program(parts)  # the same model: its program is kept (exporting takes seconds)
@@ -270,8 +266,8 @@ def export_model(
         else:
             torch.export.save(program, str(tmp / PROGRAM))
         _write_weights(tmp, step, state)
-        _write_json(tmp / MODEL_FILE, doc)
-        _write_json(tmp / MARKER, {"format": FORMAT})
+        write_json_atomically(tmp / MODEL_FILE, doc)
+        write_json_atomically(tmp / MARKER, {"format": FORMAT})
         publish_over(tmp, target, _check_out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -1,6 +1,6 @@
 """Triton's CPU interpreter (``TRITON_INTERPRET=1``), which runs the GPU kernels on CPU tensors for the tests
-and for ``embtables bench gpu-launches``: ``mend`` fixes what NumPy 2 breaks in it and takes a third of its
-time off short launches."""
+and for ``embtables bench gpu-launches``: ``mend`` fixes what NumPy 2 breaks in it and takes a quarter of
+its time off short launches."""
 
 from __future__ import annotations
 
@@ -40,20 +40,18 @@ def _scan_builtins_once(interpreter: Any) -> None:
     """Every launch re-patches triton.language's builtins, and finds them by scanning each module's members
     (``inspect.getmembers``, a quarter of a short launch). The builtins of a module or class never change:
     scan each once and patch the ones still original, which is what the scan found each time."""
-    original = getattr(interpreter, "_patch_builtin", None)
     is_builtin = getattr(getattr(getattr(interpreter, "tl", None), "core", None), "is_builtin", None)
     patch_attr = getattr(interpreter, "_patch_attr", None)
-    if original is None or is_builtin is None or patch_attr is None:
+    if not hasattr(interpreter, "_patch_builtin") or is_builtin is None or patch_attr is None:
         return
     import inspect
 
-    found: dict[int, tuple[Any, list[tuple[str, Any]]]] = {}
+    found: dict[Any, list[tuple[str, Any]]] = {}  # a module or class -> its builtins (name, original)
 
     def patch_builtin(pkg: Any, builder: Any, scope: Any) -> None:
-        entry = found.get(id(pkg))
-        if entry is None or entry[0] is not pkg:
-            entry = found[id(pkg)] = (pkg, [(n, m) for n, m in inspect.getmembers(pkg) if is_builtin(m)])
-        for name, member in entry[1]:
+        if pkg not in found:
+            found[pkg] = [(n, m) for n, m in inspect.getmembers(pkg) if is_builtin(m)]
+        for name, member in found[pkg]:
             if getattr(pkg, name, None) is member:  # not patched already in this launch
                 patch_attr(pkg, name, member, builder, scope)
 

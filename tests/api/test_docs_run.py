@@ -13,6 +13,7 @@ import importlib.util
 import json
 import os
 import re
+import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -73,7 +74,7 @@ def test_the_python_blocks_of_a_doc_run_as_copied(doc: Path, tmp_path: Path) -> 
     for i, program in programs:
         script = tmp_path / f"program_{i}.py"
         script.write_text(program)
-        out = fast_child.run(
+        out = subprocess.run(
             [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
              str(script)],
             capture_output=True, text=True, cwd=tmp_path, env=_env(), timeout=300,
@@ -111,7 +112,7 @@ def test_the_main_job_numbers_in_the_readme_match_the_recorded_runs() -> None:
     throughput, oracle errors, clean exits, the suite's time) equals the result its run recorded in
     docs/results/ (scripts/readme_numbers.py --measure ...), and the DLRM teacher's metrics equal a
     fresh computation."""
-    out = fast_child.run(
+    out = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "readme_numbers.py"), "--check"],
         capture_output=True, text=True, env=_env(), timeout=300,
     )  # fmt: skip

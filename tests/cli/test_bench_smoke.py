@@ -47,7 +47,6 @@ def test_benchmark_runner_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[st
 def test_sharded_benchmark_reports_each_ranks_phases(tmp_path: Path) -> None:
     """``embtables bench sharded``: every configuration's line carries every rank's per-phase breakdown,
     whose owner-pooling bytes add up to the bytes the rank sent."""
-
     cmd = [sys.executable, "-m", "embtables", "bench", "sharded", "--quick", "--no-torchrec", "--steps", "2",
            "--warmup", "1", "--rounds", "2"]  # fmt: skip
     out = fast_child.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path)
@@ -70,7 +69,6 @@ def test_latency_benchmark_reports_every_size_next_to_its_peers(tmp_path: Path) 
     """``embtables bench latency``: a train_step line per impl, size and round, a summary per size with each
     impl's least median over the rounds and the peers' ratios over the concatenated embtables impl's, and the
     Markdown table written with ``--out``."""
-
     table = tmp_path / "latency.md"
     cmd = [sys.executable, "-m", "embtables", "bench", "latency", "--batches", "64,128", "--pooling", "1,3",
            "--steps", "3", "--warmup", "1", "--rounds", "2", "--impls", "embtables,embtables-concat,torch",
@@ -99,7 +97,6 @@ def test_latency_benchmark_reports_every_size_next_to_its_peers(tmp_path: Path) 
 def test_estimator_benchmark_reports_the_overhead_and_where_it_goes(tmp_path: Path) -> None:
     """``embtables bench estimator``: bare and Estimator ms per step on the same batches, the overhead as
     their ratio, and the parts (conversion, step, checkpoint) it is made of."""
-
     pytest.importorskip("recbole")  # only for its MovieLens-100k files (never imported by embtables)
     cmd = [sys.executable, "-m", "embtables", "bench", "estimator", "--batches", "4096", "--repeats", "2",
            "--models", "job"]  # fmt: skip
@@ -122,7 +119,6 @@ def test_gpu_benchmark_runs_its_impls_side_by_side_and_refuses_a_missing_device(
     impl, optimizer and mode with the copy bandwidth's share and the speed-up over the peers; plain
     PyTorch skipped for FTRL (no sparse FTRL in torch); half-precision tables as an impl of their own
     (``--dtypes``); ``--device cuda`` without CUDA is refused."""
-
     cmd = [sys.executable, "-m", "embtables", "bench", "gpu", "--device", "cpu", "--workloads", "tiny",
            "--optimizers", "adagrad,ftrl", "--dtypes", "float32,bfloat16+slots", "--steps", "2",
            "--warmup", "1"]  # fmt: skip

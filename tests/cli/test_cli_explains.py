@@ -180,7 +180,7 @@ def test_the_installed_wheel_has_bench_and_the_samples(tmp_path: Path) -> None:
     import zipfile
 
     wheel_dir = tmp_path / "wheel"
-    built = fast_child.run(
+    built = subprocess.run(
         [sys.executable, "-m", "pip", "wheel", str(ROOT), "--no-deps", "--no-build-isolation", "-q", "-w",
          str(wheel_dir)], capture_output=True, text=True, timeout=300,
     )  # fmt: skip
@@ -193,22 +193,22 @@ def test_the_installed_wheel_has_bench_and_the_samples(tmp_path: Path) -> None:
     venv = tmp_path / "venv"
     # A bare venv that sees this interpreter's packages (torch, numpy) through a path entry: `--system-site-packages`
     # from inside a venv would see the base interpreter's packages instead, which have no torch.
-    fast_child.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
     py = venv / "bin" / "python"
-    inner = fast_child.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+    inner = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                            capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
     outer = sysconfig.get_paths()["purelib"]
     (Path(inner) / "outer-packages.pth").write_text(outer + "\n")  # a plain path: no editable finder comes along
-    install = fast_child.run([str(py), "-m", "pip", "install", "-q", "--no-deps", str(wheel)], capture_output=True,
+    install = subprocess.run([str(py), "-m", "pip", "install", "-q", "--no-deps", str(wheel)], capture_output=True,
                              text=True, timeout=300)  # fmt: skip
     assert install.returncode == 0, install.stderr[-2000:]
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    where = fast_child.run([str(py), "-c", "import embtables; print(embtables.__file__)"], capture_output=True,
+    where = subprocess.run([str(py), "-c", "import embtables; print(embtables.__file__)"], capture_output=True,
                            text=True, cwd="/", env=env)  # fmt: skip
     assert str(venv) in where.stdout, where.stdout + where.stderr
-    bench = fast_child.run([str(py), "-m", "embtables", "bench", "--help"], capture_output=True, text=True, cwd="/",
+    bench = subprocess.run([str(py), "-m", "embtables", "bench", "--help"], capture_output=True, text=True, cwd="/",
                            env=env, timeout=120)  # fmt: skip
     assert bench.returncode == 0 and bench.stdout.startswith("usage: embtables bench"), bench.stdout + bench.stderr
-    sample = fast_child.run([str(py), "-c", "from embtables.data import sample_path; print(sample_path('clicks.csv'))"],
+    sample = subprocess.run([str(py), "-c", "from embtables.data import sample_path; print(sample_path('clicks.csv'))"],
                             capture_output=True, text=True, cwd="/", env=env)  # fmt: skip
     assert str(venv) in sample.stdout and Path(sample.stdout.strip()).is_file()

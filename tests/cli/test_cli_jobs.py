@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -322,7 +323,7 @@ def test_dlrm_job_under_torchrun(tmp_path: Path) -> None:
            "-m", "embtables", "train", *SMALL, "--steps", "40", "--eval-every", "20",
            "--model-dir", str(tmp_path)]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    out = fast_child.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert out.stdout.count("PASS") == 1, "rank 0 reports; the other rank stays quiet"
     summary = json.loads((tmp_path / "summary.json").read_text())
@@ -342,7 +343,7 @@ def test_dlrm_job_under_torchrun_without_a_model_dir_and_with_a_dynamic_table(tm
            "-m", "embtables", "train", *SMALL, "--steps", "20", "--eval-every", "20",
            "--dynamic-user", "300"]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp_path)}
-    out = fast_child.run(cmd, capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path)
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     summary = json.loads(next(line for line in out.stdout.splitlines() if line.startswith("{")))
     assert summary["processes"] == 2 and summary["vocabulary"]["user"]["live"] > 0

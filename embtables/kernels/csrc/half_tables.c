@@ -76,7 +76,6 @@ static inline uint16_t et_sr_float16(float x, uint32_t r) {
     return (uint16_t)(sign | (low + (uint32_t)up));
 }
 
-
 /* ------------------------------------------------------------------ half-precision tables */
 /* spec §12: rows (and slots) stored as bfloat16 (kind 0), float16 (kind 1) or float32 (kind 2), read into
  * float32, updated by the optimizer's float32 row function, and rounded back as they are written:
