@@ -20,6 +20,8 @@ from typing import Any
 
 import numpy as np
 
+from embtables.kernels import checksums
+
 _MAGIC = 0xDB4775248B80FB57
 DT_FLOAT, DT_STRING = 1, 7
 OBJECT_GRAPH_KEY = "_CHECKPOINTABLE_OBJECT_GRAPH"
@@ -57,9 +59,18 @@ _FAST_CRC32C = _fast_crc32c()
 
 
 def crc32c(data: bytes | memoryview, crc: int = 0) -> int:
-    """CRC-32C (Castagnoli) of ``data``; uses ``google_crc32c`` when installed (fast), else pure Python."""
+    """CRC-32C (Castagnoli) of ``data``: the native library's (``kernels/checksums.py``), else
+    ``google_crc32c`` when installed, else pure Python (one table lookup a byte)."""
+    native = checksums.crc32c(data, crc)
+    if native is not None:
+        return native
     if _FAST_CRC32C is not None:
         return int(_FAST_CRC32C.extend(crc, bytes(data)))
+    return crc32c_python(data, crc)
+
+
+def crc32c_python(data: bytes | memoryview, crc: int = 0) -> int:
+    """CRC-32C in pure Python: what ``crc32c`` falls back to, and what tests compare the others with."""
     c = crc ^ 0xFFFFFFFF
     for b in bytes(data):
         c = _TABLE[(c ^ b) & 0xFF] ^ (c >> 8)

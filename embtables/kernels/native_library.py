@@ -41,6 +41,7 @@ _SOURCES = [
         "key_map.c",
         "shm_sync.c",
         "offload_io.c",
+        "checksums.c",
     )
 ]
 _HEADERS = [Path(__file__).parent / "csrc" / "embtables_native.h"]

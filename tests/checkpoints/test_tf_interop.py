@@ -74,3 +74,31 @@ def test_a_corrupt_tf_checkpoint_is_refused(tmp_path: Path) -> None:
         read_tf_checkpoint(tmp_path / "c")
     with pytest.raises(ValueError, match="cannot be read"):
         read_tf_checkpoint(tmp_path / "missing")
+
+
+def test_every_crc32c_gives_the_castagnoli_checksum(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The native CRC-32C (SSE 4.2 or its table), google_crc32c when installed and the pure-Python one agree,
+    pieces chained included; the bundle reader checks the fixture's CRCs with each."""
+    import random
+
+    from embtables.checkpoint import tf_bundle
+    from embtables.kernels import checksums
+
+    rng = random.Random(11)
+    samples = [b"", b"123456789", bytearray(b"\x00" * 33), memoryview(bytes(range(256)))]
+    samples += [bytes(rng.getrandbits(8) for _ in range(rng.randrange(1, 300))) for _ in range(40)]
+    assert tf_bundle.crc32c_python(b"123456789") == 0xE3069283  # the check value of CRC-32C
+    for data in samples:
+        expected = tf_bundle.crc32c_python(data)
+        assert checksums.crc32c(data) == expected
+        cut = len(bytes(data)) // 3
+        assert checksums.crc32c(bytes(data)[cut:], checksums.crc32c(bytes(data)[:cut]) or 0) == expected
+    assert checksums.crc32c(b"x", 7) == tf_bundle.crc32c_python(b"x", 7)
+    with pytest.raises(ValueError, match="32-bit"):
+        checksums.crc32c(b"x", -1)
+    good = read_bundle(FIXTURE)
+    monkeypatch.setattr(checksums, "library", lambda: None)  # no native library: the other ways
+    assert checksums.crc32c(b"123456789") is None
+    assert tf_bundle.crc32c(b"123456789") == 0xE3069283
+    again = read_bundle(FIXTURE)
+    assert again.keys() == good.keys() and all(np.array_equal(np.asarray(again[k]), np.asarray(good[k])) for k in good)
