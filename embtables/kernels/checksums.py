@@ -3,7 +3,7 @@ which ``checkpoint/tf_bundle.py`` computes over every tensor it reads or writes.
 
 from __future__ import annotations
 
-import ctypes
+import numpy as np
 
 from embtables.kernels.native_library import library
 
@@ -16,9 +16,7 @@ def crc32c(data: bytes | bytearray | memoryview, crc: int = 0) -> int | None:
         return None
     if not 0 <= crc <= 0xFFFFFFFF:
         raise ValueError(f"crc32c: a running CRC is a 32-bit value, got {crc}.")
-    view = memoryview(data).cast("B")  # bytes-like of any format, read as its bytes
-    n = view.nbytes
-    if n == 0:
+    raw = np.frombuffer(memoryview(data).cast("B"), dtype=np.uint8)  # its bytes, not copied (read-only is fine)
+    if raw.size == 0:
         return crc
-    buf = (ctypes.c_char * n).from_buffer_copy(view) if view.readonly else (ctypes.c_char * n).from_buffer(view)
-    return int(lib.et_crc32c(ctypes.addressof(buf), n, crc))
+    return int(lib.et_crc32c(raw.ctypes.data, raw.size, crc))  # raw holds the buffer for the call

@@ -9,16 +9,16 @@
 #endif
 
 #ifndef __SSE4_2__
+#include <pthread.h>
 static uint32_t et_crc_table[256];
-static int et_crc_ready = 0;
+static pthread_once_t et_crc_once = PTHREAD_ONCE_INIT;
 
-static void et_crc_init(void) {
+static void et_crc_init(void) { /* once per process (pthread_once), before any call reads the table */
     for (uint32_t i = 0; i < 256; ++i) {
         uint32_t c = i;
         for (int k = 0; k < 8; ++k) c = (c & 1) ? (c >> 1) ^ 0x82F63B78u : c >> 1;
         et_crc_table[i] = c;
     }
-    et_crc_ready = 1; /* a second thread that fills the table too writes the same values */
 }
 #endif
 
@@ -38,7 +38,7 @@ uint32_t et_crc32c(const uint8_t *data, int64_t n, uint32_t crc) {
     c = (uint32_t)c64;
     for (; i < n; ++i) c = _mm_crc32_u8(c, data[i]);
 #else
-    if (!et_crc_ready) et_crc_init();
+    pthread_once(&et_crc_once, et_crc_init);
     for (int64_t i = 0; i < n; ++i) c = et_crc_table[(c ^ data[i]) & 0xFFu] ^ (c >> 8);
 #endif
     return ~c;
