@@ -1,8 +1,11 @@
 """Every Python block in README.md and docs/*.md runs as copied (issue 22, item 8).
 
 A file's blocks run in order in one fresh process (a reader copies them in order), in an empty
-directory. A block that starts a process group (``init_process_group``) is a whole program and runs
-under ``torchrun --nproc_per_node=2``. Blocks of TensorFlow code (first line ``# TensorFlow``) are
+directory. A block that starts a process group (``init_process_group``) is a whole program and runs as
+``torchrun --nproc_per_node=2`` runs it: two processes with the environment torchrun gives its workers
+(RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT), forked from ``fast_child``'s
+preloaded server (torchrun itself, launcher and exit, is run by ``test_sharded_example.py`` and
+``test_ranks_agree.py``'s clean-exit test). Blocks of TensorFlow code (first line ``# TensorFlow``) are
 the other side of a comparison and are not run; a block importing a package that is not installed
 here (TorchRec) is skipped only when that package is missing.
 """
@@ -16,7 +19,9 @@ import re
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
+from typing import Any
 
 import fast_child
 import pytest
@@ -72,14 +77,39 @@ def test_the_python_blocks_of_a_doc_run_as_copied(doc: Path, tmp_path: Path) -> 
         assert out.returncode == 0, f"{doc.name}:\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}"
         assert "Sparse invariant checks are implicitly disabled" not in out.stderr, "torch's SEGFAULT warning"
     for i, program in programs:
-        script = tmp_path / f"program_{i}.py"
-        script.write_text(program)
-        out = subprocess.run(
-            [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
-             str(script)],
-            capture_output=True, text=True, cwd=tmp_path, env=_env(), timeout=300,
-        )  # fmt: skip
-        assert out.returncode == 0, f"{doc.name} block #{i} under torchrun:\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}"
+        outs = _as_torchrun_workers(program, tmp_path)
+        for rank, out in enumerate(outs):  # a rank that failed first: the other may then time out waiting
+            if not isinstance(out, BaseException):
+                assert out.returncode == 0, (
+                    f"{doc.name} block #{i}, rank {rank} of 2:\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}"
+                )
+        for out in outs:
+            if isinstance(out, BaseException):
+                raise out
+
+
+def _as_torchrun_workers(program: str, cwd: Path, nproc: int = 2) -> list[Any]:
+    """``program`` run by ``nproc`` processes at once, each with the variables torchrun sets for a worker of
+    one node; by rank, each one's completed process or what its run raised (a timeout)."""
+    port = str(free_port())
+    outs: list[Any] = [None] * nproc
+
+    def worker(rank: int) -> None:
+        env = {**_env(), "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
+               "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}  # fmt: skip
+        try:
+            outs[rank] = fast_child.run(
+                [sys.executable, "-c", program], capture_output=True, text=True, cwd=cwd, env=env, timeout=300
+            )
+        except BaseException as exc:
+            outs[rank] = exc
+
+    threads = [threading.Thread(target=worker, args=(r,)) for r in range(nproc)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return outs
 
 
 ALONE = ("Half-precision tables", "Tables larger than memory", "Checkpoints and serving", "Serving")

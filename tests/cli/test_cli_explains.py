@@ -193,14 +193,15 @@ def test_the_installed_wheel_has_bench_and_the_samples(tmp_path: Path) -> None:
     venv = tmp_path / "venv"
     # A bare venv that sees this interpreter's packages (torch, numpy) through a path entry: `--system-site-packages`
     # from inside a venv would see the base interpreter's packages instead, which have no torch.
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+    # No pip inside it (ensurepip takes seconds): this interpreter's pip installs into it (``pip --python``).
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
     py = venv / "bin" / "python"
     inner = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                            capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
     outer = sysconfig.get_paths()["purelib"]
     (Path(inner) / "outer-packages.pth").write_text(outer + "\n")  # a plain path: no editable finder comes along
-    install = subprocess.run([str(py), "-m", "pip", "install", "-q", "--no-deps", str(wheel)], capture_output=True,
-                             text=True, timeout=300)  # fmt: skip
+    install = subprocess.run([sys.executable, "-m", "pip", "--python", str(py), "install", "-q", "--no-deps",
+                              str(wheel)], capture_output=True, text=True, timeout=300)  # fmt: skip
     assert install.returncode == 0, install.stderr[-2000:]
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     where = subprocess.run([str(py), "-c", "import embtables; print(embtables.__file__)"], capture_output=True,

@@ -407,11 +407,12 @@ def test_a_group_of_tables_sums_and_updates_like_each_table_alone(name: str) -> 
 
 
 def _long_and_short_runs(dim: int, multi: bool) -> tuple[list[Any], int]:
-    """Occurrences of one table: runs of 129, 300 and 128 occurrences beside short ones, with coefficients;
-    ``multi``: split over two features (the second without coefficients)."""
+    """Occurrences of one table: runs of ``gpu.PIECE`` + 1, 2 ``gpu.PIECE`` + 44 and ``gpu.PIECE``
+    occurrences (129, 300 and 128 at the library's piece) beside short ones, with coefficients; ``multi``:
+    split over two features (the second without coefficients)."""
     gen = torch.Generator().manual_seed(17)
-    vocab = 60
-    ids = torch.cat([torch.full((129,), 5), torch.full((300,), 9), torch.full((128,), 11)])
+    vocab, piece = 60, gpu.PIECE
+    ids = torch.cat([torch.full((piece + 1,), 5), torch.full((2 * piece + 44,), 9), torch.full((piece,), 11)])
     ids = torch.cat([ids, torch.randint(20, vocab, (150,), generator=gen)])
     ids = ids[torch.randperm(ids.numel(), generator=gen)].to(DEVICE)
     seg = torch.randint(0, 32, (ids.numel(),), generator=gen).to(DEVICE)
@@ -424,27 +425,35 @@ def _long_and_short_runs(dim: int, multi: bool) -> tuple[list[Any], int]:
     return [(ids[:half], seg[:half], coeffs[:half], grad, 0), (ids[half:], seg[half:], None, grad2, 0)], vocab
 
 
-_PHASE_ONE: dict[bool, tuple[Any, ...]] = {}
+_PHASE_ONE: dict[tuple[bool, int], tuple[Any, ...]] = {}
+SHORT_PIECE = 16  # the piece the ten inline-sum cases cut runs into: the same kernels, an eighth of the loops
 
 
 def _both_phase_ones(multi: bool) -> tuple[Any, ...]:
-    """(parts, vocab, summed, lazy) of ``_long_and_short_runs(8, multi)``, made once per process (each takes
-    seconds through Triton's interpreter) for every optimizer below: an update only reads them (the dry run
-    and the write of one test already read the same ``lazy`` twice; a write into it would show there)."""
-    if multi not in _PHASE_ONE:
+    """(parts, vocab, summed, lazy) of ``_long_and_short_runs(8, multi)`` at the current ``gpu.PIECE``, made
+    once per process (each takes seconds through Triton's interpreter) for every optimizer below: an update
+    only reads them (the dry run and the write of one test already read the same ``lazy`` twice; a write
+    into it would show there)."""
+    key = (multi, gpu.PIECE)
+    if key not in _PHASE_ONE:
         parts, vocab = _long_and_short_runs(8, multi)
         summed = gpu_step.row_sums(parts, [vocab], 8)
         lazy = gpu_step.row_sums(parts, [vocab], 8, summed=False)
-        _PHASE_ONE[multi] = (parts, vocab, summed, lazy)  # parts: the gradients lazy reads by address
-    return _PHASE_ONE[multi]
+        _PHASE_ONE[key] = (parts, vocab, summed, lazy)  # parts: the gradients lazy reads by address
+    return _PHASE_ONE[key]
 
 
 @pytest.mark.parametrize("multi", [False, True])
 @pytest.mark.parametrize("name", ["sgd", "adagrad", "adam", "ftrl_power", "centered_rmsprop"])
-def test_inline_sums_update_like_summed_ones_bit_for_bit(name: str, multi: bool) -> None:
-    """The update that sums each row's gradients itself (runs of at most 128 occurrences; longer ones
-    joined in place beforehand) writes exactly what the update of the summed gradients writes, dry run
-    included."""
+def test_inline_sums_update_like_summed_ones_bit_for_bit(
+    name: str, multi: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The update that sums each row's gradients itself (runs of at most ``gpu.PIECE`` occurrences; longer
+    ones joined in place beforehand) writes exactly what the update of the summed gradients writes, dry run
+    included. Runs are cut into pieces of SHORT_PIECE here (the piece is a kernel parameter, read at each
+    launch); the library's 128 is the piece of the inline update in
+    ``test_sums_left_to_the_update_read_their_own_gradients_once_owned`` and of the row sums above."""
+    monkeypatch.setattr(gpu, "PIECE", SHORT_PIECE)
     opt, dim = OPTIMIZERS[name](), 8
     _, vocab, summed, lazy = _both_phase_ones(multi)
     assert lazy.sums is None
@@ -472,7 +481,7 @@ def test_sums_left_to_the_update_measure_long_runs_and_materialize_exactly() -> 
     summed = gpu_step.row_sums(parts, [vocab], 5)
     lazy = gpu_step.row_sums(parts, [vocab], 5, summed=False)
     u, _, bad, longest, *_ = lazy.stats.tolist()
-    assert bad == 0 and longest == 300
+    assert gpu.PIECE == 128 and bad == 0 and longest == 300
     sums = gpu_step.materialize(lazy)
     assert torch.equal(sums[:u], summed.sums[:u])
     assert lazy.stats.tolist()[1] == summed.stats.tolist()[1]  # the exact largest |sum| now
@@ -481,6 +490,7 @@ def test_sums_left_to_the_update_measure_long_runs_and_materialize_exactly() -> 
 def test_sums_left_to_the_update_read_their_own_gradients_once_owned() -> None:
     """An update held back (pipelining) owns its gradients: the caller may write into the ones it passed."""
     opt, dim = et.Adagrad(0.1), 4
+    assert gpu.PIECE == 128  # the library's piece: the inline update's long runs at full length
     parts, vocab = _long_and_short_runs(dim, multi=True)
     summed = gpu_step.row_sums(parts, [vocab], dim)
     lazy = gpu_step.row_sums(parts, [vocab], dim, summed=False)
