@@ -101,9 +101,9 @@ OPTIMIZERS = {
 def test_fused_kernels_match_the_torch_kernels_on_the_same_device(name: str, concat: bool) -> None:
     fused = _module(OPTIMIZERS[name](), concat)
     reference = _module(OPTIMIZERS[name](), concat)
-    acts_fused = _train(fused, 3, concat)
+    acts_fused = _train(fused, 2, concat)  # the second step reads the rows and slots the first one wrote
     gpu.set_enabled(False)
-    acts_ref = _train(reference, 3, concat)
+    acts_ref = _train(reference, 2, concat)
     for a, b in zip(acts_fused, acts_ref):
         torch.testing.assert_close(a, b, rtol=2e-6, atol=2e-7)
     for table in ("a", "b"):
