@@ -18,6 +18,7 @@ import contextlib
 import functools
 import multiprocessing
 import os
+import socket
 import subprocess
 import sys
 import tempfile
@@ -147,3 +148,29 @@ def run(
         if check:
             done.check_returncode()
         return done
+
+
+def run_as_torchrun_workers(cmd: Sequence[str], nproc: int, *, env: Mapping[str, str], **kwargs: Any) -> list[Any]:
+    """``cmd`` run by ``nproc`` processes at once through ``run`` (forked where it can be), each with the
+    variables ``torchrun --nproc_per_node=nproc`` sets for a worker (RANK, LOCAL_RANK, WORLD_SIZE,
+    LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT); by rank, each one's completed process, or what its ``run``
+    raised (a timeout: a rank whose peer failed first may wait for it until then)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    outs: list[Any] = [None] * nproc
+
+    def worker(rank: int) -> None:
+        ranked = {**env, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
+                  "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}  # fmt: skip
+        try:
+            outs[rank] = run(cmd, env=ranked, **kwargs)
+        except BaseException as exc:
+            outs[rank] = exc
+
+    threads = [threading.Thread(target=worker, args=(r,)) for r in range(nproc)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return outs

@@ -19,13 +19,10 @@ import re
 import subprocess
 import sys
 import textwrap
-import threading
 from pathlib import Path
-from typing import Any
 
 import fast_child
 import pytest
-from mp_world import free_port
 from subproc import ROOT
 
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -77,7 +74,9 @@ def test_the_python_blocks_of_a_doc_run_as_copied(doc: Path, tmp_path: Path) -> 
         assert out.returncode == 0, f"{doc.name}:\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}"
         assert "Sparse invariant checks are implicitly disabled" not in out.stderr, "torch's SEGFAULT warning"
     for i, program in programs:
-        outs = _as_torchrun_workers(program, tmp_path)
+        outs = fast_child.run_as_torchrun_workers(
+            [sys.executable, "-c", program], 2, capture_output=True, text=True, cwd=tmp_path, env=_env(), timeout=300
+        )
         for rank, out in enumerate(outs):  # a rank that failed first: the other may then time out waiting
             if not isinstance(out, BaseException):
                 assert out.returncode == 0, (
@@ -86,30 +85,6 @@ def test_the_python_blocks_of_a_doc_run_as_copied(doc: Path, tmp_path: Path) -> 
         for out in outs:
             if isinstance(out, BaseException):
                 raise out
-
-
-def _as_torchrun_workers(program: str, cwd: Path, nproc: int = 2) -> list[Any]:
-    """``program`` run by ``nproc`` processes at once, each with the variables torchrun sets for a worker of
-    one node; by rank, each one's completed process or what its run raised (a timeout)."""
-    port = str(free_port())
-    outs: list[Any] = [None] * nproc
-
-    def worker(rank: int) -> None:
-        env = {**_env(), "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
-               "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}  # fmt: skip
-        try:
-            outs[rank] = fast_child.run(
-                [sys.executable, "-c", program], capture_output=True, text=True, cwd=cwd, env=env, timeout=300
-            )
-        except BaseException as exc:
-            outs[rank] = exc
-
-    threads = [threading.Thread(target=worker, args=(r,)) for r in range(nproc)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return outs
 
 
 ALONE = ("Half-precision tables", "Tables larger than memory", "Checkpoints and serving", "Serving")

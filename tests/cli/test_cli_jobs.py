@@ -317,15 +317,17 @@ def test_command_line_surface() -> None:
 
 @pytest.mark.distributed
 def test_dlrm_job_under_torchrun(tmp_path: Path) -> None:
-    from mp_world import free_port
-
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
-           "-m", "embtables", "train", *SMALL, "--steps", "40", "--eval-every", "20",
+    """Two ranks with torchrun's environment, forked from the preloaded server (torchrun itself runs the job in
+    the next test): each rank writes its own rows, rank 0 alone reports."""
+    cmd = [sys.executable, "-m", "embtables", "train", *SMALL, "--steps", "40", "--eval-every", "20",
            "--model-dir", str(tmp_path)]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    assert out.stdout.count("PASS") == 1, "rank 0 reports; the other rank stays quiet"
+    outs = fast_child.run_as_torchrun_workers(
+        cmd, 2, capture_output=True, text=True, timeout=300, env=dict(os.environ), cwd=tmp_path
+    )
+    for out in outs:
+        assert not isinstance(out, BaseException), out
+        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "".join(o.stdout for o in outs).count("PASS") == 1, "rank 0 reports; the other rank stays quiet"
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["processes"] == 2 and summary["steps"] == 40
     manifest = json.loads((tmp_path / "ckpt-00000040" / "manifest.json").read_text())

@@ -26,6 +26,9 @@ elif os.environ.get("TRITON_INTERPRET") == "1":
     DEVICE = torch.device("cpu")
 else:
     DEVICE = None
+# Pieces of runs in most long-run cases (``gpu.PIECE`` is read at each launch): the same kernels as the
+# library's 128, an eighth of the loop trips through Triton's interpreter
+SHORT_PIECE = 16
 
 
 @pytest.fixture(autouse=True)
@@ -180,14 +183,20 @@ def test_row_sums_join_a_hot_row_from_pieces() -> None:
     assert torch.equal(got.sums[:u][others].cpu(), sums[others])
 
 
-@pytest.mark.parametrize(("dim", "multi"), [(3, False), (8, True), (64, False)])
-def test_row_sums_pieces_of_long_runs_meet_in_order(dim: int, multi: bool) -> None:
-    """Long runs side by side (129, 128, 256, 300, 1 and 127 occurrences), so that a run's short last piece
-    and the next run's whole first piece begin in the same 128 positions: every run's sum is right, runs
-    of at most 128 occurrences keep the CPU's bits. ``multi``: the occurrences split over two features of
-    the table (their gradients apart, the second without coefficients)."""
+@pytest.mark.parametrize(("dim", "multi", "piece"), [(3, False, SHORT_PIECE), (8, True, 128), (64, False, SHORT_PIECE)])
+def test_row_sums_pieces_of_long_runs_meet_in_order(
+    dim: int, multi: bool, piece: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Long runs side by side (P + 1, P, 2P, 2P + 44, 1, P - 1 and P + 3 occurrences for pieces of P: 129,
+    128, 256, 300, 1, 127 and 131 at the library's 128), so that a run's short last piece and the next run's
+    whole first piece begin in the same P positions: every run's sum is right, runs of at most P occurrences
+    keep the CPU's bits. ``multi``: the occurrences split over two features of the table (their gradients
+    apart, the second without coefficients). The piece is a kernel parameter read at each launch: the
+    library's in one case, SHORT_PIECE (the same kernels, fewer loop trips) in the others."""
+    monkeypatch.setattr(gpu, "PIECE", piece)
     gen = torch.Generator().manual_seed(11)
-    lengths = {5: 129, 6: 128, 9: 256, 11: 300, 12: 1, 20: 127, 21: 131}
+    p = piece
+    lengths = {5: p + 1, 6: p, 9: 2 * p, 11: 2 * p + 44, 12: 1, 20: p - 1, 21: p + 3}
     ids = torch.cat([torch.full((n,), r) for r, n in lengths.items()] + [torch.randint(30, 60, (200,), generator=gen)])
     ids = ids[torch.randperm(ids.numel(), generator=gen)].to(DEVICE)
     seg = torch.randint(0, 64, (ids.numel(),), generator=gen).to(DEVICE)
@@ -207,12 +216,12 @@ def test_row_sums_pieces_of_long_runs_meet_in_order(dim: int, multi: bool) -> No
     got = gpu_step.row_sums(parts, [60], dim)
     rows, sums = dedup_sum(ids.cpu(), occ.cpu())
     u, maxbits, bad, longest, *_ = got.stats.tolist()
-    assert torch.equal(got.rows[:u].cpu(), rows) and bad == 0 and longest == 300
+    assert torch.equal(got.rows[:u].cpu(), rows) and bad == 0 and longest == 2 * p + 44
     exact64 = torch.zeros(60, dim, dtype=torch.float64).index_add_(0, ids.cpu(), occ64)[rows]
     torch.testing.assert_close(got.sums[:u].cpu().double(), exact64, rtol=1e-5, atol=1e-4)
     counts = torch.bincount(ids.cpu(), minlength=60)[rows]
     same = (got.sums[:u].cpu() == sums).all(dim=1)
-    assert bool(same[counts <= 128].all())
+    assert bool(same[counts <= p].all())
     assert gpu.bits_to_float([maxbits])[0] == float(got.sums[:u].abs().max())
 
 
@@ -426,7 +435,6 @@ def _long_and_short_runs(dim: int, multi: bool) -> tuple[list[Any], int]:
 
 
 _PHASE_ONE: dict[tuple[bool, int], tuple[Any, ...]] = {}
-SHORT_PIECE = 16  # the piece the ten inline-sum cases cut runs into: the same kernels, an eighth of the loops
 
 
 def _both_phase_ones(multi: bool) -> tuple[Any, ...]:
@@ -452,7 +460,7 @@ def test_inline_sums_update_like_summed_ones_bit_for_bit(
     ones joined in place beforehand) writes exactly what the update of the summed gradients writes, dry run
     included. Runs are cut into pieces of SHORT_PIECE here (the piece is a kernel parameter, read at each
     launch); the library's 128 is the piece of the inline update in
-    ``test_sums_left_to_the_update_read_their_own_gradients_once_owned`` and of the row sums above."""
+    ``test_sums_left_to_the_update_read_their_own_gradients_once_owned`` and of one row-sums case above."""
     monkeypatch.setattr(gpu, "PIECE", SHORT_PIECE)
     opt, dim = OPTIMIZERS[name](), 8
     _, vocab, summed, lazy = _both_phase_ones(multi)
@@ -474,14 +482,16 @@ def test_inline_sums_update_like_summed_ones_bit_for_bit(
         gpu_step.update(summed, [(weights, slots)], params, write=True, refused=refused, inline=True)
 
 
-def test_sums_left_to_the_update_measure_long_runs_and_materialize_exactly() -> None:
+def test_sums_left_to_the_update_measure_long_runs_and_materialize_exactly(monkeypatch: pytest.MonkeyPatch) -> None:
     """Phase 1 that leaves the sums to the update still finds the longest run and joins the long ones;
-    materializing gives the summed path's bits and its largest |sum|."""
+    materializing gives the summed path's bits and its largest |sum|. Pieces of SHORT_PIECE (the library's
+    128: the row sums above and the once-owned update below)."""
+    monkeypatch.setattr(gpu, "PIECE", SHORT_PIECE)
     parts, vocab = _long_and_short_runs(5, multi=True)
     summed = gpu_step.row_sums(parts, [vocab], 5)
     lazy = gpu_step.row_sums(parts, [vocab], 5, summed=False)
     u, _, bad, longest, *_ = lazy.stats.tolist()
-    assert gpu.PIECE == 128 and bad == 0 and longest == 300
+    assert bad == 0 and longest == 2 * SHORT_PIECE + 44
     sums = gpu_step.materialize(lazy)
     assert torch.equal(sums[:u], summed.sums[:u])
     assert lazy.stats.tolist()[1] == summed.stats.tolist()[1]  # the exact largest |sum| now
