@@ -22,7 +22,7 @@ from embtables.config import (
     RMSProp,
     TableConfig,
 )
-from embtables.errors import ConfigError, InputError
+from embtables.errors import ClosedFilesError, ConfigError, InputError, TornFilesError
 from embtables.estimator.scoring_model import ScoringModel, load_model
 from embtables.tables import Constant, Ragged, RowIdInitializer, TruncatedNormal
 
@@ -37,6 +37,7 @@ __all__ = [
     "Adam",
     "CenteredRMSProp",
     "CheckpointError",
+    "ClosedFilesError",
     "Combiner",
     "ConfigError",
     "Constant",
@@ -56,6 +57,7 @@ __all__ = [
     "ScoringModel",
     "ServingEmbedding",
     "TableConfig",
+    "TornFilesError",
     "TruncatedNormal",
     "__version__",
     "export",

@@ -346,7 +346,7 @@ class DistributedEmbedding(nn.Module):
         an offloaded table is refused (their files are scratch: ``save`` first to keep them); tables in memory are
         untouched. Python releases them too when the module is garbage-collected, but not at a known time. Safe to
         call again; with no offloaded table there is nothing to release."""
-        self._engine.close_offloaded()
+        self._engine.offloaded.close()
 
     @_locked
     def changed_rows(self) -> dict[str, Tensor]:
@@ -358,7 +358,7 @@ class DistributedEmbedding(nn.Module):
         # a pending pipelined update lands first; an offloaded table's files are checked (not torn, not cut
         # short), never initialized whole: the row ids are all this reads
         shards = self._pipeline.local_shards(whole=False)
-        self._engine.check_offloaded("changed_rows()")
+        self._engine.offloaded.check_whole("changed_rows()")
         return self._engine.changed_rows(shards)
 
     @_locked

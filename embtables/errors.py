@@ -13,3 +13,13 @@ class ConfigError(ValueError):
 
 class InputError(ValueError):
     """A batch of ids, weights or gradients breaks a documented rule; nothing was changed."""
+
+
+class TornFilesError(RuntimeError):
+    """An offloaded table's working files no longer hold it (a write-back or read failed, or something else
+    cut a file short): its lookups, whole-table reads and saves are refused until ``restore()`` of a
+    checkpoint or ``load_state_dict()`` of the whole state; the last checkpoint is untouched."""
+
+
+class ClosedFilesError(RuntimeError):
+    """An offloaded table's files were released (``close()``): nothing reads or writes them any more."""

@@ -106,7 +106,7 @@ class Persistence:
         engine = pipeline.engine
         engine.settle()  # a GPU step's error not raised yet is raised now, not lost behind a checkpoint
         # torn or cut working files of an offloaded table are refused on every rank before anything is written
-        refused = _refusal(lambda: engine.check_offloaded("save"))
+        refused = _refusal(lambda: engine.offloaded.check_whole("save"))
         pipeline.exchange("save", lambda: agree(refused, engine.group, "save"))
         # Pre-update rows the next training lookup must read (pipelining): saved with global row ids.
         stale = {name: (shards[name].rows[rows.cpu()], old) for name, (rows, old) in pipeline.stale.items()}
@@ -129,8 +129,8 @@ class Persistence:
         pipeline.drop_prefetch()
         engine = pipeline.engine
         # an offloaded table's rows are all written by the restore (pass 1 checks that every row is in the
-        # checkpoint): its blocks are not initialized first, and its files are whole after it (offload_restored)
-        refused = _refusal(engine.offload_before_restore)  # a full disk: every rank refuses, nothing changed
+        # checkpoint): its blocks are not initialized first, and its files are whole after it (offloaded.restored)
+        refused = _refusal(engine.offloaded.before_restore)  # a full disk: every rank refuses, nothing changed
         pipeline.exchange("restore", lambda: agree(refused, engine.group, "restore"))
         shards = engine.local_shards(whole=False)
         with progress_bar(progress, comm.get_rank(engine.group), "restore") as tick:
@@ -142,7 +142,7 @@ class Persistence:
                 self.torn = str(exc)
                 raise
         self.torn = None
-        engine.offload_restored()
+        engine.offloaded.restored()
         # The pre-update rows of a pipelined update pending at save are read by the next training lookup
         # of a pipelined module only; a synchronous module reads the tables as they are (updated).
         device, stale = engine.device, manifest.pop("stale")
@@ -212,7 +212,7 @@ class Persistence:
         self.torn = None if not missing else self.torn
         engine.load_logical(present)
         if not missing:
-            engine.offload_restored()
+            engine.offloaded.restored()
         engine.load_vocabulary_state(vocabularies, pipeline.training_steps)
         engine.mark_all_changed()  # loaded values: every row differs from the last checkpoint
         self.last_id = None

@@ -30,6 +30,7 @@ from embtables.tables import phase_profile
 from embtables.tables.batch_ownership import batch_pointers, detached
 from embtables.tables.engine import Engine
 from embtables.tables.inputs import FeatureBatch
+from embtables.tables.offloaded_tables import Admission
 from embtables.tables.state import LocalShard
 from embtables.tables.table_gradient import TableGradient
 
@@ -234,7 +235,8 @@ class StepPipeline:
             batches = self.engine.translate_keys(
                 staged.batches or [], staged.training, staged.step, pin_from, staged.refused
             )
-            acts, context = self.engine.lookup(batches, staged.refused, self.concat)
+            admission = Admission(staged.step, pin_from, staged.training)  # an offloaded table's rows
+            acts, context = self.engine.lookup(batches, staged.refused, self.concat, admission)
             return acts, context, batches
 
     def drop_prefetch(self) -> None:

@@ -24,6 +24,7 @@ rows is refused on all, with no table changed anywhere.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -45,6 +46,7 @@ from embtables.tables.engine import LocalTables
 from embtables.tables.initializers import default_initializer
 from embtables.tables.inputs import FeatureBatch
 from embtables.tables.offload_cache import OffloadShard, table_seed
+from embtables.tables.offloaded_tables import Admission
 from embtables.tables.state import LocalShard
 from embtables.tables.table_gradient import TableGradient
 
@@ -139,7 +141,6 @@ class ShardedEmbeddingCollection(LocalTables):
         self.local = EmbeddingCollection(
             dataclasses.replace(resolved, tables=tuple(local_tables)), device, deferred_errors=False, offload=offload
         )
-        self._admission = (0, 0, False)  # (step, pin_from, training) of the lookup being translated
         # Owned rows per table (local rows may add one placeholder row when a rank owns none).
         self._owned_rows = {t.name: self.plans[t.name].owned_rows(self.rank) for t in resolved.tables}
         # a half-precision table rounds each row's update with the row's global id (spec §12): the same bits
@@ -175,7 +176,6 @@ class ShardedEmbeddingCollection(LocalTables):
     ) -> list[FeatureBatch]:
         """Dynamic features' keys turned into global rows by their owners' key maps (collective; every
         rank raises when any rank refused its batch, before any map changes)."""
-        self._admission = (step, pin_from, training)
         out, refusing = dynamic_keys.translate_sharded(
             self.resolved, self.plans, self.local.vocabularies, self.local.reset_rows, batches, training, step,
             pin_from, refused is not None, self.group,
@@ -210,7 +210,7 @@ class ShardedEmbeddingCollection(LocalTables):
 
     def offload_statistics(self) -> dict[str, dict[str, float]]:
         """Per offloaded table, every counter summed over the ranks (collective)."""
-        everyone = comm.all_gather_object(self.local.offload_statistics(), self.group)
+        everyone = comm.all_gather_object(self.local.offloaded.statistics(), self.group)
         return {name: {k: sum(r[name][k] for r in everyone) for k in everyone[0][name]} for name in everyone[0]}
 
     def vocabulary_statistics(self) -> dict[str, dict[str, int]]:
@@ -226,19 +226,25 @@ class ShardedEmbeddingCollection(LocalTables):
 
     # ------------------------------------------------------------------ forward
     def lookup(
-        self, batches: Sequence[FeatureBatch], refused: BaseException | None = None, concat: bool = False
+        self,
+        batches: Sequence[FeatureBatch],
+        refused: BaseException | None = None,
+        concat: bool = False,
+        admission: Admission | None = None,
     ) -> tuple[list[Tensor], LookupContext]:
         """Activations per feature [*out_shape, D] of this rank's batch (``concat``: one [B, sum(D)]
         tensor), and the routes for its update.
 
         ``refused`` is this rank's validation error for its batch (its ids then take no part): every
-        rank raises when any rank's batch was refused, so all stay in step."""
+        rank raises when any rank's batch was refused, so all stay in step. ``admission``: when the rows
+        other ranks ask of this one's offloaded tables are brought into memory (None: no lookup of them)."""
+        admit = functools.partial(self._admit_offloaded, admission=admission or Admission(0, 0, False))
         tables = self.row_tables
         routes: list[routing.TableRoute] = []
         out: list[Tensor | None] = [None] * len(self.resolved.features)
         if tables:  # the row-returning tables (their exchange carries the refusal agreement)
             routes = self._routes(batches, refused)
-            self._admit_offloaded([(t.name, route.recv_rows) for t, route in zip(tables, routes)])
+            admit([(t.name, route.recv_rows) for t, route in zip(tables, routes)])
             answers = []
             with phase_profile.phase("lookup: answer rows"):
                 for t, route in zip(tables, routes):
@@ -257,7 +263,7 @@ class ShardedEmbeddingCollection(LocalTables):
             with phase_profile.phase("lookup: owner pooling"):
                 acts, pooled, refusing = owner_pooling.pooled_lookup_exchange(
                     self._pooled_features, batches, self.resolved, self.plans, self.local, self.rank, self.world,
-                    self.group, refused=refused is not None and not tables, admit=self._admit_offloaded,
+                    self.group, refused=refused is not None and not tables, admit=admit,
                 )  # fmt: skip
             if refusing:
                 self._raise_refused(refused, refusing, "batch")
@@ -288,20 +294,17 @@ class ShardedEmbeddingCollection(LocalTables):
             self._raise_refused(refused, refusing, "batch")
         return [routing.TableRoute(r, recv_rows, recv_counts) for r, (recv_rows, recv_counts) in zip(routed, asked)]
 
-    def _admit_offloaded(self, wanted: Sequence[tuple[str, Tensor]]) -> None:
+    def _admit_offloaded(self, wanted: Sequence[tuple[str, Tensor]], admission: Admission) -> None:
         """Bring the local rows [any] other ranks asked of this rank, per table (``wanted``), into its row caches
         (offloaded tables); every rank raises when any rank's cache refused (one exchange, only with offloaded
         tables)."""
         if not self.local.offloaded:
             return
-        step, pin_from, training = self._admission
         error: str | None = None
-        for name, rows in wanted:
-            try:
-                self.local.admit_offloaded(name, rows, step, pin_from, training)
-            except (InputError, RuntimeError, OSError) as exc:
-                error = f"{type(exc).__name__}: {exc}"
-                break
+        try:
+            self.local.offloaded.admit_rows(wanted, admission)
+        except (InputError, RuntimeError, OSError) as exc:
+            error = f"{type(exc).__name__}: {exc}"
         if not comm.any_rank(error is not None, self.group):  # the common case: one flag, not the messages
             return
         errors = comm.all_gather_object(error, self.group)
@@ -571,7 +574,7 @@ class ShardedEmbeddingCollection(LocalTables):
 
     def full_state(self) -> dict[str, Tensor]:
         """``{"<table>" | "<table>/<slot>": full logical [V, D] tensor}`` gathered on every rank (collective)."""
-        self.local.whole_tables()
+        self.local.offloaded.whole()
         out = {}
         for key, (t, slot) in self.state_key_owners().items():
             plan = self.plans[t.name]
@@ -586,7 +589,7 @@ class ShardedEmbeddingCollection(LocalTables):
     def load_logical(self, values: dict[str, Tensor]) -> None:
         """Keep this rank's rows of full logical tables/slots ``{key: [V, D]}`` (already validated)."""
         owners = self.state_key_owners()
-        self.local.whole_tables(self.rewritten_tables(values))
+        self.local.offloaded.whole(self.rewritten_tables(values))
         with torch.no_grad():
             for key, value in values.items():
                 t, slot = owners[key]
@@ -601,7 +604,7 @@ class ShardedEmbeddingCollection(LocalTables):
         """``{table: LocalShard}``: this rank's rows with their global row ids, as live storage (``whole``: as
         ``OneProcessEngine.local_shards``)."""
         if whole:
-            self.local.whole_tables()
+            self.local.offloaded.whole()
         out = {}
         for t in self.resolved.tables:
             n = self._owned_rows[t.name]

@@ -9,7 +9,7 @@ without touching state; phase 2 checks every update, then writes. A bad batch th
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 import torch
@@ -26,6 +26,7 @@ from embtables.tables.gradient_checks import GradientChecks
 from embtables.tables.inputs import FeatureBatch
 from embtables.tables.learning_rates import LearningRatePlan
 from embtables.tables.offload_cache import OffloadedRows, OffloadShard
+from embtables.tables.offloaded_tables import Admission, OffloadedTables
 from embtables.tables.state import TableState, create_table_state, initial_rows
 from embtables.tables.table_gradient import TableGradient
 
@@ -46,13 +47,14 @@ class EmbeddingCollection:
         # False: a GPU backend raises every error in the call that finds it (the sharded engine's local tables)
         self.deferred_errors = deferred_errors
         self.states: dict[str, TableState] = {}
-        # offloaded tables (``TableConfig.offload``): their files and row cache; ``offload`` says which shard
-        self.offloaded: dict[str, OffloadedRows] = {}
+        # offloaded tables (``TableConfig.offload``): their files and row caches; ``offload`` says which shard
+        caches: dict[str, OffloadedRows] = {}
+        self.offloaded = OffloadedTables(resolved, caches)
         try:
             for t in resolved.tables:
                 made = create_table_state(t, device, (offload or {}).get(t.name))
                 if isinstance(made, OffloadedRows):
-                    self.offloaded[t.name] = made
+                    caches[t.name] = made
                     weights, slots = made.state_tensors()
                     made_state = TableState(weights=weights, slots=slots)
                 else:
@@ -63,7 +65,7 @@ class EmbeddingCollection:
             raise
         self.vocabularies = Vocabularies(resolved)  # the key maps of dynamic tables (spec §11)
         # rows written since the last save (a bit a row for an offloaded table: its memory is its cache)
-        self.changed = ChangedRows(self.states, packed=self.offloaded)
+        self.changed = ChangedRows(self.states, packed=caches)
         self._build()
 
     def _build(self) -> None:
@@ -101,58 +103,12 @@ class EmbeddingCollection:
 
     def close(self) -> None:
         """Close the offloaded tables' files (their locks released)."""
-        for rows in self.offloaded.values():
-            rows.close()
-
-    # ------------------------------------------------------------------ offloaded tables (docs/offload.md)
-    def admit_offloaded(self, name: str, rows: Tensor, step: int, pin_from: int, training: bool) -> None:
-        """Bring local rows [any] of offloaded table ``name`` into memory before a lookup reads them."""
-        cache = self.offloaded.get(name)
-        if cache is not None:
-            cache.admit(rows, step, pin_from, training)
-
-    def prefetch_offloaded(self, batches: Sequence[FeatureBatch]) -> None:
-        """Start reading the rows of a staged batch's offloaded tables from disk (``OffloadedRows.prefetch``)."""
-        for name, cache in self.offloaded.items():
-            ids = self._table_ids(name, batches)
-            if ids is not None:
-                cache.prefetch(ids)
-
-    def _table_ids(self, name: str, batches: Sequence[FeatureBatch]) -> Tensor | None:
-        """Every id [N] the features of table ``name`` look up in ``batches`` (None: it has no feature)."""
-        index = self.resolved.table_names.index(name)
-        ids = [batches[f].ids for f in self.resolved.tables[index].feature_indices]
-        return torch.cat(ids) if ids else None
-
-    def whole_tables(self, rewritten: Collection[str] = ()) -> None:
-        """Every offloaded table initialized in full before its tensors are read or written whole (refused while
-        its files are torn or cut short); the tables named in ``rewritten`` have every row and slot written next
-        (a full load), which their files may be torn for (``OffloadedRows.materialize``)."""
-        for name, cache in self.offloaded.items():
-            cache.materialize(rewrite=name in rewritten)
-
-    def check_offloaded(self, what: str) -> None:
-        """Raise unless every offloaded table's files hold it whole, before ``what`` reads them (a save)."""
-        for cache in self.offloaded.values():
-            cache.check_whole(what)
-
-    def offload_statistics(self) -> dict[str, dict[str, float]]:
-        return {name: cache.statistics() for name, cache in self.offloaded.items()}
-
-    def offload_before_restore(self) -> None:
-        """A restore writes every row of the offloaded tables next (``OffloadedRows.before_restore``)."""
-        for cache in self.offloaded.values():
-            cache.before_restore()
-
-    def offload_restored(self) -> None:
-        """Every offloaded table was written whole (restore, full load): no longer torn."""
-        for cache in self.offloaded.values():
-            cache.restored()
+        self.offloaded.close()
 
     def __getstate__(self) -> dict[str, Any]:
         if self.offloaded:
             raise TypeError(
-                f"an embedding collection with offloaded tables ({sorted(self.offloaded)}) keeps its rows in files "
+                f"an embedding collection with offloaded tables ({self.offloaded.names()}) keeps its rows in files "
                 "it has locked; it cannot be copied or pickled. Save a checkpoint (save/restore) instead."
             )
         # The backend's scratch (C workspaces, ctypes blocks) belongs to this process: a copy or a pickle
@@ -168,6 +124,8 @@ class EmbeddingCollection:
         for stale in ("_workspaces", "_param_blocks", "_fast"):
             state.pop(stale, None)
         state.setdefault("deferred_errors", True)  # pickled before the choice existed
+        if not isinstance(state.get("offloaded"), OffloadedTables):  # pickled as a dict (never with a table)
+            state["offloaded"] = OffloadedTables(state["resolved"], {})
         self.__dict__.update(state)
         if "changed" not in state:  # pickled before rows were tracked: every row counts as changed
             self.changed = ChangedRows(self.states)
@@ -180,10 +138,6 @@ class EmbeddingCollection:
     ) -> list[FeatureBatch]:
         """Batches whose dynamic features hold rows instead of keys (spec §11); the rows a training lookup
         gave to new keys are reset to the table's initial values first. Other batches pass unchanged."""
-        for name, cache in self.offloaded.items():
-            ids = self._table_ids(name, batches)
-            if ids is not None:
-                cache.admit(ids, step, pin_from, training)
         if not self.vocabularies:
             return list(batches)
         out, resets = self.vocabularies.translate(batches, training, step, pin_from)
@@ -205,11 +159,16 @@ class EmbeddingCollection:
                 state.slots[slot].index_copy_(0, rows, values)
         self.changed.mark(table.name, rows)
 
-    def lookup(self, batches: Sequence[FeatureBatch], concat: bool = False) -> list[Tensor]:
+    def lookup(
+        self, batches: Sequence[FeatureBatch], concat: bool = False, admission: Admission | None = None
+    ) -> list[Tensor]:
         """Activations per feature, [*out_shape, D], in feature order; ``concat``: one tensor [B, sum(D)],
-        the features' activations side by side (every batch must pool to the same B bags). The backend
-        serves what it can (with ``concat`` and every feature served, straight into the one output), the
-        reference the rest; every activation is checked finite."""
+        the features' activations side by side (every batch must pool to the same B bags). The offloaded
+        tables' rows are admitted first (``admission``: the lookup's step, pinned steps and mode; None: their
+        rows are in memory already). The backend serves what it can (with ``concat`` and every feature
+        served, straight into the one output), the reference the rest; every activation is checked finite."""
+        if admission is not None and self.offloaded:
+            self.offloaded.admit(batches, admission)
         got = self.backend.lookup(batches, concat)
         if got.wide is not None:
             return [got.wide]
@@ -345,12 +304,8 @@ class EmbeddingCollection:
     def _refuse_closed(self, table_grads: Sequence[TableGradient]) -> None:
         """An update of an offloaded table whose files were released (``close``) is refused before anything is
         written (its lookup came before the close)."""
-        if not self.offloaded:  # the common case: nothing to look up per table and step
-            return
-        for tg in table_grads:
-            cache = self.offloaded.get(tg.table.name)
-            if cache is not None:
-                cache.check_open()
+        if self.offloaded:  # the common case has none: nothing to look up per table and step
+            self.offloaded.check_open([tg.table.name for tg in table_grads])
 
     def _checked_updates(
         self, table_grads: Sequence[TableGradient], lrs: dict[str, float], *, check_in_write: bool

@@ -19,6 +19,7 @@ from embtables.config import ResolvedConfig, ResolvedTable
 from embtables.tables.collection import EmbeddingCollection
 from embtables.tables.dynamic_vocabularies import ROW_FIELDS, Vocabularies
 from embtables.tables.inputs import FeatureBatch
+from embtables.tables.offloaded_tables import Admission, OffloadedTables
 from embtables.tables.state import LocalShard, TableState
 from embtables.tables.table_gradient import TableGradient
 
@@ -68,7 +69,11 @@ class Engine(Protocol):
     def vocabulary_shards(self) -> dict[str, dict[str, Tensor]]: ...
 
     def lookup(
-        self, batches: Sequence[FeatureBatch], refused: BaseException | None = None, concat: bool = False
+        self,
+        batches: Sequence[FeatureBatch],
+        refused: BaseException | None = None,
+        concat: bool = False,
+        admission: Admission | None = None,
     ) -> tuple[list[Tensor], Any]: ...
 
     def check_gradients(self, batches: Sequence[FeatureBatch], grads: Sequence[Any]) -> list[Tensor | None]: ...
@@ -85,13 +90,8 @@ class Engine(Protocol):
 
     def mark_all_changed(self) -> None: ...
 
-    def offload_before_restore(self) -> None: ...
-
-    def check_offloaded(self, what: str) -> None: ...
-
-    def offload_restored(self) -> None: ...
-
-    def close_offloaded(self) -> None: ...
+    @property
+    def offloaded(self) -> OffloadedTables: ...
 
     def prefetch_rows(self, batches: Sequence[FeatureBatch]) -> None: ...
 
@@ -187,15 +187,10 @@ class LocalTables:
     def mark_all_changed(self) -> None:
         self.local.changed.mark_all()
 
-    def offload_before_restore(self) -> None:
-        """A restore writes every row of this process's offloaded tables next: their files are made writable
-        whole (grown back where something cut them short)."""
-        self.local.offload_before_restore()
-
-    def check_offloaded(self, what: str) -> None:
-        """Raise unless this process's offloaded tables' files hold them whole (not torn, not cut short), before
-        ``what`` (a save) reads them."""
-        self.local.check_offloaded(what)
+    @property
+    def offloaded(self) -> OffloadedTables:
+        """This process's offloaded tables (their row caches and files): the one way to them."""
+        return self.local.offloaded
 
     def rewritten_tables(self, keys: Collection[str]) -> set[str]:
         """The offloaded tables whose every state key (weights and slots) is in ``keys``: a load writes them
@@ -205,14 +200,6 @@ class LocalTables:
             name for name in self.local.offloaded
             if all(key in keys for key, (t, _) in owners.items() if t.name == name)
         }  # fmt: skip
-
-    def offload_restored(self) -> None:
-        """The offloaded tables were written whole (restore, a full load): their files are whole again."""
-        self.local.offload_restored()
-
-    def close_offloaded(self) -> None:
-        """Release this process's offloaded tables' files and locks (``DistributedEmbedding.close``)."""
-        self.local.close()
 
     def map_tensors(self, fn: Callable[[Tensor], Tensor]) -> None:
         self.local.map_tensors(fn)
@@ -274,11 +261,11 @@ class OneProcessEngine(LocalTables):
 
     def prefetch_rows(self, batches: Sequence[FeatureBatch]) -> None:
         """Start reading a staged batch's offloaded rows from disk before its lookup (docs/offload.md)."""
-        self.local.prefetch_offloaded(batches)
+        self.local.offloaded.prefetch(batches)
 
     def offload_statistics(self) -> dict[str, dict[str, float]]:
         """Per offloaded table, its row cache's counters (``OffloadedRows.statistics``)."""
-        return self.local.offload_statistics()
+        return self.local.offloaded.statistics()
 
     def device_checks(self) -> Any:
         """The GPU backend's deferred device checks, which the input staging reports to (its input rules
@@ -287,11 +274,15 @@ class OneProcessEngine(LocalTables):
         return None if checks is None or checks.immediate else checks
 
     def lookup(
-        self, batches: Sequence[FeatureBatch], refused: BaseException | None = None, concat: bool = False
+        self,
+        batches: Sequence[FeatureBatch],
+        refused: BaseException | None = None,
+        concat: bool = False,
+        admission: Admission | None = None,
     ) -> tuple[list[Tensor], None]:
         if refused is not None:  # one process raises a bad batch at enqueue; kept for the interface
             raise refused
-        return self.local.lookup(batches, concat), None
+        return self.local.lookup(batches, concat, admission), None
 
     def table_gradients(
         self,
@@ -323,7 +314,7 @@ class OneProcessEngine(LocalTables):
 
     def full_state(self) -> dict[str, Tensor]:
         """``{"<table>" | "<table>/<slot>": [V, D]}``: the live tensors (no copy in one process)."""
-        self.local.whole_tables()
+        self.local.offloaded.whole()
         return self.local.state_keys()
 
     def logical_shapes(self) -> dict[str, tuple[int, int]]:
@@ -334,7 +325,7 @@ class OneProcessEngine(LocalTables):
 
     def load_logical(self, values: dict[str, Tensor]) -> None:
         """Copy full logical tables/slots ``{key: [V, D]}`` (already validated) into place."""
-        self.local.whole_tables(self.rewritten_tables(values))
+        self.local.offloaded.whole(self.rewritten_tables(values))
         expected = self.local.state_keys()
         with torch.no_grad():
             for key, value in values.items():
@@ -344,7 +335,7 @@ class OneProcessEngine(LocalTables):
         """Every table as one whole shard (rows ``arange(V)``), as live storage. ``whole=False``: an
         offloaded table's rows never read are not initialized first (a checkpoint reads them from its files)."""
         if whole:
-            self.local.whole_tables()
+            self.local.offloaded.whole()
         out = {}
         for t in self.resolved.tables:
             state = self.local.states[t.name]

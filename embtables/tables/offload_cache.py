@@ -39,7 +39,7 @@ from torch import Tensor
 
 from embtables.config import ResolvedTable
 from embtables.config.offload import Offload
-from embtables.errors import InputError
+from embtables.errors import ClosedFilesError, InputError, TornFilesError
 from embtables.tables.initializers import default_initializer
 from embtables.tables.offload_files import DROP_CLEAN, DROP_WRITTEN, READ, SETTLE, WILL_NEED, ShardFiles
 
@@ -254,7 +254,7 @@ class OffloadedRows:
             self.torn = self._cut_short()
             if self.torn is None:
                 return
-        raise RuntimeError(
+        raise TornFilesError(
             f"table {self.logical.name!r}: {what} refused: its working files under {self.files.directory!r} are torn "
             f"({self.torn}) and no longer hold the table. Lookups, whole-table reads (state_dict, embedding_tables, "
             "slot_variables, local_shards, changed_rows) and save are refused until restore() of a checkpoint or "
@@ -299,7 +299,7 @@ class OffloadedRows:
         (changing nothing) when the groups used since ``pin_from`` and these exceed the cache."""
         self.check_open()
         if self.torn is not None:
-            raise RuntimeError(
+            raise TornFilesError(
                 f"table {self.logical.name!r}: its working files are torn ({self.torn}): every lookup is refused "
                 "until restore() of a checkpoint or load_state_dict() of the whole state. The last checkpoint is "
                 "untouched."
@@ -479,7 +479,7 @@ class OffloadedRows:
     def _tear(self, why: str, cause: BaseException | None = None) -> NoReturn:
         """The files no longer hold the table (``why``): every lookup is refused until a restore; raises."""
         self.torn = why
-        raise RuntimeError(
+        raise TornFilesError(
             f"table {self.logical.name!r}: {why}, in its files under {self.files.directory!r}. The table's working "
             "files are now torn: every lookup is refused until restore() of a checkpoint or load_state_dict() of "
             "the whole state; the last checkpoint is untouched."
@@ -552,7 +552,7 @@ class OffloadedRows:
     def check_open(self) -> None:
         """Raise when the files were released (``close``): nothing may read or write through them."""
         if self.closed:
-            raise RuntimeError(
+            raise ClosedFilesError(
                 f"table {self.logical.name!r}: the module was closed (close()): its offloaded files under "
                 f"{self.files.directory!r} were released, and it no longer reads or writes them. Build a new module "
                 "(on that directory or another) and restore() a checkpoint; save before close() to keep a table."

@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from embtables.errors import ConfigError
-from embtables.kernels import native_library
+from embtables.kernels import native_abi, native_library
 
 MAGIC = "embtables-offload-v1"
 DROP_CLEAN, DROP_WRITTEN, SETTLE, WILL_NEED, READ = 0, 1, 2, 3, 4  # ``page_work`` operations (csrc/offload_io.c)
@@ -245,12 +245,14 @@ class ShardFiles:
             rc = lib.et_offload_ranges(
                 self._fds[part], base, self.nbytes[part], ranges.data_ptr(), ranges.shape[0], op, err
             )
-            if rc == 0:
+            status = native_abi.decode("et_offload_ranges", rc)
+            if status == "ok":
                 return
-            if rc == 1:
+            if status == "io_error":
                 raise OSError(err[0], os.strerror(err[0]))
-            if rc == 2:
+            if status == "sizes":
                 raise RuntimeError(f"{self.names[part]}: a page range outside the file or not page-aligned (a bug)")
+            # "unsupported" (not Linux): the same work done a range at a time below
         for offset, length in ranges.tolist():  # no native library, or not Linux
             if op == DROP_CLEAN:
                 self.drop(part, offset, length, dirty=False)

@@ -96,11 +96,13 @@ def test_a_failed_write_back_tears_the_files_until_a_restore(tmp_path: Path, mon
         emb({"f": et.Ragged.from_lists([[5000, 9000]])})  # evicts the dirty rows
     monkeypatch.setattr(ShardFiles, "page_work", real_work)
     emb.eval()
-    with pytest.raises(RuntimeError, match=r"working files are torn.*restore"):
+    with pytest.raises(et.TornFilesError, match=r"working files are torn.*restore"):
         emb({"f": et.Ragged.from_lists([[0]])})
     emb.train()
-    with pytest.raises(RuntimeError, match="working files are torn"):
+    with pytest.raises(et.TornFilesError, match="working files are torn"):
         emb({"f": et.Ragged.from_lists([[1]])})
+    with pytest.raises(et.CheckpointError, match=r"save refused: its working files .* are torn"):
+        emb.save(tmp_path / "not-written")  # a save's refusal, carrying the reason
     emb.restore(ckpt)
     for k, v in emb.state_dict().items():
         assert torch.equal(v, want[k]), k
@@ -123,7 +125,7 @@ def test_a_failed_read_tears_the_files_until_a_restore(tmp_path: Path, monkeypat
     with pytest.raises(RuntimeError, match=r"table 't': reading the weights from disk failed \(Input/output error\)"):
         emb({"f": et.Ragged.from_lists([[0, 300]])})
     monkeypatch.setattr(ShardFiles, "page_work", real_work)
-    with pytest.raises(RuntimeError, match=r"working files are torn \(reading the weights.*restore"):
+    with pytest.raises(et.TornFilesError, match=r"working files are torn \(reading the weights.*restore"):
         emb({"f": et.Ragged.from_lists([[0]])})
     emb.restore(ckpt)
     for k, v in emb.state_dict().items():

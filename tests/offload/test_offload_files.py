@@ -109,7 +109,7 @@ def test_close_releases_the_files_at_once_and_the_closed_module_refuses_them(tmp
     keep = first  # a reference the test holds: without close() the lock stays taken
     acts = first({"f": torch.tensor([[1, 2], [3, 40]])})["f"]  # looked up before the close, updated after it
     first.close()
-    with pytest.raises(RuntimeError, match=r"table 't': the module was closed \(close\(\)\)"):
+    with pytest.raises(et.ClosedFilesError, match=r"table 't': the module was closed \(close\(\)\)"):
         first.apply_gradients({"f": torch.ones_like(acts)})
     assert torch.equal(handed_out[[1, 2, 3, 40]], expected)  # nothing was written
     first.close()  # again: nothing more to release

@@ -1,0 +1,136 @@
+"""``OffloadedTables``: where a collection and its engines meet its tables on disk (docs/offload.md).
+
+One object per collection holds the row cache of each offloaded table (``offload_cache.OffloadedRows``, whose
+files are ``offload_files.ShardFiles``) and is the only way the collection, the engines and the checkpoint
+code reach them:
+
+* ``admit`` brings a lookup's rows into memory before the lookup reads them. The lookup's ``Admission`` (its
+  step, the first step whose rows stay pinned, training or not) is made by the step pipeline and passed to
+  the engine's ``lookup``: one process admits its batch's ids; a sharded owner admits the rows other ranks
+  ask of it once the lookup has routed them (``admit_rows``).
+* ``prefetch`` starts reading a staged batch's rows; ``whole`` and ``check_whole`` come before a whole-table
+  access and a save; ``before_restore`` / ``restored`` around a restore or full load; ``check_open`` before
+  an update; ``close`` releases the files; ``statistics`` gives each cache's counters.
+
+Shapes: N ids of a batch's features of one table, R rows asked of this rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Collection, Iterator, Sequence
+
+import torch
+from torch import Tensor
+
+from embtables.config import ResolvedConfig
+from embtables.tables.inputs import FeatureBatch
+from embtables.tables.offload_cache import OffloadedRows
+
+
+@dataclasses.dataclass(frozen=True)
+class Admission:
+    """What a lookup's admission needs to know: its ``step``, ``pin_from`` (rows used at or after this step
+    stay in memory: the previous step's while its update is pending) and whether it is a ``training`` one."""
+
+    step: int
+    pin_from: int
+    training: bool
+
+
+class OffloadedTables:
+    """The offloaded tables of one collection, by table name (an empty one when it has none)."""
+
+    def __init__(self, resolved: ResolvedConfig, caches: dict[str, OffloadedRows]) -> None:
+        self.resolved = resolved
+        self._caches = caches
+
+    # ------------------------------------------------------------------ which tables
+    def __bool__(self) -> bool:
+        return bool(self._caches)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._caches
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._caches)
+
+    def __getitem__(self, name: str) -> OffloadedRows:
+        return self._caches[name]
+
+    def get(self, name: str) -> OffloadedRows | None:
+        return self._caches.get(name)
+
+    def names(self) -> list[str]:
+        return sorted(self._caches)
+
+    # ------------------------------------------------------------------ a lookup's rows
+    def admit(self, batches: Sequence[FeatureBatch], admission: Admission) -> None:
+        """Bring every id [N] the batches look up in each offloaded table into memory (refused, changing
+        nothing, when a cache cannot hold them with the rows still pinned)."""
+        for name, cache in self._caches.items():
+            ids = self._table_ids(name, batches)
+            if ids is not None:
+                cache.admit(ids, admission.step, admission.pin_from, admission.training)
+
+    def admit_rows(self, wanted: Sequence[tuple[str, Tensor]], admission: Admission) -> None:
+        """Bring local rows [R] of each named table into memory: what other ranks asked of this one."""
+        for name, rows in wanted:
+            cache = self._caches.get(name)
+            if cache is not None:
+                cache.admit(rows, admission.step, admission.pin_from, admission.training)
+
+    def prefetch(self, batches: Sequence[FeatureBatch]) -> None:
+        """Start reading a staged batch's rows from disk (``OffloadedRows.prefetch``)."""
+        for name, cache in self._caches.items():
+            ids = self._table_ids(name, batches)
+            if ids is not None:
+                cache.prefetch(ids)
+
+    def _table_ids(self, name: str, batches: Sequence[FeatureBatch]) -> Tensor | None:
+        """Every id [N] the features of table ``name`` look up in ``batches`` (None: it has no feature)."""
+        index = self.resolved.table_names.index(name)
+        ids = [batches[f].ids for f in self.resolved.tables[index].feature_indices]
+        return torch.cat(ids) if ids else None
+
+    # ------------------------------------------------------------------ whole tables, checkpoints, life
+    def whole(self, rewritten: Collection[str] = ()) -> None:
+        """Every table initialized in full before its tensors are read or written whole (refused while its
+        files are torn or cut short); those in ``rewritten`` have every row and slot written next (a full
+        load), which their files may be torn for (``OffloadedRows.materialize``)."""
+        for name, cache in self._caches.items():
+            cache.materialize(rewrite=name in rewritten)
+
+    def check_whole(self, what: str) -> None:
+        """Raise unless every table's files hold it whole, before ``what`` reads them (a save)."""
+        for cache in self._caches.values():
+            cache.check_whole(what)
+
+    def before_restore(self) -> None:
+        """A restore writes every row next (``OffloadedRows.before_restore``)."""
+        for cache in self._caches.values():
+            cache.before_restore()
+
+    def restored(self) -> None:
+        """Every table was written whole (a restore, a full load): its files are whole again."""
+        for cache in self._caches.values():
+            cache.restored()
+
+    def check_open(self, names: Collection[str]) -> None:
+        """Raise when one of the tables ``names`` had its files released (``close``): before an update."""
+        for name in names:
+            cache = self._caches.get(name)
+            if cache is not None:
+                cache.check_open()
+
+    def close(self) -> None:
+        """Release every table's files and lock."""
+        for cache in self._caches.values():
+            cache.close()
+
+    def statistics(self) -> dict[str, dict[str, float]]:
+        """Per table, its row cache's counters (``OffloadedRows.statistics``)."""
+        return {name: cache.statistics() for name, cache in self._caches.items()}
+
+
+__all__ = ["Admission", "OffloadedTables"]
