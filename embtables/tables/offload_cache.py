@@ -6,8 +6,9 @@ kernel, optimizer, combiner and input type runs unchanged and gives the bits of 
 in memory is managed here, in groups of G rows (whole pages of every file):
 
 * **admission** (before a lookup reads rows): the least used groups (ids looked up since they were read in,
-  decayed by ``USE_DECAY`` a step) are dropped until the batch's fit in ``cache_rows`` (``MADV_DONTNEED``; those
-  written since they were read are written back first, all together: ``sync_file_range``, then
+  decayed by ``USE_DECAY`` a step; ``offload_residency.Residency`` keeps that bookkeeping and chooses) are
+  dropped until the batch's fit in ``cache_rows`` (``MADV_DONTNEED``; those written since they were read are
+  written back first, all together: ``sync_file_range``, then
   ``POSIX_FADV_DONTNEED``: neither the process nor the page cache keeps them); the batch's rows that were never
   initialized get their initial values (the initializer's draw for their block of ``INIT_BLOCK`` global rows, from
   the table's seed: the same values for any cache, shard layout or order of first reads), written with ``pwrite``;
@@ -42,11 +43,11 @@ from embtables.config.offload import Offload
 from embtables.errors import ClosedFilesError, InputError, TornFilesError
 from embtables.tables.initializers import default_initializer
 from embtables.tables.offload_files import DROP_CLEAN, DROP_WRITTEN, READ, SETTLE, WILL_NEED, ShardFiles
+from embtables.tables.offload_residency import NoRoom, Residency
 
 logger = logging.getLogger("embtables")
 
 INIT_BLOCK = 1024  # global rows drawn together by the initializer (a property of the table, not of the cache)
-USE_DECAY = 0.98  # a group's lookups count for less by this factor a step (``OffloadedRows._frequency``)
 # The cache's unit: whole pages of every file. Linux also maps the pages around a read fault that are in the page
 # cache (fault-around): the cache keeps only the pages it counts there (initial values and evicted pages are
 # written back and dropped), so a neighbour is never mapped behind its back.
@@ -146,10 +147,7 @@ class OffloadedRows:
         # A byte per block of >= INIT_BLOCK rows; everything else per group in memory (at most ``budget``), in
         # arrays by ascending group: the memory of the cache's bookkeeping is the cache's, not the table's.
         self._initialized = torch.zeros(-(-self.rows // self.block), dtype=torch.bool)
-        self._groups = torch.zeros(0, dtype=torch.int64)  # [R] the groups in memory, ascending
-        self._dirty = torch.zeros(0, dtype=torch.bool)  # [R] written since they were read
-        self._last_use = torch.zeros(0, dtype=torch.int32)  # [R] the step of their last lookup
-        self._uses = torch.zeros(0, dtype=torch.float32)  # [R] their ids looked up, decayed, as of their last lookup
+        self.residency = Residency(self.budget)  # the groups in memory, which leave first (no I/O)
         self._untracked = False  # a whole-table access mapped pages the cache does not count
         self.torn: str | None = None  # why the files no longer hold the table (a write-back failed)
         self.closed = False  # the files and lock were released (``close``): every access is refused
@@ -315,32 +313,25 @@ class OffloadedRows:
             return
         rows = torch.unique(ids)
         groups, uses = torch.unique(torch.div(ids, self.group, rounding_mode="floor"), return_counts=True)
-        at, present = self._where(groups)
-        missing = groups[~present]
-        over = self._groups.numel() + missing.numel() - self.budget
-        if over > 0:
-            evictable = self._last_use < min(pin_from, 2**31 - 1)
-            evictable[at[present]] = False  # this lookup's own
-            candidates = torch.nonzero(evictable).flatten()  # positions in the resident arrays
-            if candidates.numel() < over:
-                needed = (self._groups.numel() - candidates.numel() + missing.numel()) * self.group
-                raise InputError(
-                    f"table {self.logical.name!r}: this lookup and the rows still in use need {needed} rows in "
-                    f"memory ({groups.numel()} groups of {self.group} rows for this batch's {rows.numel()} rows), "
-                    f"more than Offload(cache_rows={self.cache_rows}) holds ({self.budget} groups: "
-                    f"{self.budget * self.group} rows). Raise cache_rows (to at least {needed}; a pipelined step also "
-                    "keeps the previous batch's rows) or use smaller batches. Nothing was changed."
-                )
-            coldest = torch.topk(self._frequency(candidates, step), over, largest=False).indices
-            victims = torch.sort(candidates[coldest]).values  # positions, so groups, ascending
-            self._evict(self._groups[victims], self._dirty[victims])
-            keep = torch.ones(self._groups.numel(), dtype=torch.bool)
-            keep[victims] = False
-            self._keep(keep)
+        try:
+            victims = self.residency.victims(groups, step, pin_from)
+        except NoRoom as room:
+            needed = room.needed * self.group
+            raise InputError(
+                f"table {self.logical.name!r}: this lookup and the rows still in use need {needed} rows in "
+                f"memory ({groups.numel()} groups of {self.group} rows for this batch's {rows.numel()} rows), "
+                f"more than Offload(cache_rows={self.cache_rows}) holds ({self.budget} groups: "
+                f"{self.budget * self.group} rows). Raise cache_rows (to at least {needed}; a pipelined step also "
+                "keeps the previous batch's rows) or use smaller batches. Nothing was changed."
+            ) from None
+        if victims.numel():
+            self._evict(self.residency.units[victims], self.residency.dirty[victims])
+            self.residency.remove(victims)
             # their write-backs run together; once done, their pages leave the page cache, before any read
             # below could map one of them as a neighbour of its own page (fault-around)
             self._settle()
-            at, present = self._where(groups)
+        _, present = self.residency.where(groups)
+        missing = groups[~present]
         blocks = torch.unique_consecutive(torch.div(groups * self.group, self.block, rounding_mode="floor"))
         fresh = blocks[~self._initialized[blocks]]
         if fresh.numel():
@@ -350,50 +341,8 @@ class OffloadedRows:
         self.counters["hits"] += int(per_group[present].sum())  # rows and groups both ascending: aligned
         if missing.numel():
             self._read_in(missing)
-            self._insert(missing)
-            at, _ = self._where(groups)
-        self._uses[at] = self._frequency(at, step) + uses.to(torch.float32)
-        self._last_use[at] = min(step, 2**31 - 1)
-        if training:
-            self._dirty[at] = True
-
-    def _where(self, groups: Tensor) -> tuple[Tensor, Tensor]:
-        """(positions [K] in the resident arrays of ``groups`` [K] (ascending), whether each is in memory)."""
-        at = torch.searchsorted(self._groups, groups)
-        n = self._groups.numel()
-        if n == 0:
-            return at, torch.zeros(groups.shape, dtype=torch.bool)
-        return at, (at < n) & (self._groups[at.clamp(max=n - 1)] == groups)
-
-    def _keep(self, keep: Tensor) -> None:
-        """Only the resident groups where ``keep`` [R] stay in the arrays."""
-        self._groups, self._dirty = self._groups[keep], self._dirty[keep]
-        self._last_use, self._uses = self._last_use[keep], self._uses[keep]
-
-    def _insert(self, groups: Tensor) -> None:
-        """Groups [K] (ascending, not in memory) join the resident arrays, clean and never used: merged in
-        O(R + K log R), each new group at its place among the R resident ones."""
-        k, n = groups.numel(), self._groups.numel()
-        at = torch.searchsorted(self._groups, groups) + torch.arange(k)  # the new groups' places in the merge
-        old = torch.ones(n + k, dtype=torch.bool)
-        old[at] = False
-        merged = torch.empty(n + k, dtype=torch.int64)
-        merged[old], merged[at] = self._groups, groups
-        dirty = torch.zeros(n + k, dtype=torch.bool)
-        dirty[old] = self._dirty
-        last = torch.full((n + k,), -(2**31), dtype=torch.int32)
-        last[old] = self._last_use
-        uses = torch.zeros(n + k, dtype=torch.float32)
-        uses[old] = self._uses
-        self._groups, self._dirty, self._last_use, self._uses = merged, dirty, last, uses
-
-    def _frequency(self, at: Tensor, step: int) -> Tensor:
-        """How often the resident groups at positions ``at`` [K] were looked up since they were read in, each
-        lookup's ids weighted by ``USE_DECAY`` ** (steps since): the cache keeps the groups used most, recently
-        (which of a hashed Zipf workload's groups hold hot rows among cold ones, better than the last use
-        alone)."""
-        age = (min(step, 2**31 - 1) - self._last_use[at].to(torch.int64)).clamp(min=0)
-        return self._uses[at] * torch.pow(USE_DECAY, age.to(torch.float32))
+            self.residency.insert(missing)
+        self.residency.used(groups, uses, step, training)
 
     def prefetch(self, rows: Tensor) -> None:
         """Start reading the pages of local rows ``rows`` [any] that are on disk and not in memory into the page
@@ -405,7 +354,7 @@ class OffloadedRows:
         if rows.numel() == 0:
             return
         groups = torch.unique(torch.div(rows, self.group, rounding_mode="floor"))  # sorted
-        groups = groups[~self._where(groups)[1]]
+        groups = groups[~self.residency.where(groups)[1]]
         groups = groups[self._initialized[torch.div(groups * self.group, self.block, rounding_mode="floor")]]
         self.counters["rows_prefetched"] += groups.numel() * self.group
         self._will_need(groups)
@@ -520,17 +469,17 @@ class OffloadedRows:
     def release(self) -> None:
         """Write back and drop every row from memory."""
         self._settle()
-        written = int(self._dirty.sum()) * self.group  # (the last group may be short: counted whole)
+        written = int(self.residency.dirty.sum()) * self.group  # (the last group may be short: counted whole)
         for part, tensor in self.tensors.items():
             length = -(-self.rows * self.dim * tensor.element_size() // _PAGE) * _PAGE
             self._io(part, functools.partial(self.files.drop, part, 0, length, dirty=True))
         self.counters["rows_written"] += written
         self.counters["bytes_written"] += written * self.row_bytes
-        self._keep(torch.zeros(self._groups.numel(), dtype=torch.bool))
+        self.residency.clear()
         self._untracked = False
 
     def resident_rows(self) -> int:
-        return self._groups.numel() * self.group
+        return len(self.residency) * self.group
 
     def statistics(self) -> dict[str, float]:
         """Counters since construction: rows looked up, cache hits, rows and bytes read and written, seconds

@@ -85,22 +85,22 @@ def test_changed_rows_of_an_offloaded_table_are_those_of_the_same_table_in_memor
 
 
 def test_groups_read_in_join_the_resident_arrays_in_order_with_their_state() -> None:
-    """``OffloadedRows._insert`` (the merge that keeps the cache's bookkeeping O(cache)): the groups stay
-    ascending, each resident group keeps its written flag, last use and use count, each new one starts clean."""
-    from types import SimpleNamespace
-
-    from embtables.tables.offload_cache import OffloadedRows
+    """``Residency.insert`` (the merge that keeps the cache's bookkeeping O(cache)): the groups stay ascending,
+    each resident group keeps its written flag, last use and use count, each new one starts clean."""
+    from embtables.tables.offload_residency import Residency
 
     g = torch.Generator().manual_seed(0)
     for _ in range(100):
         every = torch.randperm(1000, generator=g)[: int(torch.randint(0, 300, (1,), generator=g))]
         n = int(torch.randint(0, every.numel() + 1, (1,), generator=g))
         old, new = torch.sort(every[:n]).values, torch.sort(every[n:]).values
-        cache = SimpleNamespace(_groups=old, _dirty=torch.rand(n, generator=g) > 0.5, _uses=torch.rand(n, generator=g),
-                                _last_use=torch.randint(0, 9, (n,), dtype=torch.int32, generator=g))  # fmt: skip
-        before = dict(zip(old.tolist(), zip(cache._dirty.tolist(), cache._last_use.tolist(), cache._uses.tolist())))
-        OffloadedRows._insert(cache, new)  # type: ignore[arg-type]
-        assert torch.equal(cache._groups, torch.sort(every).values)
-        for i, group in enumerate(cache._groups.tolist()):
-            got = (bool(cache._dirty[i]), int(cache._last_use[i]), float(cache._uses[i]))
+        r = Residency(1000)
+        r.units, r.dirty, r.uses = old, torch.rand(n, generator=g) > 0.5, torch.rand(n, generator=g)
+        r.last_use = torch.randint(0, 9, (n,), dtype=torch.int32, generator=g)
+        before = dict(zip(old.tolist(), zip(r.dirty.tolist(), r.last_use.tolist(), r.uses.tolist())))
+        r.insert(new)
+        r.check()
+        assert torch.equal(r.units, torch.sort(every).values)
+        for i, group in enumerate(r.units.tolist()):
+            got = (bool(r.dirty[i]), int(r.last_use[i]), float(r.uses[i]))
             assert got == before.get(group, (False, -(2**31), 0.0)), group

@@ -1,0 +1,139 @@
+"""``Residency``: which units of an offloaded table are in memory, and which leave first (docs/offload.md).
+
+Pure bookkeeping, no I/O: ``OffloadedRows`` asks it which units a lookup must read and which to evict, does
+the reads and write-backs, then tells it what changed. A unit is whatever the cache holds whole (a group of
+rows sharing pages of the files). For each resident unit it keeps whether it was written since it was read
+(``dirty``), the step of its last lookup (``last_use``) and how often it was looked up (``uses``, as of that
+step; each lookup's ids weigh ``USE_DECAY`` ** (steps since), so the cache keeps the units used most,
+recently).
+
+Invariants (``check``; a test drives random admissions through them):
+  * ``units`` [R] int64, strictly ascending; ``dirty`` [R] bool, ``last_use`` [R] int32, ``uses`` [R]
+    float32 (finite, >= 0) are aligned with it;
+  * R <= ``budget``;
+  * ``victims`` never chooses a unit used at or after ``pin_from``, nor one the lookup asks for.
+
+Shapes: R resident units, K units a lookup asks for (ascending, distinct).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+USE_DECAY = 0.98  # a unit's lookups count for less by this factor a step
+_NEVER = -(2**31)  # the last use of a unit just read in
+_I32_MAX = 2**31 - 1
+
+
+def _step32(step: int) -> int:
+    return min(step, _I32_MAX)
+
+
+class NoRoom(Exception):
+    """The units asked for and those pinned exceed the budget: ``needed`` units would have to be resident."""
+
+    def __init__(self, needed: int) -> None:
+        super().__init__(needed)
+        self.needed = needed
+
+
+class Residency:
+    """The resident units of one table shard, at most ``budget`` of them (see the module docstring)."""
+
+    def __init__(self, budget: int) -> None:
+        if budget < 1:
+            raise ValueError(f"Residency: the budget must be at least one unit, got {budget}")
+        self.budget = budget
+        self.units = torch.zeros(0, dtype=torch.int64)
+        self.dirty = torch.zeros(0, dtype=torch.bool)
+        self.last_use = torch.zeros(0, dtype=torch.int32)
+        self.uses = torch.zeros(0, dtype=torch.float32)
+
+    def __len__(self) -> int:
+        return int(self.units.numel())
+
+    def where(self, units: Tensor) -> tuple[Tensor, Tensor]:
+        """(positions [K] in the resident arrays of ``units`` [K] (ascending), whether each is resident)."""
+        at = torch.searchsorted(self.units, units)
+        n = len(self)
+        if n == 0:
+            return at, torch.zeros(units.shape, dtype=torch.bool)
+        return at, (at < n) & (self.units[at.clamp(max=n - 1)] == units)
+
+    def victims(self, units: Tensor, step: int, pin_from: int) -> Tensor:
+        """Positions [E] (ascending) of the resident units to evict so that ``units`` [K] (ascending) all fit:
+        the least used of those not asked for and last used before ``pin_from`` (empty when they fit). Raises
+        ``NoRoom`` when even evicting all of those leaves too little."""
+        at, present = self.where(units)
+        missing = int((~present).sum())
+        over = len(self) + missing - self.budget
+        if over <= 0:
+            return torch.zeros(0, dtype=torch.int64)
+        evictable = self.last_use < _step32(pin_from)
+        evictable[at[present]] = False  # this lookup's own
+        candidates = torch.nonzero(evictable).flatten()
+        if candidates.numel() < over:
+            raise NoRoom(len(self) - candidates.numel() + missing)
+        coldest = torch.topk(self.frequency(candidates, step), over, largest=False).indices
+        return torch.sort(candidates[coldest]).values
+
+    def remove(self, positions: Tensor) -> None:
+        """The units at ``positions`` [E] leave the resident arrays."""
+        keep = torch.ones(len(self), dtype=torch.bool)
+        keep[positions] = False
+        self.units, self.dirty = self.units[keep], self.dirty[keep]
+        self.last_use, self.uses = self.last_use[keep], self.uses[keep]
+
+    def clear(self) -> None:
+        """Every unit leaves."""
+        self.remove(torch.arange(len(self)))
+
+    def insert(self, units: Tensor) -> None:
+        """Units [K] (ascending, not resident) join, clean and never used: merged in O(R + K log R), each at
+        its place among the R resident ones."""
+        k, n = units.numel(), len(self)
+        if n + k > self.budget:
+            raise ValueError(f"Residency: {k} more units exceed the budget of {self.budget} ({n} resident)")
+        at = torch.searchsorted(self.units, units) + torch.arange(k)  # the new units' places in the merge
+        old = torch.ones(n + k, dtype=torch.bool)
+        old[at] = False
+        merged = torch.empty(n + k, dtype=torch.int64)
+        merged[old], merged[at] = self.units, units
+        dirty = torch.zeros(n + k, dtype=torch.bool)
+        dirty[old] = self.dirty
+        last = torch.full((n + k,), _NEVER, dtype=torch.int32)
+        last[old] = self.last_use
+        uses = torch.zeros(n + k, dtype=torch.float32)
+        uses[old] = self.uses
+        self.units, self.dirty, self.last_use, self.uses = merged, dirty, last, uses
+
+    def used(self, units: Tensor, counts: Tensor, step: int, training: bool) -> None:
+        """A lookup at ``step`` read ``counts`` [K] ids of each of ``units`` [K] (ascending, all resident);
+        ``training``: its update will write them."""
+        at, present = self.where(units)
+        if not bool(present.all()):
+            raise ValueError("Residency.used: a unit looked up is not resident")
+        self.uses[at] = self.frequency(at, step) + counts.to(torch.float32)
+        self.last_use[at] = _step32(step)
+        if training:
+            self.dirty[at] = True
+
+    def frequency(self, at: Tensor, step: int) -> Tensor:
+        """How often the resident units at positions ``at`` [K] were looked up since they were read in, each
+        lookup's ids weighted by ``USE_DECAY`` ** (steps since)."""
+        age = (_step32(step) - self.last_use[at].to(torch.int64)).clamp(min=0)
+        return self.uses[at] * torch.pow(USE_DECAY, age.to(torch.float32))
+
+    def check(self) -> None:
+        """Raise ``AssertionError`` naming the invariant (module docstring) the arrays break."""
+        n = len(self)
+        assert self.units.dtype == torch.int64 and self.dirty.dtype == torch.bool, "dtypes"
+        assert self.last_use.dtype == torch.int32 and self.uses.dtype == torch.float32, "dtypes"
+        assert self.dirty.numel() == n and self.last_use.numel() == n and self.uses.numel() == n, "aligned"
+        assert n <= self.budget, f"{n} resident units over the budget of {self.budget}"
+        assert n < 2 or bool((self.units[1:] > self.units[:-1]).all()), "units strictly ascending"
+        assert bool(torch.isfinite(self.uses).all()) and bool((self.uses >= 0).all()), "uses finite and >= 0"
+
+
+__all__ = ["USE_DECAY", "NoRoom", "Residency"]

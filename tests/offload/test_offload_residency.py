@@ -1,0 +1,72 @@
+"""``Residency`` (the offloaded cache's bookkeeping, no I/O) driven through random lookups: its invariants hold
+after every call, it evicts only units neither asked for nor pinned, the least used of them (against a plain
+Python recount), and refuses exactly when the asked and pinned units exceed the budget."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from embtables.tables.offload_residency import USE_DECAY, NoRoom, Residency
+
+
+def _frequencies(model: dict[int, tuple[float, int]], step: int) -> dict[int, float]:
+    """The decayed use count of each unit of ``model`` ({unit: (uses, last use)}) at ``step``, in float64."""
+    return {u: uses * USE_DECAY ** max(0, step - last) for u, (uses, last) in model.items()}
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_random_lookups_keep_the_invariants_and_evict_the_least_used_unpinned_units(seed: int) -> None:
+    rng = random.Random(seed)
+    budget = rng.choice([4, 9, 16])
+    r = Residency(budget)
+    model: dict[int, tuple[float, int]] = {}  # unit -> (uses as of its last lookup, its last lookup's step)
+    refused = 0
+    for step in range(300):
+        pin_from = step - rng.choice([0, 1])  # a pipelined step keeps the previous one's units
+        asked = sorted(rng.sample(range(40), rng.randint(1, budget)))
+        counts = [rng.randint(1, 5) for _ in asked]
+        units = torch.tensor(asked, dtype=torch.int64)
+        pinned = {u for u, (_, last) in model.items() if last >= pin_from and u not in asked}
+        missing = [u for u in asked if u not in model]
+        try:
+            victims = r.victims(units, step, pin_from)
+        except NoRoom as room:
+            refused += 1
+            assert len(pinned) + len(asked) > budget  # the pinned and asked units alone do not fit
+            assert room.needed == len(model) - len(set(model) - pinned - set(asked)) + len(missing)
+            r.check()
+            continue
+        chosen = r.units[victims].tolist()
+        assert not set(chosen) & (pinned | set(asked)), "an asked or pinned unit evicted"
+        assert len(chosen) == max(0, len(model) + len(missing) - budget)
+        if chosen:  # the least used candidates: none left behind is used less than one chosen
+            freq = _frequencies(model, step)
+            left = set(model) - pinned - set(asked) - set(chosen)
+            assert max(freq[u] for u in chosen) <= min((freq[u] for u in left), default=float("inf")) * (1 + 1e-5)
+        r.remove(victims)
+        for u in chosen:
+            del model[u]
+        r.insert(torch.tensor(missing, dtype=torch.int64))
+        r.used(units, torch.tensor(counts), step, training=step % 3 != 0)
+        freq = _frequencies(model, step)
+        for u, c in zip(asked, counts):
+            model[u] = (freq.get(u, 0.0) + c, step)
+        r.check()
+        assert r.units.tolist() == sorted(model)
+        assert bool(r.where(units)[1].all())
+    assert 0 < refused < 300  # both outcomes were driven
+
+
+def test_a_broken_invariant_is_named() -> None:
+    r = Residency(3)
+    r.insert(torch.tensor([1, 5]))
+    r.units = torch.tensor([5, 1])
+    with pytest.raises(AssertionError, match="ascending"):
+        r.check()
+    with pytest.raises(ValueError, match="exceed the budget"):
+        Residency(1).insert(torch.tensor([1, 2]))
+    with pytest.raises(ValueError, match="not resident"):
+        Residency(2).used(torch.tensor([3]), torch.tensor([1]), 0, training=True)
