@@ -45,7 +45,7 @@ from embtables.tables.collection import EmbeddingCollection
 from embtables.tables.engine import LocalTables
 from embtables.tables.initializers import default_initializer
 from embtables.tables.inputs import FeatureBatch
-from embtables.tables.offload_cache import OffloadShard, table_seed
+from embtables.tables.offload_initial import OffloadShard, table_seed
 from embtables.tables.offloaded_tables import Admission
 from embtables.tables.state import LocalShard
 from embtables.tables.table_gradient import TableGradient

@@ -25,7 +25,8 @@ from embtables.tables.dynamic_vocabularies import Vocabularies
 from embtables.tables.gradient_checks import GradientChecks
 from embtables.tables.inputs import FeatureBatch
 from embtables.tables.learning_rates import LearningRatePlan
-from embtables.tables.offload_cache import OffloadedRows, OffloadShard
+from embtables.tables.offload_cache import OffloadedRows
+from embtables.tables.offload_initial import OffloadShard
 from embtables.tables.offloaded_tables import Admission, OffloadedTables
 from embtables.tables.state import TableState, create_table_state, initial_rows
 from embtables.tables.table_gradient import TableGradient

@@ -15,7 +15,8 @@ from embtables.kernels import huge_pages
 from embtables.kernels.registry import record_of
 from embtables.kernels.subnormals import SMALLEST_NORMAL
 from embtables.tables.initializers import Constant, TruncatedNormal, default_initializer
-from embtables.tables.offload_cache import OffloadedRows, OffloadShard, table_seed
+from embtables.tables.offload_cache import OffloadedRows
+from embtables.tables.offload_initial import OffloadShard, table_seed
 
 
 @dataclasses.dataclass(eq=False)
