@@ -11,8 +11,13 @@ resident memory (peak, sampled). The in-memory case runs only when the tables fi
 
 (b) **uniform ids**: rows the disk served per second (looked-up rows not in memory) and 4 KiB pages read per
 second (of every file: weights and slots) against the disk's random 4 KiB read rate, measured in the same run
-on a file in the same directory (``O_DIRECT`` reads by 16
-threads, the page cache bypassed).
+on a file in the same directory (``O_DIRECT`` reads, the page cache bypassed, at queue depth 1 and 32: one
+thread, then 32, each with one read in flight).
+
+For every case, the **disk-bound floor** of a step (the 4 KiB pages it read, at the QD32 rate: what a step
+costs when the disk alone is the limit) and the hit rate of an **ideal LFU** of the same capacity in rows,
+replayed on the same ids (every id's count over the whole run, a batch's rows admitted whole, the least
+counted others evicted): how much of a hit rate the cache's unit (page groups) and policy give away.
 
 Prints JSON lines: ``env``, ``disk_probe``, ``offload_step`` per case and an ``offload_summary``. The tables'
 files go under ``--directory`` (a fresh subdirectory; removed at the end) after checking its free space.
@@ -33,6 +38,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 if __package__ in (None, ""):
@@ -56,7 +62,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--directory", default=None, help="where the files go (default: the temp directory)")
     ap.add_argument("--cases", default="zipf,uniform")
-    ap.add_argument("--probe-seconds", type=float, default=3.0)
+    ap.add_argument("--probe-seconds", type=float, default=3.0, help="at each queue depth")
+    ap.add_argument("--probe-mib", type=int, default=1024, help="the probe file's size (larger than the drive's cache)")
     ap.add_argument(
         "--batches", type=int, default=8,
         help="distinct batches the steps cycle through (warm-up + steps or more: every step a fresh batch)",
@@ -70,23 +77,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     emit(env_record())
     root = tempfile.mkdtemp(prefix="embtables-bench-offload-", dir=args.directory)
     try:
-        need = args.tables * args.rows * args.dim * 4 * 2 + (1 << 30)  # rows and an Adagrad slot, and the probe
+        need = args.tables * args.rows * args.dim * 4 * 2 + (args.probe_mib << 20)  # rows, an Adagrad slot, the probe
         free = shutil.disk_usage(root).free
         if free < need:
             print(f"[offload] {root}: {free / 2**30:.1f} GiB free, {need / 2**30:.1f} GiB needed", file=sys.stderr)
             return 1
-        probe = _disk_probe(root, args.probe_seconds)
+        probe = _disk_probe(root, args.probe_seconds, args.probe_mib << 20)
         emit({"bench": "disk_probe", **probe})
         results = {}
         for ids in args.cases.split(","):
             wl = Workload(
                 ids, args.tables, args.rows, args.dim, args.batch, args.pooling, ids=ids, num_batches=args.batches
             )
-            results[ids] = _case(wl, args, os.path.join(root, ids))
+            results[ids] = _case(wl, args, os.path.join(root, ids), probe)
         summary: dict[str, Any] = {"bench": "offload_summary"}
         if "zipf" in results and "in_memory_ms" in results["zipf"]:
             zipf = results["zipf"]
             summary["zipf_step_vs_in_memory"] = round(zipf["offloaded_ms"] / zipf["in_memory_ms"], 3)
+        for ids, got in results.items():
+            if "floor_ms" in got:
+                summary[f"{ids}_step_vs_disk_bound_floor"] = round(got["offloaded_ms"] / max(got["floor_ms"], 1e-9), 3)
+            if got.get("ideal_lfu_hit_rate"):
+                summary[f"{ids}_hit_rate_vs_ideal_lfu"] = round(got["hit_rate"] / got["ideal_lfu_hit_rate"], 3)
         if "missed_rows_per_s" in results.get("uniform", {}):
             rate = probe["random_4k_reads_per_s"]
             summary["uniform_missed_rows_per_s_vs_disk_4k_reads_per_s"] = round(
@@ -101,11 +113,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def _disk_probe(root: str, seconds: float) -> dict[str, Any]:
-    """Random 4 KiB reads per second from a 1 GiB file in ``root`` (O_DIRECT: from the disk, not the page
-    cache; 16 threads, one read each in flight), and its sequential write rate."""
+def _disk_probe(root: str, seconds: float, size: int = 1 << 30) -> dict[str, Any]:
+    """Random 4 KiB reads per second from a file of ``size`` bytes in ``root`` (O_DIRECT: from the disk, not the
+    page cache) at queue depth 1 and 32 (threads, one read each in flight; ``seconds`` each), and its sequential
+    write rate. ``random_4k_reads_per_s`` is the QD32 rate."""
     path = os.path.join(root, "probe.bin")
-    size = 1 << 30
     block = bytes(random.getrandbits(8) for _ in range(1 << 16)) * 16  # 1 MiB, not all zeros
     start = time.perf_counter()
     with open(path, "wb") as f:
@@ -118,29 +130,64 @@ def _disk_probe(root: str, seconds: float) -> dict[str, Any]:
     fd = os.open(path, flags)
     os.posix_fadvise(fd, 0, size, os.POSIX_FADV_DONTNEED)
     pages = size // 4096
-    deadline = time.perf_counter() + seconds
 
-    def reader(seed: int) -> int:
-        buf = mmap.mmap(-1, 4096)  # page-aligned, as O_DIRECT needs
-        rng = random.Random(seed)
-        n = 0
-        while time.perf_counter() < deadline:
-            os.preadv(fd, [buf], rng.randrange(pages) * 4096)
-            n += 1
-        return n
+    def rate(depth: int) -> float:
+        deadline = time.perf_counter() + seconds
 
-    t0 = time.perf_counter()
-    with concurrent.futures.ThreadPoolExecutor(16) as pool:
-        reads = sum(pool.map(reader, range(16)))
-    elapsed = time.perf_counter() - t0
-    os.close(fd)
-    os.unlink(path)
+        def reader(seed: int) -> int:
+            buf = mmap.mmap(-1, 4096)  # page-aligned, as O_DIRECT needs
+            rng = random.Random(seed)
+            n = 0
+            while time.perf_counter() < deadline:
+                os.preadv(fd, [buf], rng.randrange(pages) * 4096)
+                n += 1
+            return n
+
+        t0 = time.perf_counter()
+        with concurrent.futures.ThreadPoolExecutor(depth) as pool:
+            reads = sum(pool.map(reader, range(depth)))
+        return reads / (time.perf_counter() - t0)
+
+    try:
+        qd1, qd32 = rate(1), rate(32)
+    finally:
+        os.close(fd)
+        os.unlink(path)
     return {
-        "random_4k_reads_per_s": round(reads / elapsed),
-        "threads": 16,
+        "random_4k_reads_per_s": round(qd32),
+        "random_4k_reads_per_s_qd1": round(qd1),
+        "random_4k_reads_per_s_qd32": round(qd32),
         "o_direct": bool(getattr(os, "O_DIRECT", 0)),
         "sequential_write_MB_s": round(write_mb_s),
     }
+
+
+def ideal_lfu_hit_rate(wl: Workload, capacity: int, warmup: int, steps: int) -> float:
+    """The hit rate (distinct rows of a step found in memory, as the engine counts them) of an LFU cache of
+    ``capacity`` rows per table that knows every id's count since the run began, replayed on the ids of
+    ``warmup`` + ``steps`` steps (batches cycled as the timed run does; the timed steps counted): a step's rows
+    are all admitted (its lookup needs them), then the least counted other rows leave until ``capacity``
+    remain (a batch larger than the cache keeps only its own). A row's first lookup is a miss here (compulsory);
+    the page-group cache counts a row as a hit whenever its group is in memory, first lookup or not, so on short
+    runs with few repeated ids its hit rate can exceed this one."""
+    batches = make_batches(wl)
+    looked = hits = 0
+    for t in range(wl.tables):
+        counts = np.zeros(wl.rows, dtype=np.int64)
+        resident = np.zeros(wl.rows, dtype=bool)
+        for i in range(warmup + steps):
+            rows, occurrences = np.unique(batches[i % len(batches)].ids[t], return_counts=True)
+            if i >= warmup:
+                looked += rows.size
+                hits += int(resident[rows].sum())
+            counts[rows] += occurrences
+            resident[rows] = True
+            held = np.flatnonzero(resident)
+            over = held.size - max(capacity, rows.size)
+            if over > 0:
+                others = held[~np.isin(held, rows, assume_unique=True)]
+                resident[others[np.argpartition(counts[others], over - 1)[:over]]] = False
+    return hits / max(1, looked)
 
 
 def _module(wl: Workload, offload: et.Offload | None) -> et.DistributedEmbedding:
@@ -186,7 +233,7 @@ def _run(
     return times, rss.peak, counters
 
 
-def _case(wl: Workload, args: argparse.Namespace, directory: str) -> dict[str, Any]:
+def _case(wl: Workload, args: argparse.Namespace, directory: str, probe: dict[str, Any]) -> dict[str, Any]:
     """The offloaded tables first (the resident memory it measures is the process's own, not what an earlier
     module left to the allocator), with ``--read-ahead`` again staging each next batch early, then the same
     tables in memory when they fit in half the machine's."""
@@ -208,9 +255,13 @@ def _case(wl: Workload, args: argparse.Namespace, directory: str) -> dict[str, A
     seconds = max(sum(times) / 1e3, 1e-9)
     out["missed_rows_per_s"] = (diff["rows_looked_up"] - diff["hits"]) / seconds  # rows the disk served
     out["pages_read_per_s"] = diff["bytes_read"] / 4096 / seconds
+    out["floor_ms"] = diff["bytes_read"] / 4096 / steps / probe["random_4k_reads_per_s_qd32"] * 1e3
+    out["hit_rate"] = diff["hits"] / max(1, diff["rows_looked_up"])
+    out["ideal_lfu_hit_rate"] = ideal_lfu_hit_rate(wl, args.cache_rows, args.warmup, args.steps)
     record = {"bench": "offload_step", "impl": "offloaded", **fields, "cache_rows": args.cache_rows,
               "ms": round(out["offloaded_ms"], 3),
-              "hit_rate": round(diff["hits"] / max(1, diff["rows_looked_up"]), 4),
+              "hit_rate": round(out["hit_rate"], 4), "ideal_lfu_hit_rate": round(out["ideal_lfu_hit_rate"], 4),
+              "disk_bound_floor_ms": round(out["floor_ms"], 3),
               "rows_read_per_step": round(diff["rows_read"] / steps),
               "rows_written_per_step": round(diff["rows_written"] / steps),
               "disk_wait_ms_per_step": round(diff["disk_wait_s"] * 1e3 / steps, 3),

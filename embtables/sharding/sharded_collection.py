@@ -236,8 +236,11 @@ class ShardedEmbeddingCollection(LocalTables):
         tensor), and the routes for its update.
 
         ``refused`` is this rank's validation error for its batch (its ids then take no part): every
-        rank raises when any rank's batch was refused, so all stay in step. ``admission``: when the rows
-        other ranks ask of this one's offloaded tables are brought into memory (None: no lookup of them)."""
+        rank raises when any rank's batch was refused, so all stay in step. ``admission``: the lookup's step,
+        pinned steps and mode, with which the rows other ranks ask of this rank's offloaded tables are brought
+        into memory (needed when it has offloaded tables)."""
+        if admission is None and self.local.offloaded:
+            raise RuntimeError("embtables: a lookup of offloaded tables came without its Admission (a bug)")
         admit = functools.partial(self._admit_offloaded, admission=admission or Admission(0, 0, False))
         tables = self.row_tables
         routes: list[routing.TableRoute] = []

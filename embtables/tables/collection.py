@@ -165,10 +165,13 @@ class EmbeddingCollection:
     ) -> list[Tensor]:
         """Activations per feature, [*out_shape, D], in feature order; ``concat``: one tensor [B, sum(D)],
         the features' activations side by side (every batch must pool to the same B bags). The offloaded
-        tables' rows are admitted first (``admission``: the lookup's step, pinned steps and mode; None: their
-        rows are in memory already). The backend serves what it can (with ``concat`` and every feature
-        served, straight into the one output), the reference the rest; every activation is checked finite."""
-        if admission is not None and self.offloaded:
+        tables' rows are admitted first (``admission``: the lookup's step, pinned steps and mode, which a
+        collection with offloaded tables needs). The backend serves what it can (with ``concat`` and every
+        feature served, straight into the one output), the reference the rest; every activation is checked
+        finite."""
+        if self.offloaded:
+            if admission is None:
+                raise RuntimeError("embtables: a lookup of offloaded tables came without its Admission (a bug)")
             self.offloaded.admit(batches, admission)
         got = self.backend.lookup(batches, concat)
         if got.wide is not None:

@@ -39,7 +39,7 @@ from torch import Tensor
 
 from embtables.config import ResolvedTable
 from embtables.config.offload import Offload
-from embtables.errors import ClosedFilesError, InputError, TornFilesError
+from embtables.errors import InputError, TornFilesError
 from embtables.tables.offload_files import DROP_CLEAN, DROP_WRITTEN, READ, SETTLE, WILL_NEED, ShardFiles
 from embtables.tables.offload_initial import INIT_BLOCK, OffloadShard, initial_weights
 from embtables.tables.offload_residency import NoRoom, Residency
@@ -96,8 +96,6 @@ class OffloadedRows:
         self._initialized = torch.zeros(-(-self.rows // self.block), dtype=torch.bool)
         self.residency = Residency(self.budget)  # the groups in memory, which leave first (no I/O)
         self._untracked = False  # a whole-table access mapped pages the cache does not count
-        self.torn: str | None = None  # why the files no longer hold the table (a write-back failed)
-        self.closed = False  # the files and lock were released (``close``): every access is refused
         self._warned_whole = False  # a whole-table access beyond the cache was logged
         self._pending: list[tuple[str, Tensor]] = []  # (part, byte ranges [n, 2]) being written back
         self.counters: dict[str, int] = dict.fromkeys(
@@ -374,12 +372,21 @@ class OffloadedRows:
 
     def _tear(self, why: str, cause: BaseException | None = None) -> NoReturn:
         """The files no longer hold the table (``why``): every lookup is refused until a restore; raises."""
-        self.torn = why
-        raise TornFilesError(
-            f"table {self.logical.name!r}: {why}, in its files under {self.files.directory!r}. The table's working "
-            "files are now torn: every lookup is refused until restore() of a checkpoint or load_state_dict() of "
-            "the whole state; the last checkpoint is untouched."
-        ) from cause
+        self.files.tear(why, cause)
+
+    @property
+    def torn(self) -> str | None:
+        """Why the files no longer hold the table (``ShardFiles.torn``), or None."""
+        return self.files.torn
+
+    @torn.setter
+    def torn(self, why: str | None) -> None:
+        self.files.torn = why
+
+    @property
+    def closed(self) -> bool:
+        """The files were released (``close``)."""
+        return self.files.closed
 
     def before_restore(self, what: str = "restore") -> None:
         """A restore (``what``) writes every row through the maps next: the files' blocks are reserved whole
@@ -447,17 +454,11 @@ class OffloadedRows:
 
     def check_open(self) -> None:
         """Raise when the files were released (``close``): nothing may read or write through them."""
-        if self.closed:
-            raise ClosedFilesError(
-                f"table {self.logical.name!r}: the module was closed (close()): its offloaded files under "
-                f"{self.files.directory!r} were released, and it no longer reads or writes them. Build a new module "
-                "(on that directory or another) and restore() a checkpoint; save before close() to keep a table."
-            )
+        self.files.check_open()
 
     def close(self) -> None:
         """Release the files and their lock (another module may then open the directory); every later access
         through this cache is refused. The tensors handed out keep their maps (memory-safe to read)."""
-        self.closed = True
         self.files.close()
 
 

@@ -22,12 +22,12 @@ import mmap
 import os
 import time
 import urllib.parse
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from torch import Tensor
 
-from embtables.errors import ConfigError
+from embtables.errors import ClosedFilesError, ConfigError, TornFilesError
 from embtables.kernels import native_abi, native_library
 
 MAGIC = "embtables-offload-v1"
@@ -98,6 +98,10 @@ def _ours(directory: str) -> tuple[set[str], list[str]]:
 class ShardFiles:
     """The files of one table shard, open and locked: ``tensors[part]`` [rows, dim] views their rows.
 
+    Their life: open (constructed), then possibly *torn* (``tear``: a write-back or read failed, or something
+    else cut a file short: they no longer hold the table; ``torn`` says why, until a restore writes every row
+    and clears it), and finally *closed* (``close``: released; ``check_open`` refuses every later access).
+
     Args:
       directory: the ``Offload`` directory (created when missing).
       table: the table's name; ``shard``: which shard of it (``w<W>r<rank>``).
@@ -107,6 +111,8 @@ class ShardFiles:
     def __init__(self, directory: str, table: str, shard: str, rows: int, dim: int, parts: dict[str, torch.dtype]):
         self.directory = directory
         self.table = table
+        self.torn: str | None = None  # why the files no longer hold the table (``tear``)
+        self.closed = False  # released (``close``): every access is refused
         self._lock_fd = -1
         self._fds: dict[str, int] = {}
         self._maps: dict[str, mmap.mmap] = {}
@@ -339,9 +345,29 @@ class ShardFiles:
                         os.ftruncate(fd, size)
                 raise
 
+    def tear(self, why: str, cause: BaseException | None = None) -> NoReturn:
+        """The files no longer hold the table (``why``): every lookup is refused until a restore; raises."""
+        self.torn = why
+        raise TornFilesError(
+            f"table {self.table!r}: {why}, in its files under {self.directory!r}. The table's working files are "
+            "now torn: every lookup is refused until restore() of a checkpoint or load_state_dict() of the whole "
+            "state; the last checkpoint is untouched."
+        ) from cause
+
+    def check_open(self) -> None:
+        """Raise when the files were released (``close``): nothing may read or write through them."""
+        if self.closed:
+            raise ClosedFilesError(
+                f"table {self.table!r}: the module was closed (close()): its offloaded files under "
+                f"{self.directory!r} were released, and it no longer reads or writes them. Build a new module "
+                "(on that directory or another) and restore() a checkpoint; save before close() to keep a table."
+            )
+
     def close(self) -> None:
-        """Close the files and release the lock. The maps are never closed here: a tensor over one (torch holds
-        a reference, not a buffer export) would read unmapped memory; each is unmapped with its last tensor."""
+        """Close the files and release the lock (``closed``). The maps are never closed here: a tensor over one
+        (torch holds a reference, not a buffer export) would read unmapped memory; each is unmapped with its
+        last tensor."""
+        self.closed = True
         self.tensors = {}
         for fd in self._fds.values():
             with contextlib.suppress(OSError):

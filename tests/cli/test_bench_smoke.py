@@ -191,3 +191,47 @@ def test_rounding_benchmark_times_each_type_mode_and_path() -> None:
     assert all(r["vector_ms"] > 0 and r["scalar_ms"] > 0 for r in lines)
     (summary,) = [r for r in records if r.get("bench") == "rounding_summary"]
     assert summary["float16_stochastic_vs_nearest_vector"] > 0
+
+
+def test_offload_benchmark_reports_the_disk_at_two_depths_the_floor_and_the_ideal_lfu(tmp_path: Path) -> None:
+    """``embtables bench offload``: the disk probe at queue depth 1 and 32, and per case the step, the disk-bound
+    floor and the hit rate next to an ideal LFU's of the same capacity."""
+    cmd = [sys.executable, "-m", "embtables", "bench", "offload", "--tables", "1", "--rows", "20000", "--dim", "16",
+           "--batch", "128", "--pooling", "2", "--cache-rows", "12800", "--steps", "2", "--warmup", "1",
+           "--batches", "3", "--probe-seconds", "0.1", "--probe-mib", "8", "--directory", str(tmp_path)]  # fmt: skip
+    out = fast_child.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    records = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    (probe,) = [r for r in records if r.get("bench") == "disk_probe"]
+    assert probe["random_4k_reads_per_s_qd1"] > 0 and probe["random_4k_reads_per_s_qd32"] > 0
+    steps = {r["ids"]: r for r in records if r.get("bench") == "offload_step" and r["impl"] == "offloaded"}
+    assert set(steps) == {"zipf", "uniform"}
+    for r in steps.values():
+        assert 0 <= r["hit_rate"] <= 1 and 0 <= r["ideal_lfu_hit_rate"] <= 1 and r["disk_bound_floor_ms"] >= 0
+    (summary,) = [r for r in records if r.get("bench") == "offload_summary"]
+    assert "zipf_step_vs_disk_bound_floor" in summary or steps["zipf"]["disk_bound_floor_ms"] == 0
+    assert not list(tmp_path.glob("embtables-bench-offload-*")), "the benchmark's files are removed"
+
+
+@pytest.mark.parametrize("capacity", [0, 10**9])
+def test_the_ideal_lfu_never_evicts_with_room_for_everything_and_keeps_one_batch_without(capacity: int) -> None:
+    """``ideal_lfu_hit_rate`` at its two ends, against a recount: with room for every row nothing leaves (a hit is
+    a row any earlier step looked up); with no room beyond a batch only the previous batch's rows are kept."""
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.bench_offload import ideal_lfu_hit_rate
+    from benchmarks.workload import Workload, make_batches
+
+    wl = Workload("t", tables=2, rows=300, dim=4, batch=16, pooling=3, ids="zipf", num_batches=3)
+    batches = make_batches(wl)
+    looked = hits = 0
+    for t in range(wl.tables):
+        seen: set[int] = set()
+        last: set[int] = set()
+        for i in range(6):
+            rows = set(batches[i % 3].ids[t].tolist())
+            if i >= 2:
+                looked += len(rows)
+                hits += len(rows & (seen if capacity else last))
+            seen |= rows
+            last = rows
+    assert ideal_lfu_hit_rate(wl, capacity, warmup=2, steps=4) == hits / looked
