@@ -150,14 +150,19 @@ def run(
         return done
 
 
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now (a rendezvous' MASTER_PORT)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 def run_as_torchrun_workers(cmd: Sequence[str], nproc: int, *, env: Mapping[str, str], **kwargs: Any) -> list[Any]:
     """``cmd`` run by ``nproc`` processes at once through ``run`` (forked where it can be), each with the
     variables ``torchrun --nproc_per_node=nproc`` sets for a worker (RANK, LOCAL_RANK, WORLD_SIZE,
     LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT); by rank, each one's completed process, or what its ``run``
     raised (a timeout: a rank whose peer failed first may wait for it until then)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = str(s.getsockname()[1])
+    port = str(free_port())
     outs: list[Any] = [None] * nproc
 
     def worker(rank: int) -> None:

@@ -19,20 +19,13 @@ import datetime
 import gc
 import os
 import pickle
-import socket
 import time
 import traceback
 from collections.abc import Callable
 from typing import Any
 
 import torch.multiprocessing as mp
-from fast_child import start_method
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from fast_child import free_port, start_method
 
 
 def _entry(

@@ -46,7 +46,7 @@ from embtables.tables.engine import LocalTables
 from embtables.tables.initializers import default_initializer
 from embtables.tables.inputs import FeatureBatch
 from embtables.tables.offload_initial import OffloadShard, table_seed
-from embtables.tables.offloaded_tables import Admission
+from embtables.tables.offloaded_tables import Admission, required
 from embtables.tables.state import LocalShard
 from embtables.tables.table_gradient import TableGradient
 
@@ -239,9 +239,7 @@ class ShardedEmbeddingCollection(LocalTables):
         rank raises when any rank's batch was refused, so all stay in step. ``admission``: the lookup's step,
         pinned steps and mode, with which the rows other ranks ask of this rank's offloaded tables are brought
         into memory (needed when it has offloaded tables)."""
-        if admission is None and self.local.offloaded:
-            raise RuntimeError("embtables: a lookup of offloaded tables came without its Admission (a bug)")
-        admit = functools.partial(self._admit_offloaded, admission=admission or Admission(0, 0, False))
+        admit = functools.partial(self._admit_offloaded, admission=admission)
         tables = self.row_tables
         routes: list[routing.TableRoute] = []
         out: list[Tensor | None] = [None] * len(self.resolved.features)
@@ -297,15 +295,16 @@ class ShardedEmbeddingCollection(LocalTables):
             self._raise_refused(refused, refusing, "batch")
         return [routing.TableRoute(r, recv_rows, recv_counts) for r, (recv_rows, recv_counts) in zip(routed, asked)]
 
-    def _admit_offloaded(self, wanted: Sequence[tuple[str, Tensor]], admission: Admission) -> None:
+    def _admit_offloaded(self, wanted: Sequence[tuple[str, Tensor]], admission: Admission | None) -> None:
         """Bring the local rows [any] other ranks asked of this rank, per table (``wanted``), into its row caches
         (offloaded tables); every rank raises when any rank's cache refused (one exchange, only with offloaded
         tables)."""
         if not self.local.offloaded:
             return
+        when = required(admission)  # a bug otherwise: every rank raises it here, before the agreement
         error: str | None = None
         try:
-            self.local.offloaded.admit_rows(wanted, admission)
+            self.local.offloaded.admit_rows(wanted, when)
         except (InputError, RuntimeError, OSError) as exc:
             error = f"{type(exc).__name__}: {exc}"
         if not comm.any_rank(error is not None, self.group):  # the common case: one flag, not the messages

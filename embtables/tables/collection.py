@@ -27,7 +27,7 @@ from embtables.tables.inputs import FeatureBatch
 from embtables.tables.learning_rates import LearningRatePlan
 from embtables.tables.offload_cache import OffloadedRows
 from embtables.tables.offload_initial import OffloadShard
-from embtables.tables.offloaded_tables import Admission, OffloadedTables
+from embtables.tables.offloaded_tables import Admission, OffloadedTables, required
 from embtables.tables.state import TableState, create_table_state, initial_rows
 from embtables.tables.table_gradient import TableGradient
 
@@ -170,9 +170,7 @@ class EmbeddingCollection:
         feature served, straight into the one output), the reference the rest; every activation is checked
         finite."""
         if self.offloaded:
-            if admission is None:
-                raise RuntimeError("embtables: a lookup of offloaded tables came without its Admission (a bug)")
-            self.offloaded.admit(batches, admission)
+            self.offloaded.admit(batches, required(admission))
         got = self.backend.lookup(batches, concat)
         if got.wide is not None:
             return [got.wide]

@@ -38,6 +38,13 @@ class Admission:
     training: bool
 
 
+def required(admission: Admission | None) -> Admission:
+    """``admission``, which a lookup of offloaded tables cannot go without (None there is a bug)."""
+    if admission is None:
+        raise RuntimeError("embtables: a lookup of offloaded tables came without its Admission (a bug)")
+    return admission
+
+
 class OffloadedTables:
     """The offloaded tables of one collection, by table name (an empty one when it has none)."""
 
@@ -133,4 +140,4 @@ class OffloadedTables:
         return {name: cache.statistics() for name, cache in self._caches.items()}
 
 
-__all__ = ["Admission", "OffloadedTables"]
+__all__ = ["Admission", "OffloadedTables", "required"]
