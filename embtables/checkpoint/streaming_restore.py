@@ -139,8 +139,20 @@ def _locked(progress: Callable[[int], None]) -> Callable[[int], None]:
     return tick
 
 
-def _run_all(tasks: list[Callable[[], None]]) -> None:
-    """Run the tasks on two threads; the first error (in task order) is raised after all have ended."""
+def _run_all(tasks: list[Callable[[], None]], nbytes: int) -> None:
+    """Run the tasks, which read ``nbytes`` bytes in all: on two threads, or in this one when that is under
+    one piece (starting and joining the threads would cost more than the reads). The first error (in task
+    order) is raised after all have ended."""
+    if nbytes < _PIECE or len(tasks) < 2:
+        errors: list[BaseException] = []
+        for task in tasks:
+            try:
+                task()
+            except Exception as exc:  # raised below, after every task ran, as the pool does
+                errors.append(exc)
+        if errors:
+            raise errors[0]
+        return
     with concurrent.futures.ThreadPoolExecutor(_THREADS, thread_name_prefix="embtables-restore") as pool:
         futures = [pool.submit(task) for task in tasks]
     for f in futures:
@@ -159,7 +171,7 @@ def verify(
 ) -> list[_Plan]:
     """Pass 1: check every block this rank needs and that its shards are covered (``partial``: an increment,
     whose files hold some rows only); write nothing."""
-    plans, tasks, tick = [], [], _locked(progress)
+    plans, tasks, tick, nbytes = [], [], _locked(progress), 0
     for t in resolved.tables:
         mine = _ascending_rows(shards[t.name])
         filled = np.zeros(mine.size, dtype=bool)
@@ -181,10 +193,11 @@ def verify(
                 tasks += [
                     _check_block(plan, key, block, tick, targets.get(key)) for key, block in plan.blocks.state.items()
                 ]
+                nbytes += sum(block.nbytes for block in plan.blocks.state.values())
         if not partial and not filled.all():
             missing = mine[~filled][:5].tolist()
             raise CheckpointError(f"{where}: table {t.name!r}: rows {missing} are in no file of the checkpoint.")
-    _run_all(tasks)
+    _run_all(tasks, nbytes)
     return plans
 
 
@@ -252,7 +265,7 @@ def unchanged(files: dict[str, _RankFile]) -> None:
 def write(plans: list[_Plan], shards: dict[str, LocalShard], progress: Callable[[int], None]) -> None:
     """Pass 2: read the blocks again and copy this rank's rows into place; ``TornRestore`` when a block's
     bytes are not the ones pass 1 checked."""
-    tick, tasks = _locked(progress), []
+    tick, tasks, nbytes = _locked(progress), [], 0
     mine_of: dict[str, np.ndarray[Any, Any]] = {}  # each table's rows, once (a table has a plan per file)
     for plan in plans:
         shard = shards[plan.table.name]
@@ -264,8 +277,9 @@ def write(plans: list[_Plan], shards: dict[str, LocalShard], progress: Callable[
             # an offloaded table's rows are written back and dropped piece by piece (memory: a piece)
             written = None if shard.offloaded is None else functools.partial(shard.offloaded.written, slot)
             tasks.append(_copy_block(plan, key, mine, target, tick, written))
+            nbytes += plan.blocks.state[key].nbytes + plan.blocks.rows.nbytes
     with torch.no_grad():
-        _run_all(tasks)
+        _run_all(tasks, nbytes)
 
 
 def _copy_block(

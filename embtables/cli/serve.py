@@ -118,6 +118,10 @@ class Service:
 def _handler(service: Service) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"  # keep-alive: a client's requests reuse one connection
+        # A response leaves in one write (headers and body buffered, flushed once per request) with Nagle's
+        # algorithm off: written apart, the body would wait for the client's delayed ACK of the headers (40 ms).
+        wbufsize = 1 << 16
+        disable_nagle_algorithm = True
 
         def log_message(self, format: str, *args: Any) -> None:
             logger.debug("%s " + format, self.address_string(), *args)
