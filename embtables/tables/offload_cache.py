@@ -270,11 +270,13 @@ class OffloadedRows:
                 "keeps the previous batch's rows) or use smaller batches. Nothing was changed."
             ) from None
         if victims.numel():
+            start = time.perf_counter()
             self._evict(self.residency.units[victims], self.residency.dirty[victims])
             self.residency.remove(victims)
             # their write-backs run together; once done, their pages leave the page cache, before any read
             # below could map one of them as a neighbour of its own page (fault-around)
             self._settle()
+            self.disk_wait_s += time.perf_counter() - start  # the write-backs' wait is the disk's too
         _, present = self.residency.where(groups)
         missing = groups[~present]
         blocks = torch.unique_consecutive(torch.div(groups * self.group, self.block, rounding_mode="floor"))
