@@ -67,9 +67,9 @@ def _dead_rank(rank: int, world: int, marker: str) -> None:
 
 
 def _silent_rank(rank: int, world: int, marker: str) -> None:
-    emb = et.DistributedEmbedding(_config(), timeout=3)
+    emb = et.DistributedEmbedding(_config(), timeout=2)
     if rank == 1:
-        time.sleep(8)  # alive but never arrives in time
+        time.sleep(5)  # alive but never arrives in time
     start = time.monotonic()
     with pytest.raises(CollectiveError):
         emb(_ids(rank))
@@ -98,7 +98,7 @@ def test_a_dead_rank_makes_the_others_fail_within_the_timeout(tmp_path: Path) ->
 def test_a_rank_that_never_arrives_makes_the_others_fail_after_the_timeout(tmp_path: Path) -> None:
     marker = tmp_path / "elapsed"
     run_world(_silent_rank, 2, str(marker), timeout=120)
-    assert 2 < float(marker.read_text()) < 30
+    assert 1.5 < float(marker.read_text()) < 30
 
 
 def _overflowing_sums(rank: int, world: int) -> None:
