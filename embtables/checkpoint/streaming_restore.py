@@ -6,7 +6,8 @@ nothing is written. The ranks then agree, and every file must still have the siz
 time pass 1 saw. Pass 2 (``write``) reads the same blocks again from the same open files, copies this
 rank's rows into place and checks each block's CRC-32 once more over the bytes it copied. Extra memory
 is a few pieces per thread and one flag per local row, not a copy of the state. Blocks are independent
-tasks, run on two threads (reads and CRC-32 release the GIL).
+tasks, run on two threads (reads and CRC-32 release the GIL), or in the calling thread when a pass reads less
+than one piece in all (a small model: the threads' start and join cost more than its reads).
 
 A file replaced or deleted between the passes does not matter: both passes read the file descriptors
 opened by pass 1. A file modified in place between the passes is refused before anything is written.
