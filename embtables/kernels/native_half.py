@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from embtables.kernels import storage_types
+from embtables.kernels.affine_rows import AffineRows, GlobalRows
 from embtables.kernels.native import Bags, Workspace, library, require, threads
 from embtables.kernels.native_abi import NativeBufferError, raise_for, unchecked
 from embtables.kernels.native_args import array
@@ -66,8 +67,8 @@ class HalfUpdate:
     rounded rows into scratch; the table unchanged) then ``write`` (the scratch into the table), or
     ``apply_in_place`` (one pass, the stored rows kept in scratch) and, when refused, ``put_back``.
     ``weights`` [V, D] are bfloat16 / float16, ``slots`` (each [V, D]) all of one storage type (half or
-    float32), ``params`` the optimizer's C block, ``global_rows`` [V] the global id of every local row (None:
-    the rows are global), ``rounding`` = (seed, step, table index, stochastic)."""
+    float32), ``params`` the optimizer's C block, ``global_rows`` [V] the global id of every local row (or
+    its ``AffineRows``; None: the rows are global), ``rounding`` = (seed, step, table index, stochastic)."""
 
     def __init__(
         self,
@@ -75,7 +76,7 @@ class HalfUpdate:
         weights: Tensor,
         slots: tuple[Tensor, ...],
         params: Any,
-        global_rows: Tensor | None,
+        global_rows: GlobalRows | None,
         rounding: tuple[int, int, int, bool],
     ) -> None:
         self.ws, self.weights, self.slots, self.params = ws, weights, slots, params
@@ -139,8 +140,11 @@ class HalfUpdate:
             require(s, f"slot {i}", s.dtype, tuple(weights.shape))
             ptrs[i] = s.data_ptr()
         grows = self.global_rows
-        if grows is not None:
+        packed = grows.packed if isinstance(grows, AffineRows) else grows
+        if isinstance(grows, Tensor):
             require(grows, "global rows", torch.int64, (vocab,))
+        elif grows is not None:
+            require(packed, "global rows", torch.int64, (2,))
         out = require(self.out, "scratch", torch.int16, (-1, ws.dim * (1 if skind == 2 else 1 + len(slots))))
         sout = self.sout
         if skind == 2 and slots:
@@ -148,7 +152,7 @@ class HalfUpdate:
         seed, step, table, stochastic = self.rounding
         result = lib.et_apply_half(
             ws.handle, weights.data_ptr(), *ptrs, wkind, skind, vocab, ws.dim, ctypes.byref(self.params),
-            None if grows is None else grows.data_ptr(), vocab if grows is not None else 0, seed, step, table,
+            None if packed is None else packed.data_ptr(), _global_length(grows, vocab), seed, step, table,
             int(stochastic), mode, out.data_ptr(), None if sout is None else sout.data_ptr(), out.shape[0],
             threads(),
         )  # fmt: skip
@@ -196,7 +200,7 @@ class HalfStep:
         self._out: list[Tensor] = [torch.empty(0, dtype=torch.int16)] * count
         self._sout: list[Tensor | None] = [None] * count
         self._scratch: tuple[Any, Any, Any] = self._scratch_arrays()
-        self._grows: tuple[tuple[Tensor | None, ...], Any, Any] = ((), None, None)
+        self._grows: tuple[tuple[GlobalRows | None, ...], Any, Any] = ((), None, None)
 
     def _scratch_arrays(self) -> tuple[Any, Any, Any]:
         """(out, sout, rows of scratch) as ctypes arrays over the current scratch tensors."""
@@ -220,20 +224,25 @@ class HalfStep:
         if grown:
             self._scratch = self._scratch_arrays()
 
-    def _global_rows(self, global_rows: Sequence[Tensor | None]) -> tuple[Any, Any]:
+    def _global_rows(self, global_rows: Sequence[GlobalRows | None]) -> tuple[Any, Any]:
         """(row maps, their lengths) as ctypes arrays: each table's global id [V] of every local row (checked
-        here, every call), or NULL and 0 (its rows are global)."""
+        here, every call), its pair [first, stride] and -1 (``AffineRows``), or NULL and 0 (its rows are
+        global)."""
         held = self._grows
         if len(held[0]) == len(global_rows) and all(a is b for a, b in zip(held[0], global_rows)):
             maps = held
         else:
-            ptrs = (_VP * self.arrays.count)(*[None if g is None else g.data_ptr() for g in global_rows])
-            sizes = (_I64 * self.arrays.count)(*[0 if g is None else g.numel() for g in global_rows])
+            packed = [g.packed if isinstance(g, AffineRows) else g for g in global_rows]
+            ptrs = (_VP * self.arrays.count)(*[None if g is None else g.data_ptr() for g in packed])
+            sizes = (_I64 * self.arrays.count)(*[_global_length(g, 0) for g in global_rows])
             maps = self._grows = (tuple(global_rows), ptrs, sizes)
         for t, g in enumerate(global_rows):
-            if g is not None:
+            if isinstance(g, AffineRows):
+                maps[1][t] = require(g.packed, "global rows", torch.int64, (2,)).data_ptr()
+            elif g is not None:
                 require(g, "global rows", torch.int64, (int(self.arrays.vocab[t]),))
                 maps[1][t] = g.data_ptr()  # a tensor changed in place keeps its address; one set again would not
+                maps[2][t] = g.numel()
         return maps[1], maps[2]
 
     def lookup(self, bags: StagedBags) -> list[Tensor] | None:
@@ -258,7 +267,7 @@ class HalfStep:
         )  # fmt: skip
         return outs if int(status) == 0 else None
 
-    def apply(self, params: Any, global_rows: Sequence[Tensor | None], step: int) -> list[int]:
+    def apply(self, params: Any, global_rows: Sequence[GlobalRows | None], step: int) -> list[int]:
         """Write every table's prepared update; per table the largest row whose update is not finite (-1: none;
         when any is not -1, nothing was written). ``params``: a ctypes array of the tables' optimizer blocks'
         addresses (``native_step.apply_checked``'s), ``global_rows`` [V_t] int64 or None per table."""
@@ -289,3 +298,13 @@ def _rows_of(scratch: dict[str, Tensor] | None, name: str, n: int, dtype: torch.
     if held is None or held.dtype != dtype or held.numel() < n:
         held = scratch[name] = torch.empty(max(n + n // 2, 1), dtype=dtype)
     return held[:n]
+
+
+def _global_length(grows: GlobalRows | None, vocab: int) -> int:
+    """The length C is given with a table's row map: -1 for the pair of ``AffineRows``, ``vocab`` (or the
+    tensor's length) for one id a row, 0 for none."""
+    if grows is None:
+        return 0
+    if isinstance(grows, AffineRows):
+        return -1
+    return vocab or int(grows.numel())

@@ -17,6 +17,8 @@ import dataclasses
 import torch
 from torch import Tensor
 
+from embtables.kernels.affine_rows import AffineRows
+
 STRATEGIES: tuple[str, ...] = ("div", "mod", "table")
 
 
@@ -109,6 +111,21 @@ class TablePlan:
         )
         local = torch.where(in_big, torch.remainder(ids, q + 1), torch.remainder(ids - e, q))
         return rank, local
+
+    def affine_rows(self, rank: int) -> AffineRows:
+        """``global_rows(rank)`` as (first, stride, count): local row j holds id first + stride * j. A rank that
+        owns no row gets one placeholder row, never written, whose id is V."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"TablePlan.affine_rows: rank must be in [0, {self.world_size}), got {rank}.")
+        v, w, n = self.vocabulary_size, self.world_size, self.shard_sizes()[rank]
+        if n == 0:
+            return AffineRows(v, 1, 1)
+        if self.strategy == "table":
+            return AffineRows(0, 1, n)
+        if self.strategy == "mod":
+            return AffineRows(rank, w, n)
+        q, e = divmod(v, w)
+        return AffineRows(rank * (q + 1) if rank < e else e * (q + 1) + (rank - e) * q, 1, n)
 
     def global_rows(self, rank: int) -> Tensor:
         """The global ids held by ``rank``, ascending, [shard_sizes()[rank]]; local row j holds id [j]."""

@@ -146,10 +146,7 @@ class ShardedEmbeddingCollection(LocalTables):
         # a half-precision table rounds each row's update with the row's global id (spec §12): the same bits
         # for any W and strategy (the placeholder row, never written, gets the id V)
         half = [t for t in resolved.tables if t.config.half and t.config.dynamic is None]
-        owned = {t.name: self.plans[t.name].global_rows(self.rank) for t in half}
-        self.local.set_global_rows(
-            {t.name: owned[t.name] if owned[t.name].numel() else torch.tensor([t.vocabulary_size]) for t in half}
-        )
+        self.local.set_global_rows({t.name: self.plans[t.name].affine_rows(self.rank) for t in half})
         # A summed gradient of an owner-pooled table overflowed here: ``check`` refuses the update on every rank.
         self._sums_overflow = False
         self.row_tables = [t for t in resolved.tables if t.name not in pooled]

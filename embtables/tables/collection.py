@@ -18,6 +18,7 @@ from torch import Tensor
 from embtables.config import ResolvedConfig, ResolvedTable
 from embtables.errors import ConfigError
 from embtables.kernels import native
+from embtables.kernels.affine_rows import GlobalRows
 from embtables.kernels.clip_decay import optimizer_decay
 from embtables.tables.backends import Backend, BagPart, GradientPart, Prepared, TableSet, TorchBackend, choose, switches
 from embtables.tables.changed_rows import ChangedRows
@@ -82,9 +83,9 @@ class EmbeddingCollection:
         # the native marking call of the last step's workspaces (``_mark_written``), built once while they stay
         self._mark_plan: tuple[list[Any], dict[str, Tensor], Callable[[], None] | None] | None = None
 
-    def set_global_rows(self, rows: dict[str, Tensor]) -> None:
-        """Per sharded half-precision table, the global row id [V_local] of every local row: what its updates
-        are rounded with (``TableSet.global_ids``)."""
+    def set_global_rows(self, rows: dict[str, GlobalRows]) -> None:
+        """Per sharded half-precision table, the global row id of every local row (``AffineRows``: its block or
+        stride): what its updates are rounded with (``TableSet.global_ids``)."""
         self._tables.global_rows.update(rows)
 
     @property

@@ -6,6 +6,7 @@ import pytest
 import torch
 from oracle.np_partition import div_owner, mod_owner, shards
 
+from embtables.kernels.affine_rows import AffineRows
 from embtables.sharding.plan import TablePlan
 
 
@@ -31,6 +32,9 @@ def test_every_id_against_the_spec_formulas(strategy: str) -> None:
             for r in range(w):
                 rows = plan.global_rows(r)
                 assert rows.tolist() == sorted(rows.tolist())
+                affine = plan.affine_rows(r)  # a rank owning none: one placeholder row, id V
+                assert affine.tensor().tolist() == (rows.tolist() or [v]) and affine.ids(torch.tensor([0])) == (
+                    rows[:1] if rows.numel() else v)  # fmt: skip
                 back_rank, back_local = plan.owner(rows)
                 assert back_rank.tolist() == [r] * len(rows) and back_local.tolist() == list(range(len(rows)))
 
@@ -41,6 +45,7 @@ def test_table_wise() -> None:
     rank, local = plan.owner(torch.tensor([0, 6, 3]))
     assert rank.tolist() == [2, 2, 2] and local.tolist() == [0, 6, 3]
     assert plan.global_rows(2).tolist() == list(range(7)) and plan.global_rows(0).numel() == 0
+    assert plan.affine_rows(2) == AffineRows(0, 1, 7) and plan.affine_rows(0) == AffineRows(7, 1, 1)
 
 
 @pytest.mark.parametrize(

@@ -25,6 +25,7 @@ from mp_world import run_world
 import embtables as et
 from embtables.errors import InputError
 from embtables.kernels import gpu, native
+from embtables.kernels.affine_rows import AffineRows
 from embtables.kernels.stochastic_rounding import random_bits, round_to, row_states, table_state
 from embtables.tables.backends import GpuBackend, TorchBackend
 
@@ -368,5 +369,8 @@ def test_a_row_map_the_kernel_cannot_read_as_it_is_is_copied_once_per_version() 
     assert again is not first and int(again[3]) == 99
     rows["t"] = narrow.clone()  # another tensor with the same values: copied again
     assert backend._global_rows(table) is not again
+    rows["t"] = AffineRows(3, 2, V)  # a sharded table's block or stride: its ids made once on the device
+    made = backend._global_rows(table)
+    assert torch.equal(made.cpu(), torch.arange(V) * 2 + 3) and backend._global_rows(table) is made
     del rows["t"]
     assert backend._global_rows(table) is None

@@ -24,6 +24,7 @@ from oracle.np_optimizers import update_row
 import embtables as et
 from embtables.errors import ConfigError, InputError
 from embtables.kernels import native_library
+from embtables.kernels.affine_rows import AffineRows
 
 HALF = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 OPTIMIZERS: dict[str, tuple[Any, dict[str, Any]]] = {
@@ -388,6 +389,9 @@ def _sharded(rank: int, world: int, sharding: str, want_path: str, ckpt: str) ->
     got = emb.state_dict()
     for key, value in want.items():
         assert torch.equal(got[key], value), (rank, sharding, key)
+    # each rank's rows are rounded by their global ids, held as the block or stride, not an id a row
+    held = emb._engine.local._tables.global_rows["t"]
+    assert isinstance(held, AffineRows) and torch.equal(held.tensor(), emb._engine.plans["t"].global_rows(rank))
     # the owners pooled and updated in C (an update is computed at the ranks' agreement, then written)
     assert calls["lookup_half_many"] == 3 and calls["HalfUpdate"] == 6, calls
     emb.save(ckpt)  # restored into the other strategy: each rank's rows read from the other layout

@@ -373,7 +373,8 @@ int et_lookup_half_many(int64_t F, const uint16_t *const *W, const int32_t *kind
 /* Phase 2 of a lazy update of a half table from its prepared workspace. Every prepared row's update is computed
  * in float32 from its stored values (weights of kind wkind, 0 or 1; slots of kind skind, 0, 1 or 2: float32)
  * and rounded, row u's random bits from (seed, step, table, grows[rows[u]]) (grows NULL: the rows are global;
- * else [nglobal], one per local row). The scratch is out [U, (1 + K) x D] (2-byte patterns; with K float32
+ * nglobal -1: grows is the pair {first, stride} and local row r is global row first + stride * r; else
+ * [nglobal], one per local row). The scratch is out [U, (1 + K) x D] (2-byte patterns; with K float32
  * slots out holds the weights [U, D] and sout [U, K x D] floats). mode 0: the rounded rows into the scratch,
  * nothing in the table changes; mode 1: the scratch of a mode-0 call written into the rows (returns -1);
  * mode 2: the rows updated in place, each row's stored values kept in the scratch first; mode 3: the rows a
@@ -388,7 +389,10 @@ int64_t et_apply_half(const void *handle, void *W, void *S0, void *S1, void *S2,
     ET_FLUSH_SUBNORMALS;
     const et_workspace *h = (const et_workspace *)handle;
     if (!et_prepared_ok(h, V, D)) return -2;
-    if (grows && nglobal < V) return -2;
+    const int affine = grows != NULL && nglobal == -1;
+    if (grows && !affine && nglobal < V) return -2;
+    if (affine && (grows[0] < 0 || grows[1] < 1)) return -2;
+    const int64_t first = affine ? grows[0] : 0, stride = affine ? grows[1] : 1;
     if ((wkind != 0 && wkind != 1) || skind < 0 || skind > 2 || mode < 0 || mode > 3) return -4;
     const et_row_fn fn = et_row_function(p->kind);
     if (!fn) return -4;
@@ -452,7 +456,7 @@ int64_t et_apply_half(const void *handle, void *W, void *S0, void *S1, void *S2,
                 et_load_row(W, wkind, r, D, c[0]);
                 for (int k = 0; k < K; ++k) et_load_row(S[k], skind, r, D, c[k + 1]);
                 fn(p, c[0], K > 0 ? c[1] : NULL, K > 1 ? c[2] : NULL, K > 2 ? c[3] : NULL, h->G + u * D, D);
-                const uint32_t hr = et_round_row(prefix, grows ? grows[r] : r);
+                const uint32_t hr = et_round_row(prefix, affine ? first + stride * r : grows ? grows[r] : r);
                 /* mode 0: the rounded row into out / sout; mode 2: into the table, in place */
                 int ok = et_round_into(c[0], wkind, D, hr, 0, stochastic, mode == 2 ? wrow : o);
                 for (int k = 0; k < K; ++k) {

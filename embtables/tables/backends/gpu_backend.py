@@ -22,6 +22,7 @@ from torch import Tensor
 from embtables.config import ResolvedTable
 from embtables.errors import InputError
 from embtables.kernels import gpu, gpu_step
+from embtables.kernels.affine_rows import AffineRows
 from embtables.kernels.segments import segments_from_offsets
 from embtables.kernels.stochastic_rounding import table_state
 from embtables.tables.backends.device_checks import DeviceChecks
@@ -55,7 +56,7 @@ class GpuBackend:
     def __init__(self, tables: TableSet, *, immediate: bool = False) -> None:
         self.tables = tables
         self.checks = DeviceChecks(tables.device, immediate=immediate or not gpu.deferred_errors())
-        self._mappings: dict[str, tuple[Tensor, int, Tensor]] = {}  # see _global_rows
+        self._mappings: dict[str, tuple[Tensor | AffineRows, int, Tensor]] = {}  # see _global_rows
 
     @property
     def refused(self) -> Tensor:
@@ -224,8 +225,14 @@ class GpuBackend:
         """The global id [V] of each local row of ``table`` on its device (None: local rows are global): the
         mapping itself when it is an int64 tensor there, else a copy made once per version of the mapping (a
         dynamic table's keys change in place; the copy's entry holds the mapping, so its identity is its own)."""
-        mapping = self.tables.global_rows.get(table.name)
+        held = self.tables.global_rows.get(table.name)
         device = self.tables.device
+        if isinstance(held, AffineRows):  # the GPU kernels read one id a row: made once on the device
+            kept = self._mappings.get(table.name)
+            if kept is None or kept[0] is not held:
+                kept = self._mappings[table.name] = (held, 0, held.tensor(device))
+            return kept[2]
+        mapping = held
         if mapping is None or (mapping.device == device and mapping.dtype == torch.int64 and mapping.is_contiguous()):
             return mapping
         kept = self._mappings.get(table.name)

@@ -288,7 +288,8 @@ class NativeBackend:
         config = table.config
         grows = self.tables.global_rows.get(table.name)
         rounding = (config.rounding_seed, self.tables.step, table.index, config.rounding == "stochastic")
-        grows = None if grows is None else grows.to(torch.int64).contiguous()
+        if isinstance(grows, Tensor):
+            grows = grows.to(torch.int64).contiguous()
         update = native_half.HalfUpdate(ws, state.weights, state.slot_tuple(), params, grows, rounding)
         scratch = self._half_scratch.setdefault(table.name, {})
         if check_in_write:

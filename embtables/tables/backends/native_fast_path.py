@@ -184,7 +184,10 @@ class NativeFastPath:
             if half is None:
                 return False  # half and float32 tables together: the general phase 2
             global_rows = [self.set.global_rows.get(t.name) for t in tables]
-            if not all(g is None or (g.dtype == torch.int64 and g.is_cpu and g.is_contiguous()) for g in global_rows):
+            if not all(
+                not isinstance(g, Tensor) or (g.dtype == torch.int64 and g.is_cpu and g.is_contiguous())
+                for g in global_rows
+            ):
                 return False  # the general phase 2 converts them
             return max(half.apply(native_step.param_array(arrays, self._rates[1]), global_rows, self.set.step)) < 0
         if not self._small:

@@ -16,6 +16,7 @@ from torch import Tensor
 from embtables.config import ResolvedConfig, ResolvedTable
 from embtables.errors import InputError
 from embtables.kernels import native
+from embtables.kernels.affine_rows import AffineRows, GlobalRows
 from embtables.tables.changed_rows import ChangedRows
 from embtables.tables.concatenated import column_starts
 from embtables.tables.state import TableState
@@ -38,7 +39,7 @@ class TableSet:
         # half-precision tables (spec §12): the step an update is written at, and each sharded table's global
         # row id of every local row (absent: local rows are global)
         self.step = 0
-        self.global_rows: dict[str, Tensor] = {}
+        self.global_rows: dict[str, GlobalRows] = {}
         self.half = any(t.config.half for t in resolved.tables)
         # what each table's tensors must stay: per table its state, then (dtype, shape) of its weights and slots
         self._kept = [
@@ -71,6 +72,8 @@ class TableSet:
     def global_ids(self, table: ResolvedTable, rows: Tensor) -> Tensor:
         """The global row ids [U] of local ``rows`` [U] of ``table``."""
         mapping = self.global_rows.get(table.name)
+        if isinstance(mapping, AffineRows):
+            return mapping.ids(rows)
         return rows if mapping is None else mapping.to(rows.device)[rows]
 
     @property
