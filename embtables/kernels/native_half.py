@@ -270,7 +270,7 @@ class HalfStep:
     def apply(self, params: Any, global_rows: Sequence[GlobalRows | None], step: int) -> list[int]:
         """Write every table's prepared update; per table the largest row whose update is not finite (-1: none;
         when any is not -1, nothing was written). ``params``: a ctypes array of the tables' optimizer blocks'
-        addresses (``native_step.apply_checked``'s), ``global_rows`` [V_t] int64 or None per table."""
+        addresses (``native_step.apply_checked``'s), ``global_rows`` [V_t] int64, ``AffineRows`` or None per table."""
         arrays = self.arrays
         if len(global_rows) != arrays.count:
             raise NativeBufferError("embtables native kernel: one row map (or None) per half table is needed.")
