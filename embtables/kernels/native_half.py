@@ -234,7 +234,8 @@ class HalfStep:
         else:
             packed = [g.packed if isinstance(g, AffineRows) else g for g in global_rows]
             ptrs = (_VP * self.arrays.count)(*[None if g is None else g.data_ptr() for g in packed])
-            sizes = (_I64 * self.arrays.count)(*[_global_length(g, 0) for g in global_rows])
+            lengths = [_global_length(g, int(v)) for g, v in zip(global_rows, self.arrays.vocab)]
+            sizes = (_I64 * self.arrays.count)(*lengths)
             maps = self._grows = (tuple(global_rows), ptrs, sizes)
         for t, g in enumerate(global_rows):
             if isinstance(g, AffineRows):
@@ -242,7 +243,6 @@ class HalfStep:
             elif g is not None:
                 require(g, "global rows", torch.int64, (int(self.arrays.vocab[t]),))
                 maps[1][t] = g.data_ptr()  # a tensor changed in place keeps its address; one set again would not
-                maps[2][t] = g.numel()
         return maps[1], maps[2]
 
     def lookup(self, bags: StagedBags) -> list[Tensor] | None:
@@ -301,10 +301,8 @@ def _rows_of(scratch: dict[str, Tensor] | None, name: str, n: int, dtype: torch.
 
 
 def _global_length(grows: GlobalRows | None, vocab: int) -> int:
-    """The length C is given with a table's row map: -1 for the pair of ``AffineRows``, ``vocab`` (or the
-    tensor's length) for one id a row, 0 for none."""
+    """The length C is given with a table's row map: -1 for the pair of ``AffineRows``, ``vocab`` for one id a
+    local row (checked to be [vocab] before each call), 0 for none."""
     if grows is None:
         return 0
-    if isinstance(grows, AffineRows):
-        return -1
-    return vocab or int(grows.numel())
+    return -1 if isinstance(grows, AffineRows) else vocab

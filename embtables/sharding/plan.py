@@ -116,7 +116,7 @@ class TablePlan:
         """``global_rows(rank)`` as (first, stride, count): local row j holds id first + stride * j. A rank that
         owns no row gets one placeholder row, never written, whose id is V."""
         if not 0 <= rank < self.world_size:
-            raise ValueError(f"TablePlan.affine_rows: rank must be in [0, {self.world_size}), got {rank}.")
+            raise ValueError(f"TablePlan: rank must be in [0, {self.world_size}), got {rank}.")
         v, w, n = self.vocabulary_size, self.world_size, self.shard_sizes()[rank]
         if n == 0:
             return AffineRows(v, 1, 1)
@@ -129,13 +129,5 @@ class TablePlan:
 
     def global_rows(self, rank: int) -> Tensor:
         """The global ids held by ``rank``, ascending, [shard_sizes()[rank]]; local row j holds id [j]."""
-        if not 0 <= rank < self.world_size:
-            raise ValueError(f"TablePlan.global_rows: rank must be in [0, {self.world_size}), got {rank}.")
-        v, w = self.vocabulary_size, self.world_size
-        if self.strategy == "table":
-            return torch.arange(v) if rank == self.rank else torch.zeros(0, dtype=torch.int64)
-        if self.strategy == "mod":
-            return torch.arange(rank, v, w) if rank < v else torch.zeros(0, dtype=torch.int64)
-        q, e = divmod(v, w)
-        start = rank * (q + 1) if rank < e else e * (q + 1) + (rank - e) * q
-        return torch.arange(start, start + self.shard_sizes()[rank])
+        rows = self.affine_rows(rank)
+        return rows.tensor() if self.owned_rows(rank) else torch.zeros(0, dtype=torch.int64)

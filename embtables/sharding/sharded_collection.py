@@ -117,20 +117,21 @@ class ShardedEmbeddingCollection(LocalTables):
         for t in resolved.tables:
             plan = TablePlan.of(placements[t.name], t.vocabulary_size, self.world)
             self.plans[t.name] = plan
-            rows = plan.global_rows(self.rank)
+            owned = plan.owned_rows(self.rank)
             if t.config.offload is not None:  # its files hold this rank's rows, initialized when first read
-                config = dataclasses.replace(t.config, vocabulary_size=max(1, int(rows.numel())))
+                config = dataclasses.replace(t.config, vocabulary_size=max(1, owned))
                 shard, seed = f"w{self.world}r{self.rank}", table_seed(t)
-                # a div block or a whole table (stride 1), a mod stride (W), or no rows (a one-row placeholder): no
-                # [N] row map kept, so the memory is the cache's
-                first, stride = (int(rows[0]) if rows.numel() else 0), (self.world if plan.strategy == "mod" else 1)
-                offload[t.name] = OffloadShard(t, shard, seed, first=first, stride=stride)
+                # a div block or a whole table (stride 1), a mod stride (W), or no rows (a one-row placeholder drawn
+                # as row 0): no [N] row ids made or kept, so the memory is the cache's
+                span = plan.affine_rows(self.rank)
+                offload[t.name] = OffloadShard(t, shard, seed, first=span.first if owned else 0, stride=span.stride)
                 local_tables.append(dataclasses.replace(t, config=config))
                 continue
             if t.config.dynamic is not None:  # rows get their initial values when given to a key (spec §11)
-                config = dataclasses.replace(t.config, vocabulary_size=max(1, int(rows.numel())))
+                config = dataclasses.replace(t.config, vocabulary_size=max(1, owned))
                 local_tables.append(dataclasses.replace(t, config=config))
                 continue
+            rows = plan.global_rows(self.rank)
             init = t.config.initializer or default_initializer(t.dim)
             full = init((t.vocabulary_size, t.dim), torch.float32)
             # A rank with no rows of a table keeps one dummy row (never looked up, never gathered).
