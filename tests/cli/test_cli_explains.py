@@ -200,10 +200,11 @@ def test_the_installed_wheel_has_bench_and_the_samples(tmp_path: Path) -> None:
                            capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
     outer = sysconfig.get_paths()["purelib"]
     (Path(inner) / "outer-packages.pth").write_text(outer + "\n")  # a plain path: no editable finder comes along
-    install = subprocess.run([sys.executable, "-m", "pip", "--python", str(py), "install", "-q", "--no-deps",
-                              str(wheel)], capture_output=True, text=True, timeout=300)  # fmt: skip
-    assert install.returncode == 0, install.stderr[-2000:]
+    # Without PYTHONPATH (a run from a worktree sets it): pip would see the package there and install nothing.
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    install = subprocess.run([sys.executable, "-m", "pip", "--python", str(py), "install", "-q", "--no-deps",
+                              str(wheel)], capture_output=True, text=True, timeout=300, env=env)  # fmt: skip
+    assert install.returncode == 0, install.stderr[-2000:]
     where = subprocess.run([str(py), "-c", "import embtables; print(embtables.__file__)"], capture_output=True,
                            text=True, cwd="/", env=env)  # fmt: skip
     assert str(venv) in where.stdout, where.stdout + where.stderr
