@@ -126,13 +126,25 @@ def _handler(service: Service) -> type[BaseHTTPRequestHandler]:
         def log_message(self, format: str, *args: Any) -> None:
             logger.debug("%s " + format, self.address_string(), *args)
 
-        def _send(self, code: int, doc: dict[str, Any]) -> None:
+        def _send(self, code: int, doc: dict[str, Any], close: bool = False) -> None:
+            """The JSON response; ``close``: the request's body was not read (a refusal before it), so the
+            connection ends here instead of reading that body as the next request."""
             data = json.dumps(doc).encode()
             self.send_response(code)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(data)))
+            if code == 405:
+                self.send_header("Allow", "GET, POST")
+            if close:
+                self.send_header("Connection", "close")
+                self.close_connection = True
             self.end_headers()
             self.wfile.write(data)
+
+        def _not_allowed(self) -> None:
+            self._send(405, {"error": f"method {self.command} is not served: GET /health, POST /predict"}, close=True)
+
+        do_PUT = do_DELETE = do_PATCH = do_OPTIONS = _not_allowed
 
         def do_GET(self) -> None:
             if self.path.split("?")[0] in ("/health", "/"):
@@ -143,22 +155,26 @@ def _handler(service: Service) -> type[BaseHTTPRequestHandler]:
         def do_POST(self) -> None:
             start = time.perf_counter()
             if self.path.split("?")[0] != "/predict":
-                self._send(404, {"error": f"no such endpoint {self.path!r}: POST /predict"})
+                self._send(404, {"error": f"no such endpoint {self.path!r}: POST /predict"}, close=True)
                 return
-            ok = False
+            ok, close = False, True  # until the body is read: a refusal before it ends the connection
             try:
-                length = int(self.headers.get("Content-Length") or 0)
-                if not 0 < length <= MAX_BODY:
-                    code, doc = 413 if length > MAX_BODY else 400, {"error": f"a body of 1 to {MAX_BODY} bytes"}
+                if "chunked" in self.headers.get("Transfer-Encoding", "").lower():
+                    code, doc = 411, {"error": "a chunked body is not read: send it with a Content-Length"}
+                elif not 0 < (length := int(self.headers.get("Content-Length") or 0)) <= MAX_BODY:
+                    code = 413 if length > MAX_BODY else 400
+                    doc = {"error": f"a body of 1 to {MAX_BODY} bytes (Content-Length {length})"}
                 else:
-                    body = json.loads(self.rfile.read(length))
+                    raw = self.rfile.read(length)
+                    close = len(raw) < length  # the client closed its side early
+                    body = json.loads(raw)
                     code, doc, ok = 200, service.predict(body), True
             except (ValueError, TypeError, KeyError) as exc:
                 code, doc = 400, {"error": " ".join(str(exc).split())}
             except Exception as exc:  # a fault of the service: said, and the service goes on
                 logger.exception("embtables serve: a request failed")
                 code, doc = 500, {"error": f"{type(exc).__name__}: {exc}"}
-            self._send(code, doc)
+            self._send(code, doc, close)
             service.record(time.perf_counter() - start, ok)
 
     return Handler

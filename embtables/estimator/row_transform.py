@@ -5,7 +5,8 @@ trained.
 ``RowTransform.apply(columns)`` takes the columns of N rows (``{name: array [N]}``, as ``read_table`` or a pandas
 DataFrame gives them) and returns the features dict the feature columns and the dense model read:
 
-- a multi-valued column (``separators``: ``"a|b|c"``) becomes a list per row (an empty or missing cell: no value);
+- a multi-valued column (``separators``: ``"a|b|c"``, or a list of values, or one value, a number too) becomes a list
+  of strings per row (an empty or missing cell: no value);
 - a column read as numbers (``numbers``: a bucketized column's source) becomes float32 (NaN where empty);
 - an integer column cut into buckets (``buckets``: ``clip((x - offset) // width, low, high)``, int64);
 - a string column cut to its first characters (``prefixes``: ``(column, n)``);
@@ -158,6 +159,45 @@ def _positions(column: np.ndarray, names: tuple[str, ...], separator: str, name:
     return out
 
 
+def _as_text(value: Any) -> str:
+    """One value of a multi-valued cell as the text a CSV cell holds: a string as it is, an integer (or a float
+    with an integer value: a column of integers with missing cells reads as floats) in decimal, another float or
+    a bool as ``str`` writes it; ``TypeError`` for anything else (a dict, a nested list)."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, (bool, np.bool_)):
+        return str(bool(value))
+    if isinstance(value, (int, np.integer)):
+        return str(int(value))
+    if isinstance(value, (float, np.floating)):
+        return str(int(value)) if math.isfinite(value) and value == int(value) else str(float(value))
+    raise TypeError(f"{value!r}")
+
+
+def _value_lists(column: Any, separator: str, name: str, where: str) -> np.ndarray:
+    """Each row's values of a multi-valued column as a list of strings: an object array of lists [N]. A cell is a
+    ``separator``-joined string, a list of values, or one value (a number too: a column whose cells all hold one
+    number reads as numbers); empty or missing: no value."""
+    out = np.empty(len(column), dtype=object)
+    for row, cell in enumerate(column):
+        cell = cell.tolist() if isinstance(cell, np.ndarray) else cell
+        try:
+            if is_missing(cell):
+                out[row] = []
+            elif isinstance(cell, str):
+                out[row] = cell.split(separator)
+            elif isinstance(cell, (list, tuple)):
+                out[row] = [_as_text(v) for v in cell if not is_missing(v)]
+            else:
+                out[row] = [_as_text(cell)]
+        except TypeError as exc:
+            raise InputError(
+                f"the column {name!r} of {where}: row {row} holds {str(exc)[:60]}; a cell of a multi-valued column is "
+                f"a {separator!r}-joined string, a list of strings or numbers, or one of them."
+            ) from None
+    return out
+
+
 def _id_lists(column: Any, separator: str, name: str, where: str) -> tuple[Ragged, torch.Tensor]:
     """Each row's integer ids as a ``Ragged`` and their lengths [N]."""
     rows: list[list[int]] = []
@@ -216,10 +256,9 @@ class RowTransform:
         rows = n.pop() if n else 0
         features: dict[str, Any] = {c: np.asarray(columns[c]) for c in self.passed}
         for name, sep in self.separators:
-            features[name] = np.array(
-                [[] if not isinstance(v, str) or not v else v.split(sep) for v in np.asarray(columns[name])],
-                dtype=object,
-            )
+            cells = columns[name]
+            cells = cells if isinstance(cells, (list, tuple)) else np.asarray(cells, dtype=object)
+            features[name] = _value_lists(cells, sep, name, where)
         for name in self.numbers:
             features[name] = numeric_values(np.asarray(columns[name]), name, where)
         for b in self.buckets:

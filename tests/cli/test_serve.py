@@ -132,6 +132,7 @@ def test_serve_answers_as_load_model_and_takes_in_training_steps_under_load(tmp_
         _, health = _request(server.url + "/health")
         assert health["errors"] == 3
         _one_piece_responses(server.url)
+        _refusals_leave_the_connection_sane(server.url)
     finally:
         err = server.stop()
     assert "now serving step" in err and "Traceback" not in err, err[-2000:]
@@ -149,6 +150,54 @@ def _one_piece_responses(url: str) -> None:
             length = int(next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(
                 b"content-length")))  # fmt: skip
             assert len(body) == length and json.loads(body)["status"] == "ok", data
+
+
+def _exchange(sock: socket.socket, request: bytes) -> tuple[int, dict[str, str], dict[str, Any]]:
+    """Send ``request``; its response's status, headers (lower-case names) and JSON body."""
+    sock.sendall(request)
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += sock.recv(1 << 16)
+    head, _, body = data.partition(b"\r\n\r\n")
+    lines = head.decode().split("\r\n")
+    headers = {k.strip().lower(): v.strip() for k, v in (line.split(":", 1) for line in lines[1:])}
+    while len(body) < int(headers["content-length"]):
+        body += sock.recv(1 << 16)
+    return int(lines[0].split()[1]), headers, json.loads(body)
+
+
+def _refusals_leave_the_connection_sane(url: str) -> None:
+    """A request refused before its body is read (an unknown path, a method not served, a chunked or unsized body)
+    gets a JSON answer and ends its connection: kept alive, the unread body would be read as the next request.
+    A body that was read and refused (not JSON) keeps the connection for the next request."""
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    body = b'{"rows": {}}'
+    sized = f"Host: {host}\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body
+    cases = [
+        (b"POST /nothing HTTP/1.1\r\n" + sized, 404, "no such endpoint"),
+        (b"DELETE /predict HTTP/1.1\r\n" + sized, 405, "method DELETE is not served"),
+        (b"PUT /predict HTTP/1.1\r\n" + sized, 405, "method PUT is not served"),
+        (
+            f"POST /predict HTTP/1.1\r\nHost: {host}\r\nTransfer-Encoding: chunked\r\n\r\nc\r\n".encode()
+            + body
+            + b"\r\n0\r\n\r\n",
+            411,
+            "chunked",
+        ),
+        (f"POST /predict HTTP/1.1\r\nHost: {host}\r\nContent-Length: x\r\n\r\n".encode() + body, 400, "invalid"),
+    ]
+    for request, status, reason in cases:
+        with socket.create_connection((host, int(port)), timeout=30) as sock:
+            code, headers, doc = _exchange(sock, request)
+            assert code == status and reason in doc["error"] and headers.get("connection") == "close", (code, doc)
+            assert status != 405 or headers["allow"] == "GET, POST"
+            assert sock.recv(1 << 16) == b""  # closed by the server
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        bad = f"POST /predict HTTP/1.1\r\nHost: {host}\r\nContent-Length: 8\r\n\r\nnot json".encode()
+        code, headers, doc = _exchange(sock, bad)
+        assert code == 400 and "connection" not in headers
+        code, _, doc = _exchange(sock, f"GET /health HTTP/1.1\r\nHost: {host}\r\n\r\n".encode())
+        assert code == 200 and doc["status"] == "ok"
 
 
 def test_serve_refuses_what_is_not_an_artifact(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

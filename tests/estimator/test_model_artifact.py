@@ -22,6 +22,7 @@ from embtables import estimator as est
 from embtables.__main__ import main as cli
 from embtables.checkpoint import CheckpointError
 from embtables.cli.model_files import parts_of
+from embtables.estimator.row_transform import RowTransform
 from embtables.estimator.scoring_model import as_columns
 
 N = 1500
@@ -116,6 +117,50 @@ def test_load_model_and_predict_score_new_rows_as_the_estimator_does(
         assert cli([*argv, "--batch-size", "256", "--no-progress"]) == 0
         got = pd.read_csv(out, dtype={"prediction": str})["prediction"].map(float).to_numpy(np.float32)
         np.testing.assert_array_equal(got, expected)
+
+
+def test_a_rows_score_depends_on_its_batch_only_through_float32_rounding(
+    trained: tuple[Path, Path, pd.DataFrame],
+) -> None:
+    """Bit for bit holds for the same batches (above). A row scored alone (as a one-row ``serve`` request) or in
+    a batch of another size differs at most by the rounding of the dense part's float32 sums, whose order the CPU's
+    matrix kernels choose by the batch's size and the row's place in it (docs/serving.md); nothing of another row
+    reaches it."""
+    _, artifact, new = trained
+    model = et.load_model(artifact)
+    reference = model.predict(new, batch_size=256)
+    rows = new.iloc[:60]
+    for size in (1, 2, 3, 7, 64):
+        got = np.concatenate([model(rows.iloc[s : s + size]).numpy() for s in range(0, len(rows), size)])
+        np.testing.assert_allclose(got, reference[: len(rows)], rtol=1e-5, atol=1e-6, err_msg=f"batches of {size}")
+        # the same batches give the same bits, whichever rows surround them
+        again = np.concatenate([model.predict(rows.iloc[s : s + size], batch_size=size) for s in range(0, 60, size)])
+        np.testing.assert_array_equal(again, got)
+    shuffled = rows.iloc[::-1]
+    np.testing.assert_allclose(model.predict(shuffled)[::-1], reference[:60], rtol=1e-5, atol=1e-6)
+
+
+def test_a_multi_valued_cell_reads_the_same_as_a_string_a_list_or_one_number(
+    trained: tuple[Path, Path, pd.DataFrame],
+) -> None:
+    """A JSON client sends a multi-valued cell as a list; a CSV whose multi-valued column holds one number a row
+    reads as numbers (with missing cells: floats). Each gives the values the joined string gives (they were read
+    as no value at all before); a dict or a nested list is refused naming the column and the row."""
+    _, artifact, new = trained
+    model = et.load_model(artifact)
+    rows = {c: new[c].tolist()[:3] for c in new.columns}
+    rows["tags"] = ["t1|t7", "t3", ""]
+    expected = model.predict(rows)
+    as_lists = {**rows, "tags": [["t1", "t7"], ["t3"], []]}
+    np.testing.assert_array_equal(model.predict(as_lists), expected)
+    transform = RowTransform(separators=(("tags", "|"),))
+    read = transform.apply({"tags": np.array([7.0, np.nan, 12.0, 2.5])})["tags"]  # integers with a missing cell
+    assert read.tolist() == [["7"], [], ["12"], ["2.5"]]
+    assert transform.apply({"tags": np.array([7, 12])})["tags"].tolist() == [["7"], ["12"]]
+    assert transform.apply({"tags": np.array(["7|8", "12"])})["tags"].tolist() == [["7", "8"], ["12"]]
+    for bad in ({"a": 1}, ["t1", ["t2"]]):
+        with pytest.raises(ValueError, match=r"rows 0-2: the column .tags. of the input: row 1 holds"):
+            model.predict({**rows, "tags": ["t1", bad, ""]})
 
 
 def test_an_artifact_in_half_precision_scores_close_to_float32(trained: tuple[Path, Path, pd.DataFrame]) -> None:
