@@ -5,15 +5,22 @@ MODEL is a model artifact (``embtables export MODEL_DIR OUT --model``) or a mode
 order as a CSV with one column ``prediction`` (a probability for a binary task, the value for a regression) to
 ``--output``, or to stdout. A bad row is the training job's one-line error (which rows, which column, why) and
 exit code 2.
+
+``--output`` is written whole or not at all (a temporary file beside it, renamed over it). An existing file is
+replaced only when it is a predictions CSV (its first line is ``prediction``) or with ``--overwrite``, and never
+when it is the input.
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import io
+import os
 import sys
 from pathlib import Path
 
+from embtables.checkpoint.owned_dirs import write_atomically
 from embtables.cli.model_files import opened_model
 from embtables.cli.user_data import read_table
 
@@ -22,6 +29,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="a model artifact (embtables export --model) or a model directory of train --data")
     p.add_argument("--input", required=True, help="the rows to score: a CSV or Parquet file with the model's columns")
     p.add_argument("--output", default=None, help="the CSV of predictions to write (default: stdout)")
+    p.add_argument(
+        "--overwrite", action="store_true", help="replace an existing --output that is not a predictions CSV"
+    )
     p.add_argument("--batch-size", type=int, default=8192, help="rows scored at once (default 8192)")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
 
@@ -32,22 +42,50 @@ def run(args: argparse.Namespace) -> int:
     source = Path(args.input)
     if not source.is_file():
         raise FileNotFoundError(f"--input {source}: no such file")
+    if args.output:
+        _check_output(Path(args.output), source, args.overwrite)
     rows = read_table(source)
     with opened_model(args.model) as model:
         progress = args.progress and sys.stderr.isatty()
         predictions = model.predict(rows, batch_size=args.batch_size, progress=progress)
-    out = open(args.output, "w", newline="") if args.output else sys.stdout  # noqa: SIM115
-    try:
-        writer = csv.writer(out)
-        writer.writerow(["prediction"])
-        writer.writerows([repr(float(p))] for p in predictions)
-    finally:
-        if out is not sys.stdout:
-            out.close()
-    if args.output:
+    text = io.StringIO(newline="")
+    writer = csv.writer(text)
+    writer.writerow(["prediction"])
+    writer.writerows([repr(float(p))] for p in predictions)
+    if not args.output:
+        sys.stdout.write(text.getvalue())
+    else:
+        write_atomically(Path(args.output), lambda f: f.write(text.getvalue().encode()))
         what = "probabilities" if model.task == "binary" else "predictions"
         print(f"{args.output}: {len(predictions)} {what} (model step {model.step})", file=sys.stderr)
     return 0
+
+
+def _check_output(output: Path, source: Path, overwrite: bool) -> None:
+    """Refuse ``--output`` when it is the input, a directory, or an existing file that is not a predictions CSV
+    (without ``--overwrite``): checked before anything is scored."""
+    if not output.exists():
+        if not output.parent.is_dir():
+            raise FileNotFoundError(f"--output {output}: its folder {output.parent} does not exist")
+        return
+    if output.is_dir():
+        raise IsADirectoryError(f"--output {output} is a folder; give a file name")
+    if os.path.samefile(output, source):
+        raise ValueError(
+            f"--output {output} is the --input file: the predictions would replace the rows; give another file"
+        )
+    if overwrite:
+        return
+    try:
+        with open(output, "rb") as f:
+            first = f.readline(64)
+    except OSError as exc:
+        raise ValueError(f"--output {output} cannot be read ({exc.strerror}); pass --overwrite to replace it") from None
+    if first.rstrip(b"\r\n") != b"prediction":
+        raise ValueError(
+            f"--output {output} exists and is not a predictions CSV (its first line is not 'prediction'): "
+            "give another file, or pass --overwrite to replace it"
+        )
 
 
 __all__ = ["add_arguments", "run"]

@@ -163,6 +163,41 @@ def test_a_multi_valued_cell_reads_the_same_as_a_string_a_list_or_one_number(
             model.predict({**rows, "tags": ["t1", bad, ""]})
 
 
+def test_predict_never_replaces_a_file_it_did_not_write(
+    trained: tuple[Path, Path, pd.DataFrame], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--output``: a new file, or a predictions CSV of an earlier run, is written whole; the input, a folder or
+    another existing file is refused before anything is scored (``--overwrite`` replaces the last, never the
+    input), and the refused file keeps its bytes."""
+    _, artifact, new = trained
+    new.iloc[:5].to_csv(tmp_path / "rows.csv", index=False)
+    mine = tmp_path / "notes.csv"
+    mine.write_text("my,own\n1,2\n")
+
+    def predict(output: Path, *extra: str) -> int:
+        argv = ["predict", str(artifact), "--input", str(tmp_path / "rows.csv"), "--output", str(output)]
+        return cli([*argv, "--no-progress", *extra])
+
+    out = tmp_path / "preds.csv"
+    assert predict(out) == 0 and predict(out) == 0  # a predictions CSV is replaced: reruns just work
+    assert out.read_text().splitlines()[0] == "prediction" and len(out.read_text().splitlines()) == 6
+    capsys.readouterr()
+    for target, reason in (
+        (mine, "exists and is not a predictions CSV"),
+        (tmp_path / "rows.csv", "is the --input file"),
+        (tmp_path, "is a folder"),
+        (tmp_path / "no" / "p.csv", "does not exist"),
+    ):
+        before = (tmp_path / "rows.csv").read_bytes()
+        assert predict(target) == 2
+        err = capsys.readouterr().err.strip()
+        assert reason in err and len(err.splitlines()) == 1, err
+        assert mine.read_text() == "my,own\n1,2\n" and (tmp_path / "rows.csv").read_bytes() == before
+    assert predict(tmp_path / "rows.csv", "--overwrite") == 2  # never the input
+    assert predict(mine, "--overwrite") == 0 and mine.read_text().startswith("prediction\n")
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".embtables-tmp")]
+
+
 def test_an_artifact_in_half_precision_scores_close_to_float32(trained: tuple[Path, Path, pd.DataFrame]) -> None:
     model_dir, artifact, new = trained
     half = artifact.parent / "artifact-bf16"
