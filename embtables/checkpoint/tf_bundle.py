@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from embtables.checkpoint.owned_dirs import write_atomically
 from embtables.kernels import checksums
 
 _MAGIC = 0xDB4775248B80FB57
@@ -310,5 +311,8 @@ def write_bundle(
     version = field_varint(1, 1)  # producer 1
     header = field_varint(1, 1) + field_bytes(3, version)
     entries.append((b"", header))
-    Path(f"{prefix}.data-00000-of-00001").write_bytes(bytes(data))
-    Path(f"{prefix}.index").write_bytes(_write_table(entries))
+    # Each file whole or not at all, the data first: a writer stopped between the two leaves the old index over
+    # the new data, which a reader refuses (each tensor's CRC), never a file cut short.
+    index = _write_table(entries)
+    write_atomically(Path(f"{prefix}.data-00000-of-00001"), lambda f: f.write(data))
+    write_atomically(Path(f"{prefix}.index"), lambda f: f.write(index))

@@ -61,6 +61,10 @@ def test_written_checkpoints_have_tfs_keys_and_object_graph(tmp_path: Path) -> N
     assert names == ["user", "user/momenta", "user/velocities", "video", "video/accumulators"]
     round_trip = read_tf_checkpoint(tmp_path / "ckpt")
     assert all(torch.equal(round_trip[k], v * 2) for k, v in emb.state_dict().items())
+    # written again over itself: each file replaced whole (a temporary name renamed), nothing left beside them
+    write_tf_checkpoint(tmp_path / "ckpt", emb.state_dict())
+    assert all(torch.equal(read_tf_checkpoint(tmp_path / "ckpt")[k], v) for k, v in emb.state_dict().items())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt.data-00000-of-00001", "ckpt.index"]
 
 
 def test_a_corrupt_tf_checkpoint_is_refused(tmp_path: Path) -> None:
