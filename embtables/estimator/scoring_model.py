@@ -105,10 +105,7 @@ class ScoringModel(nn.Module):
         self.label = doc.get("label") if isinstance(doc.get("label"), str) else None
         if doc.get("program") != PROGRAM or doc.get("tables") != TABLES:
             raise CheckpointError(f"load_model: {where}: unexpected file names; export the model again.")
-        try:
-            self.dense = torch.export.load(str(root / PROGRAM)).module()
-        except Exception as exc:  # torch.export.load raises many types on a damaged file
-            raise CheckpointError(f"load_model: {root / PROGRAM} is missing or unreadable ({exc}).") from exc
+        self.dense = _load_program(root / PROGRAM)
         self._lock = ReadWriteLock()  # predictions read, update writes
         self.tables = ServingEmbedding.load(root / TABLES)
         self._load_weights(self.tables.step)
@@ -237,6 +234,21 @@ class ScoringModel(nn.Module):
         finally:
             if bar is not None:
                 bar.close()
+
+
+def _load_program(path: Path) -> nn.Module:
+    """The dense program at ``path``; ``CheckpointError`` for a missing or damaged file. torch logs a damaged
+    archive's traceback as a warning before it raises: that logger is quiet here, the error says it in one line."""
+    torch_export_log = logging.getLogger("torch.export")
+    level = torch_export_log.level
+    torch_export_log.setLevel(logging.ERROR)
+    try:
+        module: nn.Module = torch.export.load(str(path)).module()
+        return module
+    except Exception as exc:  # torch.export.load raises many types on a damaged file
+        raise CheckpointError(f"load_model: {path} is missing or unreadable ({exc}).") from exc
+    finally:
+        torch_export_log.setLevel(level)
 
 
 def load_model(path: str | os.PathLike[str]) -> ScoringModel:

@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import itertools
 import json
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import fast_child
 import numpy as np
 import pandas as pd
 import pytest
@@ -196,6 +198,25 @@ def test_predict_never_replaces_a_file_it_did_not_write(
     assert predict(tmp_path / "rows.csv", "--overwrite") == 2  # never the input
     assert predict(mine, "--overwrite") == 0 and mine.read_text().startswith("prediction\n")
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".embtables-tmp")]
+
+
+def test_a_damaged_dense_program_is_one_line(trained: tuple[Path, Path, pd.DataFrame], tmp_path: Path) -> None:
+    """A ``dense.pt2`` cut short: ``predict`` exits 2 with one line on the process's stderr (torch's own warning
+    with a traceback, which it logs before raising, is kept quiet)."""
+    import shutil
+
+    _, artifact, new = trained
+    damaged = tmp_path / "damaged"
+    shutil.copytree(artifact, damaged)
+    program = (damaged / "dense.pt2").read_bytes()
+    (damaged / "dense.pt2").write_bytes(program[: len(program) // 2])
+    new.iloc[:3].to_csv(tmp_path / "rows.csv", index=False)
+    # a process of its own: in this one pytest captures torch's log records instead of printing them
+    argv = ["predict", str(damaged), "--input", str(tmp_path / "rows.csv")]
+    cmd = [sys.executable, "-c", f"import sys; from embtables.__main__ import main; sys.exit(main({argv!r}))"]
+    out = fast_child.run(cmd, capture_output=True, text=True, timeout=120)
+    err = out.stderr.strip()
+    assert out.returncode == 2 and "dense.pt2 is missing or unreadable" in err and len(err.splitlines()) == 1, err
 
 
 def test_an_artifact_in_half_precision_scores_close_to_float32(trained: tuple[Path, Path, pd.DataFrame]) -> None:
