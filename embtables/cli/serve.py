@@ -37,6 +37,7 @@ from embtables.estimator.scoring_model import ScoringModel, load_model
 logger = logging.getLogger("embtables.serve")
 MAX_BODY = 64 << 20  # bytes of one request
 LATENCIES = 4096  # the latest requests' latencies kept for the percentiles
+REPEAT_LOG_S = 60.0  # the same update failure is logged again at most this often
 
 
 class Service:
@@ -46,6 +47,8 @@ class Service:
         self.model, self.poll = model, poll
         self.started = time.time()
         self.requests = self.errors = self.updates = self.update_errors = 0
+        self.last_update_error: str | None = None  # the reason of the failing updates, None once one works
+        self._failing, self._logged = 0, 0.0
         self._latencies: collections.deque[float] = collections.deque(maxlen=LATENCIES)
         self._count = threading.Lock()
         self._stop = threading.Event()
@@ -65,11 +68,25 @@ class Service:
                 step = self.model.update()
             except Exception as exc:  # keep serving what is served; retried at the next poll
                 self.update_errors += 1
-                logger.warning("embtables serve: update failed (still serving step %d): %s", before, exc)
+                self._failed(before, str(exc))
                 continue
+            if self.last_update_error is not None:
+                logger.info("embtables serve: updates work again after %d failed polls", self._failing)
+                self.last_update_error, self._failing = None, 0
             if step != before:
                 self.updates += 1
                 logger.info("embtables serve: now serving step %d", step)
+
+    def _failed(self, step: int, message: str) -> None:
+        """Log a failed update: a new reason at once, the same one again at most every ``REPEAT_LOG_S`` seconds
+        (a poll a second would otherwise log a line a second while, say, a training job rewrites the artifact)."""
+        self._failing += 1
+        now = time.monotonic()
+        if message != self.last_update_error or now - self._logged >= REPEAT_LOG_S:
+            again = f" ({self._failing} failed polls in a row)" if message == self.last_update_error else ""
+            logger.warning("embtables serve: update failed (still serving step %d)%s: %s", step, again, message)
+            self._logged = now
+        self.last_update_error = message
 
     def age(self) -> float | None:
         """Seconds since the served step's weights were written (its export)."""
@@ -92,7 +109,8 @@ class Service:
         latency = {"p50": float(np.percentile(lat, 50)), "p99": float(np.percentile(lat, 99))} if lat.size else {}
         return {
             "status": "ok", "step": self.model.step, "age_s": self.age(), **counts, "updates": self.updates,
-            "update_errors": self.update_errors, "uptime_s": time.time() - self.started, "latency_ms": latency,
+            "update_errors": self.update_errors, "last_update_error": self.last_update_error,
+            "uptime_s": time.time() - self.started, "latency_ms": latency,
             "task": self.model.task,
         }  # fmt: skip
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import itertools
 import json
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -217,6 +218,40 @@ def test_a_damaged_dense_program_is_one_line(trained: tuple[Path, Path, pd.DataF
     out = fast_child.run(cmd, capture_output=True, text=True, timeout=120)
     err = out.stderr.strip()
     assert out.returncode == 2 and "dense.pt2 is missing or unreadable" in err and len(err.splitlines()) == 1, err
+
+
+def test_serves_update_failures_are_logged_once_a_reason_and_their_end_too(
+    trained: tuple[Path, Path, pd.DataFrame], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``embtables serve``'s update thread, polling every 20 ms while the artifact's tables are gone: one warning
+    for the reason (not one a poll), health's ``last_update_error`` says it; tables back: one line saying updates
+    work again, and the reason cleared. The served step answers throughout."""
+    import shutil
+
+    from embtables.cli.serve import Service
+
+    _, artifact, new = trained
+    served = tmp_path / "served"
+    shutil.copytree(artifact, served)
+    service = Service(et.load_model(served), poll=0.02)
+    caplog.set_level("INFO", logger="embtables")
+    service.start()
+    try:
+        (served / "tables").rename(tmp_path / "aside")
+        deadline = time.monotonic() + 30
+        while service.update_errors < 10 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert service.update_errors >= 10 and "unreadable" in (service.health()["last_update_error"] or "")
+        assert len(service.predict({"rows": {c: new[c].tolist()[:2] for c in new.columns}})["predictions"]) == 2
+        (tmp_path / "aside").rename(served / "tables")
+        while service.health()["last_update_error"] is not None and time.monotonic() < deadline:
+            time.sleep(0.02)
+    finally:
+        service.stop()
+    lines = [r.getMessage() for r in caplog.records if r.name == "embtables.serve"]
+    assert sum("update failed" in m for m in lines) == 1, lines
+    assert any("updates work again after" in m for m in lines), lines
+    assert service.health()["last_update_error"] is None
 
 
 def test_an_artifact_in_half_precision_scores_close_to_float32(trained: tuple[Path, Path, pd.DataFrame]) -> None:
