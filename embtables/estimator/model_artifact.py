@@ -21,13 +21,17 @@ step the tables reached, under one lock, so no response mixes two steps.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import io
 import json
+import logging
 import os
 import re
 import shutil
+import sys
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -109,6 +113,23 @@ def _activation_example(columns: list[Any], rows: int) -> dict[str, Tensor]:
     return out
 
 
+@contextlib.contextmanager
+def _torch_quiet(into: io.StringIO) -> Iterator[None]:
+    """torch's loggers at ERROR and this process's stdout and stderr written into ``into`` (a failed export prints
+    its graphs and a warning per guard; the ValueError that follows says why in one line)."""
+    loggers = [lg for n, lg in list(logging.Logger.manager.loggerDict.items())
+               if n.split(".")[0] == "torch" and isinstance(lg, logging.Logger)]  # fmt: skip
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        with contextlib.redirect_stdout(into), contextlib.redirect_stderr(into):
+            yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+
+
 def _program(parts: ModelParts) -> torch.export.ExportedProgram:
     """The ``Scorer`` of ``parts`` as a ``torch.export`` program with a dynamic batch dimension."""
     example = {k: v for k, v in parts.example.items() if isinstance(v, Tensor)}
@@ -124,11 +145,14 @@ def _program(parts: ModelParts) -> torch.export.ExportedProgram:
     batch = torch.export.Dim("batch", min=1)
     shapes = ({k: {0: batch} for k in acts}, {k: {0: batch} if v.dim() > 0 else None for k, v in example.items()})
     scorer = Scorer(parts.model, parts.predictions_fn).eval()
+    said = io.StringIO()  # what torch prints and logs while it exports: the graph of a failure, several times
     try:
-        with torch.no_grad(), warnings.catch_warnings():
+        with torch.no_grad(), warnings.catch_warnings(), _torch_quiet(said):
             # a model that keeps a training-only tensor as an attribute (the FM's penalty): nothing to serve
             warnings.filterwarnings("ignore", message=".*was assigned during export.*")
-            return torch.export.export(scorer, (acts, example), dynamic_shapes=shapes)
+            program = torch.export.export(scorer, (acts, example), dynamic_shapes=shapes)
+        sys.stderr.write(said.getvalue())  # exported: what torch said is kept
+        return program
     except Exception as exc:  # torch.export raises many types (UserError, Unsupported, ...)
         raise ValueError(
             f"export_model: the dense model cannot be exported as a program ({type(exc).__name__}: "

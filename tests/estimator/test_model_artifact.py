@@ -319,6 +319,40 @@ def _own_data(seed: int, n: int = 800) -> tuple[dict[str, Any], np.ndarray]:
     return {"user": users, "item": [f"i{v}" for v in items], "dense": dense}, y
 
 
+class _Branching(nn.Module):
+    """A dense model whose path depends on its input's values: no program can hold it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.out = nn.Linear(8, 1)
+
+    def forward(self, activations: dict[str, torch.Tensor], features: Any) -> torch.Tensor:
+        x = activations["user_embedding"]
+        if x.sum() > 0:
+            x = x * 2
+        return self.out(x).squeeze(1)
+
+
+def test_a_model_that_cannot_be_a_program_is_one_error_and_nothing_printed(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """torch prints the graph of a failed export (several times) and logs a warning per guard before it raises:
+    ``export_model`` keeps that quiet and raises one ValueError that says why, writing nothing."""
+    cols = [est.embedding_column(est.categorical_column_with_identity("user", 40), 8)]
+    spec = est.EmbeddingConfigSpec(feature_columns=cols, optimization_parameters=est.AdagradParameters(0.3))
+    e = est.Estimator(
+        _Branching(), spec, tmp_path / "m", loss_fn=nn.functional.binary_cross_entropy_with_logits,
+        predictions_fn=torch.sigmoid, progress=False,
+    )  # fmt: skip
+    users = np.arange(40)
+    e.train(lambda: iter([({"user": users}, (users % 2).astype(np.float32))]), steps=1)
+    capfd.readouterr()
+    with pytest.raises(ValueError, match="cannot be exported as a program"):
+        e.export_model(tmp_path / "artifact", {"user": users[:4]}, task="binary")
+    assert capfd.readouterr().err == "" and not (tmp_path / "artifact").exists()
+    e.embedding.close()
+
+
 def test_an_estimator_of_ones_own_exports_and_an_incremental_step_is_taken_in(tmp_path: Path) -> None:
     cols = [
         est.embedding_column(est.categorical_column_with_identity("user", 4000), 8),  # few rows change: deltas
