@@ -16,12 +16,11 @@ from __future__ import annotations
 import argparse
 import csv
 import io
-import os
 import sys
 from pathlib import Path
 
-from embtables.checkpoint.owned_dirs import write_atomically
 from embtables.cli.model_files import opened_model
+from embtables.cli.output_files import check_output, write_output
 from embtables.cli.user_data import read_table
 
 
@@ -43,7 +42,8 @@ def run(args: argparse.Namespace) -> int:
     if not source.is_file():
         raise FileNotFoundError(f"--input {source}: no such file")
     if args.output:
-        _check_output(Path(args.output), source, args.overwrite)
+        check_output(Path(args.output), "--output", "a predictions CSV (its first line is 'prediction')",
+                     _predictions_csv, [source, Path(args.model)], args.overwrite)  # fmt: skip
     rows = read_table(source)
     with opened_model(args.model) as model:
         progress = args.progress and sys.stderr.isatty()
@@ -55,37 +55,15 @@ def run(args: argparse.Namespace) -> int:
     if not args.output:
         sys.stdout.write(text.getvalue())
     else:
-        write_atomically(Path(args.output), lambda f: f.write(text.getvalue().encode()))
+        write_output(Path(args.output), lambda f: f.write(text.getvalue().encode()))
         what = "probabilities" if model.task == "binary" else "predictions"
         print(f"{args.output}: {len(predictions)} {what} (model step {model.step})", file=sys.stderr)
     return 0
 
 
-def _check_output(output: Path, source: Path, overwrite: bool) -> None:
-    """Refuse ``--output`` when it is the input, a directory, or an existing file that is not a predictions CSV
-    (without ``--overwrite``): checked before anything is scored."""
-    if not output.exists():
-        if not output.parent.is_dir():
-            raise FileNotFoundError(f"--output {output}: its folder {output.parent} does not exist")
-        return
-    if output.is_dir():
-        raise IsADirectoryError(f"--output {output} is a folder; give a file name")
-    if os.path.samefile(output, source):
-        raise ValueError(
-            f"--output {output} is the --input file: the predictions would replace the rows; give another file"
-        )
-    if overwrite:
-        return
-    try:
-        with open(output, "rb") as f:
-            first = f.readline(64)
-    except OSError as exc:
-        raise ValueError(f"--output {output} cannot be read ({exc.strerror}); pass --overwrite to replace it") from None
-    if first.rstrip(b"\r\n") != b"prediction":
-        raise ValueError(
-            f"--output {output} exists and is not a predictions CSV (its first line is not 'prediction'): "
-            "give another file, or pass --overwrite to replace it"
-        )
+def _predictions_csv(head: bytes) -> bool:
+    """Whether a file starting with ``head`` is a predictions CSV this command writes."""
+    return head.split(b"\n", 1)[0].rstrip(b"\r") == b"prediction"
 
 
 __all__ = ["add_arguments", "run"]

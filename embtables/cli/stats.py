@@ -4,12 +4,14 @@ tables, their row caches' counters), and a per-shard load chart."""
 from __future__ import annotations
 
 import argparse
+import io
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from embtables.cli.job_runner import fail
+from embtables.cli.output_files import check_output, write_output
 from embtables.cli.plotting import pyplot
 from embtables.sharding.lookup_stats import read_all
 
@@ -19,6 +21,7 @@ _COLUMNS = ("table", "V", "D", "strategy", "W", "batches", "ids/sample", "unique
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("directory", help="a profile_data_directory")
     p.add_argument("--png", metavar="FILE", help="also draw the ids landing on each shard, per table, into FILE")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --png FILE that is not a PNG image")
     p.add_argument("--top", type=int, default=3, help="hottest rows to list per table (default 3)")
 
 
@@ -47,12 +50,14 @@ def rows(docs: Sequence[dict[str, Any]], top: int) -> list[tuple[str, ...]]:
 def run(args: argparse.Namespace) -> int:
     if not Path(args.directory).is_dir():
         return fail("embtables stats", f"{args.directory}: no such directory (give a profile_data_directory)")
+    if args.png:
+        check_output(Path(args.png), "--png", "a PNG image", _png, [Path(args.directory)], args.overwrite)
     docs = read_all(args.directory)
     if not docs:
         return fail(
             "embtables stats",
             f"no lookup statistics files in {args.directory} (a profile_data_directory holds <table>.json files "
-            "after training; the train job writes them into MODEL_DIR/lookup_stats)",
+            "after training; the synthetic DLRM job writes them into MODEL_DIR/lookup_stats)",
         )
     _print_table([_COLUMNS, *rows(docs, args.top)])
     offloaded = offload_rows(docs)
@@ -101,6 +106,11 @@ def _print_table(table: Sequence[tuple[str, ...]]) -> None:
             print("  ".join("-" * w for w in widths))
 
 
+def _png(head: bytes) -> bool:
+    """Whether a file starting with ``head`` is a PNG image (what ``--png`` writes)."""
+    return head.startswith(b"\x89PNG\r\n\x1a\n")
+
+
 def _draw(docs: Sequence[dict[str, Any]], path: str) -> int:
     plt = pyplot()
     if plt is None:
@@ -119,7 +129,9 @@ def _draw(docs: Sequence[dict[str, Any]], path: str) -> int:
         ax.set_xlabel("shard (rank)", fontsize=8)
         ax.set_ylabel("ids looked up", fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    image = io.BytesIO()
+    fig.savefig(image, dpi=100, format="png")
     plt.close(fig)
+    write_output(Path(path), lambda f: f.write(image.getvalue()))
     print(f"wrote {path}")
     return 0

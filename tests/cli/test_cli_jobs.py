@@ -409,3 +409,35 @@ def test_incremental_saves_and_exports_say_when_they_write_whole_and_why(tmp_pat
     done = fast_child.run(export, capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "embtables: export(incremental=True) writes a full export: " in done.stderr, done.stderr[-2000:]
+
+
+def test_stats_png_never_replaces_a_file_it_did_not_write(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``stats --png FILE``: a new file or an earlier chart is written whole (a PNG); a file that is not a PNG, or
+    one inside the statistics directory, is refused before anything is drawn, and keeps its bytes."""
+    pytest.importorskip("matplotlib")
+    import torch
+
+    import embtables as et
+
+    stats = tmp_path / "stats"
+    emb = et.DistributedEmbedding(
+        {"a": et.FeatureConfig(et.TableConfig(60, 4, name="t"))}, et.SGD(0.1), profile_data_directory=stats,
+        profile_sample_rate=1.0,
+    )  # fmt: skip
+    for _ in range(2):
+        emb({"a": torch.tensor([1, 2, 2])})["a"].sum().backward()
+        emb.apply_gradients()
+    emb.flush()
+    notes = tmp_path / "notes.png"
+    notes.write_text("my notes\n")
+    chart = tmp_path / "chart.png"
+    assert cli(["stats", str(stats), "--png", str(chart)]) == 0 and cli(["stats", str(stats), "--png", str(chart)]) == 0
+    assert chart.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
+    capsys.readouterr()
+    for target, reason in ((notes, "exists and is not a PNG image"), (stats / "t.png", "is inside")):
+        assert cli(["stats", str(stats), "--png", str(target)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert reason in err and len(err.splitlines()) == 1, err
+    assert notes.read_text() == "my notes\n" and not (stats / "t.png").exists()
+    assert cli(["stats", str(stats), "--png", str(notes), "--overwrite"]) == 0
+    assert notes.read_bytes().startswith(b"\x89PNG") and not list(tmp_path.glob(".embtables-tmp*"))

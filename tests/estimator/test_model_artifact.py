@@ -187,7 +187,8 @@ def test_predict_never_replaces_a_file_it_did_not_write(
     capsys.readouterr()
     for target, reason in (
         (mine, "exists and is not a predictions CSV"),
-        (tmp_path / "rows.csv", "is the --input file"),
+        (tmp_path / "rows.csv", "is an input of this command"),
+        (artifact / "model.json", "is inside"),
         (tmp_path, "is a folder"),
         (tmp_path / "no" / "p.csv", "does not exist"),
     ):

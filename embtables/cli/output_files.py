@@ -1,0 +1,64 @@
+"""Files the commands write where the user says (``predict --output``, ``stats --png``): checked before any work,
+written whole or not at all.
+
+A command never replaces a file it could not have written: an existing file is replaced only when it looks like
+the command's own output (``looks_ours`` on its first bytes) or with ``--overwrite``, never when it is one of the
+command's inputs; a folder, or a file in a folder that does not exist, is refused. The new file goes to a
+temporary name beside the target, fsynced, then renamed over it (``owned_dirs.write_atomically``): a full disk or
+a stopped process leaves the old file, never a part of the new one.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import BinaryIO
+
+from embtables.checkpoint.owned_dirs import write_atomically
+
+HEAD_BYTES = 64  # the first bytes of an existing file that ``looks_ours`` sees
+
+
+def check_output(
+    output: Path,
+    flag: str,
+    what: str,
+    looks_ours: Callable[[bytes], bool],
+    inputs: Sequence[Path] = (),
+    overwrite: bool = False,
+) -> None:
+    """Refuse ``output`` (given as ``flag``) before anything is computed when it is a folder, sits in a folder
+    that does not exist, is one of ``inputs`` or inside one that is a folder (a model, a statistics directory),
+    or exists and is not ``what`` (by ``looks_ours``) without ``overwrite``."""
+    for source in inputs:
+        if source.is_dir() and source.resolve() in output.resolve().parents:
+            raise ValueError(f"{flag} {output} is inside {source}, an input of this command; give a file elsewhere")
+    if not output.exists():
+        if not output.parent.is_dir():
+            raise FileNotFoundError(f"{flag} {output}: its folder {output.parent} does not exist")
+        return
+    if output.is_dir():
+        raise IsADirectoryError(f"{flag} {output} is a folder; give a file name")
+    for source in inputs:
+        if source.exists() and os.path.samefile(output, source):
+            raise ValueError(f"{flag} {output} is an input of this command: it would be replaced; give another file")
+    if overwrite:
+        return
+    try:
+        with open(output, "rb") as f:
+            head = f.read(HEAD_BYTES)
+    except OSError as exc:
+        raise ValueError(f"{flag} {output} cannot be read ({exc.strerror}); pass --overwrite to replace it") from None
+    if not looks_ours(head):
+        raise ValueError(
+            f"{flag} {output} exists and is not {what}: give another file, or pass --overwrite to replace it"
+        )
+
+
+def write_output(output: Path, write: Callable[[BinaryIO], object]) -> None:
+    """``write(f)`` into ``output``, whole or not at all."""
+    write_atomically(output, write)
+
+
+__all__ = ["HEAD_BYTES", "check_output", "write_output"]
