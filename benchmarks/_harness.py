@@ -38,6 +38,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, TypeVar
 
 import numpy as np
@@ -256,12 +257,25 @@ def emit(record: dict[str, Any]) -> None:
     print(json.dumps(record, sort_keys=False), flush=True)
 
 
+def check_table_out(out: str | None) -> None:
+    """Refuse ``--out FILE`` before a benchmark runs when it could not be written: a folder, a missing folder, or
+    an existing file that is not a table a benchmark wrote (its first character is ``|``) (``cli/output_files``)."""
+    if out:
+        from embtables.cli.output_files import check_output
+
+        check_output(
+            Path(out), "--out", "a Markdown table a benchmark wrote", lambda head: head.startswith(b"|"), overwrite=None
+        )
+
+
 def emit_table(table: str, out: str | None) -> None:
-    """A benchmark's Markdown summary table on stderr, and into ``out`` when given (``--out``)."""
+    """A benchmark's Markdown summary table on stderr, and into ``out`` when given (``--out``, checked by
+    ``check_table_out`` at the start), whole or not at all."""
     print(table, file=sys.stderr)
     if out:
-        with open(out, "w") as f:
-            f.write(table + "\n")
+        from embtables.cli.output_files import write_output
+
+        write_output(Path(out), lambda f: f.write((table + "\n").encode()))
 
 
 def emit_skip(bench: str, impl: str, reason: str, **fields: Any) -> None:

@@ -36,7 +36,18 @@ if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import embtables as et
-from benchmarks._harness import OPTIMIZERS, Factory, Impl, OptimizerSpec, Skip, bench_impl, emit, emit_table, env_record
+from benchmarks._harness import (
+    OPTIMIZERS,
+    Factory,
+    Impl,
+    OptimizerSpec,
+    Skip,
+    bench_impl,
+    check_table_out,
+    emit,
+    emit_table,
+    env_record,
+)
 from benchmarks.impl_embtables import make_optimizer
 from benchmarks.peers import IMPLS
 from benchmarks.workload import Batch, Workload, activation_grad, make_batches, variation
@@ -164,6 +175,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=6, help="at least --num-batches, so every key was seen")
     ap.add_argument("--out", help="also write the Markdown table here")
     args = ap.parse_args(argv)
+    try:
+        check_table_out(args.out)
+    except (OSError, ValueError) as exc:
+        ap.error(str(exc))
     emit(env_record())
     wl = variation("standard", ids=args.ids, rows=args.rows, batch=args.batch, name="dynamic")
     batches = make_batches(wl)

@@ -28,7 +28,16 @@ import torch
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks._harness import OPTIMIZERS, bench_impl, emit, emit_skip, emit_table, env_record, keep_freed_memory
+from benchmarks._harness import (
+    OPTIMIZERS,
+    bench_impl,
+    check_table_out,
+    emit,
+    emit_skip,
+    emit_table,
+    env_record,
+    keep_freed_memory,
+)
 from benchmarks.peers import IMPLS
 from benchmarks.workload import make_batches, variation
 
@@ -100,6 +109,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="keep: glibc keeps freed memory (mallopt, every impl alike; see _harness.keep_freed_memory)",
     )
     args = ap.parse_args(argv)
+    try:
+        check_table_out(args.out)
+    except (OSError, ValueError) as exc:
+        ap.error(str(exc))
     torch.set_num_threads(args.threads)
     if args.malloc == "keep":
         keep_freed_memory()

@@ -37,7 +37,7 @@ import numpy as np
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks._harness import emit, emit_table, env_record
+from benchmarks._harness import check_table_out, emit, emit_table, env_record
 
 
 def _data(root: Path, examples: int, tables: int, rows: int, dim: int, seed: int = 0) -> tuple[Path, Path]:
@@ -151,6 +151,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--dir", default=None, help="where the data, model and artifact go (default: temporary)")
     p.add_argument("--out", default=None, help="also write the summary table here")
     args = p.parse_args(argv)
+    try:
+        check_table_out(args.out)
+    except (OSError, ValueError) as exc:
+        p.error(str(exc))
     if args.small:
         args.rows, args.tables, args.dim, args.examples, args.batch = 20_000, 4, 16, 10_000, 512
     if args.idle_seconds is None:

@@ -26,11 +26,12 @@ def check_output(
     what: str,
     looks_ours: Callable[[bytes], bool],
     inputs: Sequence[Path] = (),
-    overwrite: bool = False,
+    overwrite: bool | None = False,
 ) -> None:
     """Refuse ``output`` (given as ``flag``) before anything is computed when it is a folder, sits in a folder
     that does not exist, is one of ``inputs`` or inside one that is a folder (a model, a statistics directory),
-    or exists and is not ``what`` (by ``looks_ours``) without ``overwrite``."""
+    or exists and is not ``what`` (by ``looks_ours``) without ``overwrite`` (None: the command has no
+    ``--overwrite``)."""
     for source in inputs:
         if source.is_dir() and source.resolve() in output.resolve().parents:
             raise ValueError(f"{flag} {output} is inside {source}, an input of this command; give a file elsewhere")
@@ -49,11 +50,12 @@ def check_output(
         with open(output, "rb") as f:
             head = f.read(HEAD_BYTES)
     except OSError as exc:
-        raise ValueError(f"{flag} {output} cannot be read ({exc.strerror}); pass --overwrite to replace it") from None
-    if not looks_ours(head):
-        raise ValueError(
-            f"{flag} {output} exists and is not {what}: give another file, or pass --overwrite to replace it"
-        )
+        head, unreadable = b"", f" (it cannot be read: {exc.strerror})"
+    else:
+        unreadable = ""
+    if unreadable or not looks_ours(head):
+        fix = "give another file" + (", or pass --overwrite to replace it" if overwrite is not None else "")
+        raise ValueError(f"{flag} {output} exists and is not {what}{unreadable}: {fix}")
 
 
 def write_output(output: Path, write: Callable[[BinaryIO], object]) -> None:

@@ -235,3 +235,18 @@ def test_the_ideal_lfu_never_evicts_with_room_for_everything_and_keeps_one_batch
             seen |= rows
             last = rows
     assert ideal_lfu_hit_rate(wl, capacity, warmup=2, steps=4) == hits / looked
+
+
+def test_a_benchmarks_out_file_is_checked_before_it_runs(tmp_path: Path) -> None:
+    """``--out FILE`` of a benchmark's table: a file that is not a table a benchmark wrote, or a folder, is refused
+    at once (exit 2, one line, the file's bytes kept); the benchmark never runs to find it at the end."""
+    notes = tmp_path / "notes.md"
+    notes.write_text("# my notes\n")
+    for out, reason in ((notes, "is not a Markdown table a benchmark wrote"), (tmp_path, "is a folder")):
+        for bench in ("latency", "dynamic", "online"):
+            argv = ["bench", bench, "--out", str(out)]
+            code = f"import sys; from embtables.__main__ import main; sys.exit(main({argv!r}))"
+            got = fast_child.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+            assert got.returncode == 2 and reason in got.stderr, (bench, got.stderr[-2000:])
+            assert "[" not in got.stdout  # no benchmark line: nothing ran
+    assert notes.read_text() == "# my notes\n"
