@@ -52,6 +52,7 @@ from embtables.checkpoint.blocks import (
 from embtables.checkpoint.config_record import check_config, config_as_data
 from embtables.checkpoint.file_names import CheckpointError as CheckpointError
 from embtables.checkpoint.owned_dirs import WriterLock, clean_dead_leftovers, fsync_dir, publish, temp_name
+from embtables.checkpoint.serving_codec import MARKER as EXPORT_MARKER
 from embtables.config import ResolvedConfig
 from embtables.kernels import storage_types
 from embtables.sharding import comm
@@ -123,8 +124,14 @@ def resolve_path(path: str | os.PathLike[str]) -> Path:
         return p
     done = published(p)
     if not done:
+        export = next((d for d in (p, p / "tables") if (d / EXPORT_MARKER).is_file()), None)
+        hint = (
+            f" It holds a serving export ({export}: embtables export wrote it, ServingEmbedding.load reads it; a model "
+            "artifact keeps one in tables/); inspect, restore and export read the checkpoint it was made from."
+            if export is not None else ""
+        )  # fmt: skip
         raise CheckpointError(
-            f"no checkpoint at {p}: neither a manifest.json there nor a ckpt-<step> directory with one."
+            f"no checkpoint at {p}: neither a manifest.json there nor a ckpt-<step> directory with one.{hint}"
         )
     return done[-1]
 

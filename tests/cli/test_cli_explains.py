@@ -43,6 +43,8 @@ def files(tmp_path: Path) -> Path:
     (tmp_path / "list.json").write_text("[1, 2]")
     (tmp_path / "a_file").write_text("x")
     (tmp_path / "empty").mkdir()
+    (tmp_path / "model" / "tables").mkdir(parents=True)  # a model artifact's serving export (its marker)
+    (tmp_path / "model" / "tables" / ".embtables-export").write_text('{"files": []}')
     return tmp_path
 
 
@@ -62,6 +64,7 @@ MISTAKES = [
     (["quickstart", "--dense-lr", "nan"], "--dense-lr must be a finite number >= 0"),
     (["export", "nothing_here", "out"], "no checkpoint at nothing_here"),
     (["inspect", "nothing_here"], "no checkpoint at nothing_here"),
+    (["inspect", "model"], "It holds a serving export (model/tables"),
     (["train", "--dataset", "adult", "--data-dir", "nothere"], "--data-dir nothere: no such file or directory"),
     (["train", "--dataset", "movielens-100k", "--data-dir", "nothere"], "nothere: neither GroupLens files"),
     (["stats", "nothere"], "nothere: no such directory"),
