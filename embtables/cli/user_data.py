@@ -68,7 +68,7 @@ from embtables.estimator import (
     numeric_column,
     rmse,
 )
-from embtables.estimator.model_artifact import ModelParts, export_model
+from embtables.estimator.model_artifact import ModelParts, check_target, export_model
 from embtables.estimator.row_transform import NORMALIZE, NumericStat, RowTransform, fit_numeric, labels_of
 from embtables.tables import TruncatedNormal
 
@@ -336,6 +336,8 @@ def run(args: argparse.Namespace) -> int:
     dense_args = {"names": [c.name for c in cols], "dim": dims.pop(), "numeric": len(numeric)}
     model = scoring_model(dense_args, task)[0]
     model_dir = Path(args.model_dir)  # checked (or made) by the job runner
+    if args.export_to is not None:
+        check_target(Path(args.export_to))  # refused now, not after the first epoch
     write_recipe(model_dir, "data", cols, transform, task, label, dense_args)
     parts = None
     if args.export_to is not None:

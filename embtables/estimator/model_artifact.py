@@ -231,9 +231,9 @@ def _document(parts: ModelParts, dtype: str, step: int) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def _check_out(target: Path) -> bool:
+def check_target(target: Path) -> bool:
     """True when ``target`` is an artifact export_model wrote (replaceable), False when new or empty; anything
-    else is refused untouched."""
+    else is refused untouched (also before a job that exports as it trains, ``--export-to``, starts)."""
     if target.is_symlink() or (target.exists() and not target.is_dir()):
         raise CheckpointError(f"export_model: {target} exists and is not a directory; give a new or empty directory.")
     if not target.exists() or not any(target.iterdir()):
@@ -264,7 +264,7 @@ def export_model(
     except RuntimeError as exc:
         raise CheckpointError(f"export_model: {ckpt}'s dense model does not match the model given ({exc}).") from None
     target = Path(out)
-    existing = _check_out(target)
+    existing = check_target(target)
     doc = _document(parts, dtype, step)
     same = False
     if existing:
@@ -292,7 +292,7 @@ def export_model(
         _write_weights(tmp, step, state)
         write_json_atomically(tmp / MODEL_FILE, doc)
         write_json_atomically(tmp / MARKER, {"format": FORMAT})
-        publish_over(tmp, target, _check_out)
+        publish_over(tmp, target, check_target)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -328,4 +328,4 @@ def _prune_weights(target: Path) -> None:
         p.unlink(missing_ok=True)
 
 
-__all__ = ["ModelExport", "ModelParts", "Scorer", "export_model", "latest_checkpoint", "state_fits"]
+__all__ = ["ModelExport", "ModelParts", "Scorer", "check_target", "export_model", "latest_checkpoint", "state_fits"]

@@ -65,6 +65,7 @@ MISTAKES = [
     (["export", "nothing_here", "out"], "no checkpoint at nothing_here"),
     (["inspect", "nothing_here"], "no checkpoint at nothing_here"),
     (["inspect", "model"], "It holds a serving export (model/tables"),
+    (["train", "--data", "d.csv", "--schema", "s.json", "--export-to", "model"], "not written by export_model"),
     (["train", "--dataset", "adult", "--data-dir", "nothere"], "--data-dir nothere: no such file or directory"),
     (["train", "--dataset", "movielens-100k", "--data-dir", "nothere"], "nothere: neither GroupLens files"),
     (["stats", "nothere"], "nothere: no such directory"),
