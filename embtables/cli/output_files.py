@@ -27,14 +27,15 @@ def check_output(
     looks_ours: Callable[[bytes], bool],
     inputs: Sequence[Path] = (),
     overwrite: bool | None = False,
+    folders: Sequence[Path] = (),
 ) -> None:
     """Refuse ``output`` (given as ``flag``) before anything is computed when it is a folder, sits in a folder
-    that does not exist, is one of ``inputs`` or inside one that is a folder (a model, a statistics directory),
-    or exists and is not ``what`` (by ``looks_ours``) without ``overwrite`` (None: the command has no
-    ``--overwrite``)."""
-    for source in inputs:
-        if source.is_dir() and source.resolve() in output.resolve().parents:
-            raise ValueError(f"{flag} {output} is inside {source}, an input of this command; give a file elsewhere")
+    that does not exist, is one of the files ``inputs``, lies inside one of ``folders`` (a model artifact, whose
+    later exports would find a file they did not write), or exists and is not ``what`` (by ``looks_ours``)
+    without ``overwrite`` (None: the command has no ``--overwrite``)."""
+    for folder in folders:
+        if folder.is_dir() and folder.resolve() in output.resolve().parents:
+            raise ValueError(f"{flag} {output} is inside {folder}, an input of this command; give a file elsewhere")
     if not output.exists():
         if not output.parent.is_dir():
             raise FileNotFoundError(f"{flag} {output}: its folder {output.parent} does not exist")
@@ -42,7 +43,7 @@ def check_output(
     if output.is_dir():
         raise IsADirectoryError(f"{flag} {output} is a folder; give a file name")
     for source in inputs:
-        if source.exists() and os.path.samefile(output, source):
+        if source.is_file() and os.path.samefile(output, source):
             raise ValueError(f"{flag} {output} is an input of this command: it would be replaced; give another file")
     if overwrite:
         return

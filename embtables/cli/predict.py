@@ -43,7 +43,7 @@ def run(args: argparse.Namespace) -> int:
         raise FileNotFoundError(f"--input {source}: no such file")
     if args.output:
         check_output(Path(args.output), "--output", "a predictions CSV (its first line is 'prediction')",
-                     _predictions_csv, [source, Path(args.model)], args.overwrite)  # fmt: skip
+                     _predictions_csv, [source], args.overwrite, folders=[Path(args.model)])  # fmt: skip
     rows = read_table(source)
     with opened_model(args.model) as model:
         progress = args.progress and sys.stderr.isatty()

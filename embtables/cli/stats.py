@@ -51,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
     if not Path(args.directory).is_dir():
         return fail("embtables stats", f"{args.directory}: no such directory (give a profile_data_directory)")
     if args.png:
-        check_output(Path(args.png), "--png", "a PNG image", _png, [Path(args.directory)], args.overwrite)
+        check_output(Path(args.png), "--png", "a PNG image", _png, overwrite=args.overwrite)
     docs = read_all(args.directory)
     if not docs:
         return fail(

@@ -412,8 +412,9 @@ def test_incremental_saves_and_exports_say_when_they_write_whole_and_why(tmp_pat
 
 
 def test_stats_png_never_replaces_a_file_it_did_not_write(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """``stats --png FILE``: a new file or an earlier chart is written whole (a PNG); a file that is not a PNG, or
-    one inside the statistics directory, is refused before anything is drawn, and keeps its bytes."""
+    """``stats --png FILE``: a new file or an earlier chart is written whole (a PNG), inside the statistics
+    directory too; a file that is not a PNG (a statistics file too) is refused before anything is drawn, and keeps
+    its bytes."""
     pytest.importorskip("matplotlib")
     import torch
 
@@ -434,10 +435,13 @@ def test_stats_png_never_replaces_a_file_it_did_not_write(tmp_path: Path, capsys
     assert cli(["stats", str(stats), "--png", str(chart)]) == 0 and cli(["stats", str(stats), "--png", str(chart)]) == 0
     assert chart.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
     capsys.readouterr()
-    for target, reason in ((notes, "exists and is not a PNG image"), (stats / "t.png", "is inside")):
+    (table_file,) = [p for p in stats.iterdir() if p.suffix == ".json"]
+    kept = table_file.read_bytes()
+    for target in (notes, table_file):
         assert cli(["stats", str(stats), "--png", str(target)]) == 2
         err = capsys.readouterr().err.strip()
-        assert reason in err and len(err.splitlines()) == 1, err
-    assert notes.read_text() == "my notes\n" and not (stats / "t.png").exists()
+        assert "exists and is not a PNG image" in err and len(err.splitlines()) == 1, err
+    assert notes.read_text() == "my notes\n" and table_file.read_bytes() == kept
+    assert cli(["stats", str(stats), "--png", str(stats / "load.png")]) == 0  # beside the statistics: fine
     assert cli(["stats", str(stats), "--png", str(notes), "--overwrite"]) == 0
     assert notes.read_bytes().startswith(b"\x89PNG") and not list(tmp_path.glob(".embtables-tmp*"))
