@@ -102,6 +102,12 @@ def flatten_values(x: Any, what: str) -> tuple[np.ndarray, np.ndarray]:
                 lengths = np.fromiter(map(len, seq), dtype=np.int64, count=len(seq))
                 flat = list(itertools.chain.from_iterable(seq))
             else:
+                mapping = next((i for i, v in enumerate(seq) if isinstance(v, (dict, set, frozenset))), None)
+                if mapping is not None:
+                    raise ValueError(
+                        f"feature {what!r}: row {mapping} holds {seq[mapping]!r:.40}; a row's value is a string or a "
+                        "number, or a list of them."
+                    )
                 rows = [[v] if _is_scalar(v) else list(np.asarray(v, dtype=object).reshape(-1)) for v in seq]
                 lengths = np.fromiter((len(r) for r in rows), dtype=np.int64, count=len(rows))
                 flat = [v for r in rows for v in r]

@@ -164,6 +164,8 @@ def test_a_multi_valued_cell_reads_the_same_as_a_string_a_list_or_one_number(
     for bad in ({"a": 1}, ["t1", ["t2"]]):
         with pytest.raises(ValueError, match=r"rows 0-2: the column .tags. of the input: row 1 holds"):
             model.predict({**rows, "tags": ["t1", bad, ""]})
+    with pytest.raises(ValueError, match=r"feature 'country': row 1 holds \{'a': 1\}"):  # a single-valued column
+        model.predict({**rows, "country": ["US", {"a": 1}, "FR"]})
 
 
 def test_predict_never_replaces_a_file_it_did_not_write(
