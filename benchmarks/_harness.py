@@ -28,6 +28,7 @@ so after a TF measurement this is several GB); their difference is the impl's ow
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -257,15 +258,18 @@ def emit(record: dict[str, Any]) -> None:
     print(json.dumps(record, sort_keys=False), flush=True)
 
 
-def check_table_out(out: str | None) -> None:
-    """Refuse ``--out FILE`` before a benchmark runs when it could not be written: a folder, a missing folder, or
-    an existing file that is not a table a benchmark wrote (its first character is ``|``) (``cli/output_files``)."""
+def check_table_out(parser: argparse.ArgumentParser, out: str | None) -> None:
+    """``parser.error`` (exit 2, one line) before a benchmark runs when ``--out FILE`` could not be written: a
+    folder, a missing folder, or an existing file that is not a table a benchmark wrote (its first character is
+    ``|``) (``cli/output_files``)."""
     if out:
         from embtables.cli.output_files import check_output
 
-        check_output(
-            Path(out), "--out", "a Markdown table a benchmark wrote", lambda head: head.startswith(b"|"), overwrite=None
-        )
+        try:
+            check_output(Path(out), "--out", "a Markdown table a benchmark wrote", lambda head: head.startswith(b"|"),
+                         overwrite=None)  # fmt: skip
+        except (OSError, ValueError) as exc:
+            parser.error(str(exc))
 
 
 def emit_table(table: str, out: str | None) -> None:
@@ -273,9 +277,9 @@ def emit_table(table: str, out: str | None) -> None:
     ``check_table_out`` at the start), whole or not at all."""
     print(table, file=sys.stderr)
     if out:
-        from embtables.cli.output_files import write_output
+        from embtables.checkpoint.owned_dirs import write_atomically
 
-        write_output(Path(out), lambda f: f.write((table + "\n").encode()))
+        write_atomically(Path(out), lambda f: f.write((table + "\n").encode()))
 
 
 def emit_skip(bench: str, impl: str, reason: str, **fields: Any) -> None:

@@ -175,10 +175,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=6, help="at least --num-batches, so every key was seen")
     ap.add_argument("--out", help="also write the Markdown table here")
     args = ap.parse_args(argv)
-    try:
-        check_table_out(args.out)
-    except (OSError, ValueError) as exc:
-        ap.error(str(exc))
+    check_table_out(ap, args.out)
     emit(env_record())
     wl = variation("standard", ids=args.ids, rows=args.rows, batch=args.batch, name="dynamic")
     batches = make_batches(wl)

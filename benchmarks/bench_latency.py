@@ -109,10 +109,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="keep: glibc keeps freed memory (mallopt, every impl alike; see _harness.keep_freed_memory)",
     )
     args = ap.parse_args(argv)
-    try:
-        check_table_out(args.out)
-    except (OSError, ValueError) as exc:
-        ap.error(str(exc))
+    check_table_out(ap, args.out)
     torch.set_num_threads(args.threads)
     if args.malloc == "keep":
         keep_freed_memory()

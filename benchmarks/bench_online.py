@@ -151,10 +151,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--dir", default=None, help="where the data, model and artifact go (default: temporary)")
     p.add_argument("--out", default=None, help="also write the summary table here")
     args = p.parse_args(argv)
-    try:
-        check_table_out(args.out)
-    except (OSError, ValueError) as exc:
-        p.error(str(exc))
+    check_table_out(p, args.out)
     if args.small:
         args.rows, args.tables, args.dim, args.examples, args.batch = 20_000, 4, 16, 10_000, 512
     if args.idle_seconds is None:

@@ -1,11 +1,11 @@
-"""Files the commands write where the user says (``predict --output``, ``stats --png``): checked before any work,
-written whole or not at all.
+"""Files the commands write where the user says (``predict --output``, ``stats --png``, the benchmarks' ``--out``):
+checked before any work; the commands write them whole or not at all (``owned_dirs.write_atomically``).
 
 A command never replaces a file it could not have written: an existing file is replaced only when it looks like
 the command's own output (``looks_ours`` on its first bytes) or with ``--overwrite``, never when it is one of the
 command's inputs; a folder, or a file in a folder that does not exist, is refused. The new file goes to a
-temporary name beside the target, fsynced, then renamed over it (``owned_dirs.write_atomically``): a full disk or
-a stopped process leaves the old file, never a part of the new one.
+temporary name beside the target, fsynced, then renamed over it: a full disk or a stopped process leaves the old
+file, never a part of the new one.
 """
 
 from __future__ import annotations
@@ -13,9 +13,6 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import BinaryIO
-
-from embtables.checkpoint.owned_dirs import write_atomically
 
 HEAD_BYTES = 64  # the first bytes of an existing file that ``looks_ours`` sees
 
@@ -59,9 +56,4 @@ def check_output(
         raise ValueError(f"{flag} {output} exists and is not {what}{unreadable}: {fix}")
 
 
-def write_output(output: Path, write: Callable[[BinaryIO], object]) -> None:
-    """``write(f)`` into ``output``, whole or not at all."""
-    write_atomically(output, write)
-
-
-__all__ = ["HEAD_BYTES", "check_output", "write_output"]
+__all__ = ["HEAD_BYTES", "check_output"]

@@ -19,8 +19,9 @@ import io
 import sys
 from pathlib import Path
 
+from embtables.checkpoint.owned_dirs import write_atomically
 from embtables.cli.model_files import opened_model
-from embtables.cli.output_files import check_output, write_output
+from embtables.cli.output_files import check_output
 from embtables.cli.user_data import read_table
 
 
@@ -55,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
     if not args.output:
         sys.stdout.write(text.getvalue())
     else:
-        write_output(Path(args.output), lambda f: f.write(text.getvalue().encode()))
+        write_atomically(Path(args.output), lambda f: f.write(text.getvalue().encode()))
         what = "probabilities" if model.task == "binary" else "predictions"
         print(f"{args.output}: {len(predictions)} {what} (model step {model.step})", file=sys.stderr)
     return 0

@@ -10,8 +10,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from embtables.checkpoint.owned_dirs import write_atomically
 from embtables.cli.job_runner import fail
-from embtables.cli.output_files import check_output, write_output
+from embtables.cli.output_files import check_output
 from embtables.cli.plotting import pyplot
 from embtables.sharding.lookup_stats import read_all
 
@@ -132,6 +133,6 @@ def _draw(docs: Sequence[dict[str, Any]], path: str) -> int:
     image = io.BytesIO()
     fig.savefig(image, dpi=100, format="png")
     plt.close(fig)
-    write_output(Path(path), lambda f: f.write(image.getvalue()))
+    write_atomically(Path(path), lambda f: f.write(image.getvalue()))
     print(f"wrote {path}")
     return 0

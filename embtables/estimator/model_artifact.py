@@ -114,9 +114,10 @@ def _activation_example(columns: list[Any], rows: int) -> dict[str, Tensor]:
 
 
 @contextlib.contextmanager
-def _torch_quiet(into: io.StringIO) -> Iterator[None]:
-    """torch's loggers at ERROR and this process's stdout and stderr written into ``into`` (a failed export prints
-    its graphs and a warning per guard; the ValueError that follows says why in one line)."""
+def torch_quiet(into: io.StringIO) -> Iterator[None]:
+    """torch's loggers at ERROR and this process's stdout and stderr written into ``into``: a failed export prints
+    its graphs and a warning per guard, a failed load of a damaged program logs its traceback, and the error that
+    follows says why in one line. Whoever succeeds writes ``into`` back to stderr."""
     loggers = [lg for n, lg in list(logging.Logger.manager.loggerDict.items())
                if n.split(".")[0] == "torch" and isinstance(lg, logging.Logger)]  # fmt: skip
     levels = [lg.level for lg in loggers]
@@ -147,7 +148,7 @@ def _program(parts: ModelParts) -> torch.export.ExportedProgram:
     scorer = Scorer(parts.model, parts.predictions_fn).eval()
     said = io.StringIO()  # what torch prints and logs while it exports: the graph of a failure, several times
     try:
-        with torch.no_grad(), warnings.catch_warnings(), _torch_quiet(said):
+        with torch.no_grad(), warnings.catch_warnings(), torch_quiet(said):
             # a model that keeps a training-only tensor as an attribute (the FM's penalty): nothing to serve
             warnings.filterwarnings("ignore", message=".*was assigned during export.*")
             program = torch.export.export(scorer, (acts, example), dynamic_shapes=shapes)
@@ -328,4 +329,7 @@ def _prune_weights(target: Path) -> None:
         p.unlink(missing_ok=True)
 
 
-__all__ = ["ModelExport", "ModelParts", "Scorer", "check_target", "export_model", "latest_checkpoint", "state_fits"]
+__all__ = [
+    "ModelExport", "ModelParts", "Scorer", "check_target", "export_model", "latest_checkpoint", "state_fits",
+    "torch_quiet",
+]  # fmt: skip

@@ -11,9 +11,11 @@ sees the model before an update or after it, never a mix.
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import os
+import sys
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -35,6 +37,7 @@ from embtables.estimator.model_artifact import (
     TASKS,
     WEIGHTS,
     state_fits,
+    torch_quiet,
 )
 from embtables.estimator.row_transform import RowTransform
 from embtables.estimator.spec import engine_inputs
@@ -237,18 +240,16 @@ class ScoringModel(nn.Module):
 
 
 def _load_program(path: Path) -> nn.Module:
-    """The dense program at ``path``; ``CheckpointError`` for a missing or damaged file. torch logs a damaged
-    archive's traceback as a warning before it raises: that logger is quiet here, the error says it in one line."""
-    torch_export_log = logging.getLogger("torch.export")
-    level = torch_export_log.level
-    torch_export_log.setLevel(logging.ERROR)
+    """The dense program at ``path``; ``CheckpointError`` for a missing or damaged file, in one line (torch logs a
+    damaged archive's traceback as a warning before it raises: ``torch_quiet``)."""
+    said = io.StringIO()
     try:
-        module: nn.Module = torch.export.load(str(path)).module()
-        return module
+        with torch_quiet(said):
+            module: nn.Module = torch.export.load(str(path)).module()
     except Exception as exc:  # torch.export.load raises many types on a damaged file
         raise CheckpointError(f"load_model: {path} is missing or unreadable ({exc}).") from exc
-    finally:
-        torch_export_log.setLevel(level)
+    sys.stderr.write(said.getvalue())  # loaded: what torch said is kept
+    return module
 
 
 def load_model(path: str | os.PathLike[str]) -> ScoringModel:
