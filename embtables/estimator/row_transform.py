@@ -177,25 +177,28 @@ def _as_text(value: Any) -> str:
 def _value_lists(column: Any, separator: str, name: str, where: str) -> np.ndarray:
     """Each row's values of a multi-valued column as a list of strings: an object array of lists [N]. A cell is a
     ``separator``-joined string, a list of values, or one value (a number too: a column whose cells all hold one
-    number reads as numbers); empty or missing: no value."""
-    out = np.empty(len(column), dtype=object)
+    number reads as numbers); empty or missing: no value. Strings, the common cells, take the short way."""
+    lists: list[list[str]] = []
     for row, cell in enumerate(column):
+        if type(cell) is str:
+            lists.append(cell.split(separator) if cell else [])
+            continue
         cell = cell.tolist() if isinstance(cell, np.ndarray) else cell
         try:
             if is_missing(cell):
-                out[row] = []
+                lists.append([])
             elif isinstance(cell, str):
-                out[row] = cell.split(separator)
+                lists.append(cell.split(separator))
             elif isinstance(cell, (list, tuple)):
-                out[row] = [_as_text(v) for v in cell if not is_missing(v)]
+                lists.append([_as_text(v) for v in cell if not is_missing(v)])
             else:
-                out[row] = [_as_text(cell)]
+                lists.append([_as_text(cell)])
         except TypeError as exc:
             raise InputError(
                 f"the column {name!r} of {where}: row {row} holds {str(exc)[:60]}; a cell of a multi-valued column is "
                 f"a {separator!r}-joined string, a list of strings or numbers, or one of them."
             ) from None
-    return out
+    return np.fromiter(lists, dtype=object, count=len(lists))
 
 
 def _id_lists(column: Any, separator: str, name: str, where: str) -> tuple[Ragged, torch.Tensor]:
