@@ -123,7 +123,7 @@ class OffloadedBlock:
         self.source, self.part = source, part
         self.shape = (rows, source.dim)
         self.size = rows * source.dim
-        stored = source.tensors[part].dtype
+        stored = source.dtypes[part]
         self.stored = str(stored).removeprefix("torch.")  # float32, bfloat16 or float16
         self.itemsize = stored.itemsize
         self.dtype = np.dtype(np.float32)  # a state block (its values are float32 when read)

@@ -168,24 +168,21 @@ def rounding_path(vector: bool | None = None) -> bool | None:
     return bool(lib.et_round_path(-1 if vector is None else int(vector)))
 
 
-def changed_marker(items: list[tuple[Workspace, Tensor, bool, int, bool]]) -> Callable[[], None]:
-    """For each (workspace, changed flags, dense, V, packed): the call that marks ``changed`` at every row the
+def changed_marker(items: list[tuple[Workspace, Tensor, bool, int]]) -> Callable[[], None]:
+    """For each (workspace, changed flags, dense, V): the call that marks ``changed`` at every row the
     workspace's latest update wrote (every row when ``dense``), all in one native call; the flags are a bool
-    [V], or ``packed`` a uint8 [ceil(V / 8)] of a bit a row (``ChangedRows``). The buffers are checked here and
+    [V] (``ChangedRows``). The buffers are checked here and
     the call's arguments built once: the marker may be called after every step while the workspaces and flags
     stay these (it holds them)."""
     lib = library()
     assert lib is not None
     n = len(items)
-    for _, changed, _, v, packed in items:
-        if packed:
-            require(changed, "changed rows", torch.uint8, (-(-v // 8),))
-        else:
-            require(changed, "changed rows", torch.bool, (v,))
+    for _, changed, _, v in items:
+        require(changed, "changed rows", torch.bool, (v,))
     handles = (ctypes.c_void_p * n)(*[item[0].handle for item in items])
     flags = (ctypes.c_void_p * n)(*[item[1].data_ptr() for item in items])
     vocab = (ctypes.c_int64 * n)(*[item[3] for item in items])
-    mode = (ctypes.c_int32 * n)(*[int(item[2]) | (2 if item[4] else 0) for item in items])  # bit 0 dense, 1 packed
+    mode = (ctypes.c_int32 * n)(*[int(item[2]) for item in items])  # bit 0: dense
     count, fn = ctypes.c_int64(n), unchecked(lib).et_mark_changed
     held = list(items)
 

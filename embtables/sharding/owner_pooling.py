@@ -108,6 +108,15 @@ def pooled_lookup_exchange(
         for a in (a for src in asked for a in src):
             wanted.setdefault(tables[resolved.features[a.feature].table_index].name, []).append(a.ids)
         admit([(name, torch.cat(rows)) for name, rows in wanted.items() if name in local.offloaded])
+        # an offloaded table's rows are pooled and updated in its cache's slots
+        asked = [
+            [
+                dataclasses.replace(a, ids=local.offloaded.slots(name, a.ids)) if name in local.offloaded else a
+                for a in src
+                for name in (tables[resolved.features[a.feature].table_index].name,)
+            ]
+            for src in asked
+        ]
     weights = [
         (a, local.states[tables[resolved.features[a.feature].table_index].name].weights) for src in asked for a in src
     ]

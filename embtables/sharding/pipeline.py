@@ -229,7 +229,11 @@ class StepPipeline:
         table's keys turned into rows, spec §11; the staged batch keeps its keys, so a lookup done again
         translates again). A training lookup never evicts a row the held-back update will write."""
         pin_from = staged.step - 1 if self.pipelined else staged.step
-        stale = self._stale_rows_swapped_in(staged.training) if self.stale else contextlib.nullcontext()
+        stale = (
+            self._stale_rows_swapped_in(staged.training, Admission(staged.step, pin_from, staged.training))
+            if self.stale
+            else contextlib.nullcontext()
+        )
         with torch.no_grad(), stale, phase_profile.phase("lookup"):
             self.engine.check_phase("lookup" if staged.training else "eval lookup", staged.step)
             batches = self.engine.translate_keys(
@@ -369,19 +373,33 @@ class StepPipeline:
                     touched = tg.rows if tg.rows is not None else tg.materialized().rows
                     assert touched is not None
                     rows = torch.unique(touched).to(weights.device)
-                stale[tg.table.name] = (rows, weights.index_select(0, rows))
+                old = weights.index_select(0, rows)
+                if tg.table.name in self.engine.offloaded:  # kept by row: the cache's slots change
+                    rows = self.engine.offloaded.local_rows(tg.table.name, rows)
+                stale[tg.table.name] = (rows, old)
         # the ranks agreed at apply_gradients
         self.engine.apply(pending.table_grads, pending.lrs, agreed=True, step=pending.step)
         self.stale.update({k: v for k, v in stale.items() if k not in self.stale})
 
     @contextlib.contextmanager
-    def _stale_rows_swapped_in(self, training: bool) -> Iterator[None]:
+    def _stale_rows_swapped_in(self, training: bool, admission: Admission) -> Iterator[None]:
         """For the first training lookup after an observer-triggered flush: the tables hold the
-        pre-update values of the touched rows during the lookup, and the updated ones afterwards."""
+        pre-update values of the touched rows during the lookup, and the updated ones afterwards. An
+        offloaded table's stale rows (kept by local row) are brought into its cache first, pinned by
+        ``admission`` for the lookup, and swapped in its slots."""
         if not training or not self.stale:
             yield
             return
         current, swapped = {}, {}
+        offloaded = self.engine.offloaded
+        if offloaded:
+            offloaded.refresh()  # what was written through the files' maps is taken in before the swap
+            wanted = [(name, rows) for name, (rows, _) in self.stale.items() if name in offloaded]
+            offloaded.admit_rows(wanted, admission)
+            self.stale = {
+                name: (offloaded.slots(name, rows) if name in offloaded else rows, old)
+                for name, (rows, old) in self.stale.items()
+            }
         with torch.no_grad():
             # everything prepared before any table changes (each table's rows in its storage type and on its
             # device): the swap is all or nothing, and a failure here keeps the stale rows for the next lookup

@@ -146,7 +146,10 @@ class ShardedEmbeddingCollection(LocalTables):
         self._owned_rows = {t.name: self.plans[t.name].owned_rows(self.rank) for t in resolved.tables}
         # a half-precision table rounds each row's update with the row's global id (spec §12): the same bits
         # for any W and strategy (the placeholder row, never written, gets the id V)
-        half = [t for t in resolved.tables if t.config.half and t.config.dynamic is None]
+        half = [
+            t for t in resolved.tables
+            if t.config.half and t.config.dynamic is None and t.name not in self.local.offloaded  # its cache's own
+        ]  # fmt: skip
         self.local.set_global_rows({t.name: self.plans[t.name].affine_rows(self.rank) for t in half})
         # A summed gradient of an owner-pooled table overflowed here: ``check`` refuses the update on every rank.
         self._sums_overflow = False
@@ -243,14 +246,20 @@ class ShardedEmbeddingCollection(LocalTables):
         out: list[Tensor | None] = [None] * len(self.resolved.features)
         if tables:  # the row-returning tables (their exchange carries the refusal agreement)
             routes = self._routes(batches, refused)
+            for t, route in zip(tables, routes):
+                if route.recv_rows.numel() and int(route.recv_rows.max()) >= self._owned_rows[t.name]:
+                    raise RuntimeError(f"table {t.name!r}: a rank asked rank {self.rank} for a row it does not hold.")
             admit([(t.name, route.recv_rows) for t, route in zip(tables, routes)])
+            # an offloaded table's rows are answered and updated in its cache's slots
+            offloaded = self.local.offloaded
+            routes = [
+                dataclasses.replace(route, recv_rows=offloaded.slots(t.name, route.recv_rows)) if t.name in offloaded
+                else route
+                for t, route in zip(tables, routes)
+            ]  # fmt: skip
             answers = []
             with phase_profile.phase("lookup: answer rows"):
                 for t, route in zip(tables, routes):
-                    if route.recv_rows.numel() and int(route.recv_rows.max()) >= self._owned_rows[t.name]:
-                        raise RuntimeError(
-                            f"table {t.name!r}: a rank asked rank {self.rank} for a row it does not hold."
-                        )
                     answers.append(self.local.states[t.name].weights.index_select(0, route.recv_rows))
             with phase_profile.phase("lookup: exchange rows"):
                 dims = [t.dim for t in tables]
@@ -531,7 +540,7 @@ class ShardedEmbeddingCollection(LocalTables):
         counts = [int(c) for c in torch.bincount(owner, minlength=self.world).tolist()]
         rows, recv_counts = comm.all_to_all_v(local[by_owner], counts, self.group)
         row_grads, _ = comm.all_to_all_v(per_id[order][by_owner], counts, self.group, recv_counts=recv_counts)
-        return rows, row_grads
+        return self.local.offloaded.slots(t.name, rows), row_grads  # an offloaded table's: its cache's slots
 
     def check(self, table_grads: Sequence[TableGradient], lrs: dict[str, float], *, step: int = 0) -> None:
         """Raise on every rank, writing nothing, when the update is refused on any rank's rows."""
@@ -578,7 +587,7 @@ class ShardedEmbeddingCollection(LocalTables):
         out = {}
         for key, (t, slot) in self.state_key_owners().items():
             plan = self.plans[t.name]
-            tensor = self.local.states[t.name].tensors()[slot]
+            tensor = self.local.whole_tensors(t.name)[slot]
             parts = comm.all_gather_v(tensor[: self._owned_rows[t.name]].contiguous(), self.group)
             full = torch.empty((t.vocabulary_size, t.dim), dtype=tensor.dtype, device=tensor.device)
             for r, part in enumerate(parts):
@@ -597,7 +606,7 @@ class ShardedEmbeddingCollection(LocalTables):
                 if n == 0:
                     continue
                 rows = self.plans[t.name].global_rows(self.rank).to(value.device)
-                target = self.local.states[t.name].tensors()[slot]
+                target = self.local.whole_tensors(t.name)[slot]
                 target[:n].copy_(value.index_select(0, rows).to(target.device, target.dtype))
 
     def local_shards(self, whole: bool = True) -> dict[str, LocalShard]:
@@ -608,7 +617,7 @@ class ShardedEmbeddingCollection(LocalTables):
         out = {}
         for t in self.resolved.tables:
             n = self._owned_rows[t.name]
-            tensors = {slot: x[:n] for slot, x in self.local.states[t.name].tensors().items()}
+            tensors = {slot: x[:n] for slot, x in self.local.whole_tensors(t.name).items()}
             rows = self.plans[t.name].global_rows(self.rank)
             out[t.name] = LocalShard(t.name, t.vocabulary_size, rows, tensors, self.local.offloaded.get(t.name))
         return out

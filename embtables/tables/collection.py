@@ -28,7 +28,7 @@ from embtables.tables.inputs import FeatureBatch
 from embtables.tables.learning_rates import LearningRatePlan
 from embtables.tables.offload_cache import OffloadedRows
 from embtables.tables.offload_initial import OffloadShard
-from embtables.tables.offloaded_tables import Admission, OffloadedTables, required
+from embtables.tables.offloaded_tables import Admission, OffloadedTables
 from embtables.tables.state import TableState, create_table_state, initial_rows
 from embtables.tables.table_gradient import TableGradient
 
@@ -66,8 +66,8 @@ class EmbeddingCollection:
             self.close()
             raise
         self.vocabularies = Vocabularies(resolved)  # the key maps of dynamic tables (spec §11)
-        # rows written since the last save (a bit a row for an offloaded table: its memory is its cache)
-        self.changed = ChangedRows(self.states, packed=caches)
+        # rows written since the last save (an offloaded table's: a flag a cache slot, a bit a row in its cache)
+        self.changed = ChangedRows(self.states, caches)
         self._build()
 
     def _build(self) -> None:
@@ -75,6 +75,9 @@ class EmbeddingCollection:
         self._lr_plan: LearningRatePlan | None = None  # built at the first step, see learning_rates()
         self._tables = TableSet(self.resolved, self.states, self.changed)
         self._tables.global_rows.update(self.vocabularies.row_keys)  # a dynamic half table rounds by key
+        for name in self.offloaded:  # an offloaded half table rounds each cache slot by its row's global id
+            if self.resolved.tables[self.resolved.table_names.index(name)].config.half:
+                self._tables.global_rows[name] = self.offloaded[name].slot_global
         self.reference = TorchBackend(self._tables)
         self._backend: Backend | None = None  # chosen at the first call, see backend
         self._switches = -1
@@ -138,14 +141,20 @@ class EmbeddingCollection:
     def translate_keys(
         self, batches: Sequence[FeatureBatch], training: bool, step: int, pin_from: int
     ) -> list[FeatureBatch]:
-        """Batches whose dynamic features hold rows instead of keys (spec §11); the rows a training lookup
-        gave to new keys are reset to the table's initial values first. Other batches pass unchanged."""
-        if not self.vocabularies:
-            return list(batches)
-        out, resets = self.vocabularies.translate(batches, training, step, pin_from)
-        for name, rows in resets.items():
-            if rows.numel():
-                self.reset_rows(name, rows)
+        """Batches whose dynamic features hold rows instead of keys (spec §11), the rows a training lookup
+        gave to new keys reset to the table's initial values first; and whose offloaded tables' features hold
+        their cache's slots, the rows admitted first (``OffloadedTables.admit``: refused, changing nothing,
+        when a cache cannot hold them). Other batches pass unchanged."""
+        out = list(batches)
+        if self.vocabularies:
+            out, resets = self.vocabularies.translate(batches, training, step, pin_from)
+            for name, rows in resets.items():
+                if rows.numel():
+                    self.reset_rows(name, rows)
+        if self.offloaded:
+            admission = Admission(step, pin_from, training)
+            self.offloaded.admit(out, admission)
+            out = self.offloaded.translate(out)
         return out
 
     def reset_rows(self, name: str, rows: Tensor) -> None:
@@ -161,17 +170,12 @@ class EmbeddingCollection:
                 state.slots[slot].index_copy_(0, rows, values)
         self.changed.mark(table.name, rows)
 
-    def lookup(
-        self, batches: Sequence[FeatureBatch], concat: bool = False, admission: Admission | None = None
-    ) -> list[Tensor]:
+    def lookup(self, batches: Sequence[FeatureBatch], concat: bool = False) -> list[Tensor]:
         """Activations per feature, [*out_shape, D], in feature order; ``concat``: one tensor [B, sum(D)],
-        the features' activations side by side (every batch must pool to the same B bags). The offloaded
-        tables' rows are admitted first (``admission``: the lookup's step, pinned steps and mode, which a
-        collection with offloaded tables needs). The backend serves what it can (with ``concat`` and every
-        feature served, straight into the one output), the reference the rest; every activation is checked
-        finite."""
-        if self.offloaded:
-            self.offloaded.admit(batches, required(admission))
+        the features' activations side by side (every batch must pool to the same B bags). An offloaded
+        table's batches hold its cache's slots (``translate_keys``). The backend serves what it can (with
+        ``concat`` and every feature served, straight into the one output), the reference the rest; every
+        activation is checked finite."""
         got = self.backend.lookup(batches, concat)
         if got.wide is not None:
             return [got.wide]
@@ -274,14 +278,12 @@ class EmbeddingCollection:
             or len(plan[0]) != len(spaces)
             or any(a is not b for a, b in zip(plan[0], spaces))
         ):
-            prepared: list[tuple[Any, Tensor, bool, int, bool]] = []
+            prepared: list[tuple[Any, Tensor, bool, int]] = []
             for tg in table_grads:
                 if tg.prepared is not None:
                     dense = not tg.table.optimizer.lazy and tg.accumulated
                     name = tg.table.name
-                    prepared.append(
-                        (tg.prepared, flags[name], dense, self.changed.sizes[name], name in self.changed.packed)
-                    )
+                    prepared.append((tg.prepared, flags[name], dense, self.changed.sizes[name]))
             plan = self._mark_plan = (spaces, flags, native.changed_marker(prepared) if prepared else None)
         if plan[2] is not None:
             plan[2]()
@@ -306,9 +308,10 @@ class EmbeddingCollection:
 
     def _refuse_closed(self, table_grads: Sequence[TableGradient]) -> None:
         """An update of an offloaded table whose files were released (``close``) is refused before anything is
-        written (its lookup came before the close)."""
+        written (its lookup came before the close); what was written through its files' maps since the lookup
+        is taken into its cache first (``OffloadedTables.before_update``)."""
         if self.offloaded:  # the common case has none: nothing to look up per table and step
-            self.offloaded.check_open([tg.table.name for tg in table_grads])
+            self.offloaded.before_update([tg.table.name for tg in table_grads])
 
     def _checked_updates(
         self, table_grads: Sequence[TableGradient], lrs: dict[str, float], *, check_in_write: bool
@@ -338,7 +341,9 @@ class EmbeddingCollection:
                 )
         if self._backend is not None:
             self._backend.settle()  # what the device found is raised before its backend goes
-        for state in self.states.values():
+        for name, state in self.states.items():
+            if name in self.offloaded:
+                continue  # its cache stays on the CPU (checked above), the block its rows are read into
             state.weights = fn(state.weights)
             state.slots = {k: fn(v) for k, v in state.slots.items()}
         self.changed.map(fn)
@@ -353,9 +358,16 @@ class EmbeddingCollection:
         }
 
     def state_keys(self) -> dict[str, Tensor]:
-        """``{"<table>": weights, "<table>/<slot>": slot}``: the TF checkpoint names (spec §7)."""
+        """``{"<table>": weights, "<table>/<slot>": slot}``: the TF checkpoint names (spec §7), the whole
+        tables (an offloaded table's: its files' maps, ``whole_tensors``)."""
         out = {}
-        for name, state in self.states.items():
-            for slot, t in state.tensors().items():
+        for name in self.states:
+            for slot, t in self.whole_tensors(name).items():
                 out[f"{name}/{slot}" if slot else name] = t
         return out
+
+    def whole_tensors(self, name: str) -> dict[str, Tensor]:
+        """``{"" or slot: [V, D]}``: table ``name`` whole: its state's tensors, or an offloaded table's files'
+        maps (``OffloadedTables.whole`` first, so that they hold it)."""
+        cache = self.offloaded.get(name)
+        return self.states[name].tensors() if cache is None else cache.file_tensors()

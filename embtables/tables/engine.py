@@ -282,7 +282,7 @@ class OneProcessEngine(LocalTables):
     ) -> tuple[list[Tensor], None]:
         if refused is not None:  # one process raises a bad batch at enqueue; kept for the interface
             raise refused
-        return self.local.lookup(batches, concat, admission), None
+        return self.local.lookup(batches, concat), None  # offloaded rows were admitted by translate_keys
 
     def table_gradients(
         self,
@@ -338,8 +338,7 @@ class OneProcessEngine(LocalTables):
             self.local.offloaded.whole()
         out = {}
         for t in self.resolved.tables:
-            state = self.local.states[t.name]
             rows = torch.arange(t.vocabulary_size, dtype=torch.int64)
             offloaded = self.local.offloaded.get(t.name)
-            out[t.name] = LocalShard(t.name, t.vocabulary_size, rows, state.tensors(), offloaded)
+            out[t.name] = LocalShard(t.name, t.vocabulary_size, rows, self.local.whole_tensors(t.name), offloaded)
         return out

@@ -1,37 +1,36 @@
 """``OffloadedRows``: one offloaded table shard's rows and slots in files, with at most ``cache_rows`` rows in
-memory (docs/offload.md).
+memory, in a cache of rows (docs/offload.md).
 
-The tensors the engine computes on are shared memory maps of the files ([N, D] each: weights, slots), so every
-kernel, optimizer, combiner and input type runs unchanged and gives the bits of an in-memory table. What is
-in memory is managed here, in groups of G rows (whole pages of every file):
+The tensors the engine computes on are the cache: one block [C, D] per tensor (weights, each slot), C =
+``min(cache_rows, N)`` slots. A lookup's ids are local rows; ``admit`` brings them into slots and ``translate``
+turns them into slot ids, so every kernel, optimizer, combiner and input type runs on the block unchanged and
+gives the bits of an in-memory table (a half-precision table rounds each slot with its row's global id:
+``slot_global``). What is in the cache is managed here, a row at a time:
 
-* **admission** (before a lookup reads rows): the least used groups (ids looked up since they were read in,
-  decayed by ``USE_DECAY`` a step; ``offload_residency.Residency`` keeps that bookkeeping and chooses) are
-  dropped until the batch's fit in ``cache_rows`` (``MADV_DONTNEED``; those written since they were read are
-  written back first, all together: ``sync_file_range``, then
-  ``POSIX_FADV_DONTNEED``: neither the process nor the page cache keeps them); the batch's rows that were never
-  initialized get their initial values (the initializer's draw for their block of ``INIT_BLOCK`` global rows, from
-  the table's seed: the same values for any cache, shard layout or order of first reads), written with ``pwrite``;
-  the groups not in memory are read in (timed: the disk wait). Groups used at or after ``pin_from`` (the current
-  batch, and the previous one while its update is pending) are never dropped; when they alone exceed the cache,
-  the lookup is refused before anything changes.
-* **read-ahead** (a batch staged by ``enqueue``): its groups on disk start coming into the page cache.
-* **whole-table access** (``state_dict``, ``embedding_tables``, ``load_state_dict``): every block is initialized
-  first (``materialize``); the next admission writes back and drops everything (``release``). ``save`` reads
-  the files with ``pread`` instead (``read_rows``), ``restore`` writes back and drops each piece it writes
-  (``written``).
+* **admission** (before a lookup reads rows): the least used rows (their ids looked up since they were read
+  in, decayed by ``USE_DECAY`` a step; ``offload_residency.Residency`` keeps that bookkeeping and the slots,
+  and chooses) leave until the batch's rows fit; those written since they were read (``dirty``, marked by the
+  update's own writes) are written back first, with ``pwrite`` (a full disk is an error here, never a fault).
+  The batch's rows that were never initialized get their initial values in the files (the initializer's draw
+  for their block of ``INIT_BLOCK`` global rows, from the table's seed: the same values for any cache, shard
+  layout or order of first reads); the rows not in the cache are read with ``pread`` (timed: the disk wait).
+  Rows used at or after ``pin_from`` (the current batch, and the previous one while its update is pending) never
+  leave; when they alone exceed the cache, the lookup is refused before anything changes.
+* **read-ahead** (a batch staged by ``enqueue``): the pages of its rows on disk start coming into the page cache.
+* **whole-table access** (``state_dict``, ``embedding_tables``, ``load_state_dict``, ``restore``): the written rows
+  are written back (``flush``), every block is initialized, and the files' maps (``file_tensors``) are handed out;
+  the next lookup or update takes in what was written through them (``refresh``: the maps' pages written back and
+  dropped, every cached row read again). ``save`` reads the files with ``pread`` (``read_rows``) after a flush.
+* **changed rows**: a bit a row (``PackedBits``), set when a written row goes back to the files; the rows of
+  written slots not yet back are added when asked (``changed_rows``).
 
-Shapes: N the shard's rows, D the width, G rows a group, U distinct rows of a batch.
+Shapes: N the shard's rows, C cache slots, D the width, U distinct rows of a batch.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
-import math
-import mmap
 import time
-from collections.abc import Callable
 from typing import NoReturn
 
 import torch
@@ -40,29 +39,18 @@ from torch import Tensor
 from embtables.config import ResolvedTable
 from embtables.config.offload import Offload
 from embtables.errors import InputError, TornFilesError
-from embtables.tables.offload_files import DROP_CLEAN, DROP_WRITTEN, READ, SETTLE, WILL_NEED, ShardFiles
+from embtables.tables.offload_files import WILL_NEED, ShardFiles
 from embtables.tables.offload_initial import INIT_BLOCK, OffloadShard, initial_weights
 from embtables.tables.offload_residency import NoRoom, Residency
+from embtables.tables.packed_bits import PackedBits
 
 logger = logging.getLogger("embtables")
 
-# The cache's unit: whole pages of every file. Linux also maps the pages around a read fault that are in the page
-# cache (fault-around): the cache keeps only the pages it counts there (initial values and evicted pages are
-# written back and dropped), so a neighbour is never mapped behind its back.
-_PAGE = mmap.PAGESIZE
-
-
-def _group_rows(dim: int, itemsizes: list[int]) -> int:
-    """G: the fewest rows whose bytes are whole pages in every file."""
-    g = 1
-    for size in itemsizes:
-        row = dim * size
-        g = math.lcm(g, _PAGE // math.gcd(_PAGE, row))
-    return g
+_PAGE = 4096  # the page-cache unit read-ahead ranges are aligned to (a multiple of every page size's divisor)
 
 
 class OffloadedRows:
-    """The files, cache and counters of one offloaded table shard (see the module docstring).
+    """The files, row cache and counters of one offloaded table shard (see the module docstring).
 
     Args:
       table: the shard's resolved table (``vocabulary_size`` = N); ``where``: which shard it is.
@@ -78,26 +66,28 @@ class OffloadedRows:
         self.rows, self.dim = table.vocabulary_size, table.dim
         self.first, self.stride = where.first, where.stride
         self.slot_values = slot_values
-        logical, shard = where.logical, where.shard
-        self.group = _group_rows(self.dim, [d.itemsize for d in parts.values()])
-        self.block = -(-INIT_BLOCK // self.group) * self.group  # local rows initialized together
-        if offload.cache_rows < self.group:
-            raise InputError(
-                f"table {table.name!r}: Offload(cache_rows={offload.cache_rows}) holds less than one page group of "
-                f"{self.group} rows (whole {_PAGE}-byte pages of every file). Raise cache_rows to at least "
-                f"{self.group}."
-            )
-        self.budget = offload.cache_rows // self.group  # groups in memory at most
-        self.cache_rows = offload.cache_rows  # as the user passed it (the cache holds ``budget`` whole groups)
-        self.files = ShardFiles(str(offload.directory), logical.name, shard, self.rows, self.dim, parts)
-        self.tensors = self.files.tensors
-        # A byte per block of >= INIT_BLOCK rows; everything else per group in memory (at most ``budget``), in
-        # arrays by ascending group: the memory of the cache's bookkeeping is the cache's, not the table's.
+        self.dtypes = dict(parts)
+        self.block = INIT_BLOCK  # local rows initialized together
+        self.cache_rows = offload.cache_rows  # as the user passed it
+        self.capacity = max(1, min(offload.cache_rows, self.rows))  # C: the cache's slots
+        self.files = ShardFiles(str(offload.directory), where.logical.name, where.shard, self.rows, self.dim, parts)
+        try:
+            # the cache: C rows of every tensor, each slot's row written since it was read (the update marks it:
+            # ``ChangedRows`` holds this tensor as the table's flags) and its global row id (a half table's
+            # rounding); free slots hold zeros and global row 0
+            self.cache = {p: torch.zeros((self.capacity, self.dim), dtype=d) for p, d in parts.items()}
+            self.dirty = torch.zeros(self.capacity, dtype=torch.bool)
+            self.slot_global = torch.zeros(self.capacity, dtype=torch.int64)
+        except BaseException:
+            self.files.close()
+            raise
+        # A byte per block of INIT_BLOCK rows and a bit a row (changed since the last save); everything else per
+        # cached row: the memory of the cache's bookkeeping is the cache's, not the table's.
         self._initialized = torch.zeros(-(-self.rows // self.block), dtype=torch.bool)
-        self.residency = Residency(self.budget)  # the groups in memory, which leave first (no I/O)
-        self._untracked = False  # a whole-table access mapped pages the cache does not count
+        self.changed = PackedBits(self.rows)
+        self.residency = Residency(self.capacity)  # the rows in the cache and their slots (no I/O)
+        self._untracked = False  # the files' maps were handed out: the next lookup or update refreshes
         self._warned_whole = False  # a whole-table access beyond the cache was logged
-        self._pending: list[tuple[str, Tensor]] = []  # (part, byte ranges [n, 2]) being written back
         self.counters: dict[str, int] = dict.fromkeys(
             (
                 "rows_looked_up",
@@ -118,7 +108,7 @@ class OffloadedRows:
     @property
     def row_bytes(self) -> int:
         """Bytes of one row in every file together."""
-        return sum(t.element_size() * self.dim for t in self.tensors.values())
+        return sum(d.itemsize * self.dim for d in self.dtypes.values())
 
     # ------------------------------------------------------------------ initialization
     def _init_blocks(self, blocks: Tensor) -> None:
@@ -155,9 +145,9 @@ class OffloadedRows:
             self.counters["initialized_rows"] += hi - lo
 
     def _init_range(self, lo: int, hi: int, written: list[tuple[str, int, int]]) -> None:
-        for part, tensor in self.tensors.items():
+        for part, dtype in self.dtypes.items():
             data = self._initial(part, lo, hi).contiguous().view(torch.uint8).numpy().tobytes()
-            offset = lo * self.dim * tensor.element_size()
+            offset = lo * self.dim * dtype.itemsize
             self.files.write(part, offset, data, wait=False)
             written.append((part, offset, len(data)))
 
@@ -165,7 +155,7 @@ class OffloadedRows:
         """The initial values [hi - lo, D] of local rows [lo, hi) of ``part`` ("" or a slot) in its storage
         type, as an in-memory table holds them: the weights rounded to nearest into a half type, each slot
         filled with its initial value."""
-        dtype = self.tensors[part].dtype
+        dtype = self.dtypes[part]
         if part:
             return torch.full((hi - lo, self.dim), self.slot_values[part], dtype=dtype)  # as an in-memory fill_
         rows = self.first + self.stride * torch.arange(lo, hi, dtype=torch.int64)
@@ -175,8 +165,9 @@ class OffloadedRows:
         """Local rows [lo, hi) of ``part`` ("" or a slot) [hi - lo, D] in their storage type, read from the
         files with ``pread`` (nothing mapped): rows never read are their initial values as the table would store
         them, computed here, not written. What a checkpoint streams, file to file."""
-        self.check_open()  # torn or cut files were refused before the save began (``check_whole``)
-        dtype = self.tensors[part].dtype
+        self.check_open()  # torn or cut files were refused before the save began (``check_whole``), which
+        # also wrote every written row of the cache back
+        dtype = self.dtypes[part]
         out = torch.empty((hi - lo, self.dim), dtype=dtype)
         size = self.dim * dtype.itemsize
         for b in range(lo // self.block, -(-hi // self.block)):
@@ -191,11 +182,13 @@ class OffloadedRows:
 
     def check_whole(self, what: str) -> None:
         """Raise unless the files hold the table, before ``what`` reads it whole (a whole-table access, a save):
-        refused while closed or torn; a file cut short by something else tears them first (as admission does)."""
+        refused while closed or torn; a file cut short by something else tears them first (as admission does).
+        Every written row of the cache is written back first: the files then hold the table as it is."""
         self.check_open()
         if self.torn is None:
             self.torn = self._cut_short()
             if self.torn is None:
+                self.flush()
                 return
         raise TornFilesError(
             f"table {self.logical.name!r}: {what} refused: its working files under {self.files.directory!r} are torn "
@@ -210,15 +203,16 @@ class OffloadedRows:
         return f"files were cut short by something else ({'; '.join(short)})" if short else None
 
     def materialize(self, *, rewrite: bool = False) -> None:
-        """Initialize every block never read: the files then hold every row (before a whole-table access, which
-        ``check_whole`` admits first). ``rewrite``: every row is written next (a full ``load_state_dict``): torn
-        or cut files are accepted, their blocks reserved whole first (``before_restore``)."""
+        """Write the cache's written rows back and initialize every block never read: the files then hold every
+        row, and their maps are handed out (``file_tensors``: taken in again at the next lookup or update).
+        ``rewrite``: every row is written next (a full ``load_state_dict``): torn or cut files are accepted, their
+        blocks reserved whole first (``before_restore``)."""
         if rewrite:
             self.before_restore("load_state_dict")
         else:
             self.check_whole("a whole-table access")
         todo = torch.nonzero(~self._initialized).flatten()
-        if not self._warned_whole and self.rows > self.budget * self.group:
+        if not self._warned_whole and self.rows > self.capacity:
             self._warned_whole = True  # once a table: a training loop's state_dict() each epoch says it once
             fresh = int(torch.clamp(self.rows - todo * self.block, max=self.block).sum()) if todo.numel() else 0
             logger.warning(
@@ -226,20 +220,19 @@ class OffloadedRows:
                 "load_state_dict) maps all %d rows (%.2f GiB with their slots), more than its cache of %d rows, "
                 "and writes the initial values of the %d rows never read into its files first. save() streams the "
                 "table a piece at a time instead (docs/offload.md, 'Whole-table access').",
-                self.logical.name, self.rows, self.rows * self.row_bytes / 2**30, self.budget * self.group, fresh,
+                self.logical.name, self.rows, self.rows * self.row_bytes / 2**30, self.capacity, fresh,
             )  # fmt: skip
         if todo.numel():
             self._init_blocks(todo)
         self._untracked = True
 
     def mark_untracked(self) -> None:
-        """Pages were mapped outside admissions (a whole-table read or write): released at the next one."""
+        """The files' maps were read or written outside a step: taken in again at the next lookup or update."""
         self._untracked = True
 
     # ------------------------------------------------------------------ the cache
-    def admit(self, rows: Tensor, step: int, pin_from: int, training: bool) -> None:
-        """Bring local rows ``rows`` [any] into memory (initialized) before a lookup at ``step``: refuses
-        (changing nothing) when the groups used since ``pin_from`` and these exceed the cache."""
+    def _check_usable(self) -> None:
+        """Raise unless lookups may read the files: open, not torn; a file cut short tears them first."""
         self.check_open()
         if self.torn is not None:
             raise TornFilesError(
@@ -248,129 +241,162 @@ class OffloadedRows:
                 "untouched."
             )
         cut = self._cut_short()
-        if cut is not None:  # a touch of a mapping past its file's end would kill the process (SIGBUS)
+        if cut is not None:  # a read past a file's end would give no row
             self._tear(cut)
-        if self._untracked:
-            self.release()
+
+    def admit(self, rows: Tensor, step: int, pin_from: int) -> None:
+        """Bring local rows ``rows`` [any] into the cache before a lookup at ``step`` (ids outside [0, N) are left
+        to the lookup, which refuses them): refuses (changing nothing) when the rows used since ``pin_from`` and
+        these exceed the cache."""
+        self._check_usable()
+        self.refresh()
         ids = rows.reshape(-1).to("cpu", torch.int64)
-        ids = ids[(ids >= 0) & (ids < self.rows)]  # ids are validated later, by the lookup
+        ids = ids[(ids >= 0) & (ids < self.rows)]
         if ids.numel() == 0:
             return
-        rows = torch.unique(ids)
-        groups, uses = torch.unique(torch.div(ids, self.group, rounding_mode="floor"), return_counts=True)
+        wanted, uses = torch.unique(ids, return_counts=True)
         try:
-            victims = self.residency.victims(groups, step, pin_from)
+            victims = self.residency.victims(wanted, step, pin_from)
         except NoRoom as room:
-            needed = room.needed * self.group
             raise InputError(
-                f"table {self.logical.name!r}: this lookup and the rows still in use need {needed} rows in "
-                f"memory ({groups.numel()} groups of {self.group} rows for this batch's {rows.numel()} rows), "
-                f"more than Offload(cache_rows={self.cache_rows}) holds ({self.budget} groups: "
-                f"{self.budget * self.group} rows). Raise cache_rows (to at least {needed}; a pipelined step also "
-                "keeps the previous batch's rows) or use smaller batches. Nothing was changed."
+                f"table {self.logical.name!r}: this lookup and the rows still in use need {room.needed} rows in "
+                f"memory (this batch has {wanted.numel()} distinct rows), more than Offload(cache_rows="
+                f"{self.cache_rows}) holds. Raise cache_rows (to at least {room.needed}; a pipelined step also keeps "
+                "the previous batch's rows) or use smaller batches. Nothing was changed."
             ) from None
+        start = time.perf_counter()
         if victims.numel():
-            start = time.perf_counter()
-            self._evict(self.residency.units[victims], self.residency.dirty[victims])
+            slots = self.residency.slots[victims]
+            self._write_back(self.residency.units[victims], slots)
             self.residency.remove(victims)
-            # their write-backs run together; once done, their pages leave the page cache, before any read
-            # below could map one of them as a neighbour of its own page (fault-around)
-            self._settle()
-            self.disk_wait_s += time.perf_counter() - start  # the write-backs' wait is the disk's too
-        _, present = self.residency.where(groups)
-        missing = groups[~present]
-        blocks = torch.unique_consecutive(torch.div(groups * self.group, self.block, rounding_mode="floor"))
-        fresh = blocks[~self._initialized[blocks]]
-        if fresh.numel():
-            self._init_blocks(fresh)
-        self.counters["rows_looked_up"] += rows.numel()
-        _, per_group = torch.unique_consecutive(torch.div(rows, self.group, rounding_mode="floor"), return_counts=True)
-        self.counters["hits"] += int(per_group[present].sum())  # rows and groups both ascending: aligned
+            self.counters["evictions"] += int(victims.numel())
+        _, present = self.residency.where(wanted)
+        missing = wanted[~present]
+        self.counters["rows_looked_up"] += int(wanted.numel())
+        self.counters["hits"] += int(present.sum())
         if missing.numel():
-            self._read_in(missing)
-            self.residency.insert(missing)
-        self.residency.used(groups, uses, step, training)
+            blocks = torch.unique_consecutive(torch.div(missing, self.block, rounding_mode="floor"))
+            fresh = blocks[~self._initialized[blocks]]
+            if fresh.numel():
+                init_start = time.perf_counter()
+                self._init_blocks(fresh)
+                start += time.perf_counter() - init_start  # counted in init_s, not as the disk's wait
+            slots = self.residency.insert(missing)
+            try:
+                self._read_in(missing, slots)
+            except BaseException:
+                self.residency.remove(self.residency.where(missing)[0])  # nothing half-read stays
+                raise
+            self.slot_global[slots] = self.first + self.stride * missing
+        self.residency.used(wanted, uses, step)
+        self.disk_wait_s += time.perf_counter() - start
+
+    def translate(self, ids: Tensor) -> Tensor:
+        """The slots of admitted local rows ``ids`` [any] (same shape and dtype); an id outside [0, N) becomes C
+        (outside the cache), which the lookup refuses as an id that changed after it was validated."""
+        flat = ids.reshape(-1).to("cpu", torch.int64)
+        valid = (flat >= 0) & (flat < self.rows)
+        out = torch.full_like(flat, self.capacity)
+        if bool(valid.all()):
+            out = self.residency.slots_of(flat)
+        elif bool(valid.any()):
+            out[valid] = self.residency.slots_of(flat[valid])
+        return out.to(ids.device, ids.dtype).reshape(ids.shape)
+
+    def local_rows(self, slots: Tensor) -> Tensor:
+        """The local rows [K] held by cached ``slots`` [K] (a written slot's row, for the stale rows a pipelined
+        lookup reads)."""
+        by_slot = torch.full((self.capacity,), -1, dtype=torch.int64)
+        by_slot[self.residency.slots] = self.residency.units
+        rows = by_slot[slots.to("cpu", torch.int64)]
+        if bool((rows < 0).any()):
+            raise RuntimeError(f"table {self.logical.name!r}: a slot of the row cache holds no row (a bug)")
+        return rows
 
     def prefetch(self, rows: Tensor) -> None:
-        """Start reading the pages of local rows ``rows`` [any] that are on disk and not in memory into the page
+        """Start reading the pages of local rows ``rows`` [any] that are on disk and not cached into the page
         cache, asynchronously (a staged batch's, before its lookup admits them)."""
         if self.torn is not None or self.closed:
             return
         rows = rows.reshape(-1).to("cpu", torch.int64)
-        rows = rows[(rows >= 0) & (rows < self.rows)]
+        rows = torch.unique(rows[(rows >= 0) & (rows < self.rows)])
         if rows.numel() == 0:
             return
-        groups = torch.unique(torch.div(rows, self.group, rounding_mode="floor"))  # sorted
-        groups = groups[~self.residency.where(groups)[1]]
-        groups = groups[self._initialized[torch.div(groups * self.group, self.block, rounding_mode="floor")]]
-        self.counters["rows_prefetched"] += groups.numel() * self.group
-        self._will_need(groups)
-
-    def _will_need(self, groups: Tensor) -> dict[str, Tensor]:
-        """Start reading ``groups`` (sorted) into the page cache; returns their byte ranges [n, 2] in each file."""
-        starts, lengths, _ = _run_bounds(groups, torch.zeros_like(groups, dtype=torch.bool))
-        ranges = {part: self._byte_ranges(part, starts, lengths) for part in self.tensors}
-        for part, byte_ranges in ranges.items():
-            self.files.page_work(part, WILL_NEED, byte_ranges)
-        return ranges
-
-    def _byte_ranges(self, part: str, starts: Tensor, lengths: Tensor) -> Tensor:
-        """[n, 2] (offset, length) in ``part``'s file of the runs of groups ``starts`` [n], ``lengths`` [n]."""
-        size = self.group * self.dim * self.tensors[part].element_size()  # whole pages
-        return torch.stack((starts * size, lengths * size), dim=1)
-
-    def _read_in(self, groups: Tensor) -> None:
-        """Fault the pages of ``groups`` in now (timed: the disk wait), not inside a kernel: their reads go in
-        flight together, then each is read with ``pread`` (a read error is an error here, not a SIGBUS at the
-        touch of the mapping), then one element a page is touched."""
-        start = time.perf_counter()
-        for part, byte_ranges in self._will_need(groups).items():
+        rows = rows[~self.residency.where(rows)[1]]
+        rows = rows[self._initialized[torch.div(rows, self.block, rounding_mode="floor")]]
+        self.counters["rows_prefetched"] += int(rows.numel())
+        for part, dtype in self.dtypes.items():
+            size = self.dim * dtype.itemsize
+            first = torch.div(rows * size, _PAGE, rounding_mode="floor") * _PAGE
+            last = -torch.div(-(rows + 1) * size, _PAGE, rounding_mode="floor") * _PAGE
+            ranges = torch.unique(torch.stack((first, last - first), dim=1), dim=0)
             try:
-                self.files.page_work(part, READ, byte_ranges)
+                self.files.page_work(part, WILL_NEED, ranges)
+            except OSError:
+                return  # a hint: the admission reads them, and says what failed
+
+    def _read_in(self, rows: Tensor, slots: Tensor) -> None:
+        """Read local rows ``rows`` [K] (ascending) of every file into cache ``slots`` [K] (``pread``): a read
+        error tears the files and raises."""
+        for part, block in self.cache.items():
+            values = torch.empty((rows.numel(), self.dim), dtype=block.dtype)
+            try:
+                self.files.row_io(part, rows, values, write=False)
             except OSError as exc:
                 what = "the weights" if not part else f"slot {part!r}"
                 self._tear(f"reading {what} from disk failed ({exc.strerror or exc})", exc)
-        for tensor in self.tensors.values():
-            per_page = _PAGE // tensor.element_size()  # elements a page
-            pages = self.group * self.dim // per_page  # pages a group (a whole number: see _group_rows)
-            first = (groups * (pages * per_page))[:, None] + torch.arange(pages)[None, :] * per_page
-            first = first.reshape(-1)
-            tensor.view(-1).index_select(0, first[first < tensor.numel()])  # one element of every page
-        self.disk_wait_s += time.perf_counter() - start
-        n = int(torch.clamp(self.rows - groups * self.group, max=self.group).sum())
+            block[slots] = values
+        self.dirty[slots] = False
+        n = int(rows.numel())
         self.counters["rows_read"] += n
         self.counters["bytes_read"] += n * self.row_bytes
 
-    def _evict(self, groups: Tensor, written: Tensor) -> None:
-        """Drop ``groups`` (sorted) from memory; those ``written`` since they were read start their write-back
-        (all of them in flight together: ``_settle`` waits for them and drops their pages). The caller takes
-        them out of the resident arrays."""
-        starts, lengths, dirty = _run_bounds(groups, written)
-        for part in self.tensors:
-            clean = self._byte_ranges(part, starts[~dirty], lengths[~dirty])
-            written = self._byte_ranges(part, starts[dirty], lengths[dirty])
-            self._io(part, functools.partial(self.files.page_work, part, DROP_CLEAN, clean))
-            self._io(part, functools.partial(self.files.page_work, part, DROP_WRITTEN, written))
-            if written.numel():
-                self._pending.append((part, written))
-        rows = int(torch.clamp(self.rows - starts[dirty] * self.group, max=lengths[dirty] * self.group).sum())
-        self.counters["rows_written"] += rows
-        self.counters["bytes_written"] += rows * self.row_bytes
-        self.counters["evictions"] += groups.numel()
+    def _write_back(self, rows: Tensor, slots: Tensor) -> None:
+        """Write the written ones of cached ``rows`` [K] (ascending) in ``slots`` [K] back to the files
+        (``pwrite``; they count as changed since the last save): a failure (a full disk) tears the files and
+        raises."""
+        written = self.dirty[slots]
+        if not bool(written.any()):
+            return
+        rows, slots = rows[written], slots[written]
+        for part, block in self.cache.items():
+            try:
+                self.files.row_io(part, rows, block[slots].contiguous(), write=True)
+            except OSError as exc:
+                what = "the weights" if not part else f"slot {part!r}"
+                self._tear(f"writing {what} back to disk failed ({exc.strerror or exc})", exc)
+        self.dirty[slots] = False
+        self.changed.mark(rows)
+        n = int(rows.numel())
+        self.counters["rows_written"] += n
+        self.counters["bytes_written"] += n * self.row_bytes
 
-    def _settle(self) -> None:
-        """Wait for the write-backs the last evictions started, and drop their pages from the page cache."""
-        pending, self._pending = self._pending, []
-        for part, ranges in pending:
-            self._io(part, functools.partial(self.files.page_work, part, SETTLE, ranges))
+    def flush(self) -> None:
+        """Write every written row of the cache back to the files (they stay cached, clean)."""
+        if len(self.residency) and bool(self.dirty.any()):
+            start = time.perf_counter()
+            self._write_back(self.residency.units, self.residency.slots)
+            self.disk_wait_s += time.perf_counter() - start
 
-    def _io(self, part: str, operation: Callable[[], None]) -> None:
-        """Run a write-back ``operation`` of ``part``; a failure tears the files (``torn``) and raises."""
-        try:
-            operation()
-        except OSError as exc:
-            what = "the weights" if not part else f"slot {part!r}"
-            self._tear(f"writing {what} back to disk failed ({exc.strerror or exc})", exc)
+    def refresh(self) -> None:
+        """After the files' maps were handed out (``materialize``, a restore): write back and drop their pages,
+        then read every cached row again, so a lookup or update computes on what was written through them."""
+        if not self._untracked:
+            return
+        self._check_usable()
+        self.flush()  # none is written here: a whole-table access flushed, and every write since refreshed first
+        for part in self.dtypes:
+            length = self.files.nbytes[part]
+            try:
+                self.files.drop(part, 0, -(-length // _PAGE) * _PAGE, dirty=True)
+            except OSError as exc:
+                what = "the weights" if not part else f"slot {part!r}"
+                self._tear(f"writing {what} back to disk failed ({exc.strerror or exc})", exc)
+        if len(self.residency):
+            start = time.perf_counter()
+            self._read_in(self.residency.units, self.residency.slots)
+            self.disk_wait_s += time.perf_counter() - start
+        self._untracked = False
 
     def _tear(self, why: str, cause: BaseException | None = None) -> NoReturn:
         """The files no longer hold the table (``why``): every lookup is refused until a restore; raises."""
@@ -391,11 +417,14 @@ class OffloadedRows:
         return self.files.closed
 
     def before_restore(self, what: str = "restore") -> None:
-        """A restore (``what``) writes every row through the maps next: the files' blocks are reserved whole
-        first (files cut short grown back): a store through a map past a file's end, or into a hole of a full
-        disk, would kill the process (SIGBUS). A full disk raises here, with nothing changed."""
+        """A restore (``what``) writes every row through the maps next: the cache's written rows go back first
+        (a refused restore then loses nothing) and the files' blocks are reserved whole (files cut short grown
+        back): a store through a map past a file's end, or into a hole of a full disk, would kill the process
+        (SIGBUS). A full disk raises here, with nothing changed."""
         self.check_open()
         self.torn = self.torn or self._cut_short()  # stays torn if the reservation fails: the cut rows are gone
+        if self.torn is None:
+            self.flush()
         try:
             self.files.allocate()
         except OSError as exc:
@@ -406,53 +435,69 @@ class OffloadedRows:
                 f"({exc.strerror or exc}). Nothing was changed: every table and slot is as it was. Free space on "
                 "that disk (or give the table a directory on a larger one) and try again."
             ) from exc
+        self._untracked = True
 
     def written(self, part: str, lo: int, hi: int) -> None:
         """Local rows [lo, hi) of ``part`` were just written through the maps outside a step (a restore's
         piece): write them back and drop them (their whole pages), so a restore's memory stays a piece."""
-        size = self.dim * self.tensors[part].element_size()
+        size = self.dim * self.dtypes[part].itemsize
         first = lo * size // _PAGE * _PAGE
         last = -(-hi * size // _PAGE) * _PAGE
-        self._io(part, functools.partial(self.files.drop, part, first, last - first, dirty=True))
+        try:
+            self.files.drop(part, first, last - first, dirty=True)
+        except OSError as exc:
+            what = "the weights" if not part else f"slot {part!r}"
+            self._tear(f"writing {what} back to disk failed ({exc.strerror or exc})", exc)
 
     def restored(self) -> None:
-        """Every row was just written (a restore, a full load_state_dict): the files hold the whole table."""
+        """Every row was just written (a restore, a full load_state_dict): the files hold the whole table, and the
+        cache starts empty (its rows were written back by ``before_restore``; a restore's steps may go back)."""
         self.torn = None
         self._initialized[:] = True
         self.counters["initialized_rows"] = self.rows
-        self._untracked = True
-
-    def release(self) -> None:
-        """Write back and drop every row from memory."""
-        self._settle()
-        written = int(self.residency.dirty.sum()) * self.group  # (the last group may be short: counted whole)
-        for part, tensor in self.tensors.items():
-            length = -(-self.rows * self.dim * tensor.element_size() // _PAGE) * _PAGE
-            self._io(part, functools.partial(self.files.drop, part, 0, length, dirty=True))
-        self.counters["rows_written"] += written
-        self.counters["bytes_written"] += written * self.row_bytes
+        self.dirty.zero_()
         self.residency.clear()
-        self._untracked = False
+        self._untracked = True  # the maps' pages written by the restore are dropped at the next lookup
 
+    # ------------------------------------------------------------------ changed rows
+    def changed_rows(self) -> Tensor:
+        """The local rows [R] (ascending) written since the last ``clear_changed``: those written back, and the
+        cached ones written and not back yet."""
+        marked = self.changed.rows()
+        pending = self.residency.units[self.dirty[self.residency.slots]]
+        return torch.unique(torch.cat((marked, pending))) if pending.numel() else marked
+
+    def mark_all_changed(self) -> None:
+        self.changed.mark_all()
+
+    def clear_changed(self) -> None:
+        """A save or restore: nothing changed since (the written cached rows were written back first)."""
+        self.changed.clear()
+
+    # ------------------------------------------------------------------ counters, tensors, life
     def resident_rows(self) -> int:
-        return len(self.residency) * self.group
+        return len(self.residency)
 
     def statistics(self) -> dict[str, float]:
         """Counters since construction: rows looked up, cache hits, rows and bytes read and written, seconds
-        waiting for the disk, rows initialized and the seconds that took, evictions; ``resident_rows`` and
-        ``cache_rows`` now."""
+        waiting for the disk, rows initialized and the seconds that took, evictions; ``resident_rows``,
+        ``cache_rows`` (as passed) and ``cache_slots`` (the rows the cache holds) now."""
         out: dict[str, float] = dict(self.counters)
         out["disk_wait_s"] = self.disk_wait_s
         out["init_s"] = self.init_s
         out["resident_rows"] = self.resident_rows()
-        out["cache_rows"] = self.cache_rows
-        out["cache_groups"] = self.budget
-        out["group_rows"] = self.group
+        out["cache_rows"] = self.cache_rows  # as passed
+        out["cache_slots"] = self.capacity  # the rows it holds: min(cache_rows, the shard's rows)
         return out
 
     def state_tensors(self) -> tuple[Tensor, dict[str, Tensor]]:
-        """(weights [N, D], {slot: [N, D]}): the live tensors over the files."""
-        return self.tensors[""], {k: v for k, v in self.tensors.items() if k}
+        """(weights [C, D], {slot: [C, D]}): the cache, what the engine computes on."""
+        return self.cache[""], {k: v for k, v in self.cache.items() if k}
+
+    def file_tensors(self) -> dict[str, Tensor]:
+        """``{"" or slot: [N, D]}``: the maps of the files, the whole table (after ``materialize``)."""
+        self.check_open()
+        return dict(self.files.tensors)
 
     def check_open(self) -> None:
         """Raise when the files were released (``close``): nothing may read or write through them."""
@@ -462,16 +507,3 @@ class OffloadedRows:
         """Release the files and their lock (another module may then open the directory); every later access
         through this cache is refused. The tensors handed out keep their maps (memory-safe to read)."""
         self.files.close()
-
-
-def _run_bounds(groups: Tensor, dirty: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """The maximal runs of consecutive ``groups`` [K] (sorted) with the same ``dirty`` [K]: (first group [n],
-    length in groups [n], dirty [n])."""
-    if groups.numel() == 0:
-        empty = groups.new_zeros(0)
-        return empty, empty, dirty.new_zeros(0)
-    breaks = torch.ones(groups.numel(), dtype=torch.bool)
-    breaks[1:] = (groups[1:] != groups[:-1] + 1) | (dirty[1:] != dirty[:-1])
-    first = torch.nonzero(breaks).flatten()
-    ends = torch.cat((first[1:], torch.tensor([groups.numel()])))
-    return groups[first], ends - first, dirty[first]

@@ -273,6 +273,51 @@ class ShardFiles:
             else:
                 raise ValueError(f"page_work: unknown operation {op}")
 
+    def row_io(self, part: str, rows: Tensor, values: Tensor, *, write: bool) -> None:
+        """Read local rows ``rows`` [K] (ascending) of ``part``'s file into ``values`` [K, D] (``write``: write
+        them from there) with ``pread``/``pwrite``, a run of consecutive rows a call: one native call (every row
+        checked there against the file's size), else a Python call a run. An I/O error (a full disk, a file that
+        ends early) raises ``OSError``; ``values`` must be contiguous, of the file's dtype and width."""
+        rows = rows.to("cpu", torch.int64).contiguous()
+        k = int(rows.numel())
+        if k == 0:
+            return
+        row_bytes = values.shape[1] * values.element_size()
+        if not values.is_contiguous() or values.shape[0] != k or values.device.type != "cpu":
+            raise RuntimeError(f"{self.names[part]}: row I/O needs a contiguous CPU [{k}, D] buffer (a bug)")
+        lib = native_library.library()
+        if lib is not None:
+            err = (ctypes.c_int32 * 2)()
+            rc = lib.et_offload_rows(
+                self._fds[part], self.nbytes[part], values.data_ptr(), row_bytes, rows.data_ptr(), k,
+                1 if write else 0, err,
+            )  # fmt: skip
+            status = native_abi.decode("et_offload_rows", rc)
+            if status == "ok":
+                return
+            if status == "io_error":
+                raise OSError(err[0], os.strerror(err[0]))
+            raise RuntimeError(f"{self.names[part]}: a row outside the file, or a bad row buffer (a bug)")
+        if bool((rows < 0).any()) or bool((rows >= self.nbytes[part] // row_bytes).any()):
+            raise RuntimeError(f"{self.names[part]}: a row outside the file (a bug)")
+        flat = values.view(torch.uint8).reshape(-1).numpy().data
+        fd, ids = self._fds[part], rows.tolist()
+        i = 0
+        while i < k:
+            j = i + 1
+            while j < k and ids[j] == ids[j - 1] + 1:
+                j += 1
+            view, offset = flat[i * row_bytes : j * row_bytes], ids[i] * row_bytes
+            while view.nbytes:
+                if write:
+                    n = os.pwrite(fd, view, offset)
+                else:
+                    n = os.preadv(fd, [view], offset)
+                    if n == 0:
+                        raise OSError(errno.EIO, f"{self.names[part]} ends at byte {offset}")
+                view, offset = view[n:], offset + n
+            i = j
+
     def read(self, part: str, offset: int, length: int, *, keep: bool = False) -> bytes:
         """Bytes [offset, offset + length) of ``part``'s file, read with ``pread`` (through the page cache, not
         the maps: nothing is mapped), then dropped from the page cache where clean (``keep``: left there, for a

@@ -1,16 +1,16 @@
-"""``Residency``: which units of an offloaded table are in memory, and which leave first (docs/offload.md).
+"""``Residency``: which rows of an offloaded table are in its cache, in which slot, and which leave first
+(docs/offload.md).
 
-Pure bookkeeping, no I/O: ``OffloadedRows`` asks it which units a lookup must read and which to evict, does
-the reads and write-backs, then tells it what changed. A unit is whatever the cache holds whole (a group of
-rows sharing pages of the files). For each resident unit it keeps whether it was written since it was read
-(``dirty``), the step of its last lookup (``last_use``) and how often it was looked up (``uses``, as of that
-step; each lookup's ids weigh ``USE_DECAY`` ** (steps since), so the cache keeps the units used most,
-recently).
+Pure bookkeeping, no I/O: ``OffloadedRows`` asks it which rows a lookup must read and which to evict, does
+the reads and write-backs, then tells it what changed. For each resident unit (a local row) it keeps its slot
+in the cache's block (``slots``), the step of its last lookup (``last_use``) and how often it was looked up
+(``uses``, as of that step; each lookup's ids weigh ``USE_DECAY`` ** (steps since), so the cache keeps the
+rows used most, recently).
 
 Invariants (``check``; a test drives random admissions through them):
-  * ``units`` [R] int64, strictly ascending; ``dirty`` [R] bool, ``last_use`` [R] int32, ``uses`` [R]
+  * ``units`` [R] int64, strictly ascending; ``slots`` [R] int64, ``last_use`` [R] int32, ``uses`` [R]
     float32 (finite, >= 0) are aligned with it;
-  * R <= ``budget``;
+  * R <= ``budget``; the slots are distinct, in [0, budget), and exactly those not in ``free``;
   * ``victims`` never chooses a unit used at or after ``pin_from``, nor one the lookup asks for.
 
 Shapes: R resident units, K units a lookup asks for (ascending, distinct).
@@ -46,7 +46,8 @@ class Residency:
             raise ValueError(f"Residency: the budget must be at least one unit, got {budget}")
         self.budget = budget
         self.units = torch.zeros(0, dtype=torch.int64)
-        self.dirty = torch.zeros(0, dtype=torch.bool)
+        self.slots = torch.zeros(0, dtype=torch.int64)
+        self.free = torch.arange(budget, dtype=torch.int64)  # the slots no unit holds, taken from the front
         self.last_use = torch.zeros(0, dtype=torch.int32)
         self.uses = torch.zeros(0, dtype=torch.float32)
 
@@ -78,20 +79,28 @@ class Residency:
         coldest = torch.topk(self.frequency(candidates, step), over, largest=False).indices
         return torch.sort(candidates[coldest]).values
 
+    def slots_of(self, units: Tensor) -> Tensor:
+        """The slots [K] of resident ``units`` [K] (any order)."""
+        at, present = self.where(units)
+        if not bool(present.all()):
+            raise ValueError("Residency.slots_of: a unit is not resident")
+        return self.slots[at]
+
     def remove(self, positions: Tensor) -> None:
-        """The units at ``positions`` [E] leave the resident arrays."""
+        """The units at ``positions`` [E] leave the resident arrays; their slots are free again."""
         keep = torch.ones(len(self), dtype=torch.bool)
         keep[positions] = False
-        self.units, self.dirty = self.units[keep], self.dirty[keep]
+        self.free = torch.cat((self.free, self.slots[positions]))
+        self.units, self.slots = self.units[keep], self.slots[keep]
         self.last_use, self.uses = self.last_use[keep], self.uses[keep]
 
     def clear(self) -> None:
         """Every unit leaves."""
         self.remove(torch.arange(len(self)))
 
-    def insert(self, units: Tensor) -> None:
-        """Units [K] (ascending, not resident) join, clean and never used: merged in O(R + K log R), each at
-        its place among the R resident ones."""
+    def insert(self, units: Tensor) -> Tensor:
+        """Units [K] (ascending, not resident) join, never used, each in a free slot: merged in O(R + K log R),
+        each at its place among the R resident ones. Returns their slots [K]."""
         k, n = units.numel(), len(self)
         if n + k > self.budget:
             raise ValueError(f"Residency: {k} more units exceed the budget of {self.budget} ({n} resident)")
@@ -100,24 +109,23 @@ class Residency:
         old[at] = False
         merged = torch.empty(n + k, dtype=torch.int64)
         merged[old], merged[at] = self.units, units
-        dirty = torch.zeros(n + k, dtype=torch.bool)
-        dirty[old] = self.dirty
+        given, self.free = self.free[:k], self.free[k:]
+        slots = torch.empty(n + k, dtype=torch.int64)
+        slots[old], slots[at] = self.slots, given
         last = torch.full((n + k,), _NEVER, dtype=torch.int32)
         last[old] = self.last_use
         uses = torch.zeros(n + k, dtype=torch.float32)
         uses[old] = self.uses
-        self.units, self.dirty, self.last_use, self.uses = merged, dirty, last, uses
+        self.units, self.slots, self.last_use, self.uses = merged, slots, last, uses
+        return given
 
-    def used(self, units: Tensor, counts: Tensor, step: int, training: bool) -> None:
-        """A lookup at ``step`` read ``counts`` [K] ids of each of ``units`` [K] (ascending, all resident);
-        ``training``: its update will write them."""
+    def used(self, units: Tensor, counts: Tensor, step: int) -> None:
+        """A lookup at ``step`` read ``counts`` [K] ids of each of ``units`` [K] (ascending, all resident)."""
         at, present = self.where(units)
         if not bool(present.all()):
             raise ValueError("Residency.used: a unit looked up is not resident")
         self.uses[at] = self.frequency(at, step) + counts.to(torch.float32)
         self.last_use[at] = _step32(step)
-        if training:
-            self.dirty[at] = True
 
     def frequency(self, at: Tensor, step: int) -> Tensor:
         """How often the resident units at positions ``at`` [K] were looked up since they were read in, each
@@ -128,10 +136,12 @@ class Residency:
     def check(self) -> None:
         """Raise ``AssertionError`` naming the invariant (module docstring) the arrays break."""
         n = len(self)
-        assert self.units.dtype == torch.int64 and self.dirty.dtype == torch.bool, "dtypes"
+        assert self.units.dtype == torch.int64 and self.slots.dtype == torch.int64, "dtypes"
         assert self.last_use.dtype == torch.int32 and self.uses.dtype == torch.float32, "dtypes"
-        assert self.dirty.numel() == n and self.last_use.numel() == n and self.uses.numel() == n, "aligned"
+        assert self.slots.numel() == n and self.last_use.numel() == n and self.uses.numel() == n, "aligned"
         assert n <= self.budget, f"{n} resident units over the budget of {self.budget}"
+        every = torch.sort(torch.cat((self.slots, self.free))).values
+        assert torch.equal(every, torch.arange(self.budget)), "slots distinct, in range, and free the others"
         assert n < 2 or bool((self.units[1:] > self.units[:-1]).all()), "units strictly ascending"
         assert bool(torch.isfinite(self.uses).all()) and bool((self.uses >= 0).all()), "uses finite and >= 0"
 

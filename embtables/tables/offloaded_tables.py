@@ -4,13 +4,15 @@ One object per collection holds the row cache of each offloaded table (``offload
 files are ``offload_files.ShardFiles``) and is the only way the collection, the engines and the checkpoint
 code reach them:
 
-* ``admit`` brings a lookup's rows into memory before the lookup reads them. The lookup's ``Admission`` (its
-  step, the first step whose rows stay pinned, training or not) is made by the step pipeline and passed to
-  the engine's ``lookup``: one process admits its batch's ids; a sharded owner admits the rows other ranks
-  ask of it once the lookup has routed them (``admit_rows``).
+* ``admit`` brings a lookup's rows into the caches before the lookup reads them, and ``translate`` turns its
+  ids into cache slots, which the lookup and its update compute on. The lookup's ``Admission`` (its step, the
+  first step whose rows stay pinned, training or not) is made by the step pipeline: one process admits and
+  translates its batch's ids (``EmbeddingCollection.translate_keys``); a sharded owner admits the rows other
+  ranks ask of it once the lookup has routed them (``admit_rows``), and translates them (``slots``).
 * ``prefetch`` starts reading a staged batch's rows; ``whole`` and ``check_whole`` come before a whole-table
-  access and a save; ``before_restore`` / ``restored`` around a restore or full load; ``check_open`` before
-  an update; ``close`` releases the files; ``statistics`` gives each cache's counters.
+  access and a save; ``before_restore`` / ``restored`` around a restore or full load; ``before_update``
+  before an update and ``refresh`` before stale rows are swapped in (what was written through the files' maps
+  taken in); ``close`` releases the files; ``statistics`` gives each cache's counters.
 
 Shapes: N ids of a batch's features of one table, R rows asked of this rank.
 """
@@ -73,19 +75,38 @@ class OffloadedTables:
 
     # ------------------------------------------------------------------ a lookup's rows
     def admit(self, batches: Sequence[FeatureBatch], admission: Admission) -> None:
-        """Bring every id [N] the batches look up in each offloaded table into memory (refused, changing
+        """Bring every id [N] the batches look up in each offloaded table into its cache (refused, changing
         nothing, when a cache cannot hold them with the rows still pinned)."""
         for name, cache in self._caches.items():
             ids = self._table_ids(name, batches)
             if ids is not None:
-                cache.admit(ids, admission.step, admission.pin_from, admission.training)
+                cache.admit(ids, admission.step, admission.pin_from)
+
+    def translate(self, batches: Sequence[FeatureBatch]) -> list[FeatureBatch]:
+        """``batches`` (admitted) whose offloaded tables' features hold their cache's slots instead of rows.
+        Natively staged bags hold the old ids, so no batch keeps them once one is translated."""
+        out = list(batches)
+        for name, cache in self._caches.items():
+            index = self.resolved.table_names.index(name)
+            for f in self.resolved.tables[index].feature_indices:
+                out[f] = dataclasses.replace(out[f], ids=cache.translate(out[f].ids))
+        return [b if b.staged is None else dataclasses.replace(b, staged=None) for b in out]
 
     def admit_rows(self, wanted: Sequence[tuple[str, Tensor]], admission: Admission) -> None:
-        """Bring local rows [R] of each named table into memory: what other ranks asked of this one."""
+        """Bring local rows [R] of each named table into its cache: what other ranks asked of this one."""
         for name, rows in wanted:
             cache = self._caches.get(name)
             if cache is not None:
-                cache.admit(rows, admission.step, admission.pin_from, admission.training)
+                cache.admit(rows, admission.step, admission.pin_from)
+
+    def slots(self, name: str, rows: Tensor) -> Tensor:
+        """The cache slots [R] of admitted local rows [R] of table ``name`` (rows unchanged when it is in memory)."""
+        cache = self._caches.get(name)
+        return rows if cache is None else cache.translate(rows)
+
+    def local_rows(self, name: str, slots: Tensor) -> Tensor:
+        """The local rows [R] held by cache ``slots`` [R] of offloaded table ``name``."""
+        return self._caches[name].local_rows(slots)
 
     def prefetch(self, batches: Sequence[FeatureBatch]) -> None:
         """Start reading a staged batch's rows from disk (``OffloadedRows.prefetch``)."""
@@ -123,12 +144,19 @@ class OffloadedTables:
         for cache in self._caches.values():
             cache.restored()
 
-    def check_open(self, names: Collection[str]) -> None:
-        """Raise when one of the tables ``names`` had its files released (``close``): before an update."""
+    def before_update(self, names: Collection[str]) -> None:
+        """Before an update of tables ``names``: raise when one had its files released (``close``); take in what
+        was written through a table's files' maps since its lookup (``OffloadedRows.refresh``)."""
         for name in names:
             cache = self._caches.get(name)
             if cache is not None:
                 cache.check_open()
+                cache.refresh()
+
+    def refresh(self) -> None:
+        """Every cache takes in what was written through its files' maps (before stale rows are swapped in)."""
+        for cache in self._caches.values():
+            cache.refresh()
 
     def close(self) -> None:
         """Release every table's files and lock."""

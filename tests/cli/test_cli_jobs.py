@@ -86,7 +86,7 @@ def test_the_dlrm_job_trains_offloaded_tables_and_reports_their_caches(
 ) -> None:
     rows = tmp_path / "rows"
     args = ["train", *SMALL, "--steps", "30", "--model-dir", str(tmp_path / "m"), "--offload", str(rows)]
-    assert cli([*args, "--cache-rows", "1024"]) == 0  # the user table's 16 groups of 64 rows
+    assert cli([*args, "--cache-rows", "1024"]) == 0  # rows are read, written back and read again
     out = capsys.readouterr().out
     summary = json.loads((tmp_path / "m" / "summary.json").read_text())
     assert sorted(summary["offload"]) == ["category", "city", "item", "tags", "user"]
@@ -101,7 +101,7 @@ def test_the_dlrm_job_trains_offloaded_tables_and_reports_their_caches(
     (saved,) = [d["offload"] for d in read_all(tmp_path / "m" / "lookup_stats") if d["table"]["name"] == "user"]
     assert 0 < saved["rows_looked_up"] <= summary["offload"]["user"]["rows_looked_up"]  # flushed before the last eval
     assert user[1:3] == [f"{saved['hits'] / saved['rows_looked_up']:.1%}", f"{saved['rows_looked_up']:.0f}"]
-    for cache in ("512", "1"):  # a batch's rows, or one page group, do not fit: a clear error, not a traceback
+    for cache in ("8", "1"):  # a batch's distinct rows do not fit: a clear error, not a traceback
         code = cli(["train", *SMALL, "--steps", "2", "--model-dir", str(tmp_path / f"m{cache}"),
                     "--offload", str(rows / cache), "--cache-rows", cache])  # fmt: skip
         assert code == 2 and "Raise cache_rows" in capsys.readouterr().err
@@ -138,7 +138,7 @@ def test_the_movielens_job_trains_each_fold_on_its_own_offloaded_tables(
     assert "resumed from step" in capsys.readouterr().out
     assert json.loads((tmp_path / "m" / "results.json").read_text())["rmse"] < results["rmse"]
     small = [*job, "--epochs", "1", "--model-dir", str(tmp_path / "s"), "--offload", str(tmp_path / "s_rows")]
-    assert cli([*small, "--cache-rows", "1024"]) == 2  # the item table's two groups of 1024 rows do not fit
+    assert cli([*small, "--cache-rows", "8"]) == 2  # a batch looks up more than 8 distinct users
     assert "Raise cache_rows" in capsys.readouterr().err
 
 

@@ -145,14 +145,12 @@ def test_a_save_of_the_same_step_with_other_values_keeps_the_earlier_checkpoint(
 
 
 def test_the_cache_size_is_quoted_as_passed(tmp_path: Path) -> None:
-    """cache_rows=100 with page groups of 64 rows (16 float32 columns): the statistics and the refusal quote 100,
-    and say how many rows the whole groups hold."""
-    t = et.TableConfig(1000, 16, name="t", offload=et.Offload(tmp_path, 100))
+    """cache_rows=2 rows: the statistics and the refusal quote it, and say how many rows the lookup needs."""
+    t = et.TableConfig(1000, 16, name="t", offload=et.Offload(tmp_path, 2))
     emb = et.DistributedEmbedding({"f": et.FeatureConfig(t)}, et.SGD(0.1))
-    stats = emb.offload_statistics()["t"]
-    assert stats["cache_rows"] == 100 and stats["group_rows"] == 64 and stats["cache_groups"] == 1
-    with pytest.raises(ValueError, match=r"more than Offload\(cache_rows=100\) holds \(1 groups: 64 rows\)"):
-        emb({"f": et.Ragged.from_lists([[0, 500]])})
+    assert emb.offload_statistics()["t"]["cache_rows"] == 2
+    with pytest.raises(ValueError, match=r"need 3 rows in memory .*more than Offload\(cache_rows=2\) holds"):
+        emb({"f": et.Ragged.from_lists([[0, 500, 999]])})
     emb.close()
 
 

@@ -16,7 +16,7 @@ import torch
 from subproc import ROOT, run_on_small_disk
 
 import embtables as et
-from embtables.tables.offload_files import DROP_WRITTEN, READ, ShardFiles
+from embtables.tables.offload_files import ShardFiles
 
 _FULL_DISK = """
 import sys, torch, embtables as et
@@ -60,41 +60,41 @@ def test_a_full_disk_refuses_the_step_that_needs_new_rows_and_changes_nothing(tm
     assert "restored step 0" in proc.stdout
 
 
-def _two_group_table(tmp_path: Path) -> Any:
-    """A 30k x 64 Adagrad table offloaded with two groups of 16 rows in memory."""
+def _two_row_table(tmp_path: Path) -> Any:
+    """A 30k x 64 Adagrad table offloaded with two rows in its cache."""
     torch.manual_seed(0)
-    offload = et.Offload(tmp_path / "rows", 32)
+    offload = et.Offload(tmp_path / "rows", 2)
     table = et.TableConfig(30_000, 64, name="t", combiner="sum", offload=offload)
     return et.DistributedEmbedding({"f": et.FeatureConfig(table)}, et.Adagrad(0.1))
 
 
-def _failing_at(failing_op: int) -> Callable[[ShardFiles, str, int, torch.Tensor], None]:
-    """``ShardFiles.page_work`` with an I/O error (EIO) injected into operation ``failing_op`` on any ranges."""
-    real_work = ShardFiles.page_work
+def _failing_at(writes: bool) -> Callable[..., None]:
+    """``ShardFiles.row_io`` with an I/O error (EIO) injected into its writes (``writes``) or its reads."""
+    real_io = ShardFiles.row_io
 
-    def failing_work(self: ShardFiles, part: str, op: int, ranges: torch.Tensor) -> None:
-        if op == failing_op and ranges.numel():
+    def failing_io(self: ShardFiles, part: str, rows: torch.Tensor, values: torch.Tensor, *, write: bool) -> None:
+        if write == writes and rows.numel():
             raise OSError(errno.EIO, "Input/output error")
-        real_work(self, part, op, ranges)
+        real_io(self, part, rows, values, write=write)
 
-    return failing_work
+    return failing_io
 
 
 def test_a_failed_write_back_tears_the_files_until_a_restore(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The disk refuses a write-back (an I/O error from msync, injected at the files' ``drop``): the lookup that
+    """The disk refuses a write-back (an I/O error from pwrite, injected at the files' ``row_io``): the lookup that
     evicted raises, every later lookup (training or not) is refused, a restore makes the table whole again."""
-    emb = _two_group_table(tmp_path)
+    emb = _two_row_table(tmp_path)
     a = emb({"f": et.Ragged.from_lists([[0, 300]])})["f"]
     emb.apply_gradients({"f": torch.ones_like(a)})
     ckpt = emb.save(tmp_path / "ckpt")
     want = {k: v.clone() for k, v in emb.state_dict().items()}
-    real_work = ShardFiles.page_work
+    real_io = ShardFiles.row_io
     a = emb({"f": et.Ragged.from_lists([[0, 300]])})["f"]
-    emb.apply_gradients({"f": torch.ones_like(a)})  # rows 0 and 300 now dirty in memory
-    monkeypatch.setattr(ShardFiles, "page_work", _failing_at(DROP_WRITTEN))
+    emb.apply_gradients({"f": torch.ones_like(a)})  # rows 0 and 300 now written in the cache
+    monkeypatch.setattr(ShardFiles, "row_io", _failing_at(writes=True))
     with pytest.raises(RuntimeError, match=r"writing the weights back .* failed .*Input/output error.*torn"):
         emb({"f": et.Ragged.from_lists([[5000, 9000]])})  # evicts the dirty rows
-    monkeypatch.setattr(ShardFiles, "page_work", real_work)
+    monkeypatch.setattr(ShardFiles, "row_io", real_io)
     emb.eval()
     with pytest.raises(et.TornFilesError, match=r"working files are torn.*restore"):
         emb({"f": et.Ragged.from_lists([[0]])})
@@ -111,20 +111,20 @@ def test_a_failed_write_back_tears_the_files_until_a_restore(tmp_path: Path, mon
 
 
 def test_a_failed_read_tears_the_files_until_a_restore(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The disk refuses a read (an I/O error from pread, injected at the files' page work): the lookup that needed
+    """The disk refuses a read (an I/O error from pread, injected at the files' ``row_io``): the lookup that needed
     the rows raises naming the table and the error (a read through the maps would have been a SIGBUS), every
     later lookup is refused, a restore makes the table whole again."""
-    emb = _two_group_table(tmp_path)
+    emb = _two_row_table(tmp_path)
     for ids in ([[0, 300]], [[5000, 9000]]):  # rows 0 and 300 trained, then evicted to disk
         a = emb({"f": et.Ragged.from_lists(ids)})["f"]
         emb.apply_gradients({"f": torch.ones_like(a)})
     ckpt = emb.save(tmp_path / "ckpt")
     want = {k: v.clone() for k, v in emb.state_dict().items()}
-    real_work = ShardFiles.page_work
-    monkeypatch.setattr(ShardFiles, "page_work", _failing_at(READ))
+    real_io = ShardFiles.row_io
+    monkeypatch.setattr(ShardFiles, "row_io", _failing_at(writes=False))
     with pytest.raises(RuntimeError, match=r"table 't': reading the weights from disk failed \(Input/output error\)"):
         emb({"f": et.Ragged.from_lists([[0, 300]])})
-    monkeypatch.setattr(ShardFiles, "page_work", real_work)
+    monkeypatch.setattr(ShardFiles, "row_io", real_io)
     with pytest.raises(et.TornFilesError, match=r"working files are torn \(reading the weights.*restore"):
         emb({"f": et.Ragged.from_lists([[0]])})
     emb.restore(ckpt)
@@ -138,7 +138,7 @@ _CUT_SHORT = """
 import os, sys, torch, embtables as et
 rows_dir, ckpt = sys.argv[1], sys.argv[2]
 torch.manual_seed(0)
-t = et.TableConfig(30_000, 64, name="t", combiner="sum", offload=et.Offload(rows_dir, 32))
+t = et.TableConfig(30_000, 64, name="t", combiner="sum", offload=et.Offload(rows_dir, 2))
 emb = et.DistributedEmbedding({"f": et.FeatureConfig(t)}, et.Adagrad(0.1))
 for ids in ([[0, 29000]], [[5000, 9000]]):  # rows 0 and 29000 trained, then evicted to disk
     a = emb({"f": et.Ragged.from_lists(ids)})["f"]

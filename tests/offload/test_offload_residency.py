@@ -1,6 +1,7 @@
 """``Residency`` (the offloaded cache's bookkeeping, no I/O) driven through random lookups: its invariants hold
 after every call, it evicts only units neither asked for nor pinned, the least used of them (against a plain
-Python recount), and refuses exactly when the asked and pinned units exceed the budget."""
+Python recount), keeps each resident unit in its slot, and refuses exactly when the asked and pinned units
+exceed the budget."""
 
 from __future__ import annotations
 
@@ -40,6 +41,7 @@ def test_random_lookups_keep_the_invariants_and_evict_the_least_used_unpinned_un
             r.check()
             continue
         chosen = r.units[victims].tolist()
+        slots_before = dict(zip(r.units.tolist(), r.slots.tolist()))
         assert not set(chosen) & (pinned | set(asked)), "an asked or pinned unit evicted"
         assert len(chosen) == max(0, len(model) + len(missing) - budget)
         if chosen:  # the least used candidates: none left behind is used less than one chosen
@@ -49,8 +51,11 @@ def test_random_lookups_keep_the_invariants_and_evict_the_least_used_unpinned_un
         r.remove(victims)
         for u in chosen:
             del model[u]
-        r.insert(torch.tensor(missing, dtype=torch.int64))
-        r.used(units, torch.tensor(counts), step, training=step % 3 != 0)
+        given = r.insert(torch.tensor(missing, dtype=torch.int64))
+        assert torch.equal(r.slots_of(torch.tensor(missing, dtype=torch.int64)), given)
+        for u, slot in zip(r.units.tolist(), r.slots.tolist()):  # a unit that stayed kept its slot
+            assert slots_before.get(u, slot) == slot
+        r.used(units, torch.tensor(counts), step)
         freq = _frequencies(model, step)
         for u, c in zip(asked, counts):
             model[u] = (freq.get(u, 0.0) + c, step)
@@ -69,4 +74,9 @@ def test_a_broken_invariant_is_named() -> None:
     with pytest.raises(ValueError, match="exceed the budget"):
         Residency(1).insert(torch.tensor([1, 2]))
     with pytest.raises(ValueError, match="not resident"):
-        Residency(2).used(torch.tensor([3]), torch.tensor([1]), 0, training=True)
+        Residency(2).used(torch.tensor([3]), torch.tensor([1]), 0)
+    r = Residency(3)
+    r.insert(torch.tensor([1, 5]))
+    r.slots = torch.tensor([0, 0])
+    with pytest.raises(AssertionError, match="slots distinct"):
+        r.check()

@@ -15,14 +15,14 @@ from mp_world import run_world
 import embtables as et
 from embtables.sharding.lookup_stats import read_all
 
-V, D = 20_000, 64  # 16 rows a group: 1250 groups, a rank's cache 64
+V, D = 20_000, 64  # a step asks an owner for about 20 distinct rows; its cache holds 48 (two steps' rows)
 OPTIMIZERS: dict[str, Any] = {
     "adagrad": lambda: et.Adagrad(0.2),
     "sgd-noacc": lambda: et.SGD(0.3, use_gradient_accumulation=False),
 }
 
 
-def _features(directory: str | None, opt_name: str, cache_rows: int = 1024) -> dict[str, et.FeatureConfig]:
+def _features(directory: str | None, opt_name: str, cache_rows: int = 48) -> dict[str, et.FeatureConfig]:
     offload = et.Offload(directory, cache_rows) if directory is not None else None
     t = et.TableConfig(V, D, name="t", combiner="mean", optimizer=OPTIMIZERS[opt_name](), offload=offload)
     return {"a": et.FeatureConfig(t), "s": et.FeatureConfig(t, max_sequence_length=2)}
@@ -65,7 +65,7 @@ def _ranks(rank: int, world: int, root: str, initial_path: str, cases: list[tupl
         for key, value in off.state_dict().items():
             assert torch.equal(value, want_state[key]), (opt_name, sharding, key)
         stats = off.offload_statistics()["t"]  # summed over the ranks
-        assert stats["rows_looked_up"] > 0 and stats["resident_rows"] <= 2 * 1024 and stats["evictions"] > 0, stats
+        assert stats["rows_looked_up"] > 0 and stats["resident_rows"] <= 2 * 48 and stats["evictions"] > 0, stats
     # enqueue(next) before apply_gradients(): the rows this rank owns of its next batch are read ahead
     torch.manual_seed(0)
     off = et.DistributedEmbedding(
@@ -94,7 +94,7 @@ def _ranks(rank: int, world: int, root: str, initial_path: str, cases: list[tupl
         assert doc["offload"] == summed
     # one rank's cache too small for its rows: every rank refuses the same lookup
     small = et.DistributedEmbedding(_features(f"{root}/small", "adagrad", cache_rows=32), sharding="div")
-    ids = {"a": et.Ragged.from_lists([[0, 300, 600]] if rank == 0 else [[1]]), "s": et.Ragged.from_lists([[1]])}
+    ids = {"a": et.Ragged.from_lists([list(range(40))] if rank == 0 else [[1]]), "s": et.Ragged.from_lists([[1]])}
     with pytest.raises(ValueError, match=r"rank 0 refused the lookup.*cache_rows=32"):
         small(ids)
 
@@ -110,7 +110,8 @@ def test_sharded_offloaded_tables_train_to_the_bits_of_sharded_tables_in_memory(
 
 def _pooled_features(directory: str | None) -> dict[str, et.FeatureConfig]:
     """Tables whose features are all combined: pooled on the owners, in memory and offloaded alike."""
-    offload = (lambda name: et.Offload(f"{directory}/{name}", 4096)) if directory is not None else (lambda name: None)
+    # a step asks an owner for about 36 rows of "summed": its 64-row cache writes rows back and reads them again
+    offload = (lambda name: et.Offload(f"{directory}/{name}", 64)) if directory is not None else (lambda name: None)
     summed = et.TableConfig(V, 16, name="summed", combiner="sum", offload=offload("summed"))
     meaned = et.TableConfig(V, 16, name="meaned", combiner="sqrtn", offload=offload("meaned"))
     return {"a": et.FeatureConfig(summed), "b": et.FeatureConfig(meaned), "w": et.FeatureConfig(summed)}

@@ -343,30 +343,19 @@ void et_apply_many(int64_t T, void *const *handles, float *const *W, float *cons
 }
 
 /* ------------------------------------------------------------------ rows changed since the last save */
-/* Mark every row r the prepared update of workspace t wrote (every row of a dense one: V[t]); the rows are the
- * workspace's own, checked inside [0, V[t]) here too. mode[t] bit 0: dense; bit 1: packed, changed[t] holding a
- * bit a row ((V[t] + 7) / 8 bytes, row r at bit r % 8 of byte r / 8), else a byte a row (changed[t][r] = 1). */
+/* Mark every row r the prepared update of workspace t wrote (every row of a dense one: V[t]), a byte a row
+ * (changed[t][r] = 1); the rows are the workspace's own, checked inside [0, V[t]) here too. mode[t] bit 0: dense. */
 void et_mark_changed(int64_t T, void *const *handles, uint8_t *const *changed, const int64_t *V,
                      const int32_t *mode) {
     for (int64_t t = 0; t < T; ++t) {
-        const int packed = (mode[t] & 2) != 0;
         if (mode[t] & 1) {
-            if (!packed) {
-                memset(changed[t], 1, (size_t)V[t]);
-                continue;
-            }
-            memset(changed[t], 0xFF, (size_t)(V[t] / 8));
-            if (V[t] % 8) changed[t][V[t] / 8] = (uint8_t)((1u << (V[t] % 8)) - 1u);
+            memset(changed[t], 1, (size_t)V[t]);
             continue;
         }
         const et_workspace *h = (const et_workspace *)handles[t];
         for (int64_t u = 0; u < h->U; ++u) {
             const int64_t r = h->rows[u];
-            if (r < 0 || r >= V[t]) continue;
-            if (packed)
-                changed[t][r >> 3] |= (uint8_t)(1u << (r & 7));
-            else
-                changed[t][r] = 1;
+            if (r >= 0 && r < V[t]) changed[t][r] = 1;
         }
     }
 }

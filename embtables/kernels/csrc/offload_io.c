@@ -79,3 +79,43 @@ int32_t et_offload_ranges(int32_t fd, void *base, int64_t size, const int64_t *r
     return 3;
 #endif
 }
+
+/* The row I/O of an offloaded table's row cache: rows of one file by row index, one call for a batch of rows.
+ *
+ * op 0: read row rows[i] of the file into buf + i * row_bytes (pread); op 1: write it from there (pwrite). A run
+ *       of consecutive rows (rows[i + 1] == rows[i] + 1) goes in one system call.
+ *
+ * Nothing is trusted: fd >= 0, row_bytes > 0, n >= 0, buf and rows given when n > 0, and every row inside the
+ * file's recorded size (0 <= rows[i], (rows[i] + 1) * row_bytes <= size, no overflow), else nothing is done and
+ * 2 ("sizes") is returned. A failing system call stops the work: 1 is returned with err[0] = errno (a read
+ * that ends before its row: EIO; a full disk: ENOSPC) and err[1] = the row's index. 0: done.
+ */
+int32_t et_offload_rows(int32_t fd, int64_t size, void *buf, int64_t row_bytes, const int64_t *rows, int64_t n,
+                        int32_t op, int32_t *err) {
+    if (fd < 0 || size < 0 || row_bytes <= 0 || n < 0 || err == 0 || op < 0 || op > 1 ||
+        (n > 0 && (buf == 0 || rows == 0)))
+        return 2;
+    const int64_t max_rows = size / row_bytes;
+    for (int64_t i = 0; i < n; i++)
+        if (rows[i] < 0 || rows[i] >= max_rows) return 2;
+    char *base = (char *)buf;
+    for (int64_t i = 0; i < n;) {
+        int64_t j = i + 1;
+        while (j < n && rows[j] == rows[j - 1] + 1) j++;
+        const int64_t off = rows[i] * row_bytes, len = (j - i) * row_bytes;
+        char *at = base + i * row_bytes;
+        for (int64_t done = 0; done < len;) {
+            const ssize_t got = op == 0 ? pread(fd, at + done, (size_t)(len - done), (off_t)(off + done))
+                                        : pwrite(fd, at + done, (size_t)(len - done), (off_t)(off + done));
+            if (got < 0 && errno == EINTR) continue;
+            if (got <= 0) {
+                err[0] = got < 0 ? errno : EIO; /* 0: the file ends before its recorded size */
+                err[1] = (int32_t)(i < INT32_MAX ? i : INT32_MAX);
+                return 1;
+            }
+            done += got;
+        }
+        i = j;
+    }
+    return 0;
+}
