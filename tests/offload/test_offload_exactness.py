@@ -190,3 +190,53 @@ def test_without_the_native_library_the_page_work_is_done_in_python_with_the_sam
     off = _train_side_by_side(tmp_path, "adagrad")
     stats = off.offload_statistics()["big"]
     assert stats["evictions"] > 0 and stats["rows_written"] > 0, stats
+
+
+def _batch_rows() -> int:
+    """The most distinct rows of "big" one batch of ``_batch`` looks up (steps 0-3)."""
+    most = 0
+    for step in range(4):
+        feats, _ = _batch(step)
+        ids = torch.cat([feats["a"].values, feats["b"].values])
+        most = max(most, int(torch.unique(ids).numel()))
+    return most
+
+
+@pytest.mark.parametrize(("batches", "pipelined"), [(1, False), (2, False), (2, True), (3, True)])
+def test_caches_of_one_to_three_batches_train_exactly(batches: int, pipelined: bool, tmp_path: Path) -> None:
+    """A cache of exactly one batch's distinct rows trains (a pipelined step keeps the previous batch's too: two
+    batches); every step evicts, writes back and reads again, and the bits are the table in memory's."""
+    cache = batches * _batch_rows()
+    off = _train_side_by_side(tmp_path, "adagrad", pipelined=pipelined, cache_rows=cache)
+    stats = off.offload_statistics()["big"]
+    assert stats["evictions"] > 0 and stats["rows_written"] > 0 and stats["cache_rows"] == cache, stats
+
+
+def test_a_pipelined_module_whose_state_is_read_every_step_stays_exact(tmp_path: Path) -> None:
+    """Reading the state between pipelined steps lands the held-back update and keeps its rows' pre-update values
+    for the next lookup (by row: the cache's slots may change); the offloaded table gives the in-memory bits."""
+    off = _train_side_by_side(tmp_path, "adagrad", pipelined=True, state_every_step=True)
+    assert off.offload_statistics()["big"]["rows_written"] > 0
+
+
+def test_an_edit_through_a_tensor_handed_out_is_seen_by_the_next_lookup(tmp_path: Path) -> None:
+    """``embedding_tables`` of an offloaded table are its files' maps: an in-place edit made before the next lookup
+    is what that lookup and its update compute on, as for the table in memory."""
+    torch.manual_seed(0)
+    off = et.DistributedEmbedding(_features(tmp_path / "off", et.Adagrad(0.2)))
+    ref = et.DistributedEmbedding(_features(None, et.Adagrad(0.2)))
+    ref.load_state_dict(off.state_dict())
+    for step in (0, 0, 1, 1, 2):  # a batch again: its rows are in the cache when they are edited
+        feats, weights = _batch(step)
+        ids = torch.unique(torch.cat([feats["a"].values, feats["b"].values]))
+        for emb in (off, ref):  # rows of this batch edited in place
+            with torch.no_grad():
+                emb.embedding_tables["big"][ids[::2]] += 0.5
+        got, want = off(feats, weights), ref(feats, weights)
+        for k in want:
+            _same(got[k], want[k], (step, k))
+        grads = _grads(step, want)
+        off.apply_gradients(grads)
+        ref.apply_gradients(grads)
+    for key, value in ref.state_dict().items():
+        _same(off.state_dict()[key], value, key)
