@@ -188,7 +188,7 @@ FUNCTIONS: dict[str, CFunction] = {
         ),
         _f(
             "et_offload_rows",
-            "fd:i32 size:i64 buf:p row_bytes:i64 rows:p n:i64 op:i32 err:p",
+            "fd:i32 size:i64 buf:p row_bytes:i64 rows:p n:i64 op:i32 depth:i32 err:p",
             _I32,
             ((0, "ok"), (1, "io_error"), (2, "sizes")),
         ),

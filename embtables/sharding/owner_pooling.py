@@ -82,7 +82,7 @@ def pooled_lookup_exchange(
     world: int,
     group: comm.ProcessGroup | None,
     refused: bool = False,
-    admit: Callable[[Sequence[tuple[str, Tensor]]], None] | None = None,
+    admit: Callable[[Sequence[tuple[str, Tensor]]], list[Tensor]] | None = None,
 ) -> tuple[dict[int, Tensor], PooledContext, list[int]]:
     """Activations [S_f, D] of the pooled ``features`` (this rank's batch), pooled by their owners:
     split each bag by owner (plan), send the pieces (steps 1-3 of the module docstring), pool what
@@ -107,16 +107,22 @@ def pooled_lookup_exchange(
         wanted: dict[str, list[Tensor]] = {}
         for a in (a for src in asked for a in src):
             wanted.setdefault(tables[resolved.features[a.feature].table_index].name, []).append(a.ids)
-        admit([(name, torch.cat(rows)) for name, rows in wanted.items() if name in local.offloaded])
-        # an offloaded table's rows are pooled and updated in its cache's slots
-        asked = [
-            [
-                dataclasses.replace(a, ids=local.offloaded.slots(name, a.ids)) if name in local.offloaded else a
-                for a in src
-                for name in (tables[resolved.features[a.feature].table_index].name,)
-            ]
-            for src in asked
-        ]
+        names = [name for name in wanted if name in local.offloaded]
+        slots = admit([(name, torch.cat(wanted[name])) for name in names])
+        # an offloaded table's rows are pooled and updated in its cache's slots, in the order they were asked
+        pieces = {name: list(torch.split(s, [r.numel() for r in wanted[name]])) for name, s in zip(names, slots)}
+        taken = dict.fromkeys(names, 0)
+        fixed = []
+        for src in asked:
+            row = []
+            for a in src:
+                name = tables[resolved.features[a.feature].table_index].name
+                if name in pieces:
+                    a = dataclasses.replace(a, ids=pieces[name][taken[name]])
+                    taken[name] += 1
+                row.append(a)
+            fixed.append(row)
+        asked = fixed
     weights = [
         (a, local.states[tables[resolved.features[a.feature].table_index].name].weights) for src in asked for a in src
     ]

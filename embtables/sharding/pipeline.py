@@ -394,12 +394,9 @@ class StepPipeline:
         offloaded = self.engine.offloaded
         if offloaded:
             offloaded.refresh()  # what was written through the files' maps is taken in before the swap
-            wanted = [(name, rows) for name, (rows, _) in self.stale.items() if name in offloaded]
-            offloaded.admit_rows(wanted, admission)
-            self.stale = {
-                name: (offloaded.slots(name, rows) if name in offloaded else rows, old)
-                for name, (rows, old) in self.stale.items()
-            }
+            names = list(self.stale)
+            slots = offloaded.admit_rows([(name, self.stale[name][0]) for name in names], admission)
+            self.stale = {name: (rows, self.stale[name][1]) for name, rows in zip(names, slots)}
         with torch.no_grad():
             # everything prepared before any table changes (each table's rows in its storage type and on its
             # device): the swap is all or nothing, and a failure here keeps the stale rows for the next lookup

@@ -249,14 +249,9 @@ class ShardedEmbeddingCollection(LocalTables):
             for t, route in zip(tables, routes):
                 if route.recv_rows.numel() and int(route.recv_rows.max()) >= self._owned_rows[t.name]:
                     raise RuntimeError(f"table {t.name!r}: a rank asked rank {self.rank} for a row it does not hold.")
-            admit([(t.name, route.recv_rows) for t, route in zip(tables, routes)])
-            # an offloaded table's rows are answered and updated in its cache's slots
-            offloaded = self.local.offloaded
-            routes = [
-                dataclasses.replace(route, recv_rows=offloaded.slots(t.name, route.recv_rows)) if t.name in offloaded
-                else route
-                for t, route in zip(tables, routes)
-            ]  # fmt: skip
+            # an offloaded table's rows are brought into its cache, then answered and updated in its slots
+            slots = admit([(t.name, route.recv_rows) for t, route in zip(tables, routes)])
+            routes = [dataclasses.replace(route, recv_rows=s) for route, s in zip(routes, slots)]
             answers = []
             with phase_profile.phase("lookup: answer rows"):
                 for t, route in zip(tables, routes):
@@ -302,20 +297,21 @@ class ShardedEmbeddingCollection(LocalTables):
             self._raise_refused(refused, refusing, "batch")
         return [routing.TableRoute(r, recv_rows, recv_counts) for r, (recv_rows, recv_counts) in zip(routed, asked)]
 
-    def _admit_offloaded(self, wanted: Sequence[tuple[str, Tensor]], admission: Admission | None) -> None:
+    def _admit_offloaded(self, wanted: Sequence[tuple[str, Tensor]], admission: Admission | None) -> list[Tensor]:
         """Bring the local rows [any] other ranks asked of this rank, per table (``wanted``), into its row caches
         (offloaded tables); every rank raises when any rank's cache refused (one exchange, only with offloaded
         tables)."""
         if not self.local.offloaded:
-            return
+            return [rows for _, rows in wanted]
         when = required(admission)  # a bug otherwise: every rank raises it here, before the agreement
         error: str | None = None
+        slots: list[Tensor] = []
         try:
-            self.local.offloaded.admit_rows(wanted, when)
+            slots = self.local.offloaded.admit_rows(wanted, when)
         except (InputError, RuntimeError, OSError) as exc:
             error = f"{type(exc).__name__}: {exc}"
         if not comm.any_rank(error is not None, self.group):  # the common case: one flag, not the messages
-            return
+            return slots
         errors = comm.all_gather_object(error, self.group)
         refusing = [r for r, e in enumerate(errors) if e is not None]
         raise InputError(f"rank {refusing[0]} refused the lookup: {errors[refusing[0]]}")

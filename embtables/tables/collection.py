@@ -152,9 +152,7 @@ class EmbeddingCollection:
                 if rows.numel():
                     self.reset_rows(name, rows)
         if self.offloaded:
-            admission = Admission(step, pin_from, training)
-            self.offloaded.admit(out, admission)
-            out = self.offloaded.translate(out)
+            out = self.offloaded.admit(out, Admission(step, pin_from, training))
         return out
 
     def reset_rows(self, name: str, rows: Tensor) -> None:

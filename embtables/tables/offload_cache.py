@@ -244,19 +244,34 @@ class OffloadedRows:
         if cut is not None:  # a read past a file's end would give no row
             self._tear(cut)
 
-    def admit(self, rows: Tensor, step: int, pin_from: int) -> None:
-        """Bring local rows ``rows`` [any] into the cache before a lookup at ``step`` (ids outside [0, N) are left
-        to the lookup, which refuses them): refuses (changing nothing) when the rows used since ``pin_from`` and
-        these exceed the cache."""
+    def admit(self, rows: Tensor, step: int, pin_from: int) -> Tensor:
+        """Bring local rows ``rows`` [any] into the cache before a lookup at ``step``, and return their slots (the
+        same shape, dtype and device; an id outside [0, N) becomes C, outside the cache, which the lookup refuses
+        as an id that changed after it was validated). Refuses (changing nothing) when the rows used since
+        ``pin_from`` and these exceed the cache."""
         self._check_usable()
         self.refresh()
-        ids = rows.reshape(-1).to("cpu", torch.int64)
-        ids = ids[(ids >= 0) & (ids < self.rows)]
-        if ids.numel() == 0:
-            return
-        wanted, uses = torch.unique(ids, return_counts=True)
+        flat = rows.reshape(-1).to("cpu", torch.int64)
+        valid = (flat >= 0) & (flat < self.rows)
+        every = bool(valid.all())
+        ids = flat if every else flat[valid]
+        out = torch.full_like(flat, self.capacity)
+        if ids.numel():
+            slots = self._admit_ids(ids, step, pin_from)
+            if every:
+                out = slots
+            else:
+                out[valid] = slots
+        return out.to(rows.device, rows.dtype).reshape(rows.shape)
+
+    def _admit_ids(self, ids: Tensor, step: int, pin_from: int) -> Tensor:
+        """``admit`` of valid local rows ``ids`` [N]: their slots [N]."""
+        ordered = torch.sort(ids)
+        wanted, inverse, uses = torch.unique_consecutive(ordered.values, return_inverse=True, return_counts=True)
+        found = self.residency.where(wanted)
+        at, present = found
         try:
-            victims = self.residency.victims(wanted, step, pin_from)
+            victims = self.residency.victims(wanted, step, pin_from, found)
         except NoRoom as room:
             raise InputError(
                 f"table {self.logical.name!r}: this lookup and the rows still in use need {room.needed} rows in "
@@ -265,15 +280,15 @@ class OffloadedRows:
                 "the previous batch's rows) or use smaller batches. Nothing was changed."
             ) from None
         start = time.perf_counter()
+        slots = torch.empty_like(wanted)
+        slots[present] = self.residency.slots[at[present]]  # a row asked for never leaves: its slot stays
         if victims.numel():
-            slots = self.residency.slots[victims]
-            self._write_back(self.residency.units[victims], slots)
+            self._write_back(self.residency.units[victims], self.residency.slots[victims])
             self.residency.remove(victims)
             self.counters["evictions"] += int(victims.numel())
-        _, present = self.residency.where(wanted)
         missing = wanted[~present]
         self.counters["rows_looked_up"] += int(wanted.numel())
-        self.counters["hits"] += int(present.sum())
+        self.counters["hits"] += int(wanted.numel() - missing.numel())
         if missing.numel():
             blocks = torch.unique_consecutive(torch.div(missing, self.block, rounding_mode="floor"))
             fresh = blocks[~self._initialized[blocks]]
@@ -281,18 +296,22 @@ class OffloadedRows:
                 init_start = time.perf_counter()
                 self._init_blocks(fresh)
                 start += time.perf_counter() - init_start  # counted in init_s, not as the disk's wait
-            slots = self.residency.insert(missing)
+            given = self.residency.insert(missing)
             try:
-                self._read_in(missing, slots)
+                self._read_in(missing, given)
             except BaseException:
                 self.residency.remove(self.residency.where(missing)[0])  # nothing half-read stays
                 raise
-            self.slot_global[slots] = self.first + self.stride * missing
+            self.slot_global[given] = self.first + self.stride * missing
+            slots[~present] = given
         self.residency.used(wanted, uses, step)
         self.disk_wait_s += time.perf_counter() - start
+        out = torch.empty_like(ids)
+        out[ordered.indices] = slots[inverse]
+        return out
 
     def translate(self, ids: Tensor) -> Tensor:
-        """The slots of admitted local rows ``ids`` [any] (same shape and dtype); an id outside [0, N) becomes C
+        """The slots of cached local rows ``ids`` [any] (same shape and dtype); an id outside [0, N) becomes C
         (outside the cache), which the lookup refuses as an id that changed after it was validated."""
         flat = ids.reshape(-1).to("cpu", torch.int64)
         valid = (flat >= 0) & (flat < self.rows)

@@ -32,6 +32,7 @@ from embtables.kernels import native_abi, native_library
 
 MAGIC = "embtables-offload-v1"
 DROP_CLEAN, DROP_WRITTEN, SETTLE, WILL_NEED, READ = 0, 1, 2, 3, 4  # ``page_work`` operations (csrc/offload_io.c)
+IO_DEPTH = 32  # row reads and writes in flight at once (threads of ``et_offload_rows``; docs/offload.md)
 META = ".meta.json"
 
 
@@ -273,11 +274,12 @@ class ShardFiles:
             else:
                 raise ValueError(f"page_work: unknown operation {op}")
 
-    def row_io(self, part: str, rows: Tensor, values: Tensor, *, write: bool) -> None:
+    def row_io(self, part: str, rows: Tensor, values: Tensor, *, write: bool, depth: int = IO_DEPTH) -> None:
         """Read local rows ``rows`` [K] (ascending) of ``part``'s file into ``values`` [K, D] (``write``: write
         them from there) with ``pread``/``pwrite``, a run of consecutive rows a call: one native call (every row
-        checked there against the file's size), else a Python call a run. An I/O error (a full disk, a file that
-        ends early) raises ``OSError``; ``values`` must be contiguous, of the file's dtype and width."""
+        checked there against the file's size), up to ``depth`` calls in flight, else a Python call a run. An
+        I/O error (a full disk, a file that ends early) raises ``OSError``; ``values`` must be contiguous, of the
+        file's dtype and width."""
         rows = rows.to("cpu", torch.int64).contiguous()
         k = int(rows.numel())
         if k == 0:
@@ -290,7 +292,7 @@ class ShardFiles:
             err = (ctypes.c_int32 * 2)()
             rc = lib.et_offload_rows(
                 self._fds[part], self.nbytes[part], values.data_ptr(), row_bytes, rows.data_ptr(), k,
-                1 if write else 0, err,
+                1 if write else 0, depth, err,
             )  # fmt: skip
             status = native_abi.decode("et_offload_rows", rc)
             if status == "ok":

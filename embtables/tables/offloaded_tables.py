@@ -4,11 +4,11 @@ One object per collection holds the row cache of each offloaded table (``offload
 files are ``offload_files.ShardFiles``) and is the only way the collection, the engines and the checkpoint
 code reach them:
 
-* ``admit`` brings a lookup's rows into the caches before the lookup reads them, and ``translate`` turns its
-  ids into cache slots, which the lookup and its update compute on. The lookup's ``Admission`` (its step, the
-  first step whose rows stay pinned, training or not) is made by the step pipeline: one process admits and
-  translates its batch's ids (``EmbeddingCollection.translate_keys``); a sharded owner admits the rows other
-  ranks ask of it once the lookup has routed them (``admit_rows``), and translates them (``slots``).
+* ``admit`` brings a lookup's rows into the caches before the lookup reads them and turns its ids into cache
+  slots, which the lookup and its update compute on. The lookup's ``Admission`` (its step, the first step whose
+  rows stay pinned, training or not) is made by the step pipeline: one process admits its batch's ids
+  (``EmbeddingCollection.translate_keys``); a sharded owner admits the rows other ranks ask of it once the lookup
+  has routed them (``admit_rows``); ``slots`` translates rows already in the cache.
 * ``prefetch`` starts reading a staged batch's rows; ``whole`` and ``check_whole`` come before a whole-table
   access and a save; ``before_restore`` / ``restored`` around a restore or full load; ``before_update``
   before an update and ``refresh`` before stale rows are swapped in (what was written through the files' maps
@@ -74,30 +74,29 @@ class OffloadedTables:
         return sorted(self._caches)
 
     # ------------------------------------------------------------------ a lookup's rows
-    def admit(self, batches: Sequence[FeatureBatch], admission: Admission) -> None:
-        """Bring every id [N] the batches look up in each offloaded table into its cache (refused, changing
-        nothing, when a cache cannot hold them with the rows still pinned)."""
-        for name, cache in self._caches.items():
-            ids = self._table_ids(name, batches)
-            if ids is not None:
-                cache.admit(ids, admission.step, admission.pin_from)
-
-    def translate(self, batches: Sequence[FeatureBatch]) -> list[FeatureBatch]:
-        """``batches`` (admitted) whose offloaded tables' features hold their cache's slots instead of rows.
-        Natively staged bags hold the old ids, so no batch keeps them once one is translated."""
+    def admit(self, batches: Sequence[FeatureBatch], admission: Admission) -> list[FeatureBatch]:
+        """``batches`` whose offloaded tables' features hold their cache's slots, every id [N] they look up
+        brought into the cache first (refused, changing nothing, when a cache cannot hold them with the rows
+        still pinned). Natively staged bags hold the old ids, so no batch keeps them once one is translated."""
         out = list(batches)
         for name, cache in self._caches.items():
-            index = self.resolved.table_names.index(name)
-            for f in self.resolved.tables[index].feature_indices:
-                out[f] = dataclasses.replace(out[f], ids=cache.translate(out[f].ids))
+            features = self.resolved.tables[self.resolved.table_names.index(name)].feature_indices
+            if not features:
+                continue
+            ids = [out[f].ids for f in features]
+            slots = cache.admit(torch.cat(ids) if len(ids) > 1 else ids[0], admission.step, admission.pin_from)
+            for f, piece in zip(features, torch.split(slots, [i.numel() for i in ids])):
+                out[f] = dataclasses.replace(out[f], ids=piece)
         return [b if b.staged is None else dataclasses.replace(b, staged=None) for b in out]
 
-    def admit_rows(self, wanted: Sequence[tuple[str, Tensor]], admission: Admission) -> None:
-        """Bring local rows [R] of each named table into its cache: what other ranks asked of this one."""
+    def admit_rows(self, wanted: Sequence[tuple[str, Tensor]], admission: Admission) -> list[Tensor]:
+        """Bring local rows [R] of each named table into its cache (what other ranks asked of this one) and
+        return their slots [R] (the rows themselves for a table in memory)."""
+        out = []
         for name, rows in wanted:
             cache = self._caches.get(name)
-            if cache is not None:
-                cache.admit(rows, admission.step, admission.pin_from)
+            out.append(rows if cache is None else cache.admit(rows, admission.step, admission.pin_from))
+        return out
 
     def slots(self, name: str, rows: Tensor) -> Tensor:
         """The cache slots [R] of admitted local rows [R] of table ``name`` (rows unchanged when it is in memory)."""

@@ -20,6 +20,7 @@
 #define _GNU_SOURCE
 #include <errno.h>
 #include <fcntl.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <sys/mman.h>
@@ -82,40 +83,102 @@ int32_t et_offload_ranges(int32_t fd, void *base, int64_t size, const int64_t *r
 
 /* The row I/O of an offloaded table's row cache: rows of one file by row index, one call for a batch of rows.
  *
- * op 0: read row rows[i] of the file into buf + i * row_bytes (pread); op 1: write it from there (pwrite). A run
- *       of consecutive rows (rows[i + 1] == rows[i] + 1) goes in one system call.
+ * op 0: read row rows[i] of the file into buf + i * row_bytes (pread; on Linux the pages read then leave the page
+ *       cache, POSIX_FADV_DONTNEED: the row cache holds the rows, the page cache keeps no second copy, and the next
+ *       read of a row comes from the disk); op 1: write it from there (pwrite). A run of consecutive rows
+ *       (rows[i + 1] == rows[i] + 1) goes in one system call. With depth > 1 and enough runs,
+ *       up to depth threads each take the next run (many requests in flight: the disk's queue is kept full);
+ *       depth <= 1: one after another in the calling thread.
  *
  * Nothing is trusted: fd >= 0, row_bytes > 0, n >= 0, buf and rows given when n > 0, and every row inside the
  * file's recorded size (0 <= rows[i], (rows[i] + 1) * row_bytes <= size, no overflow), else nothing is done and
  * 2 ("sizes") is returned. A failing system call stops the work: 1 is returned with err[0] = errno (a read
- * that ends before its row: EIO; a full disk: ENOSPC) and err[1] = the row's index. 0: done.
+ * that ends before its row: EIO; a full disk: ENOSPC) and err[1] = the row's index (the first failure seen). 0:
+ * done. A thread that cannot be started leaves its share to the others.
  */
+#define ET_MAX_DEPTH 64
+#define ET_RUNS_PER_THREAD 8 /* fewer runs than this a thread: not worth starting it */
+
+typedef struct {
+    int32_t fd, op;
+    char *base;
+    int64_t row_bytes, n;
+    const int64_t *rows;
+    int64_t next; /* the next row index to take (a run starts there), under lock */
+    int32_t failed, err0, err1;
+    pthread_mutex_t lock;
+} et_row_io;
+
+static int et_row_run(et_row_io *io, int64_t i, int64_t j) {
+    const int64_t off = io->rows[i] * io->row_bytes, len = (j - i) * io->row_bytes;
+    char *at = io->base + i * io->row_bytes;
+    for (int64_t done = 0; done < len;) {
+        const ssize_t got = io->op == 0 ? pread(io->fd, at + done, (size_t)(len - done), (off_t)(off + done))
+                                        : pwrite(io->fd, at + done, (size_t)(len - done), (off_t)(off + done));
+        if (got < 0 && errno == EINTR) continue;
+        if (got <= 0) return got < 0 ? errno : EIO; /* 0: the file ends before its recorded size */
+        done += got;
+    }
+#ifdef __linux__
+    if (io->op == 0) { /* the rows are in the cache now: their pages leave the page cache (no second copy) */
+        const int64_t page = 4096, first = off / page * page, last = (off + len + page - 1) / page * page;
+        (void)posix_fadvise(io->fd, first, last - first, POSIX_FADV_DONTNEED);
+    }
+#endif
+    return 0;
+}
+
+static void *et_row_worker(void *arg) {
+    et_row_io *io = (et_row_io *)arg;
+    for (;;) {
+        pthread_mutex_lock(&io->lock);
+        int64_t i = io->next, j = i;
+        if (!io->failed && i < io->n) {
+            j = i + 1;
+            while (j < io->n && io->rows[j] == io->rows[j - 1] + 1) j++;
+            io->next = j;
+        }
+        pthread_mutex_unlock(&io->lock);
+        if (j == i) return NULL;
+        const int rc = et_row_run(io, i, j);
+        if (rc != 0) {
+            pthread_mutex_lock(&io->lock);
+            if (!io->failed) {
+                io->failed = 1;
+                io->err0 = rc;
+                io->err1 = (int32_t)(i < INT32_MAX ? i : INT32_MAX);
+            }
+            pthread_mutex_unlock(&io->lock);
+            return NULL;
+        }
+    }
+}
+
 int32_t et_offload_rows(int32_t fd, int64_t size, void *buf, int64_t row_bytes, const int64_t *rows, int64_t n,
-                        int32_t op, int32_t *err) {
+                        int32_t op, int32_t depth, int32_t *err) {
     if (fd < 0 || size < 0 || row_bytes <= 0 || n < 0 || err == 0 || op < 0 || op > 1 ||
         (n > 0 && (buf == 0 || rows == 0)))
         return 2;
     const int64_t max_rows = size / row_bytes;
-    for (int64_t i = 0; i < n; i++)
+    int64_t runs = 0;
+    for (int64_t i = 0; i < n; i++) {
         if (rows[i] < 0 || rows[i] >= max_rows) return 2;
-    char *base = (char *)buf;
-    for (int64_t i = 0; i < n;) {
-        int64_t j = i + 1;
-        while (j < n && rows[j] == rows[j - 1] + 1) j++;
-        const int64_t off = rows[i] * row_bytes, len = (j - i) * row_bytes;
-        char *at = base + i * row_bytes;
-        for (int64_t done = 0; done < len;) {
-            const ssize_t got = op == 0 ? pread(fd, at + done, (size_t)(len - done), (off_t)(off + done))
-                                        : pwrite(fd, at + done, (size_t)(len - done), (off_t)(off + done));
-            if (got < 0 && errno == EINTR) continue;
-            if (got <= 0) {
-                err[0] = got < 0 ? errno : EIO; /* 0: the file ends before its recorded size */
-                err[1] = (int32_t)(i < INT32_MAX ? i : INT32_MAX);
-                return 1;
-            }
-            done += got;
-        }
-        i = j;
+        if (i == 0 || rows[i] != rows[i - 1] + 1) runs++;
+    }
+    et_row_io io = {fd, op, (char *)buf, row_bytes, n, rows, 0, 0, 0, 0, PTHREAD_MUTEX_INITIALIZER};
+    int64_t threads = runs / ET_RUNS_PER_THREAD;
+    if (threads > depth) threads = depth;
+    if (threads > ET_MAX_DEPTH) threads = ET_MAX_DEPTH;
+    pthread_t ids[ET_MAX_DEPTH];
+    int started = 0;
+    for (int64_t t = 1; t < threads; t++) /* the calling thread is one of them */
+        if (pthread_create(&ids[started], NULL, et_row_worker, &io) == 0) started++;
+    et_row_worker(&io);
+    for (int t = 0; t < started; t++) pthread_join(ids[t], NULL);
+    if (io.failed) {
+        err[0] = io.err0;
+        err[1] = io.err1;
+        return 1;
     }
     return 0;
 }
