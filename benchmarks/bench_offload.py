@@ -17,7 +17,7 @@ thread, then 32, each with one read in flight).
 For every case, the **disk-bound floor** of a step (the 4 KiB pages it read, at the QD32 rate: what a step
 costs when the disk alone is the limit) and the hit rate of an **ideal LFU** of the same capacity in rows,
 replayed on the same ids (every id's count over the whole run, a batch's rows admitted whole, the least
-counted others evicted): how much of a hit rate the cache's unit (page groups) and policy give away.
+counted others evicted): how much of a hit rate the cache's policy gives away.
 
 Prints JSON lines: ``env``, ``disk_probe``, ``offload_step`` per case and an ``offload_summary``. The tables'
 files go under ``--directory`` (a fresh subdirectory; removed at the end) after checking its free space.
@@ -167,9 +167,8 @@ def ideal_lfu_hit_rate(wl: Workload, capacity: int, warmup: int, steps: int) -> 
     ``capacity`` rows per table that knows every id's count since the run began, replayed on the ids of
     ``warmup`` + ``steps`` steps (batches cycled as the timed run does; the timed steps counted): a step's rows
     are all admitted (its lookup needs them), then the least counted other rows leave until ``capacity``
-    remain (a batch larger than the cache keeps only its own). A row's first lookup is a miss here (compulsory);
-    the page-group cache counts a row as a hit whenever its group is in memory, first lookup or not, so on short
-    runs with few repeated ids its hit rate can exceed this one."""
+    remain (a batch larger than the cache keeps only its own). A row's first lookup is a miss here (compulsory),
+    as it is for the engine's cache of rows."""
     batches = make_batches(wl)
     looked = hits = 0
     for t in range(wl.tables):
@@ -254,8 +253,11 @@ def _case(wl: Workload, args: argparse.Namespace, directory: str, probe: dict[st
     out["offloaded_ms"] = statistics.median(times)
     seconds = max(sum(times) / 1e3, 1e-9)
     out["missed_rows_per_s"] = (diff["rows_looked_up"] - diff["hits"]) / seconds  # rows the disk served
-    out["pages_read_per_s"] = diff["bytes_read"] / 4096 / seconds
-    out["floor_ms"] = diff["bytes_read"] / 4096 / steps / probe["random_4k_reads_per_s_qd32"] * 1e3
+    # a row read is one random page of each file (weights, the Adagrad slot: rows of at most a page, never
+    # straddling one), read with the page cache dropped behind it
+    pages = diff["rows_read"] * 2
+    out["pages_read_per_s"] = pages / seconds
+    out["floor_ms"] = pages / steps / probe["random_4k_reads_per_s_qd32"] * 1e3
     out["hit_rate"] = diff["hits"] / max(1, diff["rows_looked_up"])
     out["ideal_lfu_hit_rate"] = ideal_lfu_hit_rate(wl, args.cache_rows, args.warmup, args.steps)
     record = {"bench": "offload_step", "impl": "offloaded", **fields, "cache_rows": args.cache_rows,

@@ -104,6 +104,12 @@ class ShardedEmbeddingCollection(LocalTables):
         digest = _check_same_config_everywhere(resolved, placements, group, checked)
         self.tag = int(digest[:15], 16)  # the tables' fingerprint in every phase header (63 bits)
         for t in resolved.tables:  # every rank holds the same (agreed) config, so every rank raises together
+            if t.config.dynamic is not None and t.config.offload is not None:
+                raise ConfigError(
+                    f"table {t.name!r}: a dynamic vocabulary over an offloaded table is supported in one process, "
+                    "not sharded yet (a rank's refused admission would come after the owners' key maps changed). "
+                    "Train it in one process, or keep the sharded dynamic table in memory."
+                )
             by_row = placements[t.name].strategy != "table"
             if t.config.dynamic is not None and by_row and t.vocabulary_size < self.world:
                 raise ConfigError(

@@ -147,6 +147,8 @@ class EmbeddingCollection:
         when a cache cannot hold them). Other batches pass unchanged."""
         out = list(batches)
         if self.vocabularies:
+            if training and self.offloaded:  # refused before any key map changes
+                self.offloaded.check_room(batches, pin_from)
             out, resets = self.vocabularies.translate(batches, training, step, pin_from)
             for name, rows in resets.items():
                 if rows.numel():
@@ -162,6 +164,10 @@ class EmbeddingCollection:
         rows = rows.to(self.device)
         state = self.states[table.name]
         weights, slots = initial_rows(table, rows.numel(), self.device)
+        cache = self.offloaded.get(name)
+        if cache is not None:  # in its cache where the row is there, else in its files
+            cache.reset(rows, weights, slots)
+            return
         with torch.no_grad():
             state.weights.index_copy_(0, rows, weights)
             for slot, values in slots.items():

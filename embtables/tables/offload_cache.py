@@ -310,6 +310,51 @@ class OffloadedRows:
         out[ordered.indices] = slots[inverse]
         return out
 
+    def check_room(self, distinct: int, pin_from: int) -> None:
+        """Raise ``InputError`` when ``distinct`` rows beside those used since ``pin_from`` exceed the cache (a
+        bound that counts a pinned row the batch asks for twice: a dynamic table's keys are checked before they
+        have rows)."""
+        pinned = int((self.residency.last_use >= min(pin_from, 2**31 - 1)).sum())
+        if distinct + pinned > self.capacity:
+            raise InputError(
+                f"table {self.logical.name!r}: this lookup's {distinct} distinct keys and the {pinned} rows still in "
+                f"use may need {distinct + pinned} rows in memory, more than Offload(cache_rows={self.cache_rows}) "
+                f"holds. Raise cache_rows (to at least {distinct + pinned}; a pipelined step also keeps the previous "
+                "batch's rows) or use smaller batches. Nothing was changed."
+            )
+
+    def reset(self, rows: Tensor, weights: Tensor, slots: dict[str, Tensor]) -> None:
+        """Give local rows ``rows`` [R] (distinct) the values ``weights`` [R, D] and ``slots`` ({slot: [R, D]}): a
+        dynamic table's rows handed to new keys. A cached row's slot is written (and written back later); any
+        other row is written into the files now (its block initialized first), and counts as changed."""
+        self._check_usable()
+        self.refresh()
+        rows = rows.to("cpu", torch.int64)
+        values = {"": weights, **slots}
+        at, present = self.residency.where(rows)
+        if bool(present.any()):
+            where = self.residency.slots[at[present]]
+            with torch.no_grad():
+                for part, block in self.cache.items():
+                    block[where] = values[part][present].to(block.dtype)
+            self.dirty[where] = True
+        rest = ~present
+        if bool(rest.any()):
+            order = torch.argsort(rows[rest])
+            files_rows = rows[rest][order]
+            blocks = torch.unique_consecutive(torch.div(files_rows, self.block, rounding_mode="floor"))
+            fresh = blocks[~self._initialized[blocks]]
+            if fresh.numel():
+                self._init_blocks(fresh)
+            for part, dtype in self.dtypes.items():
+                data = values[part][rest][order].to(dtype).contiguous()
+                try:
+                    self.files.row_io(part, files_rows, data, write=True)
+                except OSError as exc:
+                    what = "the weights" if not part else f"slot {part!r}"
+                    self._tear(f"writing {what} to disk failed ({exc.strerror or exc})", exc)
+            self.changed.mark(files_rows)
+
     def translate(self, ids: Tensor) -> Tensor:
         """The slots of cached local rows ``ids`` [any] (same shape and dtype); an id outside [0, N) becomes C
         (outside the cache), which the lookup refuses as an id that changed after it was validated."""

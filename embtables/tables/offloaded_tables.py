@@ -89,6 +89,18 @@ class OffloadedTables:
                 out[f] = dataclasses.replace(out[f], ids=piece)
         return [b if b.staged is None else dataclasses.replace(b, staged=None) for b in out]
 
+    def check_room(self, batches: Sequence[FeatureBatch], pin_from: int) -> None:
+        """Raise ``InputError`` (nothing changed) when a dynamic offloaded table's cache could not hold a row for
+        each distinct key of ``batches`` beside the rows pinned since ``pin_from``: checked before its key map
+        gives keys rows, so a refused lookup leaves the map as it was."""
+        for name, cache in self._caches.items():
+            table = self.resolved.tables[self.resolved.table_names.index(name)]
+            if table.config.dynamic is None:
+                continue
+            keys = self._table_ids(name, batches)
+            if keys is not None:
+                cache.check_room(int(torch.unique(keys).numel()), pin_from)
+
     def admit_rows(self, wanted: Sequence[tuple[str, Tensor]], admission: Admission) -> list[Tensor]:
         """Bring local rows [R] of each named table into its cache (what other ranks asked of this one) and
         return their slots [R] (the rows themselves for a table in memory)."""

@@ -182,7 +182,10 @@ def test_resident_memory_stays_bounded_by_the_cache(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"dynamic": et.DynamicVocabulary()}, "dynamic vocabulary over an offloaded table is not supported"),
+        (
+            {"dynamic": et.DynamicVocabulary(), "dtype": torch.bfloat16},
+            "`dynamic` and a half-precision dtype or slot_dtype is not supported",
+        ),
         ({"initializer": lambda shape, dtype: torch.zeros(shape)}, "draw any block of rows on its own"),
     ],
 )

@@ -1,0 +1,82 @@
+"""A dynamic vocabulary over an offloaded table (docs/offload.md, "Dynamic vocabularies"): the key map gives keys
+rows of the table, the row cache holds those rows, so the table trains to the bits of the same dynamic table in
+memory while its key map evicts keys and reuses rows and its cache writes rows back and reads them again; a batch
+whose keys the cache could not hold is refused before the key map changes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from mp_world import run_world
+
+import embtables as et
+
+V, D = 48, 16  # rows the key map hands out (100 hot keys compete for them); keys up to 10**12
+
+
+def _features(directory: Path | None, cache_rows: int = 32) -> dict[str, et.FeatureConfig]:
+    offload = et.Offload(directory, cache_rows) if directory is not None else None
+    policy = et.DynamicVocabulary(admit_after=1, eviction="lfu")
+    user = et.TableConfig(V, D, name="user", combiner="sum", dynamic=policy, offload=offload,
+                          initializer=et.TruncatedNormal(seed=5))  # fmt: skip
+    return {"u": et.FeatureConfig(user), "s": et.FeatureConfig(user, max_sequence_length=2)}
+
+
+def _batch(step: int) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(30 + step)
+    hot = torch.randint(0, 100, (4, 2), generator=g) * 7_919_000_001  # keys seen again and again
+    cold = torch.randint(0, 10**12, (4, 1), generator=g)  # keys seen once: each takes a row for a while
+    fresh = torch.randint(0, 600, (4, 1), generator=g) * 1_000_003 + step % 3  # keys that come and go
+    return {"u": torch.cat([hot, cold, fresh], dim=1), "s": et.Ragged.from_lists(hot.tolist())}
+
+
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_a_dynamic_offloaded_table_trains_to_the_bits_of_the_dynamic_table_in_memory(
+    pipelined: bool, tmp_path: Path
+) -> None:
+    torch.manual_seed(0)
+    off = et.DistributedEmbedding(_features(tmp_path / "rows"), et.Adagrad(0.2),
+                                  pipeline_execution_with_tensor_core=pipelined)  # fmt: skip
+    twin = et.DistributedEmbedding(_features(tmp_path / "twin"), et.Adagrad(0.2))  # its initial rows, read lazily
+    ref = et.DistributedEmbedding(_features(None), et.Adagrad(0.2), pipeline_execution_with_tensor_core=pipelined)
+    ref.load_state_dict(twin.state_dict())
+    del twin
+    for step in range(30):
+        got, want = off(_batch(step)), ref(_batch(step))
+        for k in want:
+            assert torch.equal(got[k], want[k]), (step, k)
+        g = torch.Generator().manual_seed(700 + step)
+        grads = {k: torch.randn(v.shape, generator=g) for k, v in sorted(want.items())}
+        off.apply_gradients(grads)
+        ref.apply_gradients(grads)
+    want_state = ref.state_dict()
+    for key, value in off.state_dict().items():
+        assert torch.equal(value, want_state[key]), key
+    vocabulary = off.vocabulary_statistics()["user"]
+    stats = off.offload_statistics()["user"]
+    assert vocabulary["evicted"] > 0, vocabulary  # rows handed to new keys again
+    assert stats["evictions"] > 0 and stats["rows_written"] > 0 and stats["rows_read"] > 0, stats
+
+
+def test_a_batch_whose_keys_the_cache_cannot_hold_is_refused_before_the_key_map_changes(tmp_path: Path) -> None:
+    emb = et.DistributedEmbedding(_features(tmp_path / "rows", cache_rows=8), et.Adagrad(0.2))
+    emb({"u": torch.tensor([[1, 2]]), "s": et.Ragged.from_lists([[1]])})
+    before = {k: v.clone() for k, v in emb.state_dict().items()}
+    with pytest.raises(ValueError, match=r"distinct keys .* more than Offload\(cache_rows=8\) holds.*Nothing"):
+        emb({"u": torch.arange(20).reshape(2, 10), "s": et.Ragged.from_lists([[1]])})
+    after = emb.state_dict()
+    for k, v in before.items():
+        assert torch.equal(after[k], v), k  # the vocabulary fields too: no key was counted or admitted
+
+
+def _sharded(rank: int, world: int, root: str) -> None:
+    with pytest.raises(ValueError, match="one process, not sharded yet"):
+        et.DistributedEmbedding(_features(Path(root) / str(rank)), et.Adagrad(0.2))
+
+
+@pytest.mark.distributed
+def test_a_sharded_dynamic_offloaded_table_is_refused_with_the_reason(tmp_path: Path) -> None:
+    run_world(_sharded, 2, str(tmp_path))
