@@ -33,6 +33,9 @@ from embtables.kernels import native_abi, native_library
 MAGIC = "embtables-offload-v1"
 DROP_CLEAN, DROP_WRITTEN, SETTLE, WILL_NEED, READ = 0, 1, 2, 3, 4  # ``page_work`` operations (csrc/offload_io.c)
 IO_DEPTH = 32  # row reads and writes in flight at once (threads of ``et_offload_rows``; docs/offload.md)
+# Whether a row's pages leave the page cache once read (measured: docs/offload.md, "Measured"). Left there, a
+# row's write-back finds its page (else the kernel reads the page from the disk first, as pwrite changes part of it)
+DROP_AFTER_READ = False
 META = ".meta.json"
 
 
@@ -274,7 +277,7 @@ class ShardFiles:
             else:
                 raise ValueError(f"page_work: unknown operation {op}")
 
-    def row_io(self, part: str, rows: Tensor, values: Tensor, *, write: bool, depth: int = IO_DEPTH) -> None:
+    def row_io(self, part: str, rows: Tensor, values: Tensor, *, write: bool, depth: int | None = None) -> None:
         """Read local rows ``rows`` [K] (ascending) of ``part``'s file into ``values`` [K, D] (``write``: write
         them from there) with ``pread``/``pwrite``, a run of consecutive rows a call: one native call (every row
         checked there against the file's size), up to ``depth`` calls in flight, else a Python call a run. An
@@ -292,7 +295,7 @@ class ShardFiles:
             err = (ctypes.c_int32 * 2)()
             rc = lib.et_offload_rows(
                 self._fds[part], self.nbytes[part], values.data_ptr(), row_bytes, rows.data_ptr(), k,
-                1 if write else 0, depth, err,
+                1 if write else 2 if DROP_AFTER_READ else 0, IO_DEPTH if depth is None else depth, err,
             )  # fmt: skip
             status = native_abi.decode("et_offload_rows", rc)
             if status == "ok":
