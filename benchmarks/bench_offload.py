@@ -244,7 +244,7 @@ def _case(wl: Workload, args: argparse.Namespace, directory: str, probe: dict[st
     emb = _module(wl, et.Offload(directory, args.cache_rows))
     try:
         times, peak, diff = _run(emb, wl, args)
-    except et.InputError as exc:  # the cache cannot hold a batch's pages: say so, with the rows it needs
+    except et.InputError as exc:  # the cache cannot hold a batch's rows: say so, with the rows it needs
         emit({"bench": "offload_step", "impl": "offloaded", **fields, "cache_rows": args.cache_rows,
               "skipped": str(exc)})  # fmt: skip
         return out

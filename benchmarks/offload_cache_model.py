@@ -7,13 +7,14 @@ docs/offload.md "Speed"): a model of cache designs, no embtables engine, no disk
 The ids are the benchmark's own (``benchmarks.workload``: B 4096 x 20 ids, Zipf ranks hashed over the rows),
 a fresh batch every step. Six designs, the current batch's units always kept:
 
-* ``page_groups``: embtables' cache (``OffloadedRows``): units of G rows, whole pages of the weights file and
+* ``page_groups``: embtables' earlier cache (before issue 59): units of G rows, whole pages of the weights file and
   of each slot file (G = 16 for 64 float32 columns), the least used dropped (ids looked up, decayed by 0.98 a
   step); a missed unit is read (one page per file) and, dirty after training, written back whole (one page
   per file). ``page_groups_lru``: the same units, the least recently used dropped (its earlier policy).
-* ``rows``: a least-recently-used row cache (rows copied into a compact array); a missed row reads its page
-  of each file, and its write-back must read the page it lands in again (a page is the unit of I/O: read,
-  modify, write).
+* ``rows``: a least-recently-used row cache (rows copied into a compact array; embtables' cache since issue 59
+  drops the least used instead); a missed row reads its page of each file, and its write-back must read the
+  page it lands in again when the page cache no longer holds it (a page is the unit of I/O: read, modify,
+  write).
 * ``first_touch_groups``: least-recently-used page groups over rows placed in the files in the order of their
   first lookup (hot rows, looked up early, share pages): what a remapping of rows to file slots would give.
 * ``interleaved_groups``: a row's weights and slots side by side in one file, units of one page (G / files

@@ -62,9 +62,7 @@ class Residency:
             return at, torch.zeros(units.shape, dtype=torch.bool)
         return at, (at < n) & (self.units[at.clamp(max=n - 1)] == units)
 
-    def victims(
-        self, units: Tensor, step: int, pin_from: int, found: tuple[Tensor, Tensor] | None = None
-    ) -> Tensor:
+    def victims(self, units: Tensor, step: int, pin_from: int, found: tuple[Tensor, Tensor] | None = None) -> Tensor:
         """Positions [E] (ascending) of the resident units to evict so that ``units`` [K] (ascending) all fit:
         the least used of those not asked for and last used before ``pin_from`` (empty when they fit). Raises
         ``NoRoom`` when even evicting all of those leaves too little. ``found``: ``where(units)``, when known."""
