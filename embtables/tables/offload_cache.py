@@ -2,8 +2,8 @@
 memory, in a cache of rows (docs/offload.md).
 
 The tensors the engine computes on are the cache: one block [C, D] per tensor (weights, each slot), C =
-``min(cache_rows, N)`` slots. A lookup's ids are local rows; ``admit`` brings them into slots and ``translate``
-turns them into slot ids, so every kernel, optimizer, combiner and input type runs on the block unchanged and
+``min(cache_rows, N)`` slots. A lookup's ids are local rows; ``admit`` brings them into slots and returns the
+slot of each id, so every kernel, optimizer, combiner and input type runs on the block unchanged and
 gives the bits of an in-memory table (a half-precision table rounds each slot with its row's global id:
 ``slot_global``). What is in the cache is managed here, a row at a time:
 

@@ -7,7 +7,8 @@ each slot), a JSON record of what embtables wrote, and a lock held while the fil
 
 A directory holding any file that no valid record lists is refused: embtables never overwrites or deletes a
 file it did not write. The row files are scratch: a new module starts them afresh (``save``/``restore`` keep a
-table). Rows are read and written through a shared memory map of each file.
+table). The row cache reads and writes rows by index (``row_io``: ``pread``/``pwrite``); a whole-table access and a
+restore go through a shared memory map of each file (``tensors``).
 """
 
 from __future__ import annotations
