@@ -69,6 +69,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="distinct batches the steps cycle through (warm-up + steps or more: every step a fresh batch)",
     )  # fmt: skip
     ap.add_argument(
+        "--cold", action="store_true",
+        help="after the warm-up, write the tables' files back and drop them from the page cache: the timed steps "
+        "read what they miss from the disk",
+    )  # fmt: skip
+    ap.add_argument(
         "--read-ahead", action="store_true",
         help="also time the offloaded tables with the next batch staged (enqueue) before each apply_gradients",
     )  # fmt: skip
@@ -194,12 +199,30 @@ def _module(wl: Workload, offload: et.Offload | None) -> et.DistributedEmbedding
     return et.DistributedEmbedding({f"f{i}": et.FeatureConfig(t) for i, t in enumerate(tables)}, et.Adagrad(0.01))
 
 
+def _drop_page_cache(directory: str) -> None:
+    """Write the row files under ``directory`` back to the disk and drop their pages from the page cache."""
+    for root, _, names in os.walk(directory):
+        for name in names:
+            if name.endswith(".rows"):
+                fd = os.open(os.path.join(root, name), os.O_RDONLY)
+                try:
+                    os.fdatasync(fd)
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                finally:
+                    os.close(fd)
+
+
 def _run(
-    emb: et.DistributedEmbedding, wl: Workload, args: argparse.Namespace, read_ahead: bool = False
+    emb: et.DistributedEmbedding,
+    wl: Workload,
+    args: argparse.Namespace,
+    read_ahead: bool = False,
+    directory: str | None = None,
 ) -> tuple[list[float], int, dict[str, float]]:
     """Step times (ms) after the warm-up, the peak resident bytes while timing, and the offloaded tables'
     counters over the timed steps (summed over the tables; empty for tables in memory). ``read_ahead``: each
-    step stages the next batch (``enqueue``, which starts reading its rows) before ``apply_gradients``."""
+    step stages the next batch (``enqueue``, which starts reading its rows) before ``apply_gradients``.
+    ``directory`` (with ``--cold``): the tables' files, dropped from the page cache after the warm-up."""
     batches = make_batches(wl)
     lengths = torch.full((wl.batch,), wl.pooling, dtype=torch.int64)
     inputs = [
@@ -221,6 +244,8 @@ def _run(
         emb.enqueue(inputs[0])
     for i in range(args.warmup):
         step(i)
+    if args.cold and directory is not None:
+        _drop_page_cache(directory)
     before = emb.offload_statistics()
     with RssSampler() as rss:
         for i in range(args.warmup, args.warmup + args.steps):
@@ -239,11 +264,12 @@ def _case(wl: Workload, args: argparse.Namespace, directory: str, probe: dict[st
     out: dict[str, Any] = {}
     table_bytes = wl.tables * wl.rows * wl.dim * 4 * 2
     fields = {"tables": wl.tables, "rows": wl.rows, "dim": wl.dim, "batch": wl.batch, "pooling": wl.pooling,
-              "ids": wl.ids, "threads": args.threads, "table_and_slot_GB": round(table_bytes / 1e9, 2)}  # fmt: skip
+              "ids": wl.ids, "threads": args.threads, "table_and_slot_GB": round(table_bytes / 1e9, 2),
+              "cold": bool(args.cold)}  # fmt: skip
     base_rss = current_rss_bytes()
     emb = _module(wl, et.Offload(directory, args.cache_rows))
     try:
-        times, peak, diff = _run(emb, wl, args)
+        times, peak, diff = _run(emb, wl, args, directory=directory)
     except et.InputError as exc:  # the cache cannot hold a batch's rows: say so, with the rows it needs
         emit({"bench": "offload_step", "impl": "offloaded", **fields, "cache_rows": args.cache_rows,
               "skipped": str(exc)})  # fmt: skip

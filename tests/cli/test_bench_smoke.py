@@ -198,7 +198,8 @@ def test_offload_benchmark_reports_the_disk_at_two_depths_the_floor_and_the_idea
     floor and the hit rate next to an ideal LFU's of the same capacity."""
     cmd = [sys.executable, "-m", "embtables", "bench", "offload", "--tables", "1", "--rows", "20000", "--dim", "16",
            "--batch", "128", "--pooling", "2", "--cache-rows", "12800", "--steps", "2", "--warmup", "1",
-           "--batches", "3", "--probe-seconds", "0.1", "--probe-mib", "8", "--directory", str(tmp_path)]  # fmt: skip
+           "--batches", "3", "--probe-seconds", "0.1", "--probe-mib", "8", "--directory", str(tmp_path),
+           "--cold"]  # fmt: skip
     out = fast_child.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     records = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
@@ -208,6 +209,7 @@ def test_offload_benchmark_reports_the_disk_at_two_depths_the_floor_and_the_idea
     assert set(steps) == {"zipf", "uniform"}
     for r in steps.values():
         assert 0 <= r["hit_rate"] <= 1 and 0 <= r["ideal_lfu_hit_rate"] <= 1 and r["disk_bound_floor_ms"] >= 0
+        assert r["cold"] is True  # the files dropped from the page cache after the warm-up
     (summary,) = [r for r in records if r.get("bench") == "offload_summary"]
     assert "zipf_step_vs_disk_bound_floor" in summary or steps["zipf"]["disk_bound_floor_ms"] == 0
     assert not list(tmp_path.glob("embtables-bench-offload-*")), "the benchmark's files are removed"
