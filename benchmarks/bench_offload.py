@@ -298,7 +298,7 @@ def _case(wl: Workload, args: argparse.Namespace, directory: str, probe: dict[st
               "cache_MB": round(wl.tables * args.cache_rows * wl.dim * 4 * 2 / 2**20)}  # fmt: skip
     if args.read_ahead:  # the same tables again, in files of their own, each step staging the next batch first
         ahead = _module(wl, et.Offload(directory + "-read-ahead", args.cache_rows))
-        times, peak, diff = _run(ahead, wl, args, read_ahead=True)
+        times, peak, diff = _run(ahead, wl, args, read_ahead=True, directory=directory + "-read-ahead")
         del ahead
         out["read_ahead_ms"] = statistics.median(times)
         ms = out["read_ahead_ms"]

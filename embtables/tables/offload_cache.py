@@ -16,7 +16,8 @@ gives the bits of an in-memory table (a half-precision table rounds each slot wi
   layout or order of first reads); the rows not in the cache are read with ``pread`` (timed: the disk wait).
   Rows used at or after ``pin_from`` (the current batch, and the previous one while its update is pending) never
   leave; when they alone exceed the cache, the lookup is refused before anything changes.
-* **read-ahead** (a batch staged by ``enqueue``): the pages of its rows on disk start coming into the page cache.
+* **read-ahead** (a batch staged by ``enqueue``): its rows not in the cache are read in the background
+  (``ReadAhead``), and its admission takes them instead of reading them, when nothing wrote the files since.
 * **whole-table access** (``state_dict``, ``embedding_tables``, ``load_state_dict``, ``restore``): the written rows
   are written back (``flush``), every block is initialized, and the files' maps (``file_tensors``) are handed out;
   the next lookup or update takes in what was written through them (``refresh``: the maps' pages written back and
@@ -39,8 +40,9 @@ from torch import Tensor
 from embtables.config import ResolvedTable
 from embtables.config.offload import Offload
 from embtables.errors import InputError, TornFilesError
-from embtables.tables.offload_files import WILL_NEED, ShardFiles
+from embtables.tables.offload_files import ShardFiles
 from embtables.tables.offload_initial import INIT_BLOCK, OffloadShard, initial_weights
+from embtables.tables.offload_read_ahead import ReadAhead
 from embtables.tables.offload_residency import NoRoom, Residency
 from embtables.tables.packed_bits import PackedBits
 
@@ -87,6 +89,8 @@ class OffloadedRows:
         self.changed = PackedBits(self.rows)
         self.residency = Residency(self.capacity)  # the rows in the cache and their slots (no I/O)
         self._untracked = False  # the files' maps were handed out: the next lookup or update refreshes
+        self.read_ahead = ReadAhead()  # a staged batch's missing rows, read while the step before it computes
+        self._epoch = 0  # admissions and other writes to the files so far: a read-ahead is good for one epoch
         self._warned_whole = False  # a whole-table access beyond the cache was logged
         self.counters: dict[str, int] = dict.fromkeys(
             (
@@ -98,6 +102,7 @@ class OffloadedRows:
                 "bytes_written",
                 "evictions",
                 "rows_prefetched",
+                "rows_read_ahead",
             ),
             0,
         )
@@ -298,7 +303,7 @@ class OffloadedRows:
                 start += time.perf_counter() - init_start  # counted in init_s, not as the disk's wait
             given = self.residency.insert(missing)
             try:
-                self._read_in(missing, given)
+                self._read_in(missing, given, ahead=True)
             except BaseException:
                 self.residency.remove(self.residency.where(missing)[0])  # nothing half-read stays
                 raise
@@ -306,6 +311,7 @@ class OffloadedRows:
             slots[~present] = given
         self.residency.used(wanted, uses, step)
         self.disk_wait_s += time.perf_counter() - start
+        self._epoch += 1  # rows were written back: a read-ahead started before now may be stale
         out = torch.empty_like(ids)
         out[ordered.indices] = slots[inverse]
         return out
@@ -354,6 +360,7 @@ class OffloadedRows:
                     what = "the weights" if not part else f"slot {part!r}"
                     self._tear(f"writing {what} to disk failed ({exc.strerror or exc})", exc)
             self.changed.mark(files_rows)
+            self._epoch += 1
 
     def translate(self, ids: Tensor) -> Tensor:
         """The slots of cached local rows ``ids`` [any] (same shape and dtype); an id outside [0, N) becomes C
@@ -378,8 +385,8 @@ class OffloadedRows:
         return rows
 
     def prefetch(self, rows: Tensor) -> None:
-        """Start reading the pages of local rows ``rows`` [any] that are on disk and not cached into the page
-        cache, asynchronously (a staged batch's, before its lookup admits them)."""
+        """Start reading local rows ``rows`` [any] that are on disk and not cached, in the background (a staged
+        batch's, before its lookup admits them: ``ReadAhead``)."""
         if self.torn is not None or self.closed:
             return
         rows = rows.reshape(-1).to("cpu", torch.int64)
@@ -389,27 +396,31 @@ class OffloadedRows:
         rows = rows[~self.residency.where(rows)[1]]
         rows = rows[self._initialized[torch.div(rows, self.block, rounding_mode="floor")]]
         self.counters["rows_prefetched"] += int(rows.numel())
-        for part, dtype in self.dtypes.items():
-            size = self.dim * dtype.itemsize
-            first = torch.div(rows * size, _PAGE, rounding_mode="floor") * _PAGE
-            last = -torch.div(-(rows + 1) * size, _PAGE, rounding_mode="floor") * _PAGE
-            ranges = torch.unique(torch.stack((first, last - first), dim=1), dim=0)
-            try:
-                self.files.page_work(part, WILL_NEED, ranges)
-            except OSError:
-                return  # a hint: the admission reads them, and says what failed
+        files = self.files
+        shapes = {part: (self.dim, dtype) for part, dtype in self.dtypes.items()}
+        self.read_ahead.start(rows, shapes, lambda part, r, v: files.row_io(part, r, v, write=False), self._epoch)
 
-    def _read_in(self, rows: Tensor, slots: Tensor) -> None:
-        """Read local rows ``rows`` [K] (ascending) of every file into cache ``slots`` [K] (``pread``): a read
-        error tears the files and raises."""
+    def _read_in(self, rows: Tensor, slots: Tensor, *, ahead: bool = False) -> None:
+        """Read local rows ``rows`` [K] (ascending) of every file into cache ``slots`` [K] (``pread``; ``ahead``:
+        those read ahead for this epoch taken from there): a read error tears the files and raises."""
+        got = self.read_ahead.take(rows, self._epoch) if ahead else None
+        if got is not None:
+            found, ahead_values = got
+            for part, block in self.cache.items():
+                block[slots[found]] = ahead_values[part]
+            self.counters["rows_read_ahead"] += int(found.sum())
+            rows, slots, done = rows[~found], slots[~found], slots[found]
+            self.dirty[done] = False
+            self.counters["rows_read"] += int(done.numel())
+            self.counters["bytes_read"] += int(done.numel()) * self.row_bytes
         for part, block in self.cache.items():
-            values = torch.empty((rows.numel(), self.dim), dtype=block.dtype)
+            read = torch.empty((rows.numel(), self.dim), dtype=block.dtype)
             try:
-                self.files.row_io(part, rows, values, write=False)
+                self.files.row_io(part, rows, read, write=False)
             except OSError as exc:
                 what = "the weights" if not part else f"slot {part!r}"
                 self._tear(f"reading {what} from disk failed ({exc.strerror or exc})", exc)
-            block[slots] = values
+            block[slots] = read
         self.dirty[slots] = False
         n = int(rows.numel())
         self.counters["rows_read"] += n
@@ -447,6 +458,7 @@ class OffloadedRows:
         then read every cached row again, so a lookup or update computes on what was written through them."""
         if not self._untracked:
             return
+        self._epoch += 1  # what was written through the maps may be newer than a read-ahead
         self._check_usable()
         self.flush()  # none is written here: a whole-table access flushed, and every write since refreshed first
         for part in self.dtypes:
@@ -521,6 +533,7 @@ class OffloadedRows:
         self.counters["initialized_rows"] = self.rows
         self.dirty.zero_()
         self.residency.clear()
+        self._epoch += 1
         self._untracked = True  # the maps' pages written by the restore are dropped at the next lookup
 
     # ------------------------------------------------------------------ changed rows
@@ -570,4 +583,5 @@ class OffloadedRows:
     def close(self) -> None:
         """Release the files and their lock (another module may then open the directory); every later access
         through this cache is refused. The tensors handed out keep their maps (memory-safe to read)."""
+        self.read_ahead.close()
         self.files.close()
