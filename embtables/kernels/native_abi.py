@@ -181,12 +181,6 @@ FUNCTIONS: dict[str, CFunction] = {
         _f("et_workspace_free", "handle:p"),
         _f("et_shm_post", "word:p value:u32"),
         _f(
-            "et_offload_ranges",
-            "fd:i32 base:p size:i64 ranges:p n:i64 op:i32 err:p",
-            _I32,
-            ((0, "ok"), (1, "io_error"), (2, "sizes"), (3, "unsupported")),
-        ),
-        _f(
             "et_offload_rows",
             "fd:i32 size:i64 buf:p row_bytes:i64 rows:p n:i64 op:i32 depth:i32 err:p",
             _I32,

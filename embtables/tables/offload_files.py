@@ -32,7 +32,6 @@ from embtables.errors import ClosedFilesError, ConfigError, TornFilesError
 from embtables.kernels import native_abi, native_library
 
 MAGIC = "embtables-offload-v1"
-DROP_CLEAN, DROP_WRITTEN, SETTLE, WILL_NEED, READ = 0, 1, 2, 3, 4  # ``page_work`` operations (csrc/offload_io.c)
 IO_DEPTH = 32  # row reads and writes in flight at once (threads of ``et_offload_rows``; docs/offload.md)
 # Whether a row's pages leave the page cache once read (measured: docs/offload.md, "Measured"). Left there, a
 # row's write-back finds its page (else the kernel reads the page from the disk first, as pwrite changes part of it)
@@ -241,43 +240,6 @@ class ShardFiles:
         _sync_range(fd, start, offset - start)
         os.posix_fadvise(fd, start, offset - start, os.POSIX_FADV_DONTNEED)
 
-    def page_work(self, part: str, op: int, ranges: Tensor) -> None:
-        """Operation ``op`` (``DROP_CLEAN``, ``DROP_WRITTEN``, ``SETTLE``, ``WILL_NEED``, ``READ``: see
-        ``csrc/offload_io.c``) on byte ranges ``ranges`` [n, 2] (offset, length; page-aligned, inside the file) of
-        ``part``: one native call (the ranges checked there), else one Python call a range. An I/O error raises
-        ``OSError``."""
-        ranges = ranges.to("cpu", torch.int64).contiguous()
-        if ranges.numel() == 0:
-            return
-        lib = native_library.library()
-        if lib is not None:
-            err = (ctypes.c_int32 * 2)()
-            base = self.tensors[part].data_ptr()
-            rc = lib.et_offload_ranges(
-                self._fds[part], base, self.nbytes[part], ranges.data_ptr(), ranges.shape[0], op, err
-            )
-            status = native_abi.decode("et_offload_ranges", rc)
-            if status == "ok":
-                return
-            if status == "io_error":
-                raise OSError(err[0], os.strerror(err[0]))
-            if status == "sizes":
-                raise RuntimeError(f"{self.names[part]}: a page range outside the file or not page-aligned (a bug)")
-            # "unsupported" (not Linux): the same work done a range at a time below
-        for offset, length in ranges.tolist():  # no native library, or not Linux
-            if op == DROP_CLEAN:
-                self.drop(part, offset, length, dirty=False)
-            elif op == DROP_WRITTEN:
-                self.drop(part, offset, length, dirty=True, wait=False)
-            elif op == SETTLE:
-                self.settle(part, offset, length)
-            elif op == WILL_NEED:
-                self.will_need(part, offset, length)
-            elif op == READ:
-                self.read(part, offset, min(length, self.nbytes[part] - offset), keep=True)
-            else:
-                raise ValueError(f"page_work: unknown operation {op}")
-
     def row_io(self, part: str, rows: Tensor, values: Tensor, *, write: bool, depth: int | None = None) -> None:
         """Read local rows ``rows`` [K] (ascending) of ``part``'s file into ``values`` [K, D] (``write``: write
         them from there) with ``pread``/``pwrite``, a run of consecutive rows a call: one native call (every row
@@ -324,10 +286,10 @@ class ShardFiles:
                 view, offset = view[n:], offset + n
             i = j
 
-    def read(self, part: str, offset: int, length: int, *, keep: bool = False) -> bytes:
+    def read(self, part: str, offset: int, length: int) -> bytes:
         """Bytes [offset, offset + length) of ``part``'s file, read with ``pread`` (through the page cache, not
-        the maps: nothing is mapped), then dropped from the page cache where clean (``keep``: left there, for a
-        touch of the maps that follows). A file ending early raises ``OSError`` (EIO)."""
+        the maps: nothing is mapped), then dropped from the page cache where clean. A file ending early raises
+        ``OSError`` (EIO)."""
         fd = self._fds[part]
         pieces, at = [], offset
         while at < offset + length:
@@ -336,35 +298,23 @@ class ShardFiles:
                 raise OSError(errno.EIO, f"{self.names[part]} ends at byte {at}, before {offset + length}")
             pieces.append(piece)
             at += len(piece)
-        if not keep:
-            os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
+        os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
         return b"".join(pieces)
 
-    def will_need(self, part: str, offset: int, length: int) -> None:
-        """Start reading bytes [offset, offset + length) of ``part`` into the page cache (asynchronously: many
-        reads in flight at once, which one fault at a time would not have)."""
-        length = min(length, self.nbytes[part] - offset)
-        if length > 0:
-            os.posix_fadvise(self._fds[part], offset, length, os.POSIX_FADV_WILLNEED)
-
-    def drop(self, part: str, offset: int, length: int, *, dirty: bool, wait: bool = True) -> None:
+    def drop(self, part: str, offset: int, length: int, *, dirty: bool) -> None:
         """Drop bytes [offset, offset + length) of ``part`` (page-aligned) from the process and the page cache,
-        writing them back first when ``dirty``: synchronously (``msync``), or with ``wait=False`` by starting
-        the write-back only (``sync_file_range``), the pages then left in the page cache until ``settle``."""
+        writing them back first (``msync``) when ``dirty``."""
         mapped = self._maps[part]
         length = min(length, len(mapped) - offset)  # the kernel rounds the file's last page up itself
         if length <= 0:
             return
-        if dirty and wait:
+        if dirty:
             mapped.flush(offset, length)  # msync: an I/O error raises OSError
-        mapped.madvise(mmap.MADV_DONTNEED, offset, length)  # a dirty page's data stays in the page cache
-        if dirty and not wait:
-            _sync_range(self._fds[part], offset, length, _SYNC_START)
-            return
+        mapped.madvise(mmap.MADV_DONTNEED, offset, length)
         os.posix_fadvise(self._fds[part], offset, length, os.POSIX_FADV_DONTNEED)
 
     def settle(self, part: str, offset: int, length: int) -> None:
-        """Wait for the write-back ``drop(wait=False)`` started (an I/O error raises ``OSError``), then drop
+        """Wait for the write-back ``write(wait=False)`` started (an I/O error raises ``OSError``), then drop
         the pages from the page cache."""
         length = min(length, self.nbytes[part] - offset)
         if length > 0:

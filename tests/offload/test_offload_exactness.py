@@ -182,7 +182,7 @@ def test_the_next_batch_enqueued_before_the_update_is_read_ahead_and_changes_not
     assert stats["rows_prefetched"] > 0 and stats["rows_read_ahead"] > 0, stats  # taken, not read again
 
 
-def test_without_the_native_library_the_page_work_is_done_in_python_with_the_same_bits(
+def test_without_the_native_library_the_row_io_is_done_in_python_with_the_same_bits(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from embtables.tables import offload_files

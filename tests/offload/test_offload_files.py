@@ -280,19 +280,25 @@ def test_a_save_streams_from_the_files_without_writing_rows_never_read(tmp_path:
         assert torch.equal(v, want[k]), k
 
 
-def test_the_native_page_work_checks_every_range_before_it_touches_one(tmp_path: Path) -> None:
+def test_the_native_row_io_checks_every_row_before_it_touches_one(tmp_path: Path) -> None:
+    """``et_offload_rows`` trusts no row index: one outside the file refuses the whole call, nothing read or
+    written; rows up to the file's last one are read."""
     from embtables.kernels import native_library
-    from embtables.tables.offload_files import DROP_CLEAN
 
     if native_library.library() is None:
         pytest.skip("the native library is not built here (gcc is required)")
     emb = _module(tmp_path)
     files = emb._engine.local.offloaded["t"].files  # the table's files, as the cache drives them
-    size = files.nbytes[""]
-    for bad in ([[1, 4096]], [[size, 4096]], [[-4096, 4096]], [[0, 0]], [[0, 4096], [4095, 4096]]):
-        with pytest.raises(RuntimeError, match="outside the file or not page-aligned"):
-            files.page_work("", DROP_CLEAN, torch.tensor(bad))
-    files.page_work("", DROP_CLEAN, torch.tensor([[0, 4096], [size - 4096, 1 << 20]]))  # cut at the file's end
+    last = files.nbytes[""] // (64 * 4) - 1
+    before = bytes(files.tensors[""].view(torch.uint8).reshape(-1)[:4096].numpy())
+    for bad in ([0, last + 1], [-1, 0], [1, 2**40]):
+        values = torch.full((2, 64), 7.0)
+        with pytest.raises(RuntimeError, match="a row outside the file"):
+            files.row_io("", torch.tensor(bad), values, write=True)
+    assert bytes(files.tensors[""].view(torch.uint8).reshape(-1)[:4096].numpy()) == before  # row 0 not written
+    values = torch.empty((2, 64))
+    files.row_io("", torch.tensor([0, last]), values, write=False)
+    assert torch.equal(values, files.tensors[""][[0, last]])
 
 
 def test_a_name_read_from_a_record_never_leads_outside_the_directory(tmp_path: Path) -> None:

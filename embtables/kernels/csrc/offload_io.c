@@ -1,86 +1,12 @@
-/* The page work of an offloaded table's row cache (embtables/tables/offload_files.py), one call for a list of
- * byte ranges of one file instead of one Python call a range and a system call. Compiled into the same library
- * as embtables_native.c. Linux only (elsewhere every call returns 3, "unsupported", and Python does the work).
- *
- * op 0: drop clean pages: madvise(MADV_DONTNEED) on the mapping, posix_fadvise(POSIX_FADV_DONTNEED) on the file.
- * op 1: drop written pages and start their write-back: madvise(MADV_DONTNEED) (a dirty page's data stays in
- *       the page cache), sync_file_range(SYNC_FILE_RANGE_WRITE).
- * op 2: wait for that write-back and drop the pages from the page cache: sync_file_range(WAIT_BEFORE | WRITE |
- *       WAIT_AFTER), posix_fadvise(POSIX_FADV_DONTNEED).
- * op 3: start reading the pages into the page cache: posix_fadvise(POSIX_FADV_WILLNEED).
- * op 4: read the pages through the page cache with pread (into a scratch buffer, discarded): a read error is
- *       returned here (EIO; a file shorter than size: EIO too) instead of striking a later touch of the
- *       mapping as SIGBUS, and the pages are in the page cache for that touch.
- *
- * ranges [n, 2]: (offset, length) in bytes. Nothing is trusted: every range must start on a page, lie inside
- * [0, size) (its length is cut at size, as the kernel rounds the last page itself) and have a positive length,
- * else nothing is done and 2 ("sizes") is returned. A failing system call stops the work: 1 is returned with
- * err[0] = errno and err[1] = the range's index. 0: done.
- */
+/* The row I/O of an offloaded table's row cache (embtables/tables/offload_files.py), compiled into the same
+ * library as embtables_native.c. */
 #define _GNU_SOURCE
 #include <errno.h>
 #include <fcntl.h>
 #include <pthread.h>
 #include <stdint.h>
-#include <stdlib.h>
-#include <sys/mman.h>
 #include <time.h>
 #include <unistd.h>
-
-#define ET_READ_SCRATCH (1 << 16) /* bytes op 4 reads a call */
-
-int32_t et_offload_ranges(int32_t fd, void *base, int64_t size, const int64_t *ranges, int64_t n, int32_t op,
-                          int32_t *err) {
-#ifdef __linux__
-    const int64_t page = (int64_t)sysconf(_SC_PAGESIZE);
-    if (fd < 0 || size <= 0 || n < 0 || (n > 0 && ranges == 0) || err == 0 || op < 0 || op > 4 ||
-        (op <= 1 && base == 0) || page <= 0)
-        return 2;
-    for (int64_t i = 0; i < n; i++) {
-        const int64_t off = ranges[2 * i], len = ranges[2 * i + 1];
-        if (off < 0 || off >= size || len <= 0 || off % page != 0) return 2;
-    }
-    char *scratch = NULL;
-    if (op == 4 && n > 0 && (scratch = (char *)malloc(ET_READ_SCRATCH)) == NULL) {
-        err[0] = ENOMEM;
-        err[1] = 0;
-        return 1;
-    }
-    for (int64_t i = 0; i < n; i++) {
-        const int64_t off = ranges[2 * i];
-        int64_t len = ranges[2 * i + 1];
-        if (len > size - off) len = size - off;
-        int rc = 0;
-        if (op <= 1 && madvise((char *)base + off, (size_t)len, MADV_DONTNEED) != 0) rc = errno;
-        if (rc == 0 && op == 0) rc = posix_fadvise(fd, off, len, POSIX_FADV_DONTNEED);
-        if (rc == 0 && op == 1 && sync_file_range(fd, off, len, SYNC_FILE_RANGE_WRITE) != 0) rc = errno;
-        if (rc == 0 && op == 2) {
-            unsigned flags = SYNC_FILE_RANGE_WAIT_BEFORE | SYNC_FILE_RANGE_WRITE | SYNC_FILE_RANGE_WAIT_AFTER;
-            if (sync_file_range(fd, off, len, flags) != 0) rc = errno;
-            if (rc == 0) rc = posix_fadvise(fd, off, len, POSIX_FADV_DONTNEED);
-        }
-        if (rc == 0 && op == 3) rc = posix_fadvise(fd, off, len, POSIX_FADV_WILLNEED);
-        for (int64_t at = off; rc == 0 && op == 4 && at < off + len;) {
-            const int64_t want = off + len - at < ET_READ_SCRATCH ? off + len - at : ET_READ_SCRATCH;
-            const ssize_t got = pread(fd, scratch, (size_t)want, (off_t)at);
-            if (got < 0 && errno == EINTR) continue;
-            if (got <= 0) rc = got < 0 ? errno : EIO; /* 0: the file ends before its recorded size */
-            else at += got;
-        }
-        if (rc != 0) {
-            free(scratch);
-            err[0] = rc;
-            err[1] = (int32_t)(i < INT32_MAX ? i : INT32_MAX);
-            return 1;
-        }
-    }
-    free(scratch);
-    return 0;
-#else
-    (void)fd; (void)base; (void)size; (void)ranges; (void)n; (void)op; (void)err;
-    return 3;
-#endif
-}
 
 /* The row I/O of an offloaded table's row cache: rows of one file by row index, one call for a batch of rows.
  *
