@@ -110,19 +110,15 @@ def pooled_lookup_exchange(
         names = [name for name in wanted if name in local.offloaded]
         slots = admit([(name, torch.cat(wanted[name])) for name in names])
         # an offloaded table's rows are pooled and updated in its cache's slots, in the order they were asked
-        pieces = {name: list(torch.split(s, [r.numel() for r in wanted[name]])) for name, s in zip(names, slots)}
-        taken = dict.fromkeys(names, 0)
-        fixed = []
-        for src in asked:
-            row = []
-            for a in src:
-                name = tables[resolved.features[a.feature].table_index].name
-                if name in pieces:
-                    a = dataclasses.replace(a, ids=pieces[name][taken[name]])
-                    taken[name] += 1
-                row.append(a)
-            fixed.append(row)
-        asked = fixed
+        pieces = {name: iter(torch.split(s, [r.numel() for r in wanted[name]])) for name, s in zip(names, slots)}
+        asked = [
+            [
+                dataclasses.replace(a, ids=next(pieces[name])) if name in pieces else a
+                for a in src
+                for name in (tables[resolved.features[a.feature].table_index].name,)
+            ]
+            for src in asked
+        ]
     weights = [
         (a, local.states[tables[resolved.features[a.feature].table_index].name].weights) for src in asked for a in src
     ]

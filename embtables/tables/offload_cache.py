@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import NoReturn
 
 import torch
@@ -256,17 +257,19 @@ class OffloadedRows:
         ``pin_from`` and these exceed the cache."""
         self._check_usable()
         self.refresh()
+        return self._slots_of_valid(rows, lambda ids: self._admit_ids(ids, step, pin_from))
+
+    def _slots_of_valid(self, rows: Tensor, slots: Callable[[Tensor], Tensor]) -> Tensor:
+        """``rows`` [any] as slots (same shape, dtype and device): ``slots`` of the ids in [0, N) [K] (CPU int64,
+        in order), C (outside the cache) for the others."""
         flat = rows.reshape(-1).to("cpu", torch.int64)
         valid = (flat >= 0) & (flat < self.rows)
-        every = bool(valid.all())
-        ids = flat if every else flat[valid]
-        out = torch.full_like(flat, self.capacity)
-        if ids.numel():
-            slots = self._admit_ids(ids, step, pin_from)
-            if every:
-                out = slots
-            else:
-                out[valid] = slots
+        if bool(valid.all()):
+            out = slots(flat) if flat.numel() else flat
+        else:
+            out = torch.full_like(flat, self.capacity)
+            if bool(valid.any()):
+                out[valid] = slots(flat[valid])
         return out.to(rows.device, rows.dtype).reshape(rows.shape)
 
     def _admit_ids(self, ids: Tensor, step: int, pin_from: int) -> Tensor:
@@ -365,14 +368,7 @@ class OffloadedRows:
     def translate(self, ids: Tensor) -> Tensor:
         """The slots of cached local rows ``ids`` [any] (same shape and dtype); an id outside [0, N) becomes C
         (outside the cache), which the lookup refuses as an id that changed after it was validated."""
-        flat = ids.reshape(-1).to("cpu", torch.int64)
-        valid = (flat >= 0) & (flat < self.rows)
-        out = torch.full_like(flat, self.capacity)
-        if bool(valid.all()):
-            out = self.residency.slots_of(flat)
-        elif bool(valid.any()):
-            out[valid] = self.residency.slots_of(flat[valid])
-        return out.to(ids.device, ids.dtype).reshape(ids.shape)
+        return self._slots_of_valid(ids, self.residency.slots_of)
 
     def local_rows(self, slots: Tensor) -> Tensor:
         """The local rows [K] held by cached ``slots`` [K] (a written slot's row, for the stale rows a pipelined

@@ -8,6 +8,7 @@ the same batches and gradients; activations, tables and slots are compared bit f
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +72,26 @@ def _same(x: torch.Tensor, y: torch.Tensor, what: object) -> None:
                        y.view(torch.int16) if y.element_size() == 2 else y.view(torch.int32)), what  # fmt: skip
 
 
+def _big_rows(feats: dict[str, Any]) -> torch.Tensor:
+    """The distinct rows of "big" a batch of ``_batch`` looks up [U], ascending."""
+    return torch.unique(torch.cat([feats["a"].values, feats["b"].values]))
+
+
+def _offloaded_and_in_memory(
+    tmp_path: Path, opt: Callable[[], Any], *, pipelined: bool = False, dtype: Any = None, cache_rows: int = 100
+) -> tuple[Any, Any]:
+    """The offloaded module and the same tables in memory, starting from the offloaded one's initial rows."""
+    torch.manual_seed(0)
+    off = et.DistributedEmbedding(
+        _features(tmp_path / "off", opt(), dtype, cache_rows), pipeline_execution_with_tensor_core=pipelined
+    )
+    torch.manual_seed(0)  # a twin with the same seed gives the reference its initial rows: the trained
+    twin = et.DistributedEmbedding(_features(tmp_path / "twin", opt(), dtype))  # one reads lazily
+    ref = et.DistributedEmbedding(_features(None, opt(), dtype), pipeline_execution_with_tensor_core=pipelined)
+    ref.load_state_dict(twin.state_dict())
+    return off, ref
+
+
 def _train_side_by_side(
     tmp_path: Path,
     opt_name: str,
@@ -80,18 +101,9 @@ def _train_side_by_side(
     state_every_step: bool = False,
     cache_rows: int = 100,
 ) -> Any:
-    torch.manual_seed(0)
-    off = et.DistributedEmbedding(
-        _features(tmp_path / "off", OPTIMIZERS[opt_name](), dtype, cache_rows),
-        pipeline_execution_with_tensor_core=pipelined,
+    off, ref = _offloaded_and_in_memory(
+        tmp_path, OPTIMIZERS[opt_name], pipelined=pipelined, dtype=dtype, cache_rows=cache_rows
     )
-    torch.manual_seed(0)  # a twin with the same seed gives the reference its initial rows: the trained
-    twin = et.DistributedEmbedding(_features(tmp_path / "twin", OPTIMIZERS[opt_name](), dtype))  # one reads lazily
-    ref = et.DistributedEmbedding(
-        _features(None, OPTIMIZERS[opt_name](), dtype), pipeline_execution_with_tensor_core=pipelined
-    )
-    ref.load_state_dict(twin.state_dict())
-    del twin
     for step in range(4):
         feats, weights = _batch(step)
         got, want = off(feats, weights), ref(feats, weights)
@@ -158,13 +170,7 @@ def test_the_initial_rows_do_not_depend_on_the_cache_or_the_order_rows_are_first
 def test_the_next_batch_enqueued_before_the_update_is_read_ahead_and_changes_nothing(tmp_path: Path) -> None:
     """``enqueue(next)`` before ``apply_gradients()``: the next batch's rows on disk start coming in (the page
     cache) while the step finishes; the results are the same bits."""
-    torch.manual_seed(0)
-    off = et.DistributedEmbedding(_features(tmp_path / "off", et.Adagrad(0.2)))
-    torch.manual_seed(0)
-    twin = et.DistributedEmbedding(_features(tmp_path / "twin", et.Adagrad(0.2)))
-    ref = et.DistributedEmbedding(_features(None, et.Adagrad(0.2)))
-    ref.load_state_dict(twin.state_dict())
-    del twin
+    off, ref = _offloaded_and_in_memory(tmp_path, lambda: et.Adagrad(0.2))
     off.enqueue(*_batch(0))
     for step in range(6):
         got = off.dequeue()
@@ -198,8 +204,7 @@ def _batch_rows() -> int:
     most = 0
     for step in range(4):
         feats, _ = _batch(step)
-        ids = torch.cat([feats["a"].values, feats["b"].values])
-        most = max(most, int(torch.unique(ids).numel()))
+        most = max(most, int(_big_rows(feats).numel()))
     return most
 
 
@@ -223,13 +228,10 @@ def test_a_pipelined_module_whose_state_is_read_every_step_stays_exact(tmp_path:
 def test_an_edit_through_a_tensor_handed_out_is_seen_by_the_next_lookup(tmp_path: Path) -> None:
     """``embedding_tables`` of an offloaded table are its files' maps: an in-place edit made before the next lookup
     is what that lookup and its update compute on, as for the table in memory."""
-    torch.manual_seed(0)
-    off = et.DistributedEmbedding(_features(tmp_path / "off", et.Adagrad(0.2)))
-    ref = et.DistributedEmbedding(_features(None, et.Adagrad(0.2)))
-    ref.load_state_dict(off.state_dict())
+    off, ref = _offloaded_and_in_memory(tmp_path, lambda: et.Adagrad(0.2))
     for step in (0, 0, 1, 1, 2):  # a batch again: its rows are in the cache when they are edited
         feats, weights = _batch(step)
-        ids = torch.unique(torch.cat([feats["a"].values, feats["b"].values]))
+        ids = _big_rows(feats)
         for emb in (off, ref):  # rows of this batch edited in place
             with torch.no_grad():
                 emb.embedding_tables["big"][ids[::2]] += 0.5
@@ -247,13 +249,7 @@ def test_a_staged_batch_read_ahead_is_dropped_when_the_files_change_before_its_l
     """``enqueue(next)`` reads the next batch's missing rows in the background; an in-place edit through
     ``embedding_tables`` before its lookup writes the files those rows were read from, so the lookup reads them
     again: the bits are those of the table in memory given the same edit."""
-    torch.manual_seed(0)
-    off = et.DistributedEmbedding(_features(tmp_path / "off", et.Adagrad(0.2)))
-    torch.manual_seed(0)
-    twin = et.DistributedEmbedding(_features(tmp_path / "twin", et.Adagrad(0.2)))
-    ref = et.DistributedEmbedding(_features(None, et.Adagrad(0.2)))
-    ref.load_state_dict(twin.state_dict())
-    del twin
+    off, ref = _offloaded_and_in_memory(tmp_path, lambda: et.Adagrad(0.2))
     off.enqueue(*_batch(0))
     for step in range(4):
         got = off.dequeue()
@@ -266,7 +262,7 @@ def test_a_staged_batch_read_ahead_is_dropped_when_the_files_change_before_its_l
         if step + 1 < 4:
             off.enqueue(*_batch(step + 1))  # read ahead: the next batch's rows not in the cache
             feats, _ = _batch(step + 1)
-            ids = torch.unique(torch.cat([feats["a"].values, feats["b"].values]))
+            ids = _big_rows(feats)
             for emb in (off, ref):  # then written through the files' maps before the lookup
                 with torch.no_grad():
                     emb.embedding_tables["big"][ids] *= 0.5
