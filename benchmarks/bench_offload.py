@@ -10,9 +10,9 @@ run; the cache's hit rate, rows read and written a step, the time a step waits f
 resident memory (peak, sampled). The in-memory case runs only when the tables fit in half the machine's memory.
 
 (b) **uniform ids**: rows the disk served per second (looked-up rows not in memory) and 4 KiB pages read per
-second (of every file: weights and slots) against the disk's random 4 KiB read rate, measured in the same run
-on a file in the same directory (``O_DIRECT`` reads, the page cache bypassed, at queue depth 1 and 32: one
-thread, then 32, each with one read in flight).
+second (a row's record, its weights and slots, is one read) against the disk's random 4 KiB read rate,
+measured in the same run on a file in the same directory (``O_DIRECT`` reads, the page cache bypassed, at queue
+depth 1 and 32: one thread, then 32, each with one read in flight).
 
 For every case, the **disk-bound floor** of a step (the 4 KiB pages it read, at the QD32 rate: what a step
 costs when the disk alone is the limit) and the hit rate of an **ideal LFU** of the same capacity in rows,
@@ -279,9 +279,9 @@ def _case(wl: Workload, args: argparse.Namespace, directory: str, probe: dict[st
     out["offloaded_ms"] = statistics.median(times)
     seconds = max(sum(times) / 1e3, 1e-9)
     out["missed_rows_per_s"] = (diff["rows_looked_up"] - diff["hits"]) / seconds  # rows the disk served
-    # a row read is one random page of each file (weights, the Adagrad slot: rows of at most a page, never
-    # straddling one), read with the page cache dropped behind it
-    pages = diff["rows_read"] * 2
+    # a row read is one random read of its record (the weights and the Adagrad slot side by side: 512 bytes at
+    # D 64, never straddling a page)
+    pages = diff["rows_read"]
     out["pages_read_per_s"] = pages / seconds
     out["floor_ms"] = pages / steps / probe["random_4k_reads_per_s_qd32"] * 1e3
     out["hit_rate"] = diff["hits"] / max(1, diff["rows_looked_up"])

@@ -170,19 +170,12 @@ class TableConfig:
         self._check_offload(who)
 
     def _check_offload(self, who: str) -> None:
-        """The rules of ``offload``: an initializer that draws any block of rows on its own; a dynamic vocabulary
-        over it in float32 only."""
+        """The rules of ``offload``: an initializer that draws any block of rows on its own."""
         if self.offload is None:
             return
         if not isinstance(self.offload, Offload):
             got = type(self.offload).__name__
             raise ConfigError(f"{who}: `offload` must be an embtables.Offload or None, got {got}.")
-        if self.dynamic is not None and (self.half or (storage_name(self.slot_dtype) or "float32") != "float32"):
-            raise ConfigError(
-                f"{who}: `offload` with `dynamic` and a half-precision dtype or slot_dtype is not supported (a half "
-                "dynamic table rounds each row by its key, which its row cache does not keep). Keep the dynamic "
-                "offloaded table in float32, or keep it in memory."
-            )
         if self.initializer is not None and not callable(getattr(self.initializer, "block", None)):
             raise ConfigError(
                 f"{who}: `offload` needs an initializer that can draw any block of rows on its own (rows are "

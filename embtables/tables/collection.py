@@ -78,6 +78,8 @@ class EmbeddingCollection:
         for name in self.offloaded:  # an offloaded half table rounds each cache slot by its row's global id
             if self.resolved.tables[self.resolved.table_names.index(name)].config.half:
                 self._tables.global_rows[name] = self.offloaded[name].slot_global
+                if name in self.vocabularies.row_keys:  # a dynamic one: by its row's key
+                    self.offloaded[name].round_by(self.vocabularies.row_keys[name])
         self.reference = TorchBackend(self._tables)
         self._backend: Backend | None = None  # chosen at the first call, see backend
         self._switches = -1

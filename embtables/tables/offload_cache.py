@@ -93,6 +93,9 @@ class OffloadedRows:
         self.read_ahead = ReadAhead()  # a staged batch's missing rows, read while the step before it computes
         self._epoch = 0  # admissions and other writes to the files so far: a read-ahead is good for one epoch
         self._warned_whole = False  # a whole-table access beyond the cache was logged
+        # the id each local row [N] rounds with when it is not its global id: a dynamic half table's keys (kept
+        # current by its key map's lookups; ``round_by``)
+        self._row_ids: Tensor | None = None
         self.counters: dict[str, int] = dict.fromkeys(
             (
                 "rows_looked_up",
@@ -113,8 +116,8 @@ class OffloadedRows:
 
     @property
     def row_bytes(self) -> int:
-        """Bytes of one row in every file together."""
-        return sum(d.itemsize * self.dim for d in self.dtypes.values())
+        """Bytes of one row's record in the file (its weights and slots, padded: ``RecordLayout``)."""
+        return self.files.layout.nbytes
 
     # ------------------------------------------------------------------ initialization
     def _init_blocks(self, blocks: Tensor) -> None:
@@ -126,17 +129,17 @@ class OffloadedRows:
             self.init_s += time.perf_counter() - start
 
     def _init_each(self, blocks: Tensor) -> None:
-        written: list[tuple[str, int, int]] = []  # (part, offset, length): their write-backs run together
+        written: list[tuple[int, int]] = []  # (offset, length): their write-backs run together
         try:
             self._init_written(blocks, written)
         finally:
             try:
-                for part, offset, length in written:
-                    self.files.settle(part, offset, length)
+                for offset, length in written:
+                    self.files.settle(offset, length)
             except OSError as exc:  # the write-back failed: the files no longer hold what the cache believes
                 self._tear(f"writing initial values to disk failed ({exc.strerror or exc})", exc)
 
-    def _init_written(self, blocks: Tensor, written: list[tuple[str, int, int]]) -> None:
+    def _init_written(self, blocks: Tensor, written: list[tuple[int, int]]) -> None:
         for b in blocks.tolist():
             lo, hi = b * self.block, min((b + 1) * self.block, self.rows)
             try:
@@ -150,12 +153,11 @@ class OffloadedRows:
             self._initialized[b] = True
             self.counters["initialized_rows"] += hi - lo
 
-    def _init_range(self, lo: int, hi: int, written: list[tuple[str, int, int]]) -> None:
-        for part, dtype in self.dtypes.items():
-            data = self._initial(part, lo, hi).contiguous().view(torch.uint8).numpy().tobytes()
-            offset = lo * self.dim * dtype.itemsize
-            self.files.write(part, offset, data, wait=False)
-            written.append((part, offset, len(data)))
+    def _init_range(self, lo: int, hi: int, written: list[tuple[int, int]]) -> None:
+        records = self.files.layout.pack({part: self._initial(part, lo, hi) for part in self.dtypes})
+        offset = lo * self.row_bytes
+        self.files.write(offset, records.reshape(-1).numpy().data, wait=False)
+        written.append((offset, records.numel()))
 
     def _initial(self, part: str, lo: int, hi: int) -> Tensor:
         """The initial values [hi - lo, D] of local rows [lo, hi) of ``part`` ("" or a slot) in its storage
@@ -175,12 +177,12 @@ class OffloadedRows:
         # also wrote every written row of the cache back
         dtype = self.dtypes[part]
         out = torch.empty((hi - lo, self.dim), dtype=dtype)
-        size = self.dim * dtype.itemsize
+        size = self.row_bytes
         for b in range(lo // self.block, -(-hi // self.block)):
             a, z = max(lo, b * self.block), min(hi, (b + 1) * self.block)
             if bool(self._initialized[b]):
-                data = bytearray(self.files.read(part, a * size, (z - a) * size))
-                values = torch.frombuffer(data, dtype=dtype).view(z - a, self.dim)
+                data = bytearray(self.files.read(a * size, (z - a) * size))
+                values = self.files.layout.view(torch.frombuffer(data, dtype=torch.uint8).view(z - a, size), part)
             else:
                 values = self._initial(part, a, z)
             out[a - lo : z - lo] = values
@@ -310,7 +312,7 @@ class OffloadedRows:
             except BaseException:
                 self.residency.remove(self.residency.where(missing)[0])  # nothing half-read stays
                 raise
-            self.slot_global[given] = self.first + self.stride * missing
+            self.slot_global[given] = self._rounding_ids(missing)
             slots[~present] = given
         self.residency.used(wanted, uses, step)
         self.disk_wait_s += time.perf_counter() - start
@@ -347,6 +349,7 @@ class OffloadedRows:
                 for part, block in self.cache.items():
                     block[where] = values[part][present].to(block.dtype)
             self.dirty[where] = True
+            self.slot_global[where] = self._rounding_ids(rows[present])  # a row handed to a new key
         rest = ~present
         if bool(rest.any()):
             order = torch.argsort(rows[rest])
@@ -355,15 +358,24 @@ class OffloadedRows:
             fresh = blocks[~self._initialized[blocks]]
             if fresh.numel():
                 self._init_blocks(fresh)
-            for part, dtype in self.dtypes.items():
-                data = values[part][rest][order].to(dtype).contiguous()
-                try:
-                    self.files.row_io(part, files_rows, data, write=True)
-                except OSError as exc:
-                    what = "the weights" if not part else f"slot {part!r}"
-                    self._tear(f"writing {what} to disk failed ({exc.strerror or exc})", exc)
+            records = self.files.layout.pack({part: values[part][rest][order] for part in self.dtypes})
+            try:
+                self.files.row_io(files_rows, records, write=True)
+            except OSError as exc:
+                self._tear(f"writing rows to disk failed ({exc.strerror or exc})", exc)
             self.changed.mark(files_rows)
             self._epoch += 1
+
+    def round_by(self, row_ids: Tensor) -> None:
+        """Round each local row's updates with ``row_ids[row]`` ([N] int64, read at each admission: a dynamic
+        half table's keys, which its key map's lookups keep current) instead of its global id."""
+        self._row_ids = row_ids
+
+    def _rounding_ids(self, rows: Tensor) -> Tensor:
+        """What local ``rows`` [K] round with [K]: their global ids, or the ids ``round_by`` gave."""
+        if self._row_ids is not None:
+            return self._row_ids[rows].to(torch.int64)
+        return self.first + self.stride * rows
 
     def translate(self, ids: Tensor) -> Tensor:
         """The slots of cached local rows ``ids`` [any] (same shape and dtype); an id outside [0, N) becomes C
@@ -393,30 +405,29 @@ class OffloadedRows:
         rows = rows[self._initialized[torch.div(rows, self.block, rounding_mode="floor")]]
         self.counters["rows_prefetched"] += int(rows.numel())
         files = self.files
-        shapes = {part: (self.dim, dtype) for part, dtype in self.dtypes.items()}
-        self.read_ahead.start(rows, shapes, lambda part, r, v: files.row_io(part, r, v, write=False), self._epoch)
+        self.read_ahead.start(rows, files.layout.empty, lambda r, v: files.row_io(r, v, write=False), self._epoch)
 
     def _read_in(self, rows: Tensor, slots: Tensor, *, ahead: bool = False) -> None:
         """Read local rows ``rows`` [K] (ascending) of every file into cache ``slots`` [K] (``pread``; ``ahead``:
         those read ahead for this epoch taken from there): a read error tears the files and raises."""
+        layout = self.files.layout
         got = self.read_ahead.take(rows, self._epoch) if ahead else None
         if got is not None:
-            found, ahead_values = got
+            found, ahead_records = got
             for part, block in self.cache.items():
-                block[slots[found]] = ahead_values[part]
+                block[slots[found]] = layout.view(ahead_records, part)
             self.counters["rows_read_ahead"] += int(found.sum())
             rows, slots, done = rows[~found], slots[~found], slots[found]
             self.dirty[done] = False
             self.counters["rows_read"] += int(done.numel())
             self.counters["bytes_read"] += int(done.numel()) * self.row_bytes
+        records = layout.empty(int(rows.numel()))
+        try:
+            self.files.row_io(rows, records, write=False)
+        except OSError as exc:
+            self._tear(f"reading rows from disk failed ({exc.strerror or exc})", exc)
         for part, block in self.cache.items():
-            read = torch.empty((rows.numel(), self.dim), dtype=block.dtype)
-            try:
-                self.files.row_io(part, rows, read, write=False)
-            except OSError as exc:
-                what = "the weights" if not part else f"slot {part!r}"
-                self._tear(f"reading {what} from disk failed ({exc.strerror or exc})", exc)
-            block[slots] = read
+            block[slots] = layout.view(records, part)
         self.dirty[slots] = False
         n = int(rows.numel())
         self.counters["rows_read"] += n
@@ -430,12 +441,11 @@ class OffloadedRows:
         if not bool(written.any()):
             return
         rows, slots = rows[written], slots[written]
-        for part, block in self.cache.items():
-            try:
-                self.files.row_io(part, rows, block[slots].contiguous(), write=True)
-            except OSError as exc:
-                what = "the weights" if not part else f"slot {part!r}"
-                self._tear(f"writing {what} back to disk failed ({exc.strerror or exc})", exc)
+        records = self.files.layout.pack({part: block[slots] for part, block in self.cache.items()})
+        try:
+            self.files.row_io(rows, records, write=True)
+        except OSError as exc:
+            self._tear(f"writing rows back to disk failed ({exc.strerror or exc})", exc)
         self.dirty[slots] = False
         self.changed.mark(rows)
         n = int(rows.numel())
@@ -457,13 +467,10 @@ class OffloadedRows:
         self._epoch += 1  # what was written through the maps may be newer than a read-ahead
         self._check_usable()
         self.flush()  # none is written here: a whole-table access flushed, and every write since refreshed first
-        for part in self.dtypes:
-            length = self.files.nbytes[part]
-            try:
-                self.files.drop(part, 0, -(-length // _PAGE) * _PAGE, dirty=True)
-            except OSError as exc:
-                what = "the weights" if not part else f"slot {part!r}"
-                self._tear(f"writing {what} back to disk failed ({exc.strerror or exc})", exc)
+        try:
+            self.files.drop(0, -(-self.files.nbytes // _PAGE) * _PAGE, dirty=True)
+        except OSError as exc:
+            self._tear(f"writing rows back to disk failed ({exc.strerror or exc})", exc)
         if len(self.residency):
             start = time.perf_counter()
             self._read_in(self.residency.units, self.residency.slots)
@@ -500,7 +507,7 @@ class OffloadedRows:
         try:
             self.files.allocate()
         except OSError as exc:
-            total = sum(self.files.nbytes.values())
+            total = self.files.nbytes
             raise RuntimeError(
                 f"table {self.logical.name!r}: {what} writes all {self.rows} rows into its files under "
                 f"{self.files.directory!r} ({total} bytes with their slots); reserving that space failed "
@@ -511,15 +518,17 @@ class OffloadedRows:
 
     def written(self, part: str, lo: int, hi: int) -> None:
         """Local rows [lo, hi) of ``part`` were just written through the maps outside a step (a restore's
-        piece): write them back and drop them (their whole pages), so a restore's memory stays a piece."""
-        size = self.dim * self.dtypes[part].itemsize
+        piece): their pages leave the process, so a restore's memory stays a piece. The other parts of those
+        records are written too (by the same restore), so only the last part's writes send the pages to the disk
+        and out of the page cache; the others leave them there, dirty, for the next part to find."""
+        size = self.row_bytes
         first = lo * size // _PAGE * _PAGE
         last = -(-hi * size // _PAGE) * _PAGE
+        final = part == list(self.dtypes)[-1]
         try:
-            self.files.drop(part, first, last - first, dirty=True)
+            self.files.drop(first, last - first, dirty=True, unmap_only=not final)
         except OSError as exc:
-            what = "the weights" if not part else f"slot {part!r}"
-            self._tear(f"writing {what} back to disk failed ({exc.strerror or exc})", exc)
+            self._tear(f"writing rows back to disk failed ({exc.strerror or exc})", exc)
 
     def restored(self) -> None:
         """Every row was just written (a restore, a full load_state_dict): the files hold the whole table, and the

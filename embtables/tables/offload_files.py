@@ -1,14 +1,17 @@
-"""The working files of an offloaded table shard (docs/offload.md): one file of rows per tensor (weights and
-each slot), a JSON record of what embtables wrote, and a lock held while the files are open.
+"""The working files of an offloaded table shard (docs/offload.md): one file of records, a row's weights and
+its slots side by side (``RecordLayout``), a JSON record of what embtables wrote, and a lock held while the
+files are open.
 
-    <directory>/<table>.<shard>.meta.json   what embtables wrote (magic, table, shard, files, shape, dtypes)
+    <directory>/<table>.<shard>.meta.json   what embtables wrote (magic, table, shard, files, shape, dtypes, layout)
     <directory>/<table>.<shard>.lock        flock'ed by the process that has the files open
-    <directory>/<table>.<shard>.<part>.rows  [N, D] rows of one tensor, row-major, created sparse
+    <directory>/<table>.<shard>.rows        [N, R] records (R bytes: the weights, then each slot), created sparse
 
-A directory holding any file that no valid record lists is refused: embtables never overwrites or deletes a
-file it did not write. The row files are scratch: a new module starts them afresh (``save``/``restore`` keep a
-table). The row cache reads and writes rows by index (``row_io``: ``pread``/``pwrite``); a whole-table access and a
-restore go through a shared memory map of each file (``tensors``).
+A row that is not in memory is one read and one write of R contiguous bytes (one page when R divides 4096),
+not one in each of 1 + S files. A directory holding any file that no valid record lists is refused: embtables
+never overwrites or deletes a file it did not write. The row file is scratch: a new module starts it afresh
+(``save``/``restore`` keep a table). The row cache reads and writes records by row index (``row_io``:
+``pread``/``pwrite``); a whole-table access and a restore go through a shared memory map of the file
+(``tensors``: a strided [N, D] view per part).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import mmap
 import os
 import time
 import urllib.parse
+from dataclasses import dataclass
 from typing import Any, NoReturn
 
 import torch
@@ -55,6 +59,50 @@ def _sync_range(fd: int, offset: int, length: int, flags: int = _SYNC_WAIT) -> N
     if _SYNC_FILE_RANGE(fd, ctypes.c_int64(offset), ctypes.c_int64(length), ctypes.c_uint(flags)) != 0:
         err = ctypes.get_errno()
         raise OSError(err, os.strerror(err))
+
+
+@dataclass(frozen=True)
+class RecordLayout:
+    """Where each part ("" for the weights, then each slot by its TF name) of a row lies in its record: ``offsets``
+    in bytes, each a multiple of 8; ``nbytes`` (R) the record's size, a multiple of 8 (zero padding after a part
+    of a half type whose width is not a multiple of 4)."""
+
+    dim: int
+    dtypes: dict[str, torch.dtype]
+    offsets: dict[str, int]
+    nbytes: int
+
+    @classmethod
+    def of(cls, dim: int, dtypes: dict[str, torch.dtype]) -> RecordLayout:
+        offsets, at = {}, 0
+        for part, dtype in dtypes.items():
+            offsets[part] = at
+            at += -(-dim * dtype.itemsize // 8) * 8
+        return cls(dim, dict(dtypes), offsets, max(at, 8))
+
+    def empty(self, rows: int) -> Tensor:
+        """Records [rows, R] (uint8) to read into, or to ``pack`` (padding zeroed)."""
+        out = torch.empty((rows, self.nbytes), dtype=torch.uint8)
+        padded = self.nbytes > sum(self.dim * d.itemsize for d in self.dtypes.values())
+        return out.zero_() if padded else out
+
+    def view(self, records: Tensor, part: str) -> Tensor:
+        """``part``'s values [K, D] in ``records`` [K, R] (uint8, rows of stride R), a view: writing it writes
+        the records."""
+        dtype, at = self.dtypes[part], self.offsets[part]
+        return records[:, at : at + self.dim * dtype.itemsize].view(dtype)
+
+    def unpack(self, records: Tensor) -> dict[str, Tensor]:
+        """``{part: [K, D] view}`` of ``records`` [K, R]."""
+        return {part: self.view(records, part) for part in self.dtypes}
+
+    def pack(self, values: dict[str, Tensor]) -> Tensor:
+        """Records [K, R] holding ``values`` ({part: [K, D]}, each converted to its part's type)."""
+        rows = int(next(iter(values.values())).shape[0])
+        out = self.empty(rows)
+        for part, v in values.items():
+            self.view(out, part).copy_(v)
+        return out
 
 
 def file_stem(table: str, shard: str) -> str:
@@ -100,7 +148,8 @@ def _ours(directory: str) -> tuple[set[str], list[str]]:
 
 
 class ShardFiles:
-    """The files of one table shard, open and locked: ``tensors[part]`` [rows, dim] views their rows.
+    """The files of one table shard, open and locked: ``tensors[part]`` [rows, dim] views their rows (strided:
+    the records of ``layout``).
 
     Their life: open (constructed), then possibly *torn* (``tear``: a write-back or read failed, or something
     else cut a file short: they no longer hold the table; ``torn`` says why, until a restore writes every row
@@ -118,9 +167,10 @@ class ShardFiles:
         self.torn: str | None = None  # why the files no longer hold the table (``tear``)
         self.closed = False  # released (``close``): every access is refused
         self._lock_fd = -1
-        self._fds: dict[str, int] = {}
-        self._maps: dict[str, mmap.mmap] = {}
-        self.nbytes: dict[str, int] = {}
+        self._fd = -1
+        self._map: mmap.mmap | None = None
+        self.layout = RecordLayout.of(dim, parts)
+        self.nbytes = rows * self.layout.nbytes  # the row file's size
         self.tensors: dict[str, Tensor] = {}
         try:
             os.makedirs(directory, exist_ok=True)
@@ -142,7 +192,7 @@ class ShardFiles:
                 "embtables never overwrites or deletes them. Give the table an empty directory of its own."
             )
         stem = file_stem(table, shard)
-        self.names = {p: f"{stem}.{urllib.parse.quote(p, safe='-_') if p else 'weights'}.rows" for p in parts}
+        self.name = f"{stem}.rows"
         lock_name = f"{stem}.lock"
         record = {
             "magic": MAGIC,
@@ -151,7 +201,9 @@ class ShardFiles:
             "rows": rows,
             "dim": dim,
             "dtypes": {part: str(dtype).removeprefix("torch.") for part, dtype in parts.items()},
-            "files": self.names,
+            "files": {"records": self.name},
+            "record_bytes": self.layout.nbytes,
+            "offsets": self.layout.offsets,
             "lock": lock_name,
         }
         meta = os.path.join(directory, stem + META)
@@ -160,18 +212,23 @@ class ShardFiles:
         try:
             if existing is not None:
                 self._lock(lock)  # the shard's files are another module's until its lock is taken
+            # the files an earlier record of this shard listed are embtables' own: those not written again (an
+            # older layout's) are removed once the new record no longer lists them
+            old = [] if existing is None else [os.path.basename(f) for f in existing["files"].values()]
             self._write_record(meta, record)  # lists the lock before a new one is created
             if existing is None:
                 self._lock(lock)
-            for part, dtype in parts.items():
-                self._open_rows(part, rows, dim, dtype)
+            for name in old:  # only a row file of this shard's own naming: a record is read, not trusted
+                if name != self.name and name.startswith(stem + ".") and name.endswith(".rows"):
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(os.path.join(directory, name))
+            self._open_rows(rows)
         except OSError as exc:  # a read-only directory, a file-size limit, a full disk
             self.close()
-            total = rows * dim * sum(d.itemsize for d in parts.values())
             raise ConfigError(
                 f"table {table!r}: cannot create its working files in its offload directory {directory!r} (the "
-                f"Offload(directory=...) where its {rows} rows and their slots live while it trains, {total} bytes "
-                f"in all): {exc.strerror or exc}"
+                f"Offload(directory=...) where its {rows} rows and their slots live while it trains, {self.nbytes} "
+                f"bytes in all): {exc.strerror or exc}"
                 + (f" ({os.path.basename(exc.filename)})" if isinstance(exc.filename, str) else "")
                 + ". Give the table a writable directory on a disk that allows files of that size (ulimit -f)."
             ) from exc
@@ -204,31 +261,30 @@ class ShardFiles:
             os.fsync(f.fileno())
         os.replace(tmp, path)
 
-    def _open_rows(self, part: str, rows: int, dim: int, dtype: torch.dtype) -> None:
-        path = os.path.join(self.directory, self.names[part])
-        nbytes = rows * dim * dtype.itemsize
+    def _open_rows(self, rows: int) -> None:
+        path = os.path.join(self.directory, self.name)
         # A file of an earlier module (listed by this shard's record) is unlinked, never truncated: tensors that
         # still map it (a state_dict kept past its module) keep their pages; a truncated mapping would fault.
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-        self._fds[part] = fd
-        self.nbytes[part] = nbytes
-        os.ftruncate(fd, nbytes)  # sparse: no block is written until a row is
-        mapped = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        self._maps[part] = mapped
+        self._fd = fd
+        os.ftruncate(fd, self.nbytes)  # sparse: no block is written until a row is
+        mapped = mmap.mmap(fd, self.nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        self._map = mapped
         with contextlib.suppress(AttributeError, OSError):
             mapped.madvise(mmap.MADV_RANDOM)  # a fault reads its page, not a readahead window beyond the cache
-        self.tensors[part] = torch.frombuffer(mapped, dtype=dtype, count=rows * dim).view(rows, dim)
+        records = torch.frombuffer(mapped, dtype=torch.uint8, count=self.nbytes).view(rows, self.layout.nbytes)
+        self.tensors = self.layout.unpack(records)
 
-    def write(self, part: str, offset: int, data: bytes | memoryview, wait: bool = True) -> None:
-        """Write ``data`` at byte ``offset`` of ``part``'s file with ``pwrite`` (a full disk raises
+    def write(self, offset: int, data: bytes | memoryview, wait: bool = True) -> None:
+        """Write ``data`` at byte ``offset`` of the row file with ``pwrite`` (a full disk raises
         ``OSError`` here, never a fault inside a kernel later), then write it back and drop it from the page
         cache: a page left there would be mapped by a later fault on a neighbour (fault-around) without the row
         cache counting it. One page a call: a larger write would make one large page-cache folio.
         ``wait=False`` only starts the write-back: the caller ``settle``s the range before any kernel runs (many
         writes then go to the disk together)."""
-        fd = self._fds[part]
+        fd = self._fd
         view = memoryview(data)
         start, page = offset, mmap.PAGESIZE
         while view.nbytes:
@@ -240,24 +296,29 @@ class ShardFiles:
         _sync_range(fd, start, offset - start)
         os.posix_fadvise(fd, start, offset - start, os.POSIX_FADV_DONTNEED)
 
-    def row_io(self, part: str, rows: Tensor, values: Tensor, *, write: bool, depth: int | None = None) -> None:
-        """Read local rows ``rows`` [K] (ascending) of ``part``'s file into ``values`` [K, D] (``write``: write
-        them from there) with ``pread``/``pwrite``, a run of consecutive rows a call: one native call (every row
-        checked there against the file's size), up to ``depth`` calls in flight, else a Python call a run. An
-        I/O error (a full disk, a file that ends early) raises ``OSError``; ``values`` must be contiguous, of the
-        file's dtype and width."""
+    def row_io(self, rows: Tensor, records: Tensor, *, write: bool, depth: int | None = None) -> None:
+        """Read the records of local rows ``rows`` [K] (ascending) into ``records`` [K, R] (uint8; ``write``:
+        write them from there) with ``pread``/``pwrite``, a run of consecutive rows a call: one native call (every
+        row checked there against the file's size), up to ``depth`` calls in flight, else a Python call a run. An
+        I/O error (a full disk, a file that ends early) raises ``OSError``; ``records`` must be a contiguous CPU
+        uint8 [K, R] buffer (``layout.empty``/``pack``)."""
         rows = rows.to("cpu", torch.int64).contiguous()
         k = int(rows.numel())
         if k == 0:
             return
-        row_bytes = values.shape[1] * values.element_size()
-        if not values.is_contiguous() or values.shape[0] != k or values.device.type != "cpu":
-            raise RuntimeError(f"{self.names[part]}: row I/O needs a contiguous CPU [{k}, D] buffer (a bug)")
+        row_bytes = self.layout.nbytes
+        if (
+            not records.is_contiguous()
+            or records.dtype != torch.uint8
+            or tuple(records.shape) != (k, row_bytes)
+            or records.device.type != "cpu"
+        ):
+            raise RuntimeError(f"{self.name}: row I/O needs a contiguous CPU uint8 [{k}, {row_bytes}] buffer (a bug)")
         lib = native_library.library()
         if lib is not None:
             err = (ctypes.c_int32 * 2)()
             rc = lib.et_offload_rows(
-                self._fds[part], self.nbytes[part], values.data_ptr(), row_bytes, rows.data_ptr(), k,
+                self._fd, self.nbytes, records.data_ptr(), row_bytes, rows.data_ptr(), k,
                 1 if write else 2 if DROP_AFTER_READ else 0, IO_DEPTH if depth is None else depth, err,
             )  # fmt: skip
             status = native_abi.decode("et_offload_rows", rc)
@@ -265,11 +326,11 @@ class ShardFiles:
                 return
             if status == "io_error":
                 raise OSError(err[0], os.strerror(err[0]))
-            raise RuntimeError(f"{self.names[part]}: a row outside the file, or a bad row buffer (a bug)")
-        if bool((rows < 0).any()) or bool((rows >= self.nbytes[part] // row_bytes).any()):
-            raise RuntimeError(f"{self.names[part]}: a row outside the file (a bug)")
-        flat = values.view(torch.uint8).reshape(-1).numpy().data
-        fd, ids = self._fds[part], rows.tolist()
+            raise RuntimeError(f"{self.name}: a row outside the file, or a bad row buffer (a bug)")
+        if bool((rows < 0).any()) or bool((rows >= self.nbytes // row_bytes).any()):
+            raise RuntimeError(f"{self.name}: a row outside the file (a bug)")
+        flat = records.reshape(-1).numpy().data
+        fd, ids = self._fd, rows.tolist()
         i = 0
         while i < k:
             j = i + 1
@@ -282,53 +343,59 @@ class ShardFiles:
                 else:
                     n = os.preadv(fd, [view], offset)
                     if n == 0:
-                        raise OSError(errno.EIO, f"{self.names[part]} ends at byte {offset}")
+                        raise OSError(errno.EIO, f"{self.name} ends at byte {offset}")
                 view, offset = view[n:], offset + n
             i = j
 
-    def read(self, part: str, offset: int, length: int) -> bytes:
-        """Bytes [offset, offset + length) of ``part``'s file, read with ``pread`` (through the page cache, not
+    def read(self, offset: int, length: int) -> bytes:
+        """Bytes [offset, offset + length) of the row file, read with ``pread`` (through the page cache, not
         the maps: nothing is mapped), then dropped from the page cache where clean. A file ending early raises
         ``OSError`` (EIO)."""
-        fd = self._fds[part]
+        fd = self._fd
         pieces, at = [], offset
         while at < offset + length:
             piece = os.pread(fd, offset + length - at, at)
             if not piece:
-                raise OSError(errno.EIO, f"{self.names[part]} ends at byte {at}, before {offset + length}")
+                raise OSError(errno.EIO, f"{self.name} ends at byte {at}, before {offset + length}")
             pieces.append(piece)
             at += len(piece)
         os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
         return b"".join(pieces)
 
-    def drop(self, part: str, offset: int, length: int, *, dirty: bool) -> None:
-        """Drop bytes [offset, offset + length) of ``part`` (page-aligned) from the process and the page cache,
-        writing them back first (``msync``) when ``dirty``."""
-        mapped = self._maps[part]
+    def drop(self, offset: int, length: int, *, dirty: bool, unmap_only: bool = False) -> None:
+        """Drop bytes [offset, offset + length) of the row file (page-aligned) from the process and the page
+        cache, writing them back first (``msync``) when ``dirty``. ``unmap_only``: out of the process only
+        (written pages stay in the page cache, where the kernel writes them back; another part's writes to the
+        same records find them there)."""
+        mapped = self._map
+        if mapped is None:
+            return
         length = min(length, len(mapped) - offset)  # the kernel rounds the file's last page up itself
         if length <= 0:
+            return
+        if unmap_only:
+            mapped.madvise(mmap.MADV_DONTNEED, offset, length)  # a shared map's written pages stay dirty
             return
         if dirty:
             mapped.flush(offset, length)  # msync: an I/O error raises OSError
         mapped.madvise(mmap.MADV_DONTNEED, offset, length)
-        os.posix_fadvise(self._fds[part], offset, length, os.POSIX_FADV_DONTNEED)
+        os.posix_fadvise(self._fd, offset, length, os.POSIX_FADV_DONTNEED)
 
-    def settle(self, part: str, offset: int, length: int) -> None:
+    def settle(self, offset: int, length: int) -> None:
         """Wait for the write-back ``write(wait=False)`` started (an I/O error raises ``OSError``), then drop
         the pages from the page cache."""
-        length = min(length, self.nbytes[part] - offset)
+        length = min(length, self.nbytes - offset)
         if length > 0:
-            _sync_range(self._fds[part], offset, length)
-            os.posix_fadvise(self._fds[part], offset, length, os.POSIX_FADV_DONTNEED)
+            _sync_range(self._fd, offset, length)
+            os.posix_fadvise(self._fd, offset, length, os.POSIX_FADV_DONTNEED)
 
     def short_files(self) -> list[str]:
         """The files shorter now than embtables made them (truncated by something else), each as
         ``"<name>: N bytes of M"``: touching their maps past the end would kill the process (SIGBUS)."""
-        return [
-            f"{self.names[part]}: {size} bytes of {self.nbytes[part]}"
-            for part, fd in self._fds.items()
-            if (size := os.fstat(fd).st_size) < self.nbytes[part]
-        ]
+        if self._fd < 0:
+            return []
+        size = os.fstat(self._fd).st_size
+        return [f"{self.name}: {size} bytes of {self.nbytes}"] if size < self.nbytes else []
 
     def allocate(self) -> None:
         """Give every file its disk blocks, whole (``posix_fallocate``; a file cut short is grown back to its size,
@@ -336,15 +403,15 @@ class ShardFiles:
         store through a shared map into a hole of a sparse file needs a block, and a full disk would answer it
         with SIGBUS; reserved here, a full disk is an ``OSError`` before any byte changes. On failure each file is
         left at the size it had."""
-        for part, fd in self._fds.items():
-            size = os.fstat(fd).st_size
-            try:
-                os.posix_fallocate(fd, 0, self.nbytes[part])
-            except OSError:
-                with contextlib.suppress(OSError):
-                    if os.fstat(fd).st_size != size:
-                        os.ftruncate(fd, size)
-                raise
+        fd = self._fd
+        size = os.fstat(fd).st_size
+        try:
+            os.posix_fallocate(fd, 0, self.nbytes)
+        except OSError:
+            with contextlib.suppress(OSError):
+                if os.fstat(fd).st_size != size:
+                    os.ftruncate(fd, size)
+            raise
 
     def tear(self, why: str, cause: BaseException | None = None) -> NoReturn:
         """The files no longer hold the table (``why``): every lookup is refused until a restore; raises."""
@@ -370,10 +437,10 @@ class ShardFiles:
         last tensor."""
         self.closed = True
         self.tensors = {}
-        for fd in self._fds.values():
+        if self._fd >= 0:
             with contextlib.suppress(OSError):
-                os.close(fd)
-        self._maps, self._fds = {}, {}
+                os.close(self._fd)
+        self._map, self._fd = None, -1
         if self._lock_fd >= 0:
             with contextlib.suppress(OSError):
                 os.close(self._lock_fd)

@@ -7,7 +7,7 @@ disk wait). The values are those of the files when they were read, so they are u
 have written those rows since: the cache counts its admissions and other writes to the files (``epoch``), and a
 read-ahead started at another epoch is dropped.
 
-Shapes: K rows read ahead, M rows an admission misses, D the width.
+Shapes: K rows read ahead, M rows an admission misses, R the bytes of a row's record.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-Reader = Callable[[str, Tensor, Tensor], None]  # (part, rows [K] ascending, values [K, D]) -> read into values
+Reader = Callable[[Tensor, Tensor], None]  # (rows [K] ascending, records [K, R]) -> read into records
 
 
 class ReadAhead:
@@ -27,35 +27,30 @@ class ReadAhead:
     def __init__(self) -> None:
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._rows: Tensor | None = None
-        self._values: dict[str, Tensor] = {}
+        self._records: Tensor | None = None
         self._done: concurrent.futures.Future[None] | None = None
         self._epoch = -1
 
-    def start(self, rows: Tensor, shapes: dict[str, tuple[int, torch.dtype]], read: Reader, epoch: int) -> None:
-        """Read ``rows`` [K] (ascending) of every part (``shapes``: part -> (D, dtype)) with ``read``, in the
-        background; ``epoch``: the cache's, now. A read-ahead still running is waited for and dropped first."""
+    def start(self, rows: Tensor, empty: Callable[[int], Tensor], read: Reader, epoch: int) -> None:
+        """Read the records of ``rows`` [K] (ascending) into ``empty(K)`` with ``read``, in the background;
+        ``epoch``: the cache's, now. A read-ahead still running is waited for and dropped first."""
         self.drop()
         if rows.numel() == 0:
             return
-        values = {part: torch.empty((rows.numel(), dim), dtype=dtype) for part, (dim, dtype) in shapes.items()}
-
-        def run() -> None:
-            for part, buffer in values.items():
-                read(part, rows, buffer)
-
+        records = empty(int(rows.numel()))
         if self._pool is None:
             self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="embtables-read-ahead")
-        self._rows, self._values, self._epoch = rows, values, epoch
-        self._done = self._pool.submit(run)
+        self._rows, self._records, self._epoch = rows, records, epoch
+        self._done = self._pool.submit(read, rows, records)
 
-    def take(self, missing: Tensor, epoch: int) -> tuple[Tensor, dict[str, Tensor]] | None:
+    def take(self, missing: Tensor, epoch: int) -> tuple[Tensor, Tensor] | None:
         """For ``missing`` [M] (ascending) at the cache's ``epoch``: (which of them were read ahead [M] bool,
-        {part: their values [H, D]}), after waiting for the read; None when there is nothing usable (no
-        read-ahead, another epoch, or its read failed: the admission reads them and reports any error). The
-        read-ahead is used once."""
-        rows, values, done, started = self._rows, self._values, self._done, self._epoch
-        self._rows, self._values, self._done = None, {}, None
-        if rows is None or done is None:
+        their records [H, R]), after waiting for the read; None when there is nothing usable (no read-ahead,
+        another epoch, or its read failed: the admission reads them and reports any error). The read-ahead is
+        used once."""
+        rows, records, done, started = self._rows, self._records, self._done, self._epoch
+        self._rows, self._records, self._done = None, None, None
+        if rows is None or records is None or done is None:
             return None
         try:
             done.result()
@@ -65,12 +60,12 @@ class ReadAhead:
             return None
         at = torch.searchsorted(rows, missing).clamp(max=rows.numel() - 1)
         found = rows[at] == missing
-        return found, {part: v[at[found]] for part, v in values.items()}
+        return found, records[at[found]]
 
     def drop(self) -> None:
         """Wait for a read-ahead still running and forget it."""
         done = self._done
-        self._rows, self._values, self._done = None, {}, None
+        self._rows, self._records, self._done = None, None, None
         if done is not None:
             concurrent.futures.wait([done])
 

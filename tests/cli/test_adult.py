@@ -129,7 +129,7 @@ def test_the_job_trains_offloaded_half_precision_tables_and_inspect_shows_them(
     caches = json.loads((tmp_path / "results.json").read_text())["offload"]
     assert len(caches) == 13 and all(0 < s["hits"] <= s["rows_looked_up"] for s in caches.values())
     assert all(s["cache_rows"] == 4096 for s in caches.values()) and "offload education_embedding: hits" in out
-    assert (rows / "education_embedding.w1r0.weights.rows").is_file()
+    assert (rows / "education_embedding.w1r0.rows").is_file()
     meta = json.loads((rows / "education_embedding.w1r0.meta.json").read_text())
     assert "bfloat16" in json.dumps(meta)  # the rows on disk are bfloat16
     assert cli(["inspect", str(tmp_path / "model")]) == 0

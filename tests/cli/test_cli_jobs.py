@@ -129,7 +129,7 @@ def test_the_movielens_job_trains_each_fold_on_its_own_offloaded_tables(
         assert sorted(fold["offload"]) == tables
         assert all(0 < s["hits"] <= s["rows_looked_up"] for s in fold["offload"].values())
     assert sorted(p.name for p in rows.iterdir()) == ["fold0", "fold1"]
-    assert (rows / "fold1" / "item_embedding.w1r0.weights.rows").is_file()
+    assert (rows / "fold1" / "item_embedding.w1r0.rows").is_file()
     assert "fold 2: tables offloaded under" in out and "offload item_embedding: hits" in out
     assert (
         "storage: float32 rows, float32 slots (offloaded): " in out and results["storage"]["user_embedding"]["offload"]

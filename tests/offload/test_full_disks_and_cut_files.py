@@ -80,8 +80,8 @@ for ids in ([[0, 29000]], [[5000, 9000]]):
 ckpt = emb.save(root)
 want = {k: v.clone() for k, v in emb.state_dict().items()}
 manifest = open(os.path.join(ckpt, "manifest.json")).read()
-weights = [os.path.join(rows_dir, n) for n in os.listdir(rows_dir) if n.endswith(".weights.rows")]
-os.truncate(weights[0], 4096 * 16)  # another program cuts the file: rows 4096 on are past its end
+records = [os.path.join(rows_dir, n) for n in os.listdir(rows_dir) if n.endswith(".rows")]
+os.truncate(records[0], 4096 * 16)  # another program cuts the file: rows 128 on (512 bytes a record) are past its end
 accesses = {
     "state_dict": lambda: emb.state_dict(),
     "embedding_tables": lambda: emb.embedding_tables,
@@ -118,7 +118,7 @@ def test_a_file_cut_short_is_refused_by_every_whole_table_access_and_by_save(tmp
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr[-3000:]}"
     refusals = [x for x in proc.stdout.splitlines() if x.startswith("refused ")]
     assert len(refusals) == 6, proc.stdout
-    assert "files were cut short by something else" in refusals[0] and "bytes of 1920000" in refusals[0]
+    assert "files were cut short by something else" in refusals[0] and "bytes of 3840000" in refusals[0]
     for line in refusals:
         assert "table 't'" in line and "are torn" in line and "restore()" in line, line
     assert refusals[-1].startswith("refused save: CheckpointError table 't': save refused"), refusals[-1]

@@ -17,11 +17,11 @@ import embtables as et
 V, D = 48, 16  # rows the key map hands out (100 hot keys compete for them); keys up to 10**12
 
 
-def _features(directory: Path | None, cache_rows: int = 32) -> dict[str, et.FeatureConfig]:
+def _features(directory: Path | None, cache_rows: int = 32, **half: Any) -> dict[str, et.FeatureConfig]:
     offload = et.Offload(directory, cache_rows) if directory is not None else None
     policy = et.DynamicVocabulary(admit_after=1, eviction="lfu")
     user = et.TableConfig(V, D, name="user", combiner="sum", dynamic=policy, offload=offload,
-                          initializer=et.TruncatedNormal(seed=5))  # fmt: skip
+                          initializer=et.TruncatedNormal(seed=5), **half)  # fmt: skip
     return {"u": et.FeatureConfig(user), "s": et.FeatureConfig(user, max_sequence_length=2)}
 
 
@@ -33,15 +33,24 @@ def _batch(step: int) -> dict[str, Any]:
     return {"u": torch.cat([hot, cold, fresh], dim=1), "s": et.Ragged.from_lists(hot.tolist())}
 
 
-@pytest.mark.parametrize("pipelined", [False, True])
+@pytest.mark.parametrize(
+    ("pipelined", "half"),
+    [
+        (False, {}),
+        (True, {}),
+        (False, {"dtype": torch.bfloat16}),  # rounded by key: the cache keeps each slot's key
+        (True, {"dtype": torch.float16, "slot_dtype": torch.float16}),
+    ],
+)
 def test_a_dynamic_offloaded_table_trains_to_the_bits_of_the_dynamic_table_in_memory(
-    pipelined: bool, tmp_path: Path
+    pipelined: bool, half: dict[str, Any], tmp_path: Path
 ) -> None:
     torch.manual_seed(0)
-    off = et.DistributedEmbedding(_features(tmp_path / "rows"), et.Adagrad(0.2),
+    off = et.DistributedEmbedding(_features(tmp_path / "rows", **half), et.Adagrad(0.2),
                                   pipeline_execution_with_tensor_core=pipelined)  # fmt: skip
-    twin = et.DistributedEmbedding(_features(tmp_path / "twin"), et.Adagrad(0.2))  # its initial rows, read lazily
-    ref = et.DistributedEmbedding(_features(None), et.Adagrad(0.2), pipeline_execution_with_tensor_core=pipelined)
+    twin = et.DistributedEmbedding(_features(tmp_path / "twin", **half), et.Adagrad(0.2))  # initial rows, lazily
+    ref = et.DistributedEmbedding(_features(None, **half), et.Adagrad(0.2),
+                                  pipeline_execution_with_tensor_core=pipelined)  # fmt: skip
     ref.load_state_dict(twin.state_dict())
     del twin
     for step in range(30):

@@ -72,10 +72,10 @@ def _failing_at(writes: bool) -> Callable[..., None]:
     """``ShardFiles.row_io`` with an I/O error (EIO) injected into its writes (``writes``) or its reads."""
     real_io = ShardFiles.row_io
 
-    def failing_io(self: ShardFiles, part: str, rows: torch.Tensor, values: torch.Tensor, *, write: bool) -> None:
+    def failing_io(self: ShardFiles, rows: torch.Tensor, records: torch.Tensor, *, write: bool) -> None:
         if write == writes and rows.numel():
             raise OSError(errno.EIO, "Input/output error")
-        real_io(self, part, rows, values, write=write)
+        real_io(self, rows, records, write=write)
 
     return failing_io
 
@@ -92,7 +92,7 @@ def test_a_failed_write_back_tears_the_files_until_a_restore(tmp_path: Path, mon
     a = emb({"f": et.Ragged.from_lists([[0, 300]])})["f"]
     emb.apply_gradients({"f": torch.ones_like(a)})  # rows 0 and 300 now written in the cache
     monkeypatch.setattr(ShardFiles, "row_io", _failing_at(writes=True))
-    with pytest.raises(RuntimeError, match=r"writing the weights back .* failed .*Input/output error.*torn"):
+    with pytest.raises(RuntimeError, match=r"writing rows back to disk failed .*Input/output error.*torn"):
         emb({"f": et.Ragged.from_lists([[5000, 9000]])})  # evicts the dirty rows
     monkeypatch.setattr(ShardFiles, "row_io", real_io)
     emb.eval()
@@ -122,10 +122,10 @@ def test_a_failed_read_tears_the_files_until_a_restore(tmp_path: Path, monkeypat
     want = {k: v.clone() for k, v in emb.state_dict().items()}
     real_io = ShardFiles.row_io
     monkeypatch.setattr(ShardFiles, "row_io", _failing_at(writes=False))
-    with pytest.raises(RuntimeError, match=r"table 't': reading the weights from disk failed \(Input/output error\)"):
+    with pytest.raises(RuntimeError, match=r"table 't': reading rows from disk failed \(Input/output error\)"):
         emb({"f": et.Ragged.from_lists([[0, 300]])})
     monkeypatch.setattr(ShardFiles, "row_io", real_io)
-    with pytest.raises(et.TornFilesError, match=r"working files are torn \(reading the weights.*restore"):
+    with pytest.raises(et.TornFilesError, match=r"working files are torn \(reading rows.*restore"):
         emb({"f": et.Ragged.from_lists([[0]])})
     emb.restore(ckpt)
     for k, v in emb.state_dict().items():
@@ -147,8 +147,8 @@ emb.save(ckpt)
 want = {k: v.clone() for k, v in emb.state_dict().items()}
 a = emb({"f": et.Ragged.from_lists([[5000]])})["f"]  # only the low rows in memory
 emb.apply_gradients({"f": torch.ones_like(a)})
-weights = [os.path.join(rows_dir, n) for n in os.listdir(rows_dir) if n.endswith(".weights.rows")]
-os.truncate(weights[0], 4096 * 64)  # something else cuts the file: rows 16384 on are past its end
+records = [os.path.join(rows_dir, n) for n in os.listdir(rows_dir) if n.endswith(".rows")]
+os.truncate(records[0], 4096 * 64)  # something else cuts the file: rows 512 on (512 bytes a record) are past its end
 for ids in ([[29000]], [[1]]):
     try:
         emb({"f": et.Ragged.from_lists(ids)})
@@ -176,6 +176,6 @@ def test_a_file_cut_short_behind_its_back_is_refused_not_a_crash(tmp_path: Path)
     refusals = [line for line in proc.stdout.splitlines() if line.startswith("refused:")]
     assert len(refusals) == 2, proc.stdout
     assert "files were cut short by something else" in refusals[0]
-    assert "weights.rows: 262144 bytes of 7680000" in refusals[0] and "torn" in refusals[0]
+    assert "t.w1r0.rows: 262144 bytes of 15360000" in refusals[0] and "torn" in refusals[0]
     assert "working files are torn (files were cut short" in refusals[1]
     assert "trained on" in proc.stdout

@@ -28,7 +28,7 @@ def _module(
 def test_a_huge_table_is_created_sparse_and_its_rows_initialized_when_first_read(tmp_path: Path) -> None:
     emb = _module(tmp_path, vocabulary_size=50_000_000)  # 12.8 GB of weights and 12.8 GB of accumulators
     files = sorted(p for p in tmp_path.iterdir() if p.name.endswith(".rows"))
-    assert [p.stat().st_size for p in files] == [50_000_000 * 64 * 4] * 2
+    assert [p.stat().st_size for p in files] == [50_000_000 * 64 * 4 * 2]  # one record a row: weights, then slot
     assert sum(p.stat().st_blocks * 512 for p in files) < 1 << 20  # nothing written yet
     acts = emb({"f": torch.tensor([[7, 49_999_999]])})["f"]
     emb.apply_gradients({"f": torch.ones_like(acts)})
@@ -42,12 +42,12 @@ def test_a_huge_table_is_created_sparse_and_its_rows_initialized_when_first_read
 def test_a_directory_with_files_embtables_did_not_write_is_refused_and_left_alone(tmp_path: Path) -> None:
     mine = tmp_path / "notes.txt"
     mine.write_text("keep me")
-    fake = tmp_path / "t.w1r0.weights.rows"  # our name, but no record of ours lists it
+    fake = tmp_path / "t.w1r0.rows"  # our name, but no record of ours lists it
     fake.write_bytes(b"x" * 10)
     with pytest.raises(ValueError, match=r"files embtables did not write.*'notes.txt'.*empty directory"):
         _module(tmp_path)
     assert mine.read_text() == "keep me" and fake.read_bytes() == b"x" * 10
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt", "t.w1r0.weights.rows"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt", "t.w1r0.rows"]
 
 
 def test_a_record_that_is_not_ours_does_not_vouch_for_files(tmp_path: Path) -> None:
@@ -182,10 +182,6 @@ def test_resident_memory_stays_bounded_by_the_cache(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        (
-            {"dynamic": et.DynamicVocabulary(), "dtype": torch.bfloat16},
-            "`dynamic` and a half-precision dtype or slot_dtype is not supported",
-        ),
         ({"initializer": lambda shape, dtype: torch.zeros(shape)}, "draw any block of rows on its own"),
     ],
 )
@@ -289,16 +285,22 @@ def test_the_native_row_io_checks_every_row_before_it_touches_one(tmp_path: Path
         pytest.skip("the native library is not built here (gcc is required)")
     emb = _module(tmp_path)
     files = emb._engine.local.offloaded["t"].files  # the table's files, as the cache drives them
-    last = files.nbytes[""] // (64 * 4) - 1
-    before = bytes(files.tensors[""].view(torch.uint8).reshape(-1)[:4096].numpy())
+    layout = files.layout
+    assert layout.nbytes == 2 * 64 * 4 and layout.offsets == {"": 0, "accumulators": 256}
+    last = files.nbytes // layout.nbytes - 1
+    before = files.tensors[""][0].clone(), files.tensors["accumulators"][0].clone()
     for bad in ([0, last + 1], [-1, 0], [1, 2**40]):
-        values = torch.full((2, 64), 7.0)
+        records = layout.pack({"": torch.full((2, 64), 7.0), "accumulators": torch.full((2, 64), 8.0)})
         with pytest.raises(RuntimeError, match="a row outside the file"):
-            files.row_io("", torch.tensor(bad), values, write=True)
-    assert bytes(files.tensors[""].view(torch.uint8).reshape(-1)[:4096].numpy()) == before  # row 0 not written
-    values = torch.empty((2, 64))
-    files.row_io("", torch.tensor([0, last]), values, write=False)
-    assert torch.equal(values, files.tensors[""][[0, last]])
+            files.row_io(torch.tensor(bad), records, write=True)
+    assert torch.equal(files.tensors[""][0], before[0]) and torch.equal(files.tensors["accumulators"][0], before[1])
+    records = layout.empty(2)
+    files.row_io(torch.tensor([0, last]), records, write=False)
+    for part, values in layout.unpack(records).items():
+        assert torch.equal(values, files.tensors[part][[0, last]]), part
+    written = layout.pack({"": torch.full((1, 64), 3.0), "accumulators": torch.full((1, 64), 4.0)})
+    files.row_io(torch.tensor([last]), written, write=True)  # one record: the row's weights and its slot
+    assert bool((files.tensors[""][last] == 3.0).all()) and bool((files.tensors["accumulators"][last] == 4.0).all())
 
 
 def test_a_name_read_from_a_record_never_leads_outside_the_directory(tmp_path: Path) -> None:
@@ -346,3 +348,39 @@ def test_the_cache_keeps_the_rows_used_most_not_the_last_used(tmp_path: Path) ->
     assert emb.offload_statistics()["t"]["hits"] == hits + 1  # row 0 stayed
     step([16])
     assert emb.offload_statistics()["t"]["hits"] == hits + 1  # row 16 was dropped
+
+
+def test_a_row_and_its_slots_are_one_record_padded_to_8_bytes(tmp_path: Path) -> None:
+    """A bfloat16 table of width 5 with Adam: the record is the weights (10 bytes, padded to 16), then m and v
+    (20 bytes each, padded to 24): 64 bytes a row, the padding zero. Rows evicted and read again through those
+    records train to the bits of the table in memory."""
+    from embtables.tables.offload_files import RecordLayout
+
+    layout = RecordLayout.of(5, {"": torch.bfloat16, "m": torch.float32, "v": torch.float32})
+    assert layout.offsets == {"": 0, "m": 16, "v": 40} and layout.nbytes == 64
+    packed = layout.pack({"": torch.ones(3, 5), "m": torch.full((3, 5), 2.0), "v": torch.full((3, 5), 3.0)})
+    assert packed.shape == (3, 64) and not bool(packed[:, 10:16].any()) and not bool(packed[:, 36:40].any())
+    assert torch.equal(layout.unpack(packed)["v"], torch.full((3, 5), 3.0))
+
+    def module(offload: et.Offload | None) -> et.DistributedEmbedding:
+        table = et.TableConfig(
+            5_000, 5, name="t", combiner="mean", dtype=torch.bfloat16, optimizer=et.Adam(0.05), offload=offload
+        )
+        return et.DistributedEmbedding({"f": et.FeatureConfig(table)})
+
+    torch.manual_seed(0)
+    off = module(et.Offload(tmp_path / "rows", 64))
+    assert (tmp_path / "rows" / "t.w1r0.rows").stat().st_size == 5_000 * 64
+    ref = module(None)
+    ref.load_state_dict(off.state_dict())
+    g = torch.Generator().manual_seed(5)
+    for _ in range(6):
+        ids = {"f": torch.randint(0, 5_000, (12, 3), generator=g)}
+        got, want = off(ids)["f"], ref(ids)["f"]
+        assert torch.equal(got, want)
+        grad = torch.randn(want.shape, generator=g)
+        off.apply_gradients({"f": grad})
+        ref.apply_gradients({"f": grad})
+    assert off.offload_statistics()["t"]["rows_written"] > 0
+    for key, value in ref.state_dict().items():
+        assert torch.equal(off.state_dict()[key], value), key
