@@ -78,11 +78,14 @@ def translate_sharded(
     pin_from: int,
     refused: bool,
     group: comm.ProcessGroup | None,
+    agree_room: Callable[[list[tuple[str, Tensor]]], None] | None = None,
 ) -> tuple[list[FeatureBatch], list[int]]:
     """This rank's batches with every dynamic feature's keys replaced by global rows (keys without a row
     dropped; see ``with_rows``), and the ranks that refused their batch (then no map changed anywhere).
     Collective: every rank calls it for every lookup, in the same order. ``reset_rows(table, local rows)``
-    gives the rows a training lookup handed to new keys their initial values."""
+    gives the rows a training lookup handed to new keys their initial values. ``agree_room`` (collective,
+    training only): given each table's keys [K] asked of this rank, raises on every rank when any rank's row
+    cache could not hold them, before any key map changes."""
     tables = [t for t in resolved.tables if t.config.dynamic is not None]
     if not tables:
         return list(batches), []
@@ -102,6 +105,8 @@ def translate_sharded(
     asked, refusing = routing.exchange_ids(sends, refused, world, group)
     if refusing:
         return list(batches), refusing
+    if training and agree_room is not None:
+        agree_room([(t.name, keys) for t, (keys, _) in zip(tables, asked)])
     answers: list[tuple[Tensor, list[int]]] = []
     for t, (recv_keys, recv_counts) in zip(tables, asked):
         key_map = vocabularies.maps[t.name]

@@ -104,12 +104,6 @@ class ShardedEmbeddingCollection(LocalTables):
         digest = _check_same_config_everywhere(resolved, placements, group, checked)
         self.tag = int(digest[:15], 16)  # the tables' fingerprint in every phase header (63 bits)
         for t in resolved.tables:  # every rank holds the same (agreed) config, so every rank raises together
-            if t.config.dynamic is not None and t.config.offload is not None:
-                raise ConfigError(
-                    f"table {t.name!r}: a dynamic vocabulary over an offloaded table is supported in one process, "
-                    "not sharded yet (a rank's refused admission would come after the owners' key maps changed). "
-                    "Train it in one process, or keep the sharded dynamic table in memory."
-                )
             by_row = placements[t.name].strategy != "table"
             if t.config.dynamic is not None and by_row and t.vocabulary_size < self.world:
                 raise ConfigError(
@@ -183,13 +177,31 @@ class ShardedEmbeddingCollection(LocalTables):
     ) -> list[FeatureBatch]:
         """Dynamic features' keys turned into global rows by their owners' key maps (collective; every
         rank raises when any rank refused its batch, before any map changes)."""
+        room = None
+        if any(t.config.dynamic is not None and t.config.offload is not None for t in self.resolved.tables):
+            room = functools.partial(self._agree_room, pin_from=pin_from)
         out, refusing = dynamic_keys.translate_sharded(
             self.resolved, self.plans, self.local.vocabularies, self.local.reset_rows, batches, training, step,
-            pin_from, refused is not None, self.group,
+            pin_from, refused is not None, self.group, room,
         )  # fmt: skip
         if refusing:
             self._raise_refused(refused, refusing, "batch")
         return out
+
+    def _agree_room(self, asked: list[tuple[str, Tensor]], pin_from: int) -> None:
+        """Raise on every rank when the row cache of any rank's dynamic offloaded table could not hold a row for
+        each distinct key asked of it (``keys`` [K] per table) beside the rows still in use: collective, before
+        any key map changes (one flag; the reasons only when some rank refused)."""
+        mine: InputError | None = None
+        try:
+            for name, keys in asked:
+                cache = self.local.offloaded.get(name)
+                if cache is not None and keys.numel():
+                    cache.check_room(int(torch.unique(keys).numel()), pin_from)
+        except InputError as exc:
+            mine = exc
+        if comm.any_rank(mine is not None, self.group):
+            self._raise_refused(mine, None, "lookup")
 
     def vocabulary_state(self) -> dict[str, dict[str, Tensor]]:
         """Every dynamic table's logical vocabulary, gathered on every rank (collective)."""
@@ -205,10 +217,11 @@ class ShardedEmbeddingCollection(LocalTables):
 
     def prefetch_rows(self, batches: Sequence[FeatureBatch]) -> None:
         """Start reading the rows of this rank's staged batch that this rank owns (an offloaded table's); the
-        rows other ranks ask for are known only when the lookup routes them (read then, at admission)."""
+        rows other ranks ask for are known only when the lookup routes them (read then, at admission). A dynamic
+        table's batch holds keys, not rows: not read ahead."""
         for t in self.resolved.tables:
             cache = self.local.offloaded.get(t.name)
-            if cache is None or not t.feature_indices:
+            if cache is None or not t.feature_indices or t.config.dynamic is not None:
                 continue
             ids = torch.cat([batches[f].ids for f in t.feature_indices]).to("cpu", torch.int64)
             ids = ids[(ids >= 0) & (ids < t.vocabulary_size)]

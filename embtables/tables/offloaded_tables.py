@@ -120,8 +120,11 @@ class OffloadedTables:
         return self._caches[name].local_rows(slots)
 
     def prefetch(self, batches: Sequence[FeatureBatch]) -> None:
-        """Start reading a staged batch's rows from disk (``OffloadedRows.prefetch``)."""
+        """Start reading a staged batch's rows from disk (``OffloadedRows.prefetch``). A dynamic table's batch
+        holds keys, whose rows its key map gives only at the lookup: it is not read ahead."""
         for name, cache in self._caches.items():
+            if self.resolved.tables[self.resolved.table_names.index(name)].config.dynamic is not None:
+                continue
             ids = self._table_ids(name, batches)
             if ids is not None:
                 cache.prefetch(ids)
