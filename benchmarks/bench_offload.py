@@ -74,6 +74,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         "read what they miss from the disk",
     )  # fmt: skip
     ap.add_argument(
+        "--cold-every-step", action="store_true",
+        help="as --cold, and again after every timed step, inside its time (its dirty pages written back, then "
+        "dropped): a table far larger than the page cache, where nothing a step wrote or read stays cached",
+    )  # fmt: skip
+    ap.add_argument(
         "--read-ahead", action="store_true",
         help="also time the offloaded tables with the next batch staged (enqueue) before each apply_gradients",
     )  # fmt: skip
@@ -200,10 +205,11 @@ def _module(wl: Workload, offload: et.Offload | None) -> et.DistributedEmbedding
 
 
 def _drop_page_cache(directory: str) -> None:
-    """Write the row files under ``directory`` back to the disk and drop their pages from the page cache."""
+    """Write the row files (and write logs) under ``directory`` back to the disk and drop their pages from the
+    page cache."""
     for root, _, names in os.walk(directory):
         for name in names:
-            if name.endswith(".rows"):
+            if name.endswith((".rows", ".log")):
                 fd = os.open(os.path.join(root, name), os.O_RDONLY)
                 try:
                     os.fdatasync(fd)
@@ -244,13 +250,16 @@ def _run(
         emb.enqueue(inputs[0])
     for i in range(args.warmup):
         step(i)
-    if args.cold and directory is not None:
+    every = bool(getattr(args, "cold_every_step", False)) and directory is not None
+    if (args.cold or every) and directory is not None:
         _drop_page_cache(directory)
     before = emb.offload_statistics()
     with RssSampler() as rss:
         for i in range(args.warmup, args.warmup + args.steps):
             start = time.perf_counter()
             step(i)
+            if every and directory is not None:
+                _drop_page_cache(directory)  # the step's writes reach the disk within its time
             times.append((time.perf_counter() - start) * 1e3)
     after = emb.offload_statistics()
     counters = {k: sum(after[t][k] - before[t][k] for t in after) for k in next(iter(after.values()), {})}
@@ -265,7 +274,7 @@ def _case(wl: Workload, args: argparse.Namespace, directory: str, probe: dict[st
     table_bytes = wl.tables * wl.rows * wl.dim * 4 * 2
     fields = {"tables": wl.tables, "rows": wl.rows, "dim": wl.dim, "batch": wl.batch, "pooling": wl.pooling,
               "ids": wl.ids, "threads": args.threads, "table_and_slot_GB": round(table_bytes / 1e9, 2),
-              "cold": bool(args.cold)}  # fmt: skip
+              "cold": bool(args.cold), "cold_every_step": bool(args.cold_every_step)}  # fmt: skip
     base_rss = current_rss_bytes()
     emb = _module(wl, et.Offload(directory, args.cache_rows))
     try:

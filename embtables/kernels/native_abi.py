@@ -186,6 +186,7 @@ FUNCTIONS: dict[str, CFunction] = {
             _I32,
             ((0, "ok"), (1, "io_error"), (2, "sizes")),
         ),
+        _f("et_offload_io_engine", "want:i32", _I32),
         _f("et_crc32c", "data:p n:i64 crc:u32", _U32),
         _f("et_shm_wait", "word:p target:u32 timeout_s:f64 peer_fd:i32", _I32),
         _f("et_km_new", "V:i64 admit_after:i64 eviction:i32 ttl:i64", _P),

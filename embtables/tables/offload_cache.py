@@ -73,7 +73,11 @@ class OffloadedRows:
         self.block = INIT_BLOCK  # local rows initialized together
         self.cache_rows = offload.cache_rows  # as the user passed it
         self.capacity = max(1, min(offload.cache_rows, self.rows))  # C: the cache's slots
-        self.files = ShardFiles(str(offload.directory), where.logical.name, where.shard, self.rows, self.dim, parts)
+        # a write log as large as the cache, when rows leave it (a table the cache holds whole needs none)
+        log_rows = self.capacity if self.rows > self.capacity else 0
+        self.files = ShardFiles(
+            str(offload.directory), where.logical.name, where.shard, self.rows, self.dim, parts, log_rows
+        )
         try:
             # the cache: C rows of every tensor, each slot's row written since it was read (the update marks it:
             # ``ChangedRows`` holds this tensor as the table's flags) and its global row id (a half table's
@@ -197,6 +201,7 @@ class OffloadedRows:
             self.torn = self._cut_short()
             if self.torn is None:
                 self.flush()
+                self._compact()
                 return
         raise TornFilesError(
             f"table {self.logical.name!r}: {what} refused: its working files under {self.files.directory!r} are torn "
@@ -459,6 +464,14 @@ class OffloadedRows:
             self._write_back(self.residency.units, self.residency.slots)
             self.disk_wait_s += time.perf_counter() - start
 
+    def _compact(self) -> None:
+        """Merge the write log into the row file (whose maps and ``read_rows`` then hold every row written
+        back): a failure tears the files and raises."""
+        try:
+            self.files.compact()
+        except OSError as exc:
+            self._tear(f"merging written rows into the row file failed ({exc.strerror or exc})", exc)
+
     def refresh(self) -> None:
         """After the files' maps were handed out (``materialize``, a restore): write back and drop their pages,
         then read every cached row again, so a lookup or update computes on what was written through them."""
@@ -504,6 +517,7 @@ class OffloadedRows:
         self.torn = self.torn or self._cut_short()  # stays torn if the reservation fails: the cut rows are gone
         if self.torn is None:
             self.flush()
+            self._compact()
         try:
             self.files.allocate()
         except OSError as exc:
@@ -534,6 +548,7 @@ class OffloadedRows:
         """Every row was just written (a restore, a full load_state_dict): the files hold the whole table, and the
         cache starts empty (its rows were written back by ``before_restore``; a restore's steps may go back)."""
         self.torn = None
+        self.files.forget_log()  # older than what the restore wrote
         self._initialized[:] = True
         self.counters["initialized_rows"] = self.rows
         self.dirty.zero_()

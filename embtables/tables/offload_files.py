@@ -24,6 +24,7 @@ import hashlib
 import json
 import mmap
 import os
+import threading
 import time
 import urllib.parse
 from dataclasses import dataclass
@@ -34,9 +35,14 @@ from torch import Tensor
 
 from embtables.errors import ClosedFilesError, ConfigError, TornFilesError
 from embtables.kernels import native_abi, native_library
+from embtables.tables.offload_log import WriteLog, chunk_bytes
 
 MAGIC = "embtables-offload-v1"
-IO_DEPTH = 32  # row reads and writes in flight at once (threads of ``et_offload_rows``; docs/offload.md)
+IO_DEPTH = 32  # row reads and writes in flight at once (``et_offload_rows``; docs/offload.md)
+# How they are kept in flight: "io_uring" (one ring in the calling thread, where the kernel allows it; else
+# threads) or "threads" (each with one pread/pwrite). Chosen once, at the first row I/O (``io_engine``);
+# EMBTABLES_OFFLOAD_IO overrides it (measured: docs/offload.md, "Measured").
+IO_ENGINE = "io_uring"
 # Whether a row's pages leave the page cache once read (measured: docs/offload.md, "Measured"). Left there, a
 # row's write-back finds its page (else the kernel reads the page from the disk first, as pwrite changes part of it)
 DROP_AFTER_READ = False
@@ -105,6 +111,28 @@ class RecordLayout:
         return out
 
 
+_ENGINE: list[str] = []  # the engine in use, once chosen
+
+
+def set_io_engine(name: str, *, always: bool = False) -> str:
+    """Keep ``et_offload_rows``' requests in flight with ``name`` ("io_uring" or "threads"); ``always``: from the
+    first run of a call, without first timing whether the disk or the page cache answers (tests, benchmarks).
+    Returns the engine in use: "threads" where io_uring is refused (an old kernel, a seccomp policy) or the
+    native library is not built."""
+    lib = native_library.library()
+    got = 0 if lib is None else int(lib.et_offload_io_engine((1 if name == "io_uring" else 0) | (2 if always else 0)))
+    _ENGINE[:] = ["io_uring" if got & 1 else "threads"]
+    return _ENGINE[0]
+
+
+def io_engine() -> str:
+    """The engine in use: ``IO_ENGINE`` (or the environment's ``EMBTABLES_OFFLOAD_IO``), chosen at the first
+    call (``set_io_engine``)."""
+    if not _ENGINE:
+        set_io_engine(os.environ.get("EMBTABLES_OFFLOAD_IO", IO_ENGINE))
+    return _ENGINE[0]
+
+
 def file_stem(table: str, shard: str) -> str:
     """``<table>.<shard>`` with the table's name made a safe file name (percent-encoded; long names hashed)."""
     safe = urllib.parse.quote(table, safe="-_")
@@ -161,7 +189,16 @@ class ShardFiles:
       parts: ``{part: dtype}``, "" for the weights and each slot's TF name.
     """
 
-    def __init__(self, directory: str, table: str, shard: str, rows: int, dim: int, parts: dict[str, torch.dtype]):
+    def __init__(
+        self,
+        directory: str,
+        table: str,
+        shard: str,
+        rows: int,
+        dim: int,
+        parts: dict[str, torch.dtype],
+        log_rows: int = 0,
+    ):
         self.directory = directory
         self.table = table
         self.torn: str | None = None  # why the files no longer hold the table (``tear``)
@@ -170,7 +207,13 @@ class ShardFiles:
         self._fd = -1
         self._map: mmap.mmap | None = None
         self.layout = RecordLayout.of(dim, parts)
-        self.nbytes = rows * self.layout.nbytes  # the row file's size
+        self.rows = rows
+        # the row file's size: whole chunks (what a merge of the write log reads and writes), rows past N unused
+        unit = chunk_bytes(self.layout.nbytes)
+        self.nbytes = -(-rows * self.layout.nbytes // unit) * unit
+        self.log: WriteLog | None = None  # written-back records, merged into the row file later (``log_rows`` > 0)
+        self._log_rows = log_rows
+        self._io_lock = threading.Lock()
         self.tensors: dict[str, Tensor] = {}
         try:
             os.makedirs(directory, exist_ok=True)
@@ -193,6 +236,7 @@ class ShardFiles:
             )
         stem = file_stem(table, shard)
         self.name = f"{stem}.rows"
+        self.log_name = f"{stem}.log"
         lock_name = f"{stem}.lock"
         record = {
             "magic": MAGIC,
@@ -201,7 +245,7 @@ class ShardFiles:
             "rows": rows,
             "dim": dim,
             "dtypes": {part: str(dtype).removeprefix("torch.") for part, dtype in parts.items()},
-            "files": {"records": self.name},
+            "files": {"records": self.name, **({"log": self.log_name} if log_rows > 0 else {})},
             "record_bytes": self.layout.nbytes,
             "offsets": self.layout.offsets,
             "lock": lock_name,
@@ -219,16 +263,18 @@ class ShardFiles:
             if existing is None:
                 self._lock(lock)
             for name in old:  # only a row file of this shard's own naming: a record is read, not trusted
-                if name != self.name and name.startswith(stem + ".") and name.endswith(".rows"):
+                if name not in (self.name, self.log_name) and name.startswith(stem + ".") and name.endswith(".rows"):
                     with contextlib.suppress(FileNotFoundError):
                         os.unlink(os.path.join(directory, name))
             self._open_rows(rows)
+            if log_rows > 0:
+                self._open_log(log_rows)
         except OSError as exc:  # a read-only directory, a file-size limit, a full disk
             self.close()
             raise ConfigError(
                 f"table {table!r}: cannot create its working files in its offload directory {directory!r} (the "
-                f"Offload(directory=...) where its {rows} rows and their slots live while it trains, {self.nbytes} "
-                f"bytes in all): {exc.strerror or exc}"
+                f"Offload(directory=...) where its {rows} rows and their slots live while it trains, "
+                f"{self.nbytes + log_rows * self.layout.nbytes} bytes in all): {exc.strerror or exc}"
                 + (f" ({os.path.basename(exc.filename)})" if isinstance(exc.filename, str) else "")
                 + ". Give the table a writable directory on a disk that allows files of that size (ulimit -f)."
             ) from exc
@@ -274,8 +320,20 @@ class ShardFiles:
         self._map = mapped
         with contextlib.suppress(AttributeError, OSError):
             mapped.madvise(mmap.MADV_RANDOM)  # a fault reads its page, not a readahead window beyond the cache
-        records = torch.frombuffer(mapped, dtype=torch.uint8, count=self.nbytes).view(rows, self.layout.nbytes)
-        self.tensors = self.layout.unpack(records)
+        records = torch.frombuffer(mapped, dtype=torch.uint8, count=rows * self.layout.nbytes)
+        self.tensors = self.layout.unpack(records.view(rows, self.layout.nbytes))
+
+    def _open_log(self, capacity: int) -> None:
+        path = os.path.join(self.directory, self.log_name)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        try:
+            os.ftruncate(fd, capacity * self.layout.nbytes)  # sparse, written from its start
+        except OSError:
+            os.close(fd)
+            raise
+        self.log = WriteLog(fd, capacity, self.layout.nbytes, self._rows)
 
     def write(self, offset: int, data: bytes | memoryview, wait: bool = True) -> None:
         """Write ``data`` at byte ``offset`` of the row file with ``pwrite`` (a full disk raises
@@ -296,12 +354,13 @@ class ShardFiles:
         _sync_range(fd, start, offset - start)
         os.posix_fadvise(fd, start, offset - start, os.POSIX_FADV_DONTNEED)
 
-    def row_io(self, rows: Tensor, records: Tensor, *, write: bool, depth: int | None = None) -> None:
+    def row_io(self, rows: Tensor, records: Tensor, *, write: bool) -> None:
         """Read the records of local rows ``rows`` [K] (ascending) into ``records`` [K, R] (uint8; ``write``:
-        write them from there) with ``pread``/``pwrite``, a run of consecutive rows a call: one native call (every
-        row checked there against the file's size), up to ``depth`` calls in flight, else a Python call a run. An
-        I/O error (a full disk, a file that ends early) raises ``OSError``; ``records`` must be a contiguous CPU
-        uint8 [K, R] buffer (``layout.empty``/``pack``)."""
+        write them from there): written records are appended to the write log (merged into the row file first
+        when they would overflow it; a batch larger than the log goes to the row file in place), read ones come
+        from the log where a row is in it, else from the row file. An I/O error (a full disk, a file that ends
+        early) raises ``OSError``; ``records`` must be a contiguous CPU uint8 [K, R] buffer
+        (``layout.empty``/``pack``). Serialized: a read-ahead's reads never see a write or a merge half done."""
         rows = rows.to("cpu", torch.int64).contiguous()
         k = int(rows.numel())
         if k == 0:
@@ -314,12 +373,72 @@ class ShardFiles:
             or records.device.type != "cpu"
         ):
             raise RuntimeError(f"{self.name}: row I/O needs a contiguous CPU uint8 [{k}, {row_bytes}] buffer (a bug)")
+        if int(rows.min()) < 0 or int(rows.max()) >= self.rows:
+            raise RuntimeError(f"{self.name}: a row outside the file (a bug)")
+        with self._io_lock:
+            log = self.log
+            if write:
+                if log is not None and not log.fits(k):
+                    self._merge()
+                if log is not None and log.fits(k):
+                    log.append(rows, records)
+                else:
+                    self._rows(self._fd, self.nbytes, records, row_bytes, rows, True)
+                return
+            found, slots = log.find(rows) if log is not None else (None, None)
+            if found is None or slots is None or not bool(found.any()):
+                self._rows(self._fd, self.nbytes, records, row_bytes, rows, False)
+                return
+            assert log is not None
+            home = ~found
+            if bool(home.any()):
+                got = torch.empty((int(home.sum()), row_bytes), dtype=torch.uint8)
+                self._rows(self._fd, self.nbytes, got, row_bytes, rows[home], False)
+                records[home] = got
+            order = torch.argsort(slots)
+            logged = torch.empty((int(slots.numel()), row_bytes), dtype=torch.uint8)
+            self._rows(log.fd, log.capacity * row_bytes, logged, row_bytes, slots[order], False)
+            where = torch.nonzero(found).flatten()
+            records[where[order]] = logged
+
+    def compact(self) -> None:
+        """Merge the write log into the row file (``WriteLog.merge``): the row file (and its maps) then holds
+        every row written back."""
+        with self._io_lock:
+            self._merge()
+
+    def forget_log(self) -> None:
+        """Drop the write log's records: every row was just written into the row file anew (a restore)."""
+        with self._io_lock:
+            if self.log is not None:
+                self.log.clear()
+
+    def _merge(self) -> None:
+        log = self.log
+        if log is None or log.head == 0:
+            return
+        log.merge(self._fd, self.nbytes)
+        os.fdatasync(self._fd)
+        with contextlib.suppress(OSError):
+            os.posix_fadvise(log.fd, 0, 0, os.POSIX_FADV_DONTNEED)  # the log's records are stale now
+
+    def _rows(self, fd: int, size: int, buffer: Tensor, row_bytes: int, rows: Tensor, write: bool) -> None:
+        """Rows ``rows`` [K] (ascending) of ``row_bytes`` of the file ``fd`` of ``size`` bytes read into (or
+        written from) ``buffer`` [K, row_bytes]: one native call (every row checked there against the size, up to
+        ``IO_DEPTH`` calls in flight), else a Python call a run of consecutive rows."""
+        k = int(rows.numel())
+        if k == 0:
+            return
+        if not buffer.is_contiguous() or buffer.numel() != k * row_bytes or buffer.dtype != torch.uint8:
+            raise RuntimeError(f"{self.name}: row I/O needs a contiguous uint8 buffer of {k} rows (a bug)")
+        rows = rows.contiguous()
         lib = native_library.library()
         if lib is not None:
+            io_engine()
             err = (ctypes.c_int32 * 2)()
             rc = lib.et_offload_rows(
-                self._fd, self.nbytes, records.data_ptr(), row_bytes, rows.data_ptr(), k,
-                1 if write else 2 if DROP_AFTER_READ else 0, IO_DEPTH if depth is None else depth, err,
+                fd, size, buffer.data_ptr(), row_bytes, rows.data_ptr(), k,
+                1 if write else 2 if DROP_AFTER_READ else 0, IO_DEPTH, err,
             )  # fmt: skip
             status = native_abi.decode("et_offload_rows", rc)
             if status == "ok":
@@ -327,10 +446,10 @@ class ShardFiles:
             if status == "io_error":
                 raise OSError(err[0], os.strerror(err[0]))
             raise RuntimeError(f"{self.name}: a row outside the file, or a bad row buffer (a bug)")
-        if bool((rows < 0).any()) or bool((rows >= self.nbytes // row_bytes).any()):
+        if bool((rows < 0).any()) or bool((rows >= size // row_bytes).any()):
             raise RuntimeError(f"{self.name}: a row outside the file (a bug)")
-        flat = records.reshape(-1).numpy().data
-        fd, ids = self._fd, rows.tolist()
+        flat = buffer.reshape(-1).numpy().data
+        ids = rows.tolist()
         i = 0
         while i < k:
             j = i + 1
@@ -395,7 +514,12 @@ class ShardFiles:
         if self._fd < 0:
             return []
         size = os.fstat(self._fd).st_size
-        return [f"{self.name}: {size} bytes of {self.nbytes}"] if size < self.nbytes else []
+        out = [f"{self.name}: {size} bytes of {self.nbytes}"] if size < self.nbytes else []
+        if self.log is not None:
+            want = self.log.capacity * self.layout.nbytes
+            if (got := os.fstat(self.log.fd).st_size) < want:
+                out.append(f"{self.log_name}: {got} bytes of {want}")
+        return out
 
     def allocate(self) -> None:
         """Give every file its disk blocks, whole (``posix_fallocate``; a file cut short is grown back to its size,
@@ -440,6 +564,10 @@ class ShardFiles:
         if self._fd >= 0:
             with contextlib.suppress(OSError):
                 os.close(self._fd)
+        if self.log is not None:
+            with contextlib.suppress(OSError):
+                os.close(self.log.fd)
+            self.log = None
         self._map, self._fd = None, -1
         if self._lock_fd >= 0:
             with contextlib.suppress(OSError):

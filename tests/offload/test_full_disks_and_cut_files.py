@@ -81,7 +81,7 @@ ckpt = emb.save(root)
 want = {k: v.clone() for k, v in emb.state_dict().items()}
 manifest = open(os.path.join(ckpt, "manifest.json")).read()
 records = [os.path.join(rows_dir, n) for n in os.listdir(rows_dir) if n.endswith(".rows")]
-os.truncate(records[0], 4096 * 16)  # another program cuts the file: rows 128 on (512 bytes a record) are past its end
+os.truncate(records[0], 4096 * 16)  # another program cuts the file: rows 512 on (128 bytes a record) are past its end
 accesses = {
     "state_dict": lambda: emb.state_dict(),
     "embedding_tables": lambda: emb.embedding_tables,
@@ -118,7 +118,9 @@ def test_a_file_cut_short_is_refused_by_every_whole_table_access_and_by_save(tmp
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr[-3000:]}"
     refusals = [x for x in proc.stdout.splitlines() if x.startswith("refused ")]
     assert len(refusals) == 6, proc.stdout
-    assert "files were cut short by something else" in refusals[0] and "bytes of 3840000" in refusals[0]
+    assert (
+        "files were cut short by something else" in refusals[0] and "bytes of 3842048" in refusals[0]
+    )  # whole 4 KiB chunks
     for line in refusals:
         assert "table 't'" in line and "are torn" in line and "restore()" in line, line
     assert refusals[-1].startswith("refused save: CheckpointError table 't': save refused"), refusals[-1]
@@ -169,7 +171,7 @@ def test_a_read_only_directory_or_a_file_size_limit_names_the_table_and_the_dire
     """
     out = run_python(code.replace("sys.argv[1]", repr(str(rows_dir))).replace("sys.argv[2]", '"limit"'))
     assert "refused: ConfigError table 'users': cannot create its working files in its offload directory" in out
-    assert "File too large" in out and "ulimit -f" in out and "6400000 bytes" in out
+    assert "File too large" in out and "ulimit -f" in out and "6467584 bytes" in out  # whole chunks, and the log
     proc = run_on_small_disk(code, rows_dir, str(rows_dir), "ro", read_only=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "refused: ConfigError table 'users': cannot create its working files" in proc.stdout, proc.stdout

@@ -1,0 +1,136 @@
+"""``WriteLog``: an offloaded table shard's written-back records appended to a log file, merged into the row file
+later, a chunk of whole pages at a time (docs/offload.md, "The write log").
+
+A record is smaller than a page. Written in place with ``pwrite``, a record whose page has left the page cache
+makes the kernel read that page first: where the disk is the limit, every write-back would cost a random read
+beside the row read it makes room for. Appended to the log instead, a batch of write-backs is one sequential
+write. Each append is a *run*: its rows ascending, at log slots [first, first + K). The index (every row in the
+log, ascending, with the slot of its latest record) tells a read where a row's values are.
+
+When an append would overflow the log's ``capacity`` records, the log is *merged*: the row file's chunks (whole
+pages, ``lcm(R, 4096)`` bytes: a record never straddles one) that hold a logged row are read, the runs' records
+written over them in run order (a later run's record of a row wins), and the chunks written back whole (no
+page is read by the kernel before a write: each is written in full), a piece of rows at a time, then synced;
+the log is empty after it. Its memory is the index (16 bytes a logged row, at most ``capacity``) and one piece.
+
+Shapes: K rows of a batch, L logged rows, R the bytes of a record.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+RowIO = Callable[[int, int, Tensor, int, Tensor, bool], None]  # (fd, size, buffer, row bytes, rows, write)
+
+_PAGE = 4096
+_MAX_CHUNK = 64 << 10  # a chunk is whole pages up to this size, else a record (the kernel reads its edges)
+_PIECE_BYTES = 64 << 20  # the chunks a merge holds in memory at once
+
+
+def chunk_bytes(record_bytes: int) -> int:
+    """The bytes of the row file's unit of a merge: the least multiple of both a record and a page, when at
+    most 64 KiB, else one record."""
+    whole = math.lcm(record_bytes, _PAGE)
+    return whole if whole <= _MAX_CHUNK else record_bytes
+
+
+class WriteLog:
+    """The log of one table shard (see the module docstring): ``fd`` open for reading and writing, ``capacity``
+    records of ``record_bytes``; ``io`` reads or writes rows of a file by index (``et_offload_rows``)."""
+
+    def __init__(self, fd: int, capacity: int, record_bytes: int, io: RowIO) -> None:
+        self.fd, self.capacity, self.record_bytes, self._io = fd, capacity, record_bytes, io
+        self.head = 0  # records appended since the last merge (the log's used slots [0, head))
+        self.merges = 0  # merges done
+        self.runs: list[tuple[Tensor, int]] = []  # (rows [K] ascending, first slot), oldest first
+        # (rows [L] ascending, slot [L] of each one's latest record): replaced whole, never changed in place
+        self.index: tuple[Tensor, Tensor] = (torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int64))
+
+    def __len__(self) -> int:
+        return int(self.index[0].numel())
+
+    def find(self, rows: Tensor) -> tuple[Tensor, Tensor]:
+        """(whether each of ``rows`` [K] is in the log [K] bool, the log slot of each one that is [H])."""
+        logged, slots = self.index
+        n = int(logged.numel())
+        if n == 0:
+            return torch.zeros(rows.shape, dtype=torch.bool), torch.zeros(0, dtype=torch.int64)
+        at = torch.searchsorted(logged, rows).clamp(max=n - 1)
+        found = logged[at] == rows
+        return found, slots[at[found]]
+
+    def fits(self, k: int) -> bool:
+        """Whether ``k`` more records fit before a merge."""
+        return self.head + k <= self.capacity
+
+    def append(self, rows: Tensor, records: Tensor) -> None:
+        """Append the records [K, R] of ``rows`` [K] (ascending, distinct; ``fits(K)``) as one run: one sequential
+        write (an ``OSError`` leaves the log as it was), then the index."""
+        k = int(rows.numel())
+        if k == 0:
+            return
+        first = self.head
+        self._io(self.fd, self.capacity * self.record_bytes, records, self.record_bytes,
+                 torch.arange(first, first + k, dtype=torch.int64), True)  # fmt: skip
+        self.head += k
+        self.runs.append((rows.clone(), first))
+        logged, slots = self.index
+        every = torch.cat((logged, rows))
+        where = torch.cat((slots, torch.arange(first, first + k, dtype=torch.int64)))
+        order = torch.sort(every, stable=True).indices  # a row's newer record after its older one
+        every, where = every[order], where[order]
+        last = torch.ones(every.numel(), dtype=torch.bool)
+        last[:-1] = every[1:] != every[:-1]
+        self.index = (every[last], where[last])
+
+    def merge(self, home_fd: int, home_size: int) -> None:
+        """Write every logged row's latest record into the row file (``home_fd``, ``home_size`` bytes: a multiple
+        of ``chunk_bytes``), a piece of chunks at a time, then sync it; the log is empty after it. An
+        ``OSError`` leaves the log as it was (its rows still read from it)."""
+        logged = self.index[0]
+        if logged.numel() == 0:
+            self.clear()
+            return
+        size = chunk_bytes(self.record_bytes)
+        per_chunk = size // self.record_bytes
+        chunks = torch.unique_consecutive(torch.div(logged, per_chunk, rounding_mode="floor"))
+        most = max(1, _PIECE_BYTES // size)
+        for start in range(0, int(chunks.numel()), most):
+            piece = chunks[start : start + most]  # every logged row in [lo, hi) lies in one of these chunks
+            lo, hi = int(piece[0]) * per_chunk, (int(piece[-1]) + 1) * per_chunk
+            self._merge_piece(home_fd, home_size, piece, lo, hi, size)
+        self.merges += 1
+        self.clear()
+
+    def _merge_piece(self, home_fd: int, home_size: int, chunks: Tensor, lo: int, hi: int, size: int) -> None:
+        """Read ``chunks`` [P] (ascending) of the row file, write over them every run's records of rows in
+        [lo, hi) (oldest run first), write them back."""
+        per_chunk = size // self.record_bytes
+        buffer = torch.empty((int(chunks.numel()), size), dtype=torch.uint8)
+        self._io(home_fd, home_size, buffer, size, chunks, False)
+        records = buffer.view(-1, self.record_bytes)
+        for rows, first in self.runs:
+            bounds = torch.searchsorted(rows, torch.tensor([lo, hi], dtype=torch.int64))
+            a, z = int(bounds[0]), int(bounds[1])
+            if a == z:
+                continue
+            got = torch.empty((z - a, self.record_bytes), dtype=torch.uint8)
+            self._io(self.fd, self.capacity * self.record_bytes, got, self.record_bytes,
+                     torch.arange(first + a, first + z, dtype=torch.int64), False)  # fmt: skip
+            mine = rows[a:z]
+            at = torch.searchsorted(chunks, torch.div(mine, per_chunk, rounding_mode="floor")) * per_chunk
+            records[at + mine % per_chunk] = got
+        self._io(home_fd, home_size, buffer, size, chunks, True)
+
+    def clear(self) -> None:
+        """Forget every record (after a merge, or when every row is written anew: a restore)."""
+        self.head = 0
+        self.runs = []
+        self.index = (torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int64))
+
+
+__all__ = ["WriteLog", "chunk_bytes"]
