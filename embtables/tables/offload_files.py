@@ -263,7 +263,8 @@ class ShardFiles:
             if existing is None:
                 self._lock(lock)
             for name in old:  # only a row file of this shard's own naming: a record is read, not trusted
-                if name not in (self.name, self.log_name) and name.startswith(stem + ".") and name.endswith(".rows"):
+                ours = name.startswith(stem + ".") and name.endswith((".rows", ".log"))
+                if ours and name != self.name and (name != self.log_name or log_rows == 0):
                     with contextlib.suppress(FileNotFoundError):
                         os.unlink(os.path.join(directory, name))
             self._open_rows(rows)

@@ -113,3 +113,17 @@ def test_reads_and_writes_in_flight_give_the_bytes_of_one_at_a_time(engine: str,
         whole = torch.frombuffer(bytearray(f.read()), dtype=torch.uint8).view(-1, layout.nbytes)
     assert torch.equal(whole[rows], records)  # what one pread a run reads
     files.close()
+
+
+def test_a_directory_reused_with_and_without_a_log_keeps_only_files_embtables_lists(tmp_path: Path) -> None:
+    """A table larger than its cache has a log; the same table on the same directory with a cache that holds it
+    whole has none: the earlier log (listed by the shard's own record) is removed, so a third module finds no
+    file it did not write."""
+    for cache_rows in (64, 5_000, 64):
+        table = et.TableConfig(5_000, 8, name="t", offload=et.Offload(tmp_path, cache_rows))
+        emb = et.DistributedEmbedding({"f": et.FeatureConfig(table)}, et.SGD(0.1))
+        emb({"f": torch.tensor([[1, 2]])})
+        names = sorted(p.name for p in tmp_path.iterdir())
+        log = ["t.w1r0.log"] if cache_rows < 5_000 else []
+        assert names == sorted(["t.w1r0.lock", "t.w1r0.meta.json", "t.w1r0.rows", *log]), names
+        emb.close()
