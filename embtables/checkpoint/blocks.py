@@ -10,7 +10,9 @@ chunk-and-checksum loop. The sources:
 - ``RowSelection``: chosen rows of a tensor (an increment's changed rows, a half-precision table's rows), gathered
   a piece at a time, in the tensor's storage type;
 - ``OffloadedBlock``: an offloaded table's rows, read from its files with ``pread`` a piece at a time (rows never
-  read: their initial values, computed, not written).
+  read: their initial values, computed, not written). The state blocks of one table shard are an
+  ``OffloadedGroup``, consecutive in the rank file and written together: each piece of records (a row's weights
+  and slots side by side) is read once for all of them.
 
 Readers: ``open_rank_files`` (every file of a checked manifest, its size checked, memory-mapped),
 ``read_block`` (a block inside its file with its CRC-32 checked, half values widened to float32) and ``row_ids``
@@ -19,6 +21,7 @@ Readers: ``open_rank_files`` (every file of a checked manifest, its size checked
 
 from __future__ import annotations
 
+import os
 import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -32,6 +35,9 @@ from embtables.checkpoint.manifest import Block as BlockSpec
 from embtables.tables.offload_cache import OffloadedRows
 
 CHUNK = 64 << 20  # bytes written (and checksummed) per call: bounded extra memory
+# bytes of an offloaded table's records read at once (all of its blocks' pieces): as large as a chunk, so that the
+# C library maps each piece afresh and returns it at once (a smaller one stays in its heap)
+_RECORD_PIECE = CHUNK
 
 
 class Block(Protocol):
@@ -65,7 +71,13 @@ class Block(Protocol):
 
 
 def write_block(f: Any, block: Block, progress: Callable[[int], None]) -> int:
-    """Write ``block`` to ``f`` a piece at a time; returns the CRC-32 of its bytes."""
+    """Write ``block`` to ``f`` a piece at a time; returns the CRC-32 of its bytes. The blocks of an
+    ``OffloadedGroup`` are all written at the first one's turn; the others return their CRC-32."""
+    if isinstance(block, OffloadedBlock) and block.group is not None:
+        if block.group.crcs is None:
+            block.group.write(f, progress)
+        assert block.group.crcs is not None
+        return block.group.crcs[block.part]
     crc = zlib.crc32(b"")
     for piece in block.pieces(CHUNK):
         data = np.ascontiguousarray(piece).data.cast("B")
@@ -117,10 +129,11 @@ class RowSelection:
 
 class OffloadedBlock:
     """Rows [0, ``rows``) of ``part`` ("" or a slot name) of an offloaded table shard, in their storage type, read
-    from the table's files a piece at a time: a save streams file to file in the memory of one piece."""
+    from the table's files a piece at a time: a save streams file to file in the memory of one piece. ``group``:
+    the table's ``OffloadedGroup``, which writes it with its siblings."""
 
-    def __init__(self, source: OffloadedRows, part: str, rows: int) -> None:
-        self.source, self.part = source, part
+    def __init__(self, source: OffloadedRows, part: str, rows: int, group: OffloadedGroup | None = None) -> None:
+        self.source, self.part, self.group = source, part, group
         self.shape = (rows, source.dim)
         self.size = rows * source.dim
         stored = source.dtypes[part]
@@ -134,6 +147,45 @@ class OffloadedBlock:
         for lo in range(0, self.shape[0], step):
             rows = self.source.read_rows(self.part, lo, min(self.shape[0], lo + step))
             yield (rows.view(torch.int16) if self.itemsize == 2 else rows).numpy()
+
+
+class OffloadedGroup:
+    """The state blocks of one offloaded table shard in a save (``block`` adds them, in file order: they must be
+    consecutive in the rank file), written together at the first one's turn: each piece of records is read once
+    (``OffloadedRows.read_records``) and each block's part of it written at its place with ``pwrite``, every
+    block's CRC-32 carried piece by piece. Its memory is a piece of records (64 MB) and one block's part of it."""
+
+    def __init__(self, source: OffloadedRows, rows: int) -> None:
+        self.source, self.rows = source, rows
+        self.blocks: list[OffloadedBlock] = []
+        self.crcs: dict[str, int] | None = None  # by part, once written
+
+    def block(self, part: str) -> OffloadedBlock:
+        out = OffloadedBlock(self.source, part, self.rows, self)
+        self.blocks.append(out)
+        return out
+
+    def write(self, f: Any, progress: Callable[[int], None]) -> None:
+        """Write every block from ``f``'s position on (they follow one another), then leave ``f`` after them."""
+        f.flush()
+        fd, start = f.fileno(), f.tell()
+        starts = [start + sum(b.size * b.itemsize for b in self.blocks[:i]) for i in range(len(self.blocks))]
+        crcs = [zlib.crc32(b"")] * len(self.blocks)
+        layout = self.source.files.layout
+        step = max(1, _RECORD_PIECE // layout.nbytes)
+        for lo in range(0, self.rows, step):
+            records = self.source.read_records(lo, min(self.rows, lo + step))
+            for i, b in enumerate(self.blocks):
+                values = layout.view(records, b.part)
+                data = np.ascontiguousarray(values.view(torch.uint8).numpy()).data.cast("B")
+                at = starts[i] + lo * b.itemsize * b.source.dim
+                while data.nbytes:
+                    n = os.pwrite(fd, data, at)
+                    crcs[i] = zlib.crc32(data[:n], crcs[i])
+                    data, at = data[n:], at + n
+                progress(values.numel() * b.itemsize)
+        f.seek(starts[-1] + self.blocks[-1].size * self.blocks[-1].itemsize)
+        self.crcs = {b.part: crc for b, crc in zip(self.blocks, crcs)}
 
 
 def open_rank_files(where: Path, manifest: dict[str, Any]) -> dict[str, np.ndarray[Any, Any]]:

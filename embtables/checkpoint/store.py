@@ -42,7 +42,7 @@ from embtables.checkpoint import manifest as manifest_io
 from embtables.checkpoint.blocks import (
     ArrayBlock,
     Block,
-    OffloadedBlock,
+    OffloadedGroup,
     RowSelection,
     open_rank_files,
     read_block,
@@ -187,11 +187,12 @@ def _plan(
         pick = None if changed is None or t.name not in changed else changed[t.name].to(shard.rows.device, torch.int64)
         rows = shard.rows if pick is None else shard.rows[pick]
         plan.append(PlannedBlock(t.name, "rows", f"{t.name}#rows", _ids(rows)))
+        group = None if pick is not None or shard.offloaded is None else OffloadedGroup(shard.offloaded, len(rows))
         for slot, tensor in shard.tensors.items():
             key = f"{t.name}/{slot}" if slot else t.name
             block: Block
-            if pick is None and shard.offloaded is not None:  # from its files, a piece at a time
-                block = OffloadedBlock(shard.offloaded, slot, int(shard.rows.numel()))
+            if group is not None:  # from its files, a piece of records at a time for all of its blocks
+                block = group.block(slot)
             elif pick is None and tensor.dtype == torch.float32:
                 block = ArrayBlock(tensor.detach().to("cpu").numpy().reshape(-1, t.dim))
             else:  # an increment's rows, or a half-precision table's (in its type), a piece at a time

@@ -10,7 +10,9 @@ gives the bits of an in-memory table (a half-precision table rounds each slot wi
 * **admission** (before a lookup reads rows): the least used rows (their ids looked up since they were read
   in, decayed by ``USE_DECAY`` a step; ``offload_residency.Residency`` keeps that bookkeeping and the slots,
   and chooses) leave until the batch's rows fit; those written since they were read (``dirty``, marked by the
-  update's own writes) are written back first, with ``pwrite`` (a full disk is an error here, never a fault).
+  update's own writes) are written back first: appended to the shard's write log with ``pwrite``
+  (``offload_log.WriteLog``, merged into the row file a chunk of whole pages at a time; a full disk is an error
+  here, never a fault).
   The batch's rows that were never initialized get their initial values in the files (the initializer's draw
   for their block of ``INIT_BLOCK`` global rows, from the table's seed: the same values for any cache, shard
   layout or order of first reads); the rows not in the cache are read with ``pread`` (timed: the disk wait).
@@ -173,24 +175,25 @@ class OffloadedRows:
         rows = self.first + self.stride * torch.arange(lo, hi, dtype=torch.int64)
         return initial_weights(self.logical, rows, self.seed).to(dtype)
 
-    def read_rows(self, part: str, lo: int, hi: int) -> Tensor:
-        """Local rows [lo, hi) of ``part`` ("" or a slot) [hi - lo, D] in their storage type, read from the
-        files with ``pread`` (nothing mapped): rows never read are their initial values as the table would store
+    def read_records(self, lo: int, hi: int) -> Tensor:
+        """The records [hi - lo, R] (uint8: every part, ``files.layout``) of local rows [lo, hi), read from the row
+        file with ``pread`` (nothing mapped): rows never read are their initial values as the table would store
         them, computed here, not written. What a checkpoint streams, file to file."""
         self.check_open()  # torn or cut files were refused before the save began (``check_whole``), which
-        # also wrote every written row of the cache back
-        dtype = self.dtypes[part]
-        out = torch.empty((hi - lo, self.dim), dtype=dtype)
+        # also wrote every written row of the cache back and merged the write log
         size = self.row_bytes
+        out = torch.empty((hi - lo, size), dtype=torch.uint8)
         for b in range(lo // self.block, -(-hi // self.block)):
             a, z = max(lo, b * self.block), min(hi, (b + 1) * self.block)
             if bool(self._initialized[b]):
-                data = bytearray(self.files.read(a * size, (z - a) * size))
-                values = self.files.layout.view(torch.frombuffer(data, dtype=torch.uint8).view(z - a, size), part)
+                self.files.read_into(a * size, out[a - lo : z - lo])
             else:
-                values = self._initial(part, a, z)
-            out[a - lo : z - lo] = values
+                out[a - lo : z - lo] = self.files.layout.pack({part: self._initial(part, a, z) for part in self.dtypes})
         return out
+
+    def read_rows(self, part: str, lo: int, hi: int) -> Tensor:
+        """Local rows [lo, hi) of ``part`` ("" or a slot) [hi - lo, D] in their storage type (``read_records``)."""
+        return self.files.layout.view(self.read_records(lo, hi), part)
 
     def check_whole(self, what: str) -> None:
         """Raise unless the files hold the table, before ``what`` reads it whole (a whole-table access, a save):

@@ -212,7 +212,6 @@ class ShardFiles:
         unit = chunk_bytes(self.layout.nbytes)
         self.nbytes = -(-rows * self.layout.nbytes // unit) * unit
         self.log: WriteLog | None = None  # written-back records, merged into the row file later (``log_rows`` > 0)
-        self._log_rows = log_rows
         self._io_lock = threading.Lock()
         self.tensors: dict[str, Tensor] = {}
         try:
@@ -467,20 +466,18 @@ class ShardFiles:
                 view, offset = view[n:], offset + n
             i = j
 
-    def read(self, offset: int, length: int) -> bytes:
-        """Bytes [offset, offset + length) of the row file, read with ``pread`` (through the page cache, not
-        the maps: nothing is mapped), then dropped from the page cache where clean. A file ending early raises
-        ``OSError`` (EIO)."""
-        fd = self._fd
-        pieces, at = [], offset
-        while at < offset + length:
-            piece = os.pread(fd, offset + length - at, at)
-            if not piece:
+    def read_into(self, offset: int, out: Tensor) -> None:
+        """Fill ``out`` (a contiguous CPU tensor) with the row file's bytes from ``offset`` on, read with ``pread``
+        (through the page cache, not the maps: nothing is mapped), then drop them from the page cache where clean.
+        A file ending early raises ``OSError`` (EIO)."""
+        view = out.view(torch.uint8).reshape(-1).numpy().data.cast("B")
+        length, at = view.nbytes, offset
+        while view.nbytes:
+            n = os.preadv(self._fd, [view], at)
+            if n == 0:
                 raise OSError(errno.EIO, f"{self.name} ends at byte {at}, before {offset + length}")
-            pieces.append(piece)
-            at += len(piece)
-        os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
-        return b"".join(pieces)
+            view, at = view[n:], at + n
+        os.posix_fadvise(self._fd, offset, length, os.POSIX_FADV_DONTNEED)
 
     def drop(self, offset: int, length: int, *, dirty: bool, unmap_only: bool = False) -> None:
         """Drop bytes [offset, offset + length) of the row file (page-aligned) from the process and the page
