@@ -229,13 +229,28 @@ def test_non_lazy_adam_gpu_tables_and_copies_are_refused(tmp_path: Path) -> None
     emb({"f": torch.tensor([[1]])})
 
 
-def test_checkpoints_of_an_offloaded_table_restore_in_memory_and_back(tmp_path: Path) -> None:
+def test_checkpoints_of_an_offloaded_table_restore_in_memory_and_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A save writes the table's blocks together, each row's record read once (not once a block: the weights and
+    the accumulators); the checkpoint restores into memory and into another offloaded module, bit for bit."""
+    from embtables.tables.offload_cache import OffloadedRows
+
+    read: list[int] = []
+    real = OffloadedRows.read_records
+
+    def counted(self: OffloadedRows, lo: int, hi: int) -> torch.Tensor:
+        read.append(hi - lo)
+        return real(self, lo, hi)
+
+    monkeypatch.setattr(OffloadedRows, "read_records", counted)
     torch.manual_seed(0)
     off = _module(tmp_path / "rows", cache_rows=1024)
     for _ in range(3):
         a = off({"f": torch.randint(0, 30_000, (16, 3))})["f"]
         off.apply_gradients({"f": torch.randn(a.shape)})
     path = off.save(tmp_path / "ckpt")
+    assert sum(read) == 30_000, read  # once for both blocks
     mem = et.DistributedEmbedding(
         {"f": et.FeatureConfig(et.TableConfig(30_000, 64, name="t", combiner="sum"))}, et.Adagrad(0.1)
     )

@@ -127,32 +127,3 @@ def test_a_directory_reused_with_and_without_a_log_keeps_only_files_embtables_li
         log = ["t.w1r0.log"] if cache_rows < 5_000 else []
         assert names == sorted(["t.w1r0.lock", "t.w1r0.meta.json", "t.w1r0.rows", *log]), names
         emb.close()
-
-
-def test_a_save_reads_each_record_once_for_all_of_its_blocks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """``save`` writes an offloaded table's state blocks (the weights, Adam's m and v) together: every row's record
-    is read once, not once a block, and the checkpoint restores into memory bit for bit."""
-    from embtables.tables.offload_cache import OffloadedRows
-
-    read: list[int] = []
-    real = OffloadedRows.read_records
-
-    def counted(self: OffloadedRows, lo: int, hi: int) -> torch.Tensor:
-        read.append(hi - lo)
-        return real(self, lo, hi)
-
-    monkeypatch.setattr(OffloadedRows, "read_records", counted)
-    table = et.TableConfig(20_000, 16, name="t", combiner="sum", offload=et.Offload(tmp_path / "rows", 256))
-    off = et.DistributedEmbedding({"f": et.FeatureConfig(table)}, et.Adam(0.05))
-    for step in range(4):
-        a = off({"f": torch.randint(0, 20_000, (32, 4), generator=torch.Generator().manual_seed(step))})["f"]
-        off.apply_gradients({"f": torch.ones_like(a)})
-    path = off.save(tmp_path / "ckpt")
-    assert sum(read) == 20_000, read  # once for the three blocks
-    mem = et.DistributedEmbedding(
-        {"f": et.FeatureConfig(et.TableConfig(20_000, 16, name="t", combiner="sum"))}, et.Adam(0.05)
-    )
-    mem.restore(path)
-    want = off.state_dict()
-    for key, value in mem.state_dict().items():
-        assert torch.equal(value, want[key]), key
