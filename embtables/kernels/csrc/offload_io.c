@@ -280,9 +280,20 @@ int32_t et_offload_io_engine(int32_t want) {
 #ifdef ET_URING
     if (want & 1) {
         et_ring r;
-        if (et_ring_open(&r, 4) == 0) {
+        if (et_ring_open(&r, 4) == 0) { /* and one request goes through it: a policy may refuse only submissions */
+            struct io_uring_sqe *sqe = &r.sqes[0];
+            memset(sqe, 0, sizeof *sqe);
+            sqe->opcode = IORING_OP_NOP;
+            const unsigned tail = *r.sq_tail;
+            r.sq_array[tail & *r.sq_mask] = 0;
+            __atomic_store_n(r.sq_tail, tail + 1, __ATOMIC_RELEASE);
+            long got;
+            do got = syscall(__NR_io_uring_enter, r.fd, 1, 1, IORING_ENTER_GETEVENTS, NULL, 0);
+            while (got < 0 && errno == EINTR);
+            const unsigned head = *r.cq_head;
+            if (got == 1 && head != __atomic_load_n(r.cq_tail, __ATOMIC_ACQUIRE) && r.cqes[head & *r.cq_mask].res == 0)
+                et_engine = 1;
             et_ring_close(&r);
-            et_engine = 1;
         }
     }
 #endif
