@@ -24,6 +24,8 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from embtables.tables.offload_residency import merge_sorted
+
 RowIO = Callable[[int, int, Tensor, int, Tensor, bool], None]  # (fd, size, buffer, row bytes, rows, write)
 
 _PAGE = 4096
@@ -79,13 +81,15 @@ class WriteLog:
         self.head += k
         self.runs.append((rows.clone(), first))
         logged, slots = self.index
-        every = torch.cat((logged, rows))
-        where = torch.cat((slots, torch.arange(first, first + k, dtype=torch.int64)))
-        order = torch.sort(every, stable=True).indices  # a row's newer record after its older one
-        every, where = every[order], where[order]
-        last = torch.ones(every.numel(), dtype=torch.bool)
-        last[:-1] = every[1:] != every[:-1]
-        self.index = (every[last], where[last])
+        given = torch.arange(first, first + k, dtype=torch.int64)
+        n = int(logged.numel())
+        at = torch.searchsorted(logged, rows)
+        present = (at < n) & (logged[at.clamp(max=max(n - 1, 0))] == rows) if n else torch.zeros(k, dtype=torch.bool)
+        slots = slots.clone()  # the index is replaced whole: a reader holding the old one keeps it as it was
+        slots[at[present]] = given[present]  # a logged row's newer record
+        fresh = ~present
+        logged, (slots,) = merge_sorted(logged, rows[fresh], [(slots, given[fresh])])
+        self.index = (logged, slots)
 
     def merge(self, home_fd: int, home_size: int) -> None:
         """Write every logged row's latest record into the row file (``home_fd``, ``home_size`` bytes: a multiple

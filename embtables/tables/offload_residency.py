@@ -18,6 +18,8 @@ Shapes: R resident units, K units a lookup asks for (ascending, distinct).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import Tensor
 
@@ -28,6 +30,23 @@ _I32_MAX = 2**31 - 1
 
 def _step32(step: int) -> int:
     return min(step, _I32_MAX)
+
+
+def merge_sorted(keys: Tensor, new: Tensor, columns: Sequence[tuple[Tensor, Tensor]]) -> tuple[Tensor, list[Tensor]]:
+    """The merge of ascending ``keys`` [R] and ascending ``new`` [K] (none of them in ``keys``) in O(R + K log R),
+    each new key at its place among the R, and each column (values aligned with ``keys`` [R], values aligned with
+    ``new`` [K]) merged in the same order."""
+    k, n = new.numel(), keys.numel()
+    at = torch.searchsorted(keys, new) + torch.arange(k)  # the new keys' places in the merge
+    old = torch.ones(n + k, dtype=torch.bool)
+    old[at] = False
+
+    def merged(a: Tensor, b: Tensor) -> Tensor:
+        out = torch.empty(n + k, dtype=a.dtype)
+        out[old], out[at] = a, b
+        return out
+
+    return merged(keys, new), [merged(a, b) for a, b in columns]
 
 
 class NoRoom(Exception):
@@ -104,19 +123,11 @@ class Residency:
         k, n = units.numel(), len(self)
         if n + k > self.budget:
             raise ValueError(f"Residency: {k} more units exceed the budget of {self.budget} ({n} resident)")
-        at = torch.searchsorted(self.units, units) + torch.arange(k)  # the new units' places in the merge
-        old = torch.ones(n + k, dtype=torch.bool)
-        old[at] = False
-        merged = torch.empty(n + k, dtype=torch.int64)
-        merged[old], merged[at] = self.units, units
         given, self.free = self.free[:k], self.free[k:]
-        slots = torch.empty(n + k, dtype=torch.int64)
-        slots[old], slots[at] = self.slots, given
-        last = torch.full((n + k,), _NEVER, dtype=torch.int32)
-        last[old] = self.last_use
-        uses = torch.zeros(n + k, dtype=torch.float32)
-        uses[old] = self.uses
-        self.units, self.slots, self.last_use, self.uses = merged, slots, last, uses
+        never = torch.full((k,), _NEVER, dtype=torch.int32)
+        self.units, (self.slots, self.last_use, self.uses) = merge_sorted(
+            self.units, units, [(self.slots, given), (self.last_use, never), (self.uses, torch.zeros(k))]
+        )
         return given
 
     def used(self, units: Tensor, counts: Tensor, step: int) -> None:
@@ -146,4 +157,4 @@ class Residency:
         assert bool(torch.isfinite(self.uses).all()) and bool((self.uses >= 0).all()), "uses finite and >= 0"
 
 
-__all__ = ["USE_DECAY", "NoRoom", "Residency"]
+__all__ = ["USE_DECAY", "NoRoom", "Residency", "merge_sorted"]
