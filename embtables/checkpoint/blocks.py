@@ -73,7 +73,7 @@ class Block(Protocol):
 def write_block(f: Any, block: Block, progress: Callable[[int], None]) -> int:
     """Write ``block`` to ``f`` a piece at a time; returns the CRC-32 of its bytes. The blocks of an
     ``OffloadedGroup`` are all written at the first one's turn; the others return their CRC-32."""
-    if isinstance(block, OffloadedBlock) and block.group is not None:
+    if isinstance(block, OffloadedBlock):
         if block.group.crcs is None:
             block.group.write(f, progress)
         assert block.group.crcs is not None
@@ -130,9 +130,10 @@ class RowSelection:
 class OffloadedBlock:
     """Rows [0, ``rows``) of ``part`` ("" or a slot name) of an offloaded table shard, in their storage type, read
     from the table's files a piece at a time: a save streams file to file in the memory of one piece. ``group``:
-    the table's ``OffloadedGroup``, which writes it with its siblings."""
+    the table's ``OffloadedGroup`` (``OffloadedGroup.block`` makes it), which writes it with its siblings;
+    ``pieces`` reads it alone."""
 
-    def __init__(self, source: OffloadedRows, part: str, rows: int, group: OffloadedGroup | None = None) -> None:
+    def __init__(self, source: OffloadedRows, part: str, rows: int, group: OffloadedGroup) -> None:
         self.source, self.part, self.group = source, part, group
         self.shape = (rows, source.dim)
         self.size = rows * source.dim
@@ -143,9 +144,10 @@ class OffloadedBlock:
         self.ndim = 2
 
     def pieces(self, chunk_bytes: int) -> Iterator[np.ndarray[Any, Any]]:
-        step = max(1, chunk_bytes // (self.itemsize * self.source.dim))
+        layout = self.source.files.layout
+        step = max(1, chunk_bytes // layout.nbytes)
         for lo in range(0, self.shape[0], step):
-            rows = self.source.read_rows(self.part, lo, min(self.shape[0], lo + step))
+            rows = layout.view(self.source.read_records(lo, min(self.shape[0], lo + step)), self.part)
             yield (rows.view(torch.int16) if self.itemsize == 2 else rows).numpy()
 
 

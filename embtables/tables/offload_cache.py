@@ -23,7 +23,7 @@ gives the bits of an in-memory table (a half-precision table rounds each slot wi
 * **whole-table access** (``state_dict``, ``embedding_tables``, ``load_state_dict``, ``restore``): the written rows
   are written back (``flush``), every block is initialized, and the files' maps (``file_tensors``) are handed out;
   the next lookup or update takes in what was written through them (``refresh``: the maps' pages written back and
-  dropped, every cached row read again). ``save`` reads the files with ``pread`` (``read_rows``) after a flush.
+  dropped, every cached row read again). ``save`` reads the files with ``pread`` (``read_records``) after a flush.
 * **changed rows**: a bit a row (``PackedBits``), set when a written row goes back to the files; the rows of
   written slots not yet back are added when asked (``changed_rows``).
 
@@ -190,10 +190,6 @@ class OffloadedRows:
             else:
                 out[a - lo : z - lo] = self.files.layout.pack({part: self._initial(part, a, z) for part in self.dtypes})
         return out
-
-    def read_rows(self, part: str, lo: int, hi: int) -> Tensor:
-        """Local rows [lo, hi) of ``part`` ("" or a slot) [hi - lo, D] in their storage type (``read_records``)."""
-        return self.files.layout.view(self.read_records(lo, hi), part)
 
     def check_whole(self, what: str) -> None:
         """Raise unless the files hold the table, before ``what`` reads it whole (a whole-table access, a save):
@@ -468,7 +464,7 @@ class OffloadedRows:
             self.disk_wait_s += time.perf_counter() - start
 
     def _compact(self) -> None:
-        """Merge the write log into the row file (whose maps and ``read_rows`` then hold every row written
+        """Merge the write log into the row file (whose maps and ``read_records`` then hold every row written
         back): a failure tears the files and raises."""
         try:
             self.files.compact()

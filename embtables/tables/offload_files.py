@@ -385,11 +385,10 @@ class ShardFiles:
                 else:
                     self._rows(self._fd, self.nbytes, records, row_bytes, rows, True)
                 return
-            found, slots = log.find(rows) if log is not None else (None, None)
-            if found is None or slots is None or not bool(found.any()):
+            found, slots = log.find(rows) if log is not None else (torch.zeros(k, dtype=torch.bool), rows[:0])
+            if log is None or not bool(found.any()):  # every row in the row file
                 self._rows(self._fd, self.nbytes, records, row_bytes, rows, False)
                 return
-            assert log is not None
             home = ~found
             if bool(home.any()):
                 got = torch.empty((int(home.sum()), row_bytes), dtype=torch.uint8)

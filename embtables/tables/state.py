@@ -44,7 +44,7 @@ class LocalShard:
     tensors are the live storage (writing into them changes the table), so checkpoint restore can
     fill them in place without ever materialising rows this process does not own. ``offloaded``: an
     offloaded table's files and cache (``TableConfig.offload``), whose rows a checkpoint reads from the files
-    (``OffloadedRows.read_rows``) instead of the tensors when they were not made whole first.
+    (``OffloadedRows.read_records``) instead of the tensors when they were not made whole first.
     """
 
     table: str

@@ -251,6 +251,11 @@ def test_checkpoints_of_an_offloaded_table_restore_in_memory_and_back(
         off.apply_gradients({"f": torch.randn(a.shape)})
     path = off.save(tmp_path / "ckpt")
     assert sum(read) == 30_000, read  # once for both blocks
+    from embtables.checkpoint.blocks import OffloadedGroup
+
+    alone = OffloadedGroup(off._engine.local.offloaded["t"], 30_000).block("accumulators")  # a block read alone
+    pieces = torch.cat([torch.from_numpy(p) for p in alone.pieces(1 << 20)])
+    assert torch.equal(pieces, off.slot_variables["t"]["accumulators"])
     mem = et.DistributedEmbedding(
         {"f": et.FeatureConfig(et.TableConfig(30_000, 64, name="t", combiner="sum"))}, et.Adagrad(0.1)
     )
