@@ -82,11 +82,12 @@ class OffloadedRows:
         )
         try:
             # the cache: C rows of every tensor, each slot's row written since it was read (the update marks it:
-            # ``ChangedRows`` holds this tensor as the table's flags) and its global row id (a half table's
-            # rounding); free slots hold zeros and global row 0
+            # ``ChangedRows`` holds this tensor as the table's flags) and, for a half table only, its global row
+            # id (its rounding; empty otherwise); free slots hold zeros and global row 0
             self.cache = {p: torch.zeros((self.capacity, self.dim), dtype=d) for p, d in parts.items()}
             self.dirty = torch.zeros(self.capacity, dtype=torch.bool)
-            self.slot_global = torch.zeros(self.capacity, dtype=torch.int64)
+            self._rounds = table.config.half
+            self.slot_global = torch.zeros(self.capacity if self._rounds else 0, dtype=torch.int64)
         except BaseException:
             self.files.close()
             raise
@@ -94,7 +95,7 @@ class OffloadedRows:
         # cached row: the memory of the cache's bookkeeping is the cache's, not the table's.
         self._initialized = torch.zeros(-(-self.rows // self.block), dtype=torch.bool)
         self.changed = PackedBits(self.rows)
-        self.residency = Residency(self.capacity)  # the rows in the cache and their slots (no I/O)
+        self.residency = Residency(self.capacity, self.rows)  # the rows in the cache and their slots (no I/O)
         self._untracked = False  # the files' maps were handed out: the next lookup or update refreshes
         self.read_ahead = ReadAhead()  # a staged batch's missing rows, read while the step before it computes
         self._epoch = 0  # admissions and other writes to the files so far: a read-ahead is good for one epoch
@@ -295,9 +296,9 @@ class OffloadedRows:
             ) from None
         start = time.perf_counter()
         slots = torch.empty_like(wanted)
-        slots[present] = self.residency.slots[at[present]]  # a row asked for never leaves: its slot stays
+        slots[present] = self.residency.slots[at[present]].to(torch.int64)  # a row asked for stays in its slot
         if victims.numel():
-            self._write_back(self.residency.units[victims], self.residency.slots[victims])
+            self._write_back(*self.residency.units_at(victims))
             self.residency.remove(victims)
             self.counters["evictions"] += int(victims.numel())
         missing = wanted[~present]
@@ -316,7 +317,8 @@ class OffloadedRows:
             except BaseException:
                 self.residency.remove(self.residency.where(missing)[0])  # nothing half-read stays
                 raise
-            self.slot_global[given] = self._rounding_ids(missing)
+            if self._rounds:
+                self.slot_global[given] = self._rounding_ids(missing)
             slots[~present] = given
         self.residency.used(wanted, uses, step)
         self.disk_wait_s += time.perf_counter() - start
@@ -353,7 +355,8 @@ class OffloadedRows:
                 for part, block in self.cache.items():
                     block[where] = values[part][present].to(block.dtype)
             self.dirty[where] = True
-            self.slot_global[where] = self._rounding_ids(rows[present])  # a row handed to a new key
+            if self._rounds:
+                self.slot_global[where] = self._rounding_ids(rows[present])  # a row handed to a new key
         rest = ~present
         if bool(rest.any()):
             order = torch.argsort(rows[rest])
@@ -390,7 +393,7 @@ class OffloadedRows:
         """The local rows [K] held by cached ``slots`` [K] (a written slot's row, for the stale rows a pipelined
         lookup reads)."""
         by_slot = torch.full((self.capacity,), -1, dtype=torch.int64)
-        by_slot[self.residency.slots] = self.residency.units
+        by_slot[self.residency.slots] = self.residency.units.to(torch.int64)
         rows = by_slot[slots.to("cpu", torch.int64)]
         if bool((rows < 0).any()):
             raise RuntimeError(f"table {self.logical.name!r}: a slot of the row cache holds no row (a bug)")
@@ -460,7 +463,7 @@ class OffloadedRows:
         """Write every written row of the cache back to the files (they stay cached, clean)."""
         if len(self.residency) and bool(self.dirty.any()):
             start = time.perf_counter()
-            self._write_back(self.residency.units, self.residency.slots)
+            self._write_back(*self.residency.units_at())
             self.disk_wait_s += time.perf_counter() - start
 
     def _compact(self) -> None:
@@ -485,7 +488,7 @@ class OffloadedRows:
             self._tear(f"writing rows back to disk failed ({exc.strerror or exc})", exc)
         if len(self.residency):
             start = time.perf_counter()
-            self._read_in(self.residency.units, self.residency.slots)
+            self._read_in(*self.residency.units_at())
             self.disk_wait_s += time.perf_counter() - start
         self._untracked = False
 
@@ -560,7 +563,7 @@ class OffloadedRows:
         """The local rows [R] (ascending) written since the last ``clear_changed``: those written back, and the
         cached ones written and not back yet."""
         marked = self.changed.rows()
-        pending = self.residency.units[self.dirty[self.residency.slots]]
+        pending = self.residency.units[self.dirty[self.residency.slots]].to(torch.int64)
         return torch.unique(torch.cat((marked, pending))) if pending.numel() else marked
 
     def mark_all_changed(self) -> None:

@@ -333,7 +333,7 @@ class ShardFiles:
         except OSError:
             os.close(fd)
             raise
-        self.log = WriteLog(fd, capacity, self.layout.nbytes, self._rows)
+        self.log = WriteLog(fd, capacity, self.layout.nbytes, self.rows, self._rows)
 
     def write(self, offset: int, data: bytes | memoryview, wait: bool = True) -> None:
         """Write ``data`` at byte ``offset`` of the row file with ``pwrite`` (a full disk raises
@@ -430,7 +430,7 @@ class ShardFiles:
             return
         if not buffer.is_contiguous() or buffer.numel() != k * row_bytes or buffer.dtype != torch.uint8:
             raise RuntimeError(f"{self.name}: row I/O needs a contiguous uint8 buffer of {k} rows (a bug)")
-        rows = rows.contiguous()
+        rows = rows.to(torch.int64).contiguous()  # what C reads: int64 indices
         lib = native_library.library()
         if lib is not None:
             io_engine()

@@ -11,7 +11,8 @@ When an append would overflow the log's ``capacity`` records, the log is *merged
 pages, ``lcm(R, 4096)`` bytes: a record never straddles one) that hold a logged row are read, the runs' records
 written over them in run order (a later run's record of a row wins), and the chunks written back whole (no
 page is read by the kernel before a write: each is written in full), a piece of rows at a time, then synced;
-the log is empty after it. Its memory is the index (16 bytes a logged row, at most ``capacity``) and one piece.
+the log is empty after it. Its memory is the index and the runs' rows (12 bytes a record of a shard of up to
+2**31 rows, at most ``capacity`` records; 24 beyond) and one piece.
 
 Shapes: K rows of a batch, L logged rows, R the bytes of a record.
 """
@@ -24,7 +25,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from embtables.tables.offload_residency import merge_sorted
+from embtables.tables.offload_residency import index_dtype, merge_sorted
 
 RowIO = Callable[[int, int, Tensor, int, Tensor, bool], None]  # (fd, size, buffer, row bytes, rows, write)
 
@@ -42,15 +43,21 @@ def chunk_bytes(record_bytes: int) -> int:
 
 class WriteLog:
     """The log of one table shard (see the module docstring): ``fd`` open for reading and writing, ``capacity``
-    records of ``record_bytes``; ``io`` reads or writes rows of a file by index (``et_offload_rows``)."""
+    records of ``record_bytes`` for a row file of ``rows`` rows; ``io`` reads or writes rows of a file by index
+    (``et_offload_rows``). Rows and slots come in and go out as int64; they are kept narrower
+    (``index_dtype``)."""
 
-    def __init__(self, fd: int, capacity: int, record_bytes: int, io: RowIO) -> None:
+    def __init__(self, fd: int, capacity: int, record_bytes: int, rows: int, io: RowIO) -> None:
         self.fd, self.capacity, self.record_bytes, self._io = fd, capacity, record_bytes, io
+        self._row_dtype, self._slot_dtype = index_dtype(rows), index_dtype(capacity)
         self.head = 0  # records appended since the last merge (the log's used slots [0, head))
         self.merges = 0  # merges done
         self.runs: list[tuple[Tensor, int]] = []  # (rows [K] ascending, first slot), oldest first
         # (rows [L] ascending, slot [L] of each one's latest record): replaced whole, never changed in place
-        self.index: tuple[Tensor, Tensor] = (torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int64))
+        self.index: tuple[Tensor, Tensor] = self._empty()
+
+    def _empty(self) -> tuple[Tensor, Tensor]:
+        return torch.zeros(0, dtype=self._row_dtype), torch.zeros(0, dtype=self._slot_dtype)
 
     def __len__(self) -> int:
         return int(self.index[0].numel())
@@ -61,9 +68,9 @@ class WriteLog:
         n = int(logged.numel())
         if n == 0:
             return torch.zeros(rows.shape, dtype=torch.bool), torch.zeros(0, dtype=torch.int64)
-        at = torch.searchsorted(logged, rows).clamp(max=n - 1)
+        at = torch.searchsorted(logged, rows.to(self._row_dtype)).clamp(max=n - 1)
         found = logged[at] == rows
-        return found, slots[at[found]]
+        return found, slots[at[found]].to(torch.int64)
 
     def fits(self, k: int) -> bool:
         """Whether ``k`` more records fit before a merge."""
@@ -79,9 +86,10 @@ class WriteLog:
         self._io(self.fd, self.capacity * self.record_bytes, records, self.record_bytes,
                  torch.arange(first, first + k, dtype=torch.int64), True)  # fmt: skip
         self.head += k
-        self.runs.append((rows.clone(), first))
+        rows = rows.to(self._row_dtype, copy=True)
+        self.runs.append((rows, first))
         logged, slots = self.index
-        given = torch.arange(first, first + k, dtype=torch.int64)
+        given = torch.arange(first, first + k, dtype=self._slot_dtype)
         n = int(logged.numel())
         at = torch.searchsorted(logged, rows)
         present = (at < n) & (logged[at.clamp(max=max(n - 1, 0))] == rows) if n else torch.zeros(k, dtype=torch.bool)
@@ -101,7 +109,7 @@ class WriteLog:
             return
         size = chunk_bytes(self.record_bytes)
         per_chunk = size // self.record_bytes
-        chunks = torch.unique_consecutive(torch.div(logged, per_chunk, rounding_mode="floor"))
+        chunks = torch.unique_consecutive(torch.div(logged.to(torch.int64), per_chunk, rounding_mode="floor"))
         most = max(1, _PIECE_BYTES // size)
         for start in range(0, int(chunks.numel()), most):
             piece = chunks[start : start + most]  # every logged row in [lo, hi) lies in one of these chunks
@@ -118,14 +126,14 @@ class WriteLog:
         self._io(home_fd, home_size, buffer, size, chunks, False)
         records = buffer.view(-1, self.record_bytes)
         for rows, first in self.runs:
-            bounds = torch.searchsorted(rows, torch.tensor([lo, hi], dtype=torch.int64))
+            bounds = torch.searchsorted(rows, torch.tensor([lo, hi], dtype=rows.dtype))
             a, z = int(bounds[0]), int(bounds[1])
             if a == z:
                 continue
             got = torch.empty((z - a, self.record_bytes), dtype=torch.uint8)
             self._io(self.fd, self.capacity * self.record_bytes, got, self.record_bytes,
                      torch.arange(first + a, first + z, dtype=torch.int64), False)  # fmt: skip
-            mine = rows[a:z]
+            mine = rows[a:z].to(torch.int64)
             at = torch.searchsorted(chunks, torch.div(mine, per_chunk, rounding_mode="floor")) * per_chunk
             records[at + mine % per_chunk] = got
         self._io(home_fd, home_size, buffer, size, chunks, True)
@@ -134,7 +142,7 @@ class WriteLog:
         """Forget every record (after a merge, or when every row is written anew: a restore)."""
         self.head = 0
         self.runs = []
-        self.index = (torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int64))
+        self.index = self._empty()
 
 
 __all__ = ["WriteLog", "chunk_bytes"]

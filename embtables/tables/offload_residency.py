@@ -8,8 +8,9 @@ in the cache's block (``slots``), the step of its last lookup (``last_use``) and
 rows used most, recently).
 
 Invariants (``check``; a test drives random admissions through them):
-  * ``units`` [R] int64, strictly ascending; ``slots`` [R] int64, ``last_use`` [R] int32, ``uses`` [R]
-    float32 (finite, >= 0) are aligned with it;
+  * ``units`` [R] strictly ascending, int32 where every unit of the shard fits one (``index_dtype``) else int64;
+    ``slots`` [R] int32, ``last_use`` [R] int32, ``uses`` [R] float32 (finite, >= 0) are aligned with it (16
+    bytes a resident unit where units are int32);
   * R <= ``budget``; the slots are distinct, in [0, budget), and exactly those not in ``free``;
   * ``victims`` never chooses a unit used at or after ``pin_from``, nor one the lookup asks for.
 
@@ -26,6 +27,12 @@ from torch import Tensor
 USE_DECAY = 0.98  # a unit's lookups count for less by this factor a step
 _NEVER = -(2**31)  # the last use of a unit just read in
 _I32_MAX = 2**31 - 1
+
+
+def index_dtype(bound: int) -> torch.dtype:
+    """The narrower of int32 and int64 that holds every index in [0, ``bound``): the cache's bookkeeping keeps
+    indices in it, so its memory is 4 bytes an index for any shard of up to 2**31 rows."""
+    return torch.int32 if bound <= 2**31 else torch.int64
 
 
 def _step32(step: int) -> int:
@@ -58,15 +65,16 @@ class NoRoom(Exception):
 
 
 class Residency:
-    """The resident units of one table shard, at most ``budget`` of them (see the module docstring)."""
+    """The resident units of one table shard, at most ``budget`` of them, each in [0, ``unit_bound``) (see the
+    module docstring). Units and slots come in and go out as int64; they are kept narrower."""
 
-    def __init__(self, budget: int) -> None:
-        if budget < 1:
-            raise ValueError(f"Residency: the budget must be at least one unit, got {budget}")
+    def __init__(self, budget: int, unit_bound: int = 2**63 - 1) -> None:
+        if not 1 <= budget <= 2**31:
+            raise ValueError(f"Residency: the budget must be 1 to 2**31 units, got {budget}")
         self.budget = budget
-        self.units = torch.zeros(0, dtype=torch.int64)
-        self.slots = torch.zeros(0, dtype=torch.int64)
-        self.free = torch.arange(budget, dtype=torch.int64)  # the slots no unit holds, taken from the front
+        self.units = torch.zeros(0, dtype=index_dtype(unit_bound))
+        self.slots = torch.zeros(0, dtype=torch.int32)
+        self.free = torch.arange(budget, dtype=torch.int32)  # the slots no unit holds, taken from the front
         self.last_use = torch.zeros(0, dtype=torch.int32)
         self.uses = torch.zeros(0, dtype=torch.float32)
 
@@ -75,7 +83,7 @@ class Residency:
 
     def where(self, units: Tensor) -> tuple[Tensor, Tensor]:
         """(positions [K] in the resident arrays of ``units`` [K] (ascending), whether each is resident)."""
-        at = torch.searchsorted(self.units, units)
+        at = torch.searchsorted(self.units, units.to(self.units.dtype))
         n = len(self)
         if n == 0:
             return at, torch.zeros(units.shape, dtype=torch.bool)
@@ -99,11 +107,17 @@ class Residency:
         return torch.sort(candidates[coldest]).values
 
     def slots_of(self, units: Tensor) -> Tensor:
-        """The slots [K] of resident ``units`` [K] (any order)."""
+        """The slots [K] (int64) of resident ``units`` [K] (any order)."""
         at, present = self.where(units)
         if not bool(present.all()):
             raise ValueError("Residency.slots_of: a unit is not resident")
-        return self.slots[at]
+        return self.slots[at].to(torch.int64)
+
+    def units_at(self, positions: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """(the units [E], their slots [E]), int64, at ``positions`` [E] of the resident arrays (all when None)."""
+        if positions is None:
+            return self.units.to(torch.int64), self.slots.to(torch.int64)
+        return self.units[positions].to(torch.int64), self.slots[positions].to(torch.int64)
 
     def remove(self, positions: Tensor) -> None:
         """The units at ``positions`` [E] leave the resident arrays; their slots are free again."""
@@ -119,16 +133,17 @@ class Residency:
 
     def insert(self, units: Tensor) -> Tensor:
         """Units [K] (ascending, not resident) join, never used, each in a free slot: merged in O(R + K log R),
-        each at its place among the R resident ones. Returns their slots [K]."""
+        each at its place among the R resident ones. Returns their slots [K] (int64)."""
         k, n = units.numel(), len(self)
         if n + k > self.budget:
             raise ValueError(f"Residency: {k} more units exceed the budget of {self.budget} ({n} resident)")
         given, self.free = self.free[:k], self.free[k:]
         never = torch.full((k,), _NEVER, dtype=torch.int32)
+        columns = [(self.slots, given), (self.last_use, never), (self.uses, torch.zeros(k))]
         self.units, (self.slots, self.last_use, self.uses) = merge_sorted(
-            self.units, units, [(self.slots, given), (self.last_use, never), (self.uses, torch.zeros(k))]
+            self.units, units.to(self.units.dtype), columns
         )
-        return given
+        return given.to(torch.int64)
 
     def used(self, units: Tensor, counts: Tensor, step: int) -> None:
         """A lookup at ``step`` read ``counts`` [K] ids of each of ``units`` [K] (ascending, all resident)."""
@@ -147,14 +162,15 @@ class Residency:
     def check(self) -> None:
         """Raise ``AssertionError`` naming the invariant (module docstring) the arrays break."""
         n = len(self)
-        assert self.units.dtype == torch.int64 and self.slots.dtype == torch.int64, "dtypes"
+        assert self.units.dtype in (torch.int32, torch.int64) and self.slots.dtype == torch.int32, "dtypes"
         assert self.last_use.dtype == torch.int32 and self.uses.dtype == torch.float32, "dtypes"
         assert self.slots.numel() == n and self.last_use.numel() == n and self.uses.numel() == n, "aligned"
         assert n <= self.budget, f"{n} resident units over the budget of {self.budget}"
         every = torch.sort(torch.cat((self.slots, self.free))).values
-        assert torch.equal(every, torch.arange(self.budget)), "slots distinct, in range, and free the others"
+        every_slot = torch.arange(self.budget, dtype=torch.int32)
+        assert torch.equal(every, every_slot), "slots distinct, in range, and free the others"
         assert n < 2 or bool((self.units[1:] > self.units[:-1]).all()), "units strictly ascending"
         assert bool(torch.isfinite(self.uses).all()) and bool((self.uses >= 0).all()), "uses finite and >= 0"
 
 
-__all__ = ["USE_DECAY", "NoRoom", "Residency", "merge_sorted"]
+__all__ = ["USE_DECAY", "NoRoom", "Residency", "index_dtype", "merge_sorted"]

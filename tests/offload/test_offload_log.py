@@ -12,7 +12,7 @@ import torch
 
 import embtables as et
 from embtables.tables.offload_files import ShardFiles
-from embtables.tables.offload_log import chunk_bytes
+from embtables.tables.offload_log import WriteLog, chunk_bytes
 
 
 @pytest.mark.parametrize(
@@ -23,14 +23,21 @@ from embtables.tables.offload_log import chunk_bytes
         (65, {"": torch.float32, "accumulators": torch.float32}, 528),  # lcm(528, 4096) > 64 KiB: a record
     ],
 )
+@pytest.mark.parametrize("wide", [False, True])
 def test_the_log_reads_back_the_newest_record_and_merges_into_the_row_file(
-    dim: int, parts: dict[str, torch.dtype], chunk: int, tmp_path: Path
+    dim: int, parts: dict[str, torch.dtype], chunk: int, wide: bool, tmp_path: Path
 ) -> None:
     rows = 3_000
     files = ShardFiles(str(tmp_path), "t", "w1r0", rows, dim, parts, log_rows=500)
     layout = files.layout
     assert chunk_bytes(layout.nbytes) == chunk and files.nbytes % chunk == 0
     assert files.log is not None
+    if wide:  # the log of a shard of more than 2**31 rows keeps its index in int64
+        log = files.log
+        files.log = WriteLog(log.fd, log.capacity, log.record_bytes, 2**40, files._rows)
+        assert files.log.index[0].dtype == torch.int64
+    else:
+        assert files.log.index[0].dtype == torch.int32
     truth = torch.zeros((rows, layout.nbytes), dtype=torch.uint8)  # the file starts as zeros (sparse)
     g = torch.Generator().manual_seed(0)
     for step in range(12):  # 12 runs of 40-200 rows: the log of 500 fills and merges several times

@@ -18,11 +18,13 @@ def _frequencies(model: dict[int, tuple[float, int]], step: int) -> dict[int, fl
     return {u: uses * USE_DECAY ** max(0, step - last) for u, (uses, last) in model.items()}
 
 
+@pytest.mark.parametrize("unit_bound", [40, 2**40])  # units kept as int32, then as int64
 @pytest.mark.parametrize("seed", range(4))
-def test_random_lookups_keep_the_invariants_and_evict_the_least_used_unpinned_units(seed: int) -> None:
+def test_random_lookups_keep_the_invariants_and_evict_the_least_used_unpinned_units(seed: int, unit_bound: int) -> None:
     rng = random.Random(seed)
     budget = rng.choice([4, 9, 16])
-    r = Residency(budget)
+    r = Residency(budget, unit_bound)
+    assert r.units.dtype == (torch.int32 if unit_bound <= 2**31 else torch.int64)
     model: dict[int, tuple[float, int]] = {}  # unit -> (uses as of its last lookup, its last lookup's step)
     refused = 0
     for step in range(300):
@@ -77,6 +79,6 @@ def test_a_broken_invariant_is_named() -> None:
         Residency(2).used(torch.tensor([3]), torch.tensor([1]), 0)
     r = Residency(3)
     r.insert(torch.tensor([1, 5]))
-    r.slots = torch.tensor([0, 0])
+    r.slots = torch.tensor([0, 0], dtype=torch.int32)
     with pytest.raises(AssertionError, match="slots distinct"):
         r.check()
