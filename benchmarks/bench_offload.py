@@ -7,7 +7,8 @@
 (a) **Zipf** (the standard workload's ids): the step time (lookup + apply_gradients) of the offloaded tables
 with ``--cache-rows`` rows each in memory, against the in-memory step of the same tables, measured in the same
 run; the cache's hit rate, rows read and written a step, the time a step waits for the disk, and the process's
-resident memory (peak, sampled). The in-memory case runs only when the tables fit in half the machine's memory.
+resident memory (peak, sampled). Tables that do not fit in half the machine's memory run in memory scaled down
+to fit (fewer rows, the same batches: ``rows`` and ``scaled_from_rows`` in its record).
 
 (b) **uniform ids**: rows the disk served per second (looked-up rows not in memory) and 4 KiB pages read per
 second (a row's record, its weights and slots, is one read) against the disk's random 4 KiB read rate,
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import itertools
 import mmap
 import os
 import random
@@ -35,7 +37,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -46,7 +48,7 @@ if __package__ in (None, ""):
 
 import embtables as et
 from benchmarks._harness import RssSampler, current_rss_bytes, emit, env_record
-from benchmarks.workload import Workload, make_batches
+from benchmarks.workload import Batch, Workload, iter_batches, make_batches
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -179,24 +181,33 @@ def ideal_lfu_hit_rate(wl: Workload, capacity: int, warmup: int, steps: int) -> 
     are all admitted (its lookup needs them), then the least counted other rows leave until ``capacity``
     remain (a batch larger than the cache keeps only its own). A row's first lookup is a miss here (compulsory),
     as it is for the engine's cache of rows."""
-    batches = make_batches(wl)
     looked = hits = 0
-    for t in range(wl.tables):
-        counts = np.zeros(wl.rows, dtype=np.int64)
-        resident = np.zeros(wl.rows, dtype=bool)
-        for i in range(warmup + steps):
-            rows, occurrences = np.unique(batches[i % len(batches)].ids[t], return_counts=True)
+    counts = [np.zeros(wl.rows, dtype=np.int64) for _ in range(wl.tables)]
+    held_by = [np.zeros(wl.rows, dtype=bool) for _ in range(wl.tables)]
+    for i, batch in zip(range(warmup + steps), _batches(wl, warmup + steps)):
+        for t in range(wl.tables):
+            resident = held_by[t]
+            rows, occurrences = np.unique(batch.ids[t], return_counts=True)
             if i >= warmup:
                 looked += rows.size
                 hits += int(resident[rows].sum())
-            counts[rows] += occurrences
+            counts[t][rows] += occurrences
             resident[rows] = True
             held = np.flatnonzero(resident)
             over = held.size - max(capacity, rows.size)
             if over > 0:
                 others = held[~np.isin(held, rows, assume_unique=True)]
-                resident[others[np.argpartition(counts[others], over - 1)[:over]]] = False
+                resident[others[np.argpartition(counts[t][others], over - 1)[:over]]] = False
     return hits / max(1, looked)
+
+
+def _batches(wl: Workload, needed: int) -> Iterator[Batch]:
+    """The run's batches in order, ``needed`` of them or more: ``wl.num_batches`` kept and cycled when fewer than
+    ``needed``, else made one at a time (every step a fresh batch; their ids are never all in memory at once,
+    so the resident memory measured is the module's, not the benchmark's)."""
+    if wl.num_batches >= needed:
+        return iter_batches(wl)
+    return itertools.cycle(make_batches(wl))
 
 
 def _module(wl: Workload, offload: et.Offload | None) -> et.DistributedEmbedding:
@@ -229,35 +240,38 @@ def _run(
     counters over the timed steps (summed over the tables; empty for tables in memory). ``read_ahead``: each
     step stages the next batch (``enqueue``, which starts reading its rows) before ``apply_gradients``.
     ``directory`` (with ``--cold``): the tables' files, dropped from the page cache after the warm-up."""
-    batches = make_batches(wl)
     lengths = torch.full((wl.batch,), wl.pooling, dtype=torch.int64)
-    inputs = [
-        {f"f{i}": et.Ragged.from_lengths(torch.from_numpy(ids), lengths) for i, ids in enumerate(b.ids)}
-        for b in batches
-    ]
+    source = _batches(wl, args.warmup + args.steps + 1)
     grad = {f"f{i}": torch.full((wl.batch, wl.dim), 1e-3) for i in range(wl.tables)}
     times = []
 
-    def step(i: int) -> None:
+    def next_input() -> dict[str, et.Ragged]:
+        """The next batch as the module's input (made before a step's time starts)."""
+        b = next(source)
+        return {f"f{i}": et.Ragged.from_lengths(torch.from_numpy(ids), lengths) for i, ids in enumerate(b.ids)}
+
+    def step(batch: dict[str, et.Ragged]) -> None:
+        """One training step on ``batch`` (with read-ahead: ``batch`` is staged, the one before it trained)."""
         if read_ahead:
             emb.dequeue()
-            emb.enqueue(inputs[(i + 1) % len(inputs)])
+            emb.enqueue(batch)
         else:
-            emb(inputs[i % len(inputs)])
+            emb(batch)
         emb.apply_gradients(grad)
 
     if read_ahead:
-        emb.enqueue(inputs[0])
-    for i in range(args.warmup):
-        step(i)
+        emb.enqueue(next_input())
+    for _ in range(args.warmup):
+        step(next_input())
     every = bool(getattr(args, "cold_every_step", False)) and directory is not None
     if (args.cold or every) and directory is not None:
         _drop_page_cache(directory)
     before = emb.offload_statistics()
     with RssSampler() as rss:
-        for i in range(args.warmup, args.warmup + args.steps):
+        for _ in range(args.steps):
+            batch = next_input()
             start = time.perf_counter()
-            step(i)
+            step(batch)
             if every and directory is not None:
                 _drop_page_cache(directory)  # the step's writes reach the disk within its time
             times.append((time.perf_counter() - start) * 1e3)
@@ -269,7 +283,7 @@ def _run(
 def _case(wl: Workload, args: argparse.Namespace, directory: str, probe: dict[str, Any]) -> dict[str, Any]:
     """The offloaded tables first (the resident memory it measures is the process's own, not what an earlier
     module left to the allocator), with ``--read-ahead`` again staging each next batch early, then the same
-    tables in memory when they fit in half the machine's."""
+    tables in memory (scaled down to fit in half the machine's memory when they do not)."""
     out: dict[str, Any] = {}
     table_bytes = wl.tables * wl.rows * wl.dim * 4 * 2
     fields = {"tables": wl.tables, "rows": wl.rows, "dim": wl.dim, "batch": wl.batch, "pooling": wl.pooling,
@@ -317,14 +331,18 @@ def _case(wl: Workload, args: argparse.Namespace, directory: str, probe: dict[st
               "rows_prefetched_per_step": round(diff["rows_prefetched"] / steps),
               "disk_wait_ms_per_step": round(diff["disk_wait_s"] * 1e3 / steps, 3),
               "peak_rss_MB": round(peak / 2**20)})  # fmt: skip
+    # the same tables in memory; where they do not fit in half the machine's memory, scaled down to fit (fewer
+    # rows a table, the same batches' shape and id distribution: a step's work is the batch's, not the table's)
     total_memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    if table_bytes < total_memory // 2:
-        mem = _module(wl, None)
-        mem_times, mem_peak, _ = _run(mem, wl, args)
-        out["in_memory_ms"] = statistics.median(mem_times)
-        emit({"bench": "offload_step", "impl": "in_memory", **fields, "ms": round(out["in_memory_ms"], 3),
-              "peak_rss_MB": round(mem_peak / 2**20)})  # fmt: skip
-        record["vs_in_memory"] = round(out["offloaded_ms"] / out["in_memory_ms"], 3)
+    fit = wl if table_bytes < total_memory // 2 else wl.with_(rows=total_memory // 2 // (wl.tables * wl.dim * 8))
+    mem = _module(fit, None)
+    mem_times, mem_peak, _ = _run(mem, fit, args)
+    del mem
+    out["in_memory_ms"] = statistics.median(mem_times)
+    emit({"bench": "offload_step", "impl": "in_memory", **fields, "rows": fit.rows, "scaled_from_rows": wl.rows,
+          "table_and_slot_GB": round(fit.tables * fit.rows * fit.dim * 8 / 1e9, 2), "ms": round(out["in_memory_ms"], 3),
+          "peak_rss_MB": round(mem_peak / 2**20)})  # fmt: skip
+    record["vs_in_memory"] = round(out["offloaded_ms"] / out["in_memory_ms"], 3)
     emit(record)
     return out
 

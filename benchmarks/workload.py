@@ -24,6 +24,7 @@ reuses the previous step's ids (a cache-warm single batch would flatter every im
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -116,11 +117,16 @@ def _zipf_cdf(rows: int, alpha: float) -> np.ndarray:
 
 def make_batches(wl: Workload) -> list[Batch]:
     """Generate ``wl.num_batches`` deterministic batches (same seed -> same ids, on any machine)."""
+    return list(iter_batches(wl))
+
+
+def iter_batches(wl: Workload) -> Iterator[Batch]:
+    """``make_batches``' batches one at a time (the same ids), for runs whose batches would not fit in memory
+    together."""
     rng = np.random.default_rng(wl.seed)
     n = wl.batch * wl.pooling
     cdf = _zipf_cdf(wl.rows, ZIPF_ALPHA) if wl.ids == "zipf" else None
     offsets = np.arange(0, n + 1, wl.pooling, dtype=np.int64)
-    batches = []
     for _ in range(wl.num_batches):
         ids = []
         for t in range(wl.tables):
@@ -133,8 +139,7 @@ def make_batches(wl: Workload) -> list[Batch]:
             else:
                 raise ValueError(f"unknown id distribution {wl.ids!r}")
         uniq = [int(np.unique(x).size) for x in ids]
-        batches.append(Batch(ids=ids, offsets=offsets, unique_rows=uniq))
-    return batches
+        yield Batch(ids=ids, offsets=offsets, unique_rows=uniq)
 
 
 def activation_grad(wl: Workload) -> np.ndarray:

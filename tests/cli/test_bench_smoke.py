@@ -215,22 +215,29 @@ def test_offload_benchmark_reports_the_disk_at_two_depths_the_floor_and_the_idea
     assert not list(tmp_path.glob("embtables-bench-offload-*")), "the benchmark's files are removed"
 
 
+@pytest.mark.parametrize("batches_made", [3, 6])  # cycled, or every step a fresh batch (made one at a time)
 @pytest.mark.parametrize("capacity", [0, 10**9])
-def test_the_ideal_lfu_never_evicts_with_room_for_everything_and_keeps_one_batch_without(capacity: int) -> None:
+def test_the_ideal_lfu_never_evicts_with_room_for_everything_and_keeps_one_batch_without(
+    capacity: int, batches_made: int
+) -> None:
     """``ideal_lfu_hit_rate`` at its two ends, against a recount: with room for every row nothing leaves (a hit is
     a row any earlier step looked up); with no room beyond a batch only the previous batch's rows are kept."""
     sys.path.insert(0, str(ROOT))
     from benchmarks.bench_offload import ideal_lfu_hit_rate
-    from benchmarks.workload import Workload, make_batches
+    from benchmarks.workload import Workload, iter_batches, make_batches
 
-    wl = Workload("t", tables=2, rows=300, dim=4, batch=16, pooling=3, ids="zipf", num_batches=3)
+    wl = Workload("t", tables=2, rows=300, dim=4, batch=16, pooling=3, ids="zipf", num_batches=batches_made)
     batches = make_batches(wl)
+    assert all(
+        all((a == b).all() for a, b in zip(x.ids, y.ids, strict=True))
+        for x, y in zip(batches, iter_batches(wl), strict=True)
+    )
     looked = hits = 0
     for t in range(wl.tables):
         seen: set[int] = set()
         last: set[int] = set()
         for i in range(6):
-            rows = set(batches[i % 3].ids[t].tolist())
+            rows = set(batches[i % batches_made].ids[t].tolist())
             if i >= 2:
                 looked += len(rows)
                 hits += len(rows & (seen if capacity else last))
