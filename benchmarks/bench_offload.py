@@ -314,7 +314,7 @@ def _case(wl: Workload, args: argparse.Namespace, directory: str, probe: dict[st
               "hit_rate": round(out["hit_rate"], 4), "ideal_lfu_hit_rate": round(out["ideal_lfu_hit_rate"], 4),
               "disk_bound_floor_ms": round(out["floor_ms"], 3),
               "rows_read_per_step": round(diff["rows_read"] / steps),
-              "rows_written_per_step": round(diff["rows_written"] / steps),
+              "rows_written_per_step": round(diff["rows_written"] / steps), "log_merges": diff.get("log_merges", 0),
               "disk_wait_ms_per_step": round(diff["disk_wait_s"] * 1e3 / steps, 3),
               "missed_rows_per_s": round(out["missed_rows_per_s"]), "pages_read_per_s": round(out["pages_read_per_s"]),
               "peak_rss_MB": round(peak / 2**20), "rss_before_MB": round(base_rss / 2**20),

@@ -579,9 +579,11 @@ class OffloadedRows:
 
     def statistics(self) -> dict[str, float]:
         """Counters since construction: rows looked up, cache hits, rows and bytes read and written, seconds
-        waiting for the disk, rows initialized and the seconds that took, evictions; ``resident_rows``,
-        ``cache_rows`` (as passed) and ``cache_slots`` (the rows the cache holds) now."""
+        waiting for the disk, rows initialized and the seconds that took, evictions, the write log's merges into
+        the row file; ``resident_rows``, ``cache_rows`` (as passed) and ``cache_slots`` (the rows the cache
+        holds) now."""
         out: dict[str, float] = dict(self.counters)
+        out["log_merges"] = self.files.log.merges if self.files.log is not None else 0
         out["disk_wait_s"] = self.disk_wait_s
         out["init_s"] = self.init_s
         out["resident_rows"] = self.resident_rows()

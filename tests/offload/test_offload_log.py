@@ -86,6 +86,7 @@ def test_an_offloaded_table_trains_through_its_log_to_the_bits_of_memory(
         ref.apply_gradients({"f": grad})
     log = off._engine.local.offloaded["t"].files.log
     assert log is not None and log.merges >= 2, log.merges
+    assert off.offload_statistics()["t"]["log_merges"] == log.merges
     for key, value in ref.state_dict().items():
         assert torch.equal(off.state_dict()[key], value), key
 
