@@ -41,6 +41,7 @@ _SOURCES = [
         "key_map.c",
         "shm_sync.c",
         "offload_io.c",
+        "residency.c",
         "checksums.c",
     )
 ]

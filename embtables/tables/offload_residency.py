@@ -24,6 +24,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from embtables.kernels import native_library
+
 USE_DECAY = 0.98  # a unit's lookups count for less by this factor a step
 _NEVER = -(2**31)  # the last use of a unit just read in
 _I32_MAX = 2**31 - 1
@@ -37,6 +39,10 @@ def index_dtype(bound: int) -> torch.dtype:
 
 def _step32(step: int) -> int:
     return min(step, _I32_MAX)
+
+
+def _clamp32(step: int) -> int:
+    return max(-(2**31), min(step, _I32_MAX))
 
 
 def merge_sorted(keys: Tensor, new: Tensor, columns: Sequence[tuple[Tensor, Tensor]]) -> tuple[Tensor, list[Tensor]]:
@@ -66,24 +72,84 @@ class NoRoom(Exception):
 
 class Residency:
     """The resident units of one table shard, at most ``budget`` of them, each in [0, ``unit_bound``) (see the
-    module docstring). Units and slots come in and go out as int64; they are kept narrower."""
+    module docstring). Units and slots come in and go out as int64; they are kept narrower, in arrays of the
+    budget's length (``units`` and the others are views of their first R entries).
 
-    def __init__(self, budget: int, unit_bound: int = 2**63 - 1) -> None:
+    ``native``: keep the arrays sorted and choose the victims in C (``csrc/residency.c``: a pass over the R
+    entries in place, no copy of them), chosen once: by default where the library loads and units are int32;
+    False: the torch path, which gives the same arrays (a test compares them).
+    """
+
+    def __init__(self, budget: int, unit_bound: int = 2**63 - 1, *, native: bool | None = None) -> None:
         if not 1 <= budget <= 2**31:
             raise ValueError(f"Residency: the budget must be 1 to 2**31 units, got {budget}")
         self.budget = budget
-        self.units = torch.zeros(0, dtype=index_dtype(unit_bound))
-        self.slots = torch.zeros(0, dtype=torch.int32)
-        self.free = torch.arange(budget, dtype=torch.int32)  # the slots no unit holds, taken from the front
-        self.last_use = torch.zeros(0, dtype=torch.int32)
-        self.uses = torch.zeros(0, dtype=torch.float32)
+        dtype = index_dtype(unit_bound)
+        available = dtype == torch.int32 and native_library.library(required=True) is not None
+        if native and not available:
+            raise RuntimeError("Residency: the native residency needs the native library and int32 units")
+        self.native = available if native is None else bool(native)
+        self._n = 0  # R
+        self._units = torch.empty(budget, dtype=dtype)
+        self._slots = torch.empty(budget, dtype=torch.int32)
+        self._last = torch.empty(budget, dtype=torch.int32)
+        self._uses = torch.empty(budget, dtype=torch.float32)
+        # the slots no unit holds: a stack, the next taken from its top (slot 0 first at the start)
+        self._free = torch.arange(budget - 1, -1, -1, dtype=torch.int32)
+        self._nfree = budget
 
     def __len__(self) -> int:
-        return int(self.units.numel())
+        return self._n
+
+    def _set(self, buffer: Tensor, value: Tensor) -> None:
+        if value.numel() != self._n:
+            raise ValueError(f"Residency: {value.numel()} values for {self._n} resident units")
+        buffer[: self._n] = value
+
+    @property
+    def units(self) -> Tensor:
+        """[R] the resident units, strictly ascending."""
+        return self._units[: self._n]
+
+    @units.setter
+    def units(self, value: Tensor) -> None:
+        self._set(self._units, value)
+
+    @property
+    def slots(self) -> Tensor:
+        """[R] int32: each resident unit's slot."""
+        return self._slots[: self._n]
+
+    @slots.setter
+    def slots(self, value: Tensor) -> None:
+        self._set(self._slots, value)
+
+    @property
+    def last_use(self) -> Tensor:
+        """[R] int32: the step of each resident unit's last lookup."""
+        return self._last[: self._n]
+
+    @last_use.setter
+    def last_use(self, value: Tensor) -> None:
+        self._set(self._last, value)
+
+    @property
+    def uses(self) -> Tensor:
+        """[R] float32: each resident unit's lookups as of its last one."""
+        return self._uses[: self._n]
+
+    @uses.setter
+    def uses(self, value: Tensor) -> None:
+        self._set(self._uses, value)
+
+    @property
+    def free(self) -> Tensor:
+        """[budget - R] int32: the slots no unit holds."""
+        return self._free[: self._nfree]
 
     def where(self, units: Tensor) -> tuple[Tensor, Tensor]:
         """(positions [K] in the resident arrays of ``units`` [K] (ascending), whether each is resident)."""
-        at = torch.searchsorted(self.units, units.to(self.units.dtype))
+        at = torch.searchsorted(self.units, units.to(self._units.dtype))
         n = len(self)
         if n == 0:
             return at, torch.zeros(units.shape, dtype=torch.bool)
@@ -98,6 +164,8 @@ class Residency:
         over = len(self) + missing - self.budget
         if over <= 0:
             return torch.zeros(0, dtype=torch.int64)
+        if self.native:
+            return self._victims_native(at[present].to(torch.int64).contiguous(), step, pin_from, over, missing)
         evictable = self.last_use < _step32(pin_from)
         evictable[at[present]] = False  # this lookup's own
         candidates = torch.nonzero(evictable).flatten()
@@ -105,6 +173,24 @@ class Residency:
             raise NoRoom(len(self) - candidates.numel() + missing)
         coldest = torch.topk(self.frequency(candidates, step), over, largest=False).indices
         return torch.sort(candidates[coldest]).values
+
+    def _victims_native(self, asked: Tensor, step: int, pin_from: int, over: int, missing: int) -> Tensor:
+        out = torch.empty(over, dtype=torch.int64)
+        lib = native_library.library(required=True)
+        assert lib is not None
+        m = int(
+            lib.et_res_victims(
+                self._last.data_ptr(), self._uses.data_ptr(), self._n, asked.data_ptr(), asked.numel(),
+                _clamp32(pin_from), _clamp32(step), USE_DECAY, over, out.data_ptr(),
+            )
+        )  # fmt: skip
+        if m == -2:
+            raise MemoryError("Residency: out of memory choosing the rows to evict")
+        if m < 0:
+            raise RuntimeError(f"Residency: et_res_victims refused its arguments (status {m}; a bug)")
+        if m < over:
+            raise NoRoom(len(self) - m + missing)
+        return out
 
     def slots_of(self, units: Tensor) -> Tensor:
         """The slots [K] (int64) of resident ``units`` [K] (any order)."""
@@ -120,29 +206,64 @@ class Residency:
         return self.units[positions].to(torch.int64), self.slots[positions].to(torch.int64)
 
     def remove(self, positions: Tensor) -> None:
-        """The units at ``positions`` [E] leave the resident arrays; their slots are free again."""
-        keep = torch.ones(len(self), dtype=torch.bool)
-        keep[positions] = False
-        self.free = torch.cat((self.free, self.slots[positions]))
-        self.units, self.slots = self.units[keep], self.slots[keep]
-        self.last_use, self.uses = self.last_use[keep], self.uses[keep]
+        """The units at ``positions`` [E] (strictly ascending) leave the resident arrays; their slots are free
+        again."""
+        positions = positions.to(torch.int64).contiguous()
+        e, n = int(positions.numel()), self._n
+        if e == 0:
+            return
+        if self.native:
+            lib = native_library.library(required=True)
+            assert lib is not None
+            rc = lib.et_res_remove(
+                self._units.data_ptr(), self._slots.data_ptr(), self._last.data_ptr(), self._uses.data_ptr(), n,
+                positions.data_ptr(), e, self._free.data_ptr(), self._nfree, self.budget,
+            )  # fmt: skip
+            if rc != 0:
+                raise RuntimeError(f"Residency.remove: positions not strictly ascending in [0, {n}) (a bug)")
+        else:
+            keep = torch.ones(n, dtype=torch.bool)
+            keep[positions] = False
+            if int(keep.sum()) != n - e:
+                raise RuntimeError(f"Residency.remove: positions not distinct in [0, {n}) (a bug)")
+            self._free[self._nfree : self._nfree + e] = self._slots[:n][positions]
+            for buffer in (self._units, self._slots, self._last, self._uses):
+                buffer[: n - e] = buffer[:n][keep]
+        self._n -= e
+        self._nfree += e
 
     def clear(self) -> None:
         """Every unit leaves."""
         self.remove(torch.arange(len(self)))
 
     def insert(self, units: Tensor) -> Tensor:
-        """Units [K] (ascending, not resident) join, never used, each in a free slot: merged in O(R + K log R),
-        each at its place among the R resident ones. Returns their slots [K] (int64)."""
+        """Units [K] (ascending, not resident) join, never used, each in a free slot: merged in O(R + K log R)
+        (natively in one pass from the end), each at its place among the R resident ones. Returns their slots
+        [K] (int64)."""
         k, n = units.numel(), len(self)
         if n + k > self.budget:
             raise ValueError(f"Residency: {k} more units exceed the budget of {self.budget} ({n} resident)")
-        given, self.free = self.free[:k], self.free[k:]
-        never = torch.full((k,), _NEVER, dtype=torch.int32)
-        columns = [(self.slots, given), (self.last_use, never), (self.uses, torch.zeros(k))]
-        self.units, (self.slots, self.last_use, self.uses) = merge_sorted(
-            self.units, units.to(self.units.dtype), columns
-        )
+        if k == 0:
+            return torch.zeros(0, dtype=torch.int64)
+        given = self._free[self._nfree - k : self._nfree].flip(0).contiguous()
+        new = units.to(self._units.dtype).contiguous()
+        if self.native:
+            lib = native_library.library(required=True)
+            assert lib is not None
+            rc = lib.et_res_insert(
+                self._units.data_ptr(), self._slots.data_ptr(), self._last.data_ptr(), self._uses.data_ptr(), n,
+                self.budget, new.data_ptr(), given.data_ptr(), k, _NEVER,
+            )  # fmt: skip
+            if rc != 0:
+                raise RuntimeError("Residency.insert: units not ascending, or resident already (a bug)")
+        else:
+            never = torch.full((k,), _NEVER, dtype=torch.int32)
+            columns = [(self.slots, given), (self.last_use, never), (self.uses, torch.zeros(k))]
+            merged, (slots, last, uses) = merge_sorted(self.units, new, columns)
+            for buffer, value in ((self._units, merged), (self._slots, slots), (self._last, last), (self._uses, uses)):
+                buffer[: n + k] = value
+        self._n += k
+        self._nfree -= k
         return given.to(torch.int64)
 
     def used(self, units: Tensor, counts: Tensor, step: int) -> None:
@@ -164,7 +285,7 @@ class Residency:
         n = len(self)
         assert self.units.dtype in (torch.int32, torch.int64) and self.slots.dtype == torch.int32, "dtypes"
         assert self.last_use.dtype == torch.int32 and self.uses.dtype == torch.float32, "dtypes"
-        assert self.slots.numel() == n and self.last_use.numel() == n and self.uses.numel() == n, "aligned"
+        assert n + self._nfree == self.budget, "every slot resident or free"
         assert n <= self.budget, f"{n} resident units over the budget of {self.budget}"
         every = torch.sort(torch.cat((self.slots, self.free))).values
         every_slot = torch.arange(self.budget, dtype=torch.int32)

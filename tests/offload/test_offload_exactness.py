@@ -193,7 +193,7 @@ def test_without_the_native_library_the_row_io_is_done_in_python_with_the_same_b
 ) -> None:
     from embtables.tables import offload_files
 
-    monkeypatch.setattr(offload_files.native_library, "library", lambda: None)
+    monkeypatch.setattr(offload_files.native_library, "library", lambda **_: None)
     off = _train_side_by_side(tmp_path, "adagrad")
     stats = off.offload_statistics()["big"]
     assert stats["evictions"] > 0 and stats["rows_written"] > 0, stats
