@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import gc
 import itertools
 import mmap
 import os
@@ -297,7 +298,9 @@ def _case(wl: Workload, args: argparse.Namespace, directory: str, probe: dict[st
         emit({"bench": "offload_step", "impl": "offloaded", **fields, "cache_rows": args.cache_rows,
               "skipped": str(exc)})  # fmt: skip
         return out
+    emb.close()  # its tables are in reference cycles: collected now, so the next case's memory is its own
     del emb
+    gc.collect()
     steps = args.steps
     out["offloaded_ms"] = statistics.median(times)
     seconds = max(sum(times) / 1e3, 1e-9)
@@ -322,7 +325,9 @@ def _case(wl: Workload, args: argparse.Namespace, directory: str, probe: dict[st
     if args.read_ahead:  # the same tables again, in files of their own, each step staging the next batch first
         ahead = _module(wl, et.Offload(directory + "-read-ahead", args.cache_rows))
         times, peak, diff = _run(ahead, wl, args, read_ahead=True, directory=directory + "-read-ahead")
+        ahead.close()
         del ahead
+        gc.collect()
         out["read_ahead_ms"] = statistics.median(times)
         ms = out["read_ahead_ms"]
         emit({"bench": "offload_step", "impl": "offloaded-read-ahead", **fields, "cache_rows": args.cache_rows,
@@ -338,6 +343,7 @@ def _case(wl: Workload, args: argparse.Namespace, directory: str, probe: dict[st
     mem = _module(fit, None)
     mem_times, mem_peak, _ = _run(mem, fit, args)
     del mem
+    gc.collect()
     out["in_memory_ms"] = statistics.median(mem_times)
     emit({"bench": "offload_step", "impl": "in_memory", **fields, "rows": fit.rows, "scaled_from_rows": wl.rows,
           "table_and_slot_GB": round(fit.tables * fit.rows * fit.dim * 8 / 1e9, 2), "ms": round(out["in_memory_ms"], 3),
