@@ -11,8 +11,9 @@ finiteness proof reads bounds measured in the step that writes: over exactly the
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
-from typing import Any
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import torch
 from torch import Tensor
@@ -57,6 +58,22 @@ _PREPARE_STATUS = {"ok": PREPARED, "not_finite": GRADIENT_NOT_FINITE, "out_of_me
 SMALL_UPDATE_ELEMENTS = 1 << 12
 
 
+_R = TypeVar("_R")
+
+
+def _weakly(method: Callable[..., _R]) -> Callable[..., _R]:
+    """``method`` (bound), called through a weak reference to its object."""
+    ref = weakref.WeakMethod(method)
+
+    def call(*args: Any, **kwargs: Any) -> _R:
+        bound = ref()
+        if bound is None:
+            raise RuntimeError("embtables: the native backend of this fast path is gone (a bug)")
+        return bound(*args, **kwargs)
+
+    return call
+
+
 class NativeBackend:
     """The C kernels over ``tables``. Scratch (workspaces, optimizer blocks, the fast path's argument
     arrays) belongs to this process: a copy or a pickle of the collection builds a new backend."""
@@ -68,7 +85,9 @@ class NativeBackend:
         self._workspaces: dict[str, native.Workspace] = {}
         self._param_blocks: dict[tuple[str, float, float], Any] = {}
         self._half_scratch: dict[str, dict[str, Tensor]] = {}  # a half table's rounded rows between check and write
-        self.fast = NativeFastPath(tables, self.workspace, self.params)
+        # the fast path is this backend's own: it calls back through weak references, so the two are no reference
+        # cycle and a dropped module's tables are freed at once (not at the next garbage collection)
+        self.fast = NativeFastPath(tables, _weakly(self.workspace), _weakly(self.params))
 
     def workspace(self, table: ResolvedTable, scratch: str = "") -> native.Workspace:
         """The table's phase-1 scratch (reused every step; one pending update per ``scratch`` name)."""
