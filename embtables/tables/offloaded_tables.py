@@ -19,8 +19,11 @@ Shapes: N ids of a batch's features of one table, R rows asked of this rank.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
-from collections.abc import Collection, Iterator, Sequence
+import os
+from collections.abc import Callable, Collection, Iterator, Sequence
+from typing import Any, TypeVar
 
 import torch
 from torch import Tensor
@@ -28,6 +31,11 @@ from torch import Tensor
 from embtables.config import ResolvedConfig
 from embtables.tables.inputs import FeatureBatch
 from embtables.tables.offload_cache import OffloadedRows
+from embtables.tables.offload_files import io_engine
+
+_T = TypeVar("_T")
+PARALLEL_IDS = 16_384  # ids of one admission over 2+ tables from which the tables admit at once (``_each``)
+_MOST_THREADS = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +61,8 @@ class OffloadedTables:
     def __init__(self, resolved: ResolvedConfig, caches: dict[str, OffloadedRows]) -> None:
         self.resolved = resolved
         self._caches = caches
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None  # see _pool
+        self._executor_pid = 0
 
     # ------------------------------------------------------------------ which tables
     def __bool__(self) -> bool:
@@ -79,15 +89,46 @@ class OffloadedTables:
         brought into the cache first (refused, changing nothing, when a cache cannot hold them with the rows
         still pinned). Natively staged bags hold the old ids, so no batch keeps them once one is translated."""
         out = list(batches)
+        work: list[tuple[OffloadedRows, Sequence[int], list[Tensor]]] = []  # (cache, features, their ids)
         for name, cache in self._caches.items():
-            features = self.resolved.tables[self.resolved.table_names.index(name)].feature_indices
-            if not features:
-                continue
-            ids = [out[f].ids for f in features]
-            slots = cache.admit(torch.cat(ids) if len(ids) > 1 else ids[0], admission.step, admission.pin_from)
+            table_features = self.resolved.tables[self.resolved.table_names.index(name)].feature_indices
+            if table_features:
+                work.append((cache, table_features, [out[f].ids for f in table_features]))
+
+        def admit_one(item: tuple[OffloadedRows, Sequence[int], list[Tensor]]) -> Tensor:
+            cache, _, ids = item
+            return cache.admit(torch.cat(ids) if len(ids) > 1 else ids[0], admission.step, admission.pin_from)
+
+        size = sum(i.numel() for _, _, ids in work for i in ids)
+        for (_, features, ids), slots in zip(work, self._each(admit_one, work, size)):
             for f, piece in zip(features, torch.split(slots, [i.numel() for i in ids])):
                 out[f] = dataclasses.replace(out[f], ids=piece)
         return [b if b.staged is None else dataclasses.replace(b, staged=None) for b in out]
+
+    def _each(self, fn: Callable[[_T], Tensor], items: Sequence[_T], size: int) -> list[Tensor]:
+        """``fn`` of every item (a table's admission), in order. Where two or more tables admit at least
+        ``PARALLEL_IDS`` ids together, they admit at once on a pool of threads (each table's reads, write-backs
+        and bookkeeping are its own; the native calls and torch operations release the GIL), so one table's disk
+        reads overlap another's; every table finishes before the first error, in table order, is raised."""
+        if len(items) < 2 or size < PARALLEL_IDS:
+            return [fn(item) for item in items]
+        io_engine()  # chosen here, once, not by the threads at once
+        futures = [self._pool().submit(fn, item) for item in items]
+        concurrent.futures.wait(futures)
+        return [f.result() for f in futures]
+
+    def _pool(self) -> concurrent.futures.ThreadPoolExecutor:
+        """This collection's admission threads (made at the first use in this process; a fork makes new ones)."""
+        if self._executor is None or self._executor_pid != os.getpid():
+            workers = min(len(self._caches), _MOST_THREADS)
+            self._executor = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="embtables-admit")
+            self._executor_pid = os.getpid()
+        return self._executor
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_executor"], state["_executor_pid"] = None, 0
+        return state
 
     def check_room(self, batches: Sequence[FeatureBatch], pin_from: int) -> None:
         """Raise ``InputError`` (nothing changed) when a dynamic offloaded table's cache could not hold a row for
@@ -173,9 +214,12 @@ class OffloadedTables:
             cache.refresh()
 
     def close(self) -> None:
-        """Release every table's files and lock."""
+        """Release every table's files and lock (and the admission threads)."""
         for cache in self._caches.values():
             cache.close()
+        if self._executor is not None and self._executor_pid == os.getpid():
+            self._executor.shutdown(wait=True)
+        self._executor = None
 
     def statistics(self) -> dict[str, dict[str, float]]:
         """Per table, its row cache's counters (``OffloadedRows.statistics``)."""

@@ -268,3 +268,24 @@ def test_a_staged_batch_read_ahead_is_dropped_when_the_files_change_before_its_l
                     emb.embedding_tables["big"][ids] *= 0.5
     for key, value in ref.state_dict().items():
         _same(off.state_dict()[key], value, key)
+
+
+@pytest.mark.parametrize("opt_name", ["adagrad", "adam"])
+def test_tables_that_admit_at_once_train_to_the_same_bits(
+    opt_name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where an admission is large (``PARALLEL_IDS``, lowered here to every admission) the tables admit on
+    threads at once: the slots each gets back are its own, so the bits are still those of memory; a cache too
+    small is refused naming its table, as one table at a time."""
+    from embtables.tables import offloaded_tables
+
+    monkeypatch.setattr(offloaded_tables, "PARALLEL_IDS", 1)
+    off = _train_side_by_side(tmp_path / "fits", opt_name)
+    assert off._engine.offloaded._executor is not None  # the tables admitted on the pool
+    stats = off.offload_statistics()["big"]
+    assert stats["evictions"] > 0 and stats["rows_read"] > 0, stats
+    off.close()
+    small, _ = _offloaded_and_in_memory(tmp_path / "small", OPTIMIZERS[opt_name], cache_rows=8)
+    feats, weights = _batch(0)
+    with pytest.raises(et.InputError, match=r"table 'big'.*Offload\(cache_rows=8\)"):
+        small(feats, weights)
