@@ -35,7 +35,7 @@ from embtables.tables.offload_files import io_engine
 
 _T = TypeVar("_T")
 PARALLEL_IDS = 16_384  # ids of one admission over 2+ tables from which the tables admit at once (``_each``)
-_MOST_THREADS = 8
+_MOST_THREADS = 4  # 8 measured no faster at full size, with 210 MiB more resident (BENCHMARKS.md)
 
 
 @dataclasses.dataclass(frozen=True)
