@@ -109,10 +109,11 @@ def test_rows_read_in_join_the_resident_arrays_in_order_with_their_state() -> No
             assert got == before.get(row, (fresh.get(row), -(2**31), 0.0)), row
 
 
-def test_the_bookkeeping_of_a_full_cache_is_at_most_32_bytes_a_cached_row(tmp_path: Path) -> None:
-    """Beside each cached row's values, its bookkeeping (the resident arrays, the slot's dirty flag, the write log's
-    index and runs) is kept in 4-byte indices: at most 32 bytes a cached row once the cache and its log are full (a
-    float32 table keeps no rounding id a slot). With int64 indices it was 57."""
+def test_the_bookkeeping_of_a_full_cache_is_at_most_33_bytes_a_cached_row(tmp_path: Path) -> None:
+    """Beside each cached row's values, its bookkeeping (the resident arrays and the free-slot stack, each of the
+    cache's length, the slot's dirty flag, the write log's index and runs) is kept in 4-byte indices: at most 33
+    bytes a cached row once the cache and its log are full (a float32 table keeps no rounding id a slot). With
+    int64 indices it was 57."""
     cache = 4096
     table = et.TableConfig(200_000, 8, name="t", offload=et.Offload(tmp_path, cache))
     emb = et.DistributedEmbedding({"f": et.FeatureConfig(table)}, et.Adagrad(0.1))
@@ -124,7 +125,7 @@ def test_the_bookkeeping_of_a_full_cache_is_at_most_32_bytes_a_cached_row(tmp_pa
         a = emb({"f": torch.randint(0, 200_000, (512, 2), generator=g)})["f"]
         emb.apply_gradients({"f": torch.ones_like(a)})
     r = rows.residency
-    arrays = [r.units, r.slots, r.free, r.last_use, r.uses, rows.dirty, rows.slot_global, *log.index]
+    arrays = [r._units, r._slots, r._free, r._last, r._uses, rows.dirty, rows.slot_global, *log.index]
     arrays += [run for run, _ in log.runs]
-    per_row = sum(t.numel() * t.element_size() for t in arrays) / cache
-    assert len(r) == cache and per_row <= 32, per_row
+    per_row = sum(t.numel() * t.element_size() for t in arrays) / cache  # 20 + 1 + up to 12 for the log
+    assert len(r) == cache and per_row <= 33, per_row
