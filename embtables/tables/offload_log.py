@@ -25,7 +25,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from embtables.tables.offload_residency import index_dtype, merge_sorted
+from embtables.tables.offload_residency import find_sorted, index_dtype, merge_sorted
 
 RowIO = Callable[[int, int, Tensor, int, Tensor, bool], None]  # (fd, size, buffer, row bytes, rows, write)
 
@@ -65,11 +65,7 @@ class WriteLog:
     def find(self, rows: Tensor) -> tuple[Tensor, Tensor]:
         """(whether each of ``rows`` [K] is in the log [K] bool, the log slot of each one that is [H])."""
         logged, slots = self.index
-        n = int(logged.numel())
-        if n == 0:
-            return torch.zeros(rows.shape, dtype=torch.bool), torch.zeros(0, dtype=torch.int64)
-        at = torch.searchsorted(logged, rows.to(self._row_dtype)).clamp(max=n - 1)
-        found = logged[at] == rows
+        at, found = find_sorted(logged, rows)
         return found, slots[at[found]].to(torch.int64)
 
     def fits(self, k: int) -> bool:
@@ -90,9 +86,7 @@ class WriteLog:
         self.runs.append((rows, first))
         logged, slots = self.index
         given = torch.arange(first, first + k, dtype=self._slot_dtype)
-        n = int(logged.numel())
-        at = torch.searchsorted(logged, rows)
-        present = (at < n) & (logged[at.clamp(max=max(n - 1, 0))] == rows) if n else torch.zeros(k, dtype=torch.bool)
+        at, present = find_sorted(logged, rows)
         slots = slots.clone()  # the index is replaced whole: a reader holding the old one keeps it as it was
         slots[at[present]] = given[present]  # a logged row's newer record
         fresh = ~present

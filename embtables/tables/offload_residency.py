@@ -20,6 +20,7 @@ Shapes: R resident units, K units a lookup asks for (ascending, distinct).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -38,11 +39,25 @@ def index_dtype(bound: int) -> torch.dtype:
 
 
 def _step32(step: int) -> int:
-    return min(step, _I32_MAX)
-
-
-def _clamp32(step: int) -> int:
+    """``step`` as the int32 the arrays keep (clamped to its range)."""
     return max(-(2**31), min(step, _I32_MAX))
+
+
+def find_sorted(keys: Tensor, queries: Tensor) -> tuple[Tensor, Tensor]:
+    """(the position [K] in ascending ``keys`` [R] of each of ``queries`` [K], where it is or would go; whether it
+    is there [K] bool). ``queries`` are compared in ``keys``' dtype."""
+    at = torch.searchsorted(keys, queries.to(keys.dtype))
+    n = int(keys.numel())
+    if n == 0:
+        return at, torch.zeros(queries.shape, dtype=torch.bool)
+    return at, (at < n) & (keys[at.clamp(max=n - 1)] == queries)
+
+
+def _library() -> Any:
+    """The native library (``Residency.native`` is chosen only where it loads)."""
+    lib = native_library.library(required=True)
+    assert lib is not None
+    return lib
 
 
 def merge_sorted(keys: Tensor, new: Tensor, columns: Sequence[tuple[Tensor, Tensor]]) -> tuple[Tensor, list[Tensor]]:
@@ -149,11 +164,7 @@ class Residency:
 
     def where(self, units: Tensor) -> tuple[Tensor, Tensor]:
         """(positions [K] in the resident arrays of ``units`` [K] (ascending), whether each is resident)."""
-        at = torch.searchsorted(self.units, units.to(self._units.dtype))
-        n = len(self)
-        if n == 0:
-            return at, torch.zeros(units.shape, dtype=torch.bool)
-        return at, (at < n) & (self.units[at.clamp(max=n - 1)] == units)
+        return find_sorted(self.units, units)
 
     def victims(self, units: Tensor, step: int, pin_from: int, found: tuple[Tensor, Tensor] | None = None) -> Tensor:
         """Positions [E] (ascending) of the resident units to evict so that ``units`` [K] (ascending) all fit:
@@ -176,12 +187,10 @@ class Residency:
 
     def _victims_native(self, asked: Tensor, step: int, pin_from: int, over: int, missing: int) -> Tensor:
         out = torch.empty(over, dtype=torch.int64)
-        lib = native_library.library(required=True)
-        assert lib is not None
         m = int(
-            lib.et_res_victims(
+            _library().et_res_victims(
                 self._last.data_ptr(), self._uses.data_ptr(), self._n, asked.data_ptr(), asked.numel(),
-                _clamp32(pin_from), _clamp32(step), USE_DECAY, over, out.data_ptr(),
+                _step32(pin_from), _step32(step), USE_DECAY, over, out.data_ptr(),
             )
         )  # fmt: skip
         if m == -2:
@@ -213,9 +222,7 @@ class Residency:
         if e == 0:
             return
         if self.native:
-            lib = native_library.library(required=True)
-            assert lib is not None
-            rc = lib.et_res_remove(
+            rc = _library().et_res_remove(
                 self._units.data_ptr(), self._slots.data_ptr(), self._last.data_ptr(), self._uses.data_ptr(), n,
                 positions.data_ptr(), e, self._free.data_ptr(), self._nfree, self.budget,
             )  # fmt: skip
@@ -248,9 +255,7 @@ class Residency:
         given = self._free[self._nfree - k : self._nfree].flip(0).contiguous()
         new = units.to(self._units.dtype).contiguous()
         if self.native:
-            lib = native_library.library(required=True)
-            assert lib is not None
-            rc = lib.et_res_insert(
+            rc = _library().et_res_insert(
                 self._units.data_ptr(), self._slots.data_ptr(), self._last.data_ptr(), self._uses.data_ptr(), n,
                 self.budget, new.data_ptr(), given.data_ptr(), k, _NEVER,
             )  # fmt: skip
@@ -294,4 +299,4 @@ class Residency:
         assert bool(torch.isfinite(self.uses).all()) and bool((self.uses >= 0).all()), "uses finite and >= 0"
 
 
-__all__ = ["USE_DECAY", "NoRoom", "Residency", "index_dtype", "merge_sorted"]
+__all__ = ["USE_DECAY", "NoRoom", "Residency", "find_sorted", "index_dtype", "merge_sorted"]
