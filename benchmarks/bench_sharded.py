@@ -13,7 +13,10 @@ Configurations (each in fresh processes, the global batch split evenly over the 
   lookup and ``apply_gradients``, synchronous vs ``pipeline_execution_with_tensor_core`` with the next
   batch enqueued before the dense compute, so its lookup (and the previous update) can overlap it. The
   stand-in runs on a "device" (a sleep: the CPU is left to the embedding, as with a dense model on a GPU
-  or a TPU's TensorCore) or on the CPU (matmuls on the rank's one thread, competing with the embedding);
+  or a TPU's TensorCore; the exchange thread asked for with ``EMBTABLES_PIPELINE_THREAD=background``) or on
+  the CPU (the same count of matmuls in every run, on the rank's one thread, competing with the embedding),
+  pipelined where the module chooses (in place: no core is left over) and on the exchange thread; every
+  case in ``--rounds`` interleaved rounds, the dense part's own time per rank reported beside the step;
 - ``torchrec-dmp`` W=2: TorchRec's ``DistributedModelParallel`` (Adagrad fused into the backward,
   planned by its ``EmbeddingShardingPlanner``), table-wise; row-wise is reported as unavailable when
   TorchRec's planner offers no row-wise sharding on CPU.
@@ -63,18 +66,27 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _dense_standin(batch: int, ms: float, where: str = "cpu") -> Any:
-    """The dense model's stand-in, about ``ms`` milliseconds: on the CPU, a matmul loop on the rank's one
-    thread; on a "device" (a GPU or a TPU's TensorCore computing while the host runs the embedding), a
-    sleep that leaves the CPU to the embedding work."""
+def _dense_reps(batch: int, ms: float) -> int:
+    """How many [batch, 256] x [256, 256] products (each through a tanh) take about ``ms`` milliseconds on one
+    thread here: measured once, in the parent, so every run of a comparison computes the same dense part."""
+    torch.set_num_threads(1)
+    a, w = torch.randn(batch, 256), torch.randn(256, 256)
+    torch.tanh(torch.mm(a, w))
+    t0 = time.perf_counter()
+    for _ in range(10):
+        torch.tanh(torch.mm(a, w))
+    return max(1, round(ms / 1e3 / ((time.perf_counter() - t0) / 10)))
+
+
+def _dense_standin(batch: int, ms: float, where: str = "cpu", reps: int = 0) -> Any:
+    """The dense model's stand-in, about ``ms`` milliseconds: on the CPU, ``reps`` matmuls (``_dense_reps``)
+    on the rank's one thread; on a "device" (a GPU or a TPU's TensorCore computing while the host runs the
+    embedding), a sleep that leaves the CPU to the embedding work."""
     if where == "device":
         return lambda: time.sleep(ms / 1e3)
     a = torch.randn(batch, 256)
     w = torch.randn(256, 256)
-    t0 = time.perf_counter()
-    torch.mm(a, w)
-    once = max(time.perf_counter() - t0, 1e-5)
-    reps = max(1, int(ms / 1000 / once))
+    reps = reps or _dense_reps(batch, ms)
 
     def run() -> None:
         x = a
@@ -101,6 +113,7 @@ def _join(rank: int, world: int, spec: dict[str, Any]) -> None:
 
 
 def _embtables_rank(rank: int, world: int, spec: dict[str, Any], out: str) -> None:
+    os.environ.update(spec.get("env", {}))  # before the module is built (the fork server's environment is older)
     import embtables as et
     from embtables.sharding import comm
     from embtables.tables import phase_profile
@@ -130,9 +143,12 @@ def _embtables_rank(rank: int, world: int, spec: dict[str, Any], out: str) -> No
         inputs.append(feats)
     rows = slice(rank * local, (rank + 1) * local)
     grad = {f"f{t}": grad_full[rows, t * wl.dim : (t + 1) * wl.dim].contiguous() for t in range(wl.tables)}
-    dense = _dense_standin(local, spec["dense_ms"], spec.get("dense_on", "cpu")) if spec.get("dense_ms") else None
+    dense = None
+    if spec.get("dense_ms"):
+        dense = _dense_standin(local, spec["dense_ms"], spec.get("dense_on", "cpu"), spec.get("dense_reps", 0))
     nb = len(inputs)
     steps = spec["warmup"] + spec["steps"]
+    dense_s: list[float] = []  # each step's dense part as the rank measured it (longer when the CPU is shared)
     if rank != 0:
         os.environ["BENCH_PROGRESS"] = "0"  # one progress bar, rank 0's
     if pipelined:
@@ -146,14 +162,17 @@ def _embtables_rank(rank: int, world: int, spec: dict[str, Any], out: str) -> No
         else:
             emb(inputs[i % nb])
         if dense is not None:
+            t0 = time.perf_counter()
             dense()
+            dense_s.append(time.perf_counter() - t0)
         emb.apply_gradients(grad)
 
     time_steps(step, spec["warmup"], 0, f"W={world} warmup")
     comm.barrier()
     comm.bytes_sent.clear()
     comm.phase_checks = 0
-    phase_profile.enable(not pipelined)  # per-phase times (exclusive of nested phases), bytes and messages
+    # per-phase times (exclusive of nested phases), bytes and messages; off where a dense part is compared
+    phase_profile.enable(not pipelined and not dense)
     with OtherLoad() as load:
         timed = time_steps(lambda i: step(spec["warmup"] + i), 0, spec["steps"], f"W={world} {spec['sharding']}")
     phases = phase_profile.snapshot(spec["steps"])
@@ -172,6 +191,8 @@ def _embtables_rank(rank: int, world: int, spec: dict[str, Any], out: str) -> No
                 comm.check_phase("lookup", 0, 0)
             per_call.append((time.perf_counter() - t0) / 100)
         header_s = statistics.median(per_call)
+    if dense_s:
+        phases = {"dense part": {"ms": round(statistics.median(dense_s[spec["warmup"] :]) * 1e3, 3)}}
     everyone = comm.all_gather_object((summarize(timed), sent, load.other_cpus, phases))
     if rank == 0:
         slowest = max((summary for summary, _, _, _ in everyone), key=lambda x: x["median_ms"])
@@ -367,32 +388,50 @@ def main(argv: list[str] | None = None) -> int:
     w1 = results[runs[0][0]]
     for label, _, _ in runs[1:]:
         emit({"impl": "embtables", "summary": f"{label} / W=1", "ratio": round(results[label] / w1, 3)})
-    # Pipelining (issue 17, item 4): a dense stand-in as long as the W = 2 div embedding step, computed on
-    # the rank's CPU core or on a "device" (a sleep), synchronous and pipelined; the pipelined step against
-    # the longer of the two parts.
+    # Pipelining (issue 17, item 4; issue 58): a dense stand-in as long as the W = 2 div embedding step,
+    # computed on a "device" (a sleep: it stands for a GPU, so the exchange thread is asked for) or on the
+    # rank's one CPU core (the same products in every run: ``_dense_reps``), synchronous and pipelined; on the
+    # CPU pipelined twice, where the module chooses (``auto``: in place, no core is left over) and on the
+    # exchange thread. Interleaved rounds; each case's median round.
     emb_ms = results[runs[1][0]] * 1e3
-    for dense_on in ("device", "cpu"):
-        for pipelined in (False, True):
+    reps = _dense_reps(wl.batch // 2, emb_ms)
+    cases = [
+        ("device", False, "auto"), ("device", True, "background"),
+        ("cpu", False, "auto"), ("cpu", True, "auto"), ("cpu", True, "background"),
+    ]  # fmt: skip
+    piped_rounds: dict[tuple[str, bool, str], list[dict[str, Any]]] = {c: [] for c in cases}
+    for _ in range(max(1, args.rounds)):
+        for dense_on, pipelined, thread in cases:
             spec = {**base, "threads": 1, "sharding": "div", "dense_ms": emb_ms, "pipelined": pipelined}
-            got = _launch(_embtables_rank, 2, {**spec, "dense_on": dense_on})
-            results[f"dense {dense_on} pipelined={pipelined}"] = got["step_s"]
-            emit(
-                {
-                    "impl": "embtables",
-                    "config": f"W=2 div + dense stand-in on the {dense_on}",
-                    "dense_ms": round(emb_ms, 1),
-                    "dense_on": dense_on,
-                    "pipelined": pipelined,
-                    "step_ms": round(got["step_s"] * 1e3, 2),
-                }
-            )
-        sync, piped = results[f"dense {dense_on} pipelined=False"], results[f"dense {dense_on} pipelined=True"]
-        speed_up = round(sync / piped, 3)
-        emit({"impl": "embtables", "summary": f"pipelining speed-up, dense on the {dense_on}", "ratio": speed_up})
+            extra = {"dense_on": dense_on, "dense_reps": reps, "env": {"EMBTABLES_PIPELINE_THREAD": thread}}
+            piped_rounds[(dense_on, pipelined, thread)].append(_launch(_embtables_rank, 2, {**spec, **extra}))
+    for (dense_on, pipelined, thread), got_rounds in piped_rounds.items():
+        got = _median_round(got_rounds)
+        results[f"dense {dense_on} pipelined={pipelined} {thread}"] = got["step_s"]
         emit(
             {
                 "impl": "embtables",
-                "summary": f"pipelined step / longer part (dense on the {dense_on})",
+                "config": f"W=2 div + dense stand-in on the {dense_on}",
+                "dense_ms": round(emb_ms, 1),
+                "dense_on": dense_on,
+                "pipelined": pipelined,
+                "pipeline_thread": thread,
+                "step_ms": round(got["step_s"] * 1e3, 2),
+                "rounds_ms": [round(g["step_s"] * 1e3, 2) for g in got_rounds],
+                "dense_part_ms_per_rank": [p.get("dense part", {}).get("ms") for p in got["phases"]],
+            }
+        )
+    for dense_on, pipelined, thread in cases:
+        if not pipelined:
+            continue
+        sync = results[f"dense {dense_on} pipelined=False auto"]
+        piped = results[f"dense {dense_on} pipelined=True {thread}"]
+        what = f"dense on the {dense_on}, pipelined work {thread}"
+        emit({"impl": "embtables", "summary": f"pipelining speed-up, {what}", "ratio": round(sync / piped, 3)})
+        emit(
+            {
+                "impl": "embtables",
+                "summary": f"pipelined step / longer part ({what})",
                 "ratio": round(piped * 1e3 / emb_ms, 3),
             }
         )

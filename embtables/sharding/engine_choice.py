@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from embtables.config import ResolvedConfig, ResolvedTable
-from embtables.sharding import comm
+from embtables.sharding import comm, exchange_thread
 from embtables.sharding.cost_model import pools_on_owner
 from embtables.sharding.lookup_stats import TableLoad, read_loads
 from embtables.sharding.owner_pooling import owner_pooled
@@ -58,6 +58,8 @@ def choose_engine(
     placements = place_tables(resolved, sharding, world, loads)
     pooled = {t.name for t in resolved.tables if owner_pooled(t, resolved) and _pools(loads.get(t.name), world, t)}
     engine = ShardedEmbeddingCollection(resolved, device, placements, group, settings=settings, owner_pooled=pooled)
+    if settings.get("pipeline_execution_with_tensor_core"):
+        engine.background_exchange = exchange_thread.choose(device, group)
     return engine, engine.plans
 
 

@@ -62,11 +62,14 @@ class Lookup:
 
 @dataclasses.dataclass(eq=False)
 class PendingUpdate:
-    """A validated update held back one step by pipelining (spec §6)."""
+    """A validated update held back one step by pipelining (spec §6). ``agreed``: checked at ``apply_gradients``
+    (one process); False when sharded: checked, and agreed on by the ranks, as it lands (one read of its rows for
+    the guard, not two), a refusal then raised by the next call."""
 
     table_grads: list[TableGradient]
     lrs: dict[str, float]
     step: int = 0  # the training step it belongs to (half-precision tables round with it, spec §12)
+    agreed: bool = True
 
 
 # Pre-update values of the rows an observer-triggered flush updated early: {table: (rows [U], weights [U, D])}.
@@ -92,7 +95,7 @@ class StepPipeline:
         self.concat = concat  # lookups give one [B, sum(D)] tensor (concat_activations=True)
         self.recorder = recorder
         self.worker: concurrent.futures.ThreadPoolExecutor | None = None
-        if pipelined and engine.world > 1:  # collectives run on one thread, in program order
+        if pipelined and engine.background_exchange:  # collectives run on one thread, in program order
             self.worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="embtables-exchange")
         self.training_steps = 0
         self.enqueued: Staged | None = None
@@ -209,7 +212,14 @@ class StepPipeline:
         elif self.pending is None:
             return
         elif self.worker is None:
-            self.flush()
+            try:
+                self.flush()
+            except ValueError as exc:  # a sharded refusal, agreed by every rank: raised by the next call, as
+                if self.engine.world == 1:  # when the update lands on the exchange thread
+                    raise
+                refused: concurrent.futures.Future[None] = concurrent.futures.Future()
+                refused.set_exception(exc)
+                self.landing = refused
             return
         else:
             pending, self.pending = self.pending, None
@@ -219,7 +229,7 @@ class StepPipeline:
         def land() -> None:
             held = update()
             with phase_profile.phase("update"):
-                engine.apply(held.table_grads, held.lrs, agreed=True, step=held.step)
+                _apply_held(engine, held)
 
         self.landing = self.worker.submit(land)
 
@@ -309,10 +319,14 @@ class StepPipeline:
                 "apply_gradients", lambda: engine.table_gradients(last.batches, checked, last.context, refused)
             )
         update = PendingUpdate(table_grads, engine.learning_rates(), self.training_steps)
-        if self.pipelined:
-            # Nothing changes the tables before this update lands, so check it now: a non-finite
-            # update raises here, like in a synchronous run, instead of at the next lookup.
-            self.run(lambda: engine.check(update.table_grads, update.lrs, step=update.step))
+        if self.pipelined and engine.world > 1:
+            # Sharded, in place: checked and agreed on as it lands, as on the exchange thread (its refusal is
+            # raised by the next call); checking it here too would read its rows twice.
+            self.pending = PendingUpdate([tg.owned() for tg in table_grads], update.lrs, update.step, agreed=False)
+        elif self.pipelined:
+            # One process: check it now, so that a non-finite update raises here, like in a synchronous run,
+            # instead of at the next lookup (it is checked again as it lands: the program may edit the tables).
+            engine.check(update.table_grads, update.lrs, step=update.step)
             self.pending = PendingUpdate([tg.owned() for tg in table_grads], update.lrs, update.step)
         else:
             with phase_profile.phase("update"):
@@ -341,8 +355,7 @@ class StepPipeline:
         def summed() -> PendingUpdate:
             with phase_profile.phase("backward"):
                 table_grads = engine.table_gradients(last.batches, owned, last.context)
-            engine.check(table_grads, lrs, step=step)
-            return PendingUpdate([tg.owned() for tg in table_grads], lrs, step)
+            return PendingUpdate([tg.owned() for tg in table_grads], lrs, step, agreed=False)  # checked as it lands
 
         assert self.worker is not None and self.pending is None and self.summing is None
         self.summing, self.summing_step = self.worker.submit(summed), self.training_steps
@@ -377,8 +390,8 @@ class StepPipeline:
                 if tg.table.name in self.engine.offloaded:  # kept by row: the cache's slots change
                     rows = self.engine.offloaded.local_rows(tg.table.name, rows)
                 stale[tg.table.name] = (rows, old)
-        # the ranks agreed at apply_gradients
-        self.engine.apply(pending.table_grads, pending.lrs, agreed=True, step=pending.step)
+        engine = self.engine
+        self.run(lambda: _apply_held(engine, pending))  # sharded: the ranks agree on it (on the exchange thread)
         self.stale.update({k: v for k, v in stale.items() if k not in self.stale})
 
     @contextlib.contextmanager
@@ -519,8 +532,23 @@ def _refused_in_background(summing: concurrent.futures.Future[PendingUpdate], st
     try:
         return summing.result()
     except ValueError as exc:  # a refusal (others, e.g. a lost peer's CollectiveError, are raised as they are)
-        raise InputError(
-            f"the pipelined update of training step {step} was refused after apply_gradients() returned (its "
-            f"exchange and sums run in the background, overlapping the next step): {exc} Nothing of step {step} "
-            "was applied on any rank; the later lookups read the tables without it."
-        ) from exc
+        raise _late_refusal(step, exc) from exc
+
+
+def _apply_held(engine: Engine, held: PendingUpdate) -> None:
+    """Land a held-back update: sharded (``agreed=False``), checked once and agreed on by the ranks now; a refusal
+    is raised with its step named (every rank raises it at the same call)."""
+    try:
+        engine.apply(held.table_grads, held.lrs, agreed=held.agreed, step=held.step)
+    except ValueError as exc:
+        if held.agreed:
+            raise
+        raise _late_refusal(held.step, exc) from exc
+
+
+def _late_refusal(step: int, exc: ValueError) -> InputError:
+    return InputError(
+        f"the pipelined update of training step {step} was refused after apply_gradients() returned (a sharded "
+        f"pipelined update is summed, checked and agreed on by the ranks as it lands, after the next lookup): {exc} "
+        f"Nothing of step {step} was applied on any rank; the later lookups read the tables without it."
+    )

@@ -41,7 +41,7 @@ from embtables.sharding.fingerprint import describe_config, differences, fingerp
 from embtables.sharding.plan import Placement, TablePlan
 from embtables.tables import phase_profile
 from embtables.tables.backends.interface import OUT_OF_MEMORY, OUT_OF_RANGE, PREPARED, BagPart
-from embtables.tables.collection import EmbeddingCollection
+from embtables.tables.collection import CheckedStep, EmbeddingCollection
 from embtables.tables.engine import LocalTables
 from embtables.tables.initializers import default_initializer
 from embtables.tables.inputs import FeatureBatch
@@ -95,6 +95,7 @@ class ShardedEmbeddingCollection(LocalTables):
         self.resolved = resolved
         self.group = group
         self.rank, self.world = comm.get_rank(group), comm.get_world_size(group)
+        self.background_exchange = False  # pipelined: chosen by engine_choice (``exchange_thread.choose``)
         # an offloaded table pools on its owners too (their caches admit the ids asked of them first): the same
         # sums, in the same order, as the same table in memory
         eligible = {t.name for t in resolved.tables if owner_pooling.owner_pooled(t, resolved)}
@@ -559,7 +560,13 @@ class ShardedEmbeddingCollection(LocalTables):
 
     def check(self, table_grads: Sequence[TableGradient], lrs: dict[str, float], *, step: int = 0) -> None:
         """Raise on every rank, writing nothing, when the update is refused on any rank's rows."""
+        self._agreed(table_grads, lrs, step)
+
+    def _agreed(self, table_grads: Sequence[TableGradient], lrs: dict[str, float], step: int) -> CheckedStep:
+        """This rank's update checked (``EmbeddingCollection.checked_step``), and the ranks' agreement on it: raises on
+        every rank, writing nothing, when it is refused on any rank's rows."""
         error: Exception | None = None
+        checked = None
         if self._sums_overflow:
             error = InputError(
                 f"rank {self.rank}: the summed gradient of a row of a sharded table overflows float32; no table or "
@@ -567,24 +574,31 @@ class ShardedEmbeddingCollection(LocalTables):
             )
         else:
             try:
-                self.local.check(table_grads, lrs, step=step)
+                checked = self.local.checked_step(table_grads, lrs, step=step)
             except (ValueError, TypeError, RuntimeError) as exc:
                 error = exc
         if comm.any_rank(error is not None, self.group):
             if error is not None:
                 raise error
             raise InputError("the update was refused on another rank; no table or slot was changed on any rank.")
+        assert checked is not None
+        return checked
 
     def apply(
         self, table_grads: Sequence[TableGradient], lrs: dict[str, float], *, agreed: bool = False, step: int = 0
     ) -> None:
-        """The fused update of this rank's rows; every rank applies or none does. ``agreed=True``: the
-        ranks already agreed through ``check`` (a pipelined update), so no message is needed."""
-        if not agreed:
-            with phase_profile.phase("update: agreement"):
-                self.check(table_grads, lrs, step=step)
+        """The fused update of this rank's rows; every rank applies or none does. The rows are checked once: what
+        the check proved is written right after the ranks agree, nothing running in between. ``agreed=True``:
+        the ranks already agreed through ``check`` (a pipelined update, whose tables may have been edited since:
+        checked again as it is written), so no message is needed."""
+        if agreed:
+            with phase_profile.phase("update: apply"):
+                self.local.apply(table_grads, lrs, step=step)
+            return
+        with phase_profile.phase("update: agreement"):
+            checked = self._agreed(table_grads, lrs, step)
         with phase_profile.phase("update: apply"):
-            self.local.apply(table_grads, lrs, step=step)
+            self.local.write_checked(checked)
 
     # ------------------------------------------------------------------ state
     def state_key_owners(self) -> dict[str, tuple[ResolvedTable, str]]:

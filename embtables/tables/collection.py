@@ -9,6 +9,7 @@ without touching state; phase 2 checks every update, then writes. A bad batch th
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any, cast
 
@@ -31,6 +32,18 @@ from embtables.tables.offload_initial import OffloadShard
 from embtables.tables.offloaded_tables import Admission, OffloadedTables
 from embtables.tables.state import TableState, create_table_state, initial_rows
 from embtables.tables.table_gradient import TableGradient
+
+
+@dataclasses.dataclass(eq=False)
+class CheckedStep:
+    """A step's updates, checked: the F table gradients with their learning rates and training step, and what
+    the backend (``own``) and the reference (``rest``) write for the accumulated ones."""
+
+    table_grads: list[TableGradient]
+    lrs: dict[str, float]
+    step: int
+    own: list[Any]
+    rest: list[Any]
 
 
 class EmbeddingCollection:
@@ -255,20 +268,25 @@ class EmbeddingCollection:
         own, rest = self._checked_updates(table_grads, lrs, check_in_write=in_one_call)
         if rest or self._sequential_tables:
             backend.settle()  # other writes come first: every check of the backend's must be read now
+        # only the backend's writes may still refuse (a check left to its writing call, all or nothing):
+        # with check_in_write every update is the backend's, so nothing else was written before it
+        self._write(CheckedStep(list(table_grads), lrs, step, own, rest))
+
+    def _write(self, step: CheckedStep) -> None:
+        """The tables updated occurrence by occurrence (each with a backup: all put back if one refuses), then
+        the checked updates, the reference's and the backend's; the rows they changed recorded."""
         restores: list[Callable[[], None]] = []
         try:
-            for tg in table_grads:
+            for tg in step.table_grads:
                 if not tg.accumulated:
-                    restores.append(self._sequential(tg, lrs[tg.table.name]))
+                    restores.append(self._sequential(tg, step.lrs[tg.table.name]))
         except BaseException:
             for restore in reversed(restores):
                 restore()
             raise
-        # only the backend's writes may still refuse (a check left to its writing call, all or nothing):
-        # with check_in_write every update is the backend's, so nothing else was written before it
-        self.reference.write(rest)
-        backend.write(own)
-        self._mark_written(table_grads)
+        self.reference.write(step.rest)
+        self.backend.write(step.own)
+        self._mark_written(step.table_grads)
 
     def _mark_written(self, table_grads: Sequence[TableGradient]) -> None:
         """Record the rows a step's writes changed (``ChangedRows``): every row of a non-lazy optimizer's
@@ -303,14 +321,28 @@ class EmbeddingCollection:
     def check(self, table_grads: Sequence[TableGradient], lrs: dict[str, float], *, step: int = 0) -> None:
         """Raise exactly as ``apply`` would, but write nothing (used for an update held back by
         pipelining, so its error surfaces at ``apply_gradients`` and not at a later lookup)."""
+        self.checked_step(table_grads, lrs, step=step)
+
+    def checked_step(
+        self, table_grads: Sequence[TableGradient], lrs: dict[str, float], *, step: int = 0
+    ) -> CheckedStep:
+        """``check``, keeping what it proved: ``write_checked`` then writes the step without reading its rows
+        again. Only for a write that follows in the same call, nothing else touching the tables in between (a
+        sharded step's agreement): a tensor edited after the proof would be written unchecked."""
         self._refuse_closed(table_grads)
         self._tables.step = step
         self._tables.check_storage()
-        self._checked_updates(table_grads, lrs, check_in_write=False)
+        own, rest = self._checked_updates(table_grads, lrs, check_in_write=False)
         self.backend.settle()
         for tg in table_grads:
             if not tg.accumulated:
                 self._sequential(tg, lrs[tg.table.name])()
+        return CheckedStep(list(table_grads), dict(lrs), step, own, rest)
+
+    def write_checked(self, checked: CheckedStep) -> None:
+        """Write a step ``checked_step`` checked (all or nothing, as ``apply``; no check is left to the writes)."""
+        self._tables.step = checked.step
+        self._write(checked)
 
     def _refuse_closed(self, table_grads: Sequence[TableGradient]) -> None:
         """An update of an offloaded table whose files were released (``close``) is refused before anything is

@@ -34,6 +34,9 @@ class Engine(Protocol):
     group: Any
     rank: int
     world: int
+    # Pipelined and sharded: the early lookup, the exchange and the held-back update run on a thread of their
+    # own, overlapping the caller's dense compute (chosen once, the same on every rank: ``exchange_thread``).
+    background_exchange: bool
 
     @property
     def plans(self) -> dict[str, Any]: ...
@@ -219,6 +222,7 @@ class OneProcessEngine(LocalTables):
 
     rank = 0
     world = 1
+    background_exchange = False  # one process: a held-back update lands in the calling thread
 
     def __init__(self, resolved: ResolvedConfig, device: torch.device, group: Any = None) -> None:
         self.resolved = resolved

@@ -16,7 +16,7 @@ import torch
 from mp_world import run_world
 
 import embtables as et
-from embtables.sharding import comm
+from embtables.sharding import comm, exchange_thread
 from embtables.sharding.comm import CollectiveError
 
 
@@ -95,6 +95,7 @@ def test_ranks_out_of_step_raise_on_every_rank_naming_each_phase(tmp_path: Path)
 
 
 def _pipelined_out_of_step(rank: int, world: int) -> None:
+    os.environ[exchange_thread.ENV] = "background"  # the early lookup runs on the exchange thread
     emb = et.DistributedEmbedding(_config(), pipeline_execution_with_tensor_core=True, timeout=30)
     emb.enqueue(_batch(emb, rank))
     acts = emb.dequeue()

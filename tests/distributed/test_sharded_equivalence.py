@@ -23,7 +23,7 @@ import torch
 from mp_world import run_world
 
 import embtables as et
-from embtables.sharding import comm, shm_channel
+from embtables.sharding import comm, exchange_thread, shm_channel
 
 OPTIMIZERS = {
     "sgd": lambda: et.SGD(0.3),
@@ -110,9 +110,12 @@ def _same_state(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], exa
             torch.testing.assert_close(got[key], value, rtol=2e-5, atol=2e-6, msg=f"{what} {key}")
 
 
-def _run_cases(rank: int, world: int, cases: list[tuple[str, Any, bool]], ref_path: str, transport: str) -> None:
+def _run_cases(
+    rank: int, world: int, cases: list[tuple[str, Any, bool]], ref_path: str, transport: str, thread: str
+) -> None:
     if transport == "gloo":
         os.environ["EMBTABLES_SHM"] = "0"  # the exchanges go through gloo, as between hosts
+    os.environ[exchange_thread.ENV] = thread  # pipelined work on an exchange thread, or in place: the same bits
     assert comm.transport() == transport or not shm_channel.wanted()
     refs = torch.load(ref_path)
     per_rank = GLOBAL_BATCH // world
@@ -124,6 +127,7 @@ def _run_cases(rank: int, world: int, cases: list[tuple[str, Any, bool]], ref_pa
             _config(opt_name), pipeline_execution_with_tensor_core=pipelined, sharding=sharding
         )
         if pipelined:  # the next batch is enqueued before this step's update: its exchange overlaps
+            assert (emb._pipeline.worker is not None) == (thread == "background"), (case, thread)
             emb.enqueue(*_inputs(0, lo, hi))
         plan = emb.sharding_plan
         # Bit-identical activations where the summation order matches one process: rows returned and
@@ -178,11 +182,14 @@ def _run_cases(rank: int, world: int, cases: list[tuple[str, Any, bool]], ref_pa
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize(("world", "transport"), [(2, "shared memory"), (3, "shared memory"), (2, "gloo")])
-def test_sharded_runs_equal_a_single_process_run(world: int, transport: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("world", "transport", "thread"),
+    [(2, "shared memory", "background"), (3, "shared memory", "in_place"), (2, "gloo", "in_place")],
+)
+def test_sharded_runs_equal_a_single_process_run(world: int, transport: str, thread: str, tmp_path: Path) -> None:
     ref_path = tmp_path / "reference.pt"
     torch.save([_reference(case) for case in CASES], ref_path)
-    run_world(_run_cases, world, CASES, str(ref_path), transport)
+    run_world(_run_cases, world, CASES, str(ref_path), transport, thread)
 
 
 # Over NCCL, tables on GPU r for rank r: synchronous and pipelined, with and without accumulation.

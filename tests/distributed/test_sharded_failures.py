@@ -15,6 +15,7 @@ import torch
 from mp_world import run_world
 
 import embtables as et
+from embtables.sharding import exchange_thread
 from embtables.sharding.comm import CollectiveError
 
 
@@ -118,8 +119,34 @@ def test_an_owner_sum_that_overflows_is_refused_on_every_rank() -> None:
     run_world(_overflowing_sums, 2)
 
 
-def _pipelined_refusals(rank: int, world: int) -> None:
+def _edited_row_on_one_rank(rank: int, world: int) -> None:
+    emb = et.DistributedEmbedding(_config(), sharding="div")  # rank 0 owns rows 0-4, rank 1 rows 5-9
+    acts = emb({"a": torch.tensor([[3], [8]])})
+    shard = emb.local_shards()["t"]
+    at = int((shard.rows == (3 if rank == 0 else 8)).nonzero())
+    if rank == 1:  # between the lookup and apply_gradients, through .data: the update's check reads it
+        shard.tensors[""].data[at] = float("nan")
+    before = {k: v.clone() for k, v in shard.tensors.items()}
+    # refused on every rank: rank 1 names its table (its rows hold the NaN), rank 0 the other rank
+    with pytest.raises(ValueError, match=r"table 't': the update of row|refused on another rank"):
+        emb.apply_gradients({"a": torch.ones_like(acts["a"])})
+    for k, v in emb.local_shards()["t"].tensors.items():
+        assert torch.equal(v.nan_to_num(), before[k].nan_to_num()) and torch.equal(v.isnan(), before[k].isnan())
+    if rank == 1:
+        shard.tensors[""].data[at] = 0.5
+    emb.apply_gradients({"a": torch.ones_like(acts["a"])})  # the lookup was kept: now it applies on every rank
+    assert bool((emb.local_shards()["t"].tensors["accumulators"][at] > before["accumulators"][at]).all())
+
+
+@pytest.mark.distributed
+def test_an_update_refused_by_one_ranks_rows_changes_nothing_on_any_rank() -> None:
+    run_world(_edited_row_on_one_rank, 2)
+
+
+def _pipelined_refusals(rank: int, world: int, thread: str) -> None:
+    os.environ[exchange_thread.ENV] = thread  # the sums and the update's check on the exchange thread, or in place
     emb = et.DistributedEmbedding(_config(), sharding="div", pipeline_execution_with_tensor_core=True, timeout=30)
+    assert (emb._pipeline.worker is not None) == (thread == "background")
     before = {k: v.clone() for k, v in emb.state_dict().items()}
     acts = emb({"a": torch.tensor([[3], [3]])})
     # A gradient checked here (shape, NaN) still raises in apply_gradients, on every rank; the lookup stays.
@@ -127,8 +154,9 @@ def _pipelined_refusals(rank: int, world: int) -> None:
         emb.apply_gradients({"a": torch.ones(3, 4) if rank == 0 else torch.ones_like(acts["a"])})
     with pytest.raises(ValueError, match=r"NaN|rank 1"):
         emb.apply_gradients({"a": torch.full_like(acts["a"], float("nan") if rank == 1 else 1.0)})
-    # Finite gradients whose sum on the owner overflows: found in the background, after apply_gradients
-    # returned; the next call that waits for the background raises it on every rank, naming the step.
+    # Finite gradients whose sum on the owner overflows: found as the update lands (on the exchange thread, or in
+    # place after the next lookup), after apply_gradients returned; the next call that waits for it raises it on
+    # every rank, naming the step.
     emb.apply_gradients({"a": torch.full_like(acts["a"], 3e38)})
     with pytest.raises(ValueError, match=r"training step 1 was refused.*(overflows float32|refused on another rank)"):
         emb.state_dict()
@@ -147,12 +175,15 @@ def _pipelined_refusals(rank: int, world: int) -> None:
 
 
 @pytest.mark.distributed
-def test_a_pipelined_update_refused_in_the_background_raises_on_every_rank_at_the_next_call() -> None:
-    run_world(_pipelined_refusals, 2, timeout=120, collective_timeout=30)
+@pytest.mark.parametrize("thread", ["background", "in_place"])
+def test_a_pipelined_update_refused_as_it_lands_raises_on_every_rank_at_the_next_call(thread: str) -> None:
+    run_world(_pipelined_refusals, 2, thread, timeout=120, collective_timeout=30)
 
 
 def _reused_gradient(rank: int, world: int) -> None:
     import threading
+
+    os.environ[exchange_thread.ENV] = "background"  # the gradient is read on the exchange thread
 
     def train(reuse: bool) -> dict[str, torch.Tensor]:
         emb = et.DistributedEmbedding(_config(), sharding="div", pipeline_execution_with_tensor_core=True)
