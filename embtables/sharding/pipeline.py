@@ -62,14 +62,13 @@ class Lookup:
 
 @dataclasses.dataclass(eq=False)
 class PendingUpdate:
-    """A validated update held back one step by pipelining (spec §6). ``agreed``: checked at ``apply_gradients``
-    (one process); False when sharded: checked, and agreed on by the ranks, as it lands (one read of its rows for
-    the guard, not two), a refusal then raised by the next call."""
+    """A validated update held back one step by pipelining (spec §6). It is checked as it lands (the program may
+    edit the tables before then); sharded, the ranks agree on it there, and a refusal is raised by the next call.
+    In one process it was checked at ``apply_gradients`` as well, so its refusal raises there."""
 
     table_grads: list[TableGradient]
     lrs: dict[str, float]
     step: int = 0  # the training step it belongs to (half-precision tables round with it, spec §12)
-    agreed: bool = True
 
 
 # Pre-update values of the rows an observer-triggered flush updated early: {table: (rows [U], weights [U, D])}.
@@ -203,7 +202,7 @@ class StepPipeline:
         """Apply the held-back update of the previous step, now that this step's lookup has read the tables.
         With an exchange thread, the update runs there, after the lookup and before any later collective
         or lookup, overlapping the caller's dense compute; everything that reads or writes the tables on
-        this thread waits for it first (``drop_prefetch``). The ranks agreed on it at ``apply_gradients``."""
+        this thread waits for it first (``drop_prefetch``). Sharded, the ranks agree on it there."""
         update: Callable[[], PendingUpdate]
         if self.summing is not None:  # summed in the background: done by then, it ran earlier on that thread
             assert self.worker is not None and self.pending is None
@@ -214,8 +213,8 @@ class StepPipeline:
         elif self.worker is None:
             try:
                 self.flush()
-            except ValueError as exc:  # a sharded refusal, agreed by every rank: raised by the next call, as
-                if self.engine.world == 1:  # when the update lands on the exchange thread
+            except ValueError as exc:  # sharded, a refusal agreed by every rank: raised by the next call, as when
+                if self.engine.world == 1:  # the update lands on the exchange thread
                     raise
                 refused: concurrent.futures.Future[None] = concurrent.futures.Future()
                 refused.set_exception(exc)
@@ -319,14 +318,12 @@ class StepPipeline:
                 "apply_gradients", lambda: engine.table_gradients(last.batches, checked, last.context, refused)
             )
         update = PendingUpdate(table_grads, engine.learning_rates(), self.training_steps)
-        if self.pipelined and engine.world > 1:
-            # Sharded, in place: checked and agreed on as it lands, as on the exchange thread (its refusal is
-            # raised by the next call); checking it here too would read its rows twice.
-            self.pending = PendingUpdate([tg.owned() for tg in table_grads], update.lrs, update.step, agreed=False)
-        elif self.pipelined:
-            # One process: check it now, so that a non-finite update raises here, like in a synchronous run,
-            # instead of at the next lookup (it is checked again as it lands: the program may edit the tables).
-            engine.check(update.table_grads, update.lrs, step=update.step)
+        if self.pipelined:
+            if engine.world == 1:
+                # One process: checked now too, so that a non-finite update raises here, like in a synchronous run
+                # (it is checked again as it lands). Sharded, it is checked once, as it lands, where the ranks
+                # agree on it (its refusal raised by the next call, as on the exchange thread).
+                engine.check(update.table_grads, update.lrs, step=update.step)
             self.pending = PendingUpdate([tg.owned() for tg in table_grads], update.lrs, update.step)
         else:
             with phase_profile.phase("update"):
@@ -355,7 +352,7 @@ class StepPipeline:
         def summed() -> PendingUpdate:
             with phase_profile.phase("backward"):
                 table_grads = engine.table_gradients(last.batches, owned, last.context)
-            return PendingUpdate([tg.owned() for tg in table_grads], lrs, step, agreed=False)  # checked as it lands
+            return PendingUpdate([tg.owned() for tg in table_grads], lrs, step)  # checked as it lands
 
         assert self.worker is not None and self.pending is None and self.summing is None
         self.summing, self.summing_step = self.worker.submit(summed), self.training_steps
@@ -391,7 +388,7 @@ class StepPipeline:
                     rows = self.engine.offloaded.local_rows(tg.table.name, rows)
                 stale[tg.table.name] = (rows, old)
         engine = self.engine
-        self.run(lambda: _apply_held(engine, pending))  # sharded: the ranks agree on it (on the exchange thread)
+        self.run(lambda: _apply_held(engine, pending))  # sharded, the ranks agree on it (on the exchange thread)
         self.stale.update({k: v for k, v in stale.items() if k not in self.stale})
 
     @contextlib.contextmanager
@@ -536,12 +533,12 @@ def _refused_in_background(summing: concurrent.futures.Future[PendingUpdate], st
 
 
 def _apply_held(engine: Engine, held: PendingUpdate) -> None:
-    """Land a held-back update: sharded (``agreed=False``), checked once and agreed on by the ranks now; a refusal
-    is raised with its step named (every rank raises it at the same call)."""
+    """Land a held-back update, checked as it is written (sharded: and agreed on by the ranks; a refusal is then
+    raised with its step named, every rank raising it at the same call)."""
     try:
-        engine.apply(held.table_grads, held.lrs, agreed=held.agreed, step=held.step)
+        engine.apply(held.table_grads, held.lrs, step=held.step)
     except ValueError as exc:
-        if held.agreed:
+        if engine.world == 1:
             raise
         raise _late_refusal(held.step, exc) from exc
 

@@ -584,17 +584,9 @@ class ShardedEmbeddingCollection(LocalTables):
         assert checked is not None
         return checked
 
-    def apply(
-        self, table_grads: Sequence[TableGradient], lrs: dict[str, float], *, agreed: bool = False, step: int = 0
-    ) -> None:
+    def apply(self, table_grads: Sequence[TableGradient], lrs: dict[str, float], *, step: int = 0) -> None:
         """The fused update of this rank's rows; every rank applies or none does. The rows are checked once: what
-        the check proved is written right after the ranks agree, nothing running in between. ``agreed=True``:
-        the ranks already agreed through ``check`` (a pipelined update, whose tables may have been edited since:
-        checked again as it is written), so no message is needed."""
-        if agreed:
-            with phase_profile.phase("update: apply"):
-                self.local.apply(table_grads, lrs, step=step)
-            return
+        the check proved is written right after the ranks agree, nothing running in between."""
         with phase_profile.phase("update: agreement"):
             checked = self._agreed(table_grads, lrs, step)
         with phase_profile.phase("update: apply"):

@@ -319,16 +319,17 @@ class EmbeddingCollection:
                     self.changed.mark(tg.table.name, tg.rows)
 
     def check(self, table_grads: Sequence[TableGradient], lrs: dict[str, float], *, step: int = 0) -> None:
-        """Raise exactly as ``apply`` would, but write nothing (used for an update held back by
-        pipelining, so its error surfaces at ``apply_gradients`` and not at a later lookup)."""
+        """Raise exactly as ``apply`` would, but write nothing (one process's pipelined update, so its error
+        surfaces at ``apply_gradients``)."""
         self.checked_step(table_grads, lrs, step=step)
 
     def checked_step(
         self, table_grads: Sequence[TableGradient], lrs: dict[str, float], *, step: int = 0
     ) -> CheckedStep:
-        """``check``, keeping what it proved: ``write_checked`` then writes the step without reading its rows
-        again. Only for a write that follows in the same call, nothing else touching the tables in between (a
-        sharded step's agreement): a tensor edited after the proof would be written unchecked."""
+        """Raise exactly as ``apply`` would, but write nothing, and keep what the check proved: ``write_checked``
+        then writes the step without reading its rows again. Only for a write that follows in the same call,
+        nothing else touching the tables in between (a sharded step's agreement): a tensor edited after the proof
+        would be written unchecked."""
         self._refuse_closed(table_grads)
         self._tables.step = step
         self._tables.check_storage()

@@ -114,9 +114,7 @@ class Engine(Protocol):
 
     def check(self, table_grads: Sequence[TableGradient], lrs: dict[str, float], *, step: int = 0) -> None: ...
 
-    def apply(
-        self, table_grads: Sequence[TableGradient], lrs: dict[str, float], *, agreed: bool = False, step: int = 0
-    ) -> None: ...
+    def apply(self, table_grads: Sequence[TableGradient], lrs: dict[str, float], *, step: int = 0) -> None: ...
 
     def full_state(self) -> dict[str, Tensor]: ...
 
@@ -311,9 +309,7 @@ class OneProcessEngine(LocalTables):
     def check(self, table_grads: Sequence[TableGradient], lrs: dict[str, float], *, step: int = 0) -> None:
         self.local.check(table_grads, lrs, step=step)
 
-    def apply(
-        self, table_grads: Sequence[TableGradient], lrs: dict[str, float], *, agreed: bool = False, step: int = 0
-    ) -> None:
+    def apply(self, table_grads: Sequence[TableGradient], lrs: dict[str, float], *, step: int = 0) -> None:
         self.local.apply(table_grads, lrs, step=step)
 
     def full_state(self) -> dict[str, Tensor]:
