@@ -63,6 +63,15 @@ def test_sharded_benchmark_reports_each_ranks_phases(tmp_path: Path) -> None:
         payload = sum(p["bytes"] for name, p in phases.items() if "agreement" not in name and name != "phase header")
         assert abs(payload / 2**20 - div["sent_mb_per_step_per_rank"][rank]) < 0.002
     assert any(r.get("summary", "").startswith("pipelining") for r in records)
+    # the pipelined cases: synchronous and pipelined with the dense part on a device and on the CPU (in place by
+    # the module's choice and on the exchange thread), each in both rounds, the dense part timed on every rank
+    piped = [r for r in records if "dense_on" in r]
+    cases = {(r["dense_on"], r["pipelined"], r["pipeline_thread"]) for r in piped}
+    assert cases == {("device", False, "auto"), ("device", True, "background"), ("cpu", False, "auto"),
+                     ("cpu", True, "auto"), ("cpu", True, "background")}  # fmt: skip
+    for r in piped:
+        assert len(r["rounds_ms"]) == 2 and len(r["dense_part_ms_per_rank"]) == 2
+        assert all(ms > 0 for ms in r["dense_part_ms_per_rank"])
 
 
 def test_latency_benchmark_reports_every_size_next_to_its_peers(tmp_path: Path) -> None:
