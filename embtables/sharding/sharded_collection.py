@@ -49,6 +49,7 @@ from embtables.tables.offload_initial import OffloadShard, table_seed
 from embtables.tables.offloaded_tables import Admission, required
 from embtables.tables.state import LocalShard
 from embtables.tables.table_gradient import TableGradient
+from embtables.tables.value_bounds import NonFiniteUpdateError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -575,6 +576,9 @@ class ShardedEmbeddingCollection(LocalTables):
         else:
             try:
                 checked = self.local.checked_step(table_grads, lrs, step=step)
+            except NonFiniteUpdateError as exc:  # named by its global row
+                global_row = self.plans[exc.table.name].affine_rows(self.rank).ids(torch.tensor([exc.row]))
+                error = exc.renamed(int(global_row[0]), f"rank {self.rank}: ")
             except (ValueError, TypeError, RuntimeError) as exc:
                 error = exc
         if comm.any_rank(error is not None, self.group):

@@ -32,6 +32,7 @@ from embtables.tables.offload_initial import OffloadShard
 from embtables.tables.offloaded_tables import Admission, OffloadedTables
 from embtables.tables.state import TableState, create_table_state, initial_rows
 from embtables.tables.table_gradient import TableGradient
+from embtables.tables.value_bounds import NonFiniteUpdateError
 
 
 @dataclasses.dataclass(eq=False)
@@ -257,6 +258,14 @@ class EmbeddingCollection:
         prepared natively, the dry runs happen in the same native call that writes (checked for all tables
         first).
         """
+        try:
+            self._apply(table_grads, lrs, step)
+        except NonFiniteUpdateError as exc:
+            if exc.table.name in self.offloaded:
+                raise self._slot_renamed(exc) from None
+            raise
+
+    def _apply(self, table_grads: Sequence[TableGradient], lrs: dict[str, float], step: int) -> None:
         self._refuse_closed(table_grads)
         self._tables.step = step
         backend = self.backend
@@ -330,6 +339,14 @@ class EmbeddingCollection:
         then writes the step without reading its rows again. Only for a write that follows in the same call,
         nothing else touching the tables in between (a sharded step's agreement): a tensor edited after the proof
         would be written unchecked."""
+        try:
+            return self._checked_step(table_grads, lrs, step)
+        except NonFiniteUpdateError as exc:
+            if exc.table.name in self.offloaded:
+                raise self._slot_renamed(exc) from None
+            raise
+
+    def _checked_step(self, table_grads: Sequence[TableGradient], lrs: dict[str, float], step: int) -> CheckedStep:
         self._refuse_closed(table_grads)
         self._tables.step = step
         self._tables.check_storage()
@@ -344,6 +361,10 @@ class EmbeddingCollection:
         """Write a step ``checked_step`` checked (all or nothing, as ``apply``; no check is left to the writes)."""
         self._tables.step = checked.step
         self._write(checked)
+
+    def _slot_renamed(self, exc: NonFiniteUpdateError) -> NonFiniteUpdateError:
+        """An offloaded table's refusal naming the row its cache slot holds (a refusal changes no slot)."""
+        return exc.renamed(int(self.offloaded.local_rows(exc.table.name, torch.tensor([exc.row]))[0]), exc.where)
 
     def _refuse_closed(self, table_grads: Sequence[TableGradient]) -> None:
         """An update of an offloaded table whose files were released (``close``) is refused before anything is

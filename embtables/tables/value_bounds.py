@@ -47,15 +47,33 @@ def read_bounds(stats: Tensor) -> tuple[list[float], list[float]]:
     return [v[0] for v in values], [v[1] for v in values]
 
 
-def non_finite_update(table: ResolvedTable, row: int, lr: float) -> InputError:
-    slots = ", ".join(table.optimizer.slot_names) or "no slots"
-    kinds = {table.config.storage, table.config.slot_storage if table.optimizer.slot_names else "float32"}
-    overflow = " or ".join(f"{k} overflow{' (|value| > 65504)' if k == 'float16' else ''}" for k in sorted(kinds))
-    return InputError(
-        f"table {table.name!r}: the update of row {row} would write a non-finite value (NaN or Inf) into the "
-        f"weights or slots ({slots}) at learning rate {lr:g}: {overflow}; no table or slot was changed. "
-        "Lower the learning rate, clip the gradients (clipvalue=...) or check the table's values."
-    )
+class NonFiniteUpdateError(InputError):
+    """An update refused because it would write a non-finite value: its ``table``, the ``row`` as the storage that
+    refused it numbers it (an offloaded table's cache slot, a shard's local row, until a caller that knows the
+    table's numbering renames it: ``renamed``), and the learning rate ``lr``."""
+
+    def __init__(self, table: ResolvedTable, row: int, lr: float, where: str = "") -> None:
+        self.table, self.row, self.lr, self.where = table, row, lr, where
+        slots = ", ".join(table.optimizer.slot_names) or "no slots"
+        kinds = {table.config.storage, table.config.slot_storage if table.optimizer.slot_names else "float32"}
+        overflow = " or ".join(f"{k} overflow{' (|value| > 65504)' if k == 'float16' else ''}" for k in sorted(kinds))
+        super().__init__(
+            f"{where}table {table.name!r}: the update of row {row} would write a non-finite value (NaN or Inf) into "
+            f"the weights or slots ({slots}) at learning rate {lr:g}: {overflow}; no table or slot was changed. "
+            "Lower the learning rate, clip the gradients (clipvalue=...) or check the table's values."
+        )
+
+    def renamed(self, row: int, where: str = "") -> NonFiniteUpdateError:
+        """The same refusal naming ``row`` (the table's own number for the refused one), after ``where``."""
+        return NonFiniteUpdateError(self.table, row, self.lr, where)
+
+    def __reduce__(self) -> tuple[type[NonFiniteUpdateError], tuple[ResolvedTable, int, float, str]]:
+        return (NonFiniteUpdateError, (self.table, self.row, self.lr, self.where))
+
+
+def non_finite_update(table: ResolvedTable, row: int, lr: float) -> NonFiniteUpdateError:
+    """The refusal of an update of ``table`` that would write a non-finite value into (storage) ``row``."""
+    return NonFiniteUpdateError(table, row, lr)
 
 
 def check_finite_rows(table: ResolvedTable, rows: Tensor, values: tuple[Tensor, ...], lr: float) -> None:

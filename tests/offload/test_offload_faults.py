@@ -179,3 +179,21 @@ def test_a_file_cut_short_behind_its_back_is_refused_not_a_crash(tmp_path: Path)
     assert "t.w1r0.rows: 262144 bytes of 15360000" in refusals[0] and "torn" in refusals[0]
     assert "working files are torn (files were cut short" in refusals[1]
     assert "trained on" in proc.stdout
+
+
+def test_a_refused_update_names_the_table_row_not_its_cache_slot(tmp_path: Path) -> None:
+    """A NaN put into row 900 through the table's files (``embedding_tables``) between the lookup and
+    ``apply_gradients``: the refusal names row 900, not the cache slot holding it, and changes nothing."""
+    t = et.TableConfig(1000, 4, name="t", optimizer=et.Adagrad(0.1), initializer=et.Constant(0.1),
+                       offload=et.Offload(str(tmp_path), cache_rows=64))  # fmt: skip
+    emb = et.DistributedEmbedding({"f": et.FeatureConfig(t)})
+    for i in range(3):  # rows 5 and 898-900 take cache slots 0-3 in some order
+        acts = emb({"f": torch.tensor([[900 - i], [5]])})
+        emb.apply_gradients({"f": torch.ones_like(acts["f"])})
+    acts = emb({"f": torch.tensor([[900], [5]])})
+    emb.embedding_tables["t"][900] = float("nan")
+    before = {k: v.clone() for k, v in emb.state_dict().items()}
+    with pytest.raises(ValueError, match=r"table 't': the update of row 900 would write a non-finite value"):
+        emb.apply_gradients({"f": torch.ones_like(acts["f"])})
+    after = emb.state_dict()
+    assert all(torch.equal(v.nan_to_num(), before[k].nan_to_num()) for k, v in after.items())
