@@ -577,8 +577,10 @@ class ShardedEmbeddingCollection(LocalTables):
             try:
                 checked = self.local.checked_step(table_grads, lrs, step=step)
             except NonFiniteUpdateError as exc:  # named by its global row
-                global_row = self.plans[exc.table.name].affine_rows(self.rank).ids(torch.tensor([exc.row]))
-                error = exc.renamed(int(global_row[0]), f"rank {self.rank}: ")
+                error = exc
+                if exc.table is not None:
+                    global_row = self.plans[exc.table.name].affine_rows(self.rank).ids(torch.tensor([exc.row]))
+                    error = exc.renamed(int(global_row[0]), f"rank {self.rank}: ")
             except (ValueError, TypeError, RuntimeError) as exc:
                 error = exc
         if comm.any_rank(error is not None, self.group):

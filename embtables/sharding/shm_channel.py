@@ -296,7 +296,8 @@ class ShmChannel:
         if rc:
             why = "did not arrive within the timeout" if rc == 1 else "is gone (its process exited)"
             raise self._fail(f"rank {peer} {why} during the {what}", _PEER_LOST)
-        if int(where.words[offset // 8]) & _MASK != target:  # the 32-bit word, little-endian in its int64
+        word = int(where.words[offset // 8]) & _MASK  # the 32-bit word, little-endian in its int64
+        if word != target and (word - (1 << 30)) & _MASK != target:  # the poison of a peer past ``target``
             code = int(where.words[_BROKEN_WORD])
             reason = _REASONS.get(code, f"broke the channel (code {code})")
             raise self._fail(f"rank {peer} {reason} during the {what}", _PEER_FAILED)

@@ -261,7 +261,7 @@ class EmbeddingCollection:
         try:
             self._apply(table_grads, lrs, step)
         except NonFiniteUpdateError as exc:
-            if exc.table.name in self.offloaded:
+            if exc.table is not None and exc.table.name in self.offloaded:
                 raise self._slot_renamed(exc) from None
             raise
 
@@ -342,7 +342,7 @@ class EmbeddingCollection:
         try:
             return self._checked_step(table_grads, lrs, step)
         except NonFiniteUpdateError as exc:
-            if exc.table.name in self.offloaded:
+            if exc.table is not None and exc.table.name in self.offloaded:
                 raise self._slot_renamed(exc) from None
             raise
 
@@ -364,7 +364,8 @@ class EmbeddingCollection:
 
     def _slot_renamed(self, exc: NonFiniteUpdateError) -> NonFiniteUpdateError:
         """An offloaded table's refusal naming the row its cache slot holds (a refusal changes no slot)."""
-        return exc.renamed(int(self.offloaded.local_rows(exc.table.name, torch.tensor([exc.row]))[0]), exc.where)
+        assert exc.table is not None
+        return exc.renamed(int(self.offloaded.local_rows(exc.table.name, torch.tensor([exc.row]))[0]))
 
     def _refuse_closed(self, table_grads: Sequence[TableGradient]) -> None:
         """An update of an offloaded table whose files were released (``close``) is refused before anything is

@@ -11,6 +11,7 @@ view, ``load_state_dict``, ``restore``) changes the values and their bounds toge
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -50,30 +51,34 @@ def read_bounds(stats: Tensor) -> tuple[list[float], list[float]]:
 class NonFiniteUpdateError(InputError):
     """An update refused because it would write a non-finite value: its ``table``, the ``row`` as the storage that
     refused it numbers it (an offloaded table's cache slot, a shard's local row, until a caller that knows the
-    table's numbering renames it: ``renamed``), and the learning rate ``lr``."""
+    table's numbering renames it: ``renamed``), and the learning rate ``lr``. Built from a message alone (as
+    ``type(error)(message)`` re-raises it) it has no table, and is never renamed."""
 
-    def __init__(self, table: ResolvedTable, row: int, lr: float, where: str = "") -> None:
-        self.table, self.row, self.lr, self.where = table, row, lr, where
-        slots = ", ".join(table.optimizer.slot_names) or "no slots"
-        kinds = {table.config.storage, table.config.slot_storage if table.optimizer.slot_names else "float32"}
-        overflow = " or ".join(f"{k} overflow{' (|value| > 65504)' if k == 'float16' else ''}" for k in sorted(kinds))
-        super().__init__(
-            f"{where}table {table.name!r}: the update of row {row} would write a non-finite value (NaN or Inf) into "
-            f"the weights or slots ({slots}) at learning rate {lr:g}: {overflow}; no table or slot was changed. "
-            "Lower the learning rate, clip the gradients (clipvalue=...) or check the table's values."
-        )
+    def __init__(self, message: str, table: ResolvedTable | None = None, row: int = -1, lr: float = 0.0) -> None:
+        super().__init__(message)
+        self.table, self.row, self.lr = table, row, lr
 
     def renamed(self, row: int, where: str = "") -> NonFiniteUpdateError:
         """The same refusal naming ``row`` (the table's own number for the refused one), after ``where``."""
-        return NonFiniteUpdateError(self.table, row, self.lr, where)
+        assert self.table is not None
+        return non_finite_update(self.table, row, self.lr, where)
 
-    def __reduce__(self) -> tuple[type[NonFiniteUpdateError], tuple[ResolvedTable, int, float, str]]:
-        return (NonFiniteUpdateError, (self.table, self.row, self.lr, self.where))
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (NonFiniteUpdateError, (str(self), self.table, self.row, self.lr))
 
 
-def non_finite_update(table: ResolvedTable, row: int, lr: float) -> NonFiniteUpdateError:
-    """The refusal of an update of ``table`` that would write a non-finite value into (storage) ``row``."""
-    return NonFiniteUpdateError(table, row, lr)
+def non_finite_update(table: ResolvedTable, row: int, lr: float, where: str = "") -> NonFiniteUpdateError:
+    """The refusal of an update of ``table`` that would write a non-finite value into (storage) ``row``; ``where``
+    prefixes the message (a rank)."""
+    slots = ", ".join(table.optimizer.slot_names) or "no slots"
+    kinds = {table.config.storage, table.config.slot_storage if table.optimizer.slot_names else "float32"}
+    overflow = " or ".join(f"{k} overflow{' (|value| > 65504)' if k == 'float16' else ''}" for k in sorted(kinds))
+    message = (
+        f"{where}table {table.name!r}: the update of row {row} would write a non-finite value (NaN or Inf) into the "
+        f"weights or slots ({slots}) at learning rate {lr:g}: {overflow}; no table or slot was changed. "
+        "Lower the learning rate, clip the gradients (clipvalue=...) or check the table's values."
+    )
+    return NonFiniteUpdateError(message, table, row, lr)
 
 
 def check_finite_rows(table: ResolvedTable, rows: Tensor, values: tuple[Tensor, ...], lr: float) -> None:

@@ -157,6 +157,38 @@ def _full_shm(rank: int, world: int, marker: str) -> None:
     os._exit(0)  # the channel is broken for good: skip the process group's teardown
 
 
+def _broken_after_an_exchange(rank: int, world: int) -> None:
+    comm.all_to_all_v(torch.ones(world, 3), [1] * world)  # the channel is set up
+    channel = comm._channel(None)
+    assert channel is not None
+    if rank == 0:  # slow to see that rank 1 took its message: rank 1 breaks the channel meanwhile
+        wait = channel._wait
+
+        def late(peer: int, offset: int, target: int, deadline: float, what: str) -> None:
+            if offset == channel._taken():
+                time.sleep(0.5)
+            wait(peer, offset, target, deadline, what)
+
+        channel._wait = late  # type: ignore[method-assign]
+    got, _ = comm.all_to_all_v(torch.full((world, 3), float(rank)), [1] * world)
+    assert got[:, 0].tolist() == [0.0, 1.0]  # completed on every rank, though rank 1 broke the channel after it
+    if rank == 1:
+        channel._fail("rank 1 stopped after the exchange", shm_channel._FAILED)
+        time.sleep(2)  # rank 0 reads the broken channel, not a dead process
+        os._exit(0)
+    with pytest.raises(comm.CollectiveError, match=r"rank 1 failed"):
+        comm.all_to_all_v(torch.ones(world, 3), [1] * world)  # the next exchange fails
+    os._exit(0)
+
+
+@pytest.mark.distributed
+def test_an_exchange_a_peer_completed_before_it_broke_the_channel_completes_here_too() -> None:
+    """A rank that finished an exchange and then broke the channel (its next exchange failed) moves its words
+    past that exchange: a peer still waiting in it finishes it, and fails at the next one, as its own error
+    was found there (it failed the completed exchange before)."""
+    run_world(_broken_after_an_exchange, 2, timeout=60, collective_timeout=30)
+
+
 @pytest.mark.distributed
 def test_a_full_dev_shm_fails_every_rank_at_once(tmp_path: Path) -> None:
     marker = str(tmp_path / "elapsed")
