@@ -48,7 +48,6 @@ void et_workspace_free(void *handle) {
     if (!h) return;
     free(h->rows);
     free(h->G);
-    free(h->hkeys);
     free(h->hvals);
     free(h->inv);
     free(h->start);
@@ -96,8 +95,8 @@ static int et_reserve_workspace(et_workspace *h, int64_t N, int hash) {
         h->cap_n = 0;
     }
     int64_t cap_h0 = h->cap_h;
-    et_shrink((void **)&h->hkeys, &cap_h0, H, sizeof(int64_t));
-    if (!h->hkeys) { free(h->hvals); h->hvals = NULL; h->cap_h = 0; }
+    et_shrink((void **)&h->hvals, &cap_h0, H, sizeof(int32_t));
+    if (!h->hvals) h->cap_h = 0;
     int64_t cap_n = h->cap_n, cap_h = h->cap_h;
     int ok = 1;
     /* every N-sized buffer shares one capacity: reserve them all against the old one */
@@ -109,14 +108,13 @@ static int et_reserve_workspace(et_workspace *h, int64_t N, int hash) {
     c = h->cap_n; ok &= et_reserve((void **)&h->occ_g, &c, N + 1, sizeof(float *));
     c = h->cap_n; ok &= et_reserve((void **)&h->occ_c, &c, N + 1, sizeof(float));
     cap_n = c;
-    c = h->cap_h; ok &= et_reserve((void **)&h->hkeys, &c, H, sizeof(int64_t));
     c = h->cap_h; ok &= et_reserve((void **)&h->hvals, &c, H, sizeof(int32_t));
     cap_h = c;
     if (!ok) return 0;
     h->cap_n = cap_n;
     h->cap_h = cap_h;
     h->mask = H - 1;
-    if (hash) memset(h->hkeys, 0xff, sizeof(int64_t) * H);
+    if (hash) memset(h->hvals, 0xff, sizeof(int32_t) * H); /* every bucket empty (-1) */
     return 1;
 }
 
@@ -195,19 +193,19 @@ static int et_dedup(et_workspace *h, int64_t nfeat, const int64_t *const *ids, c
         for (int64_t k = offsets[f][0]; k < kend; ++k, ++kg) {
             if (k + 16 < kend) { /* the probes are random: keep several bucket misses in flight */
                 const uint64_t ahead = et_hash(fid[k + 16]) >> shift;
-                __builtin_prefetch(h->hkeys + ahead, 1, 0);
                 __builtin_prefetch(h->hvals + ahead, 1, 0);
             }
             const int64_t id = fid[k];
             if ((uint64_t)id >= (uint64_t)V) return 0;
             uint64_t b = et_hash(id) >> shift;
-            while (h->hkeys[b] != -1 && h->hkeys[b] != id) b = (b + 1) & (uint64_t)h->mask;
-            if (h->hkeys[b] == -1) {
-                h->hkeys[b] = id;
-                h->hvals[b] = (int32_t)U;
+            int32_t v;
+            while ((v = h->hvals[b]) != -1 && h->rows[v] != id) b = (b + 1) & (uint64_t)h->mask;
+            if (v == -1) { /* a new unique row: its bucket holds its index, rows[index] its id */
+                v = (int32_t)U;
+                h->hvals[b] = v;
                 h->rows[U++] = id;
             }
-            inv[kg] = h->hvals[b];
+            inv[kg] = v;
         }
     }
     *U_out = U;
@@ -461,24 +459,22 @@ int et_workspace_load(void *handle, const int64_t *rows, const float *G, int64_t
         if (ok) h->cap_n = c;
     }
     int64_t ch = h->cap_h;
-    ok &= et_reserve((void **)&h->hkeys, &ch, H, sizeof(int64_t));
-    ch = h->cap_h;
     ok &= et_reserve((void **)&h->hvals, &ch, H, sizeof(int32_t));
     if (ok) h->cap_h = ch;
     ok = ok && et_reserve((void **)&h->G, &h->cap_g, (U ? U : 1) * D, sizeof(float));
     if (!ok) return 2;
     h->mask = H - 1;
-    memset(h->hkeys, 0xff, sizeof(int64_t) * H);
+    memset(h->hvals, 0xff, sizeof(int32_t) * H);
     const int shift = et_shift(h->mask);
     for (int64_t u = 0; u < U; ++u) {
         const int64_t id = rows[u];
         if ((uint64_t)id >= (uint64_t)V) return 3;
         uint64_t b = et_hash(id) >> shift;
-        while (h->hkeys[b] != -1 && h->hkeys[b] != id) b = (b + 1) & (uint64_t)h->mask;
-        if (h->hkeys[b] == id) return 3;
-        h->hkeys[b] = id;
+        int32_t v;
+        while ((v = h->hvals[b]) != -1 && h->rows[v] != id) b = (b + 1) & (uint64_t)h->mask;
+        if (v != -1) return 3;
+        h->rows[u] = id; /* before its bucket names it: a later probe reads rows[u] */
         h->hvals[b] = (int32_t)u;
-        h->rows[u] = id;
     }
     memcpy(h->G, G, sizeof(float) * (size_t)(U * D));
     const uint32_t gbits = et_maxbits(G, U * D, 0);

@@ -134,8 +134,7 @@ typedef struct {
     int64_t U, D, mask;
     int64_t *rows;  /* [U] unique row ids, in order of first occurrence */
     float *G;       /* [U, D] summed gradients */
-    int64_t *hkeys; /* hash keys (-1 = empty) */
-    int32_t *hvals; /* unique index per key */
+    int32_t *hvals; /* a bucket's unique index (-1 = empty): its key is rows[index] */
     int finite;
     float gmax;     /* max |G| after phase 1 (for the finiteness guard) */
     /* scratch, reused across steps (capacities in elements) */
@@ -210,9 +209,8 @@ static inline uint64_t et_hash(int64_t id) { return (uint64_t)id * 0x9E3779B97F4
 static inline int64_t et_find(const et_workspace *h, int64_t id, int shift) {
     if (h->direct) return (uint64_t)id < (uint64_t)h->cap_d ? h->dmap[id] : -1;
     uint64_t b = et_hash(id) >> shift;
-    while (h->hkeys[b] != -1) {
-        if (h->hkeys[b] == id) return h->hvals[b];
-        b = (b + 1) & (uint64_t)h->mask;
+    for (int32_t v; (v = h->hvals[b]) != -1; b = (b + 1) & (uint64_t)h->mask) {
+        if (h->rows[v] == id) return v;
     }
     return -1;
 }
