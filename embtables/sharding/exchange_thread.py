@@ -74,12 +74,17 @@ def wants_thread(rank: RankRoom, ranks_on_host: int) -> bool:
     return rank.gpu or rank.cores // max(1, ranks_on_host) > rank.threads
 
 
-def decide(rooms: list[RankRoom]) -> bool:
-    """The same answer (or the same error) from the same list on every rank: the thread only when every rank
-    wants it."""
+def without_room(rooms: list[RankRoom]) -> list[int]:
+    """The ranks of ``rooms`` with no room for the exchange thread; the same answer (or the same error) from the
+    same list on every rank."""
     _check_forced(rooms)
     hosts = [r.host for r in rooms]
-    return all(wants_thread(r, hosts.count(r.host)) for r in rooms)
+    return [i for i, r in enumerate(rooms) if not wants_thread(r, hosts.count(r.host))]
+
+
+def decide(rooms: list[RankRoom]) -> bool:
+    """The thread only when every rank wants it."""
+    return not without_room(rooms)
 
 
 def choose(device: torch.device, group: Any) -> bool:
@@ -87,12 +92,11 @@ def choose(device: torch.device, group: Any) -> bool:
     rank reaches the same answer). The choice is logged once on rank 0."""
     mine = this_rank(device)
     rooms = [RankRoom(**r) for r in comm.all_gather_object(dataclasses.asdict(mine), group)]
-    background = decide(rooms)
+    short = without_room(rooms)
     if comm.get_rank(group) == 0:
-        if background:
+        if not short:
             logger.info("embtables: pipelined work runs on an exchange thread, overlapping the dense model")
         else:
-            short = [i for i, r in enumerate(rooms) if not wants_thread(r, [q.host for q in rooms].count(r.host))]
             r = rooms[short[0]]
             logger.info(
                 "embtables: pipelined work runs in place (same results, no overlap): rank %d %s; %s=background "
@@ -103,4 +107,4 @@ def choose(device: torch.device, group: Any) -> bool:
                 else f"has no GPU and {r.cores} core(s) shared by its host's ranks for {r.threads} torch thread(s)",
                 ENV,
             )
-    return background
+    return not short

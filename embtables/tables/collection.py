@@ -261,9 +261,7 @@ class EmbeddingCollection:
         try:
             self._apply(table_grads, lrs, step)
         except NonFiniteUpdateError as exc:
-            if exc.table is not None and exc.table.name in self.offloaded:
-                raise self._slot_renamed(exc) from None
-            raise
+            raise self._row_named(exc) from None
 
     def _apply(self, table_grads: Sequence[TableGradient], lrs: dict[str, float], step: int) -> None:
         self._refuse_closed(table_grads)
@@ -342,9 +340,7 @@ class EmbeddingCollection:
         try:
             return self._checked_step(table_grads, lrs, step)
         except NonFiniteUpdateError as exc:
-            if exc.table is not None and exc.table.name in self.offloaded:
-                raise self._slot_renamed(exc) from None
-            raise
+            raise self._row_named(exc) from None
 
     def _checked_step(self, table_grads: Sequence[TableGradient], lrs: dict[str, float], step: int) -> CheckedStep:
         self._refuse_closed(table_grads)
@@ -362,9 +358,11 @@ class EmbeddingCollection:
         self._tables.step = checked.step
         self._write(checked)
 
-    def _slot_renamed(self, exc: NonFiniteUpdateError) -> NonFiniteUpdateError:
-        """An offloaded table's refusal naming the row its cache slot holds (a refusal changes no slot)."""
-        assert exc.table is not None
+    def _row_named(self, exc: NonFiniteUpdateError) -> NonFiniteUpdateError:
+        """The refusal naming the table's own row: an offloaded table's names the row its cache slot holds (a
+        refusal changes no slot); any other is ``exc`` itself."""
+        if exc.table is None or exc.table.name not in self.offloaded:
+            return exc
         return exc.renamed(int(self.offloaded.local_rows(exc.table.name, torch.tensor([exc.row]))[0]))
 
     def _refuse_closed(self, table_grads: Sequence[TableGradient]) -> None:
