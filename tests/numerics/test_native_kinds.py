@@ -99,3 +99,39 @@ def test_native_argument_arrays_are_reused_only_for_equal_values() -> None:
     d = array("test.site", ctypes.c_int32, [1, 2])
     assert len(d) == 2 and list(d) == [1, 2]
     assert array("test.other", ctypes.c_int32, [1, 2]) is not d  # sites are separate
+
+
+@pytest.mark.skipif(native.library() is None, reason="needs the native kernels (a C compiler)")
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("direct", [False, True])
+def test_phase_1_sums_start_from_positive_zero(threads: int, direct: bool) -> None:
+    """Every row's sum starts from +0 as the reference's index_add_ into zeros does, so -0 gradients sum to
+    +0 (0.0f + -0.0f). On one thread each row's first occurrence writes its sum with no clearing pass before,
+    and must keep that; a zero gradient (None) sums to +0 too. Sums of several terms keep their order."""
+    ids = [torch.tensor([4, 4, 5, 1, 4, 9]), torch.tensor([7, 2, 2])]
+    offsets = [torch.tensor([0, 2, 3, 6]), torch.tensor([0, 1, 3])]
+    grads = [torch.full((3, 8), -0.0), None]
+    grads_ref = [g if g is not None else torch.zeros(2, 8) for g in grads]
+    grads_ref[0][2] = torch.arange(8.0) - 3.5  # bag 2: rows 1, 4 and 9 get nonzero sums
+    grads[0] = grads_ref[0]
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    lib = native.library()
+    assert lib is not None
+    lib.et_set_dedup_mode(2 if direct else 1)  # the direct map or the hash
+    try:
+        ws = native.Workspace(8)
+        (status,) = native.prepare_many([(ws, 10, [(i, o, None, g) for i, o, g in zip(ids, offsets, grads)])])
+    finally:
+        lib.et_set_dedup_mode(0)
+        torch.set_num_threads(before)
+    assert status == 0
+    rows, sums = ws.rows_and_grads()
+    expected = torch.zeros(10, 8)
+    for i, o, g in zip(ids, offsets, grads_ref):
+        per_id = g.repeat_interleave(o.diff(), dim=0)
+        for k in range(i.numel()):
+            expected[i[k]] += per_id[k]  # in occurrence order, from +0
+    assert rows.tolist() == [4, 5, 1, 9, 7, 2]
+    assert torch.equal(sums.view(torch.int32), expected[rows].view(torch.int32))
+    assert not bool(torch.signbit(sums[1]).any())  # row 5: one -0 term, from +0: +0

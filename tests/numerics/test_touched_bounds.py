@@ -1,0 +1,65 @@
+"""The bounds the finiteness proof reads (``Workspace.touched_bounds``, ``et_touched_bounds`` in
+``csrc/finite_bounds.c``): the largest |value| and the smallest value of the weights and each slot over exactly
+the rows the prepared update touches (every row when dense), on one thread and on several, for widths that are
+and are not a multiple of the 8-float lanes. Compared with NumPy over the same rows; rows the update does not
+touch hold values that would change either bound if they were read."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from embtables.kernels import native
+
+pytestmark = pytest.mark.skipif(native.library() is None, reason="the native kernels are not built here")
+
+
+def _prepared(vocab: int, dim: int, touched: np.ndarray) -> native.Workspace:
+    ws = native.Workspace(dim)
+    assert ws.load(torch.from_numpy(touched), torch.ones(touched.size, dim), vocab) == 0
+    return ws
+
+
+@pytest.mark.parametrize("dim", [16, 13, 5, 64])
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("dense", [False, True])
+def test_bounds_are_the_touched_rows_largest_magnitude_and_smallest_value(dim: int, threads: int, dense: bool) -> None:
+    rng = np.random.default_rng(dim * 10 + threads)
+    vocab = 12_000  # x 64 columns: past the size from which the pass splits over threads
+    touched = rng.choice(vocab, size=5000, replace=False)
+    others = np.setdiff1d(np.arange(vocab), touched)
+    tensors = []
+    for i in range(3):  # weights and two slots, each with its extremes in a random row and column
+        x = rng.normal(size=(vocab, dim)).astype(np.float32) * (i + 1)
+        r, c = rng.choice(touched), rng.integers(dim)
+        x[r, c] = np.float32(-40.0 * (i + 1))  # the smallest value and the largest magnitude
+        if not dense:  # a row the update does not touch: read, it would change both bounds
+            x[rng.choice(others), rng.integers(dim)] = np.float32(-1e6)
+        tensors.append(x)
+    ws = _prepared(vocab, dim, touched)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        hi, lo = ws.touched_bounds(
+            torch.from_numpy(tensors[0]), (torch.from_numpy(tensors[1]), torch.from_numpy(tensors[2])), dense=dense
+        )
+    finally:
+        torch.set_num_threads(before)
+    rows = np.arange(vocab) if dense else touched
+    assert hi == [float(np.abs(x[rows]).max()) for x in tensors]
+    assert lo == [float(x[rows].min()) for x in tensors]
+
+
+@pytest.mark.parametrize("dim", [16, 13])
+def test_a_non_finite_touched_value_makes_its_bound_infinite(dim: int) -> None:
+    vocab = 50
+    touched = np.array([3, 17, 41])
+    weights, acc = np.ones((vocab, dim), np.float32), np.full((vocab, dim), 0.5, np.float32)
+    acc[17, dim - 1] = np.nan  # in the last column: past the lanes when dim is not a multiple of 8
+    weights[5, 0] = np.inf  # untouched
+    hi, lo = _prepared(vocab, dim, touched).touched_bounds(
+        torch.from_numpy(weights), (torch.from_numpy(acc),), dense=False
+    )
+    assert hi == [1.0, float("inf")]
+    assert lo[0] == 1.0
