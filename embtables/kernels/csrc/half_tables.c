@@ -245,7 +245,7 @@ void et_round_rows(const float *x, int64_t U, int64_t D, const int64_t *rows, in
         et_round_into(x + u * D, kind, D, et_round_row(prefix, rows[u]), 0, stochastic != 0, out + u * D);
 }
 
-static inline void et_prefetch_half(const uint16_t *row, int64_t D) {
+static inline __attribute__((always_inline)) void et_prefetch_half(const uint16_t *row, int64_t D) {
     __builtin_prefetch(row, 0, 3);
     if (D > 32) __builtin_prefetch(row + 32, 0, 3);
 }
