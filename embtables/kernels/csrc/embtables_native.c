@@ -303,10 +303,11 @@ static uint32_t et_sum_rows(et_workspace *h, int64_t D, int scan, int nthreads) 
 
 /* Phase 1, steps 3-4 on one thread: G [U, D] summed by scattering the occurrences in occurrence order
  * (the gradient rows are read in order, no grouping pass). Each row gets the same float32 additions in the
- * same order as et_sum_rows gives it (from +0, zero gradients adding +0): the same bits. Returns the largest
- * |sum| as float bits. */
+ * same order as et_sum_rows gives it (from +0, zero gradients adding +0): the same bits. N: the occurrences
+ * (inv [N]). Returns the largest |sum| as float bits. */
 static uint32_t et_scatter_sums(et_workspace *h, int64_t nfeat, const int64_t *const *offsets, const int64_t *nbags,
-                                const float *const *coeffs, const float *const *grads, const int64_t *ld, int64_t D) {
+                                const float *const *coeffs, const float *const *grads, const int64_t *ld, int64_t D,
+                                int64_t N) {
     float *G = h->G;
     const int32_t *inv = h->inv;
     memset(G, 0, sizeof(float) * (size_t)(h->U * D)); /* all-zero bits: +0.0f */
@@ -316,6 +317,8 @@ static uint32_t et_scatter_sums(et_workspace *h, int64_t nfeat, const int64_t *c
         for (int64_t s = 0; s < nbags[f]; ++s) {
             const float *restrict grow = grads[f] ? grads[f] + s * ld[f] : NULL;
             for (int64_t k = off[s]; k < off[s + 1]; ++k, ++kg) {
+                /* the sums (past L2 on large steps) are random: fetch the sum ET_LOOKUP_PF occurrences ahead */
+                if (kg + ET_LOOKUP_PF < N) et_prefetch_row(G + (int64_t)inv[kg + ET_LOOKUP_PF] * D, D, 1);
                 float *restrict acc = G + (int64_t)inv[kg] * D;
                 if (!grow) {
                     for (int64_t d = 0; d < D; ++d) acc[d] += 0.0f;
@@ -361,7 +364,7 @@ static void et_prepare_one(et_workspace *h, int64_t nfeat, const int64_t *const 
     if (!et_reserve((void **)&h->G, &h->cap_g, (U ? U : 1) * D, sizeof(float))) return;
     h->U = U;
     if (nthreads <= 1) { /* one thread: scatter in occurrence order, then scan the sums */
-        const uint32_t bits = et_scatter_sums(h, nfeat, offsets, nbags, coeffs, grads, ld, D);
+        const uint32_t bits = et_scatter_sums(h, nfeat, offsets, nbags, coeffs, grads, ld, D, N);
         h->finite = bits < ET_INF_BITS;
         h->gmax = h->finite ? et_bits_float(bits) : INFINITY;
         *status = h->finite ? 0 : 1;

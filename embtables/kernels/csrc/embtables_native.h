@@ -119,7 +119,7 @@ static inline uint32_t et_maxbits(const float *x, int64_t D, uint32_t m) {
 }
 
 #define ET_PF 8 /* rows of look-ahead: enough misses in flight to cover DRAM latency */
-#define ET_LOOKUP_PF 16 /* ids of look-ahead in the lookup: one row prefetched per id processed */
+#define ET_LOOKUP_PF 16 /* ids of look-ahead in the lookup and in phase 1's sums: one row prefetched per id processed */
 
 /* 8 uint32 lanes (GCC / Clang vector extensions, unaligned loads) */
 typedef uint32_t et_u8v __attribute__((vector_size(32), aligned(4)));

@@ -21,10 +21,11 @@ static inline float et_key_float(int32_t k) {
 typedef int32_t et_i8v __attribute__((vector_size(32), aligned(4)));
 
 /* Fold rows [k0, k1) of the update (rows k0..k1-1 of [V, D] when dense) into mb / mn (4 x 8 lanes: weights,
- * slots 0-2), every tensor of a row together, 16 rows prefetched ahead. The lanes stay in registers for the
- * whole range, loaded and stored once (a store and reload per row costs 18% of the standard step's pass);
- * columns past the last multiple of 8 fold into lane 0. A noinline function of its own: inside the OpenMP region's outlined function the same
- * loop ran several times slower. */
+ * slots 0-2), every tensor of a row together, 16 rows prefetched ahead. The lanes are the function's own locals
+ * for the whole range, read from and written to mb / mn once (through mb / mn every row, which the compiler must
+ * assume may alias the rows, the standard step's pass took 18% longer); columns past the last multiple of 8 fold
+ * into lane 0. A noinline function of its own: inside the OpenMP region's outlined function the same loop ran
+ * several times slower. */
 static __attribute__((noinline)) void et_fold_rows(const et_workspace *h, const float *W, const float *S0,
                                                    const float *S1, const float *S2, int64_t D, int dense,
                                                    int64_t k0, int64_t k1, uint32_t *mb, int32_t *mn) {
