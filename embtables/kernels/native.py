@@ -451,8 +451,9 @@ class Workspace:
         self, weights: Tensor, slots: tuple[Tensor, ...], *, dense: bool
     ) -> tuple[list[float], list[float]]:
         """Bounds on the values the prepared update reads, measured now over exactly its rows (every row when
-        ``dense``): the largest |value| (inf when any is not finite) and the smallest value of the weights and
-        each slot."""
+        ``dense``): the largest |value| (inf when any is not finite) of the weights and each slot, and the
+        smallest value of each slot (NaN or -inf when one is; -inf for the weights, whose smallest value no
+        proof reads and the pass does not measure)."""
         lib = library()
         assert lib is not None
         require(weights, "weights", torch.float32, (-1, self.dim))

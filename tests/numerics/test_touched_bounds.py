@@ -1,8 +1,9 @@
 """The bounds the finiteness proof reads (``Workspace.touched_bounds``, ``et_touched_bounds`` in
-``csrc/finite_bounds.c``): the largest |value| and the smallest value of the weights and each slot over exactly
-the rows the prepared update touches (every row when dense), on one thread and on several, for widths that are
-and are not a multiple of the 8-float lanes. Compared with NumPy over the same rows; rows the update does not
-touch hold values that would change either bound if they were read."""
+``csrc/finite_bounds.c``): the largest |value| of the weights and each slot and the smallest value of each slot
+(the weights' is not measured: -inf, no proof reads it) over exactly the rows the prepared update touches (every
+row when dense), on one thread and on several, for widths that are and are not a multiple of the 8-float lanes.
+Compared with NumPy over the same rows; rows the update does not touch hold values that would change either
+bound if they were read."""
 
 from __future__ import annotations
 
@@ -48,18 +49,32 @@ def test_bounds_are_the_touched_rows_largest_magnitude_and_smallest_value(dim: i
         torch.set_num_threads(before)
     rows = np.arange(vocab) if dense else touched
     assert hi == [float(np.abs(x[rows]).max()) for x in tensors]
-    assert lo == [float(x[rows].min()) for x in tensors]
+    assert lo == [float("-inf")] + [float(x[rows].min()) for x in tensors[1:]]
 
 
 @pytest.mark.parametrize("dim", [16, 13])
-def test_a_non_finite_touched_value_makes_its_bound_infinite(dim: int) -> None:
+@pytest.mark.parametrize("bad", [np.nan, -np.nan, np.inf, -np.inf])
+def test_a_non_finite_touched_value_makes_its_bound_infinite(dim: int, bad: float) -> None:
     vocab = 50
     touched = np.array([3, 17, 41])
     weights, acc = np.ones((vocab, dim), np.float32), np.full((vocab, dim), 0.5, np.float32)
-    acc[17, dim - 1] = np.nan  # in the last column: past the lanes when dim is not a multiple of 8
+    acc[17, dim - 1] = bad  # in the last column: past the lanes when dim is not a multiple of 8
     weights[5, 0] = np.inf  # untouched
     hi, lo = _prepared(vocab, dim, touched).touched_bounds(
         torch.from_numpy(weights), (torch.from_numpy(acc),), dense=False
     )
     assert hi == [1.0, float("inf")]
-    assert lo[0] == 1.0
+    assert lo[0] == float("-inf")
+    assert not lo[1] > 0.5  # NaN, -inf or 0.5: never a bound a proof could use above the true one
+    weights[41, 2] = bad  # the weights' own
+    hi, _ = _prepared(vocab, dim, touched).touched_bounds(
+        torch.from_numpy(weights), (torch.from_numpy(np.full((vocab, dim), 0.5, np.float32)),), dense=False
+    )
+    assert hi[0] == float("inf")
+
+
+def test_an_update_of_no_rows_has_zero_bounds() -> None:
+    ws = native.Workspace(8)
+    assert ws.load(torch.zeros(0, dtype=torch.int64), torch.zeros(0, 8), 10) == 0
+    hi, lo = ws.touched_bounds(torch.ones(10, 8), (torch.ones(10, 8),), dense=False)
+    assert hi == [0.0, 0.0] and lo == [0.0, 0.0]
