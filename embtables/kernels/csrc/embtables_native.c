@@ -303,15 +303,15 @@ static uint32_t et_sum_rows(et_workspace *h, int64_t D, int scan, int nthreads) 
 
 /* Phase 1, steps 3-4 on one thread: G [U, D] summed by scattering the occurrences in occurrence order
  * (the gradient rows are read in order, no grouping pass). Each row gets the same float32 additions in the
- * same order as et_sum_rows gives it (from +0, zero gradients adding +0): the same bits. N: the occurrences
- * (inv [N]). Returns the largest |sum| as float bits. */
+ * same order as et_sum_rows gives it (from +0, zero gradients adding +0): the same bits. Each sum is set to +0
+ * at its row's first occurrence, not by clearing G [U, D] first (a sequential pass over all of it, past L2 on a
+ * large step, before the random one). N: the occurrences (inv [N]). Returns the largest |sum| as float bits. */
 static uint32_t et_scatter_sums(et_workspace *h, int64_t nfeat, const int64_t *const *offsets, const int64_t *nbags,
                                 const float *const *coeffs, const float *const *grads, const int64_t *ld, int64_t D,
                                 int64_t N) {
     float *G = h->G;
     const int32_t *inv = h->inv;
-    memset(G, 0, sizeof(float) * (size_t)(h->U * D)); /* all-zero bits: +0.0f */
-    int64_t kg = 0;
+    int64_t kg = 0, seen = 0;
     for (int64_t f = 0; f < nfeat; ++f) {
         const int64_t *off = offsets[f];
         for (int64_t s = 0; s < nbags[f]; ++s) {
@@ -319,7 +319,12 @@ static uint32_t et_scatter_sums(et_workspace *h, int64_t nfeat, const int64_t *c
             for (int64_t k = off[s]; k < off[s + 1]; ++k, ++kg) {
                 /* the sums (past L2 on large steps) are random: fetch the sum ET_LOOKUP_PF occurrences ahead */
                 if (kg + ET_LOOKUP_PF < N) et_prefetch_row(G + (int64_t)inv[kg + ET_LOOKUP_PF] * D, D, 1);
-                float *restrict acc = G + (int64_t)inv[kg] * D;
+                const int64_t u = inv[kg];
+                float *restrict acc = G + u * D;
+                if (u == seen) { /* a row's first occurrence (rows are numbered in that order): its sum starts at +0 */
+                    ++seen;
+                    for (int64_t d = 0; d < D; ++d) acc[d] = 0.0f;
+                }
                 if (!grow) {
                     for (int64_t d = 0; d < D; ++d) acc[d] += 0.0f;
                     continue;
