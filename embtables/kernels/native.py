@@ -395,7 +395,9 @@ class Workspace:
 
     @property
     def gradient_max_abs(self) -> float:
-        """max |G| over the prepared summed gradients (0 when there are none)."""
+        """An upper bound on max |G| over the prepared summed gradients (0 when there are none): the most
+        occurrences of one row x the largest |coefficient| x the largest |incoming gradient| when that is below
+        1e37 (then no sum can overflow, and phase 1 does not read the sums again), else the exact max |G|."""
         lib = library()
         assert lib is not None
         return float(lib.et_prepared_gmax(self.handle))

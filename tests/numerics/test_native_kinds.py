@@ -135,3 +135,29 @@ def test_phase_1_sums_start_from_positive_zero(threads: int, direct: bool) -> No
     assert rows.tolist() == [4, 5, 1, 9, 7, 2]
     assert torch.equal(sums.view(torch.int32), expected[rows].view(torch.int32))
     assert not bool(torch.signbit(sums[1]).any())  # row 5: one -0 term, from +0: +0
+
+
+@pytest.mark.skipif(native.library() is None, reason="needs the native kernels (a C compiler)")
+@pytest.mark.parametrize("threads", [1, 2])
+def test_phase_1_refuses_sums_that_overflow_and_bounds_the_others(threads: int) -> None:
+    """Phase 1 reads the sums again only when a bound on them (the most occurrences of one row x the largest
+    |coefficient| x the largest |gradient|) reaches 1e37: sums of finite gradients that overflow float32, and a
+    NaN gradient, are still refused; below it the bound it reports covers every |sum|."""
+    ids, offsets = torch.tensor([1, 1, 2, 1]), torch.tensor([0, 1, 2, 3, 4])
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        ws = native.Workspace(4)
+        (overflow,) = native.prepare_many([(ws, 10, [(ids, offsets, None, torch.full((4, 4), 2e38))])])
+        nan = torch.ones(4, 4)
+        nan[3, 2] = float("nan")
+        (not_a_number,) = native.prepare_many([(ws, 10, [(ids, offsets, None, nan)])])
+        grads = torch.tensor(
+            [[3.0, -1.0, 0.5, 2.0], [-7.0, 1.0, 0.0, 1.0], [1.0, 1.0, 1.0, 1.0], [2.5, -4.0, 1.0, 0.0]]
+        )
+        (fine,) = native.prepare_many([(ws, 10, [(ids, offsets, None, grads)])])
+    finally:
+        torch.set_num_threads(before)
+    assert (overflow, not_a_number, fine) == (1, 1, 0)
+    _, sums = ws.rows_and_grads()
+    assert float(sums.abs().max()) <= ws.gradient_max_abs <= 3 * 7.0 * 1.001  # 3 occurrences of row 1, |g| <= 7

@@ -305,13 +305,15 @@ static uint32_t et_sum_rows(et_workspace *h, int64_t D, int scan, int nthreads) 
  * (the gradient rows are read in order, no grouping pass). Each row gets the same float32 additions in the
  * same order as et_sum_rows gives it (from +0, zero gradients adding +0): the same bits. Each sum is set to +0
  * at its row's first occurrence, not by clearing G [U, D] first (a sequential pass over all of it, past L2 on a
- * large step, before the random one). N: the occurrences (inv [N]). Returns the largest |sum| as float bits. */
-static uint32_t et_scatter_sums(et_workspace *h, int64_t nfeat, const int64_t *const *offsets, const int64_t *nbags,
-                                const float *const *coeffs, const float *const *grads, const int64_t *ld, int64_t D,
-                                int64_t N) {
+ * large step, before the random one). N: the occurrences (inv [N]). Returns the most occurrences any one row
+ * has (counted in h->start, which the one-thread path does not otherwise use). */
+static int64_t et_scatter_sums(et_workspace *h, int64_t nfeat, const int64_t *const *offsets, const int64_t *nbags,
+                               const float *const *coeffs, const float *const *grads, const int64_t *ld, int64_t D,
+                               int64_t N) {
     float *G = h->G;
     const int32_t *inv = h->inv;
-    int64_t kg = 0, seen = 0;
+    int64_t *count = h->start;
+    int64_t kg = 0, seen = 0, maxcount = 0;
     for (int64_t f = 0; f < nfeat; ++f) {
         const int64_t *off = offsets[f];
         for (int64_t s = 0; s < nbags[f]; ++s) {
@@ -323,8 +325,11 @@ static uint32_t et_scatter_sums(et_workspace *h, int64_t nfeat, const int64_t *c
                 float *restrict acc = G + u * D;
                 if (u == seen) { /* a row's first occurrence (rows are numbered in that order): its sum starts at +0 */
                     ++seen;
+                    count[u] = 0;
                     for (int64_t d = 0; d < D; ++d) acc[d] = 0.0f;
                 }
+                const int64_t c = ++count[u];
+                maxcount = c > maxcount ? c : maxcount;
                 if (!grow) {
                     for (int64_t d = 0; d < D; ++d) acc[d] += 0.0f;
                     continue;
@@ -338,7 +343,7 @@ static uint32_t et_scatter_sums(et_workspace *h, int64_t nfeat, const int64_t *c
             }
         }
     }
-    return et_maxbits(G, h->U * D, 0);
+    return maxcount;
 }
 
 /* Phase 1 for one table: check the offsets, size the workspace, dedup, group, sum. ``status``: 0 done,
@@ -368,19 +373,14 @@ static void et_prepare_one(et_workspace *h, int64_t nfeat, const int64_t *const 
     et_shrink((void **)&h->G, &h->cap_g, (U ? U : 1) * D, sizeof(float));
     if (!et_reserve((void **)&h->G, &h->cap_g, (U ? U : 1) * D, sizeof(float))) return;
     h->U = U;
-    if (nthreads <= 1) { /* one thread: scatter in occurrence order, then scan the sums */
-        const uint32_t bits = et_scatter_sums(h, nfeat, offsets, nbags, coeffs, grads, ld, D, N);
-        h->finite = bits < ET_INF_BITS;
-        h->gmax = h->finite ? et_bits_float(bits) : INFINITY;
-        *status = h->finite ? 0 : 1;
-        return;
-    }
-    const int64_t maxcount = et_group_occurrences(h, nfeat, offsets, nbags, coeffs, grads, ld, N);
+    const int64_t maxcount = nthreads <= 1 /* one thread: scatter in occurrence order, no grouping pass */
+                                 ? et_scatter_sums(h, nfeat, offsets, nbags, coeffs, grads, ld, D, N)
+                                 : et_group_occurrences(h, nfeat, offsets, nbags, coeffs, grads, ld, N);
     const double bound = et_sum_bound(nfeat, offsets, nbags, coeffs, grads, ld, D, maxcount);
     /* Below 1e37 no sum of maxcount float32 terms can overflow (float32 max is 3.4e38), so the sums need no
      * scan; above it each row is scanned exactly. */
     const int scan = !(bound < 1e37);
-    const uint32_t gbits = et_sum_rows(h, D, scan, nthreads);
+    const uint32_t gbits = nthreads <= 1 ? (scan ? et_maxbits(h->G, U * D, 0) : 0) : et_sum_rows(h, D, scan, nthreads);
     const int finite = gbits < ET_INF_BITS;
     h->finite = finite;
     h->gmax = !finite ? INFINITY : (scan ? et_bits_float(gbits) : (float)(bound * 1.0001));
