@@ -101,19 +101,34 @@ def test_native_argument_arrays_are_reused_only_for_equal_values() -> None:
     assert array("test.other", ctypes.c_int32, [1, 2]) is not d  # sites are separate
 
 
+# distinct rows padding a step past the one-thread sums' L2 size (ET_SUMS_IN_CACHE: 65,536 floats; x 8 columns)
+PAST_L2 = 9000
+
+
+def _padded(
+    ids: list[torch.Tensor], offsets: list[torch.Tensor], grads: list[torch.Tensor | None], extra: int, vocab: int
+) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor | None]]:
+    """The parts plus one of ``extra`` distinct rows from ``vocab`` on, one bag each, gradients [extra, 8]."""
+    if not extra:
+        return ids, offsets, grads
+    pad = torch.Generator().manual_seed(extra)
+    extra_grads = torch.randn(extra, 8, generator=pad)
+    return [*ids, torch.arange(vocab, vocab + extra)], [*offsets, torch.arange(extra + 1)], [*grads, extra_grads]
+
+
 @pytest.mark.skipif(native.library() is None, reason="needs the native kernels (a C compiler)")
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("direct", [False, True])
-def test_phase_1_sums_start_from_positive_zero(threads: int, direct: bool) -> None:
+@pytest.mark.parametrize("extra", [0, PAST_L2])
+def test_phase_1_sums_start_from_positive_zero(threads: int, direct: bool, extra: int) -> None:
     """Every row's sum starts from +0 as the reference's index_add_ into zeros does, so -0 gradients sum to
-    +0 (0.0f + -0.0f). On one thread each row's first occurrence writes its sum with no clearing pass before,
-    and must keep that; a zero gradient (None) sums to +0 too. Sums of several terms keep their order."""
+    +0 (0.0f + -0.0f). On one thread, past L2, each row's first occurrence sets its sum with no clearing pass
+    before, and must keep that; a zero gradient (None) sums to +0 too. Sums of several terms keep their order."""
     ids = [torch.tensor([4, 4, 5, 1, 4, 9]), torch.tensor([7, 2, 2])]
     offsets = [torch.tensor([0, 2, 3, 6]), torch.tensor([0, 1, 3])]
-    grads = [torch.full((3, 8), -0.0), None]
-    grads_ref = [g if g is not None else torch.zeros(2, 8) for g in grads]
-    grads_ref[0][2] = torch.arange(8.0) - 3.5  # bag 2: rows 1, 4 and 9 get nonzero sums
-    grads[0] = grads_ref[0]
+    grads: list[torch.Tensor | None] = [torch.full((3, 8), -0.0), None]
+    grads[0][2] = torch.arange(8.0) - 3.5  # bag 2: rows 1, 4 and 9 get nonzero sums
+    ids, offsets, grads = _padded(ids, offsets, grads, extra, 10)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     lib = native.library()
@@ -121,41 +136,52 @@ def test_phase_1_sums_start_from_positive_zero(threads: int, direct: bool) -> No
     lib.et_set_dedup_mode(2 if direct else 1)  # the direct map or the hash
     try:
         ws = native.Workspace(8)
-        (status,) = native.prepare_many([(ws, 10, [(i, o, None, g) for i, o, g in zip(ids, offsets, grads)])])
+        parts = [(i, o, None, g) for i, o, g in zip(ids, offsets, grads)]
+        (status,) = native.prepare_many([(ws, 10 + extra, parts)])
+        (again,) = native.prepare_many([(ws, 10 + extra, parts)])  # the sums of the step before are not kept
     finally:
         lib.et_set_dedup_mode(0)
         torch.set_num_threads(before)
-    assert status == 0
+    assert status == again == 0
     rows, sums = ws.rows_and_grads()
-    expected = torch.zeros(10, 8)
-    for i, o, g in zip(ids, offsets, grads_ref):
-        per_id = g.repeat_interleave(o.diff(), dim=0)
+    expected = torch.zeros(10 + extra, 8)
+    for i, o, g in zip(ids, offsets, grads):
+        per_id = (g if g is not None else torch.zeros(len(o) - 1, 8)).repeat_interleave(o.diff(), dim=0)
         for k in range(i.numel()):
             expected[i[k]] += per_id[k]  # in occurrence order, from +0
-    assert rows.tolist() == [4, 5, 1, 9, 7, 2]
+    assert rows.tolist()[:6] == [4, 5, 1, 9, 7, 2]
     assert torch.equal(sums.view(torch.int32), expected[rows].view(torch.int32))
     assert not bool(torch.signbit(sums[1]).any())  # row 5: one -0 term, from +0: +0
 
 
 @pytest.mark.skipif(native.library() is None, reason="needs the native kernels (a C compiler)")
 @pytest.mark.parametrize("threads", [1, 2])
-def test_phase_1_refuses_sums_that_overflow_and_bounds_the_others(threads: int) -> None:
-    """Phase 1 reads the sums again only when a bound on them (the most occurrences of one row x the largest
-    |coefficient| x the largest |gradient|) reaches 1e37: sums of finite gradients that overflow float32, and a
-    NaN gradient, are still refused; below it the bound it reports covers every |sum|."""
-    ids, offsets = torch.tensor([1, 1, 2, 1]), torch.tensor([0, 1, 2, 3, 4])
+@pytest.mark.parametrize("extra", [0, PAST_L2])
+def test_phase_1_refuses_sums_that_overflow_and_bounds_the_others(threads: int, extra: int) -> None:
+    """Past L2 (and on several threads), phase 1 reads the sums again only when a bound on them (the most
+    occurrences of one row x the largest |coefficient| x the largest |gradient|) reaches 1e37; in L2 on one
+    thread it scans them exactly. Either way sums of finite gradients that overflow float32, and a NaN gradient,
+    are refused, and the bound it reports covers every |sum|."""
+    ids, offsets = [torch.tensor([1, 1, 2, 1])], [torch.tensor([0, 1, 2, 3, 4])]
+
+    def step(grads: torch.Tensor) -> int:
+        parts = _padded(ids, offsets, [grads], extra, 10)
+        (status,) = native.prepare_many([(ws, 10 + extra, list(zip(parts[0], parts[1], [None] * 2, parts[2])))])
+        return status
+
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        ws = native.Workspace(4)
-        (overflow,) = native.prepare_many([(ws, 10, [(ids, offsets, None, torch.full((4, 4), 2e38))])])
-        nan = torch.ones(4, 4)
+        ws = native.Workspace(8)
+        overflow = step(torch.full((4, 8), 2e38))
+        nan = torch.ones(4, 8)
         nan[3, 2] = float("nan")
-        (not_a_number,) = native.prepare_many([(ws, 10, [(ids, offsets, None, nan)])])
-        grads = torch.tensor(
+        not_a_number = step(nan)
+        grads = torch.zeros(4, 8)
+        grads[:, :4] = torch.tensor(
             [[3.0, -1.0, 0.5, 2.0], [-7.0, 1.0, 0.0, 1.0], [1.0, 1.0, 1.0, 1.0], [2.5, -4.0, 1.0, 0.0]]
         )
-        (fine,) = native.prepare_many([(ws, 10, [(ids, offsets, None, grads)])])
+        fine = step(grads)
     finally:
         torch.set_num_threads(before)
     assert (overflow, not_a_number, fine) == (1, 1, 0)

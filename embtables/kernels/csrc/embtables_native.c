@@ -301,35 +301,42 @@ static uint32_t et_sum_rows(et_workspace *h, int64_t D, int scan, int nthreads) 
     return gbits;
 }
 
+/* Sums of at most this many floats (256 KiB) stay in L2 while they are scattered: cleared first, not prefetched. */
+#define ET_SUMS_IN_CACHE 65536
+
 /* Phase 1, steps 3-4 on one thread: G [U, D] summed by scattering the occurrences in occurrence order
  * (the gradient rows are read in order, no grouping pass). Each row gets the same float32 additions in the
- * same order as et_sum_rows gives it (from +0, zero gradients adding +0): the same bits. Each sum is set to +0
- * at its row's first occurrence, not by clearing G [U, D] first (a sequential pass over all of it, past L2 on a
- * large step, before the random one). N: the occurrences (inv [N]). Returns the most occurrences any one row
- * has (counted in h->start, which the one-thread path does not otherwise use). */
+ * same order as et_sum_rows gives it (from +0, zero gradients adding +0): the same bits. N: the occurrences
+ * (inv [N]). Sums past ET_SUMS_IN_CACHE (``large``) are random reads past L2: each is prefetched ET_LOOKUP_PF
+ * occurrences ahead and set to +0 at its row's first occurrence (rows are numbered in that order) rather than
+ * by a pass clearing all of G first, and each row's occurrences are counted (in h->start, which the one-thread
+ * path does not otherwise use); on sums in L2 that bookkeeping costs more than it saves. Returns the most
+ * occurrences any one row has when ``large``, else 0. */
 static int64_t et_scatter_sums(et_workspace *h, int64_t nfeat, const int64_t *const *offsets, const int64_t *nbags,
                                const float *const *coeffs, const float *const *grads, const int64_t *ld, int64_t D,
-                               int64_t N) {
+                               int64_t N, int large) {
     float *G = h->G;
     const int32_t *inv = h->inv;
     int64_t *count = h->start;
     int64_t kg = 0, seen = 0, maxcount = 0;
+    if (!large) memset(G, 0, sizeof(float) * (size_t)(h->U * D)); /* all-zero bits: +0.0f */
     for (int64_t f = 0; f < nfeat; ++f) {
         const int64_t *off = offsets[f];
         for (int64_t s = 0; s < nbags[f]; ++s) {
             const float *restrict grow = grads[f] ? grads[f] + s * ld[f] : NULL;
             for (int64_t k = off[s]; k < off[s + 1]; ++k, ++kg) {
-                /* the sums (past L2 on large steps) are random: fetch the sum ET_LOOKUP_PF occurrences ahead */
-                if (kg + ET_LOOKUP_PF < N) et_prefetch_row(G + (int64_t)inv[kg + ET_LOOKUP_PF] * D, D, 1);
                 const int64_t u = inv[kg];
                 float *restrict acc = G + u * D;
-                if (u == seen) { /* a row's first occurrence (rows are numbered in that order): its sum starts at +0 */
-                    ++seen;
-                    count[u] = 0;
-                    for (int64_t d = 0; d < D; ++d) acc[d] = 0.0f;
+                if (large) {
+                    if (kg + ET_LOOKUP_PF < N) et_prefetch_row(G + (int64_t)inv[kg + ET_LOOKUP_PF] * D, D, 1);
+                    if (u == seen) {
+                        ++seen;
+                        count[u] = 0;
+                        for (int64_t d = 0; d < D; ++d) acc[d] = 0.0f;
+                    }
+                    const int64_t c = ++count[u];
+                    maxcount = c > maxcount ? c : maxcount;
                 }
-                const int64_t c = ++count[u];
-                maxcount = c > maxcount ? c : maxcount;
                 if (!grow) {
                     for (int64_t d = 0; d < D; ++d) acc[d] += 0.0f;
                     continue;
@@ -373,12 +380,20 @@ static void et_prepare_one(et_workspace *h, int64_t nfeat, const int64_t *const 
     et_shrink((void **)&h->G, &h->cap_g, (U ? U : 1) * D, sizeof(float));
     if (!et_reserve((void **)&h->G, &h->cap_g, (U ? U : 1) * D, sizeof(float))) return;
     h->U = U;
+    if (nthreads <= 1 && U * D <= ET_SUMS_IN_CACHE) { /* one thread, sums in L2: scatter, then scan them exactly */
+        et_scatter_sums(h, nfeat, offsets, nbags, coeffs, grads, ld, D, N, 0);
+        const uint32_t bits = et_maxbits(h->G, U * D, 0);
+        h->finite = bits < ET_INF_BITS;
+        h->gmax = h->finite ? et_bits_float(bits) : INFINITY;
+        *status = h->finite ? 0 : 1;
+        return;
+    }
     const int64_t maxcount = nthreads <= 1 /* one thread: scatter in occurrence order, no grouping pass */
-                                 ? et_scatter_sums(h, nfeat, offsets, nbags, coeffs, grads, ld, D, N)
+                                 ? et_scatter_sums(h, nfeat, offsets, nbags, coeffs, grads, ld, D, N, 1)
                                  : et_group_occurrences(h, nfeat, offsets, nbags, coeffs, grads, ld, N);
     const double bound = et_sum_bound(nfeat, offsets, nbags, coeffs, grads, ld, D, maxcount);
     /* Below 1e37 no sum of maxcount float32 terms can overflow (float32 max is 3.4e38), so the sums need no
-     * scan; above it each row is scanned exactly. */
+     * scan (past L2 it would read them all again); above it each row is scanned exactly. */
     const int scan = !(bound < 1e37);
     const uint32_t gbits = nthreads <= 1 ? (scan ? et_maxbits(h->G, U * D, 0) : 0) : et_sum_rows(h, D, scan, nthreads);
     const int finite = gbits < ET_INF_BITS;
