@@ -380,20 +380,14 @@ static void et_prepare_one(et_workspace *h, int64_t nfeat, const int64_t *const 
     et_shrink((void **)&h->G, &h->cap_g, (U ? U : 1) * D, sizeof(float));
     if (!et_reserve((void **)&h->G, &h->cap_g, (U ? U : 1) * D, sizeof(float))) return;
     h->U = U;
-    if (nthreads <= 1 && U * D <= ET_SUMS_IN_CACHE) { /* one thread, sums in L2: scatter, then scan them exactly */
-        et_scatter_sums(h, nfeat, offsets, nbags, coeffs, grads, ld, D, N, 0);
-        const uint32_t bits = et_maxbits(h->G, U * D, 0);
-        h->finite = bits < ET_INF_BITS;
-        h->gmax = h->finite ? et_bits_float(bits) : INFINITY;
-        *status = h->finite ? 0 : 1;
-        return;
-    }
+    const int in_cache = nthreads <= 1 && U * D <= ET_SUMS_IN_CACHE; /* one thread, sums in L2 */
     const int64_t maxcount = nthreads <= 1 /* one thread: scatter in occurrence order, no grouping pass */
-                                 ? et_scatter_sums(h, nfeat, offsets, nbags, coeffs, grads, ld, D, N, 1)
+                                 ? et_scatter_sums(h, nfeat, offsets, nbags, coeffs, grads, ld, D, N, !in_cache)
                                  : et_group_occurrences(h, nfeat, offsets, nbags, coeffs, grads, ld, N);
-    const double bound = et_sum_bound(nfeat, offsets, nbags, coeffs, grads, ld, D, maxcount);
     /* Below 1e37 no sum of maxcount float32 terms can overflow (float32 max is 3.4e38), so the sums need no
-     * scan (past L2 it would read them all again); above it each row is scanned exactly. */
+     * scan (past L2 it would read them all again); above it each row is scanned exactly. Sums in L2 are always
+     * scanned: cheaper than the bound there, and exact. */
+    const double bound = in_cache ? INFINITY : et_sum_bound(nfeat, offsets, nbags, coeffs, grads, ld, D, maxcount);
     const int scan = !(bound < 1e37);
     const uint32_t gbits = nthreads <= 1 ? (scan ? et_maxbits(h->G, U * D, 0) : 0) : et_sum_rows(h, D, scan, nthreads);
     const int finite = gbits < ET_INF_BITS;
