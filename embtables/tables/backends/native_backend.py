@@ -336,6 +336,9 @@ class NativeBackend:
                     if bad >= 0:
                         raise non_finite_update(half.table, bad, half.lr)
             if whole:
+                # Written last-measured first: the bounds pass has just read the last tables' rows, which are
+                # still in the L3 cache when their updates run first.
+                whole.reverse()
                 bad_rows = native.apply_many([(w.ws, w.weights, w.slots, w.params, w.dense, w.check) for w in whole])
                 for w, bad in zip(whole, bad_rows):
                     if bad >= 0:  # found by a dry run in the writing call: nothing of it was written
