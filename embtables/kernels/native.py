@@ -168,6 +168,16 @@ def rounding_path(vector: bool | None = None) -> bool | None:
     return bool(lib.et_round_path(-1 if vector is None else int(vector)))
 
 
+def bounds_path(lanes: int | None = None) -> int | None:
+    """The lanes of the C bounds pass (``Workspace.touched_bounds``): 16 where the library is built with
+    AVX-512, else 8; the same bounds either way. ``lanes`` sets them for the process (8, or 16 where built with
+    AVX-512; the tests force each path and compare); returns the lanes before, None without the library."""
+    lib = library()
+    if lib is None:
+        return None
+    return int(lib.et_bounds_path(0 if lanes is None else int(lanes)))
+
+
 def changed_marker(items: list[tuple[Workspace, Tensor, bool, int]]) -> Callable[[], None]:
     """For each (workspace, changed flags, dense, V): the call that marks ``changed`` at every row the
     workspace's latest update wrote (every row when ``dense``), all in one native call; the flags are a bool

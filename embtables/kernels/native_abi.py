@@ -83,6 +83,7 @@ FUNCTIONS: dict[str, CFunction] = {
         _f("et_flushes_subnormals", "", _I32),
         _f("et_round_rows", "x:p U:i64 D:i64 rows:p seed:i64 step:i64 table:i64 kind:i32 stochastic:i32 out:p"),
         _f("et_round_path", "vector:i32", _I32),
+        _f("et_bounds_path", "lanes:i32", _I32),
         _f(
             "et_lookup_half_many",
             "F:i64 W:p kind:p D:p V:p ids:p N:p offsets:p S:p coeffs:p out:p nthreads:i32",
