@@ -33,10 +33,24 @@ def _count(src: int, dst: int, round_: int) -> int:
 
 
 def _same_as_gloo(rank: int, world: int, names_path: str) -> None:
-    before = {p.name for p in shm_channel.SHM_DIR.glob("embtables-*")}
-    assert comm.transport() == "shared memory"
+    # The channel's token, seen as its files are made: other tests on other workers make channels of their own
+    # in the same /dev/shm meanwhile, so only this channel's names are looked for.
+    tokens: list[str] = []
+    create_own = shm_channel.create_own
+
+    def recording(token: str, rank: int, world: int) -> int:
+        tokens.append(token)
+        return create_own(token, rank, world)
+
+    shm_channel.create_own = recording
+    try:
+        assert comm.transport() == "shared memory"
+    finally:
+        shm_channel.create_own = create_own
     comm.barrier()  # every rank has left the set-up
-    assert {p.name for p in shm_channel.SHM_DIR.glob("embtables-*")} <= before  # every name removed at set-up
+    assert len(tokens) == 1
+    left = [p.name for p in shm_channel.SHM_DIR.glob(f"embtables-{tokens[0]}-*")]
+    assert not left, left  # every name removed at set-up
     dtypes = [torch.float32, torch.int64, torch.float64, torch.float32, torch.int32, torch.uint8]
     for round_, dtype in enumerate(dtypes):
         width = 1 + round_ % 3 * 40

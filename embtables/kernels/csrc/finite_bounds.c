@@ -55,6 +55,21 @@ static inline __attribute__((always_inline)) void et_fold_keys(const float *row,
     *down = m;
 }
 
+/* The row the bounds pass folds k-th (k itself when dense), after prefetching every tensor's row of the update's
+ * row 16 further on (before k1). Always inlined, so its prefetches stay in the loop (float32_updates.c,
+ * et_prefetch_state, says why). */
+static inline __attribute__((always_inline)) int64_t et_bounds_row(const et_workspace *h, const float *const *src,
+                                                                  int64_t D, int dense, int64_t k, int64_t k1) {
+    if (dense) return k;
+    if (k + 16 < k1) {
+        const int64_t ahead = h->rows[k + 16] * D;
+        for (int i = 0; i < 4; ++i)
+            if (src[i])
+                for (int64_t off = 0; off < D; off += 16) __builtin_prefetch(src[i] + ahead + off, 0, 3);
+    }
+    return h->rows[k];
+}
+
 /* Fold rows [k0, k1) of the update (rows k0..k1-1 of [V, D] when dense) into 8-lane running bounds, every tensor
  * of a row together, 16 rows prefetched ahead: the weights' largest |value| (as bits, up[0..7]); each slot's
  * largest and smallest et_float_key (up[8i..8i+7], down[8i..8i+7], i = 1..3), from which et_touched_bounds_of
@@ -82,17 +97,7 @@ static __attribute__((noinline)) void et_fold_rows(const et_workspace *h, const 
         tm[i] = down[8 * i];
     }
     for (int64_t k = k0; k < k1; ++k) {
-        int64_t r = k;
-        if (!dense) {
-            if (k + 16 < k1) {
-                const int64_t ahead = h->rows[k + 16] * D;
-                for (int i = 0; i < 4; ++i)
-                    if (src[i])
-                        for (int64_t off = 0; off < D; off += 16) __builtin_prefetch(src[i] + ahead + off, 0, 3);
-            }
-            r = h->rows[k];
-        }
-        const int64_t o = r * D;
+        const int64_t o = et_bounds_row(h, src, D, dense, k, k1) * D;
         for (int64_t d = 0; d < D8; d += 8) u0 = et_max8(u0, *(const et_i8v *)(W + o + d) & 0x7fffffff);
         if (S0) et_fold_keys(S0 + o, D8, &u1, &m1);
         if (S1) et_fold_keys(S1 + o, D8, &u2, &m2);
@@ -173,17 +178,7 @@ static __attribute__((noinline)) void et_fold_rows16(const et_workspace *h, cons
     __m512i u3 = _mm512_loadu_si512(up + 48), m1 = _mm512_loadu_si512(down + 16);
     __m512i m2 = _mm512_loadu_si512(down + 32), m3 = _mm512_loadu_si512(down + 48);
     for (int64_t k = k0; k < k1; ++k) {
-        int64_t r = k;
-        if (!dense) {
-            if (k + 16 < k1) {
-                const int64_t ahead = h->rows[k + 16] * D;
-                for (int i = 0; i < 4; ++i)
-                    if (src[i])
-                        for (int64_t off = 0; off < D; off += 16) __builtin_prefetch(src[i] + ahead + off, 0, 3);
-            }
-            r = h->rows[k];
-        }
-        const int64_t o = r * D;
+        const int64_t o = et_bounds_row(h, src, D, dense, k, k1) * D;
         u0 = et_abs_fold16(W + o, D16, tail, u0);
         if (S0) et_key_fold16(S0 + o, D16, tail, &u1, &m1);
         if (S1) et_key_fold16(S1 + o, D16, tail, &u2, &m2);
