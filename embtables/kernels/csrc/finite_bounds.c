@@ -166,8 +166,8 @@ static inline __attribute__((always_inline)) void et_key_fold16(const float *row
 /* et_fold_rows on 16 lanes (AVX-512): the same bounds in half the instructions, and the columns past the last
  * multiple of 16 read with a mask instead of one at a time. The pass waits on its reads with a window of
  * instructions in flight; fewer instructions a row keep more rows' reads in flight (8 x 1M x 64 tables, 205k
- * touched rows: 4.1-4.2 -> 3.7-3.8 ms in a C driver, where a plain read of the rows takes 3.3-3.6). up / down
- * hold 16 lanes a tensor (up[16i..16i+15]). */
+ * touched rows: 4.96-5.10 -> 4.30-4.52 ms in a C driver, where a plain read of the rows takes 3.3-3.7). up /
+ * down hold 16 lanes a tensor (up[16i..16i+15]). */
 static __attribute__((noinline)) void et_fold_rows16(const et_workspace *h, const float *W, const float *S0,
                                                      const float *S1, const float *S2, int64_t D, int dense,
                                                      int64_t k0, int64_t k1, int32_t *up, int32_t *down) {
