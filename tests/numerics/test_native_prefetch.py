@@ -19,13 +19,20 @@ pytestmark = pytest.mark.skipif(native.library() is None, reason="the native ker
 # each loop over random rows that prefetches in the source, by the functions its code may end up in (a static
 # helper is compiled into its caller or on its own; an OpenMP body is a function named after its own: name.*)
 FAMILIES = {
-    "the fused float32 update": ("et_apply",),
+    "the fused float32 update": ("et_apply_rows",),
+    "the fused float32 update that measures what it writes": ("et_apply",),
     "the dry run": ("et_check",),
     "the backed-up small update": ("et_apply_many", "et_update_backed_up"),
     "the float32 lookup": ("et_lookup_many", "et_bag"),
     "the bounds pass": ("et_fold_rows",),
-    "the half update": ("et_apply_half",),
-    "the half lookup": ("et_lookup_half_many", "et_bag_half", "et_bag_bf16_v8", "et_bag_bf16_block64"),
+    "the half update": ("et_apply_half_rows",),
+    "the half lookup": (
+        "et_lookup_half_many",
+        "et_half_bag_of",
+        "et_bag_half",
+        "et_bag_bf16_v8",
+        "et_bag_bf16_block64",
+    ),
     "phase 1's hash": ("et_prepare_many", "et_prepare_one", "et_dedup"),
 }
 

@@ -209,6 +209,19 @@ int32_t et_bounds_path(int32_t lanes) {
     return before;
 }
 
+/* Rows [k0, k1) folded on the pass's lanes L (16: et_fold_rows16, 8: et_fold_rows). */
+static void et_fold_range(int L, const et_workspace *h, const float *W, const float *S0, const float *S1,
+                          const float *S2, int64_t D, int dense, int64_t k0, int64_t k1, int32_t *up, int32_t *down) {
+#if ET_WIDE_BOUNDS
+    if (L == 16) {
+        et_fold_rows16(h, W, S0, S1, S2, D, dense, k0, k1, up, down);
+        return;
+    }
+#endif
+    (void)L;
+    et_fold_rows(h, W, S0, S1, S2, D, dense, k0, k1, up, down);
+}
+
 /* Bounds on the values an update reads, measured now over exactly the rows it touches (every row of [V, D] when
  * dense): hi[i] the largest |value| (inf when any is NaN or inf) of the weights (i = 0) and slots 0-2 (i = 1-3),
  * lo[i] the smallest value of each slot (a NaN or -inf when one is, -inf for the weights: not measured, no proof
@@ -230,15 +243,12 @@ int et_touched_bounds_of(const et_workspace *h, const float *W, const float *S0,
             up[t][j] = j < L ? 0 : INT32_MIN; /* |x| bits of the weights; keys of the slots */
             down[t][j] = INT32_MAX;
         }
+    if (threads == 1) { /* no parallel region: entering one, even of one thread, costs a system call or two */
+        et_fold_range(L, h, W, S0, S1, S2, D, dense, 0, n, up[0], down[0]);
+    } else {
 #pragma omp parallel for num_threads(threads) schedule(static, 1)
-    for (int t = 0; t < threads; ++t) {
-#if ET_WIDE_BOUNDS
-        if (L == 16) {
-            et_fold_rows16(h, W, S0, S1, S2, D, dense, n * t / threads, n * (t + 1) / threads, up[t], down[t]);
-            continue;
-        }
-#endif
-        et_fold_rows(h, W, S0, S1, S2, D, dense, n * t / threads, n * (t + 1) / threads, up[t], down[t]);
+        for (int t = 0; t < threads; ++t)
+            et_fold_range(L, h, W, S0, S1, S2, D, dense, n * t / threads, n * (t + 1) / threads, up[t], down[t]);
     }
     const int32_t pos_inf = et_float_key(INFINITY), neg_inf = et_float_key(-INFINITY);
     for (int i = 0; i < 4; ++i) {

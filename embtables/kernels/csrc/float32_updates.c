@@ -100,6 +100,33 @@ int64_t et_check(const void *handle, const float *W, const float *S0, const floa
     return oom ? -3 : bad;
 }
 
+/* The fused pass's rows, shared by the threads of the calling team (a worksharing loop; called outside a
+ * parallel region, by one thread, it runs every row): in row order over most of a small table (in_order, the
+ * table's direct map), else the prepared rows in their order, ET_PF rows prefetched ahead. A parallel region,
+ * even of one thread, costs a system call or two on entry: at batch 64 one a table was a tenth of the update.
+ * Not inlined: the prefetch test finds its loop by this name. */
+static __attribute__((noinline)) void et_apply_rows(const et_workspace *h, float *W, float *S0, float *S1,
+                                                    float *S2, int64_t V, int64_t D, et_row_fn fn, const et_opt *p,
+                                                    int in_order) {
+    if (in_order) {
+#pragma omp for schedule(static, 256) nowait
+        for (int64_t r = 0; r < V; ++r) {
+            const int32_t u = h->dmap[r];
+            if (u < 0) continue;
+            const int64_t o = r * D;
+            fn(p, W + o, S0 ? S0 + o : NULL, S1 ? S1 + o : NULL, S2 ? S2 + o : NULL, h->G + (int64_t)u * D, D);
+        }
+        return;
+    }
+    const int64_t U = h->U;
+#pragma omp for schedule(static, 256) nowait
+    for (int64_t u = 0; u < U; ++u) {
+        if (u + ET_PF < U) et_prefetch_state(W, S0, S1, S2, h->rows[u + ET_PF] * D, D, 1);
+        const int64_t r = h->rows[u] * D;
+        fn(p, W + r, S0 ? S0 + r : NULL, S1 ? S1 + r : NULL, S2 ? S2 + r : NULL, h->G + u * D, D);
+    }
+}
+
 /* Phase 2: one fused pass per updated row. dense != 0 updates every row of [V, D] (non-lazy Adam).
  * maxabs != NULL receives the largest |value| written into W, S0, S1 and S2 (each row is scanned right after
  * its update; this costs ~15% of the pass, so the engine asks for it only where its bounds need it).
@@ -114,27 +141,15 @@ int et_apply(const void *handle, float *W, float *S0, float *S1, float *S2, int6
     if (!fn) return -4;
     const int measure = maxabs != NULL;
     uint32_t mw = 0, m0 = 0, m1 = 0, m2 = 0;
-    if (!dense && !measure && et_in_row_order(h, V)) { /* the hot path over most of a small table */
+    if (!dense && !measure) { /* the hot paths; one thread runs them without a parallel region */
+        const int in_order = et_in_row_order(h, V);
+        if (nthreads <= 1) {
+            et_apply_rows(h, W, S0, S1, S2, V, D, fn, p, in_order);
+        } else {
 #pragma omp parallel num_threads(nthreads)
-        {
-            ET_FLUSH_SUBNORMALS;
-#pragma omp for schedule(static, 256)
-            for (int64_t r = 0; r < V; ++r) {
-                const int32_t u = h->dmap[r];
-                if (u < 0) continue;
-                const int64_t o = r * D;
-                fn(p, W + o, S0 ? S0 + o : NULL, S1 ? S1 + o : NULL, S2 ? S2 + o : NULL, h->G + (int64_t)u * D, D);
-            }
-        }
-    } else if (!dense && !measure) { /* the hot path: exactly the plain fused pass */
-#pragma omp parallel num_threads(nthreads)
-        {
-            ET_FLUSH_SUBNORMALS;
-#pragma omp for schedule(static, 256)
-            for (int64_t u = 0; u < U; ++u) {
-                if (u + ET_PF < U) et_prefetch_state(W, S0, S1, S2, h->rows[u + ET_PF] * D, D, 1);
-                const int64_t r = h->rows[u] * D;
-                fn(p, W + r, S0 ? S0 + r : NULL, S1 ? S1 + r : NULL, S2 ? S2 + r : NULL, h->G + u * D, D);
+            {
+                ET_FLUSH_SUBNORMALS;
+                et_apply_rows(h, W, S0, S1, S2, V, D, fn, p, in_order);
             }
         }
     } else if (!dense) {

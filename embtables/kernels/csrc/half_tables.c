@@ -82,6 +82,8 @@ static inline uint16_t et_sr_float16(float x, uint32_t r) {
  * stochastically with the bits of (seed, step, table, global row, column) (column c < D: the weights'; (k+1)
  * D + c: slot k's), or to nearest, ties to even (the types' own conversion). */
 typedef uint16_t et_h8v __attribute__((vector_size(16), aligned(2))); /* 8 half patterns */
+typedef uint16_t et_h16v __attribute__((vector_size(32), aligned(2))); /* 16 half patterns */
+typedef uint32_t et_u16v __attribute__((vector_size(64), aligned(4))); /* 16 uint32 lanes */
 
 static inline float et_half_float(uint16_t h, int kind) {
     if (kind == 0) return et_bits_float((uint32_t)h << 16);
@@ -126,6 +128,14 @@ static inline void et_load_row(const void *T, int kind, int64_t r, int64_t D, fl
         const uint16_t *restrict src = (const uint16_t *)T + r * D;
         uint32_t *restrict u = (uint32_t *)dst;
         int64_t d = 0;
+        /* 16 at a time first: the row functions read dst 64 bytes at a time, and a read that spans two narrower
+         * stores still in flight waits for them (no store-to-load forwarding) */
+        for (; d + 16 <= D; d += 16) {
+            et_h16v h;
+            memcpy(&h, src + d, sizeof h);
+            const et_u16v w = __builtin_convertvector(h, et_u16v) << 16;
+            memcpy(u + d, &w, sizeof w);
+        }
         for (; d + 8 <= D; d += 8) {
             et_h8v h;
             memcpy(&h, src + d, sizeof h);
@@ -334,6 +344,26 @@ static inline void et_bag_bf16_v8(const uint16_t *W, int64_t D, int64_t V, const
     }
 }
 
+/* Bag i of the index space of every half feature's bags (first[f]: feature f's first), *f its feature found from
+ * the one before; returns 1 when its activation is not finite. Always inlined: a call per bag cost the lookup. */
+static inline __attribute__((always_inline)) int et_half_bag_of(const uint16_t *const *W, const int32_t *kind,
+                                                                  const int64_t *D, const int64_t *V,
+                                                                  const int64_t *const *ids,
+                                                                  const int64_t *const *offsets, const int64_t *S,
+                                                                  const float *const *coeffs, float *const *out,
+                                                                  const int64_t *first, int64_t i, int64_t *f,
+                                                                  int *bad) {
+    const int64_t g = *f = et_feature_of(first, i, *f);
+    const int64_t s = i - first[g], d = D[g];
+    float *restrict o = out[g] + s * d;
+    if (kind[g] == 0 && d % 8 == 0 && d % 64 != 0) /* 64-column blocks: et_bag_half's registers */
+        et_bag_bf16_v8(W[g], d, V[g], ids[g], offsets[g][s], offsets[g][s + 1], offsets[g][S[g]], coeffs[g], o, bad);
+    else
+        et_bag_half(W[g], kind[g], d, V[g], ids[g], offsets[g][s], offsets[g][s + 1], offsets[g][S[g]], coeffs[g], o,
+                    bad);
+    return et_maxbits(o, d, 0) >= ET_INF_BITS;
+}
+
 /* Lookups of F features from half tables, one parallel region over every feature's bags: feature f reads
  * W[f] [V[f], D[f]] of kind[f] (0 bfloat16, 1 float16) and writes out[f] [S[f], D[f]] float32: each row read as
  * float32 and the bags summed in float32 in the float32 lookup's order. Returns 0, 1 bad offsets or an id outside
@@ -349,25 +379,76 @@ int et_lookup_half_many(int64_t F, const uint16_t *const *W, const int32_t *kind
     if (!et_bag_index(F, offsets, S, N, first)) return 1;
     const int64_t all = first[F];
     int bad = 0, nonfinite = 0;
+    if (nthreads <= 1) { /* one thread: no parallel region (entering one costs a system call or two) */
+        int64_t f = 0;
+        for (int64_t i = 0; i < all; ++i)
+            nonfinite |= et_half_bag_of(W, kind, D, V, ids, offsets, S, coeffs, out, first, i, &f, &bad);
+        return bad ? 1 : (nonfinite ? 2 : 0);
+    }
 #pragma omp parallel num_threads(nthreads) reduction(| : bad, nonfinite)
     {
         ET_FLUSH_SUBNORMALS;
         int64_t f = 0;
 #pragma omp for schedule(static, 256)
-        for (int64_t i = 0; i < all; ++i) {
-            f = et_feature_of(first, i, f);
-            const int64_t s = i - first[f], d = D[f];
-            float *restrict o = out[f] + s * d;
-            if (kind[f] == 0 && d % 8 == 0 && d % 64 != 0) /* 64-column blocks: et_bag_half's registers */
-                et_bag_bf16_v8(W[f], d, V[f], ids[f], offsets[f][s], offsets[f][s + 1], offsets[f][S[f]], coeffs[f],
-                               o, &bad);
-            else
-                et_bag_half(W[f], kind[f], d, V[f], ids[f], offsets[f][s], offsets[f][s + 1], offsets[f][S[f]],
-                            coeffs[f], o, &bad);
-            nonfinite |= et_maxbits(o, d, 0) >= ET_INF_BITS;
-        }
+        for (int64_t i = 0; i < all; ++i)
+            nonfinite |= et_half_bag_of(W, kind, D, V, ids, offsets, S, coeffs, out, first, i, &f, &bad);
     }
     return bad ? 1 : (nonfinite ? 2 : 0);
+}
+
+/* The rows of et_apply_half's modes 0 and 2, shared by the calling team's threads (a worksharing loop; called
+ * outside a parallel region, by one thread, it runs every row), buf this thread's 4 x D floats. Returns the
+ * largest row whose update is not finite, -1 when none. Not inlined: the prefetch test finds its loop by name. */
+static __attribute__((noinline)) int64_t et_apply_half_rows(const et_workspace *h, void *W, void *const *S, int K,
+                                                           int32_t wkind, int32_t skind, int64_t D, const et_opt *p,
+                                                           et_row_fn fn, const int64_t *grows, int affine,
+                                                           int64_t first, int64_t stride, uint32_t prefix,
+                                                           int32_t stochastic, int32_t mode, uint16_t *out,
+                                                           float *sout, int64_t wide, float *buf) {
+    const int64_t U = h->U, sb = skind == 2 ? 4 : 2; /* bytes of one slot value */
+    int64_t bad = -1;
+#pragma omp for schedule(static, 256) nowait
+    for (int64_t u = 0; u < U; ++u) {
+        if (u + ET_PF < U) { /* every 64-byte line of the row ET_PF ahead, weights and slots */
+            const int64_t ahead = h->rows[u + ET_PF];
+            const int64_t wbytes = 2 * D, sbytes = skind == 2 ? 4 * D : 2 * D;
+            const char *w = (const char *)W + ahead * wbytes;
+            for (int64_t b = 0; b < wbytes; b += 64) __builtin_prefetch(w + b, 0, 3);
+            for (int k = 0; k < K; ++k) {
+                const char *sr = (const char *)S[k] + ahead * sbytes;
+                for (int64_t b = 0; b < sbytes; b += 64) __builtin_prefetch(sr + b, 0, 3);
+            }
+        }
+        const int64_t r = h->rows[u];
+        float *c[4] = {buf, buf + D, buf + 2 * D, buf + 3 * D};
+        uint16_t *o = out + u * wide;
+        uint16_t *wrow = (uint16_t *)W + r * D;
+        if (mode == 2) { /* the stored row first, to put back (mode 3) */
+            memcpy(o, wrow, sizeof(uint16_t) * (size_t)D);
+            for (int k = 0; k < K; ++k) {
+                char *to = skind == 2 ? (char *)(sout + (u * K + k) * D) : (char *)(o + (k + 1) * D);
+                memcpy(to, (const char *)S[k] + r * D * sb, (size_t)(D * sb));
+            }
+        }
+        et_load_row(W, wkind, r, D, c[0]);
+        for (int k = 0; k < K; ++k) et_load_row(S[k], skind, r, D, c[k + 1]);
+        fn(p, c[0], K > 0 ? c[1] : NULL, K > 1 ? c[2] : NULL, K > 2 ? c[3] : NULL, h->G + u * D, D);
+        const uint32_t hr = et_round_row(prefix, affine ? first + stride * r : grows ? grows[r] : r);
+        /* mode 0: the rounded row into out / sout; mode 2: into the table, in place */
+        int ok = et_round_into(c[0], wkind, D, hr, 0, stochastic, mode == 2 ? wrow : o);
+        for (int k = 0; k < K; ++k) {
+            if (skind == 2) {
+                float *to = mode == 2 ? (float *)S[k] + r * D : sout + (u * K + k) * D;
+                memcpy(to, c[k + 1], sizeof(float) * (size_t)D);
+                ok &= et_maxbits(c[k + 1], D, 0) < ET_INF_BITS;
+            } else {
+                uint16_t *to = mode == 2 ? (uint16_t *)S[k] + r * D : o + (k + 1) * D;
+                ok &= et_round_into(c[k + 1], skind, D, hr, (k + 1) * D, stochastic, to);
+            }
+        }
+        if (!ok && r > bad) bad = r;
+    }
+    return bad;
 }
 
 /* Phase 2 of a lazy update of a half table from its prepared workspace. Every prepared row's update is computed
@@ -425,52 +506,17 @@ int64_t et_apply_half(const void *handle, void *W, void *S0, void *S1, void *S2,
     float *bufs = (float *)malloc(sizeof(float) * (size_t)(4 * D) * (size_t)nt);
     if (!bufs) return -3;
     int64_t bad = -1;
+    if (nt == 1) { /* one thread: no parallel region (entering one costs a system call or two) */
+        bad = et_apply_half_rows(h, W, S, K, wkind, skind, D, p, fn, grows, affine, first, stride, prefix,
+                                 stochastic, mode, out, sout, wide, bufs);
+    } else {
 #pragma omp parallel num_threads(nt) reduction(max : bad)
-    {
-        ET_FLUSH_SUBNORMALS;
-        float *buf = bufs + (size_t)omp_get_thread_num() * (size_t)(4 * D);
         {
-#pragma omp for schedule(static, 256)
-            for (int64_t u = 0; u < U; ++u) {
-                if (u + ET_PF < U) { /* every 64-byte line of the row ET_PF ahead, weights and slots */
-                    const int64_t ahead = h->rows[u + ET_PF];
-                    const int64_t wbytes = 2 * D, sbytes = skind == 2 ? 4 * D : 2 * D;
-                    const char *w = (const char *)W + ahead * wbytes;
-                    for (int64_t b = 0; b < wbytes; b += 64) __builtin_prefetch(w + b, 0, 3);
-                    for (int k = 0; k < K; ++k) {
-                        const char *sr = (const char *)S[k] + ahead * sbytes;
-                        for (int64_t b = 0; b < sbytes; b += 64) __builtin_prefetch(sr + b, 0, 3);
-                    }
-                }
-                const int64_t r = h->rows[u];
-                float *c[4] = {buf, buf + D, buf + 2 * D, buf + 3 * D};
-                uint16_t *o = out + u * wide;
-                uint16_t *wrow = (uint16_t *)W + r * D;
-                if (mode == 2) { /* the stored row first, to put back (mode 3) */
-                    memcpy(o, wrow, sizeof(uint16_t) * (size_t)D);
-                    for (int k = 0; k < K; ++k) {
-                        char *to = skind == 2 ? (char *)(sout + (u * K + k) * D) : (char *)(o + (k + 1) * D);
-                        memcpy(to, (const char *)S[k] + r * D * sb, (size_t)(D * sb));
-                    }
-                }
-                et_load_row(W, wkind, r, D, c[0]);
-                for (int k = 0; k < K; ++k) et_load_row(S[k], skind, r, D, c[k + 1]);
-                fn(p, c[0], K > 0 ? c[1] : NULL, K > 1 ? c[2] : NULL, K > 2 ? c[3] : NULL, h->G + u * D, D);
-                const uint32_t hr = et_round_row(prefix, affine ? first + stride * r : grows ? grows[r] : r);
-                /* mode 0: the rounded row into out / sout; mode 2: into the table, in place */
-                int ok = et_round_into(c[0], wkind, D, hr, 0, stochastic, mode == 2 ? wrow : o);
-                for (int k = 0; k < K; ++k) {
-                    if (skind == 2) {
-                        float *to = mode == 2 ? (float *)S[k] + r * D : sout + (u * K + k) * D;
-                        memcpy(to, c[k + 1], sizeof(float) * (size_t)D);
-                        ok &= et_maxbits(c[k + 1], D, 0) < ET_INF_BITS;
-                    } else {
-                        uint16_t *to = mode == 2 ? (uint16_t *)S[k] + r * D : o + (k + 1) * D;
-                        ok &= et_round_into(c[k + 1], skind, D, hr, (k + 1) * D, stochastic, to);
-                    }
-                }
-                if (!ok && r > bad) bad = r;
-            }
+            ET_FLUSH_SUBNORMALS;
+            const int64_t b = et_apply_half_rows(h, W, S, K, wkind, skind, D, p, fn, grows, affine, first, stride,
+                                                 prefix, stochastic, mode, out, sout, wide,
+                                                 bufs + (size_t)omp_get_thread_num() * (size_t)(4 * D));
+            bad = b > bad ? b : bad;
         }
     }
     free(bufs);

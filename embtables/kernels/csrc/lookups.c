@@ -160,11 +160,33 @@ int et_split_by_owner(int64_t F, const int64_t *const *ids, const int64_t *N, co
     return 0;
 }
 
-/* The lookups of F features in one parallel region: feature f reads table W[f] [V[f], D[f]] through
- * ids[f] [N[f]] and writes out[f] [S[f], D[f]], rows ld[f] >= D[f] floats apart (ld[f] > D[f]: a column
- * block of one wider output, the concatenated activations). Bags of all features form one index space split over
- * the threads. Returns 0 ok, 1 bad offsets or an id outside [0, V) (outputs are then garbage and must
- * be discarded), 2 a non-finite activation. */
+/* Output row s of every feature of one shared output (et_lookup_many): each feature's bag s. */
+static inline int et_bag_row(int64_t F, const float *const *W, const int64_t *D, const int64_t *V,
+                             const int64_t *const *ids, const int64_t *const *offsets, const int64_t *S,
+                             const float *const *coeffs, float *const *out, const int64_t *ld, int64_t s, int *bad) {
+    int nonfinite = 0;
+    for (int64_t f = 0; f < F; ++f)
+        nonfinite |= et_bag(W[f], D[f], V[f], ids[f], offsets[f], s, offsets[f][S[f]], coeffs[f], out[f], ld[f], bad);
+    return nonfinite;
+}
+
+/* Bag i of the index space of every feature's bags (first[f]: feature f's first), *f its feature found from the
+ * one before. */
+static inline int et_bag_of(int64_t F, const float *const *W, const int64_t *D, const int64_t *V,
+                            const int64_t *const *ids, const int64_t *const *offsets, const int64_t *S,
+                            const float *const *coeffs, float *const *out, const int64_t *ld, const int64_t *first,
+                            int64_t i, int64_t *f, int *bad) {
+    (void)F;
+    const int64_t g = *f = et_feature_of(first, i, *f);
+    return et_bag(W[g], D[g], V[g], ids[g], offsets[g], i - first[g], offsets[g][S[g]], coeffs[g], out[g], ld[g],
+                  bad);
+}
+
+/* The lookups of F features in one parallel region (none for one thread): feature f reads table W[f] [V[f],
+ * D[f]] through ids[f] [N[f]] and writes out[f] [S[f], D[f]], rows ld[f] >= D[f] floats apart (ld[f] > D[f]: a
+ * column block of one wider output, the concatenated activations). Bags of all features form one index space split
+ * over the threads. Returns 0 ok, 1 bad offsets or an id outside [0, V) (outputs are then garbage and must be
+ * discarded), 2 a non-finite activation. */
 int et_lookup_many(int64_t F, const float *const *W, const int64_t *D, const int64_t *V, const int64_t *const *ids,
                    const int64_t *N, const int64_t *const *offsets, const int64_t *S, const float *const *coeffs,
                    float *const *out, const int64_t *ld, int nthreads) {
@@ -180,15 +202,24 @@ int et_lookup_many(int64_t F, const float *const *W, const int64_t *D, const int
     for (int64_t f = 0; f < F && shared; ++f) shared = S[f] == S[0] && ld[f] > D[f];
     if (shared) {
         const int64_t rows = S[0];
+        if (nthreads <= 1) { /* one thread: no parallel region (entering one costs a system call or two) */
+            for (int64_t s = 0; s < rows; ++s)
+                nonfinite |= et_bag_row(F, W, D, V, ids, offsets, S, coeffs, out, ld, s, &bad);
+            return bad ? 1 : (nonfinite ? 2 : 0);
+        }
 #pragma omp parallel num_threads(nthreads) reduction(| : bad, nonfinite)
         {
             ET_FLUSH_SUBNORMALS;
 #pragma omp for schedule(static, 64)
             for (int64_t s = 0; s < rows; ++s)
-                for (int64_t f = 0; f < F; ++f)
-                    nonfinite |= et_bag(W[f], D[f], V[f], ids[f], offsets[f], s, offsets[f][S[f]], coeffs[f], out[f],
-                                        ld[f], &bad);
+                nonfinite |= et_bag_row(F, W, D, V, ids, offsets, S, coeffs, out, ld, s, &bad);
         }
+        return bad ? 1 : (nonfinite ? 2 : 0);
+    }
+    if (nthreads <= 1) {
+        int64_t f = 0;
+        for (int64_t i = 0; i < all; ++i)
+            nonfinite |= et_bag_of(F, W, D, V, ids, offsets, S, coeffs, out, ld, first, i, &f, &bad);
         return bad ? 1 : (nonfinite ? 2 : 0);
     }
 #pragma omp parallel num_threads(nthreads) reduction(| : bad, nonfinite)
@@ -196,11 +227,8 @@ int et_lookup_many(int64_t F, const float *const *W, const int64_t *D, const int
         ET_FLUSH_SUBNORMALS;
         int64_t f = 0;
 #pragma omp for schedule(static, 256)
-        for (int64_t i = 0; i < all; ++i) {
-            f = et_feature_of(first, i, f);
-            nonfinite |= et_bag(W[f], D[f], V[f], ids[f], offsets[f], i - first[f], offsets[f][S[f]], coeffs[f],
-                                out[f], ld[f], &bad);
-        }
+        for (int64_t i = 0; i < all; ++i)
+            nonfinite |= et_bag_of(F, W, D, V, ids, offsets, S, coeffs, out, ld, first, i, &f, &bad);
     }
     return bad ? 1 : (nonfinite ? 2 : 0);
 }
