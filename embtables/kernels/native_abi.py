@@ -86,7 +86,7 @@ FUNCTIONS: dict[str, CFunction] = {
         _f("et_bounds_path", "lanes:i32", _I32),
         _f(
             "et_lookup_half_many",
-            "F:i64 W:p kind:p D:p V:p ids:p N:p offsets:p S:p coeffs:p out:p nthreads:i32",
+            "F:i64 W:p kind:p D:p V:p ids:p N:p offsets:p S:p coeffs:p out:p ld:p nthreads:i32",
             _I32,
             _LOOKUP,
             fast=True,

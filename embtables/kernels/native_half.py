@@ -57,7 +57,7 @@ def lookup_half_many(parts: list[tuple[Tensor, Tensor, Tensor, Tensor | None]]) 
         array("half.dims", c64, dims), array("half.vocab", c64, vocab), array("half.ids", vp, bags.ids),
         array("half.n_ids", c64, bags.n_ids), array("half.offsets", vp, bags.offsets),
         array("half.n_bags", c64, bags.n_bags), array("half.coeffs", vp, bags.coeffs),
-        array("half.out", vp, [o.data_ptr() for o in outs]), threads(),
+        array("half.out", vp, [o.data_ptr() for o in outs]), array("half.ld", c64, dims), threads(),
     )  # fmt: skip
     return outs, int(status)
 
@@ -245,25 +245,40 @@ class HalfStep:
                 maps[1][t] = g.data_ptr()  # a tensor changed in place keeps its address; one set again would not
         return maps[1], maps[2]
 
-    def lookup(self, bags: StagedBags) -> list[Tensor] | None:
+    def lookup(
+        self, bags: StagedBags, into: Tensor | None = None, starts: Sequence[int] | None = None
+    ) -> list[Tensor] | None:
         """Every feature's pooled activations [S_f, D_f] float32 from the staged ``bags`` (one per feature of the
         arrays), or None when an id is outside its table or an activation is not finite (the general lookup then
-        raises, naming the feature)."""
+        raises, naming the feature). With ``into`` [S, W] and ``starts``: into its column blocks
+        ``into[:, starts[f] : starts[f] + D_f]`` (the concatenated activations; every feature has S bags), and
+        returns ``[into]``."""
         arrays = self.arrays
         bags.check()
         if len(bags.views) != arrays.features:
             raise NativeBufferError("embtables native kernel: the staged bags are not one per feature of the tables.")
         dims, count = list(arrays.fdims), arrays.features
-        if count and bags.alike_bags >= 0 and dims.count(dims[0]) == count:  # every output [S, D]: one block
-            outs = list(torch.empty((count, bags.alike_bags, dims[0]), dtype=torch.float32).unbind(0))
+        if into is not None:
+            target = require(into, "output", torch.float32, (-1, -1))
+            rows, width = target.shape
+            ld = arrays.columns_fit(bags.n_bags, starts or (), rows, width)
+            if ld is None:
+                raise NativeBufferError("embtables native kernel: the output columns do not fit the shared buffer.")
+            base = target.data_ptr()
+            outs = [target]
+            out = (_VP * count)(*[base + 4 * s for s in starts or ()])
         else:
-            outs = [torch.empty((n, d), dtype=torch.float32) for n, d in zip(bags.n_bags, dims)]
-        out = (_VP * count)(*[o.data_ptr() for o in outs])
+            if count and bags.alike_bags >= 0 and dims.count(dims[0]) == count:  # every output [S, D]: one block
+                outs = list(torch.empty((count, bags.alike_bags, dims[0]), dtype=torch.float32).unbind(0))
+            else:
+                outs = [torch.empty((n, d), dtype=torch.float32) for n, d in zip(bags.n_bags, dims)]
+            out = (_VP * count)(*[o.data_ptr() for o in outs])
+            ld = arrays.fdims
         lib = library()
         assert lib is not None
         status = unchecked(lib).et_lookup_half_many(
             arrays.features_c, arrays.fw, self.fkind, arrays.fdims, arrays.fvocab, bags.ids, bags.n_ids, bags.offsets,
-            bags.n_bags, bags.coeffs, out, ctypes.c_int(threads()),
+            bags.n_bags, bags.coeffs, out, ld, ctypes.c_int(threads()),
         )  # fmt: skip
         return outs if int(status) == 0 else None
 

@@ -19,14 +19,29 @@ from torch import Tensor
 
 import embtables as et
 from embtables.errors import InputError
-from embtables.kernels import native, native_step
+from embtables.kernels import native, native_half, native_step
 
 pytestmark = pytest.mark.skipif(native.library() is None, reason="the native kernels are not built here")
 
 
-def make(combiners: tuple[str, ...], shared: bool, concat: bool, optimizer: Any, pipelined: bool = False) -> Any:
+def make(
+    combiners: tuple[str, ...],
+    shared: bool,
+    concat: bool,
+    optimizer: Any,
+    pipelined: bool = False,
+    dtype: torch.dtype | None = None,
+) -> Any:
     tables = [
-        et.TableConfig(50 + 7 * i, 4 + 2 * i, initializer=et.Constant(0.02 * (i + 1)), combiner=c, name=f"t{i}")
+        et.TableConfig(
+            50 + 7 * i,
+            4 + 2 * i,
+            initializer=et.Constant(0.02 * (i + 1)),
+            combiner=c,
+            name=f"t{i}",
+            dtype=dtype,
+            slot_dtype=dtype,
+        )
         for i, c in enumerate(combiners)
     ]
     tables[-1] = dataclasses.replace(tables[-1], optimizer=et.SGD(0.25))  # a table's own optimizer block
@@ -96,6 +111,35 @@ def test_fast_path_equals_general_path_bit_for_bit(
     assert fast._engine.local.backend.fast._arrays is not None  # the fast path served the int64 steps
     assert general._engine.local.backend.fast._arrays is None
     for a, b in zip(acts_fast, acts_general, strict=True):
+        assert torch.equal(a, b)
+    assert_same(snapshot(fast), snapshot(general))
+
+
+@pytest.mark.parametrize("combiners, shared, concat, dense", [c for c in CASES if c[2]])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_tables_concatenated_take_the_fast_lookup_and_equal_the_general_path(
+    combiners: tuple[str, ...], shared: bool, concat: bool, dense: bool, dtype: torch.dtype, monkeypatch: Any
+) -> None:
+    """Half tables with concatenated activations: the fast path's one lookup call writes every feature's column
+    block of the shared output (rows the output's width apart), with the bits of the general path's."""
+    fast = make(combiners, shared, concat, et.Adagrad(0.1, initial_accumulator_value=0.1), dtype=dtype)
+    general = make(combiners, shared, concat, et.Adagrad(0.1, initial_accumulator_value=0.1), dtype=dtype)
+    into_calls = []
+    lookup = native_half.HalfStep.lookup
+
+    def seen(self: Any, bags: Any, into: Tensor | None = None, starts: Any = None) -> Any:
+        into_calls.append(into is not None)
+        return lookup(self, bags, into, starts)
+
+    monkeypatch.setattr(native_half.HalfStep, "lookup", seen)
+    acts_fast = train(fast, 5, torch.int64, dense)
+    acts_general = train(general, 5, torch.int32, dense)
+    served = fast._engine.local.backend.fast
+    assert served._arrays is not None and served._half is not None and served._half[1] is not None
+    assert into_calls == [True] * 5  # every lookup of the fast module wrote the shared output in one call
+    assert general._engine.local.backend.fast._arrays is None
+    for a, b in zip(acts_fast, acts_general, strict=True):
+        assert a.shape[1] == sum(4 + 2 * i for i in range(len(combiners))) + (4 if shared else 0)
         assert torch.equal(a, b)
     assert_same(snapshot(fast), snapshot(general))
 

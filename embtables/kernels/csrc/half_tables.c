@@ -351,11 +351,11 @@ static inline __attribute__((always_inline)) int et_half_bag_of(const uint16_t *
                                                                   const int64_t *const *ids,
                                                                   const int64_t *const *offsets, const int64_t *S,
                                                                   const float *const *coeffs, float *const *out,
-                                                                  const int64_t *first, int64_t i, int64_t *f,
-                                                                  int *bad) {
+                                                                  const int64_t *ld, const int64_t *first, int64_t i,
+                                                                  int64_t *f, int *bad) {
     const int64_t g = *f = et_feature_of(first, i, *f);
     const int64_t s = i - first[g], d = D[g];
-    float *restrict o = out[g] + s * d;
+    float *restrict o = out[g] + s * ld[g];
     if (kind[g] == 0 && d % 8 == 0 && d % 64 != 0) /* 64-column blocks: et_bag_half's registers */
         et_bag_bf16_v8(W[g], d, V[g], ids[g], offsets[g][s], offsets[g][s + 1], offsets[g][S[g]], coeffs[g], o, bad);
     else
@@ -364,14 +364,15 @@ static inline __attribute__((always_inline)) int et_half_bag_of(const uint16_t *
     return et_maxbits(o, d, 0) >= ET_INF_BITS;
 }
 
-/* Lookups of F features from half tables, one parallel region over every feature's bags: feature f reads
- * W[f] [V[f], D[f]] of kind[f] (0 bfloat16, 1 float16) and writes out[f] [S[f], D[f]] float32: each row read as
- * float32 and the bags summed in float32 in the float32 lookup's order. Returns 0, 1 bad offsets or an id outside
- * [0, V) (the outputs are then garbage), 2 a non-finite activation. */
+/* Lookups of F features from half tables, one parallel region over every feature's bags (none for one thread):
+ * feature f reads W[f] [V[f], D[f]] of kind[f] (0 bfloat16, 1 float16) and writes out[f] [S[f], D[f]] float32,
+ * rows ld[f] >= D[f] floats apart (ld[f] > D[f]: a column block of one wider output, the concatenated
+ * activations): each row read as float32 and the bags summed in float32 in the float32 lookup's order. Returns 0,
+ * 1 bad offsets or an id outside [0, V) (the outputs are then garbage), 2 a non-finite activation. */
 int et_lookup_half_many(int64_t F, const uint16_t *const *W, const int32_t *kind, const int64_t *D,
                         const int64_t *V, const int64_t *const *ids, const int64_t *N,
                         const int64_t *const *offsets, const int64_t *S, const float *const *coeffs,
-                        float *const *out, int nthreads) {
+                        float *const *out, const int64_t *ld, int nthreads) {
     ET_FLUSH_SUBNORMALS;
     for (int64_t f = 0; f < F; ++f)
         if (kind[f] != 0 && kind[f] != 1) return 1;
@@ -382,7 +383,7 @@ int et_lookup_half_many(int64_t F, const uint16_t *const *W, const int32_t *kind
     if (nthreads <= 1) { /* one thread: no parallel region (entering one costs a system call or two) */
         int64_t f = 0;
         for (int64_t i = 0; i < all; ++i)
-            nonfinite |= et_half_bag_of(W, kind, D, V, ids, offsets, S, coeffs, out, first, i, &f, &bad);
+            nonfinite |= et_half_bag_of(W, kind, D, V, ids, offsets, S, coeffs, out, ld, first, i, &f, &bad);
         return bad ? 1 : (nonfinite ? 2 : 0);
     }
 #pragma omp parallel num_threads(nthreads) reduction(| : bad, nonfinite)
@@ -391,7 +392,7 @@ int et_lookup_half_many(int64_t F, const uint16_t *const *W, const int32_t *kind
         int64_t f = 0;
 #pragma omp for schedule(static, 256)
         for (int64_t i = 0; i < all; ++i)
-            nonfinite |= et_half_bag_of(W, kind, D, V, ids, offsets, S, coeffs, out, first, i, &f, &bad);
+            nonfinite |= et_half_bag_of(W, kind, D, V, ids, offsets, S, coeffs, out, ld, first, i, &f, &bad);
     }
     return bad ? 1 : (nonfinite ? 2 : 0);
 }

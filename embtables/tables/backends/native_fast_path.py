@@ -109,11 +109,11 @@ class NativeFastPath:
         arrays = None if bags is None else self.arrays(weights_only=True)
         if bags is None or arrays is None:
             return None
-        if arrays.half:  # every table half: one call into an output per feature; else the general lookup
-            half = self._half_step(arrays) if into is None else None
-            outs = None if half is None else half.lookup(bags)
-            if outs is None:
-                return None
+        if arrays.half:  # every table half: one call (into ``into``'s columns when given); else the general lookup
+            half = self._half_step(arrays)
+            outs = None if half is None else half.lookup(bags, into, starts)
+            if outs is None or into is not None:
+                return outs
             return [o if len(b.out_shape) == 1 else o.reshape(*b.out_shape, o.shape[1]) for o, b in zip(outs, batches)]
         if into is not None:
             if native_step.lookup(arrays, bags, [into], starts) != 0:
