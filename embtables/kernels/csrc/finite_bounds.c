@@ -55,18 +55,29 @@ static inline __attribute__((always_inline)) void et_fold_keys(const float *row,
     *down = m;
 }
 
-/* The row the bounds pass folds k-th (k itself when dense), after prefetching every tensor's row of the update's
- * row 16 further on (before k1). Always inlined, so its prefetches stay in the loop (float32_updates.c,
+/* Prefetch row q of every tensor present. Always inlined, so its prefetches stay in the loop (float32_updates.c,
  * et_prefetch_state, says why). */
+static inline __attribute__((always_inline)) void et_bounds_prefetch(const float *const *src, int64_t D, int64_t q) {
+    for (int i = 0; i < 4; ++i)
+        if (src[i])
+            for (int64_t off = 0; off < D; off += 16) __builtin_prefetch(src[i] + q * D + off, 0, 3);
+}
+
+/* The first 16 of the update's rows [k0, k1), prefetched before the loop reaches them (the loop prefetches 16
+ * rows ahead: a small update's first rows, a quarter of 64, were read cold one by one). */
+static inline __attribute__((always_inline)) void et_bounds_first_rows(const et_workspace *h, const float *const *src,
+                                                                        int64_t D, int dense, int64_t k0,
+                                                                        int64_t k1) {
+    if (dense) return;
+    for (int64_t k = k0; k < k1 && k < k0 + 16; ++k) et_bounds_prefetch(src, D, h->rows[k]);
+}
+
+/* The row the bounds pass folds k-th (k itself when dense), after prefetching every tensor's row of the update's
+ * row 16 further on (before k1). */
 static inline __attribute__((always_inline)) int64_t et_bounds_row(const et_workspace *h, const float *const *src,
                                                                   int64_t D, int dense, int64_t k, int64_t k1) {
     if (dense) return k;
-    if (k + 16 < k1) {
-        const int64_t ahead = h->rows[k + 16] * D;
-        for (int i = 0; i < 4; ++i)
-            if (src[i])
-                for (int64_t off = 0; off < D; off += 16) __builtin_prefetch(src[i] + ahead + off, 0, 3);
-    }
+    if (k + 16 < k1) et_bounds_prefetch(src, D, h->rows[k + 16]);
     return h->rows[k];
 }
 
@@ -96,6 +107,7 @@ static __attribute__((noinline)) void et_fold_rows(const et_workspace *h, const 
         tu[i] = up[8 * i];
         tm[i] = down[8 * i];
     }
+    et_bounds_first_rows(h, src, D, dense, k0, k1);
     for (int64_t k = k0; k < k1; ++k) {
         const int64_t o = et_bounds_row(h, src, D, dense, k, k1) * D;
         for (int64_t d = 0; d < D8; d += 8) u0 = et_max8(u0, *(const et_i8v *)(W + o + d) & 0x7fffffff);
@@ -177,6 +189,7 @@ static __attribute__((noinline)) void et_fold_rows16(const et_workspace *h, cons
     __m512i u0 = _mm512_loadu_si512(up), u1 = _mm512_loadu_si512(up + 16), u2 = _mm512_loadu_si512(up + 32);
     __m512i u3 = _mm512_loadu_si512(up + 48), m1 = _mm512_loadu_si512(down + 16);
     __m512i m2 = _mm512_loadu_si512(down + 32), m3 = _mm512_loadu_si512(down + 48);
+    et_bounds_first_rows(h, src, D, dense, k0, k1);
     for (int64_t k = k0; k < k1; ++k) {
         const int64_t o = et_bounds_row(h, src, D, dense, k, k1) * D;
         u0 = et_abs_fold16(W + o, D16, tail, u0);
