@@ -32,9 +32,10 @@ def _count(src: int, dst: int, round_: int) -> int:
     return (7 * src + 3 * dst + round_) % 5 * (round_ + 1)
 
 
-def _same_as_gloo(rank: int, world: int, names_path: str) -> None:
-    # The channel's token, seen as its files are made: other tests on other workers make channels of their own
-    # in the same /dev/shm meanwhile, so only this channel's names are looked for.
+def _shared_memory_token() -> str:
+    """Set up the default group's channel (``comm.transport()`` is then "shared memory") and return its token,
+    seen as its file is made: other tests on other workers make channels of their own in the same /dev/shm
+    meanwhile, so a test looks for its own channel's names only."""
     tokens: list[str] = []
     create_own = shm_channel.create_own
 
@@ -47,9 +48,14 @@ def _same_as_gloo(rank: int, world: int, names_path: str) -> None:
         assert comm.transport() == "shared memory"
     finally:
         shm_channel.create_own = create_own
-    comm.barrier()  # every rank has left the set-up
     assert len(tokens) == 1
-    left = [p.name for p in shm_channel.SHM_DIR.glob(f"embtables-{tokens[0]}-*")]
+    return tokens[0]
+
+
+def _same_as_gloo(rank: int, world: int, names_path: str) -> None:
+    token = _shared_memory_token()
+    comm.barrier()  # every rank has left the set-up
+    left = [p.name for p in shm_channel.SHM_DIR.glob(f"embtables-{token}-*")]
     assert not left, left  # every name removed at set-up
     dtypes = [torch.float32, torch.int64, torch.float64, torch.float32, torch.int32, torch.uint8]
     for round_, dtype in enumerate(dtypes):
@@ -98,7 +104,9 @@ def test_the_channel_exchanges_what_gloo_would(world: int, tmp_path: Path) -> No
 
 
 def _killed_peer(rank: int, world: int, marker: str) -> None:
-    assert comm.transport() == "shared memory"
+    token = _shared_memory_token()
+    if rank == 0:
+        Path(marker + ".token").write_text(token)
     comm.all_to_all_v(torch.ones(world, 3), [1] * world)
     if rank == 0:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the launcher's clean-up must not stop it before it reports
@@ -122,7 +130,8 @@ def test_a_killed_peer_is_detected_long_before_the_timeout(tmp_path: Path) -> No
     with pytest.raises(Exception, match="SIGKILL"):  # rank 1 died by SIGKILL: the launcher reports it
         run_world(_killed_peer, 2, str(marker), timeout=120, collective_timeout=100)
     assert float(marker.read_text()) < 5  # the collective timeout is 100 s
-    assert not list(shm_channel.SHM_DIR.glob("embtables-*-1"))
+    token = (tmp_path / "elapsed.token").read_text()
+    assert not list(shm_channel.SHM_DIR.glob(f"embtables-{token}-*"))  # the killed rank's name too
 
 
 def _one_rank_opts_out(rank: int, world: int) -> None:
