@@ -185,7 +185,8 @@ def test_a_full_dev_shm_for_one_step_does_not_stop_training_or_saving(tmp_path: 
 def _killed_in_set_up(rank: int, world: int, marker: str) -> None:
     if rank == 1:  # dies right after its file got its name, before the peers opened it
 
-        def die(*args: Any) -> int:
+        def die(token: str, *args: Any) -> int:
+            Path(marker + ".token").write_text(token)  # its channel, among any other worker's in /dev/shm
             os.kill(os.getpid(), signal.SIGKILL)
             return -1
 
@@ -208,13 +209,13 @@ def _ours(path: Path) -> bool:
 
 @pytest.mark.distributed
 def test_a_rank_killed_during_set_up_leaves_a_file_the_next_set_up_removes(tmp_path: Path) -> None:
-    before = set(shm_channel.SHM_DIR.glob("embtables-*"))
     marker = tmp_path / "done"
     with pytest.raises(Exception, match="SIGKILL"):
         run_world(_killed_in_set_up, 2, str(marker), timeout=120, collective_timeout=20)
     assert marker.exists()
-    left = [p for p in set(shm_channel.SHM_DIR.glob("embtables-*-1")) - before if _ours(p)]
-    assert len(left) == 1, left  # the killed rank's file: it never got to remove its name
+    token = (tmp_path / "done.token").read_text()  # tests on other workers may be setting up channels meanwhile
+    left = [p for p in shm_channel.SHM_DIR.glob(f"embtables-{token}-*") if _ours(p)]
+    assert [p.name for p in left] == [f"embtables-{token}-1"]  # the killed rank's file: it never removed its name
     # Beside it: a live process's channel file (this one holds it locked), and files that only look alike.
     live = shm_channel.SHM_DIR / "embtables-00112233445566aa-0"
     live_fd = os.open(live, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
