@@ -21,7 +21,7 @@ from embtables.kernels.affine_rows import AffineRows, GlobalRows
 from embtables.kernels.native import Bags, Workspace, library, require, threads
 from embtables.kernels.native_abi import NativeBufferError, raise_for, unchecked
 from embtables.kernels.native_args import array
-from embtables.kernels.native_step import StagedBags, TableArrays
+from embtables.kernels.native_step import StagedBags, TableArrays, column_block_outputs
 
 KINDS = {t.dtype: t.c_kind for t in storage_types.STORAGE_TYPES}  # C's storage kinds
 
@@ -259,14 +259,8 @@ class HalfStep:
             raise NativeBufferError("embtables native kernel: the staged bags are not one per feature of the tables.")
         dims, count = list(arrays.fdims), arrays.features
         if into is not None:
-            target = require(into, "output", torch.float32, (-1, -1))
-            rows, width = target.shape
-            ld = arrays.columns_fit(bags.n_bags, starts or (), rows, width)
-            if ld is None:
-                raise NativeBufferError("embtables native kernel: the output columns do not fit the shared buffer.")
-            base = target.data_ptr()
-            outs = [target]
-            out = (_VP * count)(*[base + 4 * s for s in starts or ()])
+            out, ld = column_block_outputs(arrays, bags.n_bags, into, starts or ())
+            outs = [into]
         else:
             if count and bags.alike_bags >= 0 and dims.count(dims[0]) == count:  # every output [S, D]: one block
                 outs = list(torch.empty((count, bags.alike_bags, dims[0]), dtype=torch.float32).unbind(0))

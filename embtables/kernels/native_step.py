@@ -376,6 +376,19 @@ class TableArrays:
         return True
 
 
+def column_block_outputs(tables: TableArrays, n_bags: Any, out: Tensor, starts: Sequence[int]) -> tuple[Any, Any]:
+    """The addresses [F] and row strides [F] of every feature's column block ``out[:, starts[f] : starts[f] + D_f]``
+    of one shared output ``out`` [S, W] float32 (the concatenated activations; every feature has S bags), for the
+    float32 and the half lookups alike. Raises ``NativeBufferError`` when a block does not fit."""
+    out = require(out, "output", torch.float32, (-1, -1))
+    rows, width = out.shape
+    ld = tables.columns_fit(n_bags, starts, rows, width)
+    if ld is None:
+        raise NativeBufferError("embtables native kernel: the output columns do not fit the shared buffer.")
+    base = out.data_ptr()
+    return (_VP * len(starts))(*[base + 4 * s for s in starts]), ld
+
+
 def lookup(tables: TableArrays, bags: StagedBags, outs: Sequence[Tensor], starts: Sequence[int] | None) -> int:
     """Every feature's pooled activations in one call: into column blocks ``out[:, starts[f] : starts[f] + D_f]``
     of ``outs[0]`` [S, W] (``starts`` given; every feature has S bags), into ``outs[0][f]`` of one block
@@ -392,13 +405,7 @@ def lookup(tables: TableArrays, bags: StagedBags, outs: Sequence[Tensor], starts
     if starts is not None:
         if len(outs) != 1:
             raise NativeBufferError("embtables native kernel: one shared output buffer is needed.")
-        out = require(outs[0], "output", torch.float32, (-1, -1))
-        rows, width = out.shape
-        base = out.data_ptr()
-        ld = tables.columns_fit(n_bags, starts, rows, width)
-        if ld is None:
-            raise NativeBufferError("embtables native kernel: the output columns do not fit the shared buffer.")
-        out_ptr = (_VP * f_count)(*[base + 4 * s for s in starts])
+        out_ptr, ld = column_block_outputs(tables, n_bags, outs[0], starts)
     elif len(outs) == 1 and outs[0].dim() == 3:  # one block [F, S, D]: feature f's output is block[f]
         dims = tables.fdims
         block = require(outs[0], "output", torch.float32, (f_count, -1, -1))

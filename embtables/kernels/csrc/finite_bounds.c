@@ -153,21 +153,23 @@ static inline __attribute__((always_inline)) __m512i et_abs_fold16(const float *
     return a;
 }
 
+/* et_float_key of 16 floats' bits. */
+static inline __m512i et_key16(__m512i v) {
+    return _mm512_xor_si512(v, _mm512_and_si512(_mm512_srai_epi32(v, 31), _mm512_set1_epi32(0x7fffffff)));
+}
+
 /* A slot row's et_float_key maxima and minima, as et_abs_fold16 reads it; the masked tail updates only its own
  * lanes. */
 static inline __attribute__((always_inline)) void et_key_fold16(const float *row, int64_t D16, __mmask16 tail,
                                                                  __m512i *up, __m512i *down) {
-    const __m512i magnitude = _mm512_set1_epi32(0x7fffffff);
     __m512i u = *up, m = *down;
     for (int64_t d = 0; d < D16; d += 16) {
-        const __m512i v = _mm512_loadu_si512(row + d);
-        const __m512i key = _mm512_xor_si512(v, _mm512_and_si512(_mm512_srai_epi32(v, 31), magnitude));
+        const __m512i key = et_key16(_mm512_loadu_si512(row + d));
         u = _mm512_max_epi32(u, key);
         m = _mm512_min_epi32(m, key);
     }
     if (tail) {
-        const __m512i v = _mm512_maskz_loadu_epi32(tail, row + D16);
-        const __m512i key = _mm512_xor_si512(v, _mm512_and_si512(_mm512_srai_epi32(v, 31), magnitude));
+        const __m512i key = et_key16(_mm512_maskz_loadu_epi32(tail, row + D16));
         u = _mm512_mask_max_epi32(u, tail, u, key);
         m = _mm512_mask_min_epi32(m, tail, m, key);
     }

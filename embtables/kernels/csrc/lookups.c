@@ -172,11 +172,10 @@ static inline int et_bag_row(int64_t F, const float *const *W, const int64_t *D,
 
 /* Bag i of the index space of every feature's bags (first[f]: feature f's first), *f its feature found from the
  * one before. */
-static inline int et_bag_of(int64_t F, const float *const *W, const int64_t *D, const int64_t *V,
-                            const int64_t *const *ids, const int64_t *const *offsets, const int64_t *S,
-                            const float *const *coeffs, float *const *out, const int64_t *ld, const int64_t *first,
-                            int64_t i, int64_t *f, int *bad) {
-    (void)F;
+static inline int et_bag_of(const float *const *W, const int64_t *D, const int64_t *V, const int64_t *const *ids,
+                            const int64_t *const *offsets, const int64_t *S, const float *const *coeffs,
+                            float *const *out, const int64_t *ld, const int64_t *first, int64_t i, int64_t *f,
+                            int *bad) {
     const int64_t g = *f = et_feature_of(first, i, *f);
     return et_bag(W[g], D[g], V[g], ids[g], offsets[g], i - first[g], offsets[g][S[g]], coeffs[g], out[g], ld[g],
                   bad);
@@ -229,7 +228,7 @@ int et_lookup_many(int64_t F, const float *const *W, const int64_t *D, const int
     if (nthreads <= 1) {
         int64_t f = 0;
         for (int64_t i = 0; i < all; ++i)
-            nonfinite |= et_bag_of(F, W, D, V, ids, offsets, S, coeffs, out, ld, first, i, &f, &bad);
+            nonfinite |= et_bag_of(W, D, V, ids, offsets, S, coeffs, out, ld, first, i, &f, &bad);
         return bad ? 1 : (nonfinite ? 2 : 0);
     }
 #pragma omp parallel num_threads(nthreads) reduction(| : bad, nonfinite)
@@ -238,7 +237,7 @@ int et_lookup_many(int64_t F, const float *const *W, const int64_t *D, const int
         int64_t f = 0;
 #pragma omp for schedule(static, 256)
         for (int64_t i = 0; i < all; ++i)
-            nonfinite |= et_bag_of(F, W, D, V, ids, offsets, S, coeffs, out, ld, first, i, &f, &bad);
+            nonfinite |= et_bag_of(W, D, V, ids, offsets, S, coeffs, out, ld, first, i, &f, &bad);
     }
     return bad ? 1 : (nonfinite ? 2 : 0);
 }
