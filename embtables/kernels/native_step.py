@@ -21,6 +21,7 @@ Status codes are those of the general calls (``native.lookup_many``, ``prepare_m
 from __future__ import annotations
 
 import ctypes
+import operator
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -72,6 +73,9 @@ class StagedBags:
         self.alike_bags = counts[0] if counts and counts.count(counts[0]) == len(counts) else -1  # S of all, or -1
         self.ids, self.offsets, self.coeffs = addresses
         self.ends = ends  # the arena elements every address lies in (checked at staging, re-checked per call)
+        # the F batches [F] the caller built over these views, by its own key (``batch_ownership``: one list per
+        # shape of the dense inputs); each batch holds the views, so ``serves`` takes them by identity
+        self.built: dict[Any, list[Any]] = {}
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (_nothing, ())  # scratch addresses of this process: a copy or a pickle of a batch carries none
@@ -80,6 +84,9 @@ class StagedBags:
         """Whether ``batches`` [F] are exactly the batches staged here, in order (each holds the staged views)."""
         if len(batches) != len(self.views):
             return False
+        for built in self.built.values():  # the batches built over these views (each holds them)
+            if all(map(operator.is_, batches, built)):
+                return True
         for b, (ids, offsets, coeffs) in zip(batches, self.views):
             if b.ids is not ids or b.offsets is not offsets or b.coeffs is not coeffs:
                 return False
@@ -141,6 +148,10 @@ class _Layout:
         base = int_arena.data_ptr()
         self.call_scalars = (_I64(n), _VP(base), _I64(int_arena.numel()), _VP(coef_arena.data_ptr()),
                              _I64(coef_arena.numel()))  # fmt: skip
+        # the call's input addresses and its status and single flags [F], filled call after call (under the lock)
+        self.call_pointers: tuple[Any, Any] = ((_VP * n)(), (_VP * n)())
+        self.call_flags = ((_I32 * n)(), (_I32 * n)())
+        self.all_ok = bytes(4 * n)  # every status 0
         self.bag_counts = [count if bags < 0 else bags for count, bags in zip(n_ids, n_bags)]
         sizes: list[int] = []
         id_at: list[int] = []
@@ -247,16 +258,19 @@ def stage(
     layout = build() if layouts is None else layouts.get(key, build)
     if layout.int_arena is not int_arena or layout.coef_arena is not coef_arena:
         layout = build()  # another tensor at a freed arena's address: never reuse its views
-    status, single = (_I32 * n)(), (_I32 * n)()
+    status, single = layout.call_flags
+    ids_arr, splits_arr = layout.call_pointers
+    ids_arr[:] = ids_p
+    splits_arr[:] = split_p
     call_ids, call_bags = layout.call_sizes
     n_c, base_c, cap_c, coef_c, coef_cap_c = layout.call_scalars
     written = calls.et_stage_inputs_many(
-        n_c, (_VP * n)(*ids_p), call_ids, (_VP * n)(*split_p), call_bags, vocab, base_c, cap_c, status, single,
-        codes, coef_c, coef_cap_c,
+        n_c, ids_arr, call_ids, splits_arr, call_bags, vocab, base_c, cap_c, status, single, codes, coef_c,
+        coef_cap_c,
     )  # fmt: skip
     if written < 0:
         raise NativeBufferError("embtables native kernel: the staging arenas are too small for the batch.")
-    if any(status):
+    if bytes(status) != layout.all_ok:
         return None
     return layout.bags(single, codes)
 
@@ -332,6 +346,9 @@ class TableArrays:
         # update they proved finite (written without a backup).
         self.hi, self.lo = (ctypes.c_double * (4 * t_count))(), (ctypes.c_double * (4 * t_count))()
         self.proven = (_I32 * t_count)()
+        # phase 1's gradient addresses and row strides [F] and its statuses [T], filled call after call
+        self.gradients: tuple[Any, Any] = ((_VP * f_count)(), (_I64 * f_count)())
+        self.prepared = (_I32 * t_count)()
         self.params: tuple[tuple[Any, ...], Any, Any] = ((), None, None)  # (blocks, their addresses, dense flags)
         self._fit: tuple[Any, tuple[int, ...], int, int, Any] | None = None  # the last layout ``columns_fit`` passed
 
@@ -454,7 +471,9 @@ def prepare(tables: TableArrays, bags: StagedBags, grads: Sequence[Tensor | None
         raise NativeBufferError("embtables native kernel: one gradient per staged feature is needed.")
     if tables.grouped:
         ids, n_ids, offsets, n_bags, coeffs = bags.ids, bags.n_ids, bags.offsets, bags.n_bags, bags.coeffs
-        grads_arr, ld_arr = (_VP * f_count)(*g_ptr), (_I64 * f_count)(*ld)
+        grads_arr, ld_arr = tables.gradients
+        grads_arr[:] = g_ptr
+        ld_arr[:] = ld
     else:
         o = tables.order
         ids = (_VP * f_count)(*[bags.ids[f] for f in o])
@@ -464,7 +483,7 @@ def prepare(tables: TableArrays, bags: StagedBags, grads: Sequence[Tensor | None
         coeffs = (_VP * f_count)(*[bags.coeffs[f] for f in o])
         grads_arr = (_VP * f_count)(*[g_ptr[f] for f in o])
         ld_arr = (_I64 * f_count)(*[ld[f] for f in o])
-    statuses = (ctypes.c_int * tables.count)()
+    statuses = tables.prepared
     calls.et_prepare_many(
         tables.count_c,
         tables.first,

@@ -227,10 +227,19 @@ class InputStager:
         )
         if bags is None:
             return None
-        return [
-            _staged_batch(ids, offs, coeffs, (offs.numel() - 1,) if sp is not None else tuple(x.shape), bags)
-            for (ids, offs, coeffs), sp, x in zip(bags.views, splits, xs)
-        ]
+        # the batches over these views, built once per shape of the dense inputs (a bag's ids [N] or [B, L])
+        key = tuple(x.shape for x, sp in zip(xs, splits) if sp is None)
+        batches: list[FeatureBatch] | None = bags.built.get(key)
+        if batches is None:
+            batches = bags.built[key] = [
+                _staged_batch(ids, offs, coeffs, (offs.numel() - 1,) if sp is not None else tuple(x.shape), bags)
+                for (ids, offs, coeffs), sp, x in zip(bags.views, splits, xs)
+            ]
+        else:
+            for b in batches:
+                if b.seg_ is not None:  # derived from an earlier batch's offsets on the general path
+                    object.__setattr__(b, "seg_", None)
+        return list(batches)
 
     def flat_gradients(self, gradients: Any, activations: list[Tensor]) -> list[Any]:
         """The F gradients of ``apply_gradients``: ``gradients`` (a nest like ``feature_config``) flattened,

@@ -207,3 +207,41 @@ def test_the_gpu_staging_gives_the_general_paths_batches_or_its_error(validate: 
         assert errors > 10
     finally:
         gpu.set_enabled(True)
+
+
+def test_batches_built_once_per_layout_carry_nothing_from_an_earlier_step() -> None:
+    """Batches staged into the same arena with the same sizes are the same objects step after step (built once,
+    ``StagedBags.built``). What the general path derives from one batch's offsets (its segment index, which a
+    dynamic table reads to drop keys without a row) must not survive into the next step, and a dense input of
+    another shape but as many ids gets batches of its own shape. Against the same steps without native staging."""
+    from embtables.kernels import native
+
+    steps = [  # the first and the last have the same sizes and dense shape: one layout, one set of batches
+        {"a": et.Ragged.from_lists([[0], [4, 5, 6]]), "b": torch.tensor([1, 2, 3, 4])},  # keys first seen: dropped
+        {"a": et.Ragged.from_lists([[0, 4, 5], [6]]), "b": torch.tensor([[1, 2], [3, 4]])},  # seen twice: admitted
+        {"a": et.Ragged.from_lists([[7, 0], [4, 9]]), "b": torch.tensor([4, 3, 2, 1])},  # 7 and 9 dropped
+    ]
+
+    def train() -> tuple[et.DistributedEmbedding, list[torch.Tensor]]:
+        t = et.TableConfig(9, 3, name="t", initializer=et.TruncatedNormal(seed=3), combiner="mean",
+                           dynamic=et.DynamicVocabulary(admit_after=2))  # fmt: skip
+        u = et.TableConfig(9, 2, name="u", initializer=et.TruncatedNormal(seed=4))
+        m = et.DistributedEmbedding({"a": et.FeatureConfig(t), "b": et.FeatureConfig(u)}, et.SGD(0.1))
+        seen = []
+        for i, features in enumerate(steps):
+            acts = m(features)
+            seen += [acts["a"].detach().clone(), acts["b"].detach().clone()]
+            m.apply_gradients({k: torch.full_like(v, 0.25 * (i + 1)) for k, v in acts.items()})
+        return m, seen + list(m.state_dict().values())
+
+    m, fast = train()
+    native.set_enabled(False)
+    try:
+        _, reference = train()
+    finally:
+        native.set_enabled(True)
+    assert len(fast) == len(reference)
+    assert all(a.shape == b.shape and torch.equal(a, b) for a, b in zip(fast, reference))
+    staged = [m._inputs.stage(features, None, torch.device("cpu"), set()) for features in steps]
+    assert all(a is b for a, b in zip(staged[0], staged[2]))  # built once: the steps above read them twice
+    assert not any(a is b for a, b in zip(staged[0], staged[1]))
