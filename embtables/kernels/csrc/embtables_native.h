@@ -124,6 +124,26 @@ static inline uint32_t et_maxbits(const float *x, int64_t D, uint32_t m) {
 /* 8 uint32 lanes (GCC / Clang vector extensions, unaligned loads) */
 typedef uint32_t et_u8v __attribute__((vector_size(32), aligned(4)));
 
+/* Whether any lane of a vector of masks is set. */
+static inline int et_any_lane(et_u8v m) {
+    uint64_t q[4];
+    memcpy(q, &m, sizeof q);
+    return (q[0] | q[1] | q[2] | q[3]) != 0;
+}
+
+/* ``bad`` with a lane set for every value of x [D] that is not finite (NaN or infinite), 8 values a step: a
+ * loop of many rows reduces the lanes once (et_any_lane), not once a row. */
+static inline et_u8v et_nonfinite8(const float *x, int64_t D, et_u8v bad) {
+    int64_t d = 0;
+    for (; d + 8 <= D; d += 8) {
+        et_u8v v;
+        memcpy(&v, x + d, sizeof v);
+        bad |= (et_u8v)((v & 0x7fffffffu) >= ET_INF_BITS);
+    }
+    for (; d < D; ++d) bad[0] |= et_absbits(x[d]) >= ET_INF_BITS;
+    return bad;
+}
+
 /* An optimizer's fused row update, and the one for a kind (NULL: a kind the kernels do not know); defined in
  * embtables_native.c, not exported from the library. */
 typedef void (*et_row_fn)(const et_opt *, float *, float *, float *, float *, const float *, int64_t);

@@ -154,13 +154,6 @@ static inline et_u8v et_lowbias32_v(et_u8v x) {
     return x;
 }
 
-/* Whether any lane of a vector of masks is set. */
-static inline int et_any_lane(et_u8v m) {
-    uint64_t q[4];
-    memcpy(q, &m, sizeof q);
-    return (q[0] | q[1] | q[2] | q[3]) != 0;
-}
-
 /* bfloat16 rounding of D floats, stochastic (bits of row hash h, columns col0 + d) or to nearest: the rules of
  * et_sr_bfloat16 and et_rn_half on 8 values at a time without branches (GCC vector extensions: the same bits,
  * whole vectors), the rest of the row through them; returns 1 when every result is finite. */

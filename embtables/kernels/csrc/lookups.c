@@ -33,9 +33,11 @@ static inline void et_bag_block64(const float *W, int64_t D, int64_t V, const in
     memcpy(out, acc, sizeof acc);
 }
 
-/* One bag; returns 0 when every output value is finite. */
-static inline int et_bag(const float *W, int64_t D, int64_t V, const int64_t *ids, const int64_t *offsets, int64_t s,
-                         int64_t total, const float *coeffs, float *out, int64_t ld, int *bad) {
+/* One bag; a lane of *nonfinite is set for an output value that is not finite. */
+static inline __attribute__((always_inline)) void et_bag(const float *W, int64_t D, int64_t V, const int64_t *ids,
+                                                         const int64_t *offsets, int64_t s, int64_t total,
+                                                         const float *coeffs, float *out, int64_t ld, int *bad,
+                                                         et_u8v *nonfinite) {
     float *restrict o = out + s * ld;
     const int64_t k0 = offsets[s], k1 = offsets[s + 1];
     int64_t d0 = 0;
@@ -63,7 +65,7 @@ static inline int et_bag(const float *W, int64_t D, int64_t V, const int64_t *id
             for (int64_t d = d0; d < D; ++d) o[d] += c * row[d];
         }
     }
-    return et_maxbits(o, D, 0) >= ET_INF_BITS;
+    *nonfinite = et_nonfinite8(o, D, *nonfinite);
 }
 
 /* 1 when every value of the F float32 buffers x[f] [n[f]] is finite (no NaN, no Inf), else 0. */
@@ -161,24 +163,23 @@ int et_split_by_owner(int64_t F, const int64_t *const *ids, const int64_t *N, co
 }
 
 /* Output row s of every feature of one shared output (et_lookup_many): each feature's bag s. */
-static inline int et_bag_row(int64_t F, const float *const *W, const int64_t *D, const int64_t *V,
-                             const int64_t *const *ids, const int64_t *const *offsets, const int64_t *S,
-                             const float *const *coeffs, float *const *out, const int64_t *ld, int64_t s, int *bad) {
-    int nonfinite = 0;
+static inline void et_bag_row(int64_t F, const float *const *W, const int64_t *D, const int64_t *V,
+                              const int64_t *const *ids, const int64_t *const *offsets, const int64_t *S,
+                              const float *const *coeffs, float *const *out, const int64_t *ld, int64_t s, int *bad,
+                              et_u8v *nonfinite) {
     for (int64_t f = 0; f < F; ++f)
-        nonfinite |= et_bag(W[f], D[f], V[f], ids[f], offsets[f], s, offsets[f][S[f]], coeffs[f], out[f], ld[f], bad);
-    return nonfinite;
+        et_bag(W[f], D[f], V[f], ids[f], offsets[f], s, offsets[f][S[f]], coeffs[f], out[f], ld[f], bad, nonfinite);
 }
 
 /* Bag i of the index space of every feature's bags (first[f]: feature f's first), *f its feature found from the
  * one before. */
-static inline int et_bag_of(const float *const *W, const int64_t *D, const int64_t *V, const int64_t *const *ids,
-                            const int64_t *const *offsets, const int64_t *S, const float *const *coeffs,
-                            float *const *out, const int64_t *ld, const int64_t *first, int64_t i, int64_t *f,
-                            int *bad) {
+static inline void et_bag_of(const float *const *W, const int64_t *D, const int64_t *V, const int64_t *const *ids,
+                             const int64_t *const *offsets, const int64_t *S, const float *const *coeffs,
+                             float *const *out, const int64_t *ld, const int64_t *first, int64_t i, int64_t *f,
+                             int *bad, et_u8v *nonfinite) {
     const int64_t g = *f = et_feature_of(first, i, *f);
-    return et_bag(W[g], D[g], V[g], ids[g], offsets[g], i - first[g], offsets[g][S[g]], coeffs[g], out[g], ld[g],
-                  bad);
+    et_bag(W[g], D[g], V[g], ids[g], offsets[g], i - first[g], offsets[g][S[g]], coeffs[g], out[g], ld[g], bad,
+           nonfinite);
 }
 
 /* The rows of each feature's first ET_LOOKUP_PF ids, prefetched before the bags reach them (each bag prefetches
@@ -203,6 +204,7 @@ int et_lookup_many(int64_t F, const float *const *W, const int64_t *D, const int
     if (!et_bag_index(F, offsets, S, N, first)) return 1;
     const int64_t all = first[F];
     int bad = 0, nonfinite = 0;
+    et_u8v lanes = {0, 0, 0, 0, 0, 0, 0, 0}; /* one thread's non-finite lanes */
     /* Column blocks of one shared output (every feature S bags, rows ld > D apart): bag by bag, every feature's
      * block of an output row while the row is in cache (feature by feature, each of the row's cache lines was
      * fetched again for every feature once the output outgrew L2). The same sums, in another order of bags. */
@@ -213,31 +215,35 @@ int et_lookup_many(int64_t F, const float *const *W, const int64_t *D, const int
         const int64_t rows = S[0];
         if (nthreads <= 1) { /* one thread: no parallel region (entering one costs a system call or two) */
             for (int64_t s = 0; s < rows; ++s)
-                nonfinite |= et_bag_row(F, W, D, V, ids, offsets, S, coeffs, out, ld, s, &bad);
-            return bad ? 1 : (nonfinite ? 2 : 0);
+                et_bag_row(F, W, D, V, ids, offsets, S, coeffs, out, ld, s, &bad, &lanes);
+            return bad ? 1 : (et_any_lane(lanes) ? 2 : 0);
         }
 #pragma omp parallel num_threads(nthreads) reduction(| : bad, nonfinite)
         {
             ET_FLUSH_SUBNORMALS;
+            et_u8v mine = lanes;
 #pragma omp for schedule(static, 64)
             for (int64_t s = 0; s < rows; ++s)
-                nonfinite |= et_bag_row(F, W, D, V, ids, offsets, S, coeffs, out, ld, s, &bad);
+                et_bag_row(F, W, D, V, ids, offsets, S, coeffs, out, ld, s, &bad, &mine);
+            nonfinite |= et_any_lane(mine);
         }
         return bad ? 1 : (nonfinite ? 2 : 0);
     }
     if (nthreads <= 1) {
         int64_t f = 0;
         for (int64_t i = 0; i < all; ++i)
-            nonfinite |= et_bag_of(W, D, V, ids, offsets, S, coeffs, out, ld, first, i, &f, &bad);
-        return bad ? 1 : (nonfinite ? 2 : 0);
+            et_bag_of(W, D, V, ids, offsets, S, coeffs, out, ld, first, i, &f, &bad, &lanes);
+        return bad ? 1 : (et_any_lane(lanes) ? 2 : 0);
     }
 #pragma omp parallel num_threads(nthreads) reduction(| : bad, nonfinite)
     {
         ET_FLUSH_SUBNORMALS;
         int64_t f = 0;
+        et_u8v mine = lanes;
 #pragma omp for schedule(static, 256)
         for (int64_t i = 0; i < all; ++i)
-            nonfinite |= et_bag_of(W, D, V, ids, offsets, S, coeffs, out, ld, first, i, &f, &bad);
+            et_bag_of(W, D, V, ids, offsets, S, coeffs, out, ld, first, i, &f, &bad, &mine);
+        nonfinite |= et_any_lane(mine);
     }
     return bad ? 1 : (nonfinite ? 2 : 0);
 }
