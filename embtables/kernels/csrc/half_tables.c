@@ -338,14 +338,15 @@ static inline void et_bag_bf16_v8(const uint16_t *W, int64_t D, int64_t V, const
 }
 
 /* Bag i of the index space of every half feature's bags (first[f]: feature f's first), *f its feature found from
- * the one before; returns 1 when its activation is not finite. Always inlined: a call per bag cost the lookup. */
-static inline __attribute__((always_inline)) int et_half_bag_of(const uint16_t *const *W, const int32_t *kind,
+ * the one before; a lane of *nonfinite is set for an activation value that is not finite. Always inlined: a call
+ * per bag cost the lookup. */
+static inline __attribute__((always_inline)) void et_half_bag_of(const uint16_t *const *W, const int32_t *kind,
                                                                   const int64_t *D, const int64_t *V,
                                                                   const int64_t *const *ids,
                                                                   const int64_t *const *offsets, const int64_t *S,
                                                                   const float *const *coeffs, float *const *out,
                                                                   const int64_t *ld, const int64_t *first, int64_t i,
-                                                                  int64_t *f, int *bad) {
+                                                                  int64_t *f, int *bad, et_u8v *nonfinite) {
     const int64_t g = *f = et_feature_of(first, i, *f);
     const int64_t s = i - first[g], d = D[g];
     float *restrict o = out[g] + s * ld[g];
@@ -354,7 +355,7 @@ static inline __attribute__((always_inline)) int et_half_bag_of(const uint16_t *
     else
         et_bag_half(W[g], kind[g], d, V[g], ids[g], offsets[g][s], offsets[g][s + 1], offsets[g][S[g]], coeffs[g], o,
                     bad);
-    return et_maxbits(o, d, 0) >= ET_INF_BITS;
+    *nonfinite = et_nonfinite8(o, d, *nonfinite);
 }
 
 /* Lookups of F features from half tables, one parallel region over every feature's bags (none for one thread):
@@ -375,17 +376,20 @@ int et_lookup_half_many(int64_t F, const uint16_t *const *W, const int32_t *kind
     int bad = 0, nonfinite = 0;
     if (nthreads <= 1) { /* one thread: no parallel region (entering one costs a system call or two) */
         int64_t f = 0;
+        et_u8v lanes = {0, 0, 0, 0, 0, 0, 0, 0};
         for (int64_t i = 0; i < all; ++i)
-            nonfinite |= et_half_bag_of(W, kind, D, V, ids, offsets, S, coeffs, out, ld, first, i, &f, &bad);
-        return bad ? 1 : (nonfinite ? 2 : 0);
+            et_half_bag_of(W, kind, D, V, ids, offsets, S, coeffs, out, ld, first, i, &f, &bad, &lanes);
+        return bad ? 1 : (et_any_lane(lanes) ? 2 : 0);
     }
 #pragma omp parallel num_threads(nthreads) reduction(| : bad, nonfinite)
     {
         ET_FLUSH_SUBNORMALS;
         int64_t f = 0;
+        et_u8v lanes = {0, 0, 0, 0, 0, 0, 0, 0};
 #pragma omp for schedule(static, 256)
         for (int64_t i = 0; i < all; ++i)
-            nonfinite |= et_half_bag_of(W, kind, D, V, ids, offsets, S, coeffs, out, ld, first, i, &f, &bad);
+            et_half_bag_of(W, kind, D, V, ids, offsets, S, coeffs, out, ld, first, i, &f, &bad, &lanes);
+        nonfinite |= et_any_lane(lanes);
     }
     return bad ? 1 : (nonfinite ? 2 : 0);
 }
