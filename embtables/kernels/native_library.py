@@ -46,6 +46,10 @@ _SOURCES = [
     )
 ]
 _HEADERS = [Path(__file__).parent / "csrc" / "embtables_native.h"]
+# The sources as they are when this module is imported, with the argument declarations imported beside them
+# (``native_abi``): the library is built from these bytes, so a source edited on disk later (an editable install)
+# can never be compiled against the declarations of an older one, which would pass arguments C does not expect.
+_TEXT = {path.name: path.read_bytes() for path in (*_SOURCES, *_HEADERS)}
 _FLAGS = [
     "-O3",
     "-march=native",
@@ -131,7 +135,7 @@ def _compile() -> ctypes.CDLL | None:
     if cc is None:
         logger.warning("embtables: no C compiler found; using the slower pure-torch kernels (set CC to enable).")
         return None
-    source = b"".join(path.read_bytes() for path in (*_SOURCES, *_HEADERS))
+    source = b"".join(_TEXT[path.name] for path in (*_SOURCES, *_HEADERS))
     key = hashlib.sha256(source + " ".join(_FLAGS).encode() + _cpu_key().encode() + cc.encode()).hexdigest()[:16]
     cache = Path(os.environ.get("EMBTABLES_CACHE_DIR", Path.home() / ".cache" / "embtables"))
     target = cache / f"embtables_native-{key}.so"
@@ -139,7 +143,9 @@ def _compile() -> ctypes.CDLL | None:
         cache.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=cache) as tmp:
             out = Path(tmp) / target.name
-            cmd = [cc, *_FLAGS, *map(str, _SOURCES), "-o", str(out), "-lm"]
+            for name, text in _TEXT.items():  # the imported sources, each header beside them
+                (Path(tmp) / name).write_bytes(text)
+            cmd = [cc, *_FLAGS, *(str(Path(tmp) / path.name) for path in _SOURCES), "-o", str(out), "-lm"]
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
             if proc.returncode != 0:
                 logger.warning(
