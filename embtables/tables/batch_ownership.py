@@ -231,6 +231,8 @@ class InputStager:
         key = tuple(x.shape for x, sp in zip(xs, splits) if sp is None)
         batches: list[FeatureBatch] | None = bags.built.get(key)
         if batches is None:
+            if len(bags.built) >= 8:  # as many dense shapes of these sizes: keep the latest few
+                bags.built.clear()
             batches = bags.built[key] = [
                 _staged_batch(ids, offs, coeffs, (offs.numel() - 1,) if sp is not None else tuple(x.shape), bags)
                 for (ids, offs, coeffs), sp, x in zip(bags.views, splits, xs)
