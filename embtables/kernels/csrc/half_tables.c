@@ -156,12 +156,12 @@ static inline et_u8v et_lowbias32_v(et_u8v x) {
 
 /* bfloat16 rounding of D floats, stochastic (bits of row hash h, columns col0 + d) or to nearest: the rules of
  * et_sr_bfloat16 and et_rn_half on 8 values at a time without branches (GCC vector extensions: the same bits,
- * whole vectors), the rest of the row through them; returns 1 when every result is finite. */
-static inline int et_round_bf16(const float *restrict x, int64_t D, uint32_t h, uint32_t col0, int stochastic,
-                                uint16_t *restrict out) {
+ * whole vectors), the rest of the row through them; returns badv with a lane set for a result that is not finite
+ * (a loop of rows reduces the lanes once, et_any_lane, not once a row). */
+static inline et_u8v et_round_bf16(const float *restrict x, int64_t D, uint32_t h, uint32_t col0, int stochastic,
+                                   uint16_t *restrict out, et_u8v badv) {
     const uint32_t *restrict b = (const uint32_t *)x;
     const et_u8v lane = {0, 1, 2, 3, 4, 5, 6, 7};
-    et_u8v badv = {0, 0, 0, 0, 0, 0, 0, 0};
     int64_t d0 = 0;
     for (; et_vector_rounding && d0 + 8 <= D; d0 += 8) {
         et_u8v v;
@@ -177,25 +177,23 @@ static inline int et_round_bf16(const float *restrict x, int64_t D, uint32_t h, 
         const et_h8v o16 = __builtin_convertvector(o, et_h8v);
         memcpy(out + d0, &o16, sizeof o16);
     }
-    uint32_t bad = (uint32_t)et_any_lane(badv);
     for (int64_t d = d0; d < D; ++d) {
         const uint16_t o = stochastic ? et_sr_bfloat16(x[d], et_lowbias32(h ^ (col0 + (uint32_t)d)))
                                       : et_rn_half(x[d], 0);
         out[d] = o;
-        bad |= (uint32_t)((o & 0x7f80u) == 0x7f80u);
+        badv[0] |= (uint32_t)((o & 0x7f80u) == 0x7f80u);
     }
-    return !bad;
+    return badv;
 }
 
 /* float16 rounding of D floats, stochastic or to nearest: the rules of et_sr_float16 and et_rn_half on 8 values
  * at a time without branches when none of them lies in float16's subnormal range (zeros, normals, overflows,
- * infinities and NaNs: the same bits), else those 8 and the rest of the row through them; returns 1 when every
- * result is finite. */
-static inline int et_round_f16(const float *restrict x, int64_t D, uint32_t h, uint32_t col0, int stochastic,
-                               uint16_t *restrict out) {
+ * infinities and NaNs: the same bits), else those 8 and the rest of the row through them; returns badv with a
+ * lane set for a result that is not finite (as et_round_bf16). */
+static inline et_u8v et_round_f16(const float *restrict x, int64_t D, uint32_t h, uint32_t col0, int stochastic,
+                                  uint16_t *restrict out, et_u8v badv) {
     const uint32_t *restrict b = (const uint32_t *)x;
     const et_u8v lane = {0, 1, 2, 3, 4, 5, 6, 7};
-    et_u8v badv = {0, 0, 0, 0, 0, 0, 0, 0};
     int64_t d0 = 0;
     for (; et_vector_rounding && d0 + 8 <= D; d0 += 8) {
         et_u8v v;
@@ -221,20 +219,29 @@ static inline int et_round_f16(const float *restrict x, int64_t D, uint32_t h, u
         const et_h8v o16 = __builtin_convertvector(o, et_h8v);
         memcpy(out + d0, &o16, sizeof o16);
     }
-    int ok = !et_any_lane(badv);
     for (int64_t d = d0; d < D; ++d) {
         const uint16_t v = stochastic ? et_sr_float16(x[d], et_lowbias32(h ^ (col0 + (uint32_t)d)))
                                       : et_rn_half(x[d], 1);
         out[d] = v;
-        ok &= (v & 0x7c00u) != 0x7c00u;
+        badv[0] |= (uint32_t)((v & 0x7c00u) == 0x7c00u);
     }
-    return ok;
+    return badv;
 }
 
-static inline int et_round_into(const float *x, int kind, int64_t D, uint32_t h, int64_t col0, int stochastic,
-                                uint16_t *out) {
-    return kind == 0 ? et_round_bf16(x, D, h, (uint32_t)col0, stochastic, out)
-                     : et_round_f16(x, D, h, (uint32_t)col0, stochastic, out);
+static inline et_u8v et_round_into(const float *x, int kind, int64_t D, uint32_t h, int64_t col0, int stochastic,
+                                   uint16_t *out, et_u8v badv) {
+    return kind == 0 ? et_round_bf16(x, D, h, (uint32_t)col0, stochastic, out, badv)
+                     : et_round_f16(x, D, h, (uint32_t)col0, stochastic, out, badv);
+}
+
+/* Whether n values of storage kind (0 bfloat16, 1 float16: 2-byte patterns; 2 float32) at x hold one that is not
+ * finite. */
+static inline int et_stored_nonfinite(const void *x, int kind, int64_t n) {
+    if (kind == 2) return et_maxbits((const float *)x, n, 0) >= ET_INF_BITS;
+    const uint16_t *v = (const uint16_t *)x, e = kind == 0 ? 0x7f80u : 0x7c00u;
+    for (int64_t i = 0; i < n; ++i)
+        if ((v[i] & e) == e) return 1;
+    return 0;
 }
 
 /* x [U, D] float32 rounded to bfloat16 (kind 0) or float16 (kind 1) into out [U, D] (the half patterns):
@@ -245,7 +252,8 @@ void et_round_rows(const float *x, int64_t U, int64_t D, const int64_t *rows, in
     ET_FLUSH_SUBNORMALS;
     const uint32_t prefix = et_round_prefix((uint64_t)seed, (uint64_t)step, (uint32_t)table);
     for (int64_t u = 0; u < U; ++u)
-        et_round_into(x + u * D, kind, D, et_round_row(prefix, rows[u]), 0, stochastic != 0, out + u * D);
+        (void)et_round_into(x + u * D, kind, D, et_round_row(prefix, rows[u]), 0, stochastic != 0, out + u * D,
+                            (et_u8v){0, 0, 0, 0, 0, 0, 0, 0});
 }
 
 static inline __attribute__((always_inline)) void et_prefetch_half(const uint16_t *row, int64_t D) {
@@ -404,7 +412,7 @@ static __attribute__((noinline)) int64_t et_apply_half_rows(const et_workspace *
                                                            int32_t stochastic, int32_t mode, uint16_t *out,
                                                            float *sout, int64_t wide, float *buf) {
     const int64_t U = h->U, sb = skind == 2 ? 4 : 2; /* bytes of one slot value */
-    int64_t bad = -1;
+    et_u8v lanes = {0, 0, 0, 0, 0, 0, 0, 0}; /* a lane set: some row written here is not finite */
 #pragma omp for schedule(static, 256) nowait
     for (int64_t u = 0; u < U; ++u) {
         if (u + ET_PF < U) { /* every 64-byte line of the row ET_PF ahead, weights and slots */
@@ -433,18 +441,34 @@ static __attribute__((noinline)) int64_t et_apply_half_rows(const et_workspace *
         fn(p, c[0], K > 0 ? c[1] : NULL, K > 1 ? c[2] : NULL, K > 2 ? c[3] : NULL, h->G + u * D, D);
         const uint32_t hr = et_round_row(prefix, affine ? first + stride * r : grows ? grows[r] : r);
         /* mode 0: the rounded row into out / sout; mode 2: into the table, in place */
-        int ok = et_round_into(c[0], wkind, D, hr, 0, stochastic, mode == 2 ? wrow : o);
+        lanes = et_round_into(c[0], wkind, D, hr, 0, stochastic, mode == 2 ? wrow : o, lanes);
         for (int k = 0; k < K; ++k) {
             if (skind == 2) {
                 float *to = mode == 2 ? (float *)S[k] + r * D : sout + (u * K + k) * D;
                 memcpy(to, c[k + 1], sizeof(float) * (size_t)D);
-                ok &= et_maxbits(c[k + 1], D, 0) < ET_INF_BITS;
+                lanes = et_nonfinite8(c[k + 1], D, lanes);
             } else {
                 uint16_t *to = mode == 2 ? (uint16_t *)S[k] + r * D : o + (k + 1) * D;
-                ok &= et_round_into(c[k + 1], skind, D, hr, (k + 1) * D, stochastic, to);
+                lanes = et_round_into(c[k + 1], skind, D, hr, (k + 1) * D, stochastic, to, lanes);
             }
         }
-        if (!ok && r > bad) bad = r;
+    }
+    if (!et_any_lane(lanes)) return -1;
+    /* Some value written is not finite: the largest such row, read back from what was written, over the same rows
+     * (a static schedule of the same loop gives this thread the same rows). */
+    int64_t bad = -1;
+#pragma omp for schedule(static, 256) nowait
+    for (int64_t u = 0; u < U; ++u) {
+        const int64_t r = h->rows[u];
+        const uint16_t *o = out + u * wide;
+        int nonfinite = et_stored_nonfinite(mode == 2 ? (const uint16_t *)W + r * D : o, wkind, D);
+        for (int k = 0; k < K && !nonfinite; ++k) {
+            const void *at = mode == 2     ? (const char *)S[k] + r * D * sb
+                             : skind == 2 ? (const void *)(sout + (u * K + k) * D)
+                                          : (const void *)(o + (k + 1) * D);
+            nonfinite = et_stored_nonfinite(at, skind, D);
+        }
+        if (nonfinite && r > bad) bad = r;
     }
     return bad;
 }
