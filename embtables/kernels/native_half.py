@@ -199,6 +199,8 @@ class HalfStep:
         self.bad = (_I64 * count)()
         self._out: list[Tensor] = [torch.empty(0, dtype=torch.int16)] * count
         self._sout: list[Tensor | None] = [None] * count
+        self._ones = (_I64 * count)(*([1] * count))  # "D" of one: et_prepared_values_max gives the most rows
+        self._fewest = 0  # the fewest rows any table's scratch holds
         self._scratch: tuple[Any, Any, Any] = self._scratch_arrays()
         self._grows: tuple[tuple[GlobalRows | None, ...], Any, Any] = ((), None, None)
 
@@ -208,10 +210,16 @@ class HalfStep:
         out = (_VP * count)(*[o.data_ptr() for o in self._out])
         sout = (_VP * count)(*[None if s is None else s.data_ptr() for s in self._sout])
         rows = (_I64 * count)(*[o.shape[0] for o in self._out])
+        self._fewest = min(rows, default=0)
         return out, sout, rows
 
     def _fit_scratch(self) -> None:
         """Every table's scratch holds at least its prepared rows (grown by half again when it does not)."""
+        lib = library()
+        assert lib is not None
+        arrays = self.arrays
+        if int(unchecked(lib).et_prepared_values_max(arrays.count_c, arrays.handles, self._ones)) <= self._fewest:
+            return  # one call: no table prepared more rows than the smallest scratch holds
         grown = False
         for t, ws in enumerate(self.arrays.workspaces):
             rows = ws.num_rows

@@ -570,3 +570,37 @@ def test_a_bfloat16_accumulator_stalls_rounded_to_nearest_and_grows_rounded_stoc
     stochastic = _accumulators_after("stochastic", torch.bfloat16)
     assert stochastic.mean().item() == pytest.approx(0.14, rel=0.01)
     assert stochastic.std().item() < 0.01  # 0.0049 measured
+
+
+def test_the_one_call_update_grows_its_scratch_as_steps_prepare_more_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``HalfStep`` keeps each table's scratch between steps and grows it when a step prepares more rows than the
+    smallest scratch holds (one C call says whether any does): steps of 1, 5, 30, 2 and 40 rows all take the one
+    call and train the torch reference's bits."""
+    if native_library.library() is None:
+        pytest.skip("the native kernels are not built here")
+    from embtables.kernels import native_half
+
+    applied: list[list[int]] = []
+    real_apply = native_half.HalfStep.apply
+
+    def recorded(*args: Any, **kwargs: Any) -> list[int]:
+        applied.append(real_apply(*args, **kwargs))
+        return applied[-1]
+
+    monkeypatch.setattr(native_half.HalfStep, "apply", recorded)
+
+    def train() -> dict[str, torch.Tensor]:
+        emb = _module("adagrad", torch.bfloat16, torch.bfloat16)
+        for n in (1, 5, 30, 2, 40):
+            emb({"f": torch.arange(n)})
+            emb.apply_gradients({"f": torch.full((n, D), 0.1)})
+        return _stored(emb)
+
+    with_c = train()
+    assert applied == [[-1]] * 5  # every step's update in the one call
+    native_library.set_enabled(False)
+    try:
+        without = train()
+    finally:
+        native_library.set_enabled(True)
+    assert all(torch.equal(x, y) for x, y in zip(with_c.values(), without.values()))
