@@ -165,10 +165,12 @@ int et_split_by_owner(int64_t F, const int64_t *const *ids, const int64_t *N, co
 /* Output row s of every feature of one shared output (et_lookup_many): each feature's bag s, et_bag inlined here
  * (flatten: about 6% of a batch-512 concatenated lookup), not in et_bag_of (there it made the lookup per feature
  * slower). */
-static inline __attribute__((flatten)) void et_bag_row(int64_t F, const float *const *W, const int64_t *D, const int64_t *V,
-                              const int64_t *const *ids, const int64_t *const *offsets, const int64_t *S,
-                              const float *const *coeffs, float *const *out, const int64_t *ld, int64_t s, int *bad,
-                              et_u8v *nonfinite) {
+static inline __attribute__((flatten)) void et_bag_row(int64_t F, const float *const *W, const int64_t *D,
+                                                       const int64_t *V, const int64_t *const *ids,
+                                                       const int64_t *const *offsets, const int64_t *S,
+                                                       const float *const *coeffs, float *const *out,
+                                                       const int64_t *ld, int64_t s, int *bad,
+                                                       et_u8v *nonfinite) {
     for (int64_t f = 0; f < F; ++f)
         et_bag(W[f], D[f], V[f], ids[f], offsets[f], s, offsets[f][S[f]], coeffs[f], out[f], ld[f], bad, nonfinite);
 }
