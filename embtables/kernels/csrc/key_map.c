@@ -525,11 +525,17 @@ int et_km_import(void *handle, const int64_t *key, const int64_t *count, const i
 }
 
 /* et_km_train for T maps at once, in parallel over the maps (each map is touched by one thread only):
- * out[t] gets map t's return value. */
+ * out[t] gets map t's return value. One map or one thread: no parallel region (an `if` clause still enters one,
+ * which costs a system call or two once the runtime has idle threads). */
 void et_km_train_many(int64_t T, void *const *handles, const int64_t *const *keys, const int64_t *n, int64_t s,
                       int64_t pin_from, int64_t *const *rows, int64_t *const *reset, int64_t *out, int nthreads) {
+    if (T <= 1 || nthreads <= 1) {
+        for (int64_t t = 0; t < T; ++t)
+            out[t] = et_km_train(handles[t], keys[t], n[t], s, pin_from, rows[t], reset[t]);
+        return;
+    }
 #ifdef _OPENMP
-#pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads) if (T > 1 && nthreads > 1)
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads)
 #endif
     for (int64_t t = 0; t < T; ++t) out[t] = et_km_train(handles[t], keys[t], n[t], s, pin_from, rows[t], reset[t]);
 }
