@@ -80,6 +80,21 @@ def _stored(emb: Any) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in emb.state_dict().items()}
 
 
+def _record_half_step_applies(monkeypatch: pytest.MonkeyPatch) -> list[list[int]]:
+    """What every ``HalfStep.apply`` (the fast path's one update call) returns from now on, in call order."""
+    from embtables.kernels import native_half
+
+    results: list[list[int]] = []
+    real_apply = native_half.HalfStep.apply
+
+    def recorded(*args: Any, **kwargs: Any) -> list[int]:
+        results.append(real_apply(*args, **kwargs))
+        return results[-1]
+
+    monkeypatch.setattr(native_half.HalfStep, "apply", recorded)
+    return results
+
+
 def test_the_config_refuses_what_half_tables_cannot_do() -> None:
     with pytest.raises(ConfigError, match=r"`dtype` must be torch\.float32, torch\.bfloat16 or torch\.float16"):
         et.TableConfig(4, 2, dtype=torch.int8)
@@ -310,16 +325,7 @@ def test_one_call_over_several_half_tables_refuses_all_or_nothing(
     table's update overflows float16, the tables it wrote are put back (in C) and the step raises naming it."""
     if native_library.library() is None:
         pytest.skip("the native kernels are not built here")
-    from embtables.kernels import native_half
-
-    results: list[list[int]] = []
-    real_apply = native_half.HalfStep.apply
-
-    def recorded(*args: Any, **kwargs: Any) -> list[int]:
-        results.append(real_apply(*args, **kwargs))
-        return results[-1]
-
-    monkeypatch.setattr(native_half.HalfStep, "apply", recorded)
+    results = _record_half_step_applies(monkeypatch)
     tables = [
         et.TableConfig(V, D, name=n, combiner="sum", initializer=et.Constant(0.5), dtype=torch.float16,
                        slot_dtype=torch.float16)
@@ -578,16 +584,7 @@ def test_the_one_call_update_grows_its_scratch_as_steps_prepare_more_rows(monkey
     call and train the torch reference's bits."""
     if native_library.library() is None:
         pytest.skip("the native kernels are not built here")
-    from embtables.kernels import native_half
-
-    applied: list[list[int]] = []
-    real_apply = native_half.HalfStep.apply
-
-    def recorded(*args: Any, **kwargs: Any) -> list[int]:
-        applied.append(real_apply(*args, **kwargs))
-        return applied[-1]
-
-    monkeypatch.setattr(native_half.HalfStep, "apply", recorded)
+    applied = _record_half_step_applies(monkeypatch)
 
     def train() -> dict[str, torch.Tensor]:
         emb = _module("adagrad", torch.bfloat16, torch.bfloat16)

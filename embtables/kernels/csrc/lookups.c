@@ -34,10 +34,8 @@ static inline void et_bag_block64(const float *W, int64_t D, int64_t V, const in
 }
 
 /* One bag; a lane of *nonfinite is set for an output value that is not finite. */
-static inline void et_bag(const float *W, int64_t D, int64_t V, const int64_t *ids,
-                                                         const int64_t *offsets, int64_t s, int64_t total,
-                                                         const float *coeffs, float *out, int64_t ld, int *bad,
-                                                         et_u8v *nonfinite) {
+static inline void et_bag(const float *W, int64_t D, int64_t V, const int64_t *ids, const int64_t *offsets, int64_t s,
+                          int64_t total, const float *coeffs, float *out, int64_t ld, int *bad, et_u8v *nonfinite) {
     float *restrict o = out + s * ld;
     const int64_t k0 = offsets[s], k1 = offsets[s + 1];
     int64_t d0 = 0;
