@@ -166,23 +166,31 @@ _VP, _I64, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
 
 
 class HalfStep:
-    """The small-batch fast path's calls over T tables that are all half-precision (``NativeFastPath``): every
-    feature's lookup in one native call (``lookup``, ``et_lookup_half_many`` over the staged bags) and phase 2 of
-    every table's lazy update in one (``apply``, ``et_apply_half_many``), all or nothing, each table's rows
-    updated in place and checked as they are written. Built once per ``TableArrays``; ``rounding`` per table:
-    (seed, table index, stochastic). The scratch (each table's stored rows, to put back) is kept between steps,
-    grown when a step prepares more rows."""
+    """The small-batch fast path's calls over T tables of which some are half-precision (``NativeFastPath``):
+    every feature's lookup in one native call (``lookup``, ``et_lookup_half_many`` over the staged bags, float32
+    tables' features pooled as the float32 lookup pools them) and phase 2 of every table's lazy update in one
+    (``apply``, ``et_apply_half_many``), all or nothing: each half table's rows updated in place and checked as
+    they are written, then the float32 tables' updates checked (as ``native_step.apply_checked`` checks them).
+    Built once per ``TableArrays``; ``rounding`` per table: (seed, table index, stochastic). The scratch (each half
+    table's stored rows, to put back) is kept between steps, grown when a step prepares more rows."""
 
     def __init__(self, arrays: TableArrays, rounding: Sequence[tuple[int, int, bool]]) -> None:
         count = arrays.count
         if len(rounding) != count:
-            raise NativeBufferError("embtables native kernel: one rounding per half table is needed.")
+            raise NativeBufferError("embtables native kernel: one rounding per table is needed.")
         self.arrays = arrays
         wkinds, skinds, self.wide, self.float_slots = [], [], [], []
         for t in range(count):
             at = arrays.weight_at[t]
             slots = arrays.tensors[at + 1 : arrays.weight_at[t + 1] if t + 1 < count else len(arrays.tensors)]
-            wkinds.append(half_kind(arrays.tensors[at]))
+            weights = arrays.tensors[at]
+            if weights.dtype == torch.float32:  # TableArrays checked its slots: float32, shaped like it
+                wkinds.append(storage_types.FLOAT32.c_kind)
+                skinds.append(storage_types.FLOAT32.c_kind)
+                self.wide.append(0)  # no scratch: a float32 table's check keeps its own
+                self.float_slots.append(0)
+                continue
+            wkinds.append(half_kind(weights))
             skind = KINDS.get(slots[0].dtype, -1) if slots else storage_types.FLOAT32.c_kind
             if skind < 0 or len(slots) > 3 or len({x.dtype for x in slots}) > 1:
                 raise NativeBufferError("embtables native kernel: at most 3 slots, all of one storage type.")
@@ -197,10 +205,16 @@ class HalfStep:
         self.table = (_I64 * count)(*[r[1] for r in rounding])
         self.stochastic = (_I32 * count)(*[int(r[2]) for r in rounding])
         self.bad = (_I64 * count)()
+        self.half = [w != storage_types.FLOAT32.c_kind for w in wkinds]
+        self.mixed = not all(self.half)
         self._out: list[Tensor] = [torch.empty(0, dtype=torch.int16)] * count
         self._sout: list[Tensor | None] = [None] * count
-        self._ones = (_I64 * count)(*([1] * count))  # "D" of one: et_prepared_values_max gives the most rows
-        self._fewest = 0  # the fewest rows any table's scratch holds
+        # "D" of one for each half table, 0 for a float32 one: et_prepared_values_max gives the most rows a half
+        # table prepared
+        self._ones = (_I64 * count)(*[int(h) for h in self.half])
+        # D of each float32 table, 0 for a half one: et_prepared_values_max gives the largest float32 update
+        self._float_dims = (_I64 * count)(*[0 if h else int(arrays.dims[t]) for t, h in enumerate(self.half)])
+        self._fewest = 0  # the fewest rows any half table's scratch holds
         self._scratch: tuple[Any, Any, Any] = self._scratch_arrays()
         self._grows: tuple[tuple[GlobalRows | None, ...], Any, Any] = ((), None, None)
 
@@ -210,8 +224,15 @@ class HalfStep:
         out = (_VP * count)(*[o.data_ptr() for o in self._out])
         sout = (_VP * count)(*[None if s is None else s.data_ptr() for s in self._sout])
         rows = (_I64 * count)(*[o.shape[0] for o in self._out])
-        self._fewest = min(rows, default=0)
+        self._fewest = min((n for n, h in zip(rows, self.half) if h), default=0)
         return out, sout, rows
+
+    def float32_updates_fit(self, most: int) -> bool:
+        """Whether every float32 table's prepared update (unique rows x D) has at most ``most`` values."""
+        lib = library()
+        assert lib is not None
+        arrays = self.arrays
+        return int(unchecked(lib).et_prepared_values_max(arrays.count_c, arrays.handles, self._float_dims)) <= most
 
     def _fit_scratch(self) -> None:
         """Every table's scratch holds at least its prepared rows (grown by half again when it does not)."""
@@ -223,7 +244,7 @@ class HalfStep:
         grown = False
         for t, ws in enumerate(self.arrays.workspaces):
             rows = ws.num_rows
-            if self._out[t].shape[0] < rows:
+            if self.half[t] and self._out[t].shape[0] < rows:
                 cap = max(rows + rows // 2, 1)
                 self._out[t] = torch.empty((cap, self.wide[t]), dtype=torch.int16)
                 k = self.float_slots[t]

@@ -262,8 +262,8 @@ def test_the_native_kernels_and_the_torch_reference_give_the_same_bits(
     opt: str, kind: str, slot_kind: str | None, rounding: str, path: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Both native paths: the fast path's one call for every half table's lookup and one for every update
-    (``HalfStep``), and the general path's (``lookup_half_many``; ``HalfUpdate`` a table), which a collection
-    mixing half and float32 tables takes."""
+    (``HalfStep``), and the general path's (``lookup_half_many``; ``HalfUpdate`` a table), which every step the
+    fast path declines takes."""
     if native_library.library() is None:
         pytest.skip("the native kernels are not built here")
     from embtables.kernels import native_half
@@ -283,7 +283,8 @@ def test_the_native_kernels_and_the_torch_reference_give_the_same_bits(
     for name in ("lookup", "apply"):
         monkeypatch.setattr(native_half.HalfStep, name, counting(name, getattr(native_half.HalfStep, name)))
     if path == "per table":
-        monkeypatch.setattr(NativeFastPath, "_half_step", lambda self, arrays: None)
+        monkeypatch.setattr(NativeFastPath, "lookup", lambda self, *args: None)
+        monkeypatch.setattr(NativeFastPath, "apply", lambda self, *args: False)
     dtypes = HALF[kind], HALF[slot_kind] if slot_kind else None
     with_c = _module(opt, *dtypes, rounding=rounding)
     seen_c = _lookups_of_steps(with_c, 4)

@@ -393,7 +393,7 @@ def test_the_half_calls_refuse_arrays_that_are_not_one_per_feature_or_table() ->
         half.apply(native_step.param_array(arrays, fast._rates[1]), [None, None], 0)
     with pytest.raises(native.NativeBufferError, match="global rows"):
         half.apply(native_step.param_array(arrays, fast._rates[1]), [None, torch.zeros(3, dtype=torch.int64), None], 0)
-    with pytest.raises(native.NativeBufferError, match="one rounding per half table"):
+    with pytest.raises(native.NativeBufferError, match="one rounding per table"):
         HalfStep(arrays, [(0, 0, True)])
 
 

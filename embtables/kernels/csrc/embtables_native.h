@@ -255,6 +255,16 @@ __attribute__((visibility("hidden"))) int et_touched_bounds_of(const et_workspac
                                                              int64_t V, int64_t D, int dense, int nthreads,
                                                              double *hi, double *lo);
 int et_prove_update(const et_opt *p, double gmax, const double *hi, const double *lo, double *out);
+/* One bag of a float32 table into out + s * ld [D] (lookups.c), for the half lookup's float32 features. */
+__attribute__((visibility("hidden"))) void et_bag_float32(const float *W, int64_t D, int64_t V, const int64_t *ids,
+                                                        const int64_t *offsets, int64_t s, int64_t total,
+                                                        const float *coeffs, float *out, int64_t ld, int *bad,
+                                                        et_u8v *nonfinite);
+/* Phase 2 of float32 tables, all or nothing (float32_updates.c): the half update's float32 tables. */
+void et_apply_many(int64_t T, void *const *handles, float *const *W, float *const *S0, float *const *S1,
+                   float *const *S2, const int64_t *V, const int64_t *D, const et_opt *const *p, const int32_t *dense,
+                   const int32_t *measure, const int32_t *check, int nthreads, float *maxabs, int32_t *status,
+                   int64_t *bad, double *hi, double *lo, int32_t *proven);
 /* How many tensors (weights and slots) et_prove_update bounds for an optimizer kind: 0 where it proves nothing. */
 static inline int et_proof_tensors(int kind) {
     return kind == ET_SGD ? 1 : kind == ET_ADAGRAD ? 2 : kind == ET_ADAM ? 3 : 0;

@@ -345,9 +345,9 @@ static inline void et_bag_bf16_v8(const uint16_t *W, int64_t D, int64_t V, const
     }
 }
 
-/* Bag i of the index space of every half feature's bags (first[f]: feature f's first), *f its feature found from
- * the one before; a lane of *nonfinite is set for an activation value that is not finite. Always inlined: a call
- * per bag cost the lookup. */
+/* Bag i of the index space of every feature's bags (first[f]: feature f's first), *f its feature found from the
+ * one before, from a half table or (kind 2) a float32 one; a lane of *nonfinite is set for an activation value
+ * that is not finite. Always inlined: a call per bag cost the lookup. */
 static inline __attribute__((always_inline)) void et_half_bag_of(const uint16_t *const *W, const int32_t *kind,
                                                                   const int64_t *D, const int64_t *V,
                                                                   const int64_t *const *ids,
@@ -357,6 +357,11 @@ static inline __attribute__((always_inline)) void et_half_bag_of(const uint16_t 
                                                                   int64_t *f, int *bad, et_u8v *nonfinite) {
     const int64_t g = *f = et_feature_of(first, i, *f);
     const int64_t s = i - first[g], d = D[g];
+    if (kind[g] == 2) { /* a float32 table: the float32 lookup's bag */
+        et_bag_float32((const float *)W[g], d, V[g], ids[g], offsets[g], s, offsets[g][S[g]], coeffs[g], out[g],
+                       ld[g], bad, nonfinite);
+        return;
+    }
     float *restrict o = out[g] + s * ld[g];
     if (kind[g] == 0 && d % 8 == 0 && d % 64 != 0) /* 64-column blocks: et_bag_half's registers */
         et_bag_bf16_v8(W[g], d, V[g], ids[g], offsets[g][s], offsets[g][s + 1], offsets[g][S[g]], coeffs[g], o, bad);
@@ -367,7 +372,8 @@ static inline __attribute__((always_inline)) void et_half_bag_of(const uint16_t 
 }
 
 /* Lookups of F features from half tables, one parallel region over every feature's bags (none for one thread):
- * feature f reads W[f] [V[f], D[f]] of kind[f] (0 bfloat16, 1 float16) and writes out[f] [S[f], D[f]] float32,
+ * feature f reads W[f] [V[f], D[f]] of kind[f] (0 bfloat16, 1 float16; 2 float32, pooled as et_lookup_many pools
+ * it: a step of half and float32 tables in one call) and writes out[f] [S[f], D[f]] float32,
  * rows ld[f] >= D[f] floats apart (ld[f] > D[f]: a column block of one wider output, the concatenated
  * activations): each row read as float32 and the bags summed in float32 in the float32 lookup's order. Returns 0,
  * 1 bad offsets or an id outside [0, V) (the outputs are then garbage), 2 a non-finite activation. */
@@ -377,7 +383,7 @@ int et_lookup_half_many(int64_t F, const uint16_t *const *W, const int32_t *kind
                         float *const *out, const int64_t *ld, int nthreads) {
     ET_FLUSH_SUBNORMALS;
     for (int64_t f = 0; f < F; ++f)
-        if (kind[f] != 0 && kind[f] != 1) return 1;
+        if (kind[f] < 0 || kind[f] > 2) return 1;
     int64_t first[F + 1];
     if (!et_bag_index(F, offsets, S, N, first)) return 1;
     const int64_t all = first[F];
@@ -545,32 +551,85 @@ int64_t et_apply_half(const void *handle, void *W, void *S0, void *S1, void *S2,
     return bad;
 }
 
-/* T half-precision tables' lazy updates (et_apply_half, argument t of each array for table t) in one call, all
- * or nothing: each table's rows updated in place (mode 2), its stored rows kept in its scratch. When table t's
- * update is not finite, bad[t] is its largest such row and every table written so far, t included, is put back
- * (mode 3): nothing changes. Returns 0 (every table written, bad all -1), 1 (one not finite, nothing written) or
- * the first status below -1 of et_apply_half (nothing written: such a call writes nothing itself). */
+/* The half tables among tables [0, last] (wkind 0 or 1) put back after a mode-2 call (mode 3), last first. */
+static void et_put_back_half(int64_t last, void *const *handles, void *const *W, void *const *S0, void *const *S1,
+                             void *const *S2, const int32_t *wkind, const int32_t *skind, const int64_t *V,
+                             const int64_t *D, const et_opt *const *p, const int64_t *const *grows,
+                             const int64_t *nglobal, const int64_t *seed, int64_t step, const int64_t *table,
+                             const int32_t *stochastic, uint16_t *const *out, float *const *sout,
+                             const int64_t *scratch_rows, int nthreads) {
+    for (int64_t k = last; k >= 0; --k)
+        if (wkind[k] != 2)
+            et_apply_half(handles[k], W[k], S0[k], S1[k], S2[k], wkind[k], skind[k], V[k], D[k], p[k], grows[k],
+                          nglobal[k], seed[k], step, table[k], stochastic[k], 3, out[k], sout[k], scratch_rows[k],
+                          nthreads);
+}
+
+/* The float32 tables (wkind 2) among T tables written by et_apply_many, all or nothing, each checked (proven
+ * finite from bounds on the rows it touches, or checked as it is written). Returns 0 (all written), 1 (one not
+ * finite: bad[t] one such row of it; nothing written) or the first status below -1 (nothing written). */
+static int64_t et_apply_float32_of(int64_t T, void *const *handles, void *const *W, void *const *S0,
+                                   void *const *S1, void *const *S2, const int32_t *wkind, const int64_t *V,
+                                   const int64_t *D, const et_opt *const *p, int nthreads, int64_t *bad) {
+    const int64_t n = T > 0 ? T : 1;
+    void *h[n];
+    float *w[n], *s0[n], *s1[n], *s2[n], maxabs[4 * n];
+    const et_opt *q[n];
+    int64_t v[n], d[n], b[n], at[n], m = 0;
+    int32_t zeros[n], ones[n], status[n], proven[n];
+    double hi[4 * n], lo[4 * n];
+    for (int64_t t = 0; t < T; ++t) {
+        if (wkind[t] != 2) continue;
+        h[m] = handles[t], w[m] = (float *)W[t], s0[m] = (float *)S0[t], s1[m] = (float *)S1[t];
+        s2[m] = (float *)S2[t], q[m] = p[t], v[m] = V[t], d[m] = D[t], zeros[m] = 0, ones[m] = 1, at[m++] = t;
+    }
+    if (m == 0) return 0;
+    et_apply_many(m, h, w, s0, s1, s2, v, d, q, zeros, zeros, ones, nthreads, maxabs, status, b, hi, lo, proven);
+    for (int64_t i = 0; i < m; ++i) {
+        if (status[i] == 1) {
+            bad[at[i]] = b[i];
+            return 1;
+        }
+        if (status[i] != 0) return status[i];
+    }
+    return 0;
+}
+
+/* T tables' lazy updates in one call, all or nothing: the half-precision tables (wkind 0 or 1: et_apply_half,
+ * argument t of each array for table t) each updated in place (mode 2), its stored rows kept in its scratch; then
+ * the float32 tables (wkind 2, skind 2: float32 slots; rounding and scratch arguments unused) by et_apply_many,
+ * each checked. When table t's update is not finite, bad[t] is its largest such row (a float32 table's: one such
+ * row) and every half table written, t included, is put back (mode 3): nothing changes. Returns 0 (every table
+ * written, bad all -1), 1 (one not finite, nothing written) or the first status below -1 of et_apply_half or
+ * et_apply_many (nothing written: such a call writes nothing itself), -4 for a kind outside 0-2. */
 int64_t et_apply_half_many(int64_t T, void *const *handles, void *const *W, void *const *S0, void *const *S1,
                            void *const *S2, const int32_t *wkind, const int32_t *skind, const int64_t *V,
                            const int64_t *D, const et_opt *const *p, const int64_t *const *grows,
                            const int64_t *nglobal, const int64_t *seed, int64_t step, const int64_t *table,
                            const int32_t *stochastic, uint16_t *const *out, float *const *sout,
                            const int64_t *scratch_rows, int nthreads, int64_t *bad) {
-    for (int64_t t = 0; t < T; ++t) bad[t] = -1;
     for (int64_t t = 0; t < T; ++t) {
+        bad[t] = -1;
+        if (wkind[t] < 0 || wkind[t] > 2 || (wkind[t] == 2 && skind[t] != 2)) return -4;
+    }
+    for (int64_t t = 0; t < T; ++t) {
+        if (wkind[t] == 2) continue;
         const int64_t r = et_apply_half(handles[t], W[t], S0[t], S1[t], S2[t], wkind[t], skind[t], V[t], D[t], p[t],
                                         grows[t], nglobal[t], seed[t], step, table[t], stochastic[t], 2, out[t],
                                         sout[t], scratch_rows[t], nthreads);
         if (r == -1) continue;
-        for (int64_t k = r >= 0 ? t : t - 1; k >= 0; --k) /* the tables written, back to what they held */
-            et_apply_half(handles[k], W[k], S0[k], S1[k], S2[k], wkind[k], skind[k], V[k], D[k], p[k], grows[k],
-                          nglobal[k], seed[k], step, table[k], stochastic[k], 3, out[k], sout[k], scratch_rows[k],
-                          nthreads);
+        /* the tables written, back to what they held */
+        et_put_back_half(r >= 0 ? t : t - 1, handles, W, S0, S1, S2, wkind, skind, V, D, p, grows, nglobal, seed,
+                         step, table, stochastic, out, sout, scratch_rows, nthreads);
         if (r >= 0) {
             bad[t] = r;
             return 1;
         }
         return r;
     }
-    return 0;
+    const int64_t r = et_apply_float32_of(T, handles, W, S0, S1, S2, wkind, V, D, p, nthreads, bad);
+    if (r != 0) /* nothing of the float32 tables written: the half tables back too */
+        et_put_back_half(T - 1, handles, W, S0, S1, S2, wkind, skind, V, D, p, grows, nglobal, seed, step, table,
+                         stochastic, out, sout, scratch_rows, nthreads);
+    return r;
 }

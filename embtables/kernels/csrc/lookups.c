@@ -66,6 +66,13 @@ static inline void et_bag(const float *W, int64_t D, int64_t V, const int64_t *i
     *nonfinite = et_nonfinite8(o, D, *nonfinite);
 }
 
+/* One bag of a float32 table, as the float32 lookups pool it: the half lookup's bags of float32 tables (a half
+ * and float32 step's features in one call, half_tables.c). */
+void et_bag_float32(const float *W, int64_t D, int64_t V, const int64_t *ids, const int64_t *offsets, int64_t s,
+                    int64_t total, const float *coeffs, float *out, int64_t ld, int *bad, et_u8v *nonfinite) {
+    et_bag(W, D, V, ids, offsets, s, total, coeffs, out, ld, bad, nonfinite);
+}
+
 /* 1 when every value of the F float32 buffers x[f] [n[f]] is finite (no NaN, no Inf), else 0. */
 int et_all_finite(int64_t F, const float *const *x, const int64_t *n) {
     uint32_t m = 0;

@@ -1,8 +1,8 @@
 """The native backend's small-batch fast path: a step whose every feature was staged by one native call,
 over tables that the native kernels serve whole (CPU, not quantized, gradients accumulated, lazy), takes one
-native call per phase through ``kernels/native_step.py``, with the tables' argument arrays built once. Tables
-all in half precision take it too (``kernels/native_half.HalfStep``: one lookup call, phase 1 as float32's, one
-update call); half and float32 tables together take it for phase 1 only.
+native call per phase through ``kernels/native_step.py``, with the tables' argument arrays built once. Steps with
+half-precision tables take it too (``kernels/native_half.HalfStep``: one lookup call, phase 1 as float32's, one
+update call), float32 tables among them included when each of their updates is small.
 
 Everything else, and every step whose call reports anything but success, goes through the general path of
 ``NativeBackend``, which repeats the work and raises its errors (naming the feature or table): the fast
@@ -54,7 +54,7 @@ class NativeFastPath:
         self._rates: tuple[tuple[float, ...], list[Any]] = ((), [])  # learning rates -> optimizer blocks
         self._dense = [0] * len(configs)  # lazy optimizers only: a non-lazy one updates every row
         self._alike_for: TableArrays | None = None
-        self._half: tuple[TableArrays, HalfStep | None] | None = None  # see _half_step
+        self._half: tuple[TableArrays, HalfStep] | None = None  # see _half_step
         self._alike_dims = False
 
     def _tensors(self) -> list[Tensor]:
@@ -109,9 +109,8 @@ class NativeFastPath:
         arrays = None if bags is None else self.arrays(weights_only=True)
         if bags is None or arrays is None:
             return None
-        if arrays.half:  # every table half: one call (into ``into``'s columns when given); else the general lookup
-            half = self._half_step(arrays)
-            outs = None if half is None else half.lookup(bags, into, starts)
+        if arrays.half:  # some table half: one call (into ``into``'s columns when given)
+            outs = self._half_step(arrays).lookup(bags, into, starts)
             if outs is None or into is not None:
                 return outs
             return [o if len(b.out_shape) == 1 else o.reshape(*b.out_shape, o.shape[1]) for o, b in zip(outs, batches)]
@@ -179,10 +178,10 @@ class NativeFastPath:
         rates = tuple(lrs[t.name] for t in tables)
         if rates != self._rates[0]:  # the optimizer blocks at these learning rates (the backend's cache)
             self._rates = (rates, [self._params(t, lr) for t, lr in zip(tables, rates)])
-        if arrays.half:  # every update rounded and checked as it is written, put back when one is not finite
+        if arrays.half:  # every half update rounded and checked as it is written, put back when one is not finite
             half = self._half_step(arrays)
-            if half is None:
-                return False  # half and float32 tables together: the general phase 2
+            if half.mixed and not half.float32_updates_fit(native_step.STAGED_MAX_VALUES):
+                return False  # a large float32 update: the general phase 2 measures its bounds on every thread
             global_rows = [self.set.global_rows.get(t.name) for t in tables]
             if not all(
                 not isinstance(g, Tensor) or (g.dtype == torch.int64 and g.is_cpu and g.is_contiguous())
@@ -194,13 +193,11 @@ class NativeFastPath:
             return False
         return max(native_step.apply_checked(arrays, self._rates[1], self._dense)) < 0  # -1 per table: all written
 
-    def _half_step(self, arrays: TableArrays) -> HalfStep | None:
-        """The one-call lookup and phase 2 of ``arrays`` when every table is half (built once per arrays), else
-        None."""
+    def _half_step(self, arrays: TableArrays) -> HalfStep:
+        """The one-call lookup and phase 2 of ``arrays``, some of whose tables are half (built once per arrays)."""
         held = self._half
         if held is None or held[0] is not arrays:
             tables = self.resolved.tables
-            every = all(t.config.half for t in tables)
             rounding = [(t.config.rounding_seed, t.index, t.config.rounding == "stochastic") for t in tables]
-            held = self._half = (arrays, HalfStep(arrays, rounding) if every else None)
+            held = self._half = (arrays, HalfStep(arrays, rounding))
         return held[1]
