@@ -76,6 +76,9 @@ class StagedBags:
         # the F batches [F] the caller built over these views, by its own key (``batch_ownership``: one list per
         # shape of the dense inputs); each batch holds the views, so ``serves`` takes them by identity
         self.built: dict[Any, list[Any]] = {}
+        # the arena's first ``keys.numel()`` elements as staged, while a dynamic table's lookup holds rows written
+        # over its features' keys in place (``dynamic_vocabularies``); None after each staging
+        self.keys: Tensor | None = None
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (_nothing, ())  # scratch addresses of this process: a copy or a pickle of a batch carries none
@@ -272,7 +275,9 @@ def stage(
         raise NativeBufferError("embtables native kernel: the staging arenas are too small for the batch.")
     if bytes(status) != layout.all_ok:
         return None
-    return layout.bags(single, codes)
+    staged = layout.bags(single, codes)
+    staged.keys = None  # the arena holds what was staged now
+    return staged
 
 
 class TableArrays:

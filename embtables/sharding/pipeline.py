@@ -235,8 +235,9 @@ class StepPipeline:
     def _lookup(self, staged: Staged) -> tuple[list[Tensor], Any, list[FeatureBatch]]:
         """The lookup of a staged batch (on the exchange thread when pipelining is sharded): its
         activations, the engine's context for the backward, and the batches looked up (a dynamic
-        table's keys turned into rows, spec §11; the staged batch keeps its keys, so a lookup done again
-        translates again). A training lookup never evicts a row the held-back update will write."""
+        table's keys turned into rows, spec §11; a step staged whole gets its rows written over its keys, which
+        are put back first when it is looked up again, so a lookup done again translates again). A training
+        lookup never evicts a row the held-back update will write."""
         pin_from = staged.step - 1 if self.pipelined else staged.step
         stale = (
             self._stale_rows_swapped_in(staged.training, Admission(staged.step, pin_from, staged.training))

@@ -80,6 +80,15 @@ class Vocabularies:
         looked up at a step >= ``pin_from``); an evaluation lookup changes nothing."""
         out = list(batches)
         resets: dict[str, Tensor] = {}
+        # A step staged whole (``StagedBags``, the small-batch fast path's input): a table whose every key has a
+        # row gets its rows written over its features' keys in the arena, the batches staying the staged ones
+        # (the fast path then serves the step); the arena's keys are kept first and put back when the same
+        # staged step is looked up again, so every lookup reads the keys as staged.
+        staged = batches[0].staged if batches else None
+        in_place = staged is not None and staged.serves(batches)
+        if staged is not None and in_place and staged.keys is not None:
+            staged.arena[: staged.keys.numel()].copy_(staged.keys)
+            staged.keys = None
         tables = [t for t in self.resolved.tables if t.name in self.maps]
         parts = [[batches[f] for f in t.feature_indices] for t in tables]
         keys = [_cat_keys(p) for p in parts]
@@ -96,6 +105,15 @@ class Vocabularies:
             found = [self.maps[t.name].find(k) for t, k in zip(tables, keys)]
         for t, p, rows in zip(tables, parts, found):
             rows = rows.to(p[0].ids.device)
+            if staged is not None and in_place and (rows.numel() == 0 or int(rows.min()) >= 0):
+                if staged.keys is None:
+                    staged.keys = staged.arena[: staged.ends[0]].clone()
+                start = 0
+                for b in p:  # the staged batches stay: their ids (arena views) now hold the rows
+                    n = b.ids.numel()
+                    b.ids.copy_(rows[start : start + n])
+                    start += n
+                continue
             start = 0
             for f, b in zip(t.feature_indices, p):
                 n = b.ids.numel()

@@ -13,11 +13,10 @@ from typing import Any
 
 import pytest
 import torch
-from statecheck import assert_same, snapshot
+from statecheck import assert_paths_agree, assert_same, snapshot
 
 import embtables as et
 from embtables.kernels import native_half, native_library
-from embtables.tables.backends.native_fast_path import NativeFastPath
 
 # (name, rows, dim, weights' dtype, slots' dtype): bfloat16 and float16 rows (half and float32 slots) between
 # float32 tables, widths that do and do not fill a vector
@@ -95,22 +94,8 @@ def test_half_and_float32_tables_take_one_call_a_phase_with_the_general_paths_bi
     assert len(calls["lookup"]) == 4 and all(out is not None for out in calls["lookup"])
     assert calls["apply"] == [[-1] * len(TABLES)] * 4  # every table written by the one call, every step
 
-    with monkeypatch.context() as m:  # the general native path: lookup_half_many / lookup_many, a write a table
-        m.setattr(NativeFastPath, "lookup", lambda self, *args: None)
-        m.setattr(NativeFastPath, "apply", lambda self, *args: False)
-        general = _module(concat)
-        seen_general = _train(general, 4, concat)
-    assert len(calls["apply"]) == 4
-    native_library.set_enabled(False)
-    try:
-        reference = _module(concat)
-        seen_reference = _train(reference, 4, concat)
-    finally:
-        native_library.set_enabled(True)
-    for a, b, c in zip(seen_fast, seen_general, seen_reference, strict=True):
-        assert torch.equal(a, b) and torch.equal(a, c)
-    assert_same(snapshot(fast), snapshot(general))
-    assert_same(snapshot(fast), snapshot(reference))
+    assert_paths_agree(lambda: _module(concat), lambda emb: _train(emb, 4, concat), fast, seen_fast, monkeypatch)
+    assert len(calls["apply"]) == 4  # the general path took none of the one calls
 
 
 @pytest.mark.parametrize("refusing", ["f1", "h2"])
