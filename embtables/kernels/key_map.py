@@ -106,17 +106,22 @@ class KeyMap:
         if len(maps) == 1:
             return [maps[0].train(keys[0], step, pin_from)]
         checked = [_keys(k) for k in keys]
-        rows = [torch.empty(k.numel(), dtype=torch.int64) for k in checked]
-        resets = [torch.empty(k.numel(), dtype=torch.int64) for k in checked]
+        sizes = [k.numel() for k in checked]
         t = len(maps)
-        out = torch.empty(t, dtype=torch.int64)
+        # every map's rows [N_t], then its reset rows [N_t], then the statuses [T]: one buffer, its views in one call
+        parts = torch.empty(2 * sum(sizes) + t, dtype=torch.int64).split_with_sizes([*sizes, *sizes, t])
+        rows, resets, out = parts[:t], parts[t : 2 * t], parts[2 * t]
         arr, i64s = ctypes.c_void_p * t, ctypes.c_int64 * t
         _library().et_km_train_many(
-            t, arr(*[m.handle for m in maps]), arr(*[k.data_ptr() for k in checked]),
-            i64s(*[k.numel() for k in checked]), step, pin_from, arr(*[r.data_ptr() for r in rows]),
-            arr(*[r.data_ptr() for r in resets]), out.data_ptr(), max(1, torch.get_num_threads()),
+            t, arr(*[m.handle for m in maps]), arr(*[k.data_ptr() for k in checked]), i64s(*sizes), step, pin_from,
+            arr(*[r.data_ptr() for r in rows]), arr(*[r.data_ptr() for r in resets]), out.data_ptr(),
+            max(1, torch.get_num_threads()),
         )  # fmt: skip
-        return [(r, reset[: m._reset_count(got, step)]) for m, got, r, reset in zip(maps, out.tolist(), rows, resets)]
+        # a status >= 0 is the count of reset rows; a negative one is raised by _reset_count
+        return [
+            (r, reset[: got if got >= 0 else m._reset_count(got, step)])
+            for m, got, r, reset in zip(maps, out.tolist(), rows, resets)
+        ]
 
     def find(self, keys: Tensor) -> Tensor:
         """The rows [N] of ``keys`` [N] (-1 for keys without one); changes nothing (evaluation)."""
