@@ -306,8 +306,8 @@ class HalfStep:
         return outs if int(status) == 0 else None
 
     def apply(self, params: Any, global_rows: Sequence[GlobalRows | None], step: int) -> list[int]:
-        """Write every table's prepared update; per table the largest row whose update is not finite (-1: none;
-        when any is not -1, nothing was written). ``params``: a ctypes array of the tables' optimizer blocks'
+        """Write every table's prepared update; per table the largest row whose update is not finite (a float32
+        table's: one such row; -1: none; when any is not -1, nothing was written). ``params``: a ctypes array of the tables' optimizer blocks'
         addresses (``native_step.apply_checked``'s), ``global_rows`` [V_t] int64, ``AffineRows`` or None per table."""
         arrays = self.arrays
         if len(global_rows) != arrays.count:
