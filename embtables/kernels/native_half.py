@@ -212,8 +212,9 @@ class HalfStep:
         # "D" of one for each half table, 0 for a float32 one: et_prepared_values_max gives the most rows a half
         # table prepared
         self._ones = (_I64 * count)(*[int(h) for h in self.half])
-        # D of each float32 table, 0 for a half one: et_prepared_values_max gives the largest float32 update
-        self._float_dims = (_I64 * count)(*[0 if h else int(arrays.dims[t]) for t, h in enumerate(self.half)])
+        # D of each float32 table, 0 for a half one: the size of the float32 updates alone
+        # (``native_step.updates_fit_checking``)
+        self.float_dims = (_I64 * count)(*[0 if h else int(arrays.dims[t]) for t, h in enumerate(self.half)])
         self._fewest = 0  # the fewest rows any half table's scratch holds
         self._scratch: tuple[Any, Any, Any] = self._scratch_arrays()
         self._grows: tuple[tuple[GlobalRows | None, ...], Any, Any] = ((), None, None)
@@ -226,13 +227,6 @@ class HalfStep:
         rows = (_I64 * count)(*[o.shape[0] for o in self._out])
         self._fewest = min((n for n, h in zip(rows, self.half) if h), default=0)
         return out, sout, rows
-
-    def float32_updates_fit(self, most: int) -> bool:
-        """Whether every float32 table's prepared update (unique rows x D) has at most ``most`` values."""
-        lib = library()
-        assert lib is not None
-        arrays = self.arrays
-        return int(unchecked(lib).et_prepared_values_max(arrays.count_c, arrays.handles, self._float_dims)) <= most
 
     def _fit_scratch(self) -> None:
         """Every table's scratch holds at least its prepared rows (grown by half again when it does not)."""
@@ -307,8 +301,9 @@ class HalfStep:
 
     def apply(self, params: Any, global_rows: Sequence[GlobalRows | None], step: int) -> list[int]:
         """Write every table's prepared update; per table the largest row whose update is not finite (a float32
-        table's: one such row; -1: none; when any is not -1, nothing was written). ``params``: a ctypes array of the tables' optimizer blocks'
-        addresses (``native_step.apply_checked``'s), ``global_rows`` [V_t] int64, ``AffineRows`` or None per table."""
+        table's: one such row; -1: none; when any is not -1, nothing was written). ``params``: a ctypes array of
+        the tables' optimizer blocks' addresses (``native_step.apply_checked``'s), ``global_rows`` [V_t] int64,
+        ``AffineRows`` or None per table."""
         arrays = self.arrays
         if len(global_rows) != arrays.count:
             raise NativeBufferError("embtables native kernel: one row map (or None) per half table is needed.")

@@ -530,9 +530,11 @@ def _column_block_pointers(
     return pointers, [max(row, width)] * len(starts)  # one row: its stride reads nothing
 
 
-def updates_fit_checking(tables: TableArrays) -> bool:
-    """Whether every table's prepared update (unique rows x D) has at most ``STAGED_MAX_VALUES`` values."""
-    most = _calls().et_prepared_values_max(tables.count_c, tables.handles, tables.dims)
+def updates_fit_checking(tables: TableArrays, dims: Any = None) -> bool:
+    """Whether every table's prepared update (unique rows x D) has at most ``STAGED_MAX_VALUES`` values; ``dims``
+    [T] (a ctypes int64 array): the D to count each table's rows by, 0 to leave a table out (the tables' own D
+    when None)."""
+    most = _calls().et_prepared_values_max(tables.count_c, tables.handles, tables.dims if dims is None else dims)
     return int(most) <= STAGED_MAX_VALUES
 
 

@@ -85,8 +85,9 @@ class Vocabularies:
         # (the fast path then serves the step); the arena's keys are kept first and put back when the same
         # staged step is looked up again, so every lookup reads the keys as staged.
         staged = batches[0].staged if batches else None
-        in_place = staged is not None and staged.serves(batches)
-        if staged is not None and in_place and staged.keys is not None:
+        if staged is not None and not staged.serves(batches):
+            staged = None  # not the staged step: new batches of rows
+        if staged is not None and staged.keys is not None:
             staged.arena[: staged.keys.numel()].copy_(staged.keys)
             staged.keys = None
         tables = [t for t in self.resolved.tables if t.name in self.maps]
@@ -105,7 +106,7 @@ class Vocabularies:
             found = [self.maps[t.name].find(k) for t, k in zip(tables, keys)]
         for t, p, rows in zip(tables, parts, found):
             rows = rows.to(p[0].ids.device)
-            if staged is not None and in_place and (rows.numel() == 0 or int(rows.min()) >= 0):
+            if staged is not None and (rows.numel() == 0 or int(rows.min()) >= 0):
                 if staged.keys is None:
                     staged.keys = staged.arena[: staged.ends[0]].clone()
                 start = 0

@@ -180,7 +180,7 @@ class NativeFastPath:
             self._rates = (rates, [self._params(t, lr) for t, lr in zip(tables, rates)])
         if arrays.half:  # every half update rounded and checked as it is written, put back when one is not finite
             half = self._half_step(arrays)
-            if half.mixed and not half.float32_updates_fit(native_step.STAGED_MAX_VALUES):
+            if half.mixed and not native_step.updates_fit_checking(arrays, half.float_dims):
                 return False  # a large float32 update: the general phase 2 measures its bounds on every thread
             global_rows = [self.set.global_rows.get(t.name) for t in tables]
             if not all(
