@@ -118,6 +118,15 @@ static inline uint32_t et_maxbits(const float *x, int64_t D, uint32_t m) {
     return m;
 }
 
+/* Rows an update takes through its optimizer in one call (the half update, the checked small update): a power
+ * of two up to 16, at most 256 values a block (or one row of a wider table). Larger blocks left the memory idle
+ * while a block computed: the standard bfloat16 step (width 64) was slower with blocks of 1024 values. */
+static inline int64_t et_block_rows(int64_t D) {
+    int64_t R = 16;
+    while (R > 1 && R * D > 256) R /= 2;
+    return R;
+}
+
 #define ET_PF 8 /* rows of look-ahead: enough misses in flight to cover DRAM latency */
 #define ET_LOOKUP_PF 16 /* ids of look-ahead in the lookup and in phase 1's sums: one row prefetched per id processed */
 

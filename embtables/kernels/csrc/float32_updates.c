@@ -225,51 +225,51 @@ int et_apply_sequential(const int64_t *rows, const float *G, int64_t N, float *W
 /* Rows x D values at most for which a checked update is computed once, in scratch (see et_apply_many). */
 #define ET_STAGED_MAX (1 << 16)
 
-/* A checked small update, in place with a backup: each row's weights and slots are first copied into the
- * workspace's scratch ([U, tensors x D]), then updated in place (the fused pass's arithmetic, so the same values) and
- * checked. Returns -1 when every value written is finite, -3 when out of memory (nothing written), else the
- * first row whose new values are not finite. *written counts the rows written (and backed up): all U unless
- * out of memory; et_restore_update puts them back. With m, the largest |value| written per tensor (as float bits).
- * (Computing into scratch and copying back read and wrote every random row twice: on tables past the L1
- * cache that cost twice the update itself; the backup's writes are sequential.) */
+/* A checked small update, in place with a backup: a block of rows at a time (et_block_rows), each row's weights
+ * and slots are copied into the workspace's scratch ([U, tensors x D], the backup) and into a block of the scratch
+ * past it, the optimizer runs once over the block as one row of its values (its row functions are elementwise:
+ * the same values as row by row), and the block is checked and written into the rows. Returns -1 when every
+ * value written is finite, -3 when out of memory (nothing written), else the first row whose new values are not
+ * finite. *written counts the rows written (and backed up): all U unless out of memory; et_restore_update puts
+ * them back. With m, the largest |value| written per tensor (as float bits). */
 static int64_t et_update_backed_up(et_workspace *h, float *W, float *S0, float *S1, float *S2, int64_t D,
                                    et_row_fn fn, const et_opt *p, int64_t *written, uint32_t *m) {
-    const int64_t U = h->U;
-    const int64_t need = 4 * (U ? U : 1) * D; /* in the workspace: no fresh pages per step */
+    const int64_t U = h->U, R = et_block_rows(D);
+    const int64_t backup = 4 * (U ? U : 1) * D; /* in the workspace: no fresh pages per step */
     *written = 0;
-    et_shrink((void **)&h->scratch, &h->cap_s, need, sizeof(float));
-    if (!et_reserve((void **)&h->scratch, &h->cap_s, need, sizeof(float))) return -3;
+    et_shrink((void **)&h->scratch, &h->cap_s, backup + 4 * R * D, sizeof(float));
+    if (!et_reserve((void **)&h->scratch, &h->cap_s, backup + 4 * R * D, sizeof(float))) return -3;
     float *const dst[4] = {W, S0, S1, S2};
-    /* the running maxima of the values written, per tensor, in 8 lanes across rows (one reduction at the end) */
-    uint32_t lane[4][8], tail[4] = {0, 0, 0, 0};
-    memset(lane, 0, sizeof lane);
-    const int64_t D8 = D & ~(int64_t)7;
+    float *const block = h->scratch + backup; /* [4, R x D]: tensor i's rows at block + i R D */
+    uint32_t most[4] = {0, 0, 0, 0};          /* the largest |value| written per tensor, as float bits */
     const int64_t width = (1 + (S0 != NULL) + (S1 != NULL) + (S2 != NULL)) * D; /* backed-up floats per row */
-    for (int64_t u = 0; u < U; ++u) {
-        /* the rows are random: keep several in flight, as the fused pass does */
-        if (u + ET_PF < U) et_prefetch_state(W, S0, S1, S2, h->rows[u + ET_PF] * D, D, 1);
-        const int64_t r = h->rows[u] * D;
-        float *keep = h->scratch + u * width;
-        for (int i = 0, k = 0; i < 4; ++i)
-            if (dst[i]) et_copy_row(keep + D * k++, dst[i] + r, D);
-        fn(p, W + r, S0 ? S0 + r : NULL, S1 ? S1 + r : NULL, S2 ? S2 + r : NULL, h->G + u * D, D);
-        *written = u + 1;
+    for (int64_t u0 = 0; u0 < U; u0 += R) {
+        const int64_t n = U - u0 < R ? U - u0 : R;
+        for (int64_t j = 0; j < n; ++j) {
+            const int64_t u = u0 + j;
+            /* the rows are random: keep several in flight, as the fused pass does */
+            if (u + ET_PF < U) et_prefetch_state(W, S0, S1, S2, h->rows[u + ET_PF] * D, D, 1);
+            const int64_t r = h->rows[u] * D;
+            float *keep = h->scratch + u * width;
+            for (int i = 0, k = 0; i < 4; ++i)
+                if (dst[i]) {
+                    et_copy_row(keep + D * k++, dst[i] + r, D);
+                    et_copy_row(block + (i * R + j) * D, dst[i] + r, D);
+                }
+        }
+        fn(p, block, S0 ? block + R * D : NULL, S1 ? block + 2 * R * D : NULL, S2 ? block + 3 * R * D : NULL,
+           h->G + u0 * D, n * D);
         for (int i = 0; i < 4; ++i) {
             if (!dst[i]) continue;
-            const float *row = dst[i] + r;
-            for (int64_t d = 0; d < D8; d += 8)
-                for (int j = 0; j < 8; ++j) {
-                    const uint32_t a = et_absbits(row[d + j]);
-                    lane[i][j] = a > lane[i][j] ? a : lane[i][j];
-                }
-            tail[i] = et_maxbits(row + D8, D - D8, tail[i]);
+            most[i] = et_maxbits(block + i * R * D, n * D, most[i]);
+            for (int64_t j = 0; j < n; ++j) et_copy_row(dst[i] + h->rows[u0 + j] * D, block + (i * R + j) * D, D);
         }
+        *written = u0 + n;
     }
     uint32_t bits = 0;
     for (int i = 0; i < 4; ++i) {
-        for (int j = 0; j < 8; ++j) tail[i] = lane[i][j] > tail[i] ? lane[i][j] : tail[i];
-        if (m) m[i] = tail[i] > m[i] ? tail[i] : m[i];
-        bits = tail[i] > bits ? tail[i] : bits;
+        if (m) m[i] = most[i] > m[i] ? most[i] : m[i];
+        bits = most[i] > bits ? most[i] : bits;
     }
     if (bits < ET_INF_BITS) return -1;
     for (int64_t u = 0; u < U; ++u) { /* rare: find the first row written with a value that is not finite */

@@ -408,15 +408,6 @@ int et_lookup_half_many(int64_t F, const uint16_t *const *W, const int32_t *kind
     return bad ? 1 : (nonfinite ? 2 : 0);
 }
 
-/* Rows the half update takes through its optimizer in one call: a power of two up to 16, at most 256 values a
- * block (or one row of a wider table). Larger blocks left the memory idle while a block computed: the standard
- * bfloat16 step (width 64) was slower with blocks of 1024 values. */
-static inline int64_t et_half_block_rows(int64_t D) {
-    int64_t R = 16;
-    while (R > 1 && R * D > 256) R /= 2;
-    return R;
-}
-
 /* n 2-byte patterns from src to dst (an inline loop: a memcpy of a size known only at run time is a call) */
 static inline void et_copy_half(uint16_t *restrict dst, const uint16_t *restrict src, int64_t n) {
     for (int64_t i = 0; i < n; ++i) dst[i] = src[i];
@@ -432,7 +423,7 @@ static inline __attribute__((always_inline)) int64_t et_half_rows(const et_works
                                                                    int32_t stochastic, int32_t mode, uint16_t *out,
                                                                    float *sout, int64_t wide, float *buf) {
     const int64_t U = h->U, sb = skind == 2 ? 4 : 2; /* bytes of one slot value */
-    const int64_t R = et_half_block_rows(D), blocks = (U + R - 1) / R;
+    const int64_t R = et_block_rows(D), blocks = (U + R - 1) / R;
     et_u8v lanes = {0, 0, 0, 0, 0, 0, 0, 0}; /* a lane set: some row written here is not finite */
     float *c[4] = {buf, buf + R * D, buf + 2 * R * D, buf + 3 * R * D}; /* R rows of weights, of each slot */
     /* 256 / R blocks a chunk: each thread gets the rows schedule(static, 256) over rows gives it */
@@ -510,7 +501,7 @@ static inline __attribute__((always_inline)) int64_t et_half_rows(const et_works
 
 /* The rows of et_apply_half's modes 0 and 2, shared by the calling team's threads (a worksharing loop; called
  * outside a parallel region, by one thread, it runs every row), buf this thread's 4 x R x D floats
- * (R = et_half_block_rows(D)). Returns the largest row whose update is not finite, -1 when none. A bfloat16
+ * (R = et_block_rows(D)). Returns the largest row whose update is not finite, -1 when none. A bfloat16
  * table with one bfloat16 slot (Adagrad's), rounded stochastically in place, gets a loop of its own. Not inlined:
  * the prefetch test finds its loop by name. */
 static __attribute__((noinline)) int64_t et_apply_half_rows(const et_workspace *h, void *W, void *const *S, int K,
@@ -578,7 +569,7 @@ int64_t et_apply_half(const void *handle, void *W, void *S0, void *S1, void *S2,
     const uint32_t prefix = et_round_prefix((uint64_t)seed, (uint64_t)step, (uint32_t)table);
     /* every thread's row buffer before any row is touched: out of memory here changes nothing */
     const int nt = nthreads > 0 ? nthreads : 1;
-    const int64_t per_thread = 4 * et_half_block_rows(D) * D; /* floats: R rows of weights and 3 slots */
+    const int64_t per_thread = 4 * et_block_rows(D) * D; /* floats: R rows of weights and 3 slots */
     float *bufs = (float *)malloc(sizeof(float) * (size_t)per_thread * (size_t)nt);
     if (!bufs) return -3;
     int64_t bad = -1;
