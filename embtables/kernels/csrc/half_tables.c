@@ -408,11 +408,6 @@ int et_lookup_half_many(int64_t F, const uint16_t *const *W, const int32_t *kind
     return bad ? 1 : (nonfinite ? 2 : 0);
 }
 
-/* n 2-byte patterns from src to dst (an inline loop: a memcpy of a size known only at run time is a call) */
-static inline void et_copy_half(uint16_t *restrict dst, const uint16_t *restrict src, int64_t n) {
-    for (int64_t i = 0; i < n; ++i) dst[i] = src[i];
-}
-
 /* The body of et_apply_half_rows, always inlined so that a caller passing constants (kinds, slots, mode) gets a
  * loop without their branches. */
 static inline __attribute__((always_inline)) int64_t et_half_rows(const et_workspace *h, void *W, void *const *S,
@@ -445,12 +440,10 @@ static inline __attribute__((always_inline)) int64_t et_half_rows(const et_works
             const int64_t r = h->rows[u];
             uint16_t *o = out + u * wide;
             if (mode == 2) { /* the stored row first, to put back (mode 3) */
-                et_copy_half(o, (const uint16_t *)W + r * D, D);
+                memcpy(o, (const uint16_t *)W + r * D, sizeof(uint16_t) * (size_t)D);
                 for (int k = 0; k < K; ++k) {
-                    if (skind == 2)
-                        memcpy(sout + (u * K + k) * D, (const float *)S[k] + r * D, sizeof(float) * (size_t)D);
-                    else
-                        et_copy_half(o + (k + 1) * D, (const uint16_t *)S[k] + r * D, D);
+                    char *to = skind == 2 ? (char *)(sout + (u * K + k) * D) : (char *)(o + (k + 1) * D);
+                    memcpy(to, (const char *)S[k] + r * D * sb, (size_t)(D * sb));
                 }
             }
             et_load_row(W, wkind, r, D, c[0] + i * D);
