@@ -119,8 +119,9 @@ static inline uint32_t et_maxbits(const float *x, int64_t D, uint32_t m) {
 }
 
 /* Rows an update takes through its optimizer in one call (the half update, the checked small update): a power
- * of two up to 16, at most 256 values a block (or one row of a wider table). Larger blocks left the memory idle
- * while a block computed: the standard bfloat16 step (width 64) was slower with blocks of 1024 values. */
+ * of two up to 16, at most 256 values a block (or one row of a wider table). A block's reads end before its
+ * arithmetic starts, so a larger block leaves the memory idle longer (1024 values: the standard bfloat16 step,
+ * width 64, slower than with 256). */
 static inline int64_t et_block_rows(int64_t D) {
     int64_t R = 16;
     while (R > 1 && R * D > 256) R /= 2;

@@ -429,7 +429,7 @@ static inline __attribute__((always_inline)) int64_t et_half_rows(const et_works
             const int64_t u = u0 + i;
             if (u + ET_PF < U) { /* every 64-byte line of the row ET_PF ahead, weights and slots */
                 const int64_t ahead = h->rows[u + ET_PF];
-                const int64_t wbytes = 2 * D, sbytes = skind == 2 ? 4 * D : 2 * D;
+                const int64_t wbytes = 2 * D, sbytes = sb * D;
                 const char *w = (const char *)W + ahead * wbytes;
                 for (int64_t b = 0; b < wbytes; b += 64) __builtin_prefetch(w + b, 0, 3);
                 for (int k = 0; k < K; ++k) {
