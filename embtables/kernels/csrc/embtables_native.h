@@ -131,8 +131,9 @@ static inline int64_t et_block_rows(int64_t D) {
 #define ET_PF 8 /* rows of look-ahead: enough misses in flight to cover DRAM latency */
 #define ET_LOOKUP_PF 16 /* ids of look-ahead in the lookup and in phase 1's sums: one row prefetched per id processed */
 
-/* 8 uint32 lanes (GCC / Clang vector extensions, unaligned loads) */
+/* 8 uint32 lanes and 8 float32 lanes (GCC / Clang vector extensions, unaligned loads) */
 typedef uint32_t et_u8v __attribute__((vector_size(32), aligned(4)));
+typedef float et_f8v __attribute__((vector_size(32), aligned(4)));
 
 /* Whether any lane of a vector of masks is set. */
 static inline int et_any_lane(et_u8v m) {
@@ -223,6 +224,68 @@ static inline int64_t et_feature_of(const int64_t *first, int64_t i, int64_t f) 
 static inline __attribute__((always_inline)) void et_prefetch_head(const float *row, int64_t D) {
     __builtin_prefetch(row, 0, 3);
     if (D > 16) __builtin_prefetch(row + 16, 0, 3);
+}
+
+/* Whether every bag of a feature holds exactly one id: offsets [S + 1] are offsets[0], offsets[0] + 1, ...,
+ * offsets[0] + S (checked in the call that reads through them; et_offsets_ok's rules then hold too). */
+static inline int et_one_id_bags(const int64_t *offsets, int64_t S) {
+    const int64_t base = offsets[0];
+    if (offsets[S] != base + S) return 0; /* pooled bags: no pass */
+    int64_t off = 0;
+    for (int64_t s = 0; s <= S; ++s) off |= offsets[s] ^ (base + s);
+    return off == 0;
+}
+
+/* 1 when every bag of F features holds one id and none has coefficients (et_one_id_bags), first_id[f] [F] then
+ * feature f's first id: the lookups read each feature's ids from there, without their offsets. */
+static inline int et_one_id_features(int64_t F, const int64_t *const *ids, const int64_t *const *offsets,
+                                     const int64_t *S, const float *const *coeffs, const int64_t **first_id) {
+    for (int64_t f = 0; f < F; ++f) {
+        if (coeffs[f] || !et_one_id_bags(offsets[f], S[f])) return 0;
+        first_id[f] = ids[f] + offsets[f][0];
+    }
+    return 1;
+}
+
+/* The row of bag s of a feature whose bags hold one id each (et_one_id_bags; ids at the feature's first id, S
+ * bags) in a table of rows ``bytes`` apart, the row of bag s + ET_LOOKUP_PF prefetched (its first two 64-byte
+ * lines, as et_prefetch_head); NULL, with o [D] zeroed and *bad set, for an id outside [0, V). */
+static inline __attribute__((always_inline)) const char *et_one_id_row(const char *W, int64_t bytes, int64_t V,
+                                                                       const int64_t *ids, int64_t s, int64_t S,
+                                                                       float *o, int64_t D, int *bad) {
+    if (s + ET_LOOKUP_PF < S) {
+        const char *ahead = W + ids[s + ET_LOOKUP_PF] * bytes;
+        __builtin_prefetch(ahead, 0, 3);
+        if (bytes > 64) __builtin_prefetch(ahead + 64, 0, 3);
+    }
+    const int64_t id = ids[s];
+    if ((uint64_t)id >= (uint64_t)V) {
+        *bad = 1;
+        for (int64_t d = 0; d < D; ++d) o[d] = 0.0f;
+        return NULL;
+    }
+    return W + id * bytes;
+}
+
+/* Bag s of such a feature of a float32 table: o [D] = 0 + its row, the sum et_bag makes of one id, and a lane of
+ * *nonfinite set for a value that is not finite, from the registers stored (the output is not read back). */
+static inline __attribute__((always_inline)) void et_one_id_bag(const float *W, int64_t D, int64_t V,
+                                                                const int64_t *ids, int64_t s, int64_t S,
+                                                                float *restrict o, int *bad, et_u8v *nonfinite) {
+    const float *restrict row = (const float *)et_one_id_row((const char *)W, 4 * D, V, ids, s, S, o, D, bad);
+    if (!row) return;
+    et_u8v lanes = *nonfinite;
+    int64_t d = 0;
+    for (; d + 8 <= D; d += 8) {
+        const et_f8v v = 0.0f + *(const et_f8v *)(row + d);
+        *(et_f8v *)(o + d) = v;
+        lanes |= (et_u8v)(((et_u8v)v & 0x7fffffffu) >= ET_INF_BITS);
+    }
+    for (; d < D; ++d) {
+        o[d] = 0.0f + row[d];
+        lanes[0] |= et_absbits(o[d]) >= ET_INF_BITS;
+    }
+    *nonfinite = lanes;
 }
 
 /* Prefetch a whole row (every 64-byte line), for writing. */

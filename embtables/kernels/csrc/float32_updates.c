@@ -23,10 +23,9 @@ static inline __attribute__((always_inline)) void et_prefetch_state(const float 
 /* Copy one row of D floats as 8-float vectors (GCC / Clang vector extensions, unaligned): inlined moves where a
  * libc memcpy call per row of a few dozen floats, twice per tensor per row, cost a checked small update more
  * than its arithmetic. */
-typedef float et_v8 __attribute__((vector_size(32), aligned(4)));
 static inline void et_copy_row(float *dst, const float *src, int64_t D) {
     int64_t d = 0;
-    for (; d + 8 <= D; d += 8) *(et_v8 *)(dst + d) = *(const et_v8 *)(src + d);
+    for (; d + 8 <= D; d += 8) *(et_f8v *)(dst + d) = *(const et_f8v *)(src + d);
     for (; d < D; ++d) dst[d] = src[d];
 }
 

@@ -319,8 +319,6 @@ static inline void et_bag_half(const uint16_t *W, int kind, int64_t D, int64_t V
     }
 }
 
-typedef float et_f8v __attribute__((vector_size(32), aligned(4)));
-
 /* One bag of a bfloat16 table with D a multiple of 8, 8 columns at a time: each block's sums in a register,
  * 0 + c * row in id order (the float32 lookup's sums; no fused multiply-add: -ffp-contract=off). */
 static inline void et_bag_bf16_v8(const uint16_t *W, int64_t D, int64_t V, const int64_t *ids, int64_t k0,
@@ -345,18 +343,54 @@ static inline void et_bag_bf16_v8(const uint16_t *W, int64_t D, int64_t V, const
     }
 }
 
+/* Bag s of a feature of a half table (kind 0 bfloat16, 1 float16) or (kind 2) a float32 one whose bags hold one
+ * id each and no coefficient (et_one_id_bags; ids at the feature's first id, S bags): o [D] = 0 + the row read as
+ * float32, the sum et_bag_half and et_bag_bf16_v8 make of one id, with et_one_id_bag's non-finite lanes and
+ * bad ids. */
+static inline __attribute__((always_inline)) void et_one_id_half_bag(const uint16_t *W, int kind, int64_t D,
+                                                                     int64_t V, const int64_t *ids, int64_t s,
+                                                                     int64_t S, float *restrict o, int *bad,
+                                                                     et_u8v *nonfinite) {
+    if (kind == 2) {
+        et_one_id_bag((const float *)W, D, V, ids, s, S, o, bad, nonfinite);
+        return;
+    }
+    const uint16_t *restrict row = (const uint16_t *)et_one_id_row((const char *)W, 2 * D, V, ids, s, S, o, D, bad);
+    if (!row) return;
+    et_u8v lanes = *nonfinite;
+    int64_t d = 0;
+    for (; kind == 0 && d + 8 <= D; d += 8) {
+        et_h8v h;
+        memcpy(&h, row + d, sizeof h);
+        const et_f8v v = 0.0f + (et_f8v)(__builtin_convertvector(h, et_u8v) << 16);
+        *(et_f8v *)(o + d) = v;
+        lanes |= (et_u8v)(((et_u8v)v & 0x7fffffffu) >= ET_INF_BITS);
+    }
+    for (; d < D; ++d) {
+        o[d] = 0.0f + et_half_float(row[d], kind);
+        lanes[0] |= et_absbits(o[d]) >= ET_INF_BITS;
+    }
+    *nonfinite = lanes;
+}
+
 /* Bag i of the index space of every feature's bags (first[f]: feature f's first), *f its feature found from the
- * one before, from a half table or (kind 2) a float32 one; a lane of *nonfinite is set for an activation value
+ * one before, from a half table or (kind 2) a float32 one (et_one_id_half_bag when every bag of every feature
+ * holds one id: one_id, first_id[f] feature f's first id); a lane of *nonfinite is set for an activation value
  * that is not finite. Always inlined: a call per bag cost the lookup. */
-static inline __attribute__((always_inline)) void et_half_bag_of(const uint16_t *const *W, const int32_t *kind,
-                                                                  const int64_t *D, const int64_t *V,
-                                                                  const int64_t *const *ids,
+static inline __attribute__((always_inline)) void et_half_bag_of(int one_id, const uint16_t *const *W,
+                                                                  const int32_t *kind, const int64_t *D,
+                                                                  const int64_t *V, const int64_t *const *ids,
+                                                                  const int64_t *const *first_id,
                                                                   const int64_t *const *offsets, const int64_t *S,
                                                                   const float *const *coeffs, float *const *out,
                                                                   const int64_t *ld, const int64_t *first, int64_t i,
                                                                   int64_t *f, int *bad, et_u8v *nonfinite) {
     const int64_t g = *f = et_feature_of(first, i, *f);
     const int64_t s = i - first[g], d = D[g];
+    if (one_id) {
+        et_one_id_half_bag(W[g], kind[g], d, V[g], first_id[g], s, S[g], out[g] + s * ld[g], bad, nonfinite);
+        return;
+    }
     if (kind[g] == 2) { /* a float32 table: the float32 lookup's bag */
         et_bag_float32((const float *)W[g], d, V[g], ids[g], offsets[g], s, offsets[g][S[g]], coeffs[g], out[g],
                        ld[g], bad, nonfinite);
@@ -388,11 +422,21 @@ int et_lookup_half_many(int64_t F, const uint16_t *const *W, const int32_t *kind
     if (!et_bag_index(F, offsets, S, N, first)) return 1;
     const int64_t all = first[F];
     int bad = 0, nonfinite = 0;
+    const int64_t *first_id[F > 0 ? F : 1];
+    const int one_id = et_one_id_features(F, ids, offsets, S, coeffs, first_id);
+    if (one_id && nthreads <= 1) { /* feature by feature: each feature's table, kind and width read once */
+        et_u8v lanes = {0, 0, 0, 0, 0, 0, 0, 0};
+        for (int64_t f = 0; f < F; ++f)
+            for (int64_t s = 0; s < S[f]; ++s)
+                et_one_id_half_bag(W[f], kind[f], D[f], V[f], first_id[f], s, S[f], out[f] + s * ld[f], &bad, &lanes);
+        return bad ? 1 : (et_any_lane(lanes) ? 2 : 0);
+    }
     if (nthreads <= 1) { /* one thread: no parallel region (entering one costs a system call or two) */
         int64_t f = 0;
         et_u8v lanes = {0, 0, 0, 0, 0, 0, 0, 0};
         for (int64_t i = 0; i < all; ++i)
-            et_half_bag_of(W, kind, D, V, ids, offsets, S, coeffs, out, ld, first, i, &f, &bad, &lanes);
+            et_half_bag_of(one_id, W, kind, D, V, ids, first_id, offsets, S, coeffs, out, ld, first, i, &f, &bad,
+                           &lanes);
         return bad ? 1 : (et_any_lane(lanes) ? 2 : 0);
     }
 #pragma omp parallel num_threads(nthreads) reduction(| : bad, nonfinite)
@@ -402,7 +446,8 @@ int et_lookup_half_many(int64_t F, const uint16_t *const *W, const int32_t *kind
         et_u8v lanes = {0, 0, 0, 0, 0, 0, 0, 0};
 #pragma omp for schedule(static, 256)
         for (int64_t i = 0; i < all; ++i)
-            et_half_bag_of(W, kind, D, V, ids, offsets, S, coeffs, out, ld, first, i, &f, &bad, &lanes);
+            et_half_bag_of(one_id, W, kind, D, V, ids, first_id, offsets, S, coeffs, out, ld, first, i, &f, &bad,
+                           &lanes);
         nonfinite |= et_any_lane(lanes);
     }
     return bad ? 1 : (nonfinite ? 2 : 0);

@@ -180,6 +180,30 @@ static inline __attribute__((flatten)) void et_bag_row(int64_t F, const float *c
         et_bag(W[f], D[f], V[f], ids[f], offsets[f], s, offsets[f][S[f]], coeffs[f], out[f], ld[f], bad, nonfinite);
 }
 
+/* Output row s of every feature of one shared output when every bag holds one id and none has a coefficient
+ * (et_one_id_bags): feature f's id s from ids[f] (at its first id), its block at out[f] + s * ld[f]. */
+static inline void et_one_id_shared_row(int64_t F, const float *const *W, const int64_t *D, const int64_t *V,
+                                        const int64_t *const *ids, int64_t S, float *const *out, const int64_t *ld,
+                                        int64_t s, int *bad, et_u8v *nonfinite) {
+    for (int64_t f = 0; f < F; ++f)
+        et_one_id_bag(W[f], D[f], V[f], ids[f], s, S, out[f] + s * ld[f], bad, nonfinite);
+}
+
+/* Output row s of one shared output: et_one_id_shared_row when every bag holds one id (one_id), else et_bag_row. */
+static inline __attribute__((always_inline)) void et_shared_row(int one_id, int64_t F, const float *const *W,
+                                                                const int64_t *D, const int64_t *V,
+                                                                const int64_t *const *ids,
+                                                                const int64_t *const *first_id,
+                                                                const int64_t *const *offsets, const int64_t *S,
+                                                                const float *const *coeffs, float *const *out,
+                                                                const int64_t *ld, int64_t s, int *bad,
+                                                                et_u8v *nonfinite) {
+    if (one_id)
+        et_one_id_shared_row(F, W, D, V, first_id, S[0], out, ld, s, bad, nonfinite);
+    else
+        et_bag_row(F, W, D, V, ids, offsets, S, coeffs, out, ld, s, bad, nonfinite);
+}
+
 /* Bag i of the index space of every feature's bags (first[f]: feature f's first), *f its feature found from the
  * one before. */
 static inline void et_bag_of(const float *const *W, const int64_t *D, const int64_t *V, const int64_t *const *ids,
@@ -189,6 +213,23 @@ static inline void et_bag_of(const float *const *W, const int64_t *D, const int6
     const int64_t g = *f = et_feature_of(first, i, *f);
     et_bag(W[g], D[g], V[g], ids[g], offsets[g], i - first[g], offsets[g][S[g]], coeffs[g], out[g], ld[g], bad,
            nonfinite);
+}
+
+/* Bag i of the index space: et_one_id_bag when every bag holds one id (one_id; first_id[f] feature f's first id),
+ * else et_bag_of. */
+static inline __attribute__((always_inline)) void et_any_bag(int one_id, const float *const *W, const int64_t *D,
+                                                             const int64_t *V, const int64_t *const *ids,
+                                                             const int64_t *const *first_id,
+                                                             const int64_t *const *offsets, const int64_t *S,
+                                                             const float *const *coeffs, float *const *out,
+                                                             const int64_t *ld, const int64_t *first, int64_t i,
+                                                             int64_t *f, int *bad, et_u8v *nonfinite) {
+    if (!one_id) {
+        et_bag_of(W, D, V, ids, offsets, S, coeffs, out, ld, first, i, f, bad, nonfinite);
+        return;
+    }
+    const int64_t g = *f = et_feature_of(first, i, *f), s = i - first[g];
+    et_one_id_bag(W[g], D[g], V[g], first_id[g], s, S[g], out[g] + s * ld[g], bad, nonfinite);
 }
 
 /* The rows of each feature's first ET_LOOKUP_PF ids, prefetched before the bags reach them (each bag prefetches
@@ -220,11 +261,13 @@ int et_lookup_many(int64_t F, const float *const *W, const int64_t *D, const int
     int shared = F > 1;
     for (int64_t f = 0; f < F && shared; ++f) shared = S[f] == S[0] && ld[f] > D[f];
     if (nthreads <= 1) et_first_ids(F, W, D, ids, N);
+    const int64_t *first_id[F > 0 ? F : 1];
+    const int one_id = et_one_id_features(F, ids, offsets, S, coeffs, first_id);
     if (shared) {
         const int64_t rows = S[0];
         if (nthreads <= 1) { /* one thread: no parallel region (entering one costs a system call or two) */
             for (int64_t s = 0; s < rows; ++s)
-                et_bag_row(F, W, D, V, ids, offsets, S, coeffs, out, ld, s, &bad, &lanes);
+                et_shared_row(one_id, F, W, D, V, ids, first_id, offsets, S, coeffs, out, ld, s, &bad, &lanes);
             return bad ? 1 : (et_any_lane(lanes) ? 2 : 0);
         }
 #pragma omp parallel num_threads(nthreads) reduction(| : bad, nonfinite)
@@ -233,7 +276,7 @@ int et_lookup_many(int64_t F, const float *const *W, const int64_t *D, const int
             et_u8v mine = lanes;
 #pragma omp for schedule(static, 64)
             for (int64_t s = 0; s < rows; ++s)
-                et_bag_row(F, W, D, V, ids, offsets, S, coeffs, out, ld, s, &bad, &mine);
+                et_shared_row(one_id, F, W, D, V, ids, first_id, offsets, S, coeffs, out, ld, s, &bad, &mine);
             nonfinite |= et_any_lane(mine);
         }
         return bad ? 1 : (nonfinite ? 2 : 0);
@@ -241,7 +284,7 @@ int et_lookup_many(int64_t F, const float *const *W, const int64_t *D, const int
     if (nthreads <= 1) {
         int64_t f = 0;
         for (int64_t i = 0; i < all; ++i)
-            et_bag_of(W, D, V, ids, offsets, S, coeffs, out, ld, first, i, &f, &bad, &lanes);
+            et_any_bag(one_id, W, D, V, ids, first_id, offsets, S, coeffs, out, ld, first, i, &f, &bad, &lanes);
         return bad ? 1 : (et_any_lane(lanes) ? 2 : 0);
     }
 #pragma omp parallel num_threads(nthreads) reduction(| : bad, nonfinite)
@@ -251,7 +294,7 @@ int et_lookup_many(int64_t F, const float *const *W, const int64_t *D, const int
         et_u8v mine = lanes;
 #pragma omp for schedule(static, 256)
         for (int64_t i = 0; i < all; ++i)
-            et_bag_of(W, D, V, ids, offsets, S, coeffs, out, ld, first, i, &f, &bad, &mine);
+            et_any_bag(one_id, W, D, V, ids, first_id, offsets, S, coeffs, out, ld, first, i, &f, &bad, &mine);
         nonfinite |= et_any_lane(mine);
     }
     return bad ? 1 : (nonfinite ? 2 : 0);
