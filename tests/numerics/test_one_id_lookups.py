@@ -116,12 +116,18 @@ def test_one_id_bags_flag_every_non_finite_column_and_bad_id(
         torch.set_num_threads(before)
 
 
+@pytest.mark.parametrize("dim", [13, 67])
 @pytest.mark.parametrize(("dtype", "shared"), CASES)
-def test_offsets_that_only_add_up_to_one_id_a_bag_take_the_general_loop(dtype: torch.dtype, shared: bool) -> None:
-    table = _table(8, 13, dtype, 3)
-    ids = torch.tensor([4, 5, 6, 7])
-    offsets = torch.tensor([0, 0, 2, 3, 4])  # bags [], [4, 5], [6], [7]: four ids, four bags
+def test_offsets_that_only_add_up_to_one_id_a_bag_take_the_general_loop(
+    dtype: torch.dtype, shared: bool, dim: int
+) -> None:
+    table = _table(8, dim, dtype, 3)
+    table[0] = -0.0  # a bag of negative zeros sums to +0, as 0 + row does
+    ids = torch.tensor([4, 5, 6, 7, 0, 0])
+    offsets = torch.tensor([0, 0, 2, 3, 4, 6])  # bags [], [4, 5], [6], [7], [0, 0]: not one id each
     acts, status = _look([(table, ids, offsets, None)], dtype, shared)
     assert status == 0
     rows = table.float()
-    assert torch.equal(acts[0], torch.stack([torch.zeros(13), rows[4] + rows[5], rows[6] + 0.0, rows[7] + 0.0]))
+    zeros = torch.zeros(dim)
+    expected = torch.stack([zeros, rows[4] + rows[5], rows[6] + 0.0, rows[7] + 0.0, zeros])
+    assert torch.equal(_bits(acts[0]), _bits(expected))

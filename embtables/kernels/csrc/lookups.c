@@ -41,27 +41,23 @@ static inline void et_bag(const float *W, int64_t D, int64_t V, const int64_t *i
     int64_t d0 = 0;
     for (; d0 + 64 <= D; d0 += 64)
         et_bag_block64(W + d0, D, V, ids, k0, k1, coeffs, o + d0, d0 == 0 ? total : 0, bad);
-    if (d0 < D && k1 - k0 == 1) { /* one id (the common case of single-valued columns): no read of o */
-        if (d0 == 0 && k0 + ET_LOOKUP_PF < total) et_prefetch_head(W + ids[k0 + ET_LOOKUP_PF] * D, D);
-        const int64_t id = ids[k0];
-        if ((uint64_t)id >= (uint64_t)V) {
-            *bad = 1;
-            for (int64_t d = d0; d < D; ++d) o[d] = 0.0f;
-        } else {
-            const float *restrict row = W + id * D;
-            const float c = coeffs ? coeffs[k0] : 1.0f;
-            for (int64_t d = d0; d < D; ++d) o[d] = 0.0f + c * row[d]; /* the same sum as below: 0 + c * row */
-        }
-    } else if (d0 < D) {
-        for (int64_t d = d0; d < D; ++d) o[d] = 0.0f;
+    if (d0 < D) { /* the columns past the last 64: the first good id writes 0 + c * row (o is not read), the rest add */
+        int started = 0;
         for (int64_t k = k0; k < k1; ++k) {
             if (d0 == 0 && k + ET_LOOKUP_PF < total) et_prefetch_head(W + ids[k + ET_LOOKUP_PF] * D, D);
             const int64_t id = ids[k];
             if ((uint64_t)id >= (uint64_t)V) { *bad = 1; continue; }
             const float *restrict row = W + id * D;
             const float c = coeffs ? coeffs[k] : 1.0f; /* c * row with c == 1 is exact */
-            for (int64_t d = d0; d < D; ++d) o[d] += c * row[d];
+            if (started) {
+                for (int64_t d = d0; d < D; ++d) o[d] += c * row[d];
+            } else {
+                for (int64_t d = d0; d < D; ++d) o[d] = 0.0f + c * row[d];
+                started = 1;
+            }
         }
+        if (!started) /* an empty bag, or every id bad */
+            for (int64_t d = d0; d < D; ++d) o[d] = 0.0f;
     }
     *nonfinite = et_nonfinite8(o, D, *nonfinite);
 }
