@@ -409,8 +409,9 @@ static inline __attribute__((always_inline)) void et_half_bag_of(int one_id, con
  * feature f reads W[f] [V[f], D[f]] of kind[f] (0 bfloat16, 1 float16; 2 float32, pooled as et_lookup_many pools
  * it: a step of half and float32 tables in one call) and writes out[f] [S[f], D[f]] float32,
  * rows ld[f] >= D[f] floats apart (ld[f] > D[f]: a column block of one wider output, the concatenated
- * activations): each row read as float32 and the bags summed in float32 in the float32 lookup's order. Returns 0,
- * 1 bad offsets or an id outside [0, V) (the outputs are then garbage), 2 a non-finite activation. */
+ * activations): each row read as float32 and the bags summed in float32 in the float32 lookup's order (bags of one
+ * id each and no coefficients, every feature's: et_one_id_half_bag). Returns 0, 1 bad offsets or an id outside
+ * [0, V) (the outputs are then garbage), 2 a non-finite activation. */
 int et_lookup_half_many(int64_t F, const uint16_t *const *W, const int32_t *kind, const int64_t *D,
                         const int64_t *V, const int64_t *const *ids, const int64_t *N,
                         const int64_t *const *offsets, const int64_t *S, const float *const *coeffs,

@@ -240,8 +240,9 @@ static inline __attribute__((always_inline)) void et_first_ids(int64_t F, const 
 /* The lookups of F features in one parallel region (none for one thread): feature f reads table W[f] [V[f],
  * D[f]] through ids[f] [N[f]] and writes out[f] [S[f], D[f]], rows ld[f] >= D[f] floats apart (ld[f] > D[f]: a
  * column block of one wider output, the concatenated activations). Bags of all features form one index space split
- * over the threads. Returns 0 ok, 1 bad offsets or an id outside [0, V) (outputs are then garbage and must be
- * discarded), 2 a non-finite activation. */
+ * over the threads. When every bag of every feature holds one id and none has coefficients (et_one_id_features),
+ * each bag is et_one_id_bag: the same bits without the bag loop. Returns 0 ok, 1 bad offsets or an id outside
+ * [0, V) (outputs are then garbage and must be discarded), 2 a non-finite activation. */
 int et_lookup_many(int64_t F, const float *const *W, const int64_t *D, const int64_t *V, const int64_t *const *ids,
                    const int64_t *N, const int64_t *const *offsets, const int64_t *S, const float *const *coeffs,
                    float *const *out, const int64_t *ld, int nthreads) {
