@@ -201,31 +201,17 @@ static inline __attribute__((always_inline)) void et_shared_row(int one_id, int6
 }
 
 /* Bag i of the index space of every feature's bags (first[f]: feature f's first), *f its feature found from the
- * one before. */
-static inline void et_bag_of(const float *const *W, const int64_t *D, const int64_t *V, const int64_t *const *ids,
-                             const int64_t *const *offsets, const int64_t *S, const float *const *coeffs,
-                             float *const *out, const int64_t *ld, const int64_t *first, int64_t i, int64_t *f,
-                             int *bad, et_u8v *nonfinite) {
-    const int64_t g = *f = et_feature_of(first, i, *f);
-    et_bag(W[g], D[g], V[g], ids[g], offsets[g], i - first[g], offsets[g][S[g]], coeffs[g], out[g], ld[g], bad,
-           nonfinite);
-}
-
-/* Bag i of the index space: et_one_id_bag when every bag holds one id (one_id; first_id[f] feature f's first id),
- * else et_bag_of. */
-static inline __attribute__((always_inline)) void et_any_bag(int one_id, const float *const *W, const int64_t *D,
-                                                             const int64_t *V, const int64_t *const *ids,
-                                                             const int64_t *const *first_id,
-                                                             const int64_t *const *offsets, const int64_t *S,
-                                                             const float *const *coeffs, float *const *out,
-                                                             const int64_t *ld, const int64_t *first, int64_t i,
-                                                             int64_t *f, int *bad, et_u8v *nonfinite) {
-    if (!one_id) {
-        et_bag_of(W, D, V, ids, offsets, S, coeffs, out, ld, first, i, f, bad, nonfinite);
-        return;
-    }
+ * one before: et_one_id_bag when every bag of every feature holds one id (one_id; first_id[f] feature f's first
+ * id), else et_bag. */
+static inline void et_bag_of(int one_id, const float *const *W, const int64_t *D, const int64_t *V,
+                             const int64_t *const *ids, const int64_t *const *first_id, const int64_t *const *offsets,
+                             const int64_t *S, const float *const *coeffs, float *const *out, const int64_t *ld,
+                             const int64_t *first, int64_t i, int64_t *f, int *bad, et_u8v *nonfinite) {
     const int64_t g = *f = et_feature_of(first, i, *f), s = i - first[g];
-    et_one_id_bag(W[g], D[g], V[g], first_id[g], s, S[g], out[g] + s * ld[g], bad, nonfinite);
+    if (one_id)
+        et_one_id_bag(W[g], D[g], V[g], first_id[g], s, S[g], out[g] + s * ld[g], bad, nonfinite);
+    else
+        et_bag(W[g], D[g], V[g], ids[g], offsets[g], s, offsets[g][S[g]], coeffs[g], out[g], ld[g], bad, nonfinite);
 }
 
 /* The rows of each feature's first ET_LOOKUP_PF ids, prefetched before the bags reach them (each bag prefetches
@@ -281,7 +267,7 @@ int et_lookup_many(int64_t F, const float *const *W, const int64_t *D, const int
     if (nthreads <= 1) {
         int64_t f = 0;
         for (int64_t i = 0; i < all; ++i)
-            et_any_bag(one_id, W, D, V, ids, first_id, offsets, S, coeffs, out, ld, first, i, &f, &bad, &lanes);
+            et_bag_of(one_id, W, D, V, ids, first_id, offsets, S, coeffs, out, ld, first, i, &f, &bad, &lanes);
         return bad ? 1 : (et_any_lane(lanes) ? 2 : 0);
     }
 #pragma omp parallel num_threads(nthreads) reduction(| : bad, nonfinite)
@@ -291,7 +277,7 @@ int et_lookup_many(int64_t F, const float *const *W, const int64_t *D, const int
         et_u8v mine = lanes;
 #pragma omp for schedule(static, 256)
         for (int64_t i = 0; i < all; ++i)
-            et_any_bag(one_id, W, D, V, ids, first_id, offsets, S, coeffs, out, ld, first, i, &f, &bad, &mine);
+            et_bag_of(one_id, W, D, V, ids, first_id, offsets, S, coeffs, out, ld, first, i, &f, &bad, &mine);
         nonfinite |= et_any_lane(mine);
     }
     return bad ? 1 : (nonfinite ? 2 : 0);
