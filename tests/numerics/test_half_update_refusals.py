@@ -58,3 +58,34 @@ def test_the_largest_row_whose_update_is_not_finite_is_found(
             assert all(torch.equal(a, b) for a, b in zip(stored, [table, *state]))
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("vector", [True, False], ids=["vector", "scalar"])
+@pytest.mark.parametrize("stochastic", [True, False], ids=["stochastic", "nearest"])
+@pytest.mark.parametrize("in_place", [False, True])
+def test_a_finite_value_whose_rounding_carries_past_the_largest_bfloat16_is_refused(
+    in_place: bool, stochastic: bool, vector: bool
+) -> None:
+    """float32's largest value is finite, but its dropped 16 bits (0xffff) carry it past bfloat16's largest
+    (0x7f7f) into the infinity, to nearest and stochastically alike (but for one draw of 2^16): the rounding's own
+    overflow, which no float32 check of the update sees, refuses the update with nothing changed."""
+    before = native.rounding_path()
+    native.rounding_path(vector)
+    try:
+        ids = torch.arange(40) * 3  # 40 rows, 16 columns: two whole vectors of 8 a row
+        grads = torch.full((40, 16), 0.01)
+        largest = torch.tensor([0x7F7FFFFF], dtype=torch.int32).view(torch.float32).item()
+        grads[29, 11] = -largest  # SGD, lr 1: 0.5 - g rounds to float32's largest value
+        table = torch.full((120, 16), 0.5).to(torch.bfloat16)
+        stored = table.clone()
+        ws = native.Workspace(16)
+        assert native.prepare_many([(ws, 120, [(ids, torch.arange(41), None, grads)])]) == [0]
+        params = native.opt_params(et.SGD(1.0), 1.0, 0.0, clip_gradients=False)
+        update = native_half.HalfUpdate(ws, table, (), params, None, (5, 1, 0, stochastic))
+        bad = update.apply_in_place() if in_place else update.compute()
+        assert bad == 87
+        if in_place:
+            update.put_back()
+        assert torch.equal(table.view(torch.int16), stored.view(torch.int16))
+    finally:
+        native.rounding_path(before)

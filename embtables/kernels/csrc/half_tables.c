@@ -157,23 +157,34 @@ static inline et_u8v et_lowbias32_v(et_u8v x) {
 /* bfloat16 rounding of D floats, stochastic (bits of row hash h, columns col0 + d) or to nearest: the rules of
  * et_sr_bfloat16 and et_rn_half on 8 values at a time without branches (GCC vector extensions: the same bits,
  * whole vectors), the rest of the row through them; returns badv with a lane set for a result that is not finite
- * (a loop of rows reduces the lanes once, et_any_lane, not once a row). */
+ * (a loop of rows reduces the lanes once, et_any_lane, not once a row). Only the hash's upper 16 bits are added,
+ * and lowbias32's last round (x ^= x >> 16) leaves those as they are, so the loop stops before it. With a the
+ * value's |bits| and add at most 0xffff, a + add is the result's magnitude before the shift: an infinity (a carry
+ * past the largest bfloat16, or an infinity kept) exactly when it reaches ET_INF_BITS, which a NaN's |bits|
+ * already exceed; a NaN's result alone is not the shifted sum (a quiet NaN of its upper half). */
 static inline et_u8v et_round_bf16(const float *restrict x, int64_t D, uint32_t h, uint32_t col0, int stochastic,
                                    uint16_t *restrict out, et_u8v badv) {
     const uint32_t *restrict b = (const uint32_t *)x;
-    const et_u8v lane = {0, 1, 2, 3, 4, 5, 6, 7};
+    et_u8v col = (et_u8v){0, 1, 2, 3, 4, 5, 6, 7} + col0;
     int64_t d0 = 0;
-    for (; et_vector_rounding && d0 + 8 <= D; d0 += 8) {
+    for (; et_vector_rounding && d0 + 8 <= D; d0 += 8, col += 8u) {
         et_u8v v;
         memcpy(&v, b + d0, sizeof v);
         const et_u8v a = v & 0x7fffffffu;
-        const et_u8v add = stochastic ? et_lowbias32_v(h ^ (col0 + (uint32_t)d0 + lane)) >> 16
-                                      : 0x7fffu + ((v >> 16) & 1u);
-        const et_u8v rounded = (v + add) >> 16;
-        const et_u8v special = (v >> 16) | ((et_u8v)(a > ET_INF_BITS) & 0x0040u);
-        const et_u8v keep = (et_u8v)(a >= ET_INF_BITS);
-        const et_u8v o = (special & keep) | (rounded & ~keep);
-        badv |= (et_u8v)((o & 0x7f80u) == 0x7f80u);
+        et_u8v add;
+        if (stochastic) {
+            et_u8v r = h ^ col;
+            r ^= r >> 16;
+            r *= 0x7feb352du;
+            r ^= r >> 15;
+            r *= 0x846ca68bu;
+            add = r >> 16;
+        } else {
+            add = 0x7fffu + ((v >> 16) & 1u);
+        }
+        const et_u8v nan = (et_u8v)(a > ET_INF_BITS);
+        const et_u8v o = (((v >> 16) | 0x0040u) & nan) | (((v + add) >> 16) & ~nan);
+        badv |= (et_u8v)(a + add >= ET_INF_BITS);
         const et_h8v o16 = __builtin_convertvector(o, et_h8v);
         memcpy(out + d0, &o16, sizeof o16);
     }
