@@ -77,6 +77,22 @@ def test_both_loops_round_every_kind_of_value_as_the_reference(kind: str, stocha
     assert _same_bits(got["scalar"], want)
 
 
+@pytest.mark.parametrize("kind", sorted(HALF))
+def test_columns_past_two_to_the_sixteen_round_as_the_reference(kind: str, rounding_path: Any) -> None:
+    """The vector loops hash (row, column) from the row's first round, which holds for columns below 2^16 only;
+    a row of 70,000 columns (or a slot's columns, (k + 1) * D + c, past it) takes the scalar rules there."""
+    gen = torch.Generator().manual_seed(12)
+    x = _hard_values(gen, 2, 70_000)
+    rows = torch.tensor([3, 2**35 + 1])
+    got = {}
+    for name, vector in PATHS.items():
+        rounding_path(vector)
+        got[name] = native.round_rows(x, rows, 7, 11, 2, HALF[kind], stochastic=True)
+    want = sr.round_to(x, HALF[kind], sr.random_bits(7, 11, 2, rows, 70_000))
+    assert torch.equal(got["vector"].view(torch.int16), got["scalar"].view(torch.int16))
+    assert _same_bits(got["vector"], want)
+
+
 def _train(opt: Any, dtype: torch.dtype, slot_dtype: torch.dtype | None, rounding: str) -> list[torch.Tensor]:
     """Six steps of a 200 x 37 table (lookups of every step, then the stored weights and slots)."""
     table = et.TableConfig(

@@ -131,8 +131,9 @@ static inline int64_t et_block_rows(int64_t D) {
 #define ET_PF 8 /* rows of look-ahead: enough misses in flight to cover DRAM latency */
 #define ET_LOOKUP_PF 16 /* ids of look-ahead in the lookup and in phase 1's sums: one row prefetched per id processed */
 
-/* 8 uint32 lanes and 8 float32 lanes (GCC / Clang vector extensions, unaligned loads) */
+/* 8 uint32, int32 and float32 lanes (GCC / Clang vector extensions, unaligned loads) */
 typedef uint32_t et_u8v __attribute__((vector_size(32), aligned(4)));
+typedef int32_t et_i8v __attribute__((vector_size(32), aligned(4)));
 typedef float et_f8v __attribute__((vector_size(32), aligned(4)));
 
 /* Whether any lane of a vector of masks is set. */

@@ -19,8 +19,7 @@ static inline float et_key_float(int32_t k) {
     return x;
 }
 
-/* 8 int32 lanes (GCC / Clang vector extensions, unaligned loads): the plain loops were not vectorised. */
-typedef int32_t et_i8v __attribute__((vector_size(32), aligned(4)));
+/* The bounds run on 8 int32 lanes (et_i8v): the plain loops were not vectorised. */
 
 /* Lane-wise signed max and min: one instruction each with AVX2, a compare and a select otherwise. */
 static inline et_i8v et_max8(et_i8v a, et_i8v b) {

@@ -5,17 +5,12 @@
 /* ------------------------------------------------------------------ stochastic rounding to half types */
 /* spec §12: 32 random bits per written element from (seed, step, table, row, column) through the
  * lowbias32 hash, and the rounding rules of kernels/stochastic_rounding.py, bit for bit. */
-#define ET_LOWBIAS32(x) /* the hash's rounds, on a uint32_t or on a vector of them (et_lowbias32_v) */      \
-    do {                                                                                                       \
-        x ^= x >> 16;                                                                                          \
-        x *= 0x7feb352du;                                                                                      \
-        x ^= x >> 15;                                                                                          \
-        x *= 0x846ca68bu;                                                                                      \
-        x ^= x >> 16;                                                                                          \
-    } while (0)
-
 static inline uint32_t et_lowbias32(uint32_t x) {
-    ET_LOWBIAS32(x);
+    x ^= x >> 16;
+    x *= 0x7feb352du;
+    x ^= x >> 15;
+    x *= 0x846ca68bu;
+    x ^= x >> 16;
     return x;
 }
 
@@ -149,42 +144,45 @@ static inline void et_load_row(const void *T, int kind, int64_t r, int64_t D, fl
     }
 }
 
-static inline et_u8v et_lowbias32_v(et_u8v x) {
-    ET_LOWBIAS32(x);
+/* lowbias32(h ^ c) for 8 columns c below 2^16, given h1 = h ^ (h >> 16), but for its last round (x ^= x >> 16,
+ * which leaves the upper 16 bits as they are: all that the bfloat16 rounding adds). h ^ c keeps h's upper 16
+ * bits, so the first round's x >> 16 is h >> 16 for every column and h1 ^ c is that round's result. */
+static inline et_u8v et_hash_cols(uint32_t h1, et_u8v col) {
+    et_u8v x = h1 ^ col;
+    x *= 0x7feb352du;
+    x ^= x >> 15;
+    x *= 0x846ca68bu;
     return x;
 }
 
 /* bfloat16 rounding of D floats, stochastic (bits of row hash h, columns col0 + d) or to nearest: the rules of
  * et_sr_bfloat16 and et_rn_half on 8 values at a time without branches (GCC vector extensions: the same bits,
- * whole vectors), the rest of the row through them; returns badv with a lane set for a result that is not finite
- * (a loop of rows reduces the lanes once, et_any_lane, not once a row). Only the hash's upper 16 bits are added,
- * and lowbias32's last round (x ^= x >> 16) leaves those as they are, so the loop stops before it. With a the
- * value's |bits| and add at most 0xffff, a + add is the result's magnitude before the shift: an infinity (a carry
- * past the largest bfloat16, or an infinity kept) exactly when it reaches ET_INF_BITS, which a NaN's |bits|
- * already exceed; a NaN's result alone is not the shifted sum (a quiet NaN of its upper half). */
+ * whole vectors) for columns below 2^16 (et_hash_cols), the rest of the row through them; returns badv with a lane
+ * set for a result that is not finite (a loop of rows reduces the lanes once, et_any_lane, not once a row). With a
+ * the value's |bits| and add at most 0xffff, a + add is the result's magnitude before the shift: an infinity (a
+ * carry past the largest bfloat16, or an infinity kept) exactly when it reaches ET_INF_BITS, which a NaN's |bits|
+ * already exceed; a NaN alone does not take the shifted sum (its result is the quiet NaN of its upper half). */
 static inline et_u8v et_round_bf16(const float *restrict x, int64_t D, uint32_t h, uint32_t col0, int stochastic,
                                    uint16_t *restrict out, et_u8v badv) {
     const uint32_t *restrict b = (const uint32_t *)x;
+    const uint32_t h1 = h ^ (h >> 16); /* the hash's first round for every column below 2^16 (et_hash_cols) */
     et_u8v col = (et_u8v){0, 1, 2, 3, 4, 5, 6, 7} + col0;
     int64_t d0 = 0;
-    for (; et_vector_rounding && d0 + 8 <= D; d0 += 8, col += 8u) {
+    for (; et_vector_rounding && col0 + D <= 65536 && d0 + 8 <= D; d0 += 8, col += 8u) {
         et_u8v v;
         memcpy(&v, b + d0, sizeof v);
         const et_u8v a = v & 0x7fffffffu;
         et_u8v add;
         if (stochastic) {
-            et_u8v r = h ^ col;
-            r ^= r >> 16;
-            r *= 0x7feb352du;
-            r ^= r >> 15;
-            r *= 0x846ca68bu;
-            add = r >> 16;
+            add = et_hash_cols(h1, col) >> 16;
         } else {
             add = 0x7fffu + ((v >> 16) & 1u);
         }
-        const et_u8v nan = (et_u8v)(a > ET_INF_BITS);
-        const et_u8v o = (((v >> 16) | 0x0040u) & nan) | (((v + add) >> 16) & ~nan);
-        badv |= (et_u8v)(a + add >= ET_INF_BITS);
+        /* |bits| fit int32: signed comparisons (one instruction each; a NaN's a + add may wrap, its own lane
+         * flags it) */
+        const et_u8v nan = (et_u8v)((et_i8v)a > (int32_t)ET_INF_BITS);
+        const et_u8v o = ((v + (add & ~nan)) >> 16) | (nan & 0x0040u);
+        badv |= nan | (et_u8v)((et_i8v)(a + add) >= (int32_t)ET_INF_BITS);
         const et_h8v o16 = __builtin_convertvector(o, et_h8v);
         memcpy(out + d0, &o16, sizeof o16);
     }
@@ -198,15 +196,16 @@ static inline et_u8v et_round_bf16(const float *restrict x, int64_t D, uint32_t 
 }
 
 /* float16 rounding of D floats, stochastic or to nearest: the rules of et_sr_float16 and et_rn_half on 8 values
- * at a time without branches when none of them lies in float16's subnormal range (zeros, normals, overflows,
- * infinities and NaNs: the same bits), else those 8 and the rest of the row through them; returns badv with a
- * lane set for a result that is not finite (as et_round_bf16). */
+ * at a time without branches (columns below 2^16) when none of them lies in float16's subnormal range (zeros,
+ * normals, overflows, infinities and NaNs: the same bits), else those 8 and the rest of the row through them;
+ * returns badv with a lane set for a result that is not finite (as et_round_bf16). */
 static inline et_u8v et_round_f16(const float *restrict x, int64_t D, uint32_t h, uint32_t col0, int stochastic,
                                   uint16_t *restrict out, et_u8v badv) {
     const uint32_t *restrict b = (const uint32_t *)x;
-    const et_u8v lane = {0, 1, 2, 3, 4, 5, 6, 7};
+    const uint32_t h1 = h ^ (h >> 16); /* the hash's first round for every column below 2^16 (et_hash_cols) */
+    et_u8v col = (et_u8v){0, 1, 2, 3, 4, 5, 6, 7} + col0;
     int64_t d0 = 0;
-    for (; et_vector_rounding && d0 + 8 <= D; d0 += 8) {
+    for (; et_vector_rounding && col0 + D <= 65536 && d0 + 8 <= D; d0 += 8, col += 8u) {
         et_u8v v;
         memcpy(&v, b + d0, sizeof v);
         const et_u8v a = v & 0x7fffffffu;
@@ -217,12 +216,15 @@ static inline et_u8v et_round_f16(const float *restrict x, int64_t D, uint32_t h
         const et_u8v dropped = a & 0x1fffu;
         et_u8v up;
         if (stochastic) {
-            up = (et_u8v)(et_lowbias32_v(h ^ (col0 + (uint32_t)d0 + lane)) < (dropped << 19)) & 1u;
+            et_u8v r = et_hash_cols(h1, col);
+            r ^= r >> 16;
+            up = (et_u8v)(r < (dropped << 19)) & 1u;
         } else {
             up = ((et_u8v)(dropped > 0x1000u) | ((et_u8v)(dropped == 0x1000u) & -(low & 1u))) & 1u;
         }
-        const et_u8v zero = (et_u8v)(a == 0), nan = (et_u8v)(a > ET_INF_BITS);
-        const et_u8v over = stochastic ? (et_u8v)(a > 0x477fe000u) : (et_u8v)(a >= 0x47800000u);
+        const et_i8v sa = (et_i8v)a; /* |bits| fit int32: signed comparisons, one instruction each */
+        const et_u8v zero = (et_u8v)(a == 0), nan = (et_u8v)(sa > (int32_t)ET_INF_BITS);
+        const et_u8v over = stochastic ? (et_u8v)(sa > 0x477fe000) : (et_u8v)(sa >= 0x47800000);
         et_u8v o = (sign & zero) | ((sign | (low + up)) & ~zero);
         o = ((sign | 0x7c00u) & over) | (o & ~over);
         o = ((sign | 0x7e00u) & nan) | (o & ~nan);
