@@ -88,6 +88,18 @@ static inline float et_half_float(uint16_t h, int kind) {
     return et_bits_float(sign | ((e + 112u) << 23) | (m << 13));
 }
 
+/* 8 float16 patterns (in uint32 lanes) as float32: et_half_float's values, bit for bit (NaN payloads included),
+ * without branches. The exponent and mantissa move to float32's places and the exponent is rebased by 112 (by 224
+ * for an infinity or NaN); a subnormal or zero m x 2^-24 is 2^-14 (1 + m / 1024) - 2^-14, an exact subtraction of
+ * normal floats whose result is normal (or +0), so the subnormal modes do not touch it. */
+static inline et_f8v et_f16_widen8(et_u8v h) {
+    const et_u8v sign = (h & 0x8000u) << 16, mag = (h & 0x7fffu) << 13, e = mag & 0x0f800000u;
+    const et_u8v o = mag + (112u << 23) + ((et_u8v)(e == 0x0f800000u) & (112u << 23));
+    const et_u8v sub = (et_u8v)(e == 0);
+    const et_u8v small = (et_u8v)((et_f8v)(o + (1u << 23)) - 6.103515625e-05f); /* 2^-14 */
+    return (et_f8v)(((small & sub) | (o & ~sub)) | sign);
+}
+
 /* to nearest, ties to even */
 static inline uint16_t et_rn_half(float x, int kind) {
     uint32_t b;
@@ -140,7 +152,14 @@ static inline void et_load_row(const void *T, int kind, int64_t r, int64_t D, fl
         for (; d < D; ++d) u[d] = (uint32_t)src[d] << 16;
     } else {
         const uint16_t *restrict src = (const uint16_t *)T + r * D;
-        for (int64_t d = 0; d < D; ++d) dst[d] = et_half_float(src[d], 1);
+        int64_t d = 0;
+        for (; d + 8 <= D; d += 8) {
+            et_h8v h;
+            memcpy(&h, src + d, sizeof h);
+            const et_f8v f = et_f16_widen8(__builtin_convertvector(h, et_u8v));
+            memcpy(dst + d, &f, sizeof f);
+        }
+        for (; d < D; ++d) dst[d] = et_half_float(src[d], 1);
     }
 }
 
@@ -212,24 +231,28 @@ static inline et_u8v et_round_f16(const float *restrict x, int64_t D, uint32_t h
         const et_u8v tiny = (et_u8v)(a - 1u < 0x387fffffu); /* 0 < |x| < 2^-14: a float16 subnormal */
         if (et_any_lane(tiny)) break;
         const et_u8v sign = (v >> 16) & 0x8000u;
-        const et_u8v low = (((a >> 23) - 112u) << 10) | ((a >> 13) & 0x3ffu);
+        /* |x| >= 2^-14 in the lanes this holds for: float16's exponent field is float32's less 112 (rebased in
+         * place by a subtraction), its mantissa float32's upper 10 bits */
+        const et_u8v low = (a >> 13) - (112u << 10);
         const et_u8v dropped = a & 0x1fffu;
         et_u8v up;
         if (stochastic) {
             et_u8v r = et_hash_cols(h1, col);
             r ^= r >> 16;
-            up = (et_u8v)(r < (dropped << 19)) & 1u;
+            /* r < dropped << 19 on 32 bits, unsigned: dropped << 19 is even, so halving both keeps the order and
+             * fits int32 */
+            up = (et_u8v)((et_i8v)(r >> 1) < (et_i8v)(dropped << 18)) & 1u;
         } else {
             up = ((et_u8v)(dropped > 0x1000u) | ((et_u8v)(dropped == 0x1000u) & -(low & 1u))) & 1u;
         }
         const et_i8v sa = (et_i8v)a; /* |bits| fit int32: signed comparisons, one instruction each */
         const et_u8v zero = (et_u8v)(a == 0), nan = (et_u8v)(sa > (int32_t)ET_INF_BITS);
         const et_u8v over = stochastic ? (et_u8v)(sa > 0x477fe000) : (et_u8v)(sa >= 0x47800000);
-        et_u8v o = (sign & zero) | ((sign | (low + up)) & ~zero);
-        o = ((sign | 0x7c00u) & over) | (o & ~over);
-        o = ((sign | 0x7e00u) & nan) | (o & ~nan);
-        badv |= (et_u8v)((o & 0x7c00u) == 0x7c00u);
-        const et_h8v o16 = __builtin_convertvector(o, et_h8v);
+        et_u8v m = (low + up) & ~zero;
+        m = (0x7c00u & over) | (m & ~over);
+        m = (0x7e00u & nan) | (m & ~nan);
+        badv |= (et_u8v)((et_i8v)m >= 0x7c00); /* an infinity or the NaN */
+        const et_h8v o16 = __builtin_convertvector(sign | m, et_h8v);
         memcpy(out + d0, &o16, sizeof o16);
     }
     for (int64_t d = d0; d < D; ++d) {
@@ -327,7 +350,16 @@ static inline void et_bag_half(const uint16_t *W, int kind, int64_t D, int64_t V
                 o[d] += c * f;
             }
         } else {
-            for (int64_t d = 0; d < D; ++d) o[d] += c * et_half_float(row[d], 1);
+            int64_t d = 0;
+            for (; d + 8 <= D; d += 8) {
+                et_h8v h;
+                et_f8v acc;
+                memcpy(&h, row + d, sizeof h);
+                memcpy(&acc, o + d, sizeof acc);
+                acc += c * et_f16_widen8(__builtin_convertvector(h, et_u8v));
+                memcpy(o + d, &acc, sizeof acc);
+            }
+            for (; d < D; ++d) o[d] += c * et_half_float(row[d], 1);
         }
     }
 }
@@ -376,6 +408,13 @@ static inline __attribute__((always_inline)) void et_one_id_half_bag(const uint1
         et_h8v h;
         memcpy(&h, row + d, sizeof h);
         const et_f8v v = 0.0f + (et_f8v)(__builtin_convertvector(h, et_u8v) << 16);
+        *(et_f8v *)(o + d) = v;
+        lanes |= (et_u8v)(((et_u8v)v & 0x7fffffffu) >= ET_INF_BITS);
+    }
+    for (; kind == 1 && d + 8 <= D; d += 8) {
+        et_h8v h;
+        memcpy(&h, row + d, sizeof h);
+        const et_f8v v = 0.0f + et_f16_widen8(__builtin_convertvector(h, et_u8v));
         *(et_f8v *)(o + d) = v;
         lanes |= (et_u8v)(((et_u8v)v & 0x7fffffffu) >= ET_INF_BITS);
     }
@@ -564,6 +603,9 @@ static __attribute__((noinline)) int64_t et_apply_half_rows(const et_workspace *
                                                            float *sout, int64_t wide, float *buf) {
     if (wkind == 0 && skind == 0 && K == 1 && stochastic && mode == 2)
         return et_half_rows(h, W, S, 1, 0, 0, D, p, fn, grows, affine, first, stride, prefix, 1, 2, out, sout, wide,
+                            buf);
+    if (wkind == 1 && skind == 1 && K == 1 && stochastic && mode == 2)
+        return et_half_rows(h, W, S, 1, 1, 1, D, p, fn, grows, affine, first, stride, prefix, 1, 2, out, sout, wide,
                             buf);
     return et_half_rows(h, W, S, K, wkind, skind, D, p, fn, grows, affine, first, stride, prefix, stochastic, mode,
                         out, sout, wide, buf);
