@@ -218,6 +218,7 @@ class HalfStep:
         self._fewest = 0  # the fewest rows any half table's scratch holds
         self._scratch: tuple[Any, Any, Any] = self._scratch_arrays()
         self._grows: tuple[tuple[GlobalRows | None, ...], Any, Any] = ((), None, None)
+        self._no_maps = ((_VP * count)(), (_I64 * count)())  # every table's rows global: NULL maps of length 0
 
     def _scratch_arrays(self) -> tuple[Any, Any, Any]:
         """(out, sout, rows of scratch) as ctypes arrays over the current scratch tensors."""
@@ -299,16 +300,16 @@ class HalfStep:
         )  # fmt: skip
         return outs if int(status) == 0 else None
 
-    def apply(self, params: Any, global_rows: Sequence[GlobalRows | None], step: int) -> list[int]:
+    def apply(self, params: Any, global_rows: Sequence[GlobalRows | None] | None, step: int) -> list[int]:
         """Write every table's prepared update; per table the largest row whose update is not finite (a float32
         table's: one such row; -1: none; when any is not -1, nothing was written). ``params``: a ctypes array of
         the tables' optimizer blocks' addresses (``native_step.apply_checked``'s), ``global_rows`` [V_t] int64,
-        ``AffineRows`` or None per table."""
+        ``AffineRows`` or None per table (None for all: every table's rows are global)."""
         arrays = self.arrays
-        if len(global_rows) != arrays.count:
+        if global_rows is not None and len(global_rows) != arrays.count:
             raise NativeBufferError("embtables native kernel: one row map (or None) per half table is needed.")
         self._fit_scratch()
-        grows, nglobal = self._global_rows(global_rows)
+        grows, nglobal = self._no_maps if global_rows is None else self._global_rows(global_rows)
         out, sout, rows = self._scratch
         s0, s1, s2 = arrays.s
         lib = library()

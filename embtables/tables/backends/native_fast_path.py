@@ -20,6 +20,7 @@ from torch import Tensor
 
 from embtables.config import ResolvedTable
 from embtables.kernels import native, native_step
+from embtables.kernels.affine_rows import GlobalRows
 from embtables.kernels.native_half import HalfStep
 from embtables.kernels.native_step import StagedBags, TableArrays
 from embtables.kernels.stochastic_rounding import HALF_TYPES
@@ -182,12 +183,14 @@ class NativeFastPath:
             half = self._half_step(arrays)
             if half.mixed and not native_step.updates_fit_checking(arrays, half.float_dims):
                 return False  # a large float32 update: the general phase 2 measures its bounds on every thread
-            global_rows = [self.set.global_rows.get(t.name) for t in tables]
-            if not all(
-                not isinstance(g, Tensor) or (g.dtype == torch.int64 and g.is_cpu and g.is_contiguous())
-                for g in global_rows
-            ):
-                return False  # the general phase 2 converts them
+            global_rows: list[GlobalRows | None] | None = None  # None: every table's rows are global
+            if self.set.global_rows:
+                global_rows = [self.set.global_rows.get(t.name) for t in tables]
+                if not all(
+                    not isinstance(g, Tensor) or (g.dtype == torch.int64 and g.is_cpu and g.is_contiguous())
+                    for g in global_rows
+                ):
+                    return False  # the general phase 2 converts them
             return max(half.apply(native_step.param_array(arrays, self._rates[1]), global_rows, self.set.step)) < 0
         if not self._small:
             return False
