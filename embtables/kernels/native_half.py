@@ -307,7 +307,7 @@ class HalfStep:
         ``AffineRows`` or None per table (None for all: every table's rows are global)."""
         arrays = self.arrays
         if global_rows is not None and len(global_rows) != arrays.count:
-            raise NativeBufferError("embtables native kernel: one row map (or None) per half table is needed.")
+            raise NativeBufferError("embtables native kernel: one row map (or None) per table is needed.")
         self._fit_scratch()
         grows, nglobal = self._no_maps if global_rows is None else self._global_rows(global_rows)
         out, sout, rows = self._scratch

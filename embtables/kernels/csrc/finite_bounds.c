@@ -19,9 +19,8 @@ static inline float et_key_float(int32_t k) {
     return x;
 }
 
-/* The bounds run on 8 int32 lanes (et_i8v): the plain loops were not vectorised. */
-
-/* Lane-wise signed max and min: one instruction each with AVX2, a compare and a select otherwise. */
+/* Lane-wise signed max and min of 8 int32 lanes (et_i8v; the plain loops were not vectorised): one instruction
+ * each with AVX2, a compare and a select otherwise. */
 static inline et_i8v et_max8(et_i8v a, et_i8v b) {
 #ifdef __AVX2__
     return (et_i8v)_mm256_max_epi32((__m256i)a, (__m256i)b);
