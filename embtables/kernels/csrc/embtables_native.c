@@ -354,7 +354,8 @@ static int64_t et_scatter_sums(et_workspace *h, int64_t nfeat, const int64_t *co
 }
 
 /* Phase 1 for one table: check the offsets, size the workspace, dedup, group, sum. ``status``: 0 done,
- * 1 a sum is not finite, 2 out of memory, 3 bad offsets or an id outside [0, V). */
+ * 1 a sum is not finite, 2 out of memory, 3 bad offsets, an id outside [0, V) or a shape that does not fit (D < 0,
+ * V < 0, a gradient's rows ld[f] < D apart). */
 static void et_prepare_one(et_workspace *h, int64_t nfeat, const int64_t *const *ids, const int64_t *nids,
                            const int64_t *const *offsets, const int64_t *nbags, const float *const *coeffs,
                            const float *const *grads, const int64_t *ld, int64_t D, int64_t V, int nthreads,
@@ -364,8 +365,9 @@ static void et_prepare_one(et_workspace *h, int64_t nfeat, const int64_t *const 
     h->U = 0;
     h->D = D;
     *status = 3;
+    if (D < 0 || V < 0 || nfeat < 0) return;
     for (int64_t f = 0; f < nfeat; ++f) {
-        if (!et_offsets_ok(offsets[f], nbags[f], nids[f])) return;
+        if (!et_offsets_ok(offsets[f], nbags[f], nids[f]) || (grads[f] && ld[f] < D)) return;
         N += offsets[f][nbags[f]] - offsets[f][0];
     }
     *status = 2;
@@ -398,13 +400,23 @@ static void et_prepare_one(et_workspace *h, int64_t nfeat, const int64_t *const 
 
 /* Phase 1 for T tables at once. With at least as many tables as threads, tables run in parallel,
  * each on one thread (the dedup is serial, so this is where the second core pays); otherwise each
- * table uses every thread. Table t [V[t], dims[t]] has features features[first[t] .. first[t+1]); the
- * gradient rows of feature f are ld[f] >= dims[t] floats apart (a column block of a wider gradient). */
+ * table uses every thread. Table t [V[t], dims[t]] has features features[first[t] .. first[t+1]) (first[0] >= 0,
+ * never decreasing: else every status is 3 and nothing is prepared); the gradient rows of feature f are
+ * ld[f] >= dims[t] floats apart (a column block of a wider gradient). */
 void et_prepare_many(int64_t T, const int64_t *first, const int64_t *const *ids, const int64_t *nids,
                      const int64_t *const *offsets, const int64_t *nbags, const float *const *coeffs,
                      const float *const *grads, const int64_t *ld, const int64_t *dims, const int64_t *V,
                      int nthreads, void **workspaces, int *statuses) {
     ET_FLUSH_SUBNORMALS;
+    for (int64_t t = 0; t < T; ++t)
+        if (first[0] < 0 || first[t + 1] < first[t]) { /* feature ranges before the arrays or overlapping */
+            for (int64_t k = 0; k < T; ++k) { /* every workspace emptied, as a status of 3 leaves it */
+                et_clear_direct((et_workspace *)workspaces[k]);
+                ((et_workspace *)workspaces[k])->U = 0;
+                statuses[k] = 3;
+            }
+            return;
+        }
     if (T >= nthreads && nthreads > 1) {
 #pragma omp parallel num_threads(nthreads)
         {

@@ -191,11 +191,21 @@ static inline int et_prepared_ok(const et_workspace *h, int64_t V, int64_t D) {
     return 1;
 }
 
-/* offsets [S+1] must start at >= 0, never decrease and end at <= N: checked in the call that reads them. */
+/* offsets [S+1] (S >= 0) must start at >= 0, never decrease and end at <= N: checked in the call that reads them. */
 static inline int et_offsets_ok(const int64_t *offsets, int64_t S, int64_t N) {
-    if (offsets[0] < 0 || offsets[S] > N) return 0;
+    if (S < 0 || offsets[0] < 0 || offsets[S] > N) return 0;
     for (int64_t s = 0; s < S; ++s)
         if (offsets[s + 1] < offsets[s]) return 0;
+    return 1;
+}
+
+/* F >= 0 features, feature f a table of V[f] >= 0 rows of width D[f] >= 0 and rows ld[f] >= D[f] floats apart (an
+ * output's or a gradient's): checked in the call that reads or writes through them, so no id test lets a row past
+ * the table through and no row starts before its buffer or overlaps the next. */
+static inline int et_shapes_ok(int64_t F, const int64_t *D, const int64_t *V, const int64_t *ld) {
+    if (F < 0) return 0;
+    for (int64_t f = 0; f < F; ++f)
+        if (D[f] < 0 || V[f] < 0 || ld[f] < D[f]) return 0;
     return 1;
 }
 

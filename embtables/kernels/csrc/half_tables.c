@@ -462,8 +462,9 @@ static inline __attribute__((always_inline)) void et_half_bag_of(int one_id, con
  * it: a step of half and float32 tables in one call) and writes out[f] [S[f], D[f]] float32,
  * rows ld[f] >= D[f] floats apart (ld[f] > D[f]: a column block of one wider output, the concatenated
  * activations): each row read as float32 and the bags summed in float32 in the float32 lookup's order (bags of one
- * id each and no coefficients, every feature's: et_one_id_half_bag). Returns 0, 1 bad offsets or an id outside
- * [0, V) (the outputs are then garbage), 2 a non-finite activation. */
+ * id each and no coefficients, every feature's: et_one_id_half_bag). Returns 0, 1 bad offsets, an id outside
+ * [0, V) (the outputs are then garbage), a kind outside 0-2 or a shape or stride that does not fit (et_shapes_ok:
+ * nothing written), 2 a non-finite activation. */
 int et_lookup_half_many(int64_t F, const uint16_t *const *W, const int32_t *kind, const int64_t *D,
                         const int64_t *V, const int64_t *const *ids, const int64_t *N,
                         const int64_t *const *offsets, const int64_t *S, const float *const *coeffs,
@@ -471,6 +472,7 @@ int et_lookup_half_many(int64_t F, const uint16_t *const *W, const int32_t *kind
     ET_FLUSH_SUBNORMALS;
     for (int64_t f = 0; f < F; ++f)
         if (kind[f] < 0 || kind[f] > 2) return 1;
+    if (!et_shapes_ok(F, D, V, ld)) return 1;
     int64_t first[F + 1];
     if (!et_bag_index(F, offsets, S, N, first)) return 1;
     const int64_t all = first[F];

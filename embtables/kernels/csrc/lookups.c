@@ -227,12 +227,14 @@ static inline __attribute__((always_inline)) void et_first_ids(int64_t F, const 
  * D[f]] through ids[f] [N[f]] and writes out[f] [S[f], D[f]], rows ld[f] >= D[f] floats apart (ld[f] > D[f]: a
  * column block of one wider output, the concatenated activations). Bags of all features form one index space split
  * over the threads. When every bag of every feature holds one id and none has coefficients (et_one_id_features),
- * each bag is et_one_id_bag: the same bits without the bag loop. Returns 0 ok, 1 bad offsets or an id outside
- * [0, V) (outputs are then garbage and must be discarded), 2 a non-finite activation. */
+ * each bag is et_one_id_bag: the same bits without the bag loop. Returns 0 ok, 1 bad offsets, an id outside
+ * [0, V) (outputs are then garbage and must be discarded) or a shape or stride that does not fit (et_shapes_ok:
+ * nothing written), 2 a non-finite activation. */
 int et_lookup_many(int64_t F, const float *const *W, const int64_t *D, const int64_t *V, const int64_t *const *ids,
                    const int64_t *N, const int64_t *const *offsets, const int64_t *S, const float *const *coeffs,
                    float *const *out, const int64_t *ld, int nthreads) {
     ET_FLUSH_SUBNORMALS;
+    if (!et_shapes_ok(F, D, V, ld)) return 1;
     int64_t first[F + 1];
     if (!et_bag_index(F, offsets, S, N, first)) return 1;
     const int64_t all = first[F];
