@@ -214,10 +214,33 @@ static inline et_u8v et_round_bf16(const float *restrict x, int64_t D, uint32_t 
     return badv;
 }
 
+typedef double et_d8v __attribute__((vector_size(64), aligned(8))); /* 8 doubles */
+typedef int64_t et_l8v __attribute__((vector_size(64), aligned(8))); /* 8 int64 lanes: a comparison of et_d8v */
+
+/* The float16 patterns (without sign) of 8 values whose lanes in ``tiny`` lie in float16's subnormal range
+ * (0 < |x| < 2^-14), merged into m (the other lanes' patterns): et_sr_float16's and et_rn_half's subnormal rules on
+ * 8 lanes. |x| 2^24 is exact (a power of two; a float32 subnormal reads as zero in both, under the same modes), its
+ * integer part is the pattern toward zero and its fraction exact; the stochastic comparison r < fraction 2^32 is
+ * made in double, as the scalar rule makes it. */
+static inline __attribute__((always_inline)) et_u8v et_f16_subnormals8(et_u8v a, et_u8v r, int stochastic,
+                                                                       et_u8v tiny, et_u8v m) {
+    const et_f8v scaled = (et_f8v)a * 16777216.0f;
+    const et_u8v low = __builtin_convertvector(scaled, et_u8v);
+    const et_f8v frac = scaled - __builtin_convertvector(low, et_f8v);
+    et_u8v up;
+    if (stochastic) {
+        const et_l8v below = __builtin_convertvector(r, et_d8v) < __builtin_convertvector(frac, et_d8v) * 4294967296.0;
+        up = __builtin_convertvector(below, et_u8v);
+    } else {
+        up = (et_u8v)(frac > 0.5f) | ((et_u8v)(frac == 0.5f) & -(low & 1u));
+    }
+    return ((low + (up & 1u)) & tiny) | (m & ~tiny);
+}
+
 /* float16 rounding of D floats, stochastic or to nearest: the rules of et_sr_float16 and et_rn_half on 8 values
- * at a time without branches (columns below 2^16) when none of them lies in float16's subnormal range (zeros,
- * normals, overflows, infinities and NaNs: the same bits), else those 8 and the rest of the row through them;
- * returns badv with a lane set for a result that is not finite (as et_round_bf16). */
+ * at a time (columns below 2^16): zeros, normals, overflows, infinities and NaNs without branches, and a vector
+ * holding a value in float16's subnormal range through et_f16_subnormals8 as well (the same bits); returns badv
+ * with a lane set for a result that is not finite (as et_round_bf16). */
 static inline et_u8v et_round_f16(const float *restrict x, int64_t D, uint32_t h, uint32_t col0, int stochastic,
                                   uint16_t *restrict out, et_u8v badv) {
     const uint32_t *restrict b = (const uint32_t *)x;
@@ -229,15 +252,14 @@ static inline et_u8v et_round_f16(const float *restrict x, int64_t D, uint32_t h
         memcpy(&v, b + d0, sizeof v);
         const et_u8v a = v & 0x7fffffffu;
         const et_u8v tiny = (et_u8v)(a - 1u < 0x387fffffu); /* 0 < |x| < 2^-14: a float16 subnormal */
-        if (et_any_lane(tiny)) break;
         const et_u8v sign = (v >> 16) & 0x8000u;
         /* |x| >= 2^-14 in the lanes this holds for: float16's exponent field is float32's less 112 (rebased in
          * place by a subtraction), its mantissa float32's upper 10 bits */
         const et_u8v low = (a >> 13) - (112u << 10);
         const et_u8v dropped = a & 0x1fffu;
-        et_u8v up;
+        et_u8v up, r = {0, 0, 0, 0, 0, 0, 0, 0};
         if (stochastic) {
-            et_u8v r = et_hash_cols(h1, col);
+            r = et_hash_cols(h1, col);
             r ^= r >> 16;
             /* r < dropped << 19 on 32 bits, unsigned: dropped << 19 is even, so halving both keeps the order and
              * fits int32 */
@@ -249,6 +271,7 @@ static inline et_u8v et_round_f16(const float *restrict x, int64_t D, uint32_t h
         const et_u8v zero = (et_u8v)(a == 0), nan = (et_u8v)(sa > (int32_t)ET_INF_BITS);
         const et_u8v over = stochastic ? (et_u8v)(sa > 0x477fe000) : (et_u8v)(sa >= 0x47800000);
         et_u8v m = (low + up) & ~zero;
+        if (et_any_lane(tiny)) m = et_f16_subnormals8(a, r, stochastic, tiny, m);
         m = (0x7c00u & over) | (m & ~over);
         m = (0x7e00u & nan) | (m & ~nan);
         badv |= (et_u8v)((et_i8v)m >= 0x7c00); /* an infinity or the NaN */
