@@ -5,6 +5,7 @@ channel's set-up leaves a file that the next set-up removes."""
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import shutil
@@ -12,6 +13,8 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -187,6 +190,9 @@ def _killed_in_set_up(rank: int, world: int, marker: str) -> None:
 
         def die(token: str, *args: Any) -> int:
             Path(marker + ".token").write_text(token)  # its channel, among any other worker's in /dev/shm
+            deadline = time.monotonic() + 30  # alive (its file locked) until the test holds the file too
+            while not Path(marker + ".held").exists() and time.monotonic() < deadline:
+                time.sleep(0.001)
             os.kill(os.getpid(), signal.SIGKILL)
             return -1
 
@@ -207,15 +213,41 @@ def _ours(path: Path) -> bool:
     return path.read_bytes()[:8] == np.int64(shm_channel._MAGIC).tobytes()
 
 
+def _hold_when_named(marker: Path, held: list[int], stop: threading.Event) -> None:
+    """Lock the killed rank's channel file (shared, as a live rank holds its own) once the rank has written its
+    token and before it dies, then tell it so: a set-up by a test on another worker sweeps only files no process
+    holds, so the file stays until this test has looked at it."""
+    token_file = Path(str(marker) + ".token")
+    while not stop.is_set():
+        token = token_file.read_text() if token_file.exists() else ""
+        if len(token) == 16:
+            with contextlib.suppress(OSError):
+                fd = os.open(shm_channel.SHM_DIR / f"embtables-{token}-1", os.O_RDONLY | os.O_CLOEXEC)
+                fcntl.flock(fd, fcntl.LOCK_SH)
+                held.append(fd)
+            Path(str(marker) + ".held").write_text("held")
+            return
+        time.sleep(0.001)
+
+
 @pytest.mark.distributed
 def test_a_rank_killed_during_set_up_leaves_a_file_the_next_set_up_removes(tmp_path: Path) -> None:
     marker = tmp_path / "done"
-    with pytest.raises(Exception, match="SIGKILL"):
-        run_world(_killed_in_set_up, 2, str(marker), timeout=120, collective_timeout=20)
-    assert marker.exists()
+    held: list[int] = []
+    stop = threading.Event()
+    holder = threading.Thread(target=_hold_when_named, args=(marker, held, stop), daemon=True)
+    holder.start()
+    try:
+        with pytest.raises(Exception, match="SIGKILL"):
+            run_world(_killed_in_set_up, 2, str(marker), timeout=120, collective_timeout=20)
+    finally:
+        stop.set()
+        holder.join()
+    assert marker.exists() and held
     token = (tmp_path / "done.token").read_text()  # tests on other workers may be setting up channels meanwhile
     left = [p for p in shm_channel.SHM_DIR.glob(f"embtables-{token}-*") if _ours(p)]
     assert [p.name for p in left] == [f"embtables-{token}-1"]  # the killed rank's file: it never removed its name
+    os.close(held[0])  # now any set-up may sweep it: the next one below must
     # Beside it: a live process's channel file (this one holds it locked), and files that only look alike.
     live = shm_channel.SHM_DIR / "embtables-00112233445566aa-0"
     live_fd = os.open(live, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
