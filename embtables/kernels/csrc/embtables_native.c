@@ -408,15 +408,16 @@ void et_prepare_many(int64_t T, const int64_t *first, const int64_t *const *ids,
                      const float *const *grads, const int64_t *ld, const int64_t *dims, const int64_t *V,
                      int nthreads, void **workspaces, int *statuses) {
     ET_FLUSH_SUBNORMALS;
-    for (int64_t t = 0; t < T; ++t)
-        if (first[0] < 0 || first[t + 1] < first[t]) { /* feature ranges before the arrays or overlapping */
-            for (int64_t k = 0; k < T; ++k) { /* every workspace emptied, as a status of 3 leaves it */
-                et_clear_direct((et_workspace *)workspaces[k]);
-                ((et_workspace *)workspaces[k])->U = 0;
-                statuses[k] = 3;
-            }
-            return;
+    int ranges_ok = T <= 0 || first[0] >= 0; /* feature ranges neither before the arrays nor overlapping */
+    for (int64_t t = 0; t < T && ranges_ok; ++t) ranges_ok = first[t + 1] >= first[t];
+    if (!ranges_ok) {
+        for (int64_t t = 0; t < T; ++t) { /* every workspace emptied, as a status of 3 leaves it */
+            et_clear_direct((et_workspace *)workspaces[t]);
+            ((et_workspace *)workspaces[t])->U = 0;
+            statuses[t] = 3;
         }
+        return;
+    }
     if (T >= nthreads && nthreads > 1) {
 #pragma omp parallel num_threads(nthreads)
         {
